@@ -1,0 +1,78 @@
+# gemma-rust-operator: every set-up step lives here, so a fresh machine needs
+# only `make demo` or `make test`.
+#
+# Slow downloads and builds are cached outside the checkout, keyed by version:
+#   $(CACHE)/uv-$(UV_VERSION)    the uv installer itself
+#   $(CACHE)/uv-cache            wheels (torch is ~3 GB; a warm install is hard links)
+#   $(CACHE)/cargo/<key>         the engine's cargo target dir, per torch and python
+#   $(CACHE)/k8s-<version>       local control plane binaries (tests/cluster/)
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+CACHE      ?= $(HOME)/.cache/gemma-rust-operator
+UV_VERSION := 0.13.9
+PYTHON     ?= python3.11
+TORCH_VERSION := $(shell sed -n 's/^torch==//p' requirements/dev.lock)
+UV         := $(CACHE)/uv-$(UV_VERSION)/bin/uv
+VENV       := .venv
+PY         := $(VENV)/bin/python
+export UV_CACHE_DIR := $(CACHE)/uv-cache
+export UV_LINK_MODE := hardlink
+export CARGO_TARGET_DIR := $(CACHE)/cargo/torch-$(TORCH_VERSION)-$(PYTHON)
+export VIRTUAL_ENV := $(CURDIR)/$(VENV)
+export GEMMA_CACHE := $(CACHE)
+
+# Stamps make a second run with nothing changed skip set-up.
+PY_STAMP     := $(VENV)/.deps-stamp
+ENGINE_STAMP := $(VENV)/.engine-stamp
+RUST_SOURCES := $(shell find rust -type f \( -name '*.rs' -o -name '*.cpp' -o -name '*.h' -o -name '*.toml' -o -name '*.pyi' \) 2>/dev/null)
+
+.PHONY: help setup engine test test-fast demo bench lock crds clean
+
+help:
+	@echo "make demo   build everything and run the demo (see README)"
+	@echo "make test   build everything and run every test"
+	@echo "make bench  engine benchmark (Rust vs Transformers)"
+
+$(UV):
+	$(PYTHON) -m venv $(CACHE)/uv-$(UV_VERSION)
+	$(CACHE)/uv-$(UV_VERSION)/bin/pip install --quiet uv==$(UV_VERSION)
+
+$(PY_STAMP): requirements/dev.lock operator/pyproject.toml server/pyproject.toml | $(UV)
+	[ -x $(PY) ] || $(UV) venv --quiet --python $(PYTHON) $(VENV)
+	$(UV) pip sync --quiet requirements/dev.lock
+	$(UV) pip install --quiet --no-deps -e operator -e server
+	touch $@
+
+# maturin builds rust/ in release mode against the torch in .venv; cargo's
+# target dir is cached per torch version, so a rebuild is incremental.
+$(ENGINE_STAMP): $(PY_STAMP) $(RUST_SOURCES)
+	PATH=$(CURDIR)/$(VENV)/bin:$(dir $(UV)):$$PATH maturin develop --uv --quiet --release --manifest-path rust/Cargo.toml
+	touch $@
+
+setup: $(PY_STAMP) $(ENGINE_STAMP)
+engine: $(ENGINE_STAMP)
+
+# Every test, slow, cluster and GPU markers included (GPU tests skip with a
+# reason on a machine without one; nothing else skips).
+test: setup
+	$(PY) -m pytest tests
+
+# The quick loop while developing: no slow and no cluster tests.
+test-fast: setup
+	$(PY) -m pytest tests -m "not slow and not cluster"
+
+demo: setup
+	$(PY) -m bench.demo
+
+bench: setup
+	$(PY) -m bench.engine
+
+# Regenerate the pinned lock from requirements/dev.in.
+lock: | $(UV)
+	$(UV) pip compile --quiet --python-version 3.11 requirements/dev.in -o requirements/dev.lock
+
+clean:
+	rm -rf $(VENV)

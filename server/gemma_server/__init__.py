@@ -1,0 +1,1 @@
+"""OpenAI-compatible server over the Rust engine."""

@@ -1,0 +1,17 @@
+"""Session-wide test configuration: markers and the GPU skip rule.
+
+Nothing skips except tests marked `gpu` on a machine without CUDA.
+"""
+
+import pytest
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device; torch.cuda.is_available() is False here")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
