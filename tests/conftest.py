@@ -5,6 +5,9 @@ Nothing skips except tests marked `gpu` on a machine without CUDA.
 
 import pytest
 
+# Checkpoints built at test time (tests/checkpoints.py).
+pytest_plugins = ("tests.checkpoints",)
+
 
 def pytest_collection_modifyitems(config, items):
     import torch

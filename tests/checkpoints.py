@@ -1,0 +1,811 @@
+"""Deterministic tiny Gemma 4 checkpoints for tests and the demo, built with Transformers.
+
+What this file is
+-----------------
+Builders and pytest fixtures for the small random Gemma 4 text checkpoints that the engine's parity
+tests (issue 2, section 3) and the server demo (issue 3, item 8) run on. Everything is derived from a
+fixed seed, so two builds write the same bytes. The architecture follows
+``transformers/models/gemma4/{configuration,modeling}_gemma4.py`` (Transformers 5.18) as summarised in
+``shared/reference/gemma4-architecture.md``; the tiny config switches on every feature E2B uses.
+
+Builders (plain functions) and fixtures (session scope, registered through
+``pytest_plugins = ("tests.checkpoints",)``):
+
+* ``tiny_text_config(**overrides)``: the small :class:`Gemma4TextConfig` (vocab 512, H=128, P=32,
+  9 layers S S F S F | S F S F with the last 4 KV-shared, head_dim 32 / global_head_dim 64, window 12,
+  softcap 30, tied embeddings, eos ids [1, 106, 50]).
+* ``random_model(config=None, seed=SEED)``: a float32 ``Gemma4ForCausalLM`` whose every parameter and
+  ``layer_scalar`` is drawn from ``seed`` and rounded to bfloat16, so the dense bf16 file holds the
+  exact values.
+* ``save_dense(dir)`` -> fixture ``dense_checkpoint`` (a Path).
+* ``save_w4a16(dir, group_size=32)`` -> fixture ``w4a16_checkpoint`` (a Path).
+* ``save_w4a16_emb4(model_dir, emb_dir, group_size=32)`` -> fixture ``emb4_checkpoint``
+  (``(model_dir, emb_dir)``).
+* ``save_chat(dir)`` -> fixture ``chat_checkpoint`` (a Path); also ``python -m tests.checkpoints
+  --kind chat --out DIR`` (kinds: dense, w4a16, emb4 with ``--emb-out``, chat).
+* ``PARITY_PROMPT`` -> fixture ``parity_prompt`` (28 ids, bos first, eos id 106 inside; longer than
+  the window).
+* ``load_hf_reference(model_dir, emb_dir=None, dtype=torch.float32)``: the Transformers model whose
+  weights are exactly what the engine should compute with; ``greedy_reference(model, prompt)`` runs
+  it greedily for 64 tokens and returns the tokens and each step's logits.
+
+All three parity checkpoints come from the same random model (``SEED``). Greedy float32 runs of
+their references on ``PARITY_PROMPT`` each give 64 tokens with no eos, at least
+``MIN_DISTINCT_TOKENS`` distinct tokens, and a top-1/top-2 logit gap above ``MIN_MARGIN`` at every
+step (asserted in tests/test_checkpoints.py).
+
+Dense checkpoint (``save_dense``)
+---------------------------------
+``Gemma4ForCausalLM.save_pretrained`` output: ``config.json`` (``model_type: gemma4_text``,
+``dtype: bfloat16``, the full-layer head dim in ``per_layer_config: {"2": {"head_dim": 64}, ...}``),
+``generation_config.json`` and ``model.safetensors`` with bf16 tensors named ``model.*``
+(``model.embed_tokens.weight``, ``model.layers.{i}.self_attn.q_proj.weight``,
+``model.layers.{i}.layer_scalar`` [1], ...). No ``lm_head`` tensor: it is tied to
+``model.embed_tokens.weight``. KV-shared layers (``i >= L - num_kv_shared_layers``) have no
+``k_proj``/``v_proj``/``k_norm`` tensors. Reference: the same tensors in float32.
+
+W4A16 checkpoint (``save_w4a16``)
+---------------------------------
+The same files, written by compressed-tensors 0.20.1 (``apply_quantization_config`` + min/max group
+scales from its ``calculate_qparams`` + ``ModelCompressor.compress_model`` + ``update_config``). Every
+``nn.Linear`` but ``lm_head`` is quantized: ``q/k/v/o_proj``, ``gate/up/down_proj``,
+``per_layer_input_gate``, ``per_layer_projection`` and ``model.per_layer_model_projection``. For each,
+``X.weight`` is replaced by
+
+* ``X.weight_packed``: int32 ``[out, in/8]``;
+* ``X.weight_scale``: bfloat16 ``[out, in/G]``;
+* ``X.weight_shape``: int64 ``[2]`` = ``[out, in]``.
+
+Embeddings, norms and ``layer_scalar`` stay dense bf16. ``config.json`` gains, exactly as
+compressed-tensors writes it::
+
+    "quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized",
+      "quantization_status": "compressed", "ignore": ["lm_head"], "version": "0.20.1",
+      "config_groups": {"group_0": {"targets": ["Linear"], "format": "pack-quantized",
+        "weights": {"num_bits": 4, "type": "int", "symmetric": true, "strategy": "group",
+                    "group_size": 32, "dynamic": false, ...}, "input_activations": null, ...}}, ...}
+
+Unpacking (4 bits, compressed_tensors/compressors/pack_quantized/helpers.py): column ``c`` of row
+``r`` lives in word ``weight_packed[r, c // 8]``, bits ``4*(c % 8)`` to ``4*(c % 8) + 3`` (column
+``8k`` in the least significant nibble), as the unsigned nibble ``u``; the int4 value is
+``q = u - 8`` in ``[-8, 7]``. Symmetric, so there is no zero point. The weight is::
+
+    w[r, c] = bf16(q[r, c] * weight_scale[r, c // G])     # G = group_size = 32
+
+that is, the product rounded once to bfloat16: compressed-tensors' ``dequantize`` multiplies in the
+scale's dtype (``forward_helpers._dequantize``), and that is what Transformers loads. The product
+of a 4-bit integer and a bf16 scale is exact in float32, so ``(q.to(bf16) * scale)`` in bf16 or
+``(q * scale)`` in float32 then rounded to bf16 give the same bits. Reference: those values in float32.
+
+Int4 vocabulary tables (``save_w4a16_emb4``), after the seed's "-emb4" twin
+----------------------------------------------------------------------------
+``model_dir`` is exactly ``save_w4a16``'s output (its dense bf16 ``model.embed_tokens.weight`` and
+``model.embed_tokens_per_layer.weight`` included). ``emb_dir`` is a second directory with two files:
+
+* ``model.safetensors``, exactly six tensors, with the ``model.language_model.`` prefix (the
+  ``Gemma4ForConditionalGeneration`` naming of the hub files, while ``model_dir`` uses ``model.``)::
+
+      model.language_model.embed_tokens.weight_packed            int32 [V, H/8]     = [512, 16]
+      model.language_model.embed_tokens.weight_scale             bf16  [V, H/G]     = [512, 4]
+      model.language_model.embed_tokens.weight_shape             int64 [2]          = [512, 128]
+      model.language_model.embed_tokens_per_layer.weight_packed  int32 [V, L*P/8]   = [512, 36]
+      model.language_model.embed_tokens_per_layer.weight_scale   bf16  [V, L*P/G]   = [512, 9]
+      model.language_model.embed_tokens_per_layer.weight_shape   int64 [2]          = [512, 288]
+
+  packed exactly like the linears (``out`` = vocabulary row, ``in`` = embedding column, groups of
+  G consecutive columns along each row), by compressed-tensors' pack-quantized compressor applied to
+  the ``nn.Embedding`` modules.
+* ``config.json``: ``model_type``, ``vocab_size``, ``vocab_size_per_layer_input``, ``hidden_size``,
+  ``hidden_size_per_layer_input``, ``num_hidden_layers`` (for shape checks) and a
+  ``quantization_config`` of the same form as above with ``"targets": ["Embedding"]`` and
+  ``"ignore": []``; the group size is ``quantization_config.config_groups.group_0.weights.group_size``.
+
+When an ``emb_dir`` is given, its tables replace ``model_dir``'s dense ones: the engine looks rows up
+in ``bf16(q * scale)`` (then scales by sqrt(H) and sqrt(P) as usual), and the tied ``lm_head`` uses
+the same dequantized int4 ``embed_tokens`` table, not ``model_dir``'s dense one: Transformers ties
+``lm_head.weight`` to whatever ``embed_tokens.weight`` holds. ``dequantize_emb4_tables(emb_dir)``
+returns the two tables; ``load_hf_reference(model_dir, emb_dir)`` is the W4A16 reference with them.
+
+Chat checkpoint (``save_chat``)
+-------------------------------
+The dense layout with ``vocab_size = 512`` matching a byte-level BPE tokenizer trained in-process
+(``tokenizer.json``, ``tokenizer_config.json`` with a Gemma chat_template, class
+PreTrainedTokenizerFast). Ids: ``<pad>``=0, ``<eos>``=1, ``<bos>``=2, ``<start_of_turn>``=3,
+``<end_of_turn>``=4; config ``eos_token_id`` = [1, 4]. Encoding plain text prepends ``<bos>``. The
+template renders ``<bos><start_of_turn>user\n{text}<end_of_turn>\n<start_of_turn>model\n``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import tempfile
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from compressed_tensors.compressors import ModelCompressor
+from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+from compressed_tensors.quantization import (
+    QuantizationArgs,
+    QuantizationConfig,
+    QuantizationScheme,
+    apply_quantization_config,
+)
+from compressed_tensors.quantization.utils import calculate_qparams
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import AutoTokenizer, CompressedTensorsConfig
+from transformers.utils import logging as transformers_logging
+from transformers.models.gemma4 import Gemma4ForCausalLM, Gemma4TextConfig
+
+# Chosen by `search_seed(0, 200)`, which returned 27: the first seed from 0 upward whose greedy
+# 64-token float32 run on PARITY_PROMPT under Transformers, for the dense, W4A16 and W4A16+emb4
+# references alike, never hits eos, uses at least MIN_DISTINCT_TOKENS distinct tokens and keeps every
+# step's top-1/top-2 logit gap above SEARCH_MARGIN. Minimum gaps it gave (Transformers 5.18, torch
+# 2.14.1, CPU): dense 0.0407, W4A16 0.0594, emb4 0.0841 (median gaps ~0.8; 53-58 distinct tokens).
+SEED = 27
+
+# Greedy length of the parity run; long enough to run far past the sliding window.
+GENERATE_TOKENS = 64
+# Lower bound asserted in tests/test_checkpoints.py for every step of every reference run. Float32
+# reordering noise in the logits is ~1e-5, so a gap this size cannot flip a greedy choice.
+MIN_MARGIN = 1e-2
+MIN_DISTINCT_TOKENS = 16
+# What `search_seed` demanded of the chosen seed: twice the asserted bound, for headroom.
+SEARCH_MARGIN = 2e-2
+
+# Columns per int4 scale group (W4A16 linears and emb4 tables). Divides every input width of the
+# tiny config (32 = P, 128 = H, 256/512 = MLP widths), and matches the q4_0 block size.
+GROUP_SIZE = 32
+PACK_FORMAT = "pack-quantized"
+EMB_TABLES = ("embed_tokens", "embed_tokens_per_layer")
+# Tensor-name prefix of the emb4 tables: the Gemma4ForConditionalGeneration one, as in the hub files.
+EMB_PREFIX = "model.language_model."
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+
+# Fixed parity prompt: bos, then 27 ids (28 > sliding_window=12). It happens to hold eos id 106 at
+# index 17; kept on purpose: eos ids stop only generated tokens, never the prompt read.
+PARITY_PROMPT: list[int] = [2] + [(37 * i + 11) % 500 + 3 for i in range(27)]
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Run torch on one intra-op thread, then restore the previous count.
+
+    The tiny model gains nothing from more, and on a loaded machine (CI, parallel jobs) OpenMP
+    barriers between descheduled threads made a 1 s greedy run take 60 s. Results do not depend on
+    it: the builders' ops are elementwise or seeded, and the margins dwarf reduction-order noise.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def tiny_text_config(**overrides) -> Gemma4TextConfig:
+    """The small Gemma 4 text config that exercises every feature of the E2B forward pass.
+
+    Layers 0-4 own their K/V (types S S F S F); layers 5-8 are KV-shared (S F S F), so the shared tail
+    has both types: sliding ones read layer 3, full ones read layer 4. Full layers use
+    ``global_head_dim`` (64) and proportional RoPE (4 of 32 frequency pairs rotate), sliding layers
+    ``head_dim`` (32) and default RoPE, with a 12-token window.
+
+    Args:
+        **overrides: Gemma4TextConfig keyword arguments replacing the defaults below.
+
+    Returns:
+        A Gemma4TextConfig.
+    """
+    kwargs = dict(
+        vocab_size=512,
+        vocab_size_per_layer_input=512,
+        hidden_size=128,
+        hidden_size_per_layer_input=32,
+        intermediate_size=256,
+        use_double_wide_mlp=True,
+        num_hidden_layers=9,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        global_head_dim=64,
+        attention_k_eq_v=False,
+        num_kv_shared_layers=4,
+        sliding_window=12,
+        layer_types=[SLIDING, SLIDING, FULL, SLIDING, FULL, SLIDING, FULL, SLIDING, FULL],
+        rope_parameters={
+            FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
+            SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        final_logit_softcapping=30.0,
+        hidden_activation="gelu_pytorch_tanh",
+        rms_norm_eps=1e-6,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        enable_moe_block=False,
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=[1, 106, 50],
+    )
+    kwargs.update(overrides)
+    return Gemma4TextConfig(**kwargs)
+
+
+def _is_norm(name: str) -> bool:
+    return name.endswith("norm.weight")
+
+
+def _init_tensor(name: str, shape: torch.Size, config: Gemma4TextConfig, gen: torch.Generator) -> torch.Tensor:
+    """Draw one tensor. Scales keep activations O(1) and the logits spread a few units apart."""
+    if name.endswith("layer_scalar"):
+        # Multiplies the whole residual stream; a value far from 1 exposes a missing or misplaced scalar.
+        return torch.empty(shape).uniform_(0.4, 1.0, generator=gen)
+    if _is_norm(name):
+        # Around 1 with a wide spread: `w` and `1 + w` give clearly different outputs.
+        return torch.empty(shape).uniform_(0.5, 1.5, generator=gen)
+    if name.endswith("embed_tokens.weight"):
+        # Scaled by sqrt(H) on the way in; tied lm_head: logit std ~ 0.5 * sqrt(H) ~ 5.7, which spreads
+        # the top of the distribution (the top-1/top-2 gaps) without saturating the 30.0 softcap.
+        return torch.randn(shape, generator=gen) * 0.5
+    if name.endswith("embed_tokens_per_layer.weight"):
+        # Scaled by sqrt(P) on the way in, so each PLE entry is O(1).
+        return torch.randn(shape, generator=gen) / math.sqrt(config.hidden_size_per_layer_input)
+    if len(shape) == 2:
+        # Linear [out, in]: unit-variance outputs for unit-variance inputs.
+        return torch.randn(shape, generator=gen) / math.sqrt(shape[1])
+    raise ValueError(f"no init rule for tensor {name} of shape {tuple(shape)}")
+
+
+def random_model(config: Gemma4TextConfig | None = None, seed: int = SEED) -> Gemma4ForCausalLM:
+    """A deterministic random Gemma4ForCausalLM in float32 with bf16-representable weights.
+
+    Every persistent tensor (parameters and the ``layer_scalar`` buffers) is drawn in sorted-name
+    order from one generator seeded with ``seed``, then rounded to bfloat16, so saving in bf16 is
+    lossless and the float32 model is the exact reference for the dense checkpoint.
+
+    Args:
+        config: the text config; ``tiny_text_config()`` when None.
+        seed: generator seed.
+
+    Returns:
+        The model in eval mode, float32, on CPU.
+    """
+    config = config or tiny_text_config()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)  # the constructor's default init; overwritten below anyway
+        model = Gemma4ForCausalLM(config)
+    gen = torch.Generator().manual_seed(seed)
+    state = model.state_dict()
+    persistent = {n for n, _ in model.named_parameters()} | {
+        n for n, _ in model.named_buffers() if n.endswith("layer_scalar")
+    }
+    with torch.no_grad():
+        for name in sorted(persistent):
+            t = state[name]
+            t.copy_(_init_tensor(name, t.shape, config, gen).to(torch.bfloat16).to(t.dtype))
+    model.eval()
+    return model
+
+
+def greedy_reference(model: Gemma4ForCausalLM, prompt: list[int], max_new: int = GENERATE_TOKENS):
+    """Greedy generation under Transformers with each step's logits.
+
+    Args:
+        model: the reference model.
+        prompt: prompt token ids.
+        max_new: tokens to generate; stops early at the config's eos ids.
+
+    Returns:
+        (tokens, logits): the generated ids and a float32 tensor [len(tokens), vocab] of the logits
+        each token was chosen from (after the final softcap).
+    """
+    ids = torch.tensor([prompt])
+    with one_thread():
+        out = _generate(model, ids, max_new)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    logits = torch.cat([step.float() for step in out.logits], dim=0)
+    return tokens, logits
+
+
+def _generate(model: Gemma4ForCausalLM, ids: torch.Tensor, max_new: int):
+    with torch.no_grad():
+        return model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new,
+            do_sample=False,
+            eos_token_id=model.config.eos_token_id,
+            pad_token_id=model.config.pad_token_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+
+
+def top2_margins(logits: torch.Tensor) -> torch.Tensor:
+    """Per-step gap between the largest and second-largest logit."""
+    top = logits.topk(2, dim=-1).values
+    return top[:, 0] - top[:, 1]
+
+
+def save_dense(out_dir: str | Path, seed: int = SEED, config: Gemma4TextConfig | None = None) -> Path:
+    """Write the dense bf16 checkpoint (config.json, generation_config.json, model.safetensors).
+
+    Args:
+        out_dir: target directory (created).
+        seed: weight seed.
+        config: text config; ``tiny_text_config()`` when None.
+
+    Returns:
+        The directory.
+    """
+    out_dir = Path(out_dir)
+    with one_thread():
+        model = random_model(config, seed).to(torch.bfloat16)
+        model.save_pretrained(out_dir)
+    return out_dir
+
+
+def load_hf_reference(
+    model_dir: str | Path, emb_dir: str | Path | None = None, dtype: torch.dtype = torch.float32
+) -> Gemma4ForCausalLM:
+    """The Transformers model holding exactly the weights the engine should compute with.
+
+    Args:
+        model_dir: a checkpoint written by one of the savers here.
+        emb_dir: the int4 embedding-table directory of ``save_w4a16_emb4``, or None.
+        dtype: compute dtype of the returned model.
+
+    Returns:
+        Gemma4ForCausalLM in eval mode.
+    """
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    if "quantization_config" in config or emb_dir is not None:
+        return _load_quantized_reference(model_dir, emb_dir, dtype)
+    model = Gemma4ForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model.eval()
+    return model
+
+
+def _quantize_in_place(model: torch.nn.Module, qconfig: QuantizationConfig) -> ModelCompressor:
+    """Quantize and pack the modules `qconfig` targets, the way llm-compressor's flow does it.
+
+    compressed-tensors attaches the scheme and empty qparams; the group scales come from each
+    group's min/max through compressed-tensors' own `calculate_qparams` (what llm-compressor's
+    default min-max observer feeds it); `compress_model` then quantizes and packs.
+    """
+    apply_quantization_config(model, qconfig, show_progress=False)
+    for module in model.modules():
+        scheme = getattr(module, "quantization_scheme", None)
+        if scheme is None:
+            continue
+        args = scheme.weights
+        weight = module.weight.data
+        groups = weight.unflatten(-1, (weight.shape[-1] // args.group_size, args.group_size))
+        scale, zero_point = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
+        module.weight_scale.data.copy_(scale)
+        if hasattr(module, "weight_zero_point"):
+            module.weight_zero_point.data.copy_(zero_point)
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=PACK_FORMAT)
+    compressor.compress_model(model)
+    return compressor
+
+
+def _w4a16_args(group_size: int) -> QuantizationArgs:
+    return QuantizationArgs(
+        num_bits=4, type="int", symmetric=True, strategy="group", group_size=group_size, dynamic=False
+    )
+
+
+def w4a16_config(group_size: int = GROUP_SIZE, targets: tuple[str, ...] = ("Linear",)) -> QuantizationConfig:
+    """The compressed-tensors W4A16 config: int4 symmetric group weights, 16-bit activations.
+
+    Args:
+        group_size: columns per scale group.
+        targets: compressed-tensors targets (module class names or "re:" patterns).
+
+    Returns:
+        A QuantizationConfig in the pack-quantized format; lm_head is ignored (it is tied).
+    """
+    scheme = QuantizationScheme(targets=list(targets), weights=_w4a16_args(group_size))
+    return QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], format=PACK_FORMAT)
+
+
+def save_w4a16(
+    out_dir: str | Path, group_size: int = GROUP_SIZE, seed: int = SEED, config: Gemma4TextConfig | None = None
+) -> Path:
+    """Write the W4A16 checkpoint: the dense model with every Linear int4 pack-quantized.
+
+    Quantized (the compressed-tensors target "Linear", lm_head ignored): q/k/v/o_proj, gate/up/down_proj,
+    per_layer_input_gate, per_layer_projection and per_layer_model_projection. Embeddings, norms and
+    layer_scalar stay dense bf16. config.json carries the quantization_config that compressed-tensors'
+    `ModelCompressor.update_config` writes.
+
+    Args:
+        out_dir: target directory (created).
+        group_size: columns per scale group; must divide every Linear's input width.
+        seed: weight seed (the same random model as ``save_dense``).
+        config: text config; ``tiny_text_config()`` when None.
+
+    Returns:
+        The directory.
+    """
+    out_dir = Path(out_dir)
+    with one_thread():
+        model = random_model(config, seed).to(torch.bfloat16)
+        compressor = _quantize_in_place(model, w4a16_config(group_size))
+        model.save_pretrained(out_dir)
+    compressor.update_config(str(out_dir))
+    return out_dir
+
+
+def save_w4a16_emb4(
+    model_dir: str | Path,
+    emb_dir: str | Path,
+    group_size: int = GROUP_SIZE,
+    seed: int = SEED,
+    config: Gemma4TextConfig | None = None,
+) -> tuple[Path, Path]:
+    """Write the W4A16 checkpoint and, beside it, the int4 vocabulary tables (layout in the module docstring).
+
+    Args:
+        model_dir: target of the W4A16 checkpoint (exactly ``save_w4a16``'s output).
+        emb_dir: target of the int4 tables.
+        group_size: columns per scale group, for the linears and the tables alike.
+        seed: weight seed (the same random model as ``save_dense``).
+        config: text config; ``tiny_text_config()`` when None.
+
+    Returns:
+        (model_dir, emb_dir).
+    """
+    model_dir = save_w4a16(model_dir, group_size, seed, config)
+    emb_dir = Path(emb_dir)
+    emb_dir.mkdir(parents=True, exist_ok=True)
+    with one_thread():
+        model = random_model(config, seed).to(torch.bfloat16)
+        model.lm_head = torch.nn.Linear(1, 1, bias=False)  # untie: only the two tables are quantized here
+        qconfig = w4a16_config(group_size, targets=("Embedding",))
+        compressor = _quantize_in_place(model, qconfig)
+    tensors = {}
+    for table in EMB_TABLES:
+        module = getattr(model.model, table)
+        for suffix in ("weight_packed", "weight_scale", "weight_shape"):
+            tensors[f"{EMB_PREFIX}{table}.{suffix}"] = getattr(module, suffix).data.contiguous()
+    save_file(tensors, emb_dir / "model.safetensors", metadata={"format": "pt"})
+    emb_config = {
+        "model_type": model.config.model_type,
+        "vocab_size": model.config.vocab_size,
+        "vocab_size_per_layer_input": model.config.vocab_size_per_layer_input,
+        "hidden_size": model.config.hidden_size,
+        "hidden_size_per_layer_input": model.config.hidden_size_per_layer_input,
+        "num_hidden_layers": model.config.num_hidden_layers,
+    }
+    (emb_dir / "config.json").write_text(json.dumps(emb_config, indent=2, sort_keys=True) + "\n")
+    compressor.update_config(str(emb_dir))  # adds quantization_config exactly as for the linears
+    return model_dir, emb_dir
+
+
+def dequantize_emb4_tables(emb_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The int4 vocabulary tables of ``emb_dir``, dequantized by compressed-tensors.
+
+    Args:
+        emb_dir: a directory written by ``save_w4a16_emb4``.
+
+    Returns:
+        {"embed_tokens": [V, H], "embed_tokens_per_layer": [V, L*P]}, bfloat16, each value
+        ``bf16(q * scale)``.
+
+    Raises:
+        ValueError: when a tensor is missing or the group size does not match.
+    """
+    emb_dir = Path(emb_dir)
+    qconfig = QuantizationConfig.model_validate(
+        json.loads((emb_dir / "config.json").read_text())["quantization_config"]
+    )
+    scheme = qconfig.config_groups["group_0"]
+    tensors = load_file(emb_dir / "model.safetensors")
+    tables = {}
+    for table in EMB_TABLES:
+        names = {s: f"{EMB_PREFIX}{table}.{s}" for s in ("weight_packed", "weight_scale", "weight_shape")}
+        missing = [n for n in names.values() if n not in tensors]
+        if missing:
+            raise ValueError(f"{emb_dir}: missing tensors {missing}")
+        state = {s: tensors[n] for s, n in names.items()}
+        tables[table] = PackedQuantizationCompressor.decompress(state, scheme)["weight"]
+    return tables
+
+
+def _load_quantized_reference(model_dir: Path, emb_dir, dtype: torch.dtype) -> Gemma4ForCausalLM:
+    # dequantize=True: compressed-tensors unpacks every W4A16 linear at load to bf16(q * scale),
+    # the product computed in the scale's dtype (compressed_tensors forward_helpers._dequantize).
+    with warnings.catch_warnings():
+        # Transformers warns that the passed config only overrides `dequantize`: that is the intent.
+        warnings.filterwarnings("ignore", message="You passed `quantization_config`")
+        model = Gemma4ForCausalLM.from_pretrained(
+            model_dir, dtype=torch.bfloat16, quantization_config=CompressedTensorsConfig(dequantize=True)
+        )
+    if emb_dir is not None:
+        tables = dequantize_emb4_tables(emb_dir)
+        with torch.no_grad():
+            for table, values in tables.items():
+                weight = getattr(model.model, table).weight
+                if weight.shape != values.shape:
+                    raise ValueError(f"{emb_dir}: {table} is {tuple(values.shape)}, model wants {tuple(weight.shape)}")
+                # In place, so the tied lm_head follows the int4 table as Transformers ties it.
+                weight.copy_(values)
+    model = model.to(dtype)
+    model.eval()
+    return model
+
+
+def reference_runs(seed: int = SEED, prompt: list[int] = PARITY_PROMPT, group_size: int = GROUP_SIZE) -> dict:
+    """Greedy float32 runs of the three references (dense, w4a16, emb4) built from ``seed``.
+
+    Args:
+        seed: weight seed.
+        prompt: prompt ids.
+        group_size: W4A16 group size.
+
+    Returns:
+        {kind: (tokens, logits)} for kind in ("dense", "w4a16", "emb4").
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        save_dense(tmp / "dense", seed)
+        save_w4a16_emb4(tmp / "w4a16", tmp / "emb4", group_size, seed)
+        return {
+            "dense": greedy_reference(load_hf_reference(tmp / "dense"), prompt),
+            "w4a16": greedy_reference(load_hf_reference(tmp / "w4a16"), prompt),
+            "emb4": greedy_reference(load_hf_reference(tmp / "w4a16", tmp / "emb4"), prompt),
+        }
+
+
+def run_ok(tokens: list[int], logits: torch.Tensor, min_margin: float = MIN_MARGIN) -> bool:
+    """Whether a greedy run is a good parity target: full length, varied, clear top-1 every step."""
+    return (
+        len(tokens) == GENERATE_TOKENS
+        and len(set(tokens)) >= MIN_DISTINCT_TOKENS
+        and float(top2_margins(logits).min()) > min_margin
+    )
+
+
+def search_seed(start: int = 0, stop: int = 200, min_margin: float = SEARCH_MARGIN) -> int:
+    """The first seed in [start, stop) whose three reference runs all pass ``run_ok``.
+
+    The dense run is checked first, since it is the cheapest to build.
+
+    Raises:
+        RuntimeError: when no seed in the range qualifies.
+    """
+    for seed in range(start, stop):
+        tokens, logits = greedy_reference(random_model(seed=seed), PARITY_PROMPT)
+        if not run_ok(tokens, logits, min_margin):
+            continue
+        if all(run_ok(t, lg, min_margin) for t, lg in reference_runs(seed).values()):
+            return seed
+    raise RuntimeError(f"no seed in [{start}, {stop}) gives clear greedy margins")
+
+
+# ---------------------------------------------------------------- chat checkpoint (demo, server tests)
+
+# Special tokens and their ids: Gemma's <pad>/<eos>/<bos> ids, then the turn markers (ids 3 and 4
+# here, 105 and 106 in Gemma's own vocabulary).
+CHAT_SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>")
+CHAT_VOCAB_SIZE = 512
+# Chosen by `search_chat_seed()`, which returned 0: the first seed from 0 upward whose greedy reply
+# to CHAT_PROMPT runs at least CHAT_MIN_REPLY tokens before an eos id, so the demo has something to
+# stream. With it the reply is 49 tokens, then <end_of_turn> (finish "stop").
+CHAT_SEED = 0
+CHAT_MIN_REPLY = 24
+CHAT_PROMPT = [{"role": "user", "content": "Write a short paragraph about the ocean."}]
+
+# Gemma's chat format: a system message is folded into the first user turn, "assistant" is called
+# "model", each turn is <start_of_turn>role\n...<end_of_turn>\n. Content may be a string or a list of
+# OpenAI-style parts ({"type": "text", "text": ...}).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{%- if messages[0]['content'] is string -%}{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- else -%}{%- set first_user_prefix = (messages[0]['content'] | map(attribute='text') | join('')) + '\n\n' -%}"
+    "{%- endif -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif -%}"
+    "{%- if message['role'] == 'assistant' -%}{%- set role = 'model' -%}{%- else -%}{%- set role = message['role'] -%}{%- endif -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
+    "{%- else -%}{%- for item in message['content'] -%}{%- if item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endif -%}{%- endfor -%}"
+    "{%- endif -%}"
+    "{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+
+# Training text for the demo tokenizer, written for this file. Any text still encodes (byte-level).
+_CHAT_CORPUS = """\
+The ocean covers most of the surface of the earth. Its water moves in long currents that carry heat from
+the warm seas near the equator toward the cold seas near the poles. Waves rise when the wind blows across
+the water, and tides follow the pull of the moon. Fish, whales, turtles and tiny plankton live in the
+ocean, and the light of the sun reaches only its upper layers.
+A model server answers questions over HTTP. The user sends a message, the model reads the prompt, and
+then it writes a reply one token at a time. Each token is a small piece of text: a word, part of a word,
+a space or a mark of punctuation. The server streams the tokens back so the reply appears as it is made.
+What is a TPU? A TPU is a chip built to multiply large matrices quickly. Who are you? I am a small test
+model. Hello! How are you today? Thank you, I am well. Please write a short story about a cat, a boat and
+the sea. Once upon a time a cat sailed a small boat across the quiet sea, looking for an island of fish.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Code: def main(): print("hello, world") return 0.
+"""
+
+
+def build_chat_tokenizer() -> Tokenizer:
+    """A byte-level BPE tokenizer of CHAT_VOCAB_SIZE tokens trained on `_CHAT_CORPUS`.
+
+    Ids 0-4 are CHAT_SPECIAL_TOKENS; the 256 byte tokens follow, so any text encodes. Encoding
+    prepends <bos> (as Gemma's tokenizer does); decoding drops special tokens on request.
+
+    Returns:
+        A `tokenizers.Tokenizer`.
+    """
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=CHAT_VOCAB_SIZE,
+        special_tokens=list(CHAT_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_CHAT_CORPUS.splitlines(), trainer=trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", 2)]
+    )
+    for i, token in enumerate(CHAT_SPECIAL_TOKENS):
+        if tokenizer.token_to_id(token) != i:
+            raise RuntimeError(f"special token {token} got id {tokenizer.token_to_id(token)}, expected {i}")
+    return tokenizer
+
+
+def chat_text_config(**overrides) -> Gemma4TextConfig:
+    """The tiny config with the chat tokenizer's vocabulary and eos ids (<eos>, <end_of_turn>)."""
+    kwargs = dict(
+        vocab_size=CHAT_VOCAB_SIZE,
+        vocab_size_per_layer_input=CHAT_VOCAB_SIZE,
+        pad_token_id=0,
+        eos_token_id=[1, 4],
+        bos_token_id=2,
+    )
+    kwargs.update(overrides)
+    return tiny_text_config(**kwargs)
+
+
+def save_chat(out_dir: str | Path, seed: int = CHAT_SEED) -> Path:
+    """Write the demo chat checkpoint: dense bf16 model, tokenizer.json, tokenizer_config.json.
+
+    Loadable with ``AutoTokenizer.from_pretrained(out_dir)`` (its chat_template is Gemma's format)
+    and served like any dense checkpoint. The replies are gibberish: the weights are random.
+
+    Args:
+        out_dir: target directory (created).
+        seed: weight seed.
+
+    Returns:
+        The directory.
+    """
+    out_dir = save_dense(out_dir, seed, chat_text_config())
+    tokenizer = build_chat_tokenizer()
+    if tokenizer.get_vocab_size() != CHAT_VOCAB_SIZE:
+        raise RuntimeError(f"chat tokenizer has {tokenizer.get_vocab_size()} tokens, expected {CHAT_VOCAB_SIZE}")
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<bos>",
+        "eos_token": "<end_of_turn>",
+        "pad_token": "<pad>",
+        "additional_special_tokens": ["<start_of_turn>", "<eos>"],
+        "model_max_length": 1024,
+        "padding_side": "left",
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n")
+    return out_dir
+
+
+def chat_reply(model_dir: str | Path, messages=CHAT_PROMPT, max_new: int = GENERATE_TOKENS) -> list[int]:
+    """The greedy reply of the chat checkpoint under Transformers (float32), eos excluded."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    model = load_hf_reference(model_dir)
+    tokens, _ = greedy_reference(model, list(ids), max_new)
+    eos = set(model.config.eos_token_id)
+    return [t for t in tokens if t not in eos]
+
+
+def search_chat_seed(start: int = 0, stop: int = 200) -> int:
+    """The first seed in [start, stop) whose greedy chat reply has at least CHAT_MIN_REPLY tokens.
+
+    Raises:
+        RuntimeError: when no seed in the range qualifies.
+    """
+    for seed in range(start, stop):
+        with tempfile.TemporaryDirectory() as tmp:
+            if len(chat_reply(save_chat(tmp, seed))) >= CHAT_MIN_REPLY:
+                return seed
+    raise RuntimeError(f"no chat seed in [{start}, {stop}) replies with {CHAT_MIN_REPLY}+ tokens")
+
+
+# ---------------------------------------------------------------- pytest fixtures
+
+
+@pytest.fixture(scope="session")
+def dense_checkpoint(tmp_path_factory) -> Path:
+    """Directory of the dense bf16 tiny checkpoint (``save_dense``)."""
+    return save_dense(tmp_path_factory.mktemp("dense"))
+
+
+@pytest.fixture(scope="session")
+def w4a16_checkpoint(tmp_path_factory) -> Path:
+    """Directory of the W4A16 tiny checkpoint (``save_w4a16``), same random model as the dense one."""
+    return save_w4a16(tmp_path_factory.mktemp("w4a16"))
+
+
+@pytest.fixture(scope="session")
+def emb4_checkpoint(tmp_path_factory) -> tuple[Path, Path]:
+    """(model_dir, emb_dir) of ``save_w4a16_emb4``: the W4A16 checkpoint and its int4 tables."""
+    root = tmp_path_factory.mktemp("emb4")
+    return save_w4a16_emb4(root / "model", root / "emb4")
+
+
+@pytest.fixture(scope="session")
+def chat_checkpoint(tmp_path_factory) -> Path:
+    """Directory of the chat checkpoint (``save_chat``): dense model plus tokenizer and chat template."""
+    return save_chat(tmp_path_factory.mktemp("chat"))
+
+
+@pytest.fixture(scope="session")
+def parity_prompt() -> list[int]:
+    """The fixed parity prompt: bos plus 27 ids, longer than the 12-token sliding window."""
+    return list(PARITY_PROMPT)
+
+
+# ---------------------------------------------------------------- command line
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m tests.checkpoints --kind chat --out DIR``: write one checkpoint and print its path."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m tests.checkpoints", description=main.__doc__)
+    parser.add_argument("--kind", choices=("dense", "w4a16", "emb4", "chat"), required=True)
+    parser.add_argument("--out", required=True, type=Path, help="checkpoint directory (created)")
+    parser.add_argument("--emb-out", type=Path, help="int4 table directory, for --kind emb4")
+    parser.add_argument("--group-size", type=int, default=GROUP_SIZE, help="int4 group size (w4a16, emb4)")
+    args = parser.parse_args(argv)
+    # Quiet the library progress bars (compressed-tensors' tqdm, Transformers' shard writer).
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    transformers_logging.disable_progress_bar()
+    if args.kind == "emb4" and args.emb_out is None:
+        parser.error("--kind emb4 needs --emb-out DIR for the int4 tables")
+    if args.kind == "dense":
+        print(save_dense(args.out))
+    elif args.kind == "w4a16":
+        print(save_w4a16(args.out, args.group_size))
+    elif args.kind == "emb4":
+        print(*save_w4a16_emb4(args.out, args.emb_out, args.group_size))
+    else:
+        print(save_chat(args.out))
+
+
+if __name__ == "__main__":
+    main()
