@@ -29,7 +29,7 @@ PY_STAMP     := $(VENV)/.deps-stamp
 ENGINE_STAMP := $(VENV)/.engine-stamp
 RUST_SOURCES := $(shell find rust -type f \( -name '*.rs' -o -name '*.cpp' -o -name '*.h' -o -name '*.toml' -o -name '*.pyi' \) 2>/dev/null)
 
-.PHONY: help setup engine test test-fast demo bench lock crds clean
+.PHONY: help setup engine test test-fast demo bench bench-server bench-operator k8s lock crds clean
 
 help:
 	@echo "make demo   build everything and run the demo (see README)"
@@ -69,6 +69,22 @@ demo: setup
 
 bench: setup
 	$(PY) -m bench.engine
+
+bench-server: setup
+	$(PY) -m bench.server
+
+bench-operator: setup
+	$(PY) -m bench.operator
+
+# Local control plane binaries and helm, built once from the Go module proxy
+# into $(CACHE)/k8s-<version>/ (the cluster fixture does this on first use).
+k8s:
+	bash tests/cluster/build_binaries.sh
+
+# Regenerate the CRD from the operator's pydantic spec, and the chart's copy.
+crds: $(PY_STAMP)
+	$(PY) -m gemma_operator.crd > crds/gemmarustservers.gemmarust.dev.yaml
+	cp crds/*.yaml charts/gemma-rust-operator/crds/
 
 # Regenerate the pinned lock from requirements/dev.in.
 lock: | $(UV)

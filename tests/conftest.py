@@ -5,8 +5,9 @@ Nothing skips except tests marked `gpu` on a machine without CUDA.
 
 import pytest
 
-# Checkpoints built at test time (tests/checkpoints.py).
-pytest_plugins = ("tests.checkpoints",)
+# Checkpoints built at test time (tests/checkpoints.py) and the local control
+# plane (tests/cluster/), started once per session by the `cluster` fixture.
+pytest_plugins = ("tests.checkpoints", "tests.cluster.plugin")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,422 @@
+"""Pure builders: a GemmaRustServer (typed spec + metadata) -> the Kubernetes objects it owns.
+
+Every function here is deterministic: no clock, no uuid, no API call. The handlers (handlers.py) call them,
+adopt the results (owner references) and apply them with server-side apply; unit tests compare their output
+with golden dicts (tests/operator/test_builders.py).
+
+Where the choices come from (see ../shared/reference/operator-anchors.md):
+- TPU scheduling: GKE's node labels `cloud.google.com/gke-tpu-accelerator` / `-topology`, the
+  `google.com/tpu` extended resource (requests = limits = the slice's chips) and the `google.com/tpu=present:
+  NoSchedule` taint GKE puts on TPU nodes; spot / flex-start / ComputeClass node selectors.
+- Strategy Recreate on TPU: a rolling update's new pod waits for chips the old pod holds, forever
+  (sglang-jax's GKE guide, production-stack PR #103).
+- Probe budget: startupProbe failureThreshold = ceil(startupTimeout / period) rather than a large
+  initialDelay (tt-inference-server#4870), so liveness cannot kill a pod that is still compiling.
+- GCS FUSE: the CSI driver `gcsfuse.csi.storage.gke.io` plus the pod annotation `gke-gcsfuse/volumes`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+from . import spec as s
+
+FIELD_MANAGER = "gemma-rust-operator"
+CONTAINER = "server"
+MANAGED_BY = "gemma-rust-operator"
+
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_PART_OF = "app.kubernetes.io/part-of"
+LABEL_SERVER = "gemmarust.dev/server"
+
+TPU_ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
+TPU_TOPOLOGY_LABEL = "cloud.google.com/gke-tpu-topology"
+TPU_RESOURCE = "google.com/tpu"
+SPOT_LABEL = "cloud.google.com/gke-spot"
+FLEX_START_LABEL = "cloud.google.com/gke-flex-start"
+COMPUTE_CLASS_LABEL = "cloud.google.com/compute-class"
+GCSFUSE_ANNOTATION = "gke-gcsfuse/volumes"
+
+CACHE_MOUNT = "/var/cache/gemma"
+GCS_ROOT = "/gcs"  # gemma_server's default --gcs-root: gs://B/P is read at /gcs/B/P
+PRESTOP_SLEEP_SECONDS = 5
+STARTUP_PERIOD_SECONDS = 10
+GCSFUSE_MOUNT_OPTIONS = "implicit-dirs,file-cache:enable-parallel-downloads:true,file-cache:max-size-mb:-1"
+
+
+class Meta(NamedTuple):
+    """The parts of the custom resource's metadata the builders use."""
+
+    name: str
+    namespace: str
+
+
+def selector_labels(meta: Meta) -> dict[str, str]:
+    """Labels that select this server's pods; they never change over the object's life."""
+    return {LABEL_NAME: "gemma-rust-server", LABEL_INSTANCE: meta.name}
+
+
+def labels(meta: Meta) -> dict[str, str]:
+    """Labels on every child object."""
+    return {
+        **selector_labels(meta),
+        LABEL_COMPONENT: "model-server",
+        LABEL_PART_OF: "gemma-rust-operator",
+        LABEL_MANAGED_BY: MANAGED_BY,
+        LABEL_SERVER: meta.name,
+    }
+
+
+def selector_string(meta: Meta) -> str:
+    """The pod selector as the scale subresource's `status.selector` string."""
+    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(meta).items()))
+
+
+def endpoint(spec: s.GemmaRustServerSpec, meta: Meta) -> str:
+    """The in-cluster OpenAI base URL (what an openai client takes as base_url)."""
+    return f"http://{meta.name}.{meta.namespace}.svc.cluster.local:{spec.server.port}/v1"
+
+
+def build_cache_claim_name(meta: Meta) -> str:
+    return f"{meta.name}-build-cache"
+
+
+def _object(api_version: str, kind: str, name: str, meta: Meta) -> dict[str, Any]:
+    return {"apiVersion": api_version, "kind": kind,
+            "metadata": {"name": name, "namespace": meta.namespace, "labels": labels(meta)}}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Model sources -> volumes, mounts and the local path the server reads
+
+
+class ModelMount(NamedTuple):
+    value: str  # what GEMMA_MODEL / GEMMA_EMB receive
+    volume: dict[str, Any] | None
+    mount: dict[str, Any] | None
+
+
+def model_mount(source: str, volume_name: str) -> ModelMount:
+    """Map a model URL to what the server container sees (pure).
+
+    hf:// goes to the server as is (it downloads with the token). gs:// also goes as is, and the bucket is
+    mounted by the GCS FUSE CSI driver where gemma_server looks for it (`GEMMA_GCS_ROOT`/<bucket>; the
+    server waits for the mount). pvc:// is mounted read-only and the server gets the local path.
+    """
+    scheme, rest = source.split("://", 1)
+    if scheme == "hf":
+        return ModelMount(source, None, None)
+    root, _, path = rest.partition("/")
+    if scheme == "gs":
+        mount_path = f"{GCS_ROOT}/{root}"
+        volume = {"name": volume_name, "csi": {"driver": "gcsfuse.csi.storage.gke.io", "readOnly": True,
+                                               "volumeAttributes": {"bucketName": root,
+                                                                    "mountOptions": GCSFUSE_MOUNT_OPTIONS}}}
+        value = source
+    elif scheme == "pvc":
+        mount_path = f"/models/pvc/{root}"
+        volume = {"name": volume_name, "persistentVolumeClaim": {"claimName": root, "readOnly": True}}
+        value = f"{mount_path}/{path}".rstrip("/")
+    else:  # the CRD's CEL rule admits only the three schemes
+        raise ValueError(f"unsupported model source scheme {scheme!r} in {source!r}")
+    return ModelMount(value, volume, {"name": volume_name, "mountPath": mount_path, "readOnly": True})
+
+
+def _model_mounts(spec: s.GemmaRustServerSpec) -> tuple[ModelMount, ModelMount | None]:
+    main = model_mount(spec.model.source, "model")
+    twin = None
+    if spec.model.embedding_twin:
+        twin = model_mount(spec.model.embedding_twin, "model-emb")
+        # The same bucket or claim is mounted once.
+        if twin.volume and main.volume and twin.mount["mountPath"] == main.mount["mountPath"]:
+            twin = ModelMount(twin.value, None, None)
+    return main, twin
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Deployment
+
+
+def node_selector(spec: s.GemmaRustServerSpec) -> dict[str, str]:
+    """Node labels the pods require: TPU slice, provisioning model, ComputeClass, then the user's."""
+    accel = spec.accelerator
+    out: dict[str, str] = {}
+    if accel.type == s.TPU_V5E:
+        out[TPU_ACCELERATOR_LABEL] = s.TPU_V5E
+        out[TPU_TOPOLOGY_LABEL] = accel.topology or "1x1"
+    if accel.provisioning == "spot":
+        out[SPOT_LABEL] = "true"
+    elif accel.provisioning == "flex-start":
+        out[FLEX_START_LABEL] = "true"
+    if accel.compute_class:
+        out[COMPUTE_CLASS_LABEL] = accel.compute_class
+    out.update(spec.node_selector)
+    return out
+
+
+def tolerations(spec: s.GemmaRustServerSpec) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    if spec.accelerator.type == s.TPU_V5E:
+        out.append({"key": TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
+    if spec.accelerator.provisioning == "spot":
+        # Only needed where the spot pool is tainted; harmless elsewhere.
+        out.append({"key": SPOT_LABEL, "operator": "Equal", "value": "true", "effect": "NoSchedule"})
+    return out + [dict(t) for t in spec.tolerations]
+
+
+def container_resources(spec: s.GemmaRustServerSpec) -> dict[str, Any]:
+    requests = {k: str(v) for k, v in (spec.resources.requests or {}).items()}
+    limits = {k: str(v) for k, v in (spec.resources.limits or {}).items()}
+    n = s.chips(spec.accelerator)
+    if n:
+        requests[TPU_RESOURCE] = str(n)
+        limits[TPU_RESOURCE] = str(n)
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def device(spec: s.GemmaRustServerSpec) -> str:
+    return "tpu" if spec.accelerator.type == s.TPU_V5E else "cpu"
+
+
+def env(spec: s.GemmaRustServerSpec, main: ModelMount, twin: ModelMount | None) -> list[dict[str, Any]]:
+    """The server's environment (its documented GEMMA_* variables); the token only via secretKeyRef."""
+    e, srv = spec.engine, spec.server
+    out = [
+        {"name": "GEMMA_MODEL", "value": main.value},
+        *([{"name": "GEMMA_EMB", "value": twin.value}] if twin else []),
+        {"name": "GEMMA_DEVICE", "value": device(spec)},
+        {"name": "GEMMA_CONTEXT", "value": str(e.context)},
+        {"name": "GEMMA_READ_EVERY", "value": str(e.read_every)},
+        {"name": "GEMMA_DTYPE", "value": e.dtype},
+        *([{"name": "GEMMA_SERVED_MODEL_NAME", "value": srv.served_model_name}] if srv.served_model_name else []),
+        {"name": "GEMMA_PORT", "value": str(srv.port)},
+        {"name": "GEMMA_QUEUE_LIMIT", "value": str(srv.queue_limit)},
+        {"name": "GEMMA_SHUTDOWN_TIMEOUT", "value": str(srv.shutdown_timeout_seconds)},
+        {"name": "GEMMA_BUILD_CACHE", "value": f"{CACHE_MOUNT}/build"},
+        *([{"name": "GEMMA_GCS_ROOT", "value": GCS_ROOT}] if any(
+            m and m.value.startswith("gs://") for m in (main, twin)) else []),
+        # Downloaded hf:// weights live next to the build, so a restarted pod on a PVC skips both.
+        {"name": "HF_HOME", "value": f"{CACHE_MOUNT}/hf"},
+        {"name": "TORCH_TPU_DEFER_AND_FUSE", "value": "1" if e.defer_and_fuse else "0"},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+    ]
+    if spec.model.token_secret:
+        ref = spec.model.token_secret
+        out.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    return out
+
+
+def probes(spec: s.GemmaRustServerSpec) -> dict[str, Any]:
+    """startup (covers build, smoke test, weights, warmup), readiness on /health, liveness on /live."""
+    def get(path: str) -> dict[str, Any]:
+        return {"path": path, "port": "http"}
+
+    return {
+        "startupProbe": {"httpGet": get("/health"), "periodSeconds": STARTUP_PERIOD_SECONDS,
+                         "timeoutSeconds": 5,
+                         "failureThreshold": math.ceil(spec.server.startup_timeout_seconds / STARTUP_PERIOD_SECONDS)},
+        "readinessProbe": {"httpGet": get("/health"), "periodSeconds": 5, "timeoutSeconds": 3,
+                           "failureThreshold": 3},
+        "livenessProbe": {"httpGet": get("/live"), "periodSeconds": 10, "timeoutSeconds": 5,
+                          "failureThreshold": 6},
+    }
+
+
+def termination_grace_seconds(spec: s.GemmaRustServerSpec) -> int:
+    """Longer than preStop + the server's drain, so SIGKILL never cuts a drain short."""
+    return PRESTOP_SLEEP_SECONDS + spec.server.shutdown_timeout_seconds + 15
+
+
+def build_cache_volume(spec: s.GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
+    bc = spec.build_cache
+    if bc.type == "pvc":
+        return {"name": "build-cache", "persistentVolumeClaim": {"claimName": build_cache_claim_name(meta)}}
+    return {"name": "build-cache", "emptyDir": {"sizeLimit": bc.size}}
+
+
+def pod_annotations(spec: s.GemmaRustServerSpec, main: ModelMount, twin: ModelMount | None) -> dict[str, str]:
+    out = dict(spec.pod_annotations)
+    if any(m and m.volume and "csi" in m.volume for m in (main, twin)):
+        out[GCSFUSE_ANNOTATION] = "true"
+    return out
+
+
+def build_deployment(spec: s.GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
+    """The Deployment running the server pods.
+
+    Args:
+        spec: the typed spec.
+        meta: the custom resource's name and namespace.
+    Returns:
+        A Deployment manifest (dict), without owner references (handlers.adopt adds them).
+    """
+    main, twin = _model_mounts(spec)
+    volumes = [build_cache_volume(spec, meta)] + [m.volume for m in (main, twin) if m and m.volume]
+    mounts = [{"name": "build-cache", "mountPath": CACHE_MOUNT}] + [m.mount for m in (main, twin) if m and m.mount]
+    container: dict[str, Any] = {
+        "name": CONTAINER,
+        "image": spec.image,
+        "command": ["python", "-m", "gemma_server"],
+        "env": env(spec, main, twin),
+        "ports": [{"name": "http", "containerPort": spec.server.port, "protocol": "TCP"}],
+        **probes(spec),
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
+        "resources": container_resources(spec),
+        "volumeMounts": mounts,
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "terminationMessagePath": "/dev/termination-log",
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    if spec.image_pull_policy:
+        container["imagePullPolicy"] = spec.image_pull_policy
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "nodeSelector": node_selector(spec),
+        "tolerations": tolerations(spec),
+        "volumes": volumes,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
+        "enableServiceLinks": False,
+    }
+    if spec.service_account_name:
+        pod_spec["serviceAccountName"] = spec.service_account_name
+    tpu = spec.accelerator.type == s.TPU_V5E
+    dep = _object("apps/v1", "Deployment", meta.name, meta)
+    dep["spec"] = {
+        "replicas": spec.replicas,
+        "selector": {"matchLabels": selector_labels(meta)},
+        "strategy": {"type": "Recreate"} if tpu else
+                    {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+        "revisionHistoryLimit": 3,
+        # Booting can take the whole startup budget; do not let the Deployment call it stalled earlier.
+        "progressDeadlineSeconds": spec.server.startup_timeout_seconds + 600,
+        "template": {
+            "metadata": {"labels": labels(meta), "annotations": pod_annotations(spec, main, twin)},
+            "spec": pod_spec,
+        },
+    }
+    return dep
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Other children
+
+
+def build_service(spec: s.GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
+    """ClusterIP Service in front of the pods; its DNS name is the OpenAI base URL's host."""
+    svc = _object("v1", "Service", meta.name, meta)
+    svc["spec"] = {"type": "ClusterIP", "selector": selector_labels(meta),
+                   "ports": [{"name": "http", "port": spec.server.port, "targetPort": "http", "protocol": "TCP"}]}
+    return svc
+
+
+def build_pdb(spec: s.GemmaRustServerSpec, meta: Meta) -> dict[str, Any] | None:
+    """A PodDisruptionBudget allowing one voluntary eviction at a time, only when replicas > 1."""
+    if spec.replicas <= 1:
+        return None
+    pdb = _object("policy/v1", "PodDisruptionBudget", meta.name, meta)
+    pdb["spec"] = {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(meta)}}
+    return pdb
+
+
+def build_pod_monitoring(spec: s.GemmaRustServerSpec, meta: Meta) -> dict[str, Any] | None:
+    """GKE managed Prometheus PodMonitoring scraping /metrics, when asked for."""
+    if not spec.monitoring.pod_monitoring:
+        return None
+    pm = _object("monitoring.googleapis.com/v1", "PodMonitoring", meta.name, meta)
+    pm["spec"] = {"selector": {"matchLabels": selector_labels(meta)},
+                  "endpoints": [{"port": "http", "path": "/metrics", "interval": spec.monitoring.interval}]}
+    return pm
+
+
+def build_service_monitor(spec: s.GemmaRustServerSpec, meta: Meta) -> dict[str, Any] | None:
+    """Prometheus Operator ServiceMonitor scraping /metrics through the Service, when asked for."""
+    if not spec.monitoring.service_monitor:
+        return None
+    sm = _object("monitoring.coreos.com/v1", "ServiceMonitor", meta.name, meta)
+    sm["spec"] = {"selector": {"matchLabels": selector_labels(meta)},
+                  "endpoints": [{"port": "http", "path": "/metrics", "interval": spec.monitoring.interval}]}
+    return sm
+
+
+def build_build_cache_pvc(spec: s.GemmaRustServerSpec, meta: Meta) -> dict[str, Any] | None:
+    """The build cache PersistentVolumeClaim, for buildCache.type pvc."""
+    bc = spec.build_cache
+    if bc.type != "pvc":
+        return None
+    pvc = _object("v1", "PersistentVolumeClaim", build_cache_claim_name(meta), meta)
+    pvc["spec"] = {"accessModes": [bc.access_mode], "resources": {"requests": {"storage": bc.size}}}
+    if bc.storage_class_name:
+        pvc["spec"]["storageClassName"] = bc.storage_class_name
+    return pvc
+
+
+# Kinds whose CRDs may be missing from a cluster: (apiVersion, kind) -> what to install.
+OPTIONAL_KINDS = {
+    ("monitoring.googleapis.com/v1", "PodMonitoring"): "GKE managed Prometheus",
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): "the Prometheus Operator",
+}
+
+
+class Children(NamedTuple):
+    apply: list[dict[str, Any]]          # objects to server-side apply, in order
+    absent: list[tuple[str, str, str]]   # (apiVersion, kind, name) that must not exist
+    skipped: list[tuple[str, str]]       # (kind, why) optional children not created
+
+
+def build_children(spec: s.GemmaRustServerSpec, meta: Meta, available: frozenset[str]) -> Children:
+    """Everything the custom resource owns, given which optional API groups the cluster serves.
+
+    Args:
+        spec: the typed spec.
+        meta: name and namespace of the custom resource.
+        available: apiVersions (e.g. "monitoring.googleapis.com/v1") the cluster serves, among those in
+            OPTIONAL_KINDS.
+    Returns:
+        Children: what to apply, what to delete if present, and what was skipped (with why).
+    """
+    apply: list[dict[str, Any]] = []
+    absent: list[tuple[str, str, str]] = []
+    skipped: list[tuple[str, str]] = []
+    pvc = build_build_cache_pvc(spec, meta)
+    if pvc:
+        apply.append(pvc)
+    apply += [build_deployment(spec, meta), build_service(spec, meta)]
+    pdb = build_pdb(spec, meta)
+    apply.append(pdb) if pdb else absent.append(("policy/v1", "PodDisruptionBudget", meta.name))
+    for (api_version, kind), provider in OPTIONAL_KINDS.items():
+        builder = build_pod_monitoring if kind == "PodMonitoring" else build_service_monitor
+        obj = builder(spec, meta)
+        if obj is None:
+            if api_version in available:
+                absent.append((api_version, kind, meta.name))
+        elif api_version in available:
+            apply.append(obj)
+        else:
+            skipped.append((kind, f"{api_version} is not served by this cluster (install {provider})"))
+    return Children(apply, absent, skipped)
+
+
+def adopt(child: dict[str, Any], owner: dict[str, Any]) -> dict[str, Any]:
+    """Return `child` with a controller owner reference to `owner` (so garbage collection deletes it).
+
+    Args:
+        child: a manifest from a builder.
+        owner: the custom resource (apiVersion, kind, metadata.name, metadata.uid).
+    Returns:
+        A new manifest; `child` is not modified.
+    """
+    ref = {"apiVersion": owner["apiVersion"], "kind": owner["kind"], "name": owner["metadata"]["name"],
+           "uid": owner["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}
+    metadata = {**child["metadata"], "ownerReferences": [ref]}
+    return {**child, "metadata": metadata}

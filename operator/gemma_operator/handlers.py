@@ -1,0 +1,315 @@
+"""kopf handlers: the operator's event loop. Run with
+
+    kopf run --standalone --all-namespaces -m gemma_operator.handlers
+
+Every handler funnels into `sync`, which has the same shape each time (STYLE.md, kopf's 02-children
+example, dask-kubernetes' controller):
+
+    parse spec -> check problems -> build children (pure) -> adopt -> server-side apply -> observe pods
+    -> poll /v1/engine and /v1/models -> compute status (pure) -> patch status -> post transition Events
+
+Triggers:
+- create / update / resume of a GemmaRustServer: full sync, and children the spec no longer asks for
+  (PodDisruptionBudget at one replica, a monitoring object turned off) are deleted;
+- a resync pass every GEMMA_OPERATOR_RESYNC_SECONDS (default 15) over every GemmaRustServer: full sync,
+  which also puts back a child deleted or edited by hand (server-side apply with forced conflicts) and
+  polls booting pods. It is a plain thread, not a kopf timer, so no finalizer is needed: a
+  GemmaRustServer can be deleted while the operator is not running (garbage collection takes the
+  children through their owner references);
+- events of the Deployments and Pods the operator owns: a deleted Deployment or Service is re-applied at
+  once; any other change refreshes the status, so `kubectl get grs` follows pods without waiting.
+
+The operator never crash-loops on a custom resource: a spec it cannot act on becomes a condition with a
+reason (Problem); only transient API trouble raises `kopf.TemporaryError`, which kopf retries.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from typing import Any
+
+import kopf
+import pydantic
+
+from . import builders as b
+from . import spec as s
+from . import status as st
+from .engine import EnginePoller
+from .kube import ApiError, Kube
+
+GRS = (s.API_GROUP, s.API_VERSION, s.PLURAL)
+RESYNC_SECONDS = float(os.environ.get("GEMMA_OPERATOR_RESYNC_SECONDS", "15"))
+CHILD_LABELS = {b.LABEL_MANAGED_BY: b.MANAGED_BY}
+
+_state: dict[str, Any] = {}
+_locks: dict[str, threading.Lock] = {}
+_locks_guard = threading.Lock()
+_written: dict[str, dict[str, Any]] = {}  # uid -> last status written (we are its only writer)
+_known: dict[str, tuple[str, str]] = {}  # uid -> (namespace, name) of every GemmaRustServer seen
+
+
+def kube() -> Kube:
+    if "kube" not in _state:
+        _state["kube"] = Kube()
+    return _state["kube"]
+
+
+def poller() -> EnginePoller:
+    if "poller" not in _state:
+        _state["poller"] = EnginePoller()
+    return _state["poller"]
+
+
+def _lock(uid: str) -> threading.Lock:
+    with _locks_guard:
+        return _locks.setdefault(uid, threading.Lock())
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any) -> None:
+    """Operator settings: our own finalizer and annotation names, no CRD scanning (less RBAC)."""
+    # No handler needs a finalizer (no timers/daemons, no blocking delete handler); should one ever be
+    # added, it gets our name.
+    settings.persistence.finalizer = "gemmarust.dev/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="gemmarust.dev")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="gemmarust.dev", key="last-handled-configuration")
+    # The CRD is installed before the operator; watching CRDs and namespaces would need more RBAC.
+    settings.scanning.disabled = True
+    # kopf's own per-handler Events would duplicate ours; keep warnings and errors.
+    settings.posting.level = logging.WARNING
+    settings.execution.max_workers = int(os.environ.get("GEMMA_OPERATOR_WORKERS", "8"))
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    _state["kube"] = Kube()
+    _state["poller"] = EnginePoller()
+    # Level-based resync in a plain thread rather than a kopf timer: kopf timers need a finalizer on every
+    # object, which would leave GemmaRustServers undeletable whenever the operator is not running.
+    stop = _state["stop"] = threading.Event()
+    threading.Thread(target=_resync_loop, args=(stop, logger), name="resync", daemon=True).start()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Problems a schema-valid spec can still have
+
+
+def find_problems(spec: s.GemmaRustServerSpec, namespace: str, k: Kube) -> list[st.Problem]:
+    """Check what admission cannot: a known accelerator, the token Secret's existence."""
+    problems = []
+    if spec.accelerator.type not in s.KNOWN_ACCELERATORS:
+        problems.append(st.Problem(
+            "UnknownAccelerator",
+            f"spec.accelerator.type {spec.accelerator.type!r} is not supported; set one of: "
+            + ", ".join(s.KNOWN_ACCELERATORS), fatal=True))
+    ref = spec.model.token_secret
+    if ref and not k.secret_exists(namespace, ref.name):
+        problems.append(st.Problem(
+            "SecretNotFound",
+            f"Secret {ref.name!r} (spec.model.tokenSecret) not found in namespace {namespace!r}: create it "
+            f"with the Hugging Face token under key {ref.key!r}", fatal=False))
+    return problems
+
+
+def _available(spec: s.GemmaRustServerSpec, k: Kube) -> frozenset[str]:
+    wanted = []
+    if spec.monitoring.pod_monitoring:
+        wanted.append("monitoring.googleapis.com/v1")
+    if spec.monitoring.service_monitor:
+        wanted.append("monitoring.coreos.com/v1")
+    return frozenset(v for v in wanted if k.serves(v))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The one reconcile path
+
+
+def sync(body: dict[str, Any], logger: logging.Logger, *, apply: bool = True, prune: bool = False) -> dict[str, Any]:
+    """Reconcile one GemmaRustServer and write its status.
+
+    Args:
+        body: the custom resource as kopf (or a GET) delivered it.
+        logger: where to log.
+        apply: apply the children (False: only observe and write status).
+        prune: delete children the spec no longer asks for.
+    Returns:
+        The status written (or that was already stored).
+    Raises:
+        kopf.TemporaryError: the API server failed in a way worth retrying.
+    """
+    meta_d = body["metadata"]
+    meta = b.Meta(meta_d["name"], meta_d["namespace"])
+    uid = meta_d.get("uid", "")
+    k = kube()
+    with _lock(uid):
+        try:
+            return _sync_locked(body, meta, uid, k, logger, apply=apply, prune=prune)
+        except ApiError as e:
+            if e.status == 404 and "gemmarustservers" in str(e):
+                return {}  # the custom resource is gone; garbage collection takes the children
+            raise kopf.TemporaryError(str(e), delay=5) from e
+
+
+def _sync_locked(body: dict[str, Any], meta: b.Meta, uid: str, k: Kube, logger: logging.Logger, *,
+                 apply: bool, prune: bool) -> dict[str, Any]:
+    generation = int(body["metadata"].get("generation") or 0)
+    problems: list[st.Problem] = []
+    try:
+        spec = s.parse_spec(body.get("spec") or {})
+    except pydantic.ValidationError as e:
+        # Only reachable for objects stored before a schema change: admission applies the same schema.
+        spec = None
+        problems.append(st.Problem("InvalidSpec", "spec does not fit the schema: " + "; ".join(
+            f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()), fatal=True))
+    skipped: list[tuple[str, str]] = []
+    requested: list[str] = []
+    if spec is not None:
+        problems += find_problems(spec, meta.namespace, k)
+        children = b.build_children(spec, meta, _available(spec, k))
+        skipped = list(children.skipped)
+        requested = [kind for kind, on in (("PodMonitoring", spec.monitoring.pod_monitoring),
+                                           ("ServiceMonitor", spec.monitoring.service_monitor)) if on]
+        if apply and not any(p.fatal for p in problems):
+            for obj in children.apply:
+                try:
+                    k.apply(b.adopt(obj, body))
+                except ApiError as e:
+                    optional = (obj["apiVersion"], obj["kind"]) in b.OPTIONAL_KINDS
+                    if e.status in (404, 405) and optional:
+                        # Its CRD went away (or is being deleted) since discovery was cached.
+                        k.forget(obj["apiVersion"])
+                        skipped.append((obj["kind"], f"{obj['apiVersion']} is no longer served by this cluster"))
+                        continue
+                    if e.status in (400, 403, 422):
+                        problems.append(st.Problem(
+                            "ApplyRejected", f"{obj['kind']} {obj['metadata']['name']}: {e.message}", fatal=False))
+                        continue
+                    raise
+            if prune:
+                for api_version, kind, name in children.absent:
+                    if k.delete_if_present(api_version, kind, meta.namespace, name):
+                        logger.info("deleted %s %s: no longer asked for", kind, name)
+    pods = k.list_pods(meta.namespace, b.selector_string(meta))
+    port = spec.server.port if spec else 8000
+    reports = poller().poll(pods, port)
+    obs = st.Observed(generation=generation, replicas=spec.replicas if spec else 0, pods=pods,
+                      engine=reports.engine, models=reports.models, problems=problems,
+                      monitoring_requested=requested, monitoring_skipped=skipped)
+    new = st.compute_status(
+        obs, accelerator=s.accelerator_text(spec.accelerator) if spec else "",
+        endpoint=b.endpoint(spec, meta) if spec else "", selector=b.selector_string(meta))
+    old = _written.get(uid) or body.get("status") or {}
+    new = st.with_transitions(new, old, _now())
+    if st.status_changed(new, old):
+        k.patch_status(meta.namespace, meta.name, new)
+        for type_, reason, message in st.transition_events(new, old):
+            post_event(k, body, type_, reason, message)
+            logger.info("%s: %s", reason, message)
+    _written[uid] = new
+    return new
+
+
+def post_event(k: Kube, body: dict[str, Any], type_: str, reason: str, message: str) -> None:
+    """Post a core/v1 Event on the custom resource (best effort: an Event is never worth a retry)."""
+    meta = body["metadata"]
+    now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    digest = hashlib.sha1(f"{meta.get('uid')}{reason}{message}{now}".encode()).hexdigest()[:10]
+    event = {
+        "apiVersion": "v1", "kind": "Event",
+        "metadata": {"name": f"{meta['name']}.{digest}", "namespace": meta["namespace"]},
+        "involvedObject": {"apiVersion": body.get("apiVersion", f"{s.API_GROUP}/{s.API_VERSION}"),
+                           "kind": body.get("kind", s.KIND), "name": meta["name"],
+                           "namespace": meta["namespace"], "uid": meta.get("uid")},
+        "type": type_, "reason": reason, "message": message[:1024],
+        "source": {"component": b.MANAGED_BY}, "reportingComponent": b.MANAGED_BY,
+        "reportingInstance": os.environ.get("HOSTNAME", "gemma-rust-operator"),
+        "firstTimestamp": now.split(".")[0] + "Z", "lastTimestamp": now.split(".")[0] + "Z", "count": 1,
+    }
+    try:
+        k.request("POST", f"/api/v1/namespaces/{meta['namespace']}/events", event)
+    except ApiError as e:
+        logging.getLogger(__name__).warning("could not post event %s: %s", reason, e)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Handlers
+
+
+@kopf.on.resume(*GRS)
+@kopf.on.create(*GRS)
+@kopf.on.update(*GRS)
+def reconcile(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+    """A GemmaRustServer appeared or its spec changed: apply children, prune the unwanted, write status."""
+    sync(dict(body), logger, prune=True)
+
+
+@kopf.on.event(*GRS)
+def track(event: dict[str, Any], body: kopf.Body, **_: Any) -> None:
+    """Remember which GemmaRustServers exist, for the resync loop; forget deleted ones."""
+    uid = body.metadata.uid or ""
+    if event.get("type") == "DELETED":
+        _known.pop(uid, None)
+        _written.pop(uid, None)
+        with _locks_guard:
+            _locks.pop(uid, None)
+    else:
+        _known[uid] = (body.metadata.namespace, body.metadata.name)
+
+
+def resync_all(logger: logging.Logger) -> None:
+    """One level-based pass over every known GemmaRustServer: put back children edited or deleted by
+    hand, poll booting pods, refresh status. Errors of one object are logged and do not stop the pass."""
+    def one(ref: tuple[str, str]) -> None:
+        try:
+            body = kube().get_server(*ref)
+            if body and not body["metadata"].get("deletionTimestamp"):
+                sync(body, logger)
+        except Exception as e:  # noqa: BLE001 - the next pass retries; never let one object stop the loop
+            logger.warning("resync of %s/%s failed: %s", ref[0], ref[1], e)
+
+    list(_resync_pool().map(one, list(_known.values())))
+
+
+def _resync_pool() -> ThreadPoolExecutor:
+    if "pool" not in _state:
+        _state["pool"] = ThreadPoolExecutor(max_workers=4, thread_name_prefix="resync")
+    return _state["pool"]
+
+
+def _resync_loop(stop: threading.Event, logger: logging.Logger) -> None:
+    while not stop.wait(RESYNC_SECONDS):
+        resync_all(logger)
+
+
+@kopf.on.cleanup()
+def stop_resync(**_: Any) -> None:
+    stop = _state.get("stop")
+    if stop:
+        stop.set()
+
+
+def _owner(labels: dict[str, str], namespace: str) -> dict[str, Any] | None:
+    name = labels.get(b.LABEL_SERVER)
+    return kube().get_server(namespace, name) if name else None
+
+
+@kopf.on.event("apps", "v1", "deployments", labels=CHILD_LABELS)
+@kopf.on.event("", "v1", "services", labels=CHILD_LABELS)
+@kopf.on.event("", "v1", "pods", labels=CHILD_LABELS)
+def child_changed(event: dict[str, Any], body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+    """A child or a pod changed: re-apply at once if a Deployment or Service was deleted, else refresh status."""
+    owner = _owner(dict(body.metadata.labels or {}), body.metadata.namespace)
+    if owner is None or owner["metadata"].get("deletionTimestamp"):
+        return
+    deleted = event.get("type") == "DELETED" and body.get("kind") in ("Deployment", "Service")
+    if deleted:
+        logger.info("%s %s was deleted; putting it back", body.get("kind"), body.metadata.name)
+    sync(owner, logger, apply=deleted)

@@ -1,0 +1,168 @@
+"""The operator's Kubernetes API edge: a small JSON client over the official `kubernetes` package.
+
+Everything the operator reads or writes outside kopf's own watch goes through `Kube`: server-side apply of
+children (one field manager, conflicts forced so a hand edit is put back), reading pods, checking that a
+Secret exists (metadata only: the operator never holds a token's value), API discovery for the optional
+monitoring CRDs, and merge patches of the custom resource's status.
+
+It talks raw JSON through the generated client's configured connection (auth, TLS, proxy) instead of the
+typed models, because the builders produce plain dicts for any kind, custom ones included.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Any
+
+import kubernetes
+from kubernetes.client import ApiClient
+
+from .builders import FIELD_MANAGER
+
+# (apiVersion, kind) -> plural resource name, for the kinds the operator touches.
+RESOURCES = {
+    ("apps/v1", "Deployment"): "deployments",
+    ("v1", "Service"): "services",
+    ("v1", "PersistentVolumeClaim"): "persistentvolumeclaims",
+    ("v1", "Pod"): "pods",
+    ("v1", "Secret"): "secrets",
+    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
+    ("monitoring.googleapis.com/v1", "PodMonitoring"): "podmonitorings",
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitors",
+    ("gemmarust.dev/v1alpha1", "GemmaRustServer"): "gemmarustservers",
+}
+
+
+class ApiError(Exception):
+    """A non-2xx answer from the API server."""
+
+    def __init__(self, status: int, body: str, what: str):
+        self.status = status
+        self.body = body
+        try:
+            self.message = json.loads(body).get("message", body)
+        except ValueError:
+            self.message = body
+        super().__init__(f"{what}: HTTP {status}: {self.message}")
+
+
+def collection_path(api_version: str, kind: str, namespace: str) -> str:
+    """URL path of a namespaced collection (pure)."""
+    plural = RESOURCES[(api_version, kind)]
+    prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    return f"{prefix}/namespaces/{namespace}/{plural}"
+
+
+def load_api_client() -> ApiClient:
+    """In-cluster credentials when running in a pod, else the kubeconfig ($KUBECONFIG or ~/.kube/config)."""
+    try:
+        kubernetes.config.load_incluster_config()
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config()
+    return ApiClient()
+
+
+class Kube:
+    """Raw JSON access to the API server (thread-safe: the generated client uses a urllib3 pool)."""
+
+    def __init__(self, api_client: ApiClient | None = None, timeout: float = 20.0):
+        self.api = api_client or load_api_client()
+        self.timeout = timeout
+        self._discovery: dict[str, tuple[float, bool]] = {}
+        self._lock = threading.Lock()
+
+    def request(self, method: str, path: str, body: Any = None, *, query: dict[str, str] | None = None,
+                content_type: str = "application/json", accept: str = "application/json") -> dict[str, Any]:
+        """One API call; returns the decoded JSON body.
+
+        Raises:
+            ApiError: the API server answered outside 2xx.
+        """
+        _, url, headers, _, _ = self.api.param_serialize(
+            method=method, resource_path=path, query_params=list((query or {}).items()),
+            header_params={"Content-Type": content_type, "Accept": accept}, auth_settings=["BearerToken"])
+        # The generated REST client serialises a dict body itself, for +json and +yaml content types alike.
+        resp = self.api.call_api(method, url, header_params=headers, body=body, _request_timeout=self.timeout)
+        raw = resp.read()
+        text = raw.decode() if isinstance(raw, bytes) else (raw or "")
+        if not 200 <= resp.status < 300:
+            raise ApiError(resp.status, text, f"{method} {path}")
+        return json.loads(text) if text else {}
+
+    # -- children --------------------------------------------------------------------------------------
+
+    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """Server-side apply `obj` as the operator's field manager, taking over conflicting fields."""
+        meta = obj["metadata"]
+        path = f"{collection_path(obj['apiVersion'], obj['kind'], meta['namespace'])}/{meta['name']}"
+        return self.request("PATCH", path, obj, query={"fieldManager": FIELD_MANAGER, "force": "true"},
+                            content_type="application/apply-patch+yaml")
+
+    def delete_if_present(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
+        """Delete one object; returns False when it did not exist."""
+        try:
+            self.request("DELETE", f"{collection_path(api_version, kind, namespace)}/{name}")
+            return True
+        except ApiError as e:
+            if e.status == 404:
+                return False
+            raise
+
+    def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        out = self.request("GET", collection_path("v1", "Pod", namespace), query={"labelSelector": selector})
+        return out.get("items", [])
+
+    def secret_exists(self, namespace: str, name: str) -> bool:
+        """Whether a Secret exists, reading only its metadata (PartialObjectMetadata)."""
+        try:
+            self.request("GET", f"{collection_path('v1', 'Secret', namespace)}/{name}",
+                         accept="application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1")
+            return True
+        except ApiError as e:
+            if e.status == 404:
+                return False
+            raise
+
+    def serves(self, api_version: str, ttl: float | None = None) -> bool:
+        """Whether the cluster serves `api_version` (discovery, cached for `ttl` seconds, default
+        $GEMMA_OPERATOR_DISCOVERY_TTL_SECONDS or 60)."""
+        if ttl is None:
+            ttl = float(os.environ.get("GEMMA_OPERATOR_DISCOVERY_TTL_SECONDS", "60"))
+        now = time.monotonic()
+        with self._lock:
+            hit = self._discovery.get(api_version)
+            if hit and now - hit[0] < ttl:
+                return hit[1]
+        try:
+            self.request("GET", f"/apis/{api_version}")
+            ok = True
+        except ApiError as e:
+            if e.status not in (404, 503):
+                raise
+            ok = False
+        with self._lock:
+            self._discovery[api_version] = (now, ok)
+        return ok
+
+    def forget(self, api_version: str) -> None:
+        """Drop the cached discovery answer for `api_version` (e.g. after a 404 from its endpoint)."""
+        with self._lock:
+            self._discovery.pop(api_version, None)
+
+    # -- the custom resource ---------------------------------------------------------------------------
+
+    def get_server(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self.request("GET", f"{collection_path('gemmarust.dev/v1alpha1', 'GemmaRustServer', namespace)}/{name}")
+        except ApiError as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
+        """JSON merge patch of the status subresource (lists such as conditions are replaced whole)."""
+        path = f"{collection_path('gemmarust.dev/v1alpha1', 'GemmaRustServer', namespace)}/{name}/status"
+        return self.request("PATCH", path, {"status": status}, content_type="application/merge-patch+json")

@@ -1,0 +1,53 @@
+"""The operator's RBAC rules: exactly the API verbs it uses, resource by resource (one source of truth).
+
+The Helm chart's ClusterRole should carry these rules; the integration tests run the operator with a
+ServiceAccount token bound to exactly these rules (tests/operator/conftest.py), so a missing verb fails
+them. `python -m gemma_operator.rbac` prints the ClusterRole.
+
+Why each verb:
+- gemmarustservers: kopf lists/watches them and patches metadata (finalizer, progress annotations);
+  /status: the operator merge-patches the status; /finalizers update: owner references with
+  blockOwnerDeletion need it where the OwnerReferencesPermissionEnforcement admission plugin is on.
+- children (Deployment, Service, PDB, PVC, PodMonitoring, ServiceMonitor): server-side apply is a PATCH
+  that creates when absent (patch + create); Deployments and Services are also watched (list/watch)
+  so a deleted one is put back at once; PDB and monitoring objects are deleted when no longer asked for.
+- pods: listed for status and watched so status follows them; never modified.
+- secrets: get, for the existence of spec.model.tokenSecret only (requested as PartialObjectMetadata: the
+  token's value is never read by the operator, only by the pod through secretKeyRef).
+- events: create, for the Events posted on each phase transition (and kopf's own warnings).
+API discovery (/apis/...) needs no rule: every authenticated user may read it.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import yaml
+
+RULES = [
+    {"apiGroups": ["gemmarust.dev"], "resources": ["gemmarustservers"], "verbs": ["get", "list", "watch", "patch"]},
+    {"apiGroups": ["gemmarust.dev"], "resources": ["gemmarustservers/status"], "verbs": ["patch"]},
+    {"apiGroups": ["gemmarust.dev"], "resources": ["gemmarustservers/finalizers"], "verbs": ["update"]},
+    {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["list", "watch", "create", "patch"]},
+    {"apiGroups": [""], "resources": ["services"], "verbs": ["list", "watch", "create", "patch"]},
+    {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["create", "patch"]},
+    {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": ["create", "patch", "delete"]},
+    {"apiGroups": ["monitoring.googleapis.com"], "resources": ["podmonitorings"],
+     "verbs": ["create", "patch", "delete"]},
+    {"apiGroups": ["monitoring.coreos.com"], "resources": ["servicemonitors"],
+     "verbs": ["create", "patch", "delete"]},
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]},
+    {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create"]},
+]
+
+
+def cluster_role(name: str = "gemma-rust-operator") -> dict:
+    """The ClusterRole object holding RULES."""
+    return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+            "metadata": {"name": name, "labels": {"app.kubernetes.io/name": "gemma-rust-operator"}},
+            "rules": RULES}
+
+
+if __name__ == "__main__":
+    sys.stdout.write(yaml.safe_dump(cluster_role(), sort_keys=False))

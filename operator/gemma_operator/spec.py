@@ -1,0 +1,246 @@
+"""The GemmaRustServer spec as pydantic models: the one source of truth for the CRD schema.
+
+`gemma_operator.crd` turns these models into the CRD's OpenAPI v3 schema (defaults, enums, patterns,
+bounds) and attaches the CEL rules declared here as `x-kubernetes-validations`, so admission rejects what
+the schema can see. The operator parses each custom resource's spec with the same models, so the builders
+receive typed, defaulted values.
+
+Design notes:
+- Field names are camelCase in the API (Kubernetes convention) and snake_case in Python (aliases).
+- Rules that involve two fields are CEL rules (`CEL_RULES` below, attached to the object that holds
+  both fields) with a message that says what to set; single-field limits are plain OpenAPI keywords.
+- `accelerator.type` is a free DNS label rather than an enum: GKE keeps adding accelerators, and an
+  accelerator the operator does not know yet is reported as a Degraded condition (reason
+  UnknownAccelerator) instead of needing a CRD upgrade to say so. `KNOWN_ACCELERATORS` lists those the
+  builders know.
+- Pass-through fields (resources, tolerations) keep the Kubernetes shapes and are validated by the API
+  server when the Deployment is applied.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+API_GROUP = "gemmarust.dev"
+API_VERSION = "v1alpha1"
+KIND = "GemmaRustServer"
+PLURAL = "gemmarustservers"
+SINGULAR = "gemmarustserver"
+SHORT_NAMES = ["grs"]
+
+DEFAULT_IMAGE = "ghcr.io/gemma-rust-operator/gemma-server:0.1.0"
+
+TPU_V5E = "tpu-v5-lite-podslice"
+CPU = "cpu"
+KNOWN_ACCELERATORS = (TPU_V5E, CPU)
+
+# Single-host v5e slices: topology -> chips on the one host (GKE machine types ct5lp-hightpu-1t/4t/8t).
+V5E_TOPOLOGY_CHIPS = {"1x1": 1, "2x2": 4, "2x4": 8}
+
+MODEL_SOURCE_RE = (
+    r"^(hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9._/-]+)?"
+    r"|gs://[a-z0-9][a-z0-9._-]{1,220}[a-z0-9](/[^\s]*)?"
+    r"|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*)?)$"
+)
+MODEL_SOURCE_MESSAGE = (
+    "model source must be hf://org/repo[@revision], gs://bucket/path (mounted with GCS FUSE) "
+    "or pvc://claim/path"
+)
+DNS_LABEL_RE = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_SUBDOMAIN_RE = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+QUANTITY_RE = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
+
+
+def _cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
+    out = {"rule": rule, "message": message}
+    if field_path:
+        out["fieldPath"] = field_path
+    return out
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
+
+
+class TokenSecretRef(_Model):
+    """A Secret key holding the Hugging Face token; it reaches the pod only through secretKeyRef."""
+
+    name: str = Field(description="Secret name, in the custom resource's namespace.", pattern=DNS_SUBDOMAIN_RE,
+                      max_length=253)
+    key: str = Field("token", description="Key in the Secret whose value is the token.", min_length=1,
+                     max_length=253)
+
+
+class ModelSpec(_Model):
+    source: str = Field(
+        description="Where the checkpoint is: hf://org/repo[@revision], gs://bucket/path (GCS FUSE) or "
+        "pvc://claim/path.",
+        max_length=1024,
+    )
+    embedding_twin: str | None = Field(
+        None, description="Optional int4 embedding twin, same URL forms as source.", max_length=1024)
+    token_secret: TokenSecretRef | None = Field(
+        None, description="Secret with the Hugging Face token (gated or private hf:// models).")
+
+
+class AcceleratorSpec(_Model):
+    type: str = Field(
+        TPU_V5E,
+        description="GKE accelerator: tpu-v5-lite-podslice (TPU v5e) or cpu for clusters without TPUs.",
+        pattern=DNS_LABEL_RE, max_length=63,
+    )
+    topology: Literal["1x1", "2x2", "2x4"] | None = Field(
+        None, description="TPU slice topology (single host): 1x1 = 1 chip, 2x2 = 4 chips, 2x4 = 8 chips. "
+        "Defaults to 1x1 on TPU; not allowed with type cpu.")
+    provisioning: Literal["standard", "spot", "flex-start"] = Field(
+        "standard", description="Node capacity: standard (on-demand or reserved), spot, or flex-start.")
+    compute_class: str | None = Field(
+        None, description="Optional GKE ComputeClass (cloud.google.com/compute-class node selector).",
+        pattern=DNS_LABEL_RE, max_length=63)
+
+
+class EngineSpec(_Model):
+    context: int = Field(8192, description="Context length in tokens (prompt + generation).", ge=256,
+                         le=131072)
+    read_every: int = Field(
+        4, description="Tokens decoded between two host reads; 1 streams every token, more amortises the "
+        "device sync.", ge=1, le=256)
+    dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="Compute dtype.")
+    defer_and_fuse: bool = Field(
+        True, description="The TPU backend's defer-and-fuse execution (TORCH_TPU_DEFER_AND_FUSE).")
+
+
+class ServerSpec(_Model):
+    port: int = Field(8000, description="HTTP port of the OpenAI API, /health, /live, /v1/engine, /metrics.",
+                      ge=1024, le=65535)
+    served_model_name: str | None = Field(
+        None, description="Model id reported by /v1/models; the server derives one from the source if unset.",
+        max_length=256)
+    queue_limit: int = Field(64, description="Requests waiting beyond this get 429.", ge=1, le=100000)
+    shutdown_timeout_seconds: int = Field(
+        30, description="Drain time after SIGTERM before in-flight requests are ended.", ge=1, le=3600)
+    startup_timeout_seconds: int = Field(
+        3600, description="Budget for build, smoke test, weights and warmup before the pod is restarted.",
+        ge=60, le=86400)
+
+
+class BuildCacheSpec(_Model):
+    type: Literal["emptyDir", "pvc"] = Field(
+        "emptyDir", description="emptyDir (lost with the pod) or pvc (a PersistentVolumeClaim the operator "
+        "creates, so a restarted pod skips the engine compile).")
+    size: str = Field("20Gi", description="Size of the cache volume.", pattern=QUANTITY_RE, max_length=32)
+    storage_class_name: str | None = Field(None, description="StorageClass for the pvc type.", max_length=253)
+    access_mode: Literal["ReadWriteOnce", "ReadWriteMany"] = Field(
+        "ReadWriteOnce", description="Access mode of the pvc type; ReadWriteMany lets replicas share it.")
+
+
+Quantity = int | str
+
+
+class ResourcesSpec(_Model):
+    requests: dict[str, Quantity] | None = Field(
+        None, description="Container requests, e.g. {cpu: 8, memory: 64Gi}.", max_length=16)
+    limits: dict[str, Quantity] | None = Field(
+        None, description="Container limits, e.g. {memory: 64Gi}.", max_length=16)
+
+
+class MonitoringSpec(_Model):
+    pod_monitoring: bool = Field(
+        True, description="Create a GKE managed Prometheus PodMonitoring (when its CRD exists).")
+    service_monitor: bool = Field(
+        False, description="Create a Prometheus Operator ServiceMonitor (when its CRD exists).")
+    interval: str = Field("30s", description="Scrape interval.", pattern=r"^[0-9]+(s|m)$", max_length=8)
+
+
+CEL_RULES: dict[type[_Model], list[dict[str, str]]] = {
+    ModelSpec: [
+        _cel(f"self.source.matches(r'{MODEL_SOURCE_RE}')", MODEL_SOURCE_MESSAGE,
+             ".source"),
+        _cel(f"!has(self.embeddingTwin) || self.embeddingTwin.matches(r'{MODEL_SOURCE_RE}')",
+             MODEL_SOURCE_MESSAGE, ".embeddingTwin"),
+    ],
+    ResourcesSpec: [
+        _cel("!has(self.limits) || !('google.com/tpu' in self.limits)",
+             "spec.resources.limits must not set google.com/tpu: the operator derives it from "
+             "spec.accelerator.topology", ".limits"),
+        _cel("!has(self.requests) || !('google.com/tpu' in self.requests)",
+             "spec.resources.requests must not set google.com/tpu: the operator derives it from "
+             "spec.accelerator.topology", ".requests"),
+    ],
+    AcceleratorSpec: [
+        _cel("self.type != 'cpu' || !has(self.topology)",
+             "spec.accelerator.topology applies to TPUs only: remove it, or set spec.accelerator.type to "
+             "tpu-v5-lite-podslice", ".topology"),
+        _cel("!has(self.computeClass) || self.provisioning == 'standard'",
+             "spec.accelerator.computeClass decides provisioning itself: leave spec.accelerator.provisioning "
+             "at standard, or remove computeClass", ".provisioning"),
+    ],
+}
+
+
+class GemmaRustServerSpec(_Model):
+    """spec of a GemmaRustServer: one model served by `replicas` single-host pods."""
+
+    model: ModelSpec = Field(description="The checkpoint to serve.")
+    accelerator: AcceleratorSpec = Field(default_factory=AcceleratorSpec,
+                                         description="Where the pods run.")
+    replicas: int = Field(1, description="Number of server pods (scale subresource).", ge=0, le=256)
+    image: str = Field(DEFAULT_IMAGE, description="Server image (entrypoint: python -m gemma_server).",
+                       min_length=1, max_length=512)
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
+        None, description="Image pull policy; the Kubernetes default when unset.")
+    engine: EngineSpec = Field(default_factory=EngineSpec, description="Engine settings.")
+    server: ServerSpec = Field(default_factory=ServerSpec, description="HTTP server settings.")
+    build_cache: BuildCacheSpec = Field(default_factory=BuildCacheSpec,
+                                        description="Where the compiled engine is cached.")
+    monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec, description="Metrics scraping.")
+    resources: ResourcesSpec = Field(
+        default_factory=lambda: ResourcesSpec(),
+        description="Container resources, passed through. google.com/tpu is set from the topology.")
+    node_selector: dict[str, str] = Field(default_factory=dict,
+                                          description="Extra node selector labels, passed through.")
+    tolerations: list[dict[str, Any]] = Field(default_factory=list,
+                                              description="Extra tolerations, passed through.")
+    pod_annotations: dict[str, str] = Field(default_factory=dict,
+                                            description="Annotations added to the pods, passed through.")
+    service_account_name: str | None = Field(
+        None, description="ServiceAccount of the pods (e.g. for Workload Identity to read gs://).",
+        pattern=DNS_SUBDOMAIN_RE, max_length=253)
+
+
+CEL_RULES[GemmaRustServerSpec] = [
+    _cel("self.buildCache.type != 'pvc' || self.buildCache.accessMode != 'ReadWriteOnce' || self.replicas <= 1",
+         "a ReadWriteOnce build cache PVC can serve one replica: set spec.buildCache.accessMode to "
+         "ReadWriteMany, spec.buildCache.type to emptyDir, or spec.replicas to 1", ".buildCache.accessMode"),
+]
+
+
+def parse_spec(spec: dict[str, Any]) -> GemmaRustServerSpec:
+    """Parse a custom resource's spec (as stored, camelCase) into the typed model.
+
+    Args:
+        spec: the `spec` mapping of a GemmaRustServer.
+    Returns:
+        The typed spec with defaults filled in.
+    Raises:
+        pydantic.ValidationError: the spec does not fit the schema (only possible when the stored object
+            predates a schema change, since admission applies the same schema).
+    """
+    return GemmaRustServerSpec.model_validate(dict(spec))
+
+
+def chips(accel: AcceleratorSpec) -> int:
+    """TPU chips one pod requests (0 on CPU or on an accelerator the operator does not know)."""
+    if accel.type != TPU_V5E:
+        return 0
+    return V5E_TOPOLOGY_CHIPS[accel.topology or "1x1"]
+
+
+def accelerator_text(accel: AcceleratorSpec) -> str:
+    """Short accelerator description for `kubectl get` (e.g. "v5e 2x2", "cpu")."""
+    if accel.type == TPU_V5E:
+        return f"v5e {accel.topology or '1x1'}"
+    return accel.type

@@ -1,0 +1,303 @@
+"""Pure status logic: observed pods, engine reports and spec problems -> `status` of a GemmaRustServer.
+
+No I/O and no clock here: the caller passes the time (`now`) and what it observed; unit tests feed dicts
+and compare the result with golden dicts (tests/operator/test_status.py).
+
+Phases (one per custom resource, the least advanced of its booting pods):
+    Pending -> Scheduling -> Building -> SmokeTesting -> LoadingWeights -> WarmingUp -> Ready
+    plus Degraded (something is wrong but pods may serve), Failed (nothing serves and it will not by itself),
+    Stopped (replicas: 0).
+`Scheduling` covers a pod waiting for a node (the scheduler's own message is shown, e.g.
+"0/4 nodes are available: 2 Insufficient google.com/tpu") and a scheduled pod whose container is not
+running yet. The boot stages come from the server's `GET /v1/engine` (`stage`: build, import, smoke,
+weights, warmup, serving).
+
+Conditions follow the Kubernetes API conventions and KServe's LLMInferenceService: `Ready` (False carries
+the blocking reason), `Progressing`, `Degraded`, and `Monitoring` when scraping was asked for; each has
+reason, message, lastTransitionTime and observedGeneration. The last crash's termination message reaches
+`status.lastFailure` (KServe's lastFailureInfo).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+PENDING, SCHEDULING, BUILDING, SMOKE_TESTING, LOADING_WEIGHTS, WARMING_UP, READY = (
+    "Pending", "Scheduling", "Building", "SmokeTesting", "LoadingWeights", "WarmingUp", "Ready")
+DEGRADED, FAILED, STOPPED = "Degraded", "Failed", "Stopped"
+BOOT_ORDER = [PENDING, SCHEDULING, BUILDING, SMOKE_TESTING, LOADING_WEIGHTS, WARMING_UP, READY]
+
+# gemma_server's /v1/engine stage names -> our phase.
+ENGINE_STAGE_PHASE = {
+    "build": BUILDING, "import": BUILDING, "smoke": SMOKE_TESTING, "weights": LOADING_WEIGHTS,
+    "warmup": WARMING_UP, "serving": WARMING_UP,  # serving but the readiness probe has not passed yet
+}
+
+# Container waiting reasons that will not clear by waiting.
+BAD_WAITING = {"CrashLoopBackOff", "CreateContainerConfigError", "CreateContainerError", "ImagePullBackOff",
+               "ErrImagePull", "InvalidImageName", "RunContainerError"}
+
+MAX_PODS_IN_STATUS = 16
+
+
+class Problem(NamedTuple):
+    """A spec the schema accepted but that cannot work as is."""
+
+    reason: str   # CamelCase, e.g. SecretNotFound
+    message: str  # says what to do
+    fatal: bool   # True: nothing can run until the spec changes (phase Failed)
+
+
+class PodView(NamedTuple):
+    name: str
+    node: str
+    deleting: bool
+    scheduled: bool
+    schedule_message: str
+    running: bool
+    ready: bool
+    waiting_reason: str
+    waiting_message: str
+    restarts: int
+    last_failure: dict[str, Any] | None
+
+
+def pod_view(pod: dict[str, Any]) -> PodView:
+    """Extract what the status needs from a Pod object (as returned by the API)."""
+    meta, spec, st = pod.get("metadata", {}), pod.get("spec", {}), pod.get("status", {}) or {}
+    conds = {c.get("type"): c for c in st.get("conditions") or []}
+    sched = conds.get("PodScheduled", {})
+    scheduled = bool(spec.get("nodeName")) or sched.get("status") == "True"
+    cs = next((c for c in st.get("containerStatuses") or [] if c.get("name") == "server"),
+              (st.get("containerStatuses") or [{}])[0])
+    state = cs.get("state") or {}
+    waiting = state.get("waiting") or {}
+    last = None
+    for term in ((cs.get("lastState") or {}).get("terminated"), state.get("terminated")):
+        if term and (term.get("exitCode", 0) != 0 or term.get("reason") not in (None, "Completed")):
+            last = {"reason": term.get("reason") or "Error", "exitCode": term.get("exitCode"),
+                    "message": (term.get("message") or "").strip()[-1024:]}
+    return PodView(
+        name=meta.get("name", ""),
+        node=spec.get("nodeName") or "",
+        deleting=bool(meta.get("deletionTimestamp")),
+        scheduled=scheduled,
+        schedule_message=sched.get("message", "") if sched.get("status") == "False" else "",
+        running=bool(state.get("running")),
+        ready=conds.get("Ready", {}).get("status") == "True" and bool(state.get("running", True)),
+        waiting_reason=waiting.get("reason", ""),
+        waiting_message=waiting.get("message", ""),
+        restarts=int(cs.get("restartCount") or 0),
+        last_failure=last,
+    )
+
+
+class PodStage(NamedTuple):
+    phase: str         # one of BOOT_ORDER, or FAILED for a pod that is crashing or cannot start
+    reason: str
+    message: str
+
+
+def pod_stage(view: PodView, engine: dict[str, Any] | None) -> PodStage:
+    """Where one pod is, from its Kubernetes status and (when it answered) its /v1/engine report."""
+    if view.ready:
+        return PodStage(READY, "Ready", "")
+    if not view.scheduled:
+        return PodStage(SCHEDULING, "Unschedulable" if view.schedule_message else "WaitingForScheduler",
+                        view.schedule_message)
+    if view.waiting_reason in BAD_WAITING:
+        msg = view.waiting_message
+        if view.last_failure and view.last_failure["message"]:
+            msg = view.last_failure["message"]
+        return PodStage(FAILED, view.waiting_reason, msg)
+    if not view.running:
+        return PodStage(SCHEDULING, view.waiting_reason or "ContainerCreating", view.waiting_message)
+    stage = (engine or {}).get("stage")
+    if (engine or {}).get("failed"):
+        # gemma_server reports the failing stage's reason here just before it exits non-zero.
+        return PodStage(FAILED, "BootStageFailed", f"stage {stage}: {engine['failed']}")
+    if stage in ENGINE_STAGE_PHASE:
+        phase = ENGINE_STAGE_PHASE[stage]
+        return PodStage(phase, phase, f"engine stage {stage}")
+    # Running, not ready, no report (yet): the server builds the engine first.
+    return PodStage(BUILDING, BUILDING, "waiting for the server's /v1/engine report")
+
+
+def engine_stages(engine: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The /v1/engine stage history, reduced to {stage, status, seconds}."""
+    out = []
+    for item in (engine or {}).get("stages") or []:
+        if isinstance(item, dict) and "stage" in item:
+            entry = {"stage": str(item["stage"]), "status": str(item.get("status", ""))}
+            if isinstance(item.get("seconds"), (int, float)):
+                entry["seconds"] = round(float(item["seconds"]), 3)
+            out.append(entry)
+    return out
+
+
+def served_model(models: dict[str, Any] | None) -> str:
+    data = (models or {}).get("data") or []
+    return str(data[0].get("id", "")) if data and isinstance(data[0], dict) else ""
+
+
+class Observed(NamedTuple):
+    """Everything the handlers observed for one custom resource."""
+
+    generation: int
+    replicas: int                         # spec.replicas
+    pods: list[dict[str, Any]]            # Pod objects selected by the server's labels
+    engine: dict[str, dict[str, Any]]     # pod name -> /v1/engine JSON (booting pods that answered)
+    models: dict[str, dict[str, Any]]     # pod name -> /v1/models JSON (ready pods that answered)
+    problems: list[Problem]               # spec problems found by the handlers
+    monitoring_requested: list[str]       # kinds asked for (PodMonitoring, ServiceMonitor)
+    monitoring_skipped: list[tuple[str, str]]  # (kind, why)
+
+
+def _cond(type_: str, ok: bool, reason: str, message: str) -> dict[str, str]:
+    return {"type": type_, "status": "True" if ok else "False", "reason": reason, "message": message}
+
+
+def compute_status(obs: Observed, *, accelerator: str, endpoint: str, selector: str) -> dict[str, Any]:
+    """The status (without timestamps; see `with_transitions`) for what was observed.
+
+    Args:
+        obs: the observation.
+        accelerator: text for the Accelerator column (builders/spec.accelerator_text).
+        endpoint: the in-cluster OpenAI base URL.
+        selector: the pod label selector string (scale subresource).
+    Returns:
+        A dict with phase, reason, message, conditions (no lastTransitionTime), replicas, readyReplicas,
+        readyText, selector, accelerator, endpoint, servedModel, pods and lastFailure.
+    """
+    views = [pod_view(p) for p in obs.pods]
+    active = [v for v in views if not v.deleting]
+    stages = {v.name: pod_stage(v, obs.engine.get(v.name)) for v in active}
+    ready = sum(1 for v in active if v.ready)
+    failing = [(v, stages[v.name]) for v in active if stages[v.name].phase == FAILED]
+    booting = [(v, stages[v.name]) for v in active if stages[v.name].phase not in (READY, FAILED)]
+    fatal = [p for p in obs.problems if p.fatal]
+    last_failure = next(({"pod": v.name, **v.last_failure} for v in active if v.last_failure), None)
+
+    degraded: tuple[str, str] | None = None
+    if fatal:
+        phase, reason, message = FAILED, fatal[0].reason, fatal[0].message
+        degraded = (reason, message)
+    elif failing:
+        v, st = failing[0]
+        phase = DEGRADED if ready else FAILED
+        reason, message = st.reason, f"pod {v.name}: {st.message}" if st.message else f"pod {v.name}: {st.reason}"
+        degraded = (reason, message)
+    elif obs.problems:
+        phase, reason, message = DEGRADED, obs.problems[0].reason, obs.problems[0].message
+        degraded = (reason, message)
+    elif obs.replicas == 0:
+        phase, reason, message = STOPPED, "ScaledToZero", "spec.replicas is 0"
+    elif ready >= obs.replicas and not booting:
+        phase, reason, message = READY, "AllReplicasReady", f"{ready}/{obs.replicas} replicas ready"
+    elif booting:
+        v, st = min(booting, key=lambda b: BOOT_ORDER.index(b[1].phase))
+        phase, reason = st.phase, st.reason
+        message = f"pod {v.name}: {st.message}" if st.message else f"pod {v.name}: {st.reason}"
+    else:
+        phase, reason, message = PENDING, "WaitingForPods", f"{len(active)}/{obs.replicas} pods created"
+
+    is_ready = obs.replicas > 0 and ready >= obs.replicas and not fatal
+    progressing = phase in BOOT_ORDER[:-1]
+    conditions = [
+        _cond("Ready", is_ready, "AllReplicasReady" if is_ready else reason,
+              f"{ready}/{obs.replicas} replicas ready" if is_ready else message),
+        _cond("Progressing", progressing, reason if progressing else ("RolloutComplete" if phase == READY else reason),
+              message),
+        _cond("Degraded", degraded is not None, degraded[0] if degraded else "AsExpected",
+              degraded[1] if degraded else ""),
+    ]
+    if obs.monitoring_requested:
+        if obs.monitoring_skipped:
+            why = "; ".join(f"{k} skipped: {w}" for k, w in obs.monitoring_skipped)
+            conditions.append(_cond("Monitoring", False, "MonitoringCRDMissing", why))
+        else:
+            conditions.append(_cond("Monitoring", True, "Configured",
+                                    "created " + ", ".join(obs.monitoring_requested)))
+
+    pods = []
+    for v in sorted(active, key=lambda v: v.name)[:MAX_PODS_IN_STATUS]:
+        st = stages[v.name]
+        entry: dict[str, Any] = {"name": v.name, "node": v.node, "ready": v.ready, "stage": st.phase,
+                                 "restarts": v.restarts}
+        if st.reason not in (st.phase,):
+            entry["reason"] = st.reason
+        if st.message:
+            entry["message"] = st.message
+        engine = obs.engine.get(v.name)
+        if engine:
+            entry["engineStage"] = str(engine.get("stage", ""))
+            entry["stages"] = engine_stages(engine)
+        model = served_model(obs.models.get(v.name))
+        if model:
+            entry["servedModel"] = model
+        pods.append(entry)
+
+    models = [p["servedModel"] for p in pods if p.get("servedModel")]
+    return {
+        "phase": phase,
+        "reason": reason,  # the phase's reason (Degraded shows why it is degraded)
+        "message": message,
+        "observedGeneration": obs.generation,
+        "replicas": len(active),
+        "readyReplicas": ready,
+        "readyText": f"{ready}/{obs.replicas}",
+        "selector": selector,
+        "accelerator": accelerator,
+        "endpoint": endpoint,
+        "servedModel": models[0] if models else "",
+        "conditions": conditions,
+        "pods": pods,
+        "lastFailure": last_failure,
+    }
+
+
+def with_transitions(new: dict[str, Any], old: dict[str, Any] | None, now: str) -> dict[str, Any]:
+    """Stamp conditions with lastTransitionTime (kept when the status did not flip) and observedGeneration.
+
+    Args:
+        new: output of compute_status.
+        old: the status currently stored on the object (or None).
+        now: RFC 3339 time, e.g. "2026-01-01T00:00:00Z".
+    Returns:
+        `new` with stamped conditions (a new dict).
+    """
+    before = {c.get("type"): c for c in (old or {}).get("conditions") or []}
+    conds = []
+    for c in new["conditions"]:
+        prev = before.get(c["type"])
+        when = prev.get("lastTransitionTime") if prev and prev.get("status") == c["status"] else None
+        conds.append({**c, "lastTransitionTime": when or now, "observedGeneration": new["observedGeneration"]})
+    return {**new, "conditions": conds}
+
+
+def status_changed(new: dict[str, Any], old: dict[str, Any] | None) -> bool:
+    """True when writing `new` would change what is stored (only the keys we own are compared)."""
+    old = old or {}
+    return any(old.get(k) != v for k, v in new.items())
+
+
+def transition_events(new: dict[str, Any], old: dict[str, Any] | None) -> list[tuple[str, str, str]]:
+    """Events to post for a status change: (type Normal|Warning, reason, message).
+
+    One event per phase change, and one when the Degraded reason changes within the same phase.
+    """
+    old = old or {}
+    events = []
+    warn = new["phase"] in (FAILED, DEGRADED)
+    if old.get("phase") != new["phase"]:
+        before = old.get("phase") or "none"
+        events.append(("Warning" if warn else "Normal", new["phase"],
+                       f"phase {before} -> {new['phase']}: {new['message']}".rstrip(": ")))
+    else:
+        def degraded_reason(st: dict[str, Any]) -> str:
+            return next((c.get("reason", "") for c in st.get("conditions") or []
+                         if c.get("type") == "Degraded" and c.get("status") == "True"), "")
+
+        if degraded_reason(new) and degraded_reason(new) != degraded_reason(old):
+            events.append(("Warning", degraded_reason(new), new["message"]))
+    return events

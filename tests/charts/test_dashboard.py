@@ -1,0 +1,271 @@
+"""The Grafana dashboard queries what a real gemma_server exports, and every query is valid PromQL.
+
+A real `python -m gemma_server` (the image's entrypoint; the engine `make setup` installed) serves the tiny
+chat checkpoint; the openai SDK sends real traffic (chat and completions, streamed and not); /metrics is
+scraped. Every expression of the dashboard (panel targets and the model variable's metric) is
+interpolated as Grafana would and parsed by Prometheus's own parser (tests/charts/promql, a Go program
+over github.com/prometheus/prometheus/promql/parser, built once into the cache). From the parsed AST:
+
+- every selected metric is in the scrape, and its label matchers select at least one exported series;
+- every `by (...)` label is on the aggregated metric, or is one the scrape adds (pod, namespace, ...);
+- the histograms and counters the panels read moved with the traffic (the panels would show data).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.checkpoints import chat_checkpoint  # noqa: F401 - the session fixture, used below
+
+from .conftest import CHART, ROOT
+
+DASHBOARD = CHART / "dashboards" / "gemma-rust-server.json"
+PROMQL_SRC = ROOT / "tests" / "charts" / "promql"
+CACHE = Path(os.environ.get("GEMMA_CACHE", Path.home() / ".cache" / "gemma-rust-operator"))
+# A served name with regex metacharacters, like real ones (org/name, dots), to exercise the escaping.
+MODEL = "org/gemma-4-E2B-it.q4"
+# Labels Prometheus adds at scrape time (GMP PodMonitoring and Prometheus Operator targets carry these).
+TARGET_LABELS = {"pod", "namespace", "instance", "job", "container", "node", "cluster", "location"}
+# Grafana's own variables, interpolated as Grafana does before a query reaches Prometheus.
+GRAFANA_VARS = {"$__rate_interval": "1m", "$__interval": "30s", "$__range": "1h"}
+
+
+# ------------------------------------------------------------------------------------------- PromQL parser
+
+
+def promql_version() -> str:
+    m = re.search(r"github\.com/prometheus/prometheus (v\S+)", (PROMQL_SRC / "go.mod").read_text())
+    return m.group(1)
+
+
+@pytest.fixture(scope="session")
+def promql_check() -> Path:
+    """The parser binary, built once per Prometheus version into the cache."""
+    binary = CACHE / f"promql-check-{promql_version()}" / "promql-check"
+    if not binary.is_file():
+        go = shutil.which("go") or "/usr/local/go/bin/go"
+        binary.parent.mkdir(parents=True, exist_ok=True)
+        tmp = binary.with_suffix(".tmp")
+        env = {**os.environ, "GOTOOLCHAIN": "local", "CGO_ENABLED": "0", "GOFLAGS": "-mod=readonly -buildvcs=false -p=2"}
+        p = subprocess.run([go, "build", "-trimpath", "-o", str(tmp), "."], cwd=PROMQL_SRC, env=env,
+                           capture_output=True, text=True, timeout=900)
+        assert p.returncode == 0, f"building tests/charts/promql failed:\n{p.stdout}\n{p.stderr}"
+        tmp.rename(binary)
+    return binary
+
+
+def parse_promql(binary: Path, exprs: list[str]) -> list[dict]:
+    p = subprocess.run([str(binary)], input=json.dumps(exprs), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)
+
+
+def test_promql_checker_rejects_what_prometheus_rejects(promql_check):
+    good, bad, unknown_fn = parse_promql(promql_check, [
+        'histogram_quantile(0.9, sum by (le) (rate(x_bucket{a=~"b"}[1m])))',
+        "rate(x[1m]",
+        "rated(x[1m])",
+    ])
+    assert good["error"] == "" and good["groupings"] == [{"by": ["le"], "metrics": ["x_bucket"]}]
+    assert "unclosed left parenthesis" in bad["error"]
+    assert "unknown function" in unknown_fn["error"]
+
+
+# ------------------------------------------------------------------------------------------- the dashboard
+
+
+def dashboard() -> dict:
+    return json.loads(DASHBOARD.read_text())
+
+
+def all_panels(d: dict) -> list[dict]:
+    out = []
+    for p in d["panels"]:
+        out.append(p)
+        out += p.get("panels", [])
+    return out
+
+
+def grafana_regex_escape(value: str) -> str:
+    """Grafana's Prometheus data source escaping of a multi-value variable inside a regex matcher
+    (prometheusSpecialRegexEscape): regex metacharacters get a double backslash, i.e. a backslash that
+    survives the PromQL string literal."""
+    return re.sub(r"([\\^$*+?.()|{}\[\]])", r"\\\\\1", value)
+
+
+def interpolate(expr: str) -> str:
+    for var, value in GRAFANA_VARS.items():
+        expr = expr.replace(var, value)
+    # The model variable (multi-value, regex matcher): Grafana substitutes the escaped value.
+    expr = expr.replace("$model", grafana_regex_escape(MODEL))
+    assert "$" not in expr, f"uninterpolated variable in {expr!r}"
+    return expr
+
+
+def queries(d: dict) -> list[tuple[str, str]]:
+    """(where, PromQL) for every panel target and the model variable's metric."""
+    out = [(f"panel {p['title']!r}", interpolate(t["expr"]))
+           for p in all_panels(d) for t in p.get("targets", [])]
+    for var in d["templating"]["list"]:
+        if var["type"] == "query":
+            m = re.fullmatch(r"label_values\((\w+),\s*(\w+)\)", var["query"]["query"])
+            assert m, f"variable {var['name']}: unexpected query {var['query']}"
+            out.append((f"variable {var['name']}", f'{m.group(1)}{{{m.group(2)}!=""}}'))
+    return out
+
+
+def test_dashboard_has_the_panels_an_on_call_engineer_needs():
+    titles = {p["title"] for p in all_panels(dashboard()) if p["type"] != "row"}
+    assert {"Request rate", "Time to first token", "Inter-token latency", "End-to-end latency", "Tokens/s",
+            "Running and waiting requests", "Finish reasons", "Boot stage seconds", "Build info",
+            "Readiness per pod"} <= titles
+    ttft = next(p for p in all_panels(dashboard()) if p["title"] == "Time to first token")
+    assert {t["legendFormat"] for t in ttft["targets"]} >= {"p50", "p95", "p99"}
+    variables = {v["name"]: v for v in dashboard()["templating"]["list"]}
+    assert variables["model"]["multi"] and variables["model"]["includeAll"]
+    for p in all_panels(dashboard()):
+        for t in p.get("targets", []):
+            assert 'model_name=~"$model"' in t["expr"], f"{p['title']}: {t['expr']} ignores the model variable"
+            assert t["datasource"]["uid"] == "${datasource}"
+
+
+def test_dashboard_ids_and_grid_are_consistent():
+    panels = all_panels(dashboard())
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids)), "duplicate panel ids"
+    for p in panels:
+        g = p["gridPos"]
+        assert 0 <= g["x"] and g["x"] + g["w"] <= 24, f"{p['title']} is wider than the grid"
+
+
+# ------------------------------------------------------------------------------------------- a real server
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(base: str) -> dict[str, list]:
+    """metric sample name -> [(labels, value)] from /metrics."""
+    out: dict[str, list] = {}
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+@pytest.fixture(scope="module")
+def traffic_scrape(chat_checkpoint, tmp_path_factory):  # noqa: F811
+    """Start `python -m gemma_server`, send real traffic with the openai SDK, return the /metrics samples."""
+    from openai import OpenAI
+
+    port = free_port()
+    d = tmp_path_factory.mktemp("dashboard-server")
+    log = d / "server.log"
+    cmd = [sys.executable, "-m", "gemma_server", "--use-installed-engine", "--host", "127.0.0.1",
+           "--port", str(port), "--termination-log", str(d / "termination.log")]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "GEMMA_MODEL": str(chat_checkpoint), "GEMMA_CONTEXT": "1024",
+           "GEMMA_DTYPE": "float32", "GEMMA_SERVED_MODEL_NAME": MODEL, "GEMMA_READ_EVERY": "2"}
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+            try:
+                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, f"server not ready in 300s:\n{log.read_text()[-3000:]}"
+            time.sleep(0.2)
+        client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello there"}],
+                                       max_tokens=8)
+        for chunk in client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Count to five"}], max_tokens=12,
+                stream=True, stream_options={"include_usage": True}):
+            pass
+        client.completions.create(model=MODEL, prompt="The ocean is", max_tokens=6)
+        for chunk in client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10, stream=True):
+            pass
+        yield scrape(base)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def selects(matchers: list[dict], labels: dict[str, str]) -> bool:
+    for m in matchers:
+        value = labels.get(m["name"], "")
+        ok = {"=": value == m["value"], "!=": value != m["value"],
+              "=~": re.fullmatch(m["value"], value) is not None,
+              "!~": re.fullmatch(m["value"], value) is None}[m["type"]]
+        if not ok:
+            return False
+    return True
+
+
+def test_every_dashboard_query_parses_and_reads_series_the_server_exports(promql_check, traffic_scrape):
+    where_exprs = queries(dashboard())
+    results = parse_promql(promql_check, [e for _, e in where_exprs])
+    problems = []
+    for (where, expr), r in zip(where_exprs, results):
+        if r["error"]:
+            problems.append(f"{where}: {expr}: {r['error']}")
+            continue
+        assert r["selectors"], f"{where}: {expr} selects nothing"
+        for sel in r["selectors"]:
+            samples = traffic_scrape.get(sel["metric"])
+            if not samples:
+                problems.append(f"{where}: {sel['metric']} is not exported")
+            elif not any(selects(sel["matchers"], labels) for labels, _ in samples):
+                problems.append(f"{where}: {sel['metric']}{sel['matchers']} matches no exported series")
+        for g in r["groupings"]:
+            for metric in g["metrics"]:
+                exported = set().union(*(labels.keys() for labels, _ in traffic_scrape.get(metric, [({}, 0)])))
+                missing = set(g["by"]) - exported - TARGET_LABELS
+                if missing:
+                    problems.append(f"{where}: by {sorted(missing)} not on {metric}")
+    assert not problems, "\n".join(problems)
+
+
+def test_traffic_moved_every_series_the_panels_plot(promql_check, traffic_scrape):
+    names = {sel["metric"] for r in parse_promql(promql_check, [e for _, e in queries(dashboard())])
+             for sel in r["selectors"]}
+    mine = lambda name: [v for labels, v in traffic_scrape[name] if labels.get("model_name") == MODEL]  # noqa: E731
+    for name in sorted(names):
+        if name.endswith(("_bucket", "_sum", "_count")):
+            base = name.rsplit("_", 1)[0]
+            assert sum(mine(f"{base}_count")) > 0, f"{base}: no observations after traffic"
+        elif name.endswith("_total"):
+            assert sum(mine(name)) > 0, f"{name}: still 0 after traffic"
+    assert mine("gemma_engine_ready") == [1.0]
+    stages = {labels["stage"]: v for labels, v in traffic_scrape["gemma_boot_stage_seconds"]}
+    assert stages["weights"] > 0 and stages["warmup"] > 0, stages
+    (info,) = traffic_scrape["gemma_build_info"]
+    assert {"torch", "rustc", "python", "crate", "device", "torch_tpu"} <= info[0].keys() and info[1] == 1
+    reasons = {labels["finished_reason"] for labels, _ in traffic_scrape["gemma_request_success_total"]}
+    assert reasons == {"stop", "length", "abort", "error"}

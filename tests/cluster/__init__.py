@@ -1,0 +1,1 @@
+"""Local Kubernetes control plane (etcd, kube-apiserver, controller-manager, scheduler, kwok) for tests."""

@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# Build, once, the local control plane's binaries from the Go module proxy into a cache outside the checkout:
+#   etcd, kube-apiserver, kube-scheduler, kube-controller-manager, kubectl, kwok, helm
+# into $GEMMA_K8S_CACHE (default $HOME/.cache/gemma-rust-operator/k8s-v$K8S_VERSION/bin).
+#
+# k8s.io/kubernetes is used as a Go module. Its go.mod points every k8s.io/* staging module at
+# ./staging/src/..., which does not exist outside its repository, so a temporary go.mod requires it at a
+# pinned version and replaces each staging module with the published k8s.io/<name> v0.<minor>.<patch>
+# (the staging modules are tagged in lockstep with the kubernetes release). etcd, kwok and helm are built
+# from their own temporary modules so their dependency graphs do not have to agree with kubernetes'.
+#
+# Builds are niced and limited to GOFLAGS=-p=2 (the machine has 2 cores). A binary already in the cache is
+# never rebuilt. Exit status is non-zero (and the log says why) if any build fails.
+set -euo pipefail
+
+K8S_VERSION="${K8S_VERSION:-1.37.2}"
+STAGING_VERSION="v0.${K8S_VERSION#1.}"
+ETCD_VERSION="${ETCD_VERSION:-v3.7.0}"   # the version k8s.io/kubernetes v1.37.2 itself requires
+KWOK_VERSION="${KWOK_VERSION:-v0.8.0}"
+HELM_VERSION="${HELM_VERSION:-v3.22.0}"
+BIN="${GEMMA_K8S_CACHE:-$HOME/.cache/gemma-rust-operator/k8s-v$K8S_VERSION/bin}"
+export PATH="/usr/local/go/bin:$PATH"
+export GOFLAGS="${GOFLAGS:--p=2}"
+export CGO_ENABLED=0
+export GOTOOLCHAIN=local
+
+STAGING=(api apiextensions-apiserver apimachinery apiserver cli-runtime client-go cloud-provider
+  cluster-bootstrap code-generator component-base component-helpers controller-manager cri-api cri-client
+  cri-streaming csi-translation-lib dynamic-resource-allocation endpointslice externaljwt kms kube-aggregator
+  kube-controller-manager kube-proxy kube-scheduler kubectl kubelet metrics mount-utils
+  pod-security-admission sample-apiserver streaming)
+
+mkdir -p "$BIN"
+WORK="$(mktemp -d)"
+trap 'rm -rf "$WORK"' EXIT
+
+need() { for b in "$@"; do [[ -x "$BIN/$b" ]] || return 0; done; return 1; }
+
+build_kubernetes() {
+  need kube-apiserver kube-scheduler kube-controller-manager kubectl || { echo "kubernetes: cached"; return; }
+  local d="$WORK/k8s"; mkdir -p "$d"; cd "$d"
+  {
+    echo "module local/k8sbuild"; echo; echo "go 1.26.0"; echo
+    echo "require k8s.io/kubernetes v$K8S_VERSION"; echo; echo "replace ("
+    for m in "${STAGING[@]}"; do echo "	k8s.io/$m => k8s.io/$m $STAGING_VERSION"; done
+    echo ")"
+  } > go.mod
+  # A blank-import file makes `go mod tidy` record every dependency the four commands need.
+  {
+    echo "package tools"; echo "import ("
+    for c in kube-apiserver kube-scheduler kube-controller-manager kubectl; do echo "	_ \"k8s.io/kubernetes/cmd/$c\""; done
+    echo ")"
+  } > tools.go
+  # tools.go imports main packages, which Go refuses to compile, but `go mod tidy` only needs the graph.
+  go mod tidy -e
+  local major="${K8S_VERSION%%.*}" rest="${K8S_VERSION#*.}"; local minor="${rest%%.*}"
+  local ld="-s -w"
+  for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    ld+=" -X $p.gitVersion=v$K8S_VERSION -X $p.gitMajor=$major -X $p.gitMinor=$minor"
+    ld+=" -X $p.gitTreeState=clean -X $p.buildDate=1970-01-01T00:00:00Z"
+  done
+  rm tools.go
+  nice -n 10 go build -trimpath -ldflags "$ld" -o "$BIN/" \
+    k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-scheduler \
+    k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kubectl
+}
+
+build_single() {  # name module version package [extra ldflags]
+  local name="$1" mod="$2" ver="$3" pkg="$4" extra="${5:-}"
+  need "$name" || { echo "$name: cached"; return; }
+  local d="$WORK/$name"; mkdir -p "$d"; cd "$d"
+  printf 'module local/%sbuild\n\ngo 1.26.0\n\nrequire %s %s\n' "$name" "$mod" "$ver" > go.mod
+  printf 'package tools\nimport _ "%s"\n' "$pkg" > tools.go
+  go mod tidy -e
+  rm tools.go
+  nice -n 10 go build -trimpath -ldflags "-s -w $extra" -o "$d/out" "$pkg"
+  mv "$d/out" "$BIN/$name"
+}
+
+# kwok ships no default stages in its binary (kwokctl embeds them); keep the release's own stage files
+# (node initialize + lease heartbeat, pod fast lifecycle) next to the binaries.
+copy_kwok_stages() {
+  local out="$BIN/../kwok-stages"
+  [[ -f "$out/pod-ready.yaml" ]] && { echo "kwok stages: cached"; return; }
+  local d="$WORK/kwok-stages"; mkdir -p "$d" "$out"; cd "$d"
+  printf 'module local/kwokstages\n\ngo 1.26.0\n' > go.mod
+  local src; src="$(go mod download -json "sigs.k8s.io/kwok@$KWOK_VERSION" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')"
+  for sub in node/fast node/heartbeat-with-lease pod/fast; do
+    for f in "$src/kustomize/stage/$sub"/*.yaml; do
+      [[ "$(basename "$f")" == kustomization.yaml ]] || cp "$f" "$out/"
+    done
+  done
+  chmod 644 "$out"/*.yaml
+}
+
+start=$(date +%s)
+build_single etcd go.etcd.io/etcd/server/v3 "$ETCD_VERSION" go.etcd.io/etcd/server/v3
+build_single kwok sigs.k8s.io/kwok "$KWOK_VERSION" sigs.k8s.io/kwok/cmd/kwok
+build_kubernetes
+build_single helm helm.sh/helm/v3 "$HELM_VERSION" helm.sh/helm/v3/cmd/helm \
+  "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
+copy_kwok_stages
+echo "built into $BIN in $(( $(date +%s) - start ))s"
+ls -l "$BIN"

@@ -1,0 +1,422 @@
+"""A local Kubernetes control plane for tests and for trying the operator without a cloud.
+
+Real etcd, kube-apiserver (RBAC on, TLS with certificates made here by openssl), kube-controller-manager
+(garbage collector, Deployment/ReplicaSet, namespace controllers...) and kube-scheduler, all on loopback
+ports picked free at start, plus kwok, which plays the kubelets: it keeps fake nodes Ready and moves the
+pods the real scheduler binds to them through their lifecycle. The nodes mirror a GKE cluster with TPU v5e
+node pools (GKE's labels, `google.com/tpu` capacity and the `google.com/tpu=present:NoSchedule` taint), so
+the scheduler places or refuses the operator's pods exactly as it would on GKE.
+
+The binaries come from tests/cluster/build_binaries.sh (built once into ~/.cache/gemma-rust-operator).
+
+Fake kubelet behaviours (kwok stages), selected by pod annotations the tests put on their servers:
+    fake.gemmarust.dev/boot: hold-unready   -> the container runs but never turns Ready (a server booting)
+    fake.gemmarust.dev/boot: crash          -> the container crash-loops; its termination message is the
+                                               annotation fake.gemmarust.dev/termination-message
+Every other pod becomes Running and Ready at once (kwok's own pod-ready stage).
+
+Command line (keeps running until Ctrl-C):
+    .venv/bin/python -m tests.cluster.controlplane up [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+K8S_VERSION = os.environ.get("K8S_VERSION", "1.37.2")
+CACHE = Path(os.environ.get("GEMMA_CACHE", Path.home() / ".cache" / "gemma-rust-operator"))
+BIN_DIR = Path(os.environ.get("GEMMA_K8S_CACHE", CACHE / f"k8s-v{K8S_VERSION}" / "bin"))
+STAGES_DIR = BIN_DIR.parent / "kwok-stages"
+BUILD_SCRIPT = Path(__file__).with_name("build_binaries.sh")
+BINARIES = ["etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kwok", "helm"]
+
+BOOT_ANNOTATION = "fake.gemmarust.dev/boot"
+TERMINATION_ANNOTATION = "fake.gemmarust.dev/termination-message"
+SERVICE_CIDR = "10.96.0.0/16"
+
+
+class ControlPlaneError(RuntimeError):
+    """The control plane could not be built or started; the message says which part and where its log is."""
+
+
+def ensure_binaries(log: Path | None = None) -> Path:
+    """Build the binaries once (slow: many minutes on two cores); later calls find them in the cache.
+
+    Raises:
+        ControlPlaneError: the build failed (the log's tail is in the message).
+    """
+    if all((BIN_DIR / b).is_file() for b in BINARIES) and (STAGES_DIR / "pod-ready.yaml").is_file():
+        return BIN_DIR
+    log = log or (CACHE / f"k8s-v{K8S_VERSION}-build.log")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    with open(log, "w") as fh:
+        rc = subprocess.call(["bash", str(BUILD_SCRIPT)], stdout=fh, stderr=subprocess.STDOUT,
+                             env={**os.environ, "K8S_VERSION": K8S_VERSION})
+    if rc != 0 or not all((BIN_DIR / b).is_file() for b in BINARIES):
+        tail = log.read_text()[-3000:]
+        raise ControlPlaneError(f"building the control plane binaries failed (exit {rc}); log {log}:\n{tail}")
+    print(f"control plane binaries built in {time.monotonic() - start:.0f}s into {BIN_DIR}", file=sys.stderr)
+    return BIN_DIR
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def make_certs(d: Path) -> None:
+    """CA, API server serving cert, an admin client cert (system:masters) and the service-account key pair."""
+    _openssl("genrsa", "-out", "ca.key", "2048", cwd=d)
+    _openssl("req", "-x509", "-new", "-nodes", "-key", "ca.key", "-subj", "/CN=gemma-local-ca", "-days", "3650",
+             "-out", "ca.crt", cwd=d)
+    sans = ("subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,"
+            "DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local,IP:10.96.0.1")
+    for name, subj, ext in (
+            ("apiserver", "/CN=kube-apiserver", f"{sans}\nextendedKeyUsage=serverAuth\n"),
+            ("admin", "/O=system:masters/CN=admin", "extendedKeyUsage=clientAuth\n")):
+        (d / f"{name}.ext").write_text(ext)
+        _openssl("genrsa", "-out", f"{name}.key", "2048", cwd=d)
+        _openssl("req", "-new", "-key", f"{name}.key", "-subj", subj, "-out", f"{name}.csr", cwd=d)
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-days", "3650", "-out", f"{name}.crt", "-extfile", f"{name}.ext", cwd=d)
+    _openssl("genrsa", "-out", "sa.key", "2048", cwd=d)
+    _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)
+
+
+def kubeconfig_text(server: str, d: Path, *, token: str | None = None, user: str = "admin") -> str:
+    """A kubeconfig for `server`: the admin client certificate, or a bearer token when given."""
+    creds: dict[str, Any] = {"token": token} if token else {
+        "client-certificate": str(d / "admin.crt"), "client-key": str(d / "admin.key")}
+    return yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "local",
+        "clusters": [{"name": "local", "cluster": {"server": server, "certificate-authority": str(d / "ca.crt")}}],
+        "users": [{"name": user, "user": creds}],
+        "contexts": [{"name": "local", "context": {"cluster": "local", "user": user, "namespace": "default"}}],
+    })
+
+
+def kwok_stages() -> str:
+    """kwok's own stages for this release, with pod-ready skipping our fake boot behaviours, plus those."""
+    docs = []
+    for f in sorted(STAGES_DIR.glob("*.yaml")):
+        docs += [doc for doc in yaml.safe_load_all(f.read_text()) if doc]
+    ready = next(doc for doc in docs if doc["metadata"]["name"] == "pod-ready")
+    ready["spec"]["selector"]["matchExpressions"].append(
+        {"key": f'.metadata.annotations["{BOOT_ANNOTATION}"]', "operator": "DoesNotExist"})
+    docs += [_fake_stage("hold-unready"), _fake_stage("crash")]
+    return yaml.safe_dump_all(docs, sort_keys=False)
+
+
+_FAKE_STATUS = """\
+{{ $now := Now }}
+conditions:
+- lastTransitionTime: {{ $now | Quote }}
+  status: "True"
+  type: Initialized
+- lastTransitionTime: {{ $now | Quote }}
+  status: "False"
+  reason: ContainersNotReady
+  type: Ready
+- lastTransitionTime: {{ $now | Quote }}
+  status: "False"
+  reason: ContainersNotReady
+  type: ContainersReady
+containerStatuses:
+{{ range .spec.containers }}
+- image: {{ .image | Quote }}
+  name: {{ .name | Quote }}
+  ready: false
+  restartCount: RESTARTS
+  STATE
+{{ end }}
+phase: Running
+startTime: {{ $now | Quote }}
+"""
+
+_FAKE_STATES = {
+    # A server booting: the process runs, /health is 503, so the pod is never Ready.
+    "hold-unready": ("0", "started: true\n  state:\n    running:\n      startedAt: {{ $now | Quote }}"),
+    # A server whose boot stage failed: exit 1 with the reason in the termination message, then back-off.
+    "crash": ("3", "started: false\n  lastState:\n    terminated:\n      exitCode: 1\n      reason: Error\n"
+                   f'      message: {{{{ index $.metadata.annotations "{TERMINATION_ANNOTATION}" | Quote }}}}\n'
+                   "      startedAt: {{ $now | Quote }}\n      finishedAt: {{ $now | Quote }}\n"
+                   "  state:\n    waiting:\n      reason: CrashLoopBackOff\n"
+                   "      message: back-off 40s restarting failed container"),
+}
+
+
+def _fake_stage(mode: str) -> dict[str, Any]:
+    """A kwok stage for pods annotated fake.gemmarust.dev/boot=<mode> (see the module docstring)."""
+    restarts, state = _FAKE_STATES[mode]
+    return {
+        "apiVersion": "kwok.x-k8s.io/v1alpha1", "kind": "Stage",
+        "metadata": {"name": f"fake-gemmarust-{mode}"},
+        "spec": {
+            "resourceRef": {"apiGroup": "v1", "kind": "Pod"},
+            "selector": {"matchExpressions": [
+                {"key": ".metadata.deletionTimestamp", "operator": "DoesNotExist"},
+                {"key": ".status.phase", "operator": "In", "values": ["Pending"]},
+                {"key": f'.metadata.annotations["{BOOT_ANNOTATION}"]', "operator": "In", "values": [mode]},
+            ]},
+            "next": {"statusTemplate": _FAKE_STATUS.replace("RESTARTS", restarts).replace("STATE", state)},
+        },
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Nodes
+
+
+def _node(name: str, labels: dict[str, str], capacity: dict[str, str], taints: list[dict[str, str]]) -> dict:
+    return {
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": name, "annotations": {"kwok.x-k8s.io/node": "fake"},
+                     "labels": {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
+                                "kubernetes.io/arch": "amd64", "type": "kwok", **labels}},
+        "spec": {"taints": taints},
+        "status": {"capacity": capacity, "allocatable": capacity},
+    }
+
+
+TPU_TAINT = {"key": "google.com/tpu", "value": "present", "effect": "NoSchedule"}
+
+
+def tpu_node(name: str, topology: str, *, provisioning: str = "standard") -> dict:
+    """A GKE TPU v5e node (ct5lp-hightpu-{1,4,8}t) of a single-host topology."""
+    chips = {"1x1": 1, "2x2": 4, "2x4": 8}[topology]
+    cpu, mem = {1: ("24", "48Gi"), 4: ("112", "192Gi"), 8: ("224", "384Gi")}[chips]
+    labels = {"cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice",
+              "cloud.google.com/gke-tpu-topology": topology,
+              "cloud.google.com/gke-nodepool": f"v5e-{topology}-{provisioning}",
+              "node.kubernetes.io/instance-type": f"ct5lp-hightpu-{chips}t",
+              "cloud.google.com/gke-provisioning": provisioning}
+    if provisioning == "spot":
+        labels["cloud.google.com/gke-spot"] = "true"
+    if provisioning == "flex-start":
+        labels["cloud.google.com/gke-flex-start"] = "true"
+    return _node(name, labels, {"cpu": cpu, "memory": mem, "pods": "110", "google.com/tpu": str(chips)},
+                 [TPU_TAINT])
+
+
+def cpu_node(name: str) -> dict:
+    return _node(name, {"cloud.google.com/gke-nodepool": "default-pool",
+                        "node.kubernetes.io/instance-type": "n2-standard-32"},
+                 {"cpu": "32", "memory": "128Gi", "pods": "500"}, [])
+
+
+def default_nodes() -> list[dict]:
+    """Two v5e 1x1, one v5e 2x2, a spot 2x2, a flex-start 1x1, and a CPU node (no 2x4: tests rely on that)."""
+    return [
+        tpu_node("v5e-1x1-a", "1x1"), tpu_node("v5e-1x1-b", "1x1"), tpu_node("v5e-2x2-a", "2x2"),
+        tpu_node("v5e-2x2-spot-a", "2x2", provisioning="spot"),
+        tpu_node("v5e-1x1-flex-a", "1x1", provisioning="flex-start"),
+        cpu_node("cpu-a"),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The control plane
+
+
+@dataclass
+class ControlPlane:
+    """Start/stop the local control plane in `workdir`; `kubeconfig` is usable once `start()` returns."""
+
+    workdir: Path
+    nodes: list[dict] = field(default_factory=default_nodes)
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    args: dict[str, list[str]] = field(default_factory=dict)
+    server: str = ""
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.workdir / "kubeconfig"
+
+    @property
+    def bin(self) -> Path:
+        return BIN_DIR
+
+    def log(self, name: str) -> Path:
+        return self.workdir / "logs" / f"{name}.log"
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        self.args[name] = args
+        self.log(name).parent.mkdir(parents=True, exist_ok=True)
+        fh = open(self.log(name), "a")
+        self.procs[name] = subprocess.Popen([str(BIN_DIR / name), *args], stdout=fh, stderr=subprocess.STDOUT,
+                                            start_new_session=True, cwd=self.workdir)
+
+    def _check_alive(self) -> None:
+        for name, p in self.procs.items():
+            if p.poll() is not None:
+                tail = self.log(name).read_text()[-3000:]
+                raise ControlPlaneError(f"{name} exited with {p.returncode}; log {self.log(name)}:\n{tail}")
+
+    def _wait(self, what: str, ok, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._check_alive()
+            try:
+                if ok():
+                    return
+            except (OSError, ValueError, subprocess.SubprocessError):
+                pass
+            time.sleep(0.2)
+        raise ControlPlaneError(f"timed out after {timeout:.0f}s waiting for {what}; logs in {self.workdir / 'logs'}")
+
+    def _https_get(self, path: str) -> tuple[int, bytes]:
+        ctx = ssl.create_default_context(cafile=str(self.workdir / "ca.crt"))
+        ctx.load_cert_chain(str(self.workdir / "admin.crt"), str(self.workdir / "admin.key"))
+        try:
+            with urllib.request.urlopen(self.server + path, context=ctx, timeout=5) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def start(self) -> "ControlPlane":
+        ensure_binaries()
+        d = self.workdir
+        d.mkdir(parents=True, exist_ok=True)
+        make_certs(d)
+        etcd_port, peer_port, api_port = free_port(), free_port(), free_port()
+        self.server = f"https://127.0.0.1:{api_port}"
+        self.kubeconfig.write_text(kubeconfig_text(self.server, d))
+        self._spawn("etcd", [
+            "--name=local", f"--data-dir={d / 'etcd'}", f"--listen-client-urls=http://127.0.0.1:{etcd_port}",
+            f"--advertise-client-urls=http://127.0.0.1:{etcd_port}", f"--listen-peer-urls=http://127.0.0.1:{peer_port}",
+            f"--initial-advertise-peer-urls=http://127.0.0.1:{peer_port}",
+            f"--initial-cluster=local=http://127.0.0.1:{peer_port}", "--listen-metrics-urls=",
+            "--unsafe-no-fsync=true", "--quota-backend-bytes=2147483648", "--log-level=warn"])
+        self._spawn("kube-apiserver", [
+            f"--etcd-servers=http://127.0.0.1:{etcd_port}", "--bind-address=127.0.0.1",
+            f"--secure-port={api_port}", "--advertise-address=127.0.0.1",
+            f"--tls-cert-file={d / 'apiserver.crt'}", f"--tls-private-key-file={d / 'apiserver.key'}",
+            f"--client-ca-file={d / 'ca.crt'}", f"--service-account-key-file={d / 'sa.pub'}",
+            f"--service-account-signing-key-file={d / 'sa.key'}",
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+            f"--service-cluster-ip-range={SERVICE_CIDR}", "--authorization-mode=Node,RBAC",
+            "--allow-privileged=true", "--endpoint-reconciler-type=none", f"--cert-dir={d / 'apiserver-certs'}",
+            "--profiling=false", "--v=1"])
+        self._wait("kube-apiserver /readyz", lambda: self._https_get("/readyz")[0] == 200, timeout=120)
+        kc = str(self.kubeconfig)
+        self._spawn("kube-controller-manager", [
+            f"--kubeconfig={kc}", f"--authentication-kubeconfig={kc}", f"--authorization-kubeconfig={kc}",
+            f"--service-account-private-key-file={d / 'sa.key'}", f"--root-ca-file={d / 'ca.crt'}",
+            "--leader-elect=false", "--bind-address=127.0.0.1", f"--secure-port={free_port()}",
+            "--use-service-account-credentials=false", "--controllers=*,-nodeipam",
+            "--concurrent-deployment-syncs=10", "--concurrent-replicaset-syncs=10", "--concurrent-gc-syncs=20",
+            "--kube-api-qps=200", "--kube-api-burst=400", "--v=1"])
+        self._spawn("kube-scheduler", [
+            f"--kubeconfig={kc}", f"--authentication-kubeconfig={kc}", f"--authorization-kubeconfig={kc}",
+            "--leader-elect=false", "--bind-address=127.0.0.1", f"--secure-port={free_port()}",
+            "--kube-api-qps=200", "--kube-api-burst=400", "--v=1"])
+        (d / "kwok.yaml").write_text(kwok_stages())
+        self._spawn("kwok", [
+            f"--kubeconfig={kc}", f"--config={d / 'kwok.yaml'}", "--manage-all-nodes=false",
+            "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake", "--cidr=10.244.0.1/16",
+            "--node-ip=10.128.0.1", f"--server-address=127.0.0.1:{free_port()}",
+            "--node-lease-duration-seconds=40"])
+        for node in self.nodes:
+            self.kubectl("create", "-f", "-", input=json.dumps(node))
+        self._wait("fake nodes Ready", self._nodes_ready, timeout=60)
+        self._wait("default service account", lambda: self.kubectl(
+            "get", "serviceaccount", "default", "-n", "default", check=False).returncode == 0, timeout=60)
+        return self
+
+    def restart(self, name: str) -> None:
+        """Restart one component with its arguments (e.g. kube-controller-manager after installing CRDs:
+        its garbage collector looks for new resource types only every 30 s, a hard-coded period, so until
+        then the children of a new kind's objects are not collected)."""
+        p = self.procs[name]
+        p.terminate()
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=5)
+        self._spawn(name, self.args[name])
+
+    def _nodes_ready(self) -> bool:
+        out = json.loads(self.kubectl("get", "nodes", "-o", "json").stdout)
+        ready = [n for n in out["items"] if any(c["type"] == "Ready" and c["status"] == "True"
+                                               for c in n.get("status", {}).get("conditions", []))]
+        return len(ready) == len(self.nodes)
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+        """Run kubectl against this control plane; raises CalledProcessError (with stderr) when check fails."""
+        p = subprocess.run([str(BIN_DIR / "kubectl"), f"--kubeconfig={self.kubeconfig}", *args], input=input,
+                           capture_output=True, text=True, timeout=60)
+        if check and p.returncode != 0:
+            raise subprocess.CalledProcessError(p.returncode, p.args, p.stdout, p.stderr)
+        return p
+
+    def stop(self) -> None:
+        for name in reversed(list(self.procs)):
+            p = self.procs[name]
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for name in reversed(list(self.procs)):
+            p = self.procs[name]
+            try:
+                # The cluster is disposable: do not wait out kube-apiserver's graceful drain of watches.
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=5)
+        self.procs.clear()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("command", choices=["up", "build"])
+    ap.add_argument("--dir", type=Path, default=None, help="working directory (default: a new temp dir)")
+    args = ap.parse_args()
+    if args.command == "build":
+        print(ensure_binaries())
+        return
+    workdir = args.dir or Path(tempfile.mkdtemp(prefix="gemma-k8s-"))
+    cp = ControlPlane(workdir)
+    try:
+        cp.start()
+        print(f"control plane up; logs in {workdir / 'logs'}\n"
+              f"  export KUBECONFIG={cp.kubeconfig}\n  export PATH={BIN_DIR}:$PATH\n"
+              f"  kubectl apply -f crds/ && python -m gemma_operator   # then kubectl apply a GemmaRustServer\n"
+              "Ctrl-C stops it.", flush=True)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        # A shell starts background jobs with SIGINT ignored; Ctrl-C / kill -INT should still stop us.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        cp.stop()
+        if args.dir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Harness for running the operator against the local control plane (used by tests/operator/conftest.py
+and bench/operator.py): start it as a real `python -m gemma_operator` process (i.e. `kopf run`) with a
+least-privilege ServiceAccount token, wait with deadlines (never fixed sleeps), small API helpers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable
+
+from gemma_operator.kube import ApiError, Kube
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD_FILE = ROOT / "crds" / "gemmarustservers.gemmarust.dev.yaml"
+GRS_PATH = "/apis/gemmarust.dev/v1alpha1/namespaces/{ns}/gemmarustservers"
+
+
+def wait_for(fn: Callable[[], Any], *, timeout: float = 45.0, what: str = "condition", interval: float = 0.2,
+             diagnose: Callable[[], str] | None = None) -> Any:
+    """Poll `fn` until it returns something truthy; fail with the last value (and a diagnosis) at the deadline."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = fn()
+        except ApiError as e:  # e.g. 404 before the object exists
+            last = e
+        if last and not isinstance(last, Exception):
+            return last
+        time.sleep(interval)
+    extra = f"\n{diagnose()}" if diagnose else ""
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last value: {last!r}{extra}")
+
+
+class Operator:
+    """The operator process and what tests need from it."""
+
+    def __init__(self, proc: subprocess.Popen, log: Path, liveness: str):
+        self.proc, self.log, self.liveness = proc, log, liveness
+
+    def tail(self, n: int = 60) -> str:
+        return "operator log (tail):\n" + "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+def start_operator(kubeconfig: Path, log: Path, *, resync: str = "2", extra_env: dict[str, str] | None = None,
+                   args: tuple[str, ...] = ()) -> Operator:
+    """Start `python -m gemma_operator` (kopf run --standalone -A) and wait for kopf's liveness endpoint."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    liveness = f"http://127.0.0.1:{port}/healthz"
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "GEMMA_OPERATOR_RESYNC_SECONDS": resync,
+           "GEMMA_OPERATOR_TEST_ENGINE_URLS": "1", "GEMMA_OPERATOR_DISCOVERY_TTL_SECONDS": "3",
+           **(extra_env or {})}
+    fh = open(log, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "gemma_operator", f"--liveness={liveness}", *args],
+                            stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+    op = Operator(proc, log, liveness)
+
+    def live() -> bool:
+        if not op.alive():
+            raise AssertionError(f"operator exited with {proc.returncode}\n{op.tail()}")
+        try:
+            with urllib.request.urlopen(liveness, timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    wait_for(live, timeout=60, what="the operator's liveness endpoint", diagnose=op.tail)
+    return op
+
+
+def stop_operator(op: Operator) -> int:
+    if op.alive():
+        op.proc.send_signal(signal.SIGTERM)
+        try:
+            op.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            op.proc.kill()
+            op.proc.wait(timeout=5)
+    return op.proc.returncode
+
+
+def least_privilege_kubeconfig(cluster, kube: Kube, path: Path) -> Path:
+    """A kubeconfig holding a ServiceAccount token bound to exactly gemma_operator.rbac.RULES.
+
+    The operator under test runs with it, so a verb missing from the rules (which the Helm chart copies)
+    fails the integration tests instead of a user's first install.
+    """
+    from gemma_operator import rbac
+    from tests.cluster.controlplane import kubeconfig_text
+
+    def ensure(path_: str, obj: dict) -> None:
+        try:
+            kube.request("POST", path_, obj)
+        except ApiError as e:
+            if e.status != 409:
+                raise
+
+    name, ns = "gemma-rust-operator", "gemma-system"
+    ensure("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+    ensure(f"/api/v1/namespaces/{ns}/serviceaccounts",
+           {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name}})
+    ensure("/apis/rbac.authorization.k8s.io/v1/clusterroles", rbac.cluster_role(name))
+    ensure("/apis/rbac.authorization.k8s.io/v1/clusterrolebindings", {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": {"name": name},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ns}]})
+    token = kube.request("POST", f"/api/v1/namespaces/{ns}/serviceaccounts/{name}/token", {
+        "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+        "spec": {"expirationSeconds": 86400}})["status"]["token"]
+    path.write_text(kubeconfig_text(cluster.cp.server, cluster.cp.workdir, token=token, user=name))
+    return path
+
+
+def install_crd(cluster) -> None:
+    cluster.kubectl("apply", "--server-side", "-f", str(CRD_FILE))
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
+                    "crd/gemmarustservers.gemmarust.dev")
+
+
+def grs(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "gemmarust.dev/v1alpha1", "kind": "GemmaRustServer", "metadata": {"name": name},
+            "spec": spec}
+
+
+def create(kube: Kube, ns: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return kube.request("POST", GRS_PATH.format(ns=ns), grs(name, spec))
+
+
+def get(kube: Kube, ns: str, name: str) -> dict[str, Any]:
+    return kube.request("GET", f"{GRS_PATH.format(ns=ns)}/{name}")
+
+
+def condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == type_), {})
+
+
+def dump(obj: Any) -> str:
+    return json.dumps(obj, indent=1)[:4000]

@@ -1,0 +1,246 @@
+"""Golden-dict tests of the pure builders (operator/gemma_operator/builders.py): no cluster involved."""
+
+from __future__ import annotations
+
+import pytest
+
+from gemma_operator import builders as b
+from gemma_operator.spec import parse_spec
+
+META = b.Meta("gemma", "serving")
+LABELS = {
+    "app.kubernetes.io/name": "gemma-rust-server",
+    "app.kubernetes.io/instance": "gemma",
+    "app.kubernetes.io/component": "model-server",
+    "app.kubernetes.io/part-of": "gemma-rust-operator",
+    "app.kubernetes.io/managed-by": "gemma-rust-operator",
+    "gemmarust.dev/server": "gemma",
+}
+SELECTOR = {"app.kubernetes.io/name": "gemma-rust-server", "app.kubernetes.io/instance": "gemma"}
+
+
+def tpu_spec(**overrides):
+    spec = {
+        "model": {"source": "gs://weights-bucket/gemma-4-e2b", "embeddingTwin": "gs://weights-bucket/emb-int4",
+                  "tokenSecret": {"name": "hf-token"}},
+        "accelerator": {"topology": "2x2", "provisioning": "spot"},
+        "image": "example.com/gemma-server:1.2.3",
+        "engine": {"context": 4096},
+        "server": {"servedModelName": "gemma-4", "shutdownTimeoutSeconds": 20, "startupTimeoutSeconds": 1800},
+        "resources": {"requests": {"cpu": 8, "memory": "64Gi"}},
+        "podAnnotations": {"team": "search"},
+    }
+    spec.update(overrides)
+    return parse_spec(spec)
+
+
+def test_tpu_deployment_matches_golden():
+    assert b.build_deployment(tpu_spec(), META) == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "gemma", "namespace": "serving", "labels": LABELS},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": SELECTOR},
+            "strategy": {"type": "Recreate"},
+            "revisionHistoryLimit": 3,
+            "progressDeadlineSeconds": 2400,
+            "template": {
+                "metadata": {"labels": LABELS,
+                             "annotations": {"team": "search", "gke-gcsfuse/volumes": "true"}},
+                "spec": {
+                    "containers": [{
+                        "name": "server",
+                        "image": "example.com/gemma-server:1.2.3",
+                        "command": ["python", "-m", "gemma_server"],
+                        "env": [
+                            {"name": "GEMMA_MODEL", "value": "gs://weights-bucket/gemma-4-e2b"},
+                            {"name": "GEMMA_EMB", "value": "gs://weights-bucket/emb-int4"},
+                            {"name": "GEMMA_DEVICE", "value": "tpu"},
+                            {"name": "GEMMA_CONTEXT", "value": "4096"},
+                            {"name": "GEMMA_READ_EVERY", "value": "4"},
+                            {"name": "GEMMA_DTYPE", "value": "bfloat16"},
+                            {"name": "GEMMA_SERVED_MODEL_NAME", "value": "gemma-4"},
+                            {"name": "GEMMA_PORT", "value": "8000"},
+                            {"name": "GEMMA_QUEUE_LIMIT", "value": "64"},
+                            {"name": "GEMMA_SHUTDOWN_TIMEOUT", "value": "20"},
+                            {"name": "GEMMA_BUILD_CACHE", "value": "/var/cache/gemma/build"},
+                            {"name": "GEMMA_GCS_ROOT", "value": "/gcs"},
+                            {"name": "HF_HOME", "value": "/var/cache/gemma/hf"},
+                            {"name": "TORCH_TPU_DEFER_AND_FUSE", "value": "1"},
+                            {"name": "PYTHONUNBUFFERED", "value": "1"},
+                            {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}},
+                        ],
+                        "ports": [{"name": "http", "containerPort": 8000, "protocol": "TCP"}],
+                        "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
+                                         "timeoutSeconds": 5, "failureThreshold": 180},
+                        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5,
+                                           "timeoutSeconds": 3, "failureThreshold": 3},
+                        "livenessProbe": {"httpGet": {"path": "/live", "port": "http"}, "periodSeconds": 10,
+                                          "timeoutSeconds": 5, "failureThreshold": 6},
+                        "lifecycle": {"preStop": {"sleep": {"seconds": 5}}},
+                        "resources": {"requests": {"cpu": "8", "memory": "64Gi", "google.com/tpu": "4"},
+                                      "limits": {"google.com/tpu": "4"}},
+                        "volumeMounts": [
+                            {"name": "build-cache", "mountPath": "/var/cache/gemma"},
+                            {"name": "model", "mountPath": "/gcs/weights-bucket", "readOnly": True},
+                        ],
+                        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+                        "terminationMessagePath": "/dev/termination-log",
+                        "terminationMessagePolicy": "FallbackToLogsOnError",
+                    }],
+                    "nodeSelector": {"cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice",
+                                     "cloud.google.com/gke-tpu-topology": "2x2",
+                                     "cloud.google.com/gke-spot": "true"},
+                    "tolerations": [
+                        {"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"},
+                        {"key": "cloud.google.com/gke-spot", "operator": "Equal", "value": "true",
+                         "effect": "NoSchedule"},
+                    ],
+                    "volumes": [
+                        {"name": "build-cache", "emptyDir": {"sizeLimit": "20Gi"}},
+                        {"name": "model", "csi": {"driver": "gcsfuse.csi.storage.gke.io", "readOnly": True,
+                                                  "volumeAttributes": {"bucketName": "weights-bucket",
+                                                                       "mountOptions": b.GCSFUSE_MOUNT_OPTIONS}}},
+                    ],
+                    "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000,
+                                        "fsGroup": 1000, "seccompProfile": {"type": "RuntimeDefault"}},
+                    "terminationGracePeriodSeconds": 40,
+                    "enableServiceLinks": False,
+                },
+            },
+        },
+    }
+
+
+def test_cpu_deployment_uses_rolling_update_and_no_tpu_scheduling():
+    spec = parse_spec({"model": {"source": "hf://google/gemma-4-e2b-it@main"}, "accelerator": {"type": "cpu"},
+                       "replicas": 2, "engine": {"deferAndFuse": False}, "serviceAccountName": "reader",
+                       "nodeSelector": {"pool": "big"}, "tolerations": [{"key": "x", "operator": "Exists"}]})
+    dep = b.build_deployment(spec, META)
+    pod = dep["spec"]["template"]["spec"]
+    assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    assert dep["spec"]["replicas"] == 2
+    assert pod["nodeSelector"] == {"pool": "big"}
+    assert pod["tolerations"] == [{"key": "x", "operator": "Exists"}]
+    assert pod["serviceAccountName"] == "reader"
+    assert pod["volumes"] == [{"name": "build-cache", "emptyDir": {"sizeLimit": "20Gi"}}]
+    assert dep["spec"]["template"]["metadata"]["annotations"] == {}
+    c = pod["containers"][0]
+    assert c["resources"] == {}
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["GEMMA_MODEL"] == "hf://google/gemma-4-e2b-it@main"
+    assert env["GEMMA_DEVICE"] == "cpu"
+    assert env["TORCH_TPU_DEFER_AND_FUSE"] == "0"
+    assert "HF_TOKEN" not in env and "GEMMA_EMB" not in env and "GEMMA_SERVED_MODEL_NAME" not in env
+    assert "GEMMA_GCS_ROOT" not in env
+
+
+@pytest.mark.parametrize("topology,chips", [(None, "1"), ("1x1", "1"), ("2x2", "4"), ("2x4", "8")])
+def test_tpu_chips_follow_topology(topology, chips):
+    accel = {"topology": topology} if topology else {}
+    dep = b.build_deployment(parse_spec({"model": {"source": "hf://a/b"}, "accelerator": accel}), META)
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["containers"][0]["resources"] == {"requests": {"google.com/tpu": chips},
+                                                 "limits": {"google.com/tpu": chips}}
+    assert pod["nodeSelector"]["cloud.google.com/gke-tpu-topology"] == (topology or "1x1")
+
+
+def test_flex_start_and_compute_class_selectors():
+    flex = b.node_selector(parse_spec({"model": {"source": "hf://a/b"},
+                                       "accelerator": {"provisioning": "flex-start"}}))
+    assert flex == {"cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice",
+                    "cloud.google.com/gke-tpu-topology": "1x1", "cloud.google.com/gke-flex-start": "true"}
+    cc = b.node_selector(parse_spec({"model": {"source": "hf://a/b"}, "accelerator": {"computeClass": "tpu-first"}}))
+    assert cc["cloud.google.com/compute-class"] == "tpu-first"
+
+
+def test_pvc_model_source_and_pvc_build_cache():
+    spec = parse_spec({"model": {"source": "pvc://models/gemma/e2b"},
+                       "buildCache": {"type": "pvc", "size": "50Gi", "storageClassName": "premium-rwo"}})
+    dep = b.build_deployment(spec, META)
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["volumes"] == [
+        {"name": "build-cache", "persistentVolumeClaim": {"claimName": "gemma-build-cache"}},
+        {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}},
+    ]
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    assert env["GEMMA_MODEL"] == "/models/pvc/models/gemma/e2b"
+    assert b.build_build_cache_pvc(spec, META) == {
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "gemma-build-cache", "namespace": "serving", "labels": LABELS},
+        "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "50Gi"}},
+                 "storageClassName": "premium-rwo"},
+    }
+
+
+def test_service_matches_golden():
+    assert b.build_service(tpu_spec(server={"port": 9000}), META) == {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": "gemma", "namespace": "serving", "labels": LABELS},
+        "spec": {"type": "ClusterIP", "selector": SELECTOR,
+                 "ports": [{"name": "http", "port": 9000, "targetPort": "http", "protocol": "TCP"}]},
+    }
+
+
+def test_pdb_only_above_one_replica():
+    assert b.build_pdb(tpu_spec(), META) is None
+    assert b.build_pdb(tpu_spec(replicas=3), META) == {
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+        "metadata": {"name": "gemma", "namespace": "serving", "labels": LABELS},
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": SELECTOR}},
+    }
+
+
+def test_pod_monitoring_and_service_monitor_match_golden():
+    spec = tpu_spec(monitoring={"serviceMonitor": True, "interval": "15s"})
+    endpoints = [{"port": "http", "path": "/metrics", "interval": "15s"}]
+    assert b.build_pod_monitoring(spec, META) == {
+        "apiVersion": "monitoring.googleapis.com/v1", "kind": "PodMonitoring",
+        "metadata": {"name": "gemma", "namespace": "serving", "labels": LABELS},
+        "spec": {"selector": {"matchLabels": SELECTOR}, "endpoints": endpoints},
+    }
+    assert b.build_service_monitor(spec, META) == {
+        "apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
+        "metadata": {"name": "gemma", "namespace": "serving", "labels": LABELS},
+        "spec": {"selector": {"matchLabels": SELECTOR}, "endpoints": endpoints},
+    }
+    assert b.build_service_monitor(tpu_spec(), META) is None
+
+
+def test_children_skip_monitoring_kinds_the_cluster_does_not_serve():
+    spec = tpu_spec(monitoring={"serviceMonitor": True}, replicas=1)
+    kids = b.build_children(spec, META, frozenset({"monitoring.coreos.com/v1"}))
+    assert [o["kind"] for o in kids.apply] == ["Deployment", "Service", "ServiceMonitor"]
+    assert kids.absent == [("policy/v1", "PodDisruptionBudget", "gemma")]
+    assert kids.skipped == [("PodMonitoring", "monitoring.googleapis.com/v1 is not served by this cluster "
+                                              "(install GKE managed Prometheus)")]
+
+
+def test_children_mark_switched_off_monitoring_for_deletion():
+    spec = tpu_spec(monitoring={"podMonitoring": False}, replicas=2)
+    kids = b.build_children(spec, META, frozenset({"monitoring.googleapis.com/v1", "monitoring.coreos.com/v1"}))
+    assert [o["kind"] for o in kids.apply] == ["Deployment", "Service", "PodDisruptionBudget"]
+    assert kids.absent == [("monitoring.googleapis.com/v1", "PodMonitoring", "gemma"),
+                           ("monitoring.coreos.com/v1", "ServiceMonitor", "gemma")]
+    assert kids.skipped == []
+
+
+def test_adopt_sets_a_controller_owner_reference_without_mutating():
+    child = b.build_service(tpu_spec(), META)
+    owner = {"apiVersion": "gemmarust.dev/v1alpha1", "kind": "GemmaRustServer",
+             "metadata": {"name": "gemma", "uid": "1234"}}
+    adopted = b.adopt(child, owner)
+    assert adopted["metadata"]["ownerReferences"] == [
+        {"apiVersion": "gemmarust.dev/v1alpha1", "kind": "GemmaRustServer", "name": "gemma", "uid": "1234",
+         "controller": True, "blockOwnerDeletion": True}]
+    assert "ownerReferences" not in child["metadata"]
+
+
+def test_endpoint_and_selector_string():
+    assert b.endpoint(tpu_spec(), META) == "http://gemma.serving.svc.cluster.local:8000/v1"
+    assert b.selector_string(META) == "app.kubernetes.io/instance=gemma,app.kubernetes.io/name=gemma-rust-server"
+
+
+def test_builders_are_deterministic():
+    assert b.build_deployment(tpu_spec(), META) == b.build_deployment(tpu_spec(), META)

@@ -1,0 +1,64 @@
+"""The CRD in crds/ is generated from the pydantic spec and must be up to date; its schema is structural."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from gemma_operator import crd
+
+CRD_FILE = Path(__file__).resolve().parents[2] / "crds" / "gemmarustservers.gemmarust.dev.yaml"
+
+
+def test_checked_in_crd_is_regenerated_from_the_spec():
+    assert CRD_FILE.read_text() == crd.render(), (
+        "crds/ is stale: run `python -m gemma_operator.crd > crds/gemmarustservers.gemmarust.dev.yaml`")
+
+
+def _walk(node, path="spec"):
+    yield path, node
+    for key, sub in (node.get("properties") or {}).items():
+        yield from _walk(sub, f"{path}.{key}")
+    if isinstance(node.get("items"), dict):
+        yield from _walk(node["items"], f"{path}[]")
+    if isinstance(node.get("additionalProperties"), dict):
+        yield from _walk(node["additionalProperties"], f"{path}{{}}")
+
+
+def test_spec_schema_is_structural():
+    for path, node in _walk(crd.spec_schema()):
+        assert not {"$ref", "anyOf", "oneOf", "allOf", "title"} & set(node), path
+        assert "type" in node or node.get("x-kubernetes-int-or-string"), path
+        assert not ("properties" in node and "additionalProperties" in node), path
+
+
+def test_crd_names_subresources_and_columns():
+    doc = yaml.safe_load(CRD_FILE.read_text())
+    spec = doc["spec"]
+    assert doc["metadata"]["name"] == "gemmarustservers.gemmarust.dev"
+    assert spec["names"]["shortNames"] == ["grs"] and spec["names"]["kind"] == "GemmaRustServer"
+    version = spec["versions"][0]
+    assert version["name"] == "v1alpha1"
+    assert version["subresources"] == {"status": {}, "scale": {
+        "specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector"}}
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == [
+        "Ready", "Phase", "Ready/Replicas", "Model", "Accelerator", "Reason", "Age"]
+
+
+def test_defaults_reach_nested_objects():
+    spec = crd.spec_schema()["properties"]
+    assert spec["accelerator"]["default"] == {}
+    assert spec["accelerator"]["properties"]["type"]["default"] == "tpu-v5-lite-podslice"
+    assert spec["server"]["properties"]["port"]["default"] == 8000
+    assert "default" not in spec["model"]["properties"]["tokenSecret"]  # optional: stays absent
+
+
+def test_cross_field_rules_are_cel():
+    spec = crd.spec_schema()
+    rules = [r["rule"] for r in spec["x-kubernetes-validations"]]
+    rules += [r["rule"] for r in spec["properties"]["accelerator"]["x-kubernetes-validations"]]
+    assert any("buildCache" in r and "replicas" in r for r in rules)
+    assert any("topology" in r and "cpu" in r for r in rules)
+    assert any("computeClass" in r and "provisioning" in r for r in rules)

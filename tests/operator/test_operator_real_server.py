@@ -1,0 +1,79 @@
+"""The operator reading a real `python -m gemma_server` (the real engine on the tiny chat checkpoint, on CPU).
+
+kwok pods have no process, so the server runs on loopback and the pod points the operator's poller at it
+with the test-only annotation `gemmarust.dev/engine-url-for-tests`. This checks the operator against the
+server's actual /v1/engine and /v1/models documents, not a copy of their shape.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+
+from gemma_operator.engine import TEST_URL_ANNOTATION
+from tests.cluster.controlplane import BOOT_ANNOTATION
+
+from .harness import ROOT, create, get, wait_for
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def real_server(chat_checkpoint, tmp_path_factory):  # chat_checkpoint: tests/checkpoints.py (a plugin)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = tmp_path_factory.mktemp("gemma_server")
+    log = d / "server.log"
+    cmd = [sys.executable, "-m", "gemma_server", "--model", str(chat_checkpoint), "--host", "127.0.0.1",
+           "--port", str(port), "--context", "1024", "--dtype", "float32", "--use-installed-engine",
+           "--served-model-name", "gemma-tiny", "--termination-log", str(d / "termination.log")]
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy():
+        if proc.poll() is not None:
+            raise AssertionError(f"gemma_server exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    wait_for(healthy, timeout=300, what="gemma_server /health 200", diagnose=lambda: log.read_text()[-3000:])
+    yield url
+    proc.terminate()
+    proc.wait(timeout=60)
+
+
+def test_real_server_boot_stages_reach_the_status(kube, ns, operator, real_server):
+    create(kube, ns, "real", {"model": {"source": "hf://google/gemma-4-e2b-it"}, "accelerator": {"type": "cpu"},
+                              "podAnnotations": {BOOT_ANNOTATION: "hold-unready", TEST_URL_ANNOTATION: real_server}})
+
+    def reported():
+        pods = (get(kube, ns, "real").get("status") or {}).get("pods") or []
+        return pods and pods[0].get("engineStage") == "serving" and pods[0]
+    pod = wait_for(reported, what="the real server's boot report in status", diagnose=operator.tail)
+    names = [s["stage"] for s in pod["stages"]]
+    assert {"import", "smoke", "weights", "warmup"} <= set(names), pod["stages"]
+    done = {s["stage"]: s for s in pod["stages"]}
+    for stage in ("import", "smoke", "weights", "warmup"):
+        assert done[stage]["status"] == "ok" and done[stage]["seconds"] > 0, pod["stages"]
+    # Serving but the (kwok-held) pod is not Ready: the last step before Ready.
+    assert get(kube, ns, "real")["status"]["phase"] == "WarmingUp"
+
+
+def test_real_server_served_model_reaches_the_status(kube, ns, operator, real_server):
+    create(kube, ns, "real-ready", {"model": {"source": "hf://google/gemma-4-e2b-it"}, "accelerator": {"type": "cpu"},
+                                    "podAnnotations": {TEST_URL_ANNOTATION: real_server}})
+    obj = wait_for(lambda: (lambda o: o if (o.get("status") or {}).get("servedModel") else None)(
+        get(kube, ns, "real-ready")), what="servedModel from the real /v1/models", diagnose=operator.tail)
+    assert obj["status"]["servedModel"] == "gemma-tiny"
+    assert obj["status"]["phase"] == "Ready"

@@ -1,0 +1,34 @@
+"""The RBAC rules cover every child kind the builders produce (the integration tests then run the operator
+with exactly these rules, which checks the verbs against real API calls)."""
+
+from __future__ import annotations
+
+from gemma_operator import builders as b
+from gemma_operator import rbac
+from gemma_operator.kube import RESOURCES
+from gemma_operator.spec import parse_spec
+
+
+def verbs(group: str, resource: str) -> set[str]:
+    return {v for r in rbac.RULES if group in r["apiGroups"] and resource in r["resources"] for v in r["verbs"]}
+
+
+def test_every_child_kind_can_be_server_side_applied():
+    spec = parse_spec({"model": {"source": "hf://a/b"}, "replicas": 2, "buildCache": {"type": "pvc",
+                       "accessMode": "ReadWriteMany"}, "monitoring": {"serviceMonitor": True}})
+    everything = frozenset(v for v, _ in b.OPTIONAL_KINDS)
+    kids = b.build_children(spec, b.Meta("g", "ns"), everything)
+    assert {o["kind"] for o in kids.apply} == {"PersistentVolumeClaim", "Deployment", "Service",
+                                               "PodDisruptionBudget", "PodMonitoring", "ServiceMonitor"}
+    for obj in kids.apply:
+        group = obj["apiVersion"].rpartition("/")[0]
+        assert {"create", "patch"} <= verbs(group, RESOURCES[(obj["apiVersion"], obj["kind"])]), obj["kind"]
+
+
+def test_children_the_operator_prunes_can_be_deleted():
+    for api_version, kind in [("policy/v1", "PodDisruptionBudget"), *b.OPTIONAL_KINDS]:
+        assert "delete" in verbs(api_version.rpartition("/")[0], RESOURCES[(api_version, kind)]), kind
+
+
+def test_secrets_are_only_read_one_by_one():
+    assert verbs("", "secrets") == {"get"}

@@ -1,0 +1,200 @@
+"""Golden-dict tests of the pure status logic (operator/gemma_operator/status.py): each phase and condition
+transition, from pod objects shaped as the API server returns them."""
+
+from __future__ import annotations
+
+import pytest
+
+from gemma_operator import status as st
+
+ACCEL, ENDPOINT, SELECTOR = "v5e 2x2", "http://g.ns.svc.cluster.local:8000/v1", "a=b"
+
+
+def pod(name="g-1", *, node="v5e-2x2-a", scheduled=True, schedule_message="", running=True, ready=False,
+        waiting=None, last_terminated=None, restarts=0, deleting=False):
+    conditions = [{"type": "PodScheduled", "status": "True" if scheduled else "False",
+                   **({"reason": "Unschedulable", "message": schedule_message} if not scheduled else {})}]
+    if scheduled:
+        conditions.append({"type": "Ready", "status": "True" if ready else "False"})
+    cs = {"name": "server", "restartCount": restarts, "ready": ready, "state": {}}
+    if running and not waiting:
+        cs["state"] = {"running": {"startedAt": "2026-01-01T00:00:00Z"}}
+    elif waiting:
+        cs["state"] = {"waiting": waiting}
+    else:
+        cs["state"] = {"waiting": {"reason": "ContainerCreating"}}
+    if last_terminated:
+        cs["lastState"] = {"terminated": last_terminated}
+    meta = {"name": name, "uid": f"uid-{name}"}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    return {"metadata": meta, "spec": {"nodeName": node if scheduled else None},
+            "status": {"phase": "Running" if running and scheduled else "Pending", "conditions": conditions,
+                       **({"containerStatuses": [cs]} if scheduled else {})}}
+
+
+def observe(pods=(), *, replicas=1, engine=None, models=None, problems=(), requested=(), skipped=()):
+    return st.Observed(generation=3, replicas=replicas, pods=list(pods), engine=engine or {}, models=models or {},
+                       problems=list(problems), monitoring_requested=list(requested),
+                       monitoring_skipped=list(skipped))
+
+
+def compute(obs):
+    return st.compute_status(obs, accelerator=ACCEL, endpoint=ENDPOINT, selector=SELECTOR)
+
+
+def conds(status):
+    return {c["type"]: (c["status"], c["reason"], c["message"]) for c in status["conditions"]}
+
+
+def test_no_pods_yet_is_pending():
+    s = compute(observe())
+    assert s == {
+        "phase": "Pending", "reason": "WaitingForPods", "message": "0/1 pods created", "observedGeneration": 3,
+        "replicas": 0, "readyReplicas": 0, "readyText": "0/1", "selector": SELECTOR, "accelerator": ACCEL,
+        "endpoint": ENDPOINT, "servedModel": "", "pods": [], "lastFailure": None,
+        "conditions": [
+            {"type": "Ready", "status": "False", "reason": "WaitingForPods", "message": "0/1 pods created"},
+            {"type": "Progressing", "status": "True", "reason": "WaitingForPods", "message": "0/1 pods created"},
+            {"type": "Degraded", "status": "False", "reason": "AsExpected", "message": ""},
+        ],
+    }
+
+
+def test_unschedulable_pod_shows_the_schedulers_message():
+    msg = "0/6 nodes are available: 6 node(s) didn't match Pod's node affinity/selector."
+    s = compute(observe([pod(scheduled=False, schedule_message=msg)]))
+    assert s["phase"] == "Scheduling"
+    assert conds(s)["Ready"] == ("False", "Unschedulable", f"pod g-1: {msg}")
+    assert conds(s)["Progressing"] == ("True", "Unschedulable", f"pod g-1: {msg}")
+    assert s["pods"] == [{"name": "g-1", "node": "", "ready": False, "stage": "Scheduling", "restarts": 0,
+                          "reason": "Unschedulable", "message": msg}]
+
+
+def test_scheduled_pod_with_container_starting_is_still_scheduling():
+    s = compute(observe([pod(running=False)]))
+    assert (s["phase"], s["reason"]) == ("Scheduling", "ContainerCreating")
+
+
+@pytest.mark.parametrize("stage,phase", [
+    ("build", "Building"), ("import", "Building"), ("smoke", "SmokeTesting"), ("weights", "LoadingWeights"),
+    ("warmup", "WarmingUp"), ("serving", "WarmingUp"), (None, "Building")])
+def test_engine_stage_sets_the_boot_phase(stage, phase):
+    engine = {"g-1": {"stage": stage, "stages": [{"stage": "build", "status": "done", "seconds": 12.3456}]}} \
+        if stage else {}
+    s = compute(observe([pod()], engine=engine))
+    assert s["phase"] == phase
+    assert conds(s)["Progressing"][0] == "True"
+    if stage:
+        assert s["pods"][0]["engineStage"] == stage
+        assert s["pods"][0]["stages"] == [{"stage": "build", "status": "done", "seconds": 12.346}]
+
+
+def test_engine_reporting_a_failed_stage_fails_the_pod():
+    engine = {"g-1": {"stage": "smoke", "failed": "matmul mismatch on tpu", "stages": []}}
+    s = compute(observe([pod()], engine=engine))
+    assert s["phase"] == "Failed"
+    assert conds(s)["Degraded"] == ("True", "BootStageFailed", "pod g-1: stage smoke: matmul mismatch on tpu")
+
+
+def test_least_advanced_booting_pod_sets_the_phase():
+    engine = {"g-1": {"stage": "warmup"}, "g-2": {"stage": "smoke"}}
+    s = compute(observe([pod("g-1"), pod("g-2")], replicas=2, engine=engine))
+    assert s["phase"] == "SmokeTesting"
+    assert s["message"] == "pod g-2: engine stage smoke"
+
+
+def test_all_ready_is_ready_with_served_model():
+    s = compute(observe([pod(ready=True)], models={"g-1": {"object": "list", "data": [{"id": "gemma-4"}]}}))
+    assert s["phase"] == "Ready"
+    assert s["servedModel"] == "gemma-4"
+    assert s["readyText"] == "1/1"
+    assert conds(s) == {"Ready": ("True", "AllReplicasReady", "1/1 replicas ready"),
+                        "Progressing": ("False", "RolloutComplete", "1/1 replicas ready"),
+                        "Degraded": ("False", "AsExpected", "")}
+    assert s["reason"] == "AllReplicasReady"
+
+
+def test_crashing_container_fails_with_its_termination_message():
+    term = {"exitCode": 1, "reason": "Error", "message": "smoke: matmul mismatch on tpu (max abs err 3.1)\n"}
+    p = pod(waiting={"reason": "CrashLoopBackOff", "message": "back-off 40s"}, last_terminated=term, restarts=3)
+    s = compute(observe([p]))
+    assert s["phase"] == "Failed"
+    assert conds(s)["Degraded"] == ("True", "CrashLoopBackOff", "pod g-1: smoke: matmul mismatch on tpu (max abs err 3.1)")
+    assert conds(s)["Ready"][1] == "CrashLoopBackOff"
+    assert conds(s)["Progressing"][0] == "False"
+    assert s["lastFailure"] == {"pod": "g-1", "reason": "Error", "exitCode": 1,
+                                "message": "smoke: matmul mismatch on tpu (max abs err 3.1)"}
+
+
+def test_one_ready_one_crashing_is_degraded():
+    bad = pod("g-2", waiting={"reason": "CrashLoopBackOff"}, last_terminated={"exitCode": 137, "reason": "OOMKilled"})
+    s = compute(observe([pod("g-1", ready=True), bad], replicas=2))
+    assert s["phase"] == "Degraded"
+    assert conds(s)["Degraded"] == ("True", "CrashLoopBackOff", "pod g-2: CrashLoopBackOff")
+    assert s["lastFailure"] == {"pod": "g-2", "reason": "OOMKilled", "exitCode": 137, "message": ""}
+    assert conds(s)["Ready"][0] == "False"
+
+
+def test_missing_secret_is_degraded_even_when_pods_run():
+    problem = st.Problem("SecretNotFound", "Secret 'hf' (spec.model.tokenSecret) not found", fatal=False)
+    s = compute(observe([pod(ready=True)], problems=[problem]))
+    assert s["phase"] == "Degraded"
+    assert conds(s)["Degraded"] == ("True", "SecretNotFound", "Secret 'hf' (spec.model.tokenSecret) not found")
+    assert conds(s)["Ready"][0] == "True"  # what runs still serves
+
+
+def test_unknown_accelerator_fails():
+    problem = st.Problem("UnknownAccelerator", "spec.accelerator.type 'tpu-v9' is not supported", fatal=True)
+    s = compute(observe([], problems=[problem]))
+    assert s["phase"] == "Failed"
+    assert conds(s) == {
+        "Ready": ("False", "UnknownAccelerator", "spec.accelerator.type 'tpu-v9' is not supported"),
+        "Progressing": ("False", "UnknownAccelerator", "spec.accelerator.type 'tpu-v9' is not supported"),
+        "Degraded": ("True", "UnknownAccelerator", "spec.accelerator.type 'tpu-v9' is not supported")}
+
+
+def test_zero_replicas_is_stopped():
+    s = compute(observe([], replicas=0))
+    assert (s["phase"], s["reason"], s["readyText"]) == ("Stopped", "ScaledToZero", "0/0")
+
+
+def test_terminating_pods_are_ignored():
+    s = compute(observe([pod("old", deleting=True), pod("new", ready=True)]))
+    assert s["phase"] == "Ready"
+    assert [p["name"] for p in s["pods"]] == ["new"]
+
+
+def test_monitoring_condition_reports_skipped_kinds():
+    s = compute(observe([pod(ready=True)], requested=["PodMonitoring"],
+                        skipped=[("PodMonitoring", "monitoring.googleapis.com/v1 is not served")]))
+    assert conds(s)["Monitoring"] == ("False", "MonitoringCRDMissing",
+                                      "PodMonitoring skipped: monitoring.googleapis.com/v1 is not served")
+    ok = compute(observe([pod(ready=True)], requested=["PodMonitoring"]))
+    assert conds(ok)["Monitoring"] == ("True", "Configured", "created PodMonitoring")
+
+
+def test_transition_time_kept_while_status_holds_and_moved_when_it_flips():
+    first = st.with_transitions(compute(observe([pod()])), None, "2026-01-01T00:00:00Z")
+    assert {c["lastTransitionTime"] for c in first["conditions"]} == {"2026-01-01T00:00:00Z"}
+    assert {c["observedGeneration"] for c in first["conditions"]} == {3}
+    same = st.with_transitions(compute(observe([pod()], engine={"g-1": {"stage": "weights"}})), first,
+                               "2026-01-01T00:01:00Z")
+    assert [c["lastTransitionTime"] for c in same["conditions"]] == ["2026-01-01T00:00:00Z"] * 3
+    ready = st.with_transitions(compute(observe([pod(ready=True)])), same, "2026-01-01T00:02:00Z")
+    times = {c["type"]: c["lastTransitionTime"] for c in ready["conditions"]}
+    assert times == {"Ready": "2026-01-01T00:02:00Z", "Progressing": "2026-01-01T00:02:00Z",
+                     "Degraded": "2026-01-01T00:00:00Z"}
+    assert not st.status_changed(ready, ready)
+    assert st.status_changed(ready, same)
+
+
+def test_events_at_each_phase_transition():
+    building = compute(observe([pod()]))
+    ready = compute(observe([pod(ready=True)]))
+    assert st.transition_events(building, None) == [
+        ("Normal", "Building", "phase none -> Building: pod g-1: waiting for the server's /v1/engine report")]
+    assert st.transition_events(ready, building) == [("Normal", "Ready", "phase Building -> Ready: 1/1 replicas ready")]
+    assert st.transition_events(ready, ready) == []
+    failed = compute(observe([pod(waiting={"reason": "CrashLoopBackOff"})]))
+    assert st.transition_events(failed, ready)[0][:2] == ("Warning", "Failed")
