@@ -1,0 +1,283 @@
+"""The FastAPI app: thin routes over the engine thread, the error handlers, and the drain on SIGTERM.
+
+Routes (serving-anchors.md §8): POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
+GET /health (+ /ping), GET /live, GET /v1/engine, GET /version, GET /metrics, GET / (chat page).
+Route bodies only parse, check, admit and hand over; the work is in protocol.py (what a request means),
+serving.py (tokens -> responses) and engine_thread.py (the engine).
+
+Every error is `{"error": {...}}` (errors.py); FastAPI's 422 for a malformed body becomes 400 naming
+the field, as vLLM's `validation_exception_handler` does.
+
+Shutdown (vLLM's --shutdown-timeout, PR #36666; serving-anchors.md §5.3): on SIGTERM /health turns 503
+and new requests get 503; queued and running requests get `--shutdown-timeout` seconds to finish;
+what remains is aborted (error event, then [DONE]); then uvicorn exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gemma_server.boot import Boot
+from gemma_server.config import Config
+from gemma_server.engine_thread import EngineThread
+from gemma_server.errors import ApiError, error_body
+from gemma_server.metrics import Metrics
+from gemma_server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from gemma_server.serving import (
+    ClientDisconnected,
+    Formatter,
+    Generation,
+    collect,
+    open_stream,
+    race_disconnect,
+    render_chat,
+    tokenize_completion,
+)
+
+log = logging.getLogger(__name__)
+
+STATIC = Path(__file__).parent / "static"
+
+
+class ServerState:
+    """Everything the routes share. One per app.
+
+    Args:
+        config: the server config.
+        boot_class: Boot or a subclass (tests swap the engine for a Fake* one this way).
+    """
+
+    def __init__(self, config: Config, boot_class: type[Boot] = Boot) -> None:
+        self.config = config
+        self.metrics = Metrics(config.model_name, config.context)
+        self.boot = boot_class(config, self.metrics, self._boot_failed)
+        self.engine_thread = EngineThread(
+            lambda: self.boot.run().engine, config.queue_limit, config.read_every,
+            on_waiting=self.metrics.num_requests_waiting.set, on_running=self.metrics.num_requests_running.set,
+        )
+        self.draining = False
+        self.exit_code = 0
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.request_exit = lambda: None  # set by __main__ to stop uvicorn
+        self._fingerprint: str | None = None
+
+    def _boot_failed(self, reason: str) -> None:
+        self.exit_code = 1
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.request_exit)
+
+    @property
+    def tokenizer(self):
+        return self.boot.loaded.tokenizer
+
+    @property
+    def fingerprint(self) -> str:
+        """system_fingerprint: names the engine build (crate version, torch, device)."""
+        if self._fingerprint is None:
+            b = self.boot.state.build
+            self._fingerprint = f"gemma_engine-{b.get('version', '?')}-torch{b.get('torch', '?')}-{self.config.device}"
+        return self._fingerprint
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.model_name:
+            raise ApiError(404, f"The model `{model}` does not exist.", "model")
+
+    def not_ready_reason(self) -> str | None:
+        """Why /health is 503, or None when ready."""
+        t = self.engine_thread
+        if t.dead or (self.boot.state.failed and not t.ready):
+            return f"The engine is not available: {t.dead or self.boot.state.failed}"
+        if self.draining:
+            return "The server is shutting down."
+        if not t.ready:
+            return f"Loading model (stage: {self.boot.state.stage})."
+        return None
+
+    async def drain(self) -> None:
+        """SIGTERM: refuse new work, let current work finish up to the timeout, abort the rest, exit."""
+        if self.draining:
+            return
+        log.info("draining: new requests get 503; %.1fs for the running ones", self.config.shutdown_timeout)
+        self.draining = True
+        self.metrics.engine_ready.set(0)
+        t = self.engine_thread
+        t.start_drain()
+        deadline = time.monotonic() + self.config.shutdown_timeout
+        while t.busy() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if t.busy():
+            log.warning("shutdown timeout reached: aborting what is left")
+            t.abort_all()
+            # The engine stops within one token batch; give the streams a moment to send their error event.
+            grace = time.monotonic() + 5
+            while t.busy() and time.monotonic() < grace:
+                await asyncio.sleep(0.02)
+        await asyncio.sleep(0.05)  # let the last responses flush
+        self.request_exit()
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _param_from_loc(loc: tuple) -> str | None:
+    """pydantic loc ("body", "messages", 0, "content") -> "messages[0].content"."""
+    parts = [p for p in loc if p != "body"]
+    out = ""
+    for p in parts:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif "[" in str(p) or "-" in str(p) or p in _TYPE_TAGS:  # union branches: "list[int]", "str", ...
+            continue
+        else:
+            out += ("." if out else "") + str(p)
+    return out or None
+
+
+def _validation_error(exc: RequestValidationError) -> JSONResponse:
+    errs = exc.errors()
+    first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
+    if first.get("type") == "json_invalid":
+        return JSONResponse(error_body(400, f"The body is not valid JSON: {first.get('msg')}"), status_code=400)
+    param = _param_from_loc(tuple(first.get("loc", ())))
+    message = f"{param or 'body'}: {first.get('msg')}"
+    if len(errs) > 1:
+        message += f" (and {len(errs) - 1} more problem{'s' if len(errs) > 2 else ''})"
+    return JSONResponse(error_body(400, message, param), status_code=400)
+
+
+def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
+    """Build the app. The engine thread (and its boot) starts with the app's lifespan.
+
+    Args:
+        config: the server config.
+        boot_class: Boot, or a Fake* subclass in tests that need a timing the real engine cannot give.
+    Returns:
+        the FastAPI app; `app.state.server` is its ServerState.
+    """
+    state = ServerState(config, boot_class)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.loop = asyncio.get_running_loop()
+        state.engine_thread.start()
+        yield
+        state.engine_thread.stop()
+
+    app = FastAPI(title="gemma-rust-operator server", lifespan=lifespan, docs_url="/docs", redoc_url=None)
+    app.state.server = state
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return JSONResponse(error_body(500, f"Internal error: {type(exc).__name__}: {exc}"), status_code=500)
+
+    async def generate(request: Request, body: ChatCompletionRequest | CompletionRequest, chat: bool) -> Response:
+        arrival = time.monotonic()
+        state.check_model(body.model)
+        body.check()
+        thread = state.engine_thread
+        thread.admit()  # 429 / 503 before any tokenizing
+        try:
+            tok = state.tokenizer
+            ids = render_chat(tok, body) if chat else tokenize_completion(tok, body)
+            loaded = state.boot.loaded
+            params = body.engine_params(ids, loaded.context, loaded.vocab_size)
+            gen = Generation(params, tok, thread, state.metrics, arrival)
+            thread.submit(gen.job)
+        except BaseException:
+            thread.release()
+            raise
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        fmt = Formatter(chat, state.config.model_name, state.fingerprint, include_usage)
+        try:
+            if body.stream:
+                stream = await open_stream(gen, fmt, request.receive)
+                return StreamingResponse(stream, media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            text = await race_disconnect(request.receive, collect(gen))
+        except ClientDisconnected:
+            gen.abandon()
+            return Response(status_code=499)  # nobody reads it
+        return JSONResponse(fmt.response(text, gen).model_dump())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await generate(request, body, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await generate(request, body, chat=False)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = ModelCard(id=config.model_name, root=config.model, max_model_len=config.context)
+        return ModelList(data=[card]).model_dump()
+
+    @app.get("/health")
+    @app.get("/ping")
+    async def health() -> Response:
+        reason = state.not_ready_reason()
+        if reason is None:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse(error_body(503, reason), status_code=503, headers={"Retry-After": "5"})
+
+    @app.get("/live")
+    async def live() -> Response:
+        t = state.engine_thread
+        if t.dead or not t.is_alive() and not state.draining:
+            return JSONResponse(error_body(503, f"The engine thread is not running: {t.dead or 'stopped'}"),
+                                status_code=503)
+        return JSONResponse({"status": "alive"})
+
+    @app.get("/v1/engine")
+    async def engine_info() -> dict[str, Any]:
+        info = state.boot.state.as_json()
+        t = state.engine_thread
+        info.update(
+            model=config.model, served_model_name=config.model_name, read_every=config.read_every,
+            queue_limit=config.queue_limit, ready=state.not_ready_reason() is None, draining=state.draining,
+            engine_thread_alive=t.is_alive(), engine_thread_error=t.dead,
+            engine_class=type(t.engine).__qualname__ if t.engine is not None else None,
+        )
+        return info
+
+    @app.get("/version")
+    async def version() -> dict[str, Any]:
+        from gemma_server import __version__
+
+        return {"version": __version__, "engine": state.boot.state.build.get("version")}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/")
+    async def index() -> FileResponse:
+        return FileResponse(STATIC / "index.html", media_type="text/html")
+
+    return app

@@ -1,0 +1,256 @@
+"""Boot stages: build -> import -> smoke -> weights -> warmup -> serving.
+
+The stages run on the engine thread (the engine is `unsendable`, so the thread that loads it must be the
+one that serves it), while uvicorn already answers: /health is 503 with the current stage until warmup
+ends, like llama.cpp's "Loading model" (serving-anchors.md §5.1). Each stage's start, seconds and outcome
+are logged, exported as `gemma_boot_stage_seconds` and reported by GET /v1/engine. A failed stage writes
+a one-line reason to the termination-message file (Kubernetes shows it as the container's last state, and
+the operator as a condition) and asks the process to exit non-zero, so the pod restarts with back-off.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import platform
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gemma_server import build as build_mod
+from gemma_server.config import Config
+from gemma_server.metrics import Metrics
+from gemma_server.sources import materialize, parse_source
+
+log = logging.getLogger(__name__)
+
+WARMUP_TOKENS = 4
+
+
+@dataclass
+class StageRecord:
+    stage: str
+    status: str  # running | ok | failed | skipped
+    started_at: float  # unix time
+    seconds: float | None = None
+    message: str = ""
+
+
+@dataclass
+class BootState:
+    """What /v1/engine reports. Written by the engine thread, read by the asyncio side (whole-field writes)."""
+
+    stage: str = "build"
+    stages: list[StageRecord] = field(default_factory=list)
+    build: dict[str, str] = field(default_factory=dict)
+    layout: dict[str, int] = field(default_factory=dict)
+    device: str | None = None
+    dtype: str | None = None
+    context: int | None = None
+    model_dir: str | None = None
+    load_seconds: float | None = None
+    warmup_seconds: float | None = None
+    failed: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["stages"] = [asdict(s) for s in self.stages]
+        return d
+
+
+@dataclass
+class Loaded:
+    """What the boot hands to the engine thread and the request handlers.
+
+    The engine is `unsendable`: even reading a property from another thread panics, so what the request
+    handlers need of it (context, vocab_size) is read once here, on the engine thread.
+    """
+
+    engine: Any
+    tokenizer: Any
+    context: int = 0
+    vocab_size: int = 0
+
+
+class StageFailed(Exception):
+    """A boot stage failed; the message is the one-line reason."""
+
+
+def one_line(stage: str, exc: BaseException) -> str:
+    """`<stage>: <Type>: <message>` on one line, at most 1 KiB (the termination message limit is 4 KiB)."""
+    text = " ".join(str(exc).split())
+    return f"{stage}: {type(exc).__name__}: {text}"[:1024]
+
+
+def write_termination_message(path: str, line: str) -> None:
+    """Best effort: the reason Kubernetes shows for the container's last termination."""
+    try:
+        Path(path).write_text(line + "\n")
+    except OSError as e:
+        log.warning("could not write termination message to %s: %s", path, e)
+
+
+class Boot:
+    """Runs the stages. Call `run()` on the engine thread; it returns `Loaded` or raises StageFailed.
+
+    Args:
+        config: the server config.
+        metrics: where stage seconds, readiness and build info go.
+        on_failure: called with the one-line reason after a stage fails (the server then exits non-zero).
+    """
+
+    def __init__(self, config: Config, metrics: Metrics, on_failure: Callable[[str], None]) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.on_failure = on_failure
+        self.state = BootState(device=config.device, dtype=config.dtype, context=config.context)
+        self.loaded: Loaded | None = None
+        self._lock = threading.Lock()
+
+    # ---- bookkeeping ---------------------------------------------------------------------------
+
+    def _begin(self, stage: str) -> StageRecord:
+        rec = StageRecord(stage, "running", time.time())
+        with self._lock:
+            self.state.stages = [*self.state.stages, rec]
+            self.state.stage = stage
+        log.info("stage %s: started", stage)
+        return rec
+
+    def _end(self, rec: StageRecord, status: str, t0: float, message: str = "") -> None:
+        rec.seconds = round(time.monotonic() - t0, 3)
+        rec.message = message
+        rec.status = status
+        self.metrics.boot_stage_seconds[rec.stage].set(rec.seconds)
+        log.info("stage %s: %s in %.3fs%s", rec.stage, status, rec.seconds, f" ({message})" if message else "")
+
+    def _stage(self, stage: str, fn: Callable[[], str | None], skip: str | None = None) -> None:
+        rec = self._begin(stage)
+        t0 = time.monotonic()
+        if skip is not None:
+            self._end(rec, "skipped", t0, skip)
+            return
+        try:
+            message = fn() or ""
+        except BaseException as e:
+            reason = one_line(stage, e)
+            self._end(rec, "failed", t0, reason)
+            self.state.failed = reason
+            log.error("boot failed: %s", reason, exc_info=not isinstance(e, (FileNotFoundError, ValueError)))
+            write_termination_message(self.config.termination_log, reason)
+            self.on_failure(reason)
+            raise StageFailed(reason) from e
+        self._end(rec, "ok", t0, message)
+
+    # ---- the stages ----------------------------------------------------------------------------
+
+    def run(self) -> Loaded:
+        """Run every stage in order, then mark the server as serving.
+
+        Returns:
+            the loaded engine and tokenizer.
+        Raises:
+            StageFailed: a stage failed (already recorded, written and reported).
+        """
+        c = self.config
+        self._build_path: Path | None = None
+        self._stage("build", self._build, skip="--use-installed-engine" if c.use_installed_engine else None)
+        self._stage("import", self._import)
+        self._stage("smoke", self._smoke)
+        self._stage("weights", self._weights)
+        self._stage("warmup", self._warmup)
+        rec = self._begin("serving")
+        rec.seconds = 0.0
+        self.metrics.engine_ready.set(1)
+        assert self.loaded is not None
+        return self.loaded
+
+    def _build(self) -> str:
+        import torch  # the build links against this torch
+
+        crate = Path(self.config.engine_src)
+        result = build_mod.ensure_engine(crate, Path(self.config.build_cache), torch.__version__)
+        self._build_path = result.path
+        return f"{'cached' if result.cached else 'compiled'} {result.key}"
+
+    def _import(self) -> str:
+        c = self.config
+        if c.device == "tpu":
+            # torch_tpu registers its kernels on import; the engine's ATen calls then reach them.
+            if c.tpu_defer_and_fuse is not None:
+                os.environ["TORCH_TPU_DEFER_AND_FUSE"] = c.tpu_defer_and_fuse
+            importlib.import_module("torch_tpu")
+        import torch
+
+        if self._build_path is not None:
+            build_mod.activate(self._build_path)
+        ge = importlib.import_module("gemma_engine")
+        self.gemma_engine = ge
+        built = dict(ge.BUILD)
+        if built.get("torch") != torch.__version__:
+            raise ImportError(f"gemma_engine was built for torch {built.get('torch')}, this is {torch.__version__}")
+        info = {
+            **built,
+            "version": ge.__version__,
+            "module": str(getattr(ge, "__file__", "")),
+            "python_running": platform.python_version(),
+        }
+        if c.device == "tpu":
+            tt = sys.modules["torch_tpu"]
+            info["torch_tpu"] = getattr(tt, "__version__", "unknown")
+            info["torch_tpu_defer_and_fuse"] = os.environ.get("TORCH_TPU_DEFER_AND_FUSE", "")
+        self.state.build = info
+        self.metrics.set_build_info(
+            torch=built.get("torch", ""), torch_tpu=info.get("torch_tpu", ""), rustc=built.get("rustc", ""),
+            python=built.get("python", ""), crate=built.get("crate", ""), device=c.device,
+        )
+        return f"gemma_engine {ge.__version__} for torch {built.get('torch')}"
+
+    def _like(self):
+        import torch
+
+        return torch.zeros(1, device=self.config.device)
+
+    def _smoke(self) -> str:
+        result = self.gemma_engine.smoke(self._like())
+        if float(result["value"]) != 4096.0:
+            raise RuntimeError(f"smoke test on {result.get('device')} gave {result['value']}, expected 4096")
+        return f"4096 on {result['device']}"
+
+    def _weights(self) -> str:
+        c = self.config
+        t0 = time.monotonic()
+        token = os.environ.get("HF_TOKEN") or None
+        model_dir = materialize(parse_source(c.model), hf_token=token, gcs_root=c.gcs_root,
+                                mount_timeout=c.mount_timeout)
+        emb_dir = None
+        if c.emb:
+            emb_dir = materialize(parse_source(c.emb), hf_token=token, gcs_root=c.gcs_root,
+                                  mount_timeout=c.mount_timeout)
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        engine = self.gemma_engine.Engine(
+            str(model_dir), str(emb_dir) if emb_dir else None, self._like(), context=c.context, dtype=c.dtype,
+            prefill_chunk=c.prefill_chunk,
+        )
+        self.loaded = Loaded(engine, tokenizer, engine.context, engine.vocab_size)
+        self.state.model_dir = str(model_dir)
+        self.state.layout = dict(engine.layout())
+        self.state.device = engine.device
+        self.state.load_seconds = round(time.monotonic() - t0, 3)
+        return f"{model_dir} on {engine.device}"
+
+    def _warmup(self) -> str:
+        assert self.loaded is not None
+        t0 = time.monotonic()
+        tok = self.loaded.tokenizer
+        ids = tok.encode("Hello", add_special_tokens=True) or [0]
+        tokens, finish, read_s, decode_s = self.loaded.engine.decode(ids, WARMUP_TOKENS)
+        self.state.warmup_seconds = round(time.monotonic() - t0, 3)
+        return f"{len(tokens)} tokens ({finish})"

@@ -1,0 +1,82 @@
+"""The one error shape of the server: `{"error": {"message", "type", "param", "code"}}`.
+
+Design from vLLM's `ErrorInfo` / `create_error_response` (vllm/entrypoints/openai/engine/protocol.py,
+serve/utils/error_response.py): `code` is the HTTP status as an int, `param` names the offending request
+field. The `type` strings follow llama.cpp's server (invalid_request_error, not_found_error,
+unavailable_error, ...), which are the OpenAI reference's own where OpenAI has one. vLLM's bare
+`{"error": "Unauthorized"}` is the inconsistency not to copy: every status here has this shape.
+"""
+
+from __future__ import annotations
+
+import json
+
+# HTTP status -> OpenAI-style error type.
+_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "unavailable_error",
+}
+
+
+class ApiError(Exception):
+    """An error a client sees, with its HTTP status.
+
+    Args:
+        status: the HTTP status code.
+        message: one sentence for a person, naming what is wrong.
+        param: the request field at fault, if any (e.g. "temperature", "messages").
+        headers: extra response headers (e.g. Retry-After).
+    """
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        """The JSON body: `{"error": {"message", "type", "param", "code"}}`."""
+        return error_body(self.status, self.message, self.param)
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    """Build the OpenAI-shaped error object for `status`.
+
+    Args:
+        status: HTTP status; also sent as `code`.
+        message: the human-readable message.
+        param: the request field at fault, or None.
+    Returns:
+        `{"error": {"message", "type", "param", "code"}}`.
+    """
+    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param, "code": status}}
+
+
+def sse_error(status: int, message: str, param: str | None = None) -> bytes:
+    """An error as one SSE event; the stream still ends with `data: [DONE]` after it."""
+    return b"data: " + json.dumps(error_body(status, message, param), separators=(",", ":")).encode() + b"\n\n"
+
+
+def bad_request(param: str | None, message: str) -> ApiError:
+    """A 400 naming `param`."""
+    return ApiError(400, message, param)
+
+
+class ShuttingDown(ApiError):
+    """The server is draining: new work is refused and work past the shutdown timeout is aborted."""
+
+    def __init__(self, message: str = "The server is shutting down; retry on another replica.") -> None:
+        super().__init__(503, message)
+
+
+class NotReady(ApiError):
+    """The engine is still booting (or its thread died)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(503, message, headers={"Retry-After": "5"})

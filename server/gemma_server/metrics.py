@@ -1,0 +1,191 @@
+"""Every Prometheus metric the server exports, in one place.
+
+Names, types, meanings and buckets are vLLM's (`vllm/v1/metrics/loggers.py` `PrometheusStatLogger`,
+`docs/design/metrics.md`) with `vllm:` replaced by `gemma_`, so a vLLM dashboard ports by renaming. As in
+vLLM, every interval comes from one process's monotonic clock:
+
+- TTFT: request arrival at the HTTP front end -> first token back on the host (includes queue and prompt
+  read);
+- queue: admitted -> the engine thread starts the decode; prefill: start -> first token;
+  decode: first token -> last token; e2e: arrival -> finish;
+- inter-token latency: gap between successive token arrivals. With `--read-every N` tokens arrive in
+  batches, so each batch's gap is split evenly over its tokens (one observation per token), keeping the
+  count at tokens-1 and the sum at the decode time, as vLLM's per-step observations do;
+- time per output token: decode time / (generated tokens - 1), observed once per request at finish.
+
+Label `model_name` on every metric (vLLM's `engine` label is dropped: there is one engine per process).
+Ours besides vLLM's: `gemma_boot_stage_seconds{stage}`, `gemma_engine_ready`, `gemma_build_info`.
+`_created` series are off, as in vLLM.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client import gc_collector, platform_collector, process_collector
+
+disable_created_metrics()
+
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0]
+REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+FINISHED_REASONS = ("stop", "length", "abort", "error")
+STAGES = ("build", "import", "smoke", "weights", "warmup", "serving")
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's `build_1_2_5_buckets`)."""
+    out, exponent = [], 0
+    while True:
+        for m in (1, 2, 5):
+            value = m * 10**exponent
+            if value > max_value:
+                return out
+            out.append(value)
+        exponent += 1
+
+
+class Metrics:
+    """The server's registry and its metrics, each already bound to `model_name`.
+
+    Args:
+        model_name: the served model name (label on every metric).
+        max_model_len: the context; sets the token-count histograms' buckets.
+    """
+
+    def __init__(self, model_name: str, max_model_len: int) -> None:
+        self.registry = r = CollectorRegistry()
+        process_collector.ProcessCollector(registry=r)
+        platform_collector.PlatformCollector(registry=r)
+        gc_collector.GCCollector(registry=r)
+        labels = ["model_name"]
+        m = model_name
+        self.model_name = model_name
+
+        self.num_requests_running = Gauge(
+            "gemma_num_requests_running", "Number of requests in model execution batches.", labels, registry=r
+        ).labels(m)
+        self.num_requests_waiting = Gauge(
+            "gemma_num_requests_waiting", "Number of requests waiting to be processed.", labels, registry=r
+        ).labels(m)
+        self.prompt_tokens = Counter(
+            "gemma_prompt_tokens", "Number of prefill tokens processed.", labels, registry=r
+        ).labels(m)
+        self.generation_tokens = Counter(
+            "gemma_generation_tokens", "Number of generation tokens processed.", labels, registry=r
+        ).labels(m)
+        success = Counter(
+            "gemma_request_success", "Count of successfully processed requests.", labels + ["finished_reason"],
+            registry=r,
+        )
+        # One series per reason, pre-created at 0 (vLLM does the same so rate() works from the start).
+        self.request_success = {reason: success.labels(m, reason) for reason in FINISHED_REASONS}
+        token_buckets = build_1_2_5_buckets(max_model_len)
+        self.request_prompt_tokens = Histogram(
+            "gemma_request_prompt_tokens", "Number of prefill tokens processed.", labels,
+            buckets=token_buckets, registry=r,
+        ).labels(m)
+        self.request_generation_tokens = Histogram(
+            "gemma_request_generation_tokens", "Number of generation tokens processed.", labels,
+            buckets=token_buckets, registry=r,
+        ).labels(m)
+        self.time_to_first_token = Histogram(
+            "gemma_time_to_first_token_seconds", "Histogram of time to first token in seconds.", labels,
+            buckets=TTFT_BUCKETS, registry=r,
+        ).labels(m)
+        self.inter_token_latency = Histogram(
+            "gemma_inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", labels,
+            buckets=ITL_BUCKETS, registry=r,
+        ).labels(m)
+        self.request_time_per_output_token = Histogram(
+            "gemma_request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.", labels, buckets=ITL_BUCKETS, registry=r,
+        ).labels(m)
+        latency = lambda name, doc: Histogram(  # noqa: E731
+            name, doc, labels, buckets=REQUEST_LATENCY_BUCKETS, registry=r
+        ).labels(m)
+        self.e2e_request_latency = latency(
+            "gemma_e2e_request_latency_seconds", "Histogram of e2e request latency in seconds."
+        )
+        self.request_queue_time = latency(
+            "gemma_request_queue_time_seconds", "Histogram of time spent in WAITING phase for request."
+        )
+        self.request_prefill_time = latency(
+            "gemma_request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request."
+        )
+        self.request_decode_time = latency(
+            "gemma_request_decode_time_seconds", "Histogram of time spent in DECODE phase for request."
+        )
+
+        # Ours.
+        stage_seconds = Gauge(
+            "gemma_boot_stage_seconds", "Seconds each boot stage took (0 until it ends).", labels + ["stage"],
+            registry=r,
+        )
+        self.boot_stage_seconds = {s: stage_seconds.labels(m, s) for s in STAGES}
+        self.engine_ready = Gauge(
+            "gemma_engine_ready", "1 when the engine has warmed up and serves; 0 while booting, draining or dead.",
+            labels, registry=r,
+        ).labels(m)
+        self._build_info = Gauge(
+            "gemma_build_info", "What built the engine (value is always 1).",
+            labels + ["torch", "torch_tpu", "rustc", "python", "crate", "device"], registry=r,
+        )
+
+    def set_build_info(self, *, torch: str, torch_tpu: str, rustc: str, python: str, crate: str, device: str) -> None:
+        """Publish the build info series (once, after the import stage)."""
+        self._build_info.labels(self.model_name, torch, torch_tpu, rustc, python, crate, device).set(1)
+
+    def record_request(
+        self,
+        *,
+        finished_reason: str,
+        prompt_tokens: int,
+        generation_tokens: int,
+        arrival: float,
+        started: float | None,
+        first_token: float | None,
+        last_token: float | None,
+        finished: float,
+    ) -> None:
+        """Record one finished request (all times from time.monotonic()).
+
+        Args:
+            finished_reason: stop, length, abort or error.
+            started: when the engine thread began the decode (None if it never did).
+            first_token / last_token: arrival on the host of the first / last generated token.
+        """
+        self.request_success[finished_reason].inc()
+        self.e2e_request_latency.observe(finished - arrival)
+        if started is None:
+            return
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generation_tokens)
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(generation_tokens)
+        self.request_queue_time.observe(started - arrival)
+        if first_token is not None:
+            self.time_to_first_token.observe(first_token - arrival)
+            self.request_prefill_time.observe(first_token - started)
+            decode = (last_token or first_token) - first_token
+            self.request_decode_time.observe(decode)
+            if generation_tokens > 1:
+                self.request_time_per_output_token.observe(decode / (generation_tokens - 1))
+
+    def observe_token_gap(self, gap: float, n_tokens: int) -> None:
+        """A batch of n tokens arrived `gap` seconds after the previous one."""
+        for _ in range(n_tokens):
+            self.inter_token_latency.observe(gap / n_tokens)
+
+    def exposition(self) -> bytes:
+        """The text format for GET /metrics."""
+        return generate_latest(self.registry)

@@ -1,0 +1,161 @@
+"""Fixtures for the server tests: the tiny chat checkpoint, servers on free loopback ports, a direct engine.
+
+Two ways to run the server, both real:
+- `server`: uvicorn serving `create_app` in a thread of the test process (fast to reach into: the app's
+  state and metrics are at hand);
+- `spawn`: `python -m gemma_server` as a subprocess, for what only a process has: boot from the first
+  second, SIGTERM, exit status, the termination message, the build cache.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from gemma_server.app import create_app
+from gemma_server.config import parse_config
+from tests.checkpoints import chat_checkpoint  # noqa: F401 - the session fixture, used below
+
+REPO = Path(__file__).resolve().parents[2]
+CONTEXT = 1024  # the tiny checkpoint's max_position_embeddings
+# A completion prompt the chat checkpoint answers with 284 tokens before an eos (greedy, seed CHAT_SEED):
+# long enough to disconnect or send SIGTERM mid-decode.
+LONG_PROMPT = "model server"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.02):
+    """Poll until `predicate()` is truthy; return its value. Fails the test with `what` at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def get_status(url: str) -> int | None:
+    try:
+        return httpx.get(url, timeout=5).status_code
+    except httpx.TransportError:
+        return None
+
+
+@dataclass
+class InProcessServer:
+    base: str
+    app: object
+    uvicorn: uvicorn.Server
+    thread: threading.Thread
+
+    @property
+    def state(self):
+        return self.app.state.server
+
+    def stop(self) -> None:
+        self.uvicorn.should_exit = True
+        self.thread.join(30)
+
+
+def start_in_process(model_dir: Path, *extra: str, boot_class=None, wait_ready: bool = True) -> InProcessServer:
+    """create_app + uvicorn in a daemon thread on a free loopback port."""
+    port = free_port()
+    config = parse_config(["--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+                           "--context", str(CONTEXT), "--dtype", "float32", "--use-installed-engine", *extra], {})
+    app = create_app(config, boot_class) if boot_class else create_app(config)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    app.state.server.request_exit = lambda: setattr(server, "should_exit", True)
+    thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+    thread.start()
+    s = InProcessServer(f"http://127.0.0.1:{port}", app, server, thread)
+    if wait_ready:
+        wait_for(lambda: get_status(s.base + "/health") == 200, 300, "/health 200")
+    return s
+
+
+@pytest.fixture(scope="session")
+def server(chat_checkpoint) -> Iterator[InProcessServer]:  # noqa: F811
+    """The real engine on the chat checkpoint, served in-process."""
+    s = start_in_process(chat_checkpoint, "--queue-limit", "8")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(chat_checkpoint):  # noqa: F811
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(chat_checkpoint))
+
+
+@pytest.fixture(scope="session")
+def direct_engine(chat_checkpoint):  # noqa: F811
+    """A second engine on the same checkpoint, called directly from the test thread (the reference)."""
+    import gemma_engine
+    import torch
+
+    return gemma_engine.Engine(str(chat_checkpoint), None, torch.zeros(1), context=CONTEXT, dtype="float32")
+
+
+@dataclass
+class Spawned:
+    proc: subprocess.Popen
+    base: str
+    log: Path
+    termination_log: Path
+
+    def logs(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def sigterm(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+
+    def wait_exit(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"server did not exit within {timeout}s; log:\n{self.logs()[-3000:]}")
+
+
+@pytest.fixture
+def spawn(tmp_path) -> Iterator[Callable[..., Spawned]]:
+    """Start `python -m gemma_server ARGS` on a free port; every process is killed at teardown."""
+    procs: list[subprocess.Popen] = []
+
+    def start(*args: str, env: dict[str, str] | None = None) -> Spawned:
+        port = free_port()
+        n = len(procs)
+        log = tmp_path / f"server{n}.log"
+        term = tmp_path / f"termination{n}.log"
+        cmd = [sys.executable, "-m", "gemma_server", "--host", "127.0.0.1", "--port", str(port),
+               "--termination-log", str(term), *args]
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        with open(log, "w") as f:
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=full_env, cwd=REPO)
+        procs.append(proc)
+        return Spawned(proc, f"http://127.0.0.1:{port}", log, term)
+
+    yield start
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)

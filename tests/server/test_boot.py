@@ -1,0 +1,169 @@
+"""`python -m gemma_server` as a process: boot stages behind an answering port, failing stages, SIGTERM
+drain, and the build cache. Real engine on the tiny chat checkpoint throughout."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server.conftest import CONTEXT, LONG_PROMPT, get_status, wait_for
+
+COMMON = ["--context", str(CONTEXT), "--dtype", "float32", "--served-model-name", "chat"]
+
+
+def engine_info(base: str) -> dict:
+    return httpx.get(base + "/v1/engine", timeout=10).json()
+
+
+def test_health_is_503_until_warmup_then_200(spawn, chat_checkpoint, tmp_path):
+    # gs:// checkpoint whose bucket is not mounted yet: the weights stage waits for it, so the test can
+    # look at a booting server for as long as it likes, then "mount" the bucket.
+    gcs = tmp_path / "gcs"
+    gcs.mkdir()
+    s = spawn("--model", "gs://bucket/chat", "--gcs-root", str(gcs), "--use-installed-engine", *COMMON)
+    wait_for(lambda: get_status(s.base + "/live") == 200, 60, "the port to answer")
+    wait_for(lambda: engine_info(s.base)["stage"] == "weights", 120, "the weights stage")
+    r = httpx.get(s.base + "/health")
+    assert r.status_code == 503
+    assert r.json()["error"] == {"message": "Loading model (stage: weights).", "type": "unavailable_error",
+                                 "param": None, "code": 503}
+    r = httpx.post(s.base + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 503 and r.json()["error"]["code"] == 503
+    info = engine_info(s.base)
+    assert [(x["stage"], x["status"]) for x in info["stages"]] == [
+        ("build", "skipped"), ("import", "ok"), ("smoke", "ok"), ("weights", "running")]
+
+    (gcs / "bucket").mkdir()
+    (gcs / "bucket" / "chat").symlink_to(chat_checkpoint)
+    wait_for(lambda: get_status(s.base + "/health") == 200, 120, "/health 200 after warmup")
+    info = engine_info(s.base)
+    assert info["stage"] == "serving"
+    assert [x["status"] for x in info["stages"]] == ["skipped", "ok", "ok", "ok", "ok", "running"]
+    assert info["model_dir"] == str(gcs / "bucket" / "chat")
+    metrics = httpx.get(s.base + "/metrics").text
+    assert 'gemma_boot_stage_seconds{model_name="chat",stage="weights"}' in metrics
+    s.sigterm()
+    assert s.wait_exit(30) == 0
+
+
+@pytest.mark.parametrize(
+    "args,reason",
+    [
+        (["--model", "/nonexistent/model", "--use-installed-engine"],
+         "weights: FileNotFoundError: /nonexistent/model: not a directory"),
+        (["--model", "/nonexistent/model", "--engine-src", "/nonexistent/rust"],
+         "build: FileNotFoundError: no Cargo.toml in /nonexistent/rust"),
+    ],
+    ids=["weights", "build"],
+)
+def test_a_failing_stage_exits_nonzero_with_the_reason_in_the_termination_message(spawn, tmp_path, args, reason):
+    s = spawn(*args, *COMMON, env={"GEMMA_BUILD_CACHE": str(tmp_path / "cache")})
+    assert s.wait_exit(120) == 1
+    message = s.termination_log.read_text()
+    assert message.startswith(reason), message
+    assert message.count("\n") == 1
+    assert reason in s.logs()
+
+
+def start_stream(base: str, model: str, prompt: str) -> tuple[httpx.Client, httpx.Response]:
+    client = httpx.Client(timeout=60)
+    req = client.build_request("POST", base + "/v1/completions",
+                               json={"model": model, "prompt": prompt, "max_tokens": 400, "stream": True})
+    response = client.send(req, stream=True)
+    assert response.status_code == 200
+    return client, response
+
+
+def test_sigterm_drains_running_and_queued_requests_and_refuses_new_ones(spawn, chat_checkpoint):
+    s = spawn("--model", str(chat_checkpoint), "--use-installed-engine", "--shutdown-timeout", "120", *COMMON)
+    wait_for(lambda: get_status(s.base + "/health") == 200, 120, "/health 200")
+    client, stream = start_stream(s.base, "chat", LONG_PROMPT)
+    chunks = stream.iter_bytes()
+    first = next(chunks)
+    queued: dict = {}
+
+    def run_queued() -> None:
+        r = httpx.post(s.base + "/v1/completions", json={"prompt": "Hello", "max_tokens": 5}, timeout=120)
+        queued.update(status=r.status_code, body=r.json())
+
+    t = threading.Thread(target=run_queued, daemon=True)
+    t.start()
+    wait_for(lambda: "gemma_num_requests_waiting{model_name=\"chat\"} 1.0" in httpx.get(s.base + "/metrics").text,
+             30, "the second request to queue")
+    s.sigterm()
+    wait_for(lambda: get_status(s.base + "/health") == 503, 30, "/health 503 while draining")
+    r = httpx.post(s.base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+
+    body = first + b"".join(chunks)
+    client.close()
+    assert body.endswith(b"data: [DONE]\n\n")
+    assert b'"error"' not in body
+    events = [json.loads(e[6:]) for e in body[:-2].split(b"\n\n")[:-1]]
+    assert events[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    t.join(60)
+    assert queued["status"] == 200 and queued["body"]["usage"]["completion_tokens"] == 5
+    assert s.wait_exit(60) == 0
+
+
+def test_sigterm_past_the_shutdown_timeout_ends_the_stream_with_an_error_event(spawn, chat_checkpoint):
+    s = spawn("--model", str(chat_checkpoint), "--use-installed-engine", "--shutdown-timeout", "0.2", *COMMON)
+    wait_for(lambda: get_status(s.base + "/health") == 200, 120, "/health 200")
+    client, stream = start_stream(s.base, "chat", LONG_PROMPT)
+    chunks = stream.iter_bytes()
+    first = next(chunks)
+    s.sigterm()
+    body = first + b"".join(chunks)
+    client.close()
+    events = body[:-2].split(b"\n\n")
+    assert events[-1] == b"data: [DONE]"
+    error = json.loads(events[-2][6:])["error"]
+    assert error["code"] == 503 and "shutdown" in error["message"]
+    assert s.wait_exit(30) == 0
+
+
+def cargo_target_dir() -> str:
+    """The Makefile's CARGO_TARGET_DIR (warm after `make engine`), when the test runs outside make."""
+    if os.environ.get("CARGO_TARGET_DIR"):
+        return os.environ["CARGO_TARGET_DIR"]
+    import torch
+
+    v = torch.__version__.split("+")[0]
+    py = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    return str(Path.home() / ".cache" / "gemma-rust-operator" / "cargo" / f"torch-{v}-{py}")
+
+
+@pytest.mark.slow
+def test_a_restart_with_a_warm_build_cache_skips_the_compile(spawn, chat_checkpoint, tmp_path):
+    cache = tmp_path / "builds"
+    env = {"GEMMA_BUILD_CACHE": str(cache), "CARGO_TARGET_DIR": cargo_target_dir()}
+    args = ["--model", str(chat_checkpoint), *COMMON]
+
+    cold = spawn(*args, env=env)
+    wait_for(lambda: get_status(cold.base + "/health") == 200, 900, "the cold boot (compiles the engine)")
+    build = engine_info(cold.base)["stages"][0]
+    assert build["stage"] == "build" and build["status"] == "ok" and build["message"].startswith("compiled ")
+    key = build["message"].split()[1]
+    assert (cache / key / "BUILD.json").is_file()
+    assert engine_info(cold.base)["build"]["module"].startswith(str(cache / key))
+    assert "maturin: " in cold.logs()
+    cold.sigterm()
+    assert cold.wait_exit(60) == 0
+
+    warm = spawn(*args, env=env)
+    wait_for(lambda: get_status(warm.base + "/health") == 200, 300, "the warm boot")
+    info = engine_info(warm.base)
+    assert info["stages"][0]["message"] == f"cached {key}"
+    assert info["stages"][0]["seconds"] < build["seconds"]
+    assert info["build"]["module"].startswith(str(cache / key))
+    assert "maturin" not in warm.logs()
+    r = httpx.post(warm.base + "/v1/completions", json={"prompt": "Hello", "max_tokens": 3}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    warm.sigterm()
+    assert warm.wait_exit(60) == 0

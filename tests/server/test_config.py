@@ -1,0 +1,95 @@
+"""Unit tests of config.py, sources.py, build.py's key and metrics.py's buckets (pure parts)."""
+
+from pathlib import Path
+
+import pytest
+
+from gemma_server.build import cache_key, source_files, source_hash
+from gemma_server.config import parse_config
+from gemma_server.metrics import build_1_2_5_buckets
+from gemma_server.sources import Source, materialize, parse_source
+
+
+def test_flags_win_over_environment_and_environment_over_defaults():
+    env = {"GEMMA_MODEL": "/m", "GEMMA_PORT": "9000", "GEMMA_CONTEXT": "4096", "GEMMA_DEVICE": "tpu",
+           "TORCH_TPU_DEFER_AND_FUSE": "1", "GEMMA_SERVED_MODEL_NAME": "gemma"}
+    c = parse_config(["--port", "9001"], env)
+    assert (c.model, c.port, c.context, c.device, c.tpu_defer_and_fuse, c.model_name) == (
+        "/m", 9001, 4096, "tpu", "1", "gemma")
+    assert parse_config([], {"GEMMA_MODEL": "/x"}).port == 8000
+
+
+def test_missing_model_or_bad_values_exit_with_usage_error(capsys):
+    for argv in ([], ["--model", "/m", "--context", "0"], ["--model", "/m", "--device", "gpu"]):
+        with pytest.raises(SystemExit) as e:
+            parse_config(argv, {})
+        assert e.value.code == 2
+    assert "--device" in capsys.readouterr().err
+
+
+def test_served_name_defaults_to_the_model_source():
+    assert parse_config(["--model", "hf://google/gemma-4-e2b@main"], {}).model_name == "google/gemma-4-e2b"
+    assert parse_config(["--model", "/models/tiny/"], {}).model_name == "tiny"
+    assert parse_config(["--model", "gs://b/models/g4"], {}).model_name == "g4"
+
+
+def test_model_sources_parse():
+    assert parse_source("hf://org/repo") == Source("hf", "org/repo", None)
+    assert parse_source("hf://org/repo@v1.0") == Source("hf", "org/repo", "v1.0")
+    assert parse_source("gs://bucket/a/b/") == Source("gs", "bucket/a/b")
+    assert parse_source("/data/model") == Source("local", "/data/model")
+    assert str(parse_source("hf://org/repo@abc")) == "hf://org/repo@abc"
+    for bad in ("hf://repo", "hf://org/repo@", "hf://a/b/c", "gs://", "s3://b/p"):
+        with pytest.raises(ValueError, match="://"):
+            parse_source(bad)
+
+
+def test_gs_source_is_read_under_the_mount_root(tmp_path):
+    (tmp_path / "bucket" / "m").mkdir(parents=True)
+    (tmp_path / "bucket" / "m" / "config.json").write_text("{}")
+    src = parse_source("gs://bucket/m")
+    assert materialize(src, hf_token=None, gcs_root=str(tmp_path), mount_timeout=0) == tmp_path / "bucket" / "m"
+    with pytest.raises(FileNotFoundError, match="mount bucket other with GCS FUSE at"):
+        materialize(parse_source("gs://other/m"), hf_token=None, gcs_root=str(tmp_path), mount_timeout=0)
+
+
+def test_local_source_needs_a_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        materialize(parse_source(str(tmp_path)), hf_token=None, gcs_root="/gcs", mount_timeout=0)
+
+
+def test_hf_source_offline_without_a_cached_copy_names_the_repo(tmp_path, monkeypatch):
+    # huggingface_hub's real code path; no hub is reachable here, so only its offline failure is testable.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(RuntimeError) as e:
+        materialize(parse_source("hf://google/gemma-4-e2b@v1"), hf_token=None, gcs_root="/gcs", mount_timeout=0)
+    assert str(e.value).startswith("hf://google/gemma-4-e2b@v1: download failed: LocalEntryNotFoundError")
+
+
+def test_build_key_changes_with_source_torch_and_python_but_not_with_ignored_outputs(tmp_path):
+    crate = tmp_path / "crate"
+    (crate / "src").mkdir(parents=True)
+    (crate / "Cargo.toml").write_text("[package]\n")
+    (crate / "src" / "lib.rs").write_text("fn a() {}\n")
+    (crate / ".gitignore").write_text("/target/\n/python/pkg/_build.py\n")
+    h = source_hash(crate)
+    (crate / "target").mkdir()
+    (crate / "target" / "x.rs").write_text("junk")
+    (crate / "python" / "pkg").mkdir(parents=True)
+    (crate / "python" / "pkg" / "_build.py").write_text("TORCH_VERSION = '1'\n")
+    assert source_hash(crate) == h
+    assert Path("python/pkg/_build.py") not in source_files(crate)
+    (crate / "src" / "lib.rs").write_text("fn b() {}\n")
+    assert source_hash(crate) != h
+    assert cache_key(h, "2.14.1+cu130", "3.11") == f"{h[:16]}-torch2.14.1_cu130-py3.11"
+    assert cache_key(h, "2.14.1", "3.11") != cache_key(h, "2.14.1", "3.12")
+
+
+def test_token_count_buckets_are_vllms_1_2_5_series():
+    assert build_1_2_5_buckets(1000) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000]
+    assert build_1_2_5_buckets(8192)[-1] == 5000

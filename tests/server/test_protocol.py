@@ -1,0 +1,116 @@
+"""Unit tests of protocol.py: request validation and request -> engine parameters (no server, no engine)."""
+
+import logging
+
+import pytest
+
+from gemma_server.errors import ApiError
+from gemma_server.protocol import ChatCompletionRequest, CompletionRequest
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def chat(**kw):
+    return ChatCompletionRequest(messages=MSG, **kw)
+
+
+def params(req, n_prompt=10, context=100, vocab=512):
+    return req.engine_params(list(range(1, n_prompt + 1)), context, vocab)
+
+
+def assert_400(fn, param):
+    with pytest.raises(ApiError) as e:
+        fn()
+    assert e.value.status == 400
+    assert e.value.param == param
+    return e.value
+
+
+def test_max_completion_tokens_wins_over_max_tokens():
+    assert params(chat(max_tokens=5, max_completion_tokens=7)).max_new == 7
+    assert params(chat(max_tokens=5)).max_new == 5
+
+
+def test_max_tokens_is_capped_at_context_minus_prompt():
+    assert params(chat(max_tokens=1000), n_prompt=10, context=100).max_new == 90
+
+
+def test_chat_without_max_tokens_may_fill_the_context_and_completions_default_to_16():
+    assert params(chat(), n_prompt=10, context=100).max_new == 90
+    assert params(CompletionRequest(prompt="x"), n_prompt=10, context=100).max_new == 16
+
+
+def test_prompt_that_fills_the_context_is_400_naming_the_prompt_field():
+    e = assert_400(lambda: params(chat(), n_prompt=100, context=100), "messages")
+    assert "100" in e.message
+    assert_400(lambda: params(CompletionRequest(prompt="x"), n_prompt=100, context=100), "prompt")
+
+
+def test_token_ids_outside_the_vocabulary_are_400():
+    req = CompletionRequest(prompt=[1, 2, 600])
+    assert_400(lambda: req.engine_params([1, 2, 600], 100, 512), "prompt")
+    assert_400(lambda: params(chat(stop_token_ids=[512])), "stop_token_ids")
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", 0.7),
+        ("temperature", -1.0),
+        ("top_p", 0.9),
+        ("n", 2),
+        ("frequency_penalty", 0.5),
+        ("presence_penalty", 0.5),
+        ("logit_bias", {"1": 2.0}),
+        ("logprobs", True),
+        ("top_logprobs", 2),
+        ("top_k", 40),
+        ("min_p", 0.1),
+        ("repetition_penalty", 1.2),
+        ("ignore_eos", True),
+        ("max_tokens", 0),
+        ("max_completion_tokens", -1),
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("response_format", {"type": "json_object"}),
+        ("stop", ["ok", ""]),
+    ],
+)
+def test_unsupported_or_bad_chat_fields_are_400_naming_the_field(field, value):
+    assert_400(lambda: params(chat(**{field: value})), field)
+
+
+@pytest.mark.parametrize("field,value", [("best_of", 2), ("echo", True), ("suffix", "x"), ("logprobs", 3)])
+def test_unsupported_completion_fields_are_400_naming_the_field(field, value):
+    assert_400(lambda: params(CompletionRequest(prompt="x", **{field: value})), field)
+
+
+def test_several_prompts_in_one_request_are_400():
+    assert_400(lambda: CompletionRequest(prompt=["a", "b"]).check(), "prompt")
+    assert CompletionRequest(prompt=["a"]).single_prompt() == "a"
+    assert CompletionRequest(prompt=[[5, 6]]).single_prompt() == [5, 6]
+    assert CompletionRequest(prompt=[5, 6]).single_prompt() == [5, 6]
+
+
+def test_stream_options_without_stream_is_400():
+    assert_400(lambda: chat(stream_options={"include_usage": True}).check(), "stream_options")
+
+
+def test_greedy_values_seed_and_user_are_accepted():
+    p = params(chat(temperature=0, top_p=1, n=1, seed=123, user="u", top_k=1, stop="END", stop_token_ids=[7]))
+    assert p.stop == ("END",)
+    assert p.stop_ids == (7,)
+
+
+def test_unknown_fields_are_ignored_and_logged(caplog):
+    with caplog.at_level(logging.WARNING, logger="gemma_server.protocol"):
+        req = ChatCompletionRequest(messages=MSG, frobnicate=1, another={"x": 1})
+    assert params(req).max_new == 90
+    assert "another, frobnicate" in caplog.text
+
+
+def test_text_content_parts_are_joined_and_image_parts_refused():
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                       {"type": "text", "text": "b"}]}])
+    assert req.template_messages() == [{"role": "user", "content": "ab"}]
+    img = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
+    assert_400(img.check, "messages[0].content")

@@ -1,0 +1,110 @@
+"""Admission and the bounded queue. These tests hold a decode "running" for as long as they need, a timing
+the real engine cannot give on demand, so the engine here is tests/server/fakes.py's FakeGatedEngine;
+the server, tokenizer, sockets and openai SDK are real."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import start_in_process, wait_for
+from tests.server.fakes import fake_gated_boot
+
+MESSAGES = [{"role": "user", "content": "Hello"}]
+
+
+@pytest.fixture
+def gated(chat_checkpoint):
+    s = start_in_process(chat_checkpoint, "--queue-limit", "1", boot_class=fake_gated_boot(str(chat_checkpoint)))
+    engine = s.state.boot.loaded.engine
+    yield s, engine
+    engine.gate.set()
+    s.stop()
+
+
+def post_in_thread(url: str, body: dict) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+
+    def run() -> None:
+        r = httpx.post(url, json=body, timeout=60)
+        out["status"], out["body"] = r.status_code, r.json()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def raw_request(base: str, path: str, body: dict) -> socket.socket:
+    """Send a request over a plain socket, so the test can drop the connection whenever it wants."""
+    host, port = base.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    data = json.dumps(body).encode()
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+def test_overflowing_queue_returns_429_with_retry_after(gated):
+    server, engine = gated
+    m = server.state.metrics
+    engine.gate.clear()
+    url = server.base + "/v1/chat/completions"
+    running, running_out = post_in_thread(url, {"messages": MESSAGES, "max_tokens": 3})
+    wait_for(engine.decoding.is_set, 30, "the first request to start decoding")
+    queued, queued_out = post_in_thread(url, {"messages": MESSAGES, "max_tokens": 3})
+    wait_for(lambda: m.num_requests_waiting._value.get() == 1, 30, "one request waiting")
+
+    r = httpx.post(url, json={"messages": MESSAGES, "max_tokens": 3})
+    assert r.status_code == 429
+    assert r.headers["retry-after"] == "1"
+    assert r.json()["error"]["type"] == "rate_limit_error" and r.json()["error"]["code"] == 429
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.RateLimitError):
+        client.chat.completions.create(model=server.state.config.model_name, messages=MESSAGES)
+
+    engine.gate.set()
+    running.join(30)
+    queued.join(30)
+    assert running_out["status"] == queued_out["status"] == 200
+    assert running_out["body"]["usage"]["completion_tokens"] == 3
+    assert engine.decodes == 2
+
+
+def test_a_queued_request_that_disconnects_leaves_the_queue_without_decoding(gated):
+    server, engine = gated
+    m = server.state.metrics
+    aborts = m.request_success["abort"]._value.get()
+    engine.gate.clear()
+    running, running_out = post_in_thread(server.base + "/v1/completions", {"prompt": "Hello", "max_tokens": 2})
+    wait_for(engine.decoding.is_set, 30, "the first request to start decoding")
+    sock = raw_request(server.base, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3})
+    wait_for(lambda: m.num_requests_waiting._value.get() == 1, 30, "one request waiting")
+    sock.close()
+    wait_for(lambda: m.num_requests_waiting._value.get() == 0, 30, "the queue to empty")
+    wait_for(lambda: m.request_success["abort"]._value.get() == aborts + 1, 30, "the abort to be counted")
+    engine.gate.set()
+    running.join(30)
+    assert running_out["status"] == 200
+    assert engine.decodes == 1  # the one that left never reached the engine
+
+
+def test_a_streamed_request_that_disconnects_while_queued_is_aborted(gated):
+    server, engine = gated
+    m = server.state.metrics
+    aborts = m.request_success["abort"]._value.get()
+    engine.gate.clear()
+    running, _ = post_in_thread(server.base + "/v1/completions", {"prompt": "Hello", "max_tokens": 2})
+    wait_for(engine.decoding.is_set, 30, "the first request to start decoding")
+    sock = raw_request(server.base, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3, "stream": True})
+    wait_for(lambda: m.num_requests_waiting._value.get() == 1, 30, "one request waiting")
+    sock.close()
+    wait_for(lambda: m.request_success["abort"]._value.get() == aborts + 1, 30, "the abort to be counted")
+    assert m.num_requests_waiting._value.get() == 0
+    engine.gate.set()
+    running.join(30)
+    assert engine.decodes == 1
