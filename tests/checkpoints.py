@@ -541,8 +541,28 @@ def _load_quantized_reference(model_dir: Path, emb_dir, dtype: torch.dtype) -> G
                     raise ValueError(f"{emb_dir}: {table} is {tuple(values.shape)}, model wants {tuple(weight.shape)}")
                 # In place, so the tied lm_head follows the int4 table as Transformers ties it.
                 weight.copy_(values)
-    model = model.to(dtype)
+    model = _exact_buffers(model.to(dtype))
     model.eval()
+    return model
+
+
+def _exact_buffers(model: Gemma4ForCausalLM) -> Gemma4ForCausalLM:
+    """Give a model loaded in bfloat16 and cast the non-persistent buffers `from_pretrained(dtype=...)` gives.
+
+    Loading through compressed-tensors in bfloat16 rounds two kinds of buffers, which `.to(dtype)`
+    does not undo:
+
+    * the RoPE `inv_freq` tables (0.64938 -> 0.6484), which Transformers computes in float32 at any
+      dtype (modeling_gemma4.py:1080-1159): rebuilt here from the config;
+    * the `embed_scale` buffers (sqrt(128) = 11.3137 -> 11.3125), which a float32 model holds exactly
+      (modeling_gemma4.py:1455 casts the scale to the weight dtype).
+
+    Without this the W4A16 reference drifts from the dense one (first-token KL 1.2e-4).
+    """
+    model.model.rotary_emb = type(model.model.rotary_emb)(model.config)
+    dtype = next(model.parameters()).dtype
+    for emb in (model.model.embed_tokens, model.model.embed_tokens_per_layer):
+        emb.embed_scale.data = torch.tensor(emb.scalar_embed_scale, dtype=torch.float32).to(dtype)
     return model
 
 

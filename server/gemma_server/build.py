@@ -115,38 +115,6 @@ def install_wheel(wheel: Path, target: Path) -> None:
         shutil.rmtree(data)
 
 
-def restore_ignored_python_files(crate: Path, target: Path) -> list[str]:
-    """Copy the python-source `.py` files that the wheel lacks into the unpacked build.
-
-    maturin leaves files its crate's .gitignore lists out of the wheel (maturin PR #695). The engine's
-    build script writes `gemma_engine/_build.py` (the torch it was built for) into python-source and
-    ignores it there, so the wheel comes without it. The file in the source tree is the one this build
-    just wrote. Nothing is copied when the wheel is complete.
-
-    Returns:
-        the relative paths copied.
-    """
-    import tomllib
-
-    pyproject = crate / "pyproject.toml"
-    if not pyproject.is_file():
-        return []
-    source = tomllib.loads(pyproject.read_text()).get("tool", {}).get("maturin", {}).get("python-source")
-    if not source:
-        return []
-    root = crate / source
-    copied = []
-    for py in sorted(root.rglob("*.py")):
-        rel = py.relative_to(root)
-        if not (target / rel).exists() and (target / rel.parts[0]).is_dir():
-            shutil.copy2(py, target / rel)
-            copied.append(str(rel))
-    if copied:
-        log.warning("build: the wheel lacked %s (ignored by the crate's .gitignore); copied from %s",
-                    ", ".join(copied), root)
-    return copied
-
-
 def ensure_engine(crate: Path, cache_root: Path, torch_version: str) -> BuildResult:
     """Return a build of `crate` for this torch and python, compiling only when the cache lacks it.
 
@@ -176,7 +144,6 @@ def ensure_engine(crate: Path, cache_root: Path, torch_version: str) -> BuildRes
             wheel = _maturin_build(crate, Path(tmp) / "wheels", cache_root)
             staging = Path(tmp) / "install"
             install_wheel(wheel, staging)
-            restore_ignored_python_files(crate, staging)
             (staging / DONE_MARKER).write_text(
                 json.dumps({"key": key, "wheel": wheel.name, "built_at": time.time()}) + "\n"
             )

@@ -1,7 +1,11 @@
 """Type stub for `gemma_engine`, the Rust Gemma 4 engine over PyTorch's ATen.
 
 This file is the contract between the engine (rust/) and its callers (the
-server, the tests, the benchmarks). Change it together with bindings.rs.
+server, the tests, the benchmarks). Change it together with rust/src/bindings.rs.
+It lives beside the package's __init__.py (maturin's mixed Rust/Python layout:
+gemma_engine/__init__.py checks the torch version, then loads gemma_engine._native).
+
+Tensor arguments (`like`, `a`, `b`, `t`) must be torch.Tensor: anything else is TypeError.
 """
 
 from collections.abc import Callable, Sequence
@@ -99,11 +103,13 @@ class Engine:
         """Greedy decode from a fresh cache.
 
         Reads the prompt in chunks of `prefill_chunk`, then generates until a
-        token in eos_ids or stop_ids (that token is not returned), `max_new`
-        tokens, or a full context ("length"). Tokens come back to the host every
+        token in eos_ids or stop_ids (that token is not returned nor passed to
+        on_tokens: "stop"), `max_new` tokens, or a full context, i.e. prompt +
+        generated == context ("length"). Tokens come back to the host every
         `read_every` steps; `on_tokens(batch)` is called with each batch and a
         falsy return cancels ("cancelled"). The GIL is released while the device
-        works and re-taken only for the callback.
+        works and re-taken only for the callback. The tokens do not depend on
+        read_every or prefill_chunk.
 
         Returns:
             (tokens, finish, read_s, decode_s): generated ids, "stop" | "length" |

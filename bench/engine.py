@@ -1,0 +1,254 @@
+"""Engine benchmark: the Rust engine (`gemma_engine`) against Transformers on the same random Gemma 4
+checkpoint and device, in one run.
+
+    python -m bench.engine [--config small|e2b] [--device cpu|cuda] [--dtype bfloat16|float32|float16]
+
+Both sides greedy-decode the same prompt from the same bf16 weights (written once with
+`save_pretrained`; the Rust engine reads the files, Transformers uses the model it saved). For each
+side it prints the median over `--repeats` runs of
+
+* prompt read: prompt tokens / seconds to read the prompt and produce the first token;
+* decode: (generated tokens - 1) / seconds spent on the steps after the first token;
+
+and the Rust/Transformers ratios. Transformers runs both with its default dynamic cache and with
+`cache_implementation="static"`; the faster of the two is the baseline, and the table says which.
+The Rust engine reads tokens back every `--read-every` steps (1 = streaming, as the server does).
+
+`--config small` (default) is a small-but-not-tiny CPU config (hidden 512, 8 layers, vocab 8k);
+`--config tiny` the test checkpoints' size (hidden 128), where per-op overhead dominates;
+`--config e2b` is ../shared/reference/gemma4-e2b-text-config.json with random weights (for a GPU).
+On CPU the decode step of a model this small is mostly matrix-vector products that both sides
+hand to the same ATen kernels, so the Rust/Transformers ratio measures the per-op overhead that
+remains around them: it grows as the model shrinks.
+The weights are random, so the tokens are meaningless; how many agree is printed for information
+(in bf16 the two sides drift apart on a random model; parity is tests/engine/test_parity.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+E2B_CONFIG = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "gemma4-e2b-text-config.json"
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def small_config_kwargs() -> dict:
+    """A CPU-sized Gemma 4 text config with every E2B feature (PLE, KV sharing, double-wide MLP)."""
+    return dict(
+        vocab_size=8192,
+        vocab_size_per_layer_input=8192,
+        hidden_size=512,
+        hidden_size_per_layer_input=64,
+        intermediate_size=1024,
+        use_double_wide_mlp=True,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        global_head_dim=128,
+        num_kv_shared_layers=3,
+        sliding_window=128,
+        layer_types=[SLIDING] * 3 + [FULL] + [SLIDING] * 3 + [FULL],
+        rope_parameters={
+            FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
+            SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        final_logit_softcapping=30.0,
+        hidden_activation="gelu_pytorch_tanh",
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=2,
+    )
+
+
+def tiny_config_kwargs() -> dict:
+    """The test checkpoints' size (tests/checkpoints.py): hidden 128, 9 layers, vocab 512."""
+    return dict(
+        small_config_kwargs(),
+        vocab_size=512,
+        vocab_size_per_layer_input=512,
+        hidden_size=128,
+        hidden_size_per_layer_input=32,
+        intermediate_size=256,
+        num_hidden_layers=9,
+        num_attention_heads=4,
+        head_dim=32,
+        global_head_dim=64,
+        num_kv_shared_layers=4,
+        sliding_window=12,
+        layer_types=[SLIDING, SLIDING, FULL, SLIDING, FULL, SLIDING, FULL, SLIDING, FULL],
+    )
+
+
+def make_config(name: str, e2b_config: Path = E2B_CONFIG):
+    """The Gemma4TextConfig for `name`, with no eos ids so both sides decode the full length."""
+    from transformers import Gemma4TextConfig
+
+    if name == "small":
+        kwargs = small_config_kwargs()
+    elif name == "tiny":
+        kwargs = tiny_config_kwargs()
+    else:
+        kwargs = json.loads(e2b_config.read_text())
+        kwargs.pop("model_type", None)
+    kwargs["eos_token_id"] = None
+    return Gemma4TextConfig(**kwargs)
+
+
+@torch.no_grad()
+def random_model(config, device: str, seed: int = 0):
+    """A Gemma4ForCausalLM with random bf16 weights on `device` (unit-scale activations)."""
+    from transformers import Gemma4ForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Gemma4ForCausalLM(config).to(torch.bfloat16)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in sorted(model.named_parameters()):
+        if name.endswith("norm.weight"):
+            p.uniform_(0.5, 1.5, generator=gen)
+        elif name.endswith("embed_tokens.weight"):
+            p.normal_(0.0, 0.5, generator=gen)
+        elif name.endswith("embed_tokens_per_layer.weight"):
+            p.normal_(0.0, 1.0 / math.sqrt(config.hidden_size_per_layer_input), generator=gen)
+        else:
+            p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=gen)
+    return model.eval()
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def rust_runner(model_dir: Path, device: str, dtype: str, prompt: list[int], new: int, read_every: int):
+    """Load the Rust engine; returns (load seconds, run) where run() -> (read tok/s, decode tok/s, tokens)."""
+    import gemma_engine
+
+    t0 = time.perf_counter()
+    engine = gemma_engine.Engine(
+        str(model_dir), like=torch.zeros(1, device=device), context=len(prompt) + new, dtype=dtype, prefill_chunk=256
+    )
+    load_s = time.perf_counter() - t0
+    engine.decode(prompt, min(new, 8), read_every=read_every)  # warm-up
+
+    def run():
+        tokens, _, read_s, decode_s = engine.decode(prompt, new, read_every=read_every)
+        return len(prompt) / read_s, (len(tokens) - 1) / decode_s, tokens
+
+    return load_s, run
+
+
+def hf_runner(model, device: str, prompt: list[int], new: int, cache: str | None, compile_: bool = False):
+    """run() -> (read tok/s, decode tok/s, tokens) for Transformers' generate with `cache`.
+
+    `compile_=False` keeps generate from compiling the forward (it does so on its own for a static
+    cache on an accelerator): both sides then run eagerly, op by op.
+    """
+    ids = torch.tensor([prompt], device=device)
+    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, disable_compile=not compile_)
+    if cache:
+        kwargs["cache_implementation"] = cache
+
+    @torch.no_grad()
+    def generate(n: int):
+        sync(device)
+        t = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
+        sync(device)
+        return time.perf_counter() - t, out[0, len(prompt) :].tolist()
+
+    generate(min(new, 8))  # warm-up
+
+    def run():
+        # Prompt read = a one-token generate; decode = the rest of a full one.
+        first_s, _ = generate(1)
+        total_s, tokens = generate(new)
+        return len(prompt) / first_s, (new - 1) / max(total_s - first_s, 1e-9), tokens
+
+    return run
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", choices=("tiny", "small", "e2b"), default="small")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (a torch device string)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default=None,
+                        help="compute dtype (default: float32 on cpu, bfloat16 elsewhere)")
+    parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 200 small, 512 e2b)")
+    parser.add_argument("--new", type=int, default=None, help="generated tokens (default 128 small, 256 e2b)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--read-every", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default 1 on cpu: on a small shared machine several "
+                             "OpenMP/MKL threads contend with other processes and the timings thrash; torch's default elsewhere)")
+    parser.add_argument("--hf-compile", action="store_true", help="let Transformers compile a static-cache forward")
+    parser.add_argument("--e2b-config", type=Path, default=E2B_CONFIG, help="the E2B text config.json")
+    args = parser.parse_args(argv)
+
+    threads = args.threads or (1 if args.device == "cpu" else None)
+    if threads:
+        torch.set_num_threads(threads)
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    n_prompt = args.prompt or (200 if args.config == "small" else 512)
+    new = args.new or (128 if args.config == "small" else 256)
+    config = make_config(args.config, args.e2b_config)
+    prompt = [2] + [(37 * i + 11) % (config.vocab_size - 3) + 3 for i in range(n_prompt - 1)]
+
+    import gemma_engine
+    import transformers
+
+    print(f"config {args.config}: hidden {config.hidden_size}, layers {config.num_hidden_layers}, vocab {config.vocab_size}; "
+          f"device {args.device}, dtype {dtype}, prompt {n_prompt}, new {new}, repeats {args.repeats}, "
+          f"read_every {args.read_every}, torch threads {torch.get_num_threads()}")
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, gemma_engine {gemma_engine.__version__}")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        model = random_model(config, args.device)
+        model.save_pretrained(tmp)
+        print(f"random checkpoint written in {time.perf_counter() - t0:.1f} s", flush=True)
+        load_s, rust_run = rust_runner(Path(tmp), args.device, dtype, prompt, new, args.read_every)
+    model = model.to(getattr(torch, dtype))
+    runners = {"rust": rust_run}
+    runners.update({f"hf-{c or 'dynamic'}": hf_runner(model, args.device, prompt, new, c, args.hf_compile) for c in (None, "static")})
+    # Interleave the sides, so that a change in machine load hits them alike.
+    samples = {k: [] for k in runners}
+    for _ in range(args.repeats):
+        for k, run in runners.items():
+            samples[k].append(run())
+            print(f"  {k}: prompt read {samples[k][-1][0]:.1f} tok/s, decode {samples[k][-1][1]:.1f} tok/s", flush=True)
+    results = {
+        k: {
+            "read": statistics.median(s[0] for s in v),
+            "decode": statistics.median(s[1] for s in v),
+            "tokens": v[-1][2],
+        }
+        for k, v in samples.items()
+    }
+    rust = dict(results.pop("rust"), load_s=load_s)
+    hf = {k.removeprefix("hf-"): v for k, v in results.items()}
+    best = max(hf, key=lambda k: hf[k]["decode"])
+
+    print(f"{'':28}{'prompt read tok/s':>20}{'decode tok/s':>16}")
+    print(f"{'rust (gemma_engine)':28}{rust['read']:>20.1f}{rust['decode']:>16.1f}   (load {rust['load_s']:.1f} s)")
+    for k, r in hf.items():
+        print(f"{'transformers, ' + k + ' cache':28}{r['read']:>20.1f}{r['decode']:>16.1f}")
+    base = hf[best]
+    agree = next((i for i, (a, b) in enumerate(zip(rust["tokens"], base["tokens"])) if a != b), len(base["tokens"]))
+    print(f"rust/transformers ({best} cache, the faster HF decode): "
+          f"decode {rust['decode'] / base['decode']:.2f}x, prompt read {rust['read'] / base['read']:.2f}x")
+    print(f"first {agree} of {new} greedy tokens agree")
+
+
+if __name__ == "__main__":
+    main()

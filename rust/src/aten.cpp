@@ -1,0 +1,217 @@
+// The C++ half of the FFI fence: each extern "C" body runs inside PROTECT, so a C++ exception
+// becomes an error string for Rust and never unwinds across the ABI (tch-rs torch_api.cpp).
+// See aten.h for the contract.
+#include <Python.h>
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "aten.h"
+
+struct gt {
+  at::Tensor t;
+};
+
+namespace {
+
+thread_local std::string pending_error;
+thread_local std::string taken_error;
+thread_local bool has_error = false;
+
+void set_error(const char *msg) {
+  pending_error = msg;
+  has_error = true;
+}
+
+// ATen's messages carry a C++ backtrace after the first line in some builds; keep the
+// message a caller can act on.
+#define PROTECT(body)                                                     \
+  try {                                                                   \
+    body                                                                  \
+  } catch (const c10::Error &e) {                                         \
+    set_error(e.what_without_backtrace());                                \
+  } catch (const std::exception &e) {                                     \
+    set_error(e.what());                                                  \
+  } catch (...) {                                                         \
+    set_error("unknown C++ exception");                                   \
+  }
+
+#define RET(expr)                 \
+  PROTECT(return box(expr);)      \
+  return nullptr;
+
+#define RET_INT(stmt)             \
+  PROTECT(stmt; return 0;)        \
+  return -1;
+
+gt *box(at::Tensor t) { return new gt{std::move(t)}; }
+
+at::IntArrayRef dims_of(const int64_t *dims, size_t ndim) { return at::IntArrayRef(dims, ndim); }
+
+at::ScalarType st(int dtype) { return static_cast<at::ScalarType>(dtype); }
+
+}  // namespace
+
+extern "C" {
+
+const char *aten_take_error(void) {
+  if (!has_error) return nullptr;
+  has_error = false;
+  taken_error = std::move(pending_error);
+  pending_error.clear();
+  return taken_error.c_str();
+}
+
+void *aten_no_grad_enter(void) {
+  PROTECT(return new at::NoGradGuard();)
+  return nullptr;
+}
+
+void aten_no_grad_exit(void *guard) { delete static_cast<at::NoGradGuard *>(guard); }
+
+void aten_free(gt *t) { delete t; }
+
+gt *aten_from_python(PyObject *obj) {
+  PROTECT(
+      if (!THPVariable_Check(obj)) { throw std::invalid_argument("expected a torch.Tensor"); }
+      return box(THPVariable_Unpack(obj));)
+  return nullptr;
+}
+
+PyObject *aten_to_python(gt *t) {
+  PROTECT(return THPVariable_Wrap(t->t);)
+  return nullptr;
+}
+
+gt *aten_from_bytes(const void *data, size_t nbytes, const int64_t *dims, size_t ndim, int dtype) {
+  PROTECT(
+      at::Tensor out = at::empty(dims_of(dims, ndim), at::TensorOptions().dtype(st(dtype)));
+      if (static_cast<size_t>(out.nbytes()) != nbytes) {
+        throw std::invalid_argument("byte count " + std::to_string(nbytes) + " does not match shape " +
+                                    c10::str(out.sizes()) + " of " + c10::toString(st(dtype)));
+      }
+      // Copy: safetensors data in a memory map is not guaranteed aligned for the dtype.
+      std::memcpy(out.data_ptr(), data, nbytes);
+      return box(out);)
+  return nullptr;
+}
+
+int aten_copy_to_host(gt *t, void *dst, size_t nbytes) {
+  RET_INT(
+      at::Tensor h = t->t.to(at::kCPU).contiguous();
+      if (static_cast<size_t>(h.nbytes()) != nbytes) { throw std::invalid_argument("host buffer size mismatch"); }
+      std::memcpy(dst, h.data_ptr(), nbytes))
+}
+
+gt *aten_shallow_clone(gt *t) { RET(t->t) }
+
+int64_t aten_dim(gt *t) { return t->t.dim(); }
+
+int aten_shape(gt *t, int64_t *out, size_t cap) {
+  RET_INT(
+      auto s = t->t.sizes();
+      if (s.size() > cap) { throw std::invalid_argument("shape buffer too small"); }
+      for (size_t i = 0; i < s.size(); ++i) out[i] = s[i])
+}
+
+int aten_dtype(gt *t) { return static_cast<int>(t->t.scalar_type()); }
+
+size_t aten_device(gt *t, char *buf, size_t cap) {
+  PROTECT(
+      std::string s = t->t.device().str();
+      size_t n = s.size() < cap ? s.size() : cap;
+      std::memcpy(buf, s.data(), n);
+      return n;)
+  return 0;
+}
+
+// copy=true: a weight built from host bytes must not alias them when it stays on the host.
+gt *aten_to(gt *t, gt *like, int dtype) {
+  RET(t->t.to(like->t.device(), dtype < 0 ? t->t.scalar_type() : st(dtype), false, true))
+}
+
+gt *aten_to_dtype(gt *t, int dtype) { RET(t->t.to(st(dtype))) }
+
+gt *aten_full(const int64_t *dims, size_t ndim, double value, int dtype, gt *like) {
+  RET(at::full(dims_of(dims, ndim), value, like->t.options().dtype(st(dtype))))
+}
+
+gt *aten_arange(int64_t start, int64_t end, int dtype, gt *like) {
+  RET(at::arange(start, end, like->t.options().dtype(st(dtype))))
+}
+
+gt *aten_contiguous(gt *t) { RET(t->t.contiguous()) }
+gt *aten_reshape(gt *t, const int64_t *dims, size_t ndim) { RET(t->t.reshape(dims_of(dims, ndim))) }
+gt *aten_transpose(gt *t, int64_t d0, int64_t d1) { RET(t->t.transpose(d0, d1)) }
+gt *aten_unsqueeze(gt *t, int64_t d) { RET(t->t.unsqueeze(d)) }
+gt *aten_narrow(gt *t, int64_t dim, int64_t start, int64_t len) { RET(t->t.narrow(dim, start, len)) }
+
+gt *aten_cat(gt *const *ts, size_t n, int64_t dim) {
+  PROTECT(
+      std::vector<at::Tensor> v;
+      v.reserve(n);
+      for (size_t i = 0; i < n; ++i) v.push_back(ts[i]->t);
+      return box(at::cat(v, dim));)
+  return nullptr;
+}
+
+gt *aten_index_select(gt *t, int64_t dim, gt *index) { RET(t->t.index_select(dim, index->t)) }
+
+gt *aten_linear(gt *x, gt *w) { RET(at::linear(x->t, w->t)) }
+gt *aten_matmul(gt *a, gt *b) { RET(at::matmul(a->t, b->t)) }
+gt *aten_add(gt *a, gt *b) { RET(a->t + b->t) }
+gt *aten_sub(gt *a, gt *b) { RET(a->t - b->t) }
+gt *aten_mul(gt *a, gt *b) { RET(a->t * b->t) }
+gt *aten_add_scalar(gt *a, double v) { RET(a->t + v) }
+gt *aten_mul_scalar(gt *a, double v) { RET(a->t * v) }
+gt *aten_div_scalar(gt *a, double v) { RET(a->t / v) }
+gt *aten_pow_scalar(gt *a, double v) { RET(at::pow(a->t, v)) }
+gt *aten_remainder_scalar(gt *a, int64_t v) { RET(at::remainder(a->t, v)) }
+gt *aten_mean_dim(gt *a, int64_t dim, int keepdim) { RET(a->t.mean(dim, keepdim != 0)) }
+gt *aten_sum(gt *a) { RET(a->t.sum()) }
+
+double aten_item_double(gt *a) {
+  PROTECT(return a->t.item<double>();)
+  return 0.0;
+}
+
+gt *aten_gelu_tanh(gt *a) { RET(at::gelu(a->t, "tanh")) }
+gt *aten_tanh(gt *a) { RET(at::tanh(a->t)) }
+gt *aten_cos(gt *a) { RET(at::cos(a->t)) }
+gt *aten_sin(gt *a) { RET(at::sin(a->t)) }
+gt *aten_softmax(gt *a, int64_t dim) { RET(at::softmax(a->t, dim)) }
+
+// weight may be NULL (a norm without scale).
+gt *aten_rms_norm(gt *x, gt *weight, double eps) {
+  PROTECT(
+      std::optional<at::Tensor> w;
+      if (weight) w = weight->t;
+      return box(at::rms_norm(x->t, {x->t.size(-1)}, w, eps));)
+  return nullptr;
+}
+gt *aten_argmax(gt *a, int64_t dim, int keepdim) { RET(at::argmax(a->t, dim, keepdim != 0)) }
+
+gt *aten_ge(gt *a, gt *b) { RET(a->t.ge(b->t)) }
+gt *aten_le(gt *a, gt *b) { RET(a->t.le(b->t)) }
+gt *aten_gt(gt *a, gt *b) { RET(a->t.gt(b->t)) }
+gt *aten_ge_scalar(gt *a, double v) { RET(a->t.ge(v)) }
+gt *aten_logical_and(gt *a, gt *b) { RET(a->t.logical_and(b->t)) }
+gt *aten_logical_not(gt *a) { RET(a->t.logical_not()) }
+gt *aten_masked_fill(gt *a, gt *mask, double v) { RET(a->t.masked_fill(mask->t, v)) }
+
+gt *aten_sdpa(gt *q, gt *k, gt *v, gt *mask, double scale) {
+  RET(at::scaled_dot_product_attention(q->t, k->t, v->t, mask->t, 0.0, false, scale, true))
+}
+
+int aten_index_copy_(gt *t, int64_t dim, gt *index, gt *src) { RET_INT(t->t.index_copy_(dim, index->t, src->t)) }
+int aten_copy_(gt *dst, gt *src) { RET_INT(dst->t.copy_(src->t)) }
+int aten_fill_(gt *t, double v) { RET_INT(t->t.fill_(v)) }
+int aten_add_scalar_(gt *t, double v) { RET_INT(t->t.add_(v)) }
+int aten_add_int_(gt *t, int64_t v) { RET_INT(t->t.add_(v)) }
+
+}  // extern "C"

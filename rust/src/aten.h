@@ -1,0 +1,98 @@
+/* C ABI over the few dozen ATen operations the Gemma 4 engine uses.
+ *
+ * Design: LaurentMazare/tch-rs torch-sys/libtch/torch_api.{h,cpp} (PROTECT), cut down to what
+ * the model needs, as in the seed rig's 154-line shim. Every function catches every C++
+ * exception and leaves its message for `aten_take_error`; nothing throws across the ABI.
+ * A function that fails returns NULL (or 0/-1); Rust checks `aten_take_error` after each call
+ * (src/ffi.rs, macro `ffi!`).
+ *
+ * `gt` is an opaque `at::Tensor*` owned by the caller and released with `aten_free`.
+ * Dtypes are c10::ScalarType codes (src/tensor.rs `DType` mirrors them).
+ */
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct gt gt;
+typedef struct _object PyObject;
+
+/* Errors and guards. */
+const char *aten_take_error(void);
+void *aten_no_grad_enter(void);
+void aten_no_grad_exit(void *guard);
+
+/* Lifetime, Python crossing, host bytes. */
+void aten_free(gt *t);
+gt *aten_from_python(PyObject *obj);
+PyObject *aten_to_python(gt *t);
+gt *aten_from_bytes(const void *data, size_t nbytes, const int64_t *dims, size_t ndim, int dtype);
+int aten_copy_to_host(gt *t, void *dst, size_t nbytes);
+gt *aten_shallow_clone(gt *t);
+
+/* Metadata. */
+int64_t aten_dim(gt *t);
+int aten_shape(gt *t, int64_t *out, size_t cap);
+int aten_dtype(gt *t);
+size_t aten_device(gt *t, char *buf, size_t cap);
+
+/* Creation and movement; `like` names the device. */
+gt *aten_to(gt *t, gt *like, int dtype);
+gt *aten_to_dtype(gt *t, int dtype);
+gt *aten_full(const int64_t *dims, size_t ndim, double value, int dtype, gt *like);
+gt *aten_arange(int64_t start, int64_t end, int dtype, gt *like);
+gt *aten_contiguous(gt *t);
+
+/* Shapes. */
+gt *aten_reshape(gt *t, const int64_t *dims, size_t ndim);
+gt *aten_transpose(gt *t, int64_t d0, int64_t d1);
+gt *aten_unsqueeze(gt *t, int64_t d);
+gt *aten_narrow(gt *t, int64_t dim, int64_t start, int64_t len);
+gt *aten_cat(gt *const *ts, size_t n, int64_t dim);
+gt *aten_index_select(gt *t, int64_t dim, gt *index);
+
+/* Arithmetic. */
+gt *aten_linear(gt *x, gt *w);
+gt *aten_matmul(gt *a, gt *b);
+gt *aten_add(gt *a, gt *b);
+gt *aten_sub(gt *a, gt *b);
+gt *aten_mul(gt *a, gt *b);
+gt *aten_add_scalar(gt *a, double v);
+gt *aten_mul_scalar(gt *a, double v);
+gt *aten_div_scalar(gt *a, double v);
+gt *aten_pow_scalar(gt *a, double v);
+gt *aten_remainder_scalar(gt *a, int64_t v);
+gt *aten_mean_dim(gt *a, int64_t dim, int keepdim);
+gt *aten_sum(gt *a);
+double aten_item_double(gt *a);
+gt *aten_gelu_tanh(gt *a);
+gt *aten_tanh(gt *a);
+gt *aten_cos(gt *a);
+gt *aten_sin(gt *a);
+gt *aten_softmax(gt *a, int64_t dim);
+gt *aten_rms_norm(gt *x, gt *weight, double eps);
+gt *aten_argmax(gt *a, int64_t dim, int keepdim);
+
+/* Comparisons and masks. */
+gt *aten_ge(gt *a, gt *b);
+gt *aten_le(gt *a, gt *b);
+gt *aten_gt(gt *a, gt *b);
+gt *aten_ge_scalar(gt *a, double v);
+gt *aten_logical_and(gt *a, gt *b);
+gt *aten_logical_not(gt *a);
+gt *aten_masked_fill(gt *a, gt *mask, double v);
+gt *aten_sdpa(gt *q, gt *k, gt *v, gt *mask, double scale);
+
+/* In place. */
+int aten_index_copy_(gt *t, int64_t dim, gt *index, gt *src);
+int aten_copy_(gt *dst, gt *src);
+int aten_fill_(gt *t, double v);
+int aten_add_scalar_(gt *t, double v);
+int aten_add_int_(gt *t, int64_t v);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,117 @@
+//! The Rust half of the FFI fence: declarations of the C shim (aten.h) and the `ffi!` macro that
+//! pairs every unsafe call with its error check (tch-rs `src/wrappers/utils.rs`, `unsafe_torch_err!`).
+//!
+//! Only this module and `tensor` contain `unsafe`.
+
+use std::ffi::{CStr, c_char, c_int, c_void};
+
+use pyo3::ffi::PyObject;
+
+/// An `at::Tensor*` owned by a `tensor::Tensor`.
+#[repr(C)]
+pub struct CTensor {
+    _private: [u8; 0],
+}
+
+pub type T = *mut CTensor;
+
+unsafe extern "C" {
+    pub fn aten_take_error() -> *const c_char;
+    pub fn aten_no_grad_enter() -> *mut c_void;
+    pub fn aten_no_grad_exit(guard: *mut c_void);
+
+    pub fn aten_free(t: T);
+    pub fn aten_from_python(obj: *mut PyObject) -> T;
+    pub fn aten_to_python(t: T) -> *mut PyObject;
+    pub fn aten_from_bytes(data: *const c_void, nbytes: usize, dims: *const i64, ndim: usize, dtype: c_int) -> T;
+    pub fn aten_copy_to_host(t: T, dst: *mut c_void, nbytes: usize) -> c_int;
+    pub fn aten_shallow_clone(t: T) -> T;
+
+    pub fn aten_dim(t: T) -> i64;
+    pub fn aten_shape(t: T, out: *mut i64, cap: usize) -> c_int;
+    pub fn aten_dtype(t: T) -> c_int;
+    pub fn aten_device(t: T, buf: *mut c_char, cap: usize) -> usize;
+
+    pub fn aten_to(t: T, like: T, dtype: c_int) -> T;
+    pub fn aten_to_dtype(t: T, dtype: c_int) -> T;
+    pub fn aten_full(dims: *const i64, ndim: usize, value: f64, dtype: c_int, like: T) -> T;
+    pub fn aten_arange(start: i64, end: i64, dtype: c_int, like: T) -> T;
+    pub fn aten_contiguous(t: T) -> T;
+
+    pub fn aten_reshape(t: T, dims: *const i64, ndim: usize) -> T;
+    pub fn aten_transpose(t: T, d0: i64, d1: i64) -> T;
+    pub fn aten_unsqueeze(t: T, d: i64) -> T;
+    pub fn aten_narrow(t: T, dim: i64, start: i64, len: i64) -> T;
+    pub fn aten_cat(ts: *const T, n: usize, dim: i64) -> T;
+    pub fn aten_index_select(t: T, dim: i64, index: T) -> T;
+
+    pub fn aten_linear(x: T, w: T) -> T;
+    pub fn aten_matmul(a: T, b: T) -> T;
+    pub fn aten_add(a: T, b: T) -> T;
+    pub fn aten_sub(a: T, b: T) -> T;
+    pub fn aten_mul(a: T, b: T) -> T;
+    pub fn aten_add_scalar(a: T, v: f64) -> T;
+    pub fn aten_mul_scalar(a: T, v: f64) -> T;
+    pub fn aten_div_scalar(a: T, v: f64) -> T;
+    pub fn aten_pow_scalar(a: T, v: f64) -> T;
+    pub fn aten_remainder_scalar(a: T, v: i64) -> T;
+    pub fn aten_mean_dim(a: T, dim: i64, keepdim: c_int) -> T;
+    pub fn aten_sum(a: T) -> T;
+    pub fn aten_item_double(a: T) -> f64;
+    pub fn aten_gelu_tanh(a: T) -> T;
+    pub fn aten_tanh(a: T) -> T;
+    pub fn aten_cos(a: T) -> T;
+    pub fn aten_sin(a: T) -> T;
+    pub fn aten_softmax(a: T, dim: i64) -> T;
+    pub fn aten_rms_norm(x: T, weight: T, eps: f64) -> T;
+    pub fn aten_argmax(a: T, dim: i64, keepdim: c_int) -> T;
+
+    pub fn aten_ge(a: T, b: T) -> T;
+    pub fn aten_le(a: T, b: T) -> T;
+    pub fn aten_gt(a: T, b: T) -> T;
+    pub fn aten_ge_scalar(a: T, v: f64) -> T;
+    pub fn aten_logical_and(a: T, b: T) -> T;
+    pub fn aten_logical_not(a: T) -> T;
+    pub fn aten_masked_fill(a: T, mask: T, v: f64) -> T;
+    pub fn aten_sdpa(q: T, k: T, v: T, mask: T, scale: f64) -> T;
+
+    pub fn aten_index_copy_(t: T, dim: i64, index: T, src: T) -> c_int;
+    pub fn aten_copy_(dst: T, src: T) -> c_int;
+    pub fn aten_fill_(t: T, v: f64) -> c_int;
+    pub fn aten_add_scalar_(t: T, v: f64) -> c_int;
+    pub fn aten_add_int_(t: T, v: i64) -> c_int;
+}
+
+/// Map a checkpoint file read-only.
+pub fn map_readonly(file: &std::fs::File) -> std::io::Result<memmap2::Mmap> {
+    // SAFETY: the map is undefined behaviour only if another process truncates or rewrites the
+    // file while it is mapped; checkpoints are read-only inputs for the engine's lifetime.
+    unsafe { memmap2::Mmap::map(file) }
+}
+
+/// The message the shim left for the last failed call on this thread, if any.
+pub fn take_error() -> Option<String> {
+    // SAFETY: the shim returns NULL or a NUL-terminated thread-local string that stays valid
+    // until the next call to aten_take_error on this thread; we copy it out at once.
+    unsafe {
+        let p = aten_take_error();
+        if p.is_null() { None } else { Some(CStr::from_ptr(p).to_string_lossy().into_owned()) }
+    }
+}
+
+/// Run one shim call and turn a pending shim error into `Error::Torch { op, .. }`.
+///
+/// `ffi!("linear", aten_linear(x, w))` evaluates to `Result<returned value>`.
+macro_rules! ffi {
+    ($op:expr, $call:expr) => {{
+        // SAFETY: every shim function takes live handles (borrowed from `Tensor`s that outlive
+        // the call) and catches all C++ exceptions (aten.cpp PROTECT).
+        #[allow(unused_unsafe)]
+        let out = unsafe { $call };
+        match $crate::ffi::take_error() {
+            Some(msg) => Err($crate::error::Error::Torch { op: $op, msg }),
+            None => Ok(out),
+        }
+    }};
+}
+pub(crate) use ffi;

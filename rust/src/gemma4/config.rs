@@ -1,0 +1,442 @@
+//! `Config`: the parts of a Gemma 4 text config.json the engine needs, validated at load.
+//!
+//! Mirrors transformers 5.18 `models/gemma4/configuration_gemma4.py` (Gemma4TextConfig) and the
+//! compressed-tensors `quantization_config`. Every size comes from the file; a bad or missing key
+//! is an `Error::Config` naming it. Derived per-layer facts (head dim, KV source, MLP width)
+//! follow ../shared/reference/gemma4-architecture.md sections 1, 4 and 6.
+
+use std::path::Path;
+
+use serde_json::{Map, Value};
+
+use crate::error::{Error, Result};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayerType {
+    Sliding,
+    Full,
+}
+
+impl LayerType {
+    pub fn index(self) -> usize {
+        match self {
+            LayerType::Sliding => 0,
+            LayerType::Full => 1,
+        }
+    }
+}
+
+/// What one decoder layer looks like.
+#[derive(Clone, Debug)]
+pub struct LayerSpec {
+    pub kind: LayerType,
+    pub head_dim: i64,
+    pub num_kv_heads: i64,
+    /// For a KV-shared layer, the last non-shared layer of the same type whose K/V it reads.
+    pub kv_source: Option<usize>,
+    pub intermediate_size: i64,
+}
+
+/// Rotary embedding of one layer type.
+#[derive(Clone, Debug)]
+pub struct RopeSpec {
+    pub theta: f64,
+    /// "default" rotates every pair; "proportional" the first `partial_rotary_factor * d / 2`.
+    pub partial_rotary_factor: Option<f64>,
+    pub factor: f64,
+}
+
+/// compressed-tensors pack-quantized weights (W4A16): symmetric int, group or channel scales.
+#[derive(Clone, Debug)]
+pub struct QuantSpec {
+    pub num_bits: u32,
+    /// None: one scale per output row (channel strategy).
+    pub group_size: Option<i64>,
+}
+
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub vocab_size: i64,
+    pub vocab_size_per_layer_input: i64,
+    pub hidden_size: i64,
+    /// `hidden_size_per_layer_input`; 0 turns per-layer embeddings off.
+    pub ple_dim: i64,
+    pub num_layers: usize,
+    pub num_heads: i64,
+    pub layers: Vec<LayerSpec>,
+    pub sliding_window: i64,
+    pub rope: [RopeSpec; 2],
+    pub final_logit_softcapping: Option<f64>,
+    pub rms_norm_eps: f64,
+    pub tie_word_embeddings: bool,
+    pub eos_ids: Vec<i64>,
+    pub quant: Option<QuantSpec>,
+}
+
+fn get<'a>(m: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
+    m.get(key).filter(|v| !v.is_null())
+}
+
+fn int(m: &Map<String, Value>, key: &str) -> Result<i64> {
+    let v = get(m, key).ok_or_else(|| Error::config(key, "missing"))?;
+    v.as_i64().ok_or_else(|| Error::config(key, format!("must be an integer, got {v}")))
+}
+
+fn positive(m: &Map<String, Value>, key: &str) -> Result<i64> {
+    let v = int(m, key)?;
+    if v < 1 {
+        return Err(Error::config(key, format!("must be >= 1, got {v}")));
+    }
+    Ok(v)
+}
+
+fn float(m: &Map<String, Value>, key: &str) -> Result<f64> {
+    let v = get(m, key).ok_or_else(|| Error::config(key, "missing"))?;
+    v.as_f64().ok_or_else(|| Error::config(key, format!("must be a number, got {v}")))
+}
+
+fn boolean(m: &Map<String, Value>, key: &str, default: bool) -> Result<bool> {
+    match get(m, key) {
+        None => Ok(default),
+        Some(v) => v.as_bool().ok_or_else(|| Error::config(key, format!("must be true or false, got {v}"))),
+    }
+}
+
+fn int_list(v: &Value, key: &str) -> Result<Vec<i64>> {
+    match v {
+        Value::Null => Ok(vec![]),
+        Value::Number(n) => n.as_i64().map(|x| vec![x]).ok_or_else(|| Error::config(key, "must be integers")),
+        Value::Array(a) => a.iter().map(|x| x.as_i64().ok_or_else(|| Error::config(key, "must be integers"))).collect(),
+        _ => Err(Error::config(key, format!("must be an integer or a list of integers, got {v}"))),
+    }
+}
+
+fn rope_spec(m: &Map<String, Value>, kind: &str) -> Result<RopeSpec> {
+    let key = format!("rope_parameters.{kind}");
+    let r = get(m, "rope_parameters")
+        .and_then(|v| v.get(kind))
+        .and_then(|v| v.as_object())
+        .ok_or_else(|| Error::config(&key, "missing"))?;
+    let theta =
+        float(r, "rope_theta").map_err(|_| Error::config(format!("{key}.rope_theta"), "missing or not a number"))?;
+    let factor = match get(r, "factor") {
+        None => 1.0,
+        Some(v) => v.as_f64().ok_or_else(|| Error::config(format!("{key}.factor"), "must be a number"))?,
+    };
+    let rope_type = get(r, "rope_type").and_then(|v| v.as_str()).unwrap_or("default");
+    let partial_rotary_factor = match rope_type {
+        "default" => None,
+        "proportional" => Some(match get(r, "partial_rotary_factor") {
+            None => 1.0,
+            Some(v) => v
+                .as_f64()
+                .filter(|f| (0.0..=1.0).contains(f))
+                .ok_or_else(|| Error::config(format!("{key}.partial_rotary_factor"), "must be a number in [0, 1]"))?,
+        }),
+        other => {
+            return Err(Error::config(
+                format!("{key}.rope_type"),
+                format!("{other:?} is not supported (default or proportional)"),
+            ));
+        }
+    };
+    Ok(RopeSpec { theta, partial_rotary_factor, factor })
+}
+
+/// compressed-tensors quantization_config: every config group must be symmetric pack-quantized
+/// int weights with one group size (E2B W4A16 has one group).
+fn quant_spec(root: &Map<String, Value>) -> Result<Option<QuantSpec>> {
+    let Some(q) = get(root, "quantization_config") else { return Ok(None) };
+    let key = "quantization_config";
+    let q = q.as_object().ok_or_else(|| Error::config(key, "must be an object"))?;
+    if let Some(fmt) = get(q, "format").and_then(|v| v.as_str())
+        && fmt != "pack-quantized"
+    {
+        return Err(Error::config(format!("{key}.format"), format!("{fmt:?} is not supported (pack-quantized)")));
+    }
+    let groups = get(q, "config_groups")
+        .and_then(|v| v.as_object())
+        .ok_or_else(|| Error::config(format!("{key}.config_groups"), "missing"))?;
+    let mut spec: Option<(u32, Option<i64>)> = None;
+    for (name, g) in groups {
+        let gk = format!("{key}.config_groups.{name}.weights");
+        let w = g.get("weights").and_then(|v| v.as_object()).ok_or_else(|| Error::config(&gk, "missing"))?;
+        let bits = int(w, "num_bits").map_err(|_| Error::config(format!("{gk}.num_bits"), "missing"))?;
+        if !(1..=8).contains(&bits) {
+            return Err(Error::config(format!("{gk}.num_bits"), format!("must be in 1..=8, got {bits}")));
+        }
+        if get(w, "type").and_then(|v| v.as_str()).is_some_and(|t| t != "int") {
+            return Err(Error::config(format!("{gk}.type"), "only int weights are supported"));
+        }
+        if !boolean(w, "symmetric", true)? {
+            return Err(Error::config(format!("{gk}.symmetric"), "asymmetric (zero-point) weights are not supported"));
+        }
+        let strategy = get(w, "strategy").and_then(|v| v.as_str()).unwrap_or("group");
+        let group = match strategy {
+            "group" => Some(positive(w, "group_size").map_err(|e| match e {
+                Error::Config { msg, .. } => Error::config(format!("{gk}.group_size"), msg),
+                e => e,
+            })?),
+            "channel" => None,
+            s => {
+                return Err(Error::config(
+                    format!("{gk}.strategy"),
+                    format!("{s:?} is not supported (group, channel)"),
+                ));
+            }
+        };
+        match spec {
+            None => spec = Some((bits as u32, group)),
+            Some(s) if s == (bits as u32, group) => {}
+            Some(_) => return Err(Error::config(&gk, "config groups with different weight formats are not supported")),
+        }
+    }
+    Ok(spec.map(|(num_bits, group_size)| QuantSpec { num_bits, group_size }))
+}
+
+impl Config {
+    /// Only the quantization_config of a config.json (for an embeddings directory).
+    pub fn quant_only(root: &Value) -> Result<Option<QuantSpec>> {
+        let root = root.as_object().ok_or_else(|| Error::config("(top level)", "must be a JSON object"))?;
+        quant_spec(root)
+    }
+
+    /// Read `dir/config.json` (and the eos ids of `generation_config.json` when present).
+    pub fn load(dir: &Path) -> Result<Config> {
+        let path = dir.join("config.json");
+        let text =
+            std::fs::read_to_string(&path).map_err(|source| Error::Io { path: path.display().to_string(), source })?;
+        let root: Value = serde_json::from_str(&text)
+            .map_err(|e| Error::Format { path: path.display().to_string(), msg: e.to_string() })?;
+        let mut cfg = Config::from_json(&root)?;
+        let gen_path = dir.join("generation_config.json");
+        if let Ok(gen_text) = std::fs::read_to_string(&gen_path)
+            && let Ok(generation) = serde_json::from_str::<Value>(&gen_text)
+            && let Some(v) = generation.get("eos_token_id")
+        {
+            for id in int_list(v, "generation_config.json: eos_token_id")? {
+                if !cfg.eos_ids.contains(&id) {
+                    cfg.eos_ids.push(id);
+                }
+            }
+        }
+        Ok(cfg)
+    }
+
+    /// Parse a config.json value: a Gemma4TextConfig, or a multimodal config with `text_config`.
+    pub fn from_json(root: &Value) -> Result<Config> {
+        let root = root.as_object().ok_or_else(|| Error::config("(top level)", "must be a JSON object"))?;
+        let m = match get(root, "text_config") {
+            Some(t) => t.as_object().ok_or_else(|| Error::config("text_config", "must be an object"))?,
+            None => root,
+        };
+        if let Some(t) = get(m, "model_type").and_then(|v| v.as_str())
+            && t != "gemma4_text"
+            && t != "gemma4"
+        {
+            return Err(Error::config("model_type", format!("{t:?} is not a Gemma 4 text model")));
+        }
+        if boolean(m, "enable_moe_block", false)? {
+            return Err(Error::config("enable_moe_block", "mixture-of-experts models are not supported"));
+        }
+        if boolean(m, "attention_k_eq_v", false)? {
+            return Err(Error::config("attention_k_eq_v", "K=V attention is not supported"));
+        }
+        if get(m, "use_bidirectional_attention").and_then(|v| v.as_str()) == Some("all") {
+            return Err(Error::config("use_bidirectional_attention", "\"all\" is not supported"));
+        }
+        if let Some(act) = get(m, "hidden_activation").and_then(|v| v.as_str())
+            && act != "gelu_pytorch_tanh"
+        {
+            return Err(Error::config("hidden_activation", format!("{act:?} is not supported (gelu_pytorch_tanh)")));
+        }
+
+        let vocab_size = positive(m, "vocab_size")?;
+        let hidden_size = positive(m, "hidden_size")?;
+        let intermediate_size = positive(m, "intermediate_size")?;
+        let num_layers = positive(m, "num_hidden_layers")? as usize;
+        let num_heads = positive(m, "num_attention_heads")?;
+        let num_kv_heads = positive(m, "num_key_value_heads")?;
+        let head_dim = positive(m, "head_dim")?;
+        let sliding_window = positive(m, "sliding_window")?;
+        let rms_norm_eps = float(m, "rms_norm_eps")?;
+        let ple_dim = match get(m, "hidden_size_per_layer_input") {
+            None => 0,
+            Some(_) => {
+                let p = int(m, "hidden_size_per_layer_input")?;
+                if p < 0 {
+                    return Err(Error::config("hidden_size_per_layer_input", format!("must be >= 0, got {p}")));
+                }
+                p
+            }
+        };
+        let vocab_size_per_layer_input = if ple_dim > 0 {
+            get(m, "vocab_size_per_layer_input")
+                .map_or(Ok(vocab_size), |_| positive(m, "vocab_size_per_layer_input"))?
+        } else {
+            0
+        };
+        let num_kv_shared = match get(m, "num_kv_shared_layers") {
+            None => 0,
+            Some(_) => int(m, "num_kv_shared_layers")?,
+        };
+        if num_kv_shared < 0 || num_kv_shared as usize >= num_layers {
+            return Err(Error::config(
+                "num_kv_shared_layers",
+                format!("must be in 0..{num_layers} (num_hidden_layers), got {num_kv_shared}"),
+            ));
+        }
+        let double_wide = boolean(m, "use_double_wide_mlp", false)?;
+        let final_logit_softcapping = match get(m, "final_logit_softcapping") {
+            None => None,
+            Some(_) => Some(float(m, "final_logit_softcapping")?).filter(|c| *c > 0.0),
+        };
+        let tie_word_embeddings = boolean(m, "tie_word_embeddings", true)?;
+
+        let kinds = layer_types(m, num_layers)?;
+        // Transformers writes the keys zero-padded to one width ("04" of 35 layers).
+        let per_layer: Option<std::collections::HashMap<usize, &Map<String, Value>>> = match get(m, "per_layer_config")
+        {
+            None => None,
+            Some(v) => {
+                let o = v
+                    .as_object()
+                    .ok_or_else(|| Error::config("per_layer_config", "must be an object keyed by layer index"))?;
+                let mut map = std::collections::HashMap::new();
+                for (k, entry) in o {
+                    let key = format!("per_layer_config.{k}");
+                    let i: usize = k.parse().map_err(|_| Error::config(&key, "the key must be a layer index"))?;
+                    if i >= num_layers {
+                        return Err(Error::config(&key, format!("layer {i} does not exist ({num_layers} layers)")));
+                    }
+                    map.insert(i, entry.as_object().ok_or_else(|| Error::config(&key, "must be an object"))?);
+                }
+                Some(map)
+            }
+        };
+        let global_head_dim = match get(m, "global_head_dim") {
+            None => 512, // configuration_gemma4.py: kwargs.pop("global_head_dim", 512)
+            Some(_) => positive(m, "global_head_dim")?,
+        };
+
+        let first_shared = num_layers - num_kv_shared as usize;
+        let mut layers = Vec::with_capacity(num_layers);
+        for (i, &kind) in kinds.iter().enumerate() {
+            // Head geometry: per_layer_config (what save_pretrained writes) overrides head_dim and
+            // num_key_value_heads; without it, full layers take global_head_dim (C:210-223).
+            let (mut d, mut nkv) = (head_dim, num_kv_heads);
+            match &per_layer {
+                Some(p) => {
+                    if let Some(o) = p.get(&i) {
+                        let k = format!("per_layer_config.{i}");
+                        if get(o, "head_dim").is_some() {
+                            d = positive(o, "head_dim")
+                                .map_err(|_| Error::config(format!("{k}.head_dim"), "must be an integer >= 1"))?;
+                        }
+                        if get(o, "num_key_value_heads").is_some() {
+                            nkv = positive(o, "num_key_value_heads").map_err(|_| {
+                                Error::config(format!("{k}.num_key_value_heads"), "must be an integer >= 1")
+                            })?;
+                        }
+                    }
+                }
+                None if kind == LayerType::Full => d = global_head_dim,
+                None => {}
+            }
+            if d % 2 != 0 {
+                return Err(Error::config(format!("head_dim (layer {i})"), format!("must be even, got {d}")));
+            }
+            if num_heads % nkv != 0 {
+                return Err(Error::config(
+                    "num_key_value_heads",
+                    format!("must divide num_attention_heads ({num_heads}), got {nkv} on layer {i}"),
+                ));
+            }
+            // M:1181-1187: a shared layer reads the last non-shared layer of its type.
+            let kv_source = if i >= first_shared {
+                let src = (0..first_shared).rev().find(|&j| kinds[j] == kind).ok_or_else(|| {
+                    Error::config(
+                        "num_kv_shared_layers",
+                        format!("shared layer {i} has no earlier non-shared layer of its type"),
+                    )
+                })?;
+                Some(src)
+            } else {
+                None
+            };
+            // M:1064-1069: the double-wide MLP needs `layer_idx >= first_shared > 0`.
+            let wide = double_wide && i >= first_shared && first_shared > 0;
+            layers.push(LayerSpec {
+                kind,
+                head_dim: d,
+                num_kv_heads: nkv,
+                kv_source,
+                intermediate_size: if wide { 2 * intermediate_size } else { intermediate_size },
+            });
+        }
+        for l in &layers {
+            if let Some(s) = l.kv_source {
+                let src = &layers[s];
+                if (src.head_dim, src.num_kv_heads) != (l.head_dim, l.num_kv_heads) {
+                    return Err(Error::config(
+                        "per_layer_config",
+                        "a KV-shared layer must have its source layer's head geometry",
+                    ));
+                }
+            }
+        }
+
+        let eos_ids = int_list(
+            get(m, "eos_token_id").or_else(|| get(root, "eos_token_id")).unwrap_or(&Value::Null),
+            "eos_token_id",
+        )?;
+        Ok(Config {
+            vocab_size,
+            vocab_size_per_layer_input,
+            hidden_size,
+            ple_dim,
+            num_layers,
+            num_heads,
+            layers,
+            sliding_window,
+            rope: [rope_spec(m, "sliding_attention")?, rope_spec(m, "full_attention")?],
+            final_logit_softcapping,
+            rms_norm_eps,
+            tie_word_embeddings,
+            eos_ids,
+            quant: quant_spec(root)?,
+        })
+    }
+}
+
+fn layer_types(m: &Map<String, Value>, num_layers: usize) -> Result<Vec<LayerType>> {
+    let mut kinds: Vec<LayerType> = match get(m, "layer_types") {
+        // C:190-195: a 5:1 sliding:full pattern by default.
+        None => (0..num_layers).map(|i| if (i + 1) % 6 == 0 { LayerType::Full } else { LayerType::Sliding }).collect(),
+        Some(v) => {
+            let a = v.as_array().ok_or_else(|| Error::config("layer_types", "must be a list"))?;
+            if a.len() != num_layers {
+                return Err(Error::config(
+                    "layer_types",
+                    format!("has {} entries, num_hidden_layers is {num_layers}", a.len()),
+                ));
+            }
+            a.iter()
+                .enumerate()
+                .map(|(i, t)| match t.as_str() {
+                    Some("sliding_attention") => Ok(LayerType::Sliding),
+                    Some("full_attention") => Ok(LayerType::Full),
+                    _ => Err(Error::config(
+                        format!("layer_types[{i}]"),
+                        format!("{t} is not sliding_attention or full_attention"),
+                    )),
+                })
+                .collect::<Result<_>>()?
+        }
+    };
+    // C:197-201: the last layer is forced to full attention.
+    if let Some(last) = kinds.last_mut() {
+        *last = LayerType::Full;
+    }
+    Ok(kinds)
+}

@@ -1,0 +1,74 @@
+//! `Rope`: cos/sin tables for one layer type, for every position the cache can hold.
+//!
+//! M:1080-1159 and modeling_rope_utils.py:193-259. `inv_freq[i] = theta^(-2i/d) / factor`; with
+//! "proportional" RoPE only the first `int(partial_rotary_factor * d // 2)` frequencies are non-zero
+//! (the exponent still divides by the full `d`), so the other dims pass through. Angles are float32;
+//! the tables are cast to the compute dtype, as the reference casts cos/sin to the activations'.
+//! `rotate_half` pairs dim `i` with dim `i + d/2`.
+
+use crate::error::Result;
+use crate::gemma4::config::RopeSpec;
+use crate::tensor::{DType, Tensor};
+
+pub struct Rope {
+    /// `[positions, d]`
+    cos: Tensor,
+    sin: Tensor,
+    half: i64,
+}
+
+/// The inverse frequencies of a layer type with head dim `d`, in float32.
+pub fn inv_freq(spec: &RopeSpec, d: i64) -> Vec<f32> {
+    let half = (d / 2) as usize;
+    let rotated = match spec.partial_rotary_factor {
+        None => half,
+        Some(p) => ((p * d as f64) / 2.0).floor() as usize,
+    };
+    (0..half)
+        .map(|i| {
+            if i < rotated {
+                let exponent = (2 * i) as f32 / d as f32;
+                (1.0f32 / (spec.theta as f32).powf(exponent)) / spec.factor as f32
+            } else {
+                0.0
+            }
+        })
+        .collect()
+}
+
+impl Rope {
+    pub fn new(spec: &RopeSpec, d: i64, positions: i64, like: &Tensor, dtype: DType) -> Result<Rope> {
+        let freqs = inv_freq(spec, d);
+        let inv = Tensor::from_f32(&freqs, &[1, d / 2])?.to_like(like, DType::F32)?;
+        let pos = Tensor::arange(0, positions, DType::F32, like)?.unsqueeze(1)?;
+        let angles = pos.mul(&inv)?;
+        let emb = Tensor::cat(&[&angles, &angles], 1)?;
+        Ok(Rope { cos: emb.cos()?.to_dtype(dtype)?, sin: emb.sin()?.to_dtype(dtype)?, half: d / 2 })
+    }
+
+    /// cos and sin at `pos` (`[T]` int64), shaped `[T, 1, d]` to broadcast over heads.
+    pub fn at(&self, pos: &Tensor) -> Result<RopeAt> {
+        Ok(RopeAt {
+            cos: self.cos.index_select(0, pos)?.unsqueeze(1)?,
+            sin: self.sin.index_select(0, pos)?.unsqueeze(1)?,
+            half: self.half,
+        })
+    }
+}
+
+/// The rotation for one forward's positions.
+pub struct RopeAt {
+    cos: Tensor,
+    sin: Tensor,
+    half: i64,
+}
+
+impl RopeAt {
+    /// `x * cos + rotate_half(x) * sin` for `x` `[T, heads, d]`.
+    pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
+        let x1 = x.narrow(-1, 0, self.half)?;
+        let x2 = x.narrow(-1, self.half, self.half)?;
+        let rotated = Tensor::cat(&[&x2.mul_scalar(-1.0)?, &x1], -1)?;
+        x.mul(&self.cos)?.add(&rotated.mul(&self.sin)?)
+    }
+}

@@ -1,0 +1,361 @@
+//! `Tensor`: an owned `at::Tensor` handle with tch-like method names, freed in `Drop`.
+//!
+//! Every method is one shim call through `ffi!`, so each failure carries the ATen op name.
+//! Design from tch-rs `src/wrappers/tensor.rs`, cut to what the model uses. Only this module and
+//! `ffi` contain `unsafe`. Nothing here names a device: new tensors follow a `like` tensor.
+
+use std::ffi::c_void;
+use std::ptr::NonNull;
+
+use pyo3::prelude::*;
+
+use crate::error::{Error, Result};
+use crate::ffi::{self, CTensor, ffi};
+
+/// c10::ScalarType codes for the dtypes the engine uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(i32)]
+pub enum DType {
+    U8 = 0,
+    I8 = 1,
+    I32 = 3,
+    I64 = 4,
+    F16 = 5,
+    F32 = 6,
+    Bool = 11,
+    BF16 = 15,
+}
+
+impl DType {
+    pub fn from_code(code: i32) -> Option<DType> {
+        use DType::*;
+        [U8, I8, I32, I64, F16, F32, Bool, BF16].into_iter().find(|d| *d as i32 == code)
+    }
+
+    /// The dtype names of `torch` ("float32", "bfloat16", ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::U8 => "uint8",
+            DType::I8 => "int8",
+            DType::I32 => "int32",
+            DType::I64 => "int64",
+            DType::F16 => "float16",
+            DType::F32 => "float32",
+            DType::Bool => "bool",
+            DType::BF16 => "bfloat16",
+        }
+    }
+
+    pub fn elem_size(self) -> usize {
+        match self {
+            DType::U8 | DType::I8 | DType::Bool => 1,
+            DType::F16 | DType::BF16 => 2,
+            DType::I32 | DType::F32 => 4,
+            DType::I64 => 8,
+        }
+    }
+}
+
+pub struct Tensor(NonNull<CTensor>);
+
+// SAFETY: an at::Tensor is a reference-counted handle with atomic counts; moving the handle to
+// another thread is allowed by ATen. The engine is `unsendable`, so this only lets the work
+// run on the same OS thread with the GIL released (`py.detach` needs `Send`).
+unsafe impl Send for Tensor {}
+
+impl Drop for Tensor {
+    fn drop(&mut self) {
+        // SAFETY: we own the handle; it is freed exactly once.
+        unsafe { ffi::aten_free(self.0.as_ptr()) }
+    }
+}
+
+/// Wrap a handle returned by a shim call, after `ffi!` has checked the error.
+fn wrap(op: &'static str, r: Result<*mut CTensor>) -> Result<Tensor> {
+    let p = r?;
+    NonNull::new(p).map(Tensor).ok_or_else(|| Error::Torch { op, msg: "null tensor without an error".into() })
+}
+
+/// Check an `int` status returned by an in-place shim call.
+fn status(r: Result<i32>) -> Result<()> {
+    r.map(|_| ())
+}
+
+macro_rules! unary {
+    ($($name:ident => $c:ident),* $(,)?) => {$(
+        pub fn $name(&self) -> Result<Tensor> {
+            wrap(stringify!($name), ffi!(stringify!($name), ffi::$c(self.ptr())))
+        }
+    )*};
+}
+
+macro_rules! binary {
+    ($($name:ident => $c:ident),* $(,)?) => {$(
+        pub fn $name(&self, other: &Tensor) -> Result<Tensor> {
+            wrap(stringify!($name), ffi!(stringify!($name), ffi::$c(self.ptr(), other.ptr())))
+        }
+    )*};
+}
+
+macro_rules! scalar {
+    ($($name:ident => $c:ident),* $(,)?) => {$(
+        pub fn $name(&self, v: f64) -> Result<Tensor> {
+            wrap(stringify!($name), ffi!(stringify!($name), ffi::$c(self.ptr(), v)))
+        }
+    )*};
+}
+
+impl Tensor {
+    fn ptr(&self) -> *mut CTensor {
+        self.0.as_ptr()
+    }
+
+    /// A host (CPU) tensor holding a copy of `data`, interpreted as `dtype` with `shape`.
+    pub fn from_bytes(data: &[u8], shape: &[i64], dtype: DType) -> Result<Tensor> {
+        wrap(
+            "from_bytes",
+            ffi!(
+                "from_bytes",
+                ffi::aten_from_bytes(
+                    data.as_ptr() as *const c_void,
+                    data.len(),
+                    shape.as_ptr(),
+                    shape.len(),
+                    dtype as i32
+                )
+            ),
+        )
+    }
+
+    /// Host tensor from i64 values (token ids, slot tables).
+    pub fn from_i64(values: &[i64]) -> Result<Tensor> {
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_ne_bytes()).collect();
+        Tensor::from_bytes(&bytes, &[values.len() as i64], DType::I64)
+    }
+
+    /// Host tensor from f32 values.
+    pub fn from_f32(values: &[f32], shape: &[i64]) -> Result<Tensor> {
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_ne_bytes()).collect();
+        Tensor::from_bytes(&bytes, shape, DType::F32)
+    }
+
+    /// A Python `torch.Tensor` as a handle on the same storage.
+    pub fn from_python(obj: &Bound<'_, PyAny>) -> Result<Tensor> {
+        wrap("from_python", ffi!("from_python", ffi::aten_from_python(obj.as_ptr())))
+    }
+
+    /// A `torch.Tensor` on the same storage as `self`.
+    pub fn to_python<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let p = ffi!("to_python", ffi::aten_to_python(self.ptr()))
+            .map_err(|e| pyo3::exceptions::PyRuntimeError::new_err(e.to_string()))?;
+        // SAFETY: THPVariable_Wrap returns a new reference or NULL (with the error in our shim).
+        unsafe { Bound::from_owned_ptr_or_err(py, p) }
+    }
+
+    /// Another handle on the same tensor (shares storage).
+    pub fn shallow_clone(&self) -> Result<Tensor> {
+        wrap("shallow_clone", ffi!("shallow_clone", ffi::aten_shallow_clone(self.ptr())))
+    }
+
+    pub fn dim(&self) -> usize {
+        ffi!("dim", ffi::aten_dim(self.ptr())).unwrap_or(0) as usize
+    }
+
+    pub fn size(&self) -> Result<Vec<i64>> {
+        let mut out = vec![0i64; self.dim()];
+        status(ffi!("size", ffi::aten_shape(self.ptr(), out.as_mut_ptr(), out.len())))?;
+        Ok(out)
+    }
+
+    pub fn numel(&self) -> Result<i64> {
+        Ok(self.size()?.iter().product())
+    }
+
+    pub fn dtype(&self) -> Result<DType> {
+        let code = ffi!("dtype", ffi::aten_dtype(self.ptr()))?;
+        DType::from_code(code)
+            .ok_or_else(|| Error::Torch { op: "dtype", msg: format!("unsupported scalar type {code}") })
+    }
+
+    /// The device as ATen prints it ("cpu", "cuda:0", ...).
+    pub fn device(&self) -> Result<String> {
+        let mut buf = [0u8; 128];
+        let n = ffi!("device", ffi::aten_device(self.ptr(), buf.as_mut_ptr() as *mut _, buf.len()))?;
+        Ok(String::from_utf8_lossy(&buf[..n]).into_owned())
+    }
+
+    /// A copy on `like`'s device with `dtype` (always a copy, never an alias).
+    pub fn to_like(&self, like: &Tensor, dtype: DType) -> Result<Tensor> {
+        wrap("to", ffi!("to", ffi::aten_to(self.ptr(), like.ptr(), dtype as i32)))
+    }
+
+    pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
+        wrap("to_dtype", ffi!("to_dtype", ffi::aten_to_dtype(self.ptr(), dtype as i32)))
+    }
+
+    /// `full(shape, value)` on `like`'s device.
+    pub fn full(shape: &[i64], value: f64, dtype: DType, like: &Tensor) -> Result<Tensor> {
+        wrap("full", ffi!("full", ffi::aten_full(shape.as_ptr(), shape.len(), value, dtype as i32, like.ptr())))
+    }
+
+    /// `arange(start, end)` on `like`'s device.
+    pub fn arange(start: i64, end: i64, dtype: DType, like: &Tensor) -> Result<Tensor> {
+        wrap("arange", ffi!("arange", ffi::aten_arange(start, end, dtype as i32, like.ptr())))
+    }
+
+    pub fn reshape(&self, shape: &[i64]) -> Result<Tensor> {
+        wrap("reshape", ffi!("reshape", ffi::aten_reshape(self.ptr(), shape.as_ptr(), shape.len())))
+    }
+
+    pub fn transpose(&self, d0: i64, d1: i64) -> Result<Tensor> {
+        wrap("transpose", ffi!("transpose", ffi::aten_transpose(self.ptr(), d0, d1)))
+    }
+
+    pub fn unsqueeze(&self, d: i64) -> Result<Tensor> {
+        wrap("unsqueeze", ffi!("unsqueeze", ffi::aten_unsqueeze(self.ptr(), d)))
+    }
+
+    pub fn narrow(&self, dim: i64, start: i64, len: i64) -> Result<Tensor> {
+        wrap("narrow", ffi!("narrow", ffi::aten_narrow(self.ptr(), dim, start, len)))
+    }
+
+    pub fn cat(ts: &[&Tensor], dim: i64) -> Result<Tensor> {
+        let ptrs: Vec<*mut CTensor> = ts.iter().map(|t| t.ptr()).collect();
+        wrap("cat", ffi!("cat", ffi::aten_cat(ptrs.as_ptr(), ptrs.len(), dim)))
+    }
+
+    pub fn index_select(&self, dim: i64, index: &Tensor) -> Result<Tensor> {
+        wrap("index_select", ffi!("index_select", ffi::aten_index_select(self.ptr(), dim, index.ptr())))
+    }
+
+    unary! {
+        contiguous => aten_contiguous,
+        sum => aten_sum,
+        gelu_tanh => aten_gelu_tanh,
+        tanh => aten_tanh,
+        cos => aten_cos,
+        sin => aten_sin,
+        logical_not => aten_logical_not,
+    }
+
+    binary! {
+        linear => aten_linear,
+        matmul => aten_matmul,
+        add => aten_add,
+        sub => aten_sub,
+        mul => aten_mul,
+        ge => aten_ge,
+        le => aten_le,
+        gt => aten_gt,
+        logical_and => aten_logical_and,
+    }
+
+    scalar! {
+        add_scalar => aten_add_scalar,
+        mul_scalar => aten_mul_scalar,
+        div_scalar => aten_div_scalar,
+        pow_scalar => aten_pow_scalar,
+        ge_scalar => aten_ge_scalar,
+    }
+
+    pub fn remainder(&self, v: i64) -> Result<Tensor> {
+        wrap("remainder", ffi!("remainder", ffi::aten_remainder_scalar(self.ptr(), v)))
+    }
+
+    pub fn mean_dim(&self, dim: i64, keepdim: bool) -> Result<Tensor> {
+        wrap("mean", ffi!("mean", ffi::aten_mean_dim(self.ptr(), dim, keepdim as i32)))
+    }
+
+    /// `at::rms_norm` over the last dim, with an optional weight (one fused kernel where the
+    /// backend has one).
+    pub fn rms_norm(&self, weight: Option<&Tensor>, eps: f64) -> Result<Tensor> {
+        let w = weight.map_or(std::ptr::null_mut(), |w| w.ptr());
+        wrap("rms_norm", ffi!("rms_norm", ffi::aten_rms_norm(self.ptr(), w, eps)))
+    }
+
+    pub fn softmax(&self, dim: i64) -> Result<Tensor> {
+        wrap("softmax", ffi!("softmax", ffi::aten_softmax(self.ptr(), dim)))
+    }
+
+    pub fn argmax(&self, dim: i64, keepdim: bool) -> Result<Tensor> {
+        wrap("argmax", ffi!("argmax", ffi::aten_argmax(self.ptr(), dim, keepdim as i32)))
+    }
+
+    pub fn masked_fill(&self, mask: &Tensor, v: f64) -> Result<Tensor> {
+        wrap("masked_fill", ffi!("masked_fill", ffi::aten_masked_fill(self.ptr(), mask.ptr(), v)))
+    }
+
+    /// `scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)`.
+    pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, scale: f64) -> Result<Tensor> {
+        wrap(
+            "scaled_dot_product_attention",
+            ffi!("scaled_dot_product_attention", ffi::aten_sdpa(q.ptr(), k.ptr(), v.ptr(), mask.ptr(), scale)),
+        )
+    }
+
+    /// The single value of a one-element tensor, as f64 (a host sync).
+    pub fn item_f64(&self) -> Result<f64> {
+        ffi!("item", ffi::aten_item_double(self.ptr()))
+    }
+
+    /// Copy an int64 tensor to the host (a host sync).
+    pub fn to_vec_i64(&self) -> Result<Vec<i64>> {
+        let n = self.numel()? as usize;
+        let mut out = vec![0i64; n];
+        let t = self.to_dtype(DType::I64)?;
+        status(ffi!("copy_to_host", ffi::aten_copy_to_host(t.ptr(), out.as_mut_ptr() as *mut c_void, n * 8)))?;
+        Ok(out)
+    }
+
+    /// Copy a tensor to the host as f32 values (a host sync).
+    pub fn to_vec_f32(&self) -> Result<Vec<f32>> {
+        let n = self.numel()? as usize;
+        let mut out = vec![0f32; n];
+        let t = self.to_dtype(DType::F32)?;
+        status(ffi!("copy_to_host", ffi::aten_copy_to_host(t.ptr(), out.as_mut_ptr() as *mut c_void, n * 4)))?;
+        Ok(out)
+    }
+
+    pub fn index_copy_(&self, dim: i64, index: &Tensor, src: &Tensor) -> Result<()> {
+        status(ffi!("index_copy_", ffi::aten_index_copy_(self.ptr(), dim, index.ptr(), src.ptr())))
+    }
+
+    pub fn copy_(&self, src: &Tensor) -> Result<()> {
+        status(ffi!("copy_", ffi::aten_copy_(self.ptr(), src.ptr())))
+    }
+
+    pub fn fill_(&self, v: f64) -> Result<()> {
+        status(ffi!("fill_", ffi::aten_fill_(self.ptr(), v)))
+    }
+
+    pub fn add_scalar_(&self, v: f64) -> Result<()> {
+        status(ffi!("add_", ffi::aten_add_scalar_(self.ptr(), v)))
+    }
+
+    /// In-place add of an integer (for int64 position counters).
+    pub fn add_int_(&self, v: i64) -> Result<()> {
+        status(ffi!("add_", ffi::aten_add_int_(self.ptr(), v)))
+    }
+}
+
+/// Autograd off for the guard's lifetime on this thread (`at::NoGradGuard`).
+pub struct NoGrad(*mut c_void);
+
+impl NoGrad {
+    pub fn new() -> Result<NoGrad> {
+        ffi!("no_grad", ffi::aten_no_grad_enter()).map(NoGrad)
+    }
+}
+
+impl Drop for NoGrad {
+    fn drop(&mut self) {
+        // SAFETY: the guard came from aten_no_grad_enter and is freed once, on the same thread.
+        unsafe { ffi::aten_no_grad_exit(self.0) }
+    }
+}
+
+/// Run `f` with autograd off.
+pub fn no_grad<R>(f: impl FnOnce() -> Result<R>) -> Result<R> {
+    let _g = NoGrad::new()?;
+    f()
+}
