@@ -294,6 +294,35 @@ def test_zero_padded_per_layer_config_keys_are_read(dense_checkpoint, tmp_path, 
     assert other.decode(PROMPT, 20)[0] == greedy
 
 
+def test_language_model_prefix_and_redundant_shared_kv_tensors_read_the_same_model(
+    dense_checkpoint, tmp_path, greedy
+):
+    # The hub's E2B files are a Gemma4ForConditionalGeneration: tensors under model.language_model.*,
+    # and KV-shared layers still ship k/v projections and norms that Transformers ignores.
+    config = json.loads((dense_checkpoint / "config.json").read_text())
+    first_shared = config["num_hidden_layers"] - config["num_kv_shared_layers"]
+    kind = config["layer_types"][first_shared]
+    # The last layer of the same type that owns K/V: its tensors have the shapes the hub's would have.
+    donor = max(i for i in range(first_shared) if config["layer_types"][i] == kind)
+
+    def edit(t):
+        for name in list(t):
+            if name.startswith("model.") and f"layers.{donor}.self_attn." in name:
+                for part in ("k_proj", "v_proj", "k_norm"):
+                    if f".{part}." in name:
+                        shared = name.replace(f"layers.{donor}.", f"layers.{first_shared}.")
+                        t[shared] = torch.randn_like(t[name])
+        for name in list(t):
+            t[name.replace("model.", "model.language_model.", 1)] = t.pop(name)
+
+    hub_like = _copy_checkpoint(dense_checkpoint, tmp_path / "hub_like", edit)
+    names = load_file(hub_like / "model.safetensors")
+    assert f"model.language_model.layers.{first_shared}.self_attn.k_proj.weight" in names
+    assert not [n for n in names if n.startswith("model.layers.")]
+    other = gemma_engine.Engine(str(hub_like), context=CONTEXT, dtype="float32")
+    assert other.decode(PROMPT, 20)[0] == greedy
+
+
 @pytest.mark.gpu
 def test_smoke_runs_on_cuda():
     result = gemma_engine.smoke(torch.zeros(1, device="cuda"))
