@@ -40,66 +40,36 @@ E2B_CONFIG = Path(__file__).resolve().parents[1].parent / "shared" / "reference"
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
-def small_config_kwargs() -> dict:
-    """A CPU-sized Gemma 4 text config with every E2B feature (PLE, KV sharing, double-wide MLP)."""
-    return dict(
-        vocab_size=8192,
-        vocab_size_per_layer_input=8192,
-        hidden_size=512,
-        hidden_size_per_layer_input=64,
-        intermediate_size=1024,
-        use_double_wide_mlp=True,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=64,
-        global_head_dim=128,
-        num_kv_shared_layers=3,
-        sliding_window=128,
-        layer_types=[SLIDING] * 3 + [FULL] + [SLIDING] * 3 + [FULL],
-        rope_parameters={
-            FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
-            SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
-        },
-        final_logit_softcapping=30.0,
-        hidden_activation="gelu_pytorch_tanh",
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        bos_token_id=2,
-    )
-
-
-def tiny_config_kwargs() -> dict:
-    """The test checkpoints' size (tests/checkpoints.py): hidden 128, 9 layers, vocab 512."""
-    return dict(
-        small_config_kwargs(),
-        vocab_size=512,
-        vocab_size_per_layer_input=512,
-        hidden_size=128,
-        hidden_size_per_layer_input=32,
-        intermediate_size=256,
-        num_hidden_layers=9,
-        num_attention_heads=4,
-        head_dim=32,
-        global_head_dim=64,
-        num_kv_shared_layers=4,
-        sliding_window=12,
-        layer_types=[SLIDING, SLIDING, FULL, SLIDING, FULL, SLIDING, FULL, SLIDING, FULL],
-    )
+# The small config: the test checkpoints' architecture (tests/checkpoints.py) at a CPU-bench size.
+SMALL_OVERRIDES = dict(
+    vocab_size=8192,
+    vocab_size_per_layer_input=8192,
+    hidden_size=512,
+    hidden_size_per_layer_input=64,
+    intermediate_size=1024,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=64,
+    global_head_dim=128,
+    num_kv_shared_layers=3,
+    sliding_window=128,
+    layer_types=[SLIDING] * 3 + [FULL] + [SLIDING] * 3 + [FULL],
+    max_position_embeddings=131072,
+)
 
 
 def make_config(name: str, e2b_config: Path = E2B_CONFIG):
     """The Gemma4TextConfig for `name`, with no eos ids so both sides decode the full length."""
     from transformers import Gemma4TextConfig
 
-    if name == "small":
-        kwargs = small_config_kwargs()
-    elif name == "tiny":
-        kwargs = tiny_config_kwargs()
-    else:
-        kwargs = json.loads(e2b_config.read_text())
-        kwargs.pop("model_type", None)
+    if name in ("small", "tiny"):
+        # Imported here: tests.checkpoints needs compressed-tensors, which the E2B run does not.
+        from tests.checkpoints import tiny_text_config
+
+        return tiny_text_config(eos_token_id=None, **(SMALL_OVERRIDES if name == "small" else {}))
+    kwargs = json.loads(e2b_config.read_text())
+    kwargs.pop("model_type", None)
     kwargs["eos_token_id"] = None
     return Gemma4TextConfig(**kwargs)
 
