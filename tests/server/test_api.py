@@ -4,6 +4,7 @@ tiny chat checkpoint (server running in-process, see conftest.py)."""
 from __future__ import annotations
 
 import json
+import socket
 
 import httpx
 import openai
@@ -232,6 +233,22 @@ def test_a_request_that_disconnects_mid_stream_is_aborted_and_the_engine_goes_id
     wait_for(lambda: state.metrics.request_success["abort"]._value.get() == aborts + 1, 30, "abort counted")
     wait_for(lambda: not state.engine_thread.busy(), 30, "engine idle")
     assert state.metrics.num_requests_running._value.get() == 0
+
+
+def test_a_non_streamed_request_that_disconnects_mid_decode_is_aborted(server, model, long_prompt):
+    state = server.state
+    aborts = state.metrics.request_success["abort"]._value.get()
+    generated = state.metrics.generation_tokens._value.get()
+    body = json.dumps({"model": model, "prompt": long_prompt, "max_tokens": CONTEXT}).encode()
+    host, port = server.base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as conn:  # a client that hangs up mid-decode
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        wait_for(state.engine_thread.busy, 30, "decode running")
+    wait_for(lambda: state.metrics.request_success["abort"]._value.get() == aborts + 1, 30, "abort counted")
+    wait_for(lambda: not state.engine_thread.busy(), 30, "engine idle")
+    # The decode stopped early: the full reply to this prompt is 284 tokens.
+    assert state.metrics.generation_tokens._value.get() - generated < 284
 
 
 def test_health_live_and_engine_report_after_boot(server):
