@@ -19,7 +19,8 @@ The Rust engine reads tokens back every `--read-every` steps (1 = streaming, as 
 `--config e2b` is ../shared/reference/gemma4-e2b-text-config.json with random weights (for a GPU).
 On CPU the decode step of a model this small is mostly matrix-vector products that both sides
 hand to the same ATen kernels, so the Rust/Transformers ratio measures the per-op overhead that
-remains around them: it grows as the model shrinks.
+remains around them: it grows as the model shrinks. The last line prints that floor, the step's
+matrix-vector products alone, and how close each side comes to it.
 The weights are random, so the tokens are meaningless; how many agree is printed for information
 (in bf16 the two sides drift apart on a random model; parity is tests/engine/test_parity.py).
 """
@@ -148,6 +149,28 @@ def hf_runner(model, device: str, prompt: list[int], new: int, cache: str | None
     return run
 
 
+def matvec_floor_runner(model, device: str, steps: int = 20):
+    """The decode floor: one step's matrix-vector products alone (every Linear, lm_head included).
+
+    Returns run() -> steps per second of just those products, in a bare Python loop. A decode step
+    cannot be faster than this on the same kernels, so it bounds any ratio the two sides can reach.
+    """
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    xs = {w.shape[1]: torch.randn(1, w.shape[1], device=device, dtype=w.dtype) for w in weights}
+
+    @torch.no_grad()
+    def run() -> float:
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            for w in weights:
+                torch.nn.functional.linear(xs[w.shape[1]], w)
+        sync(device)
+        return steps / (time.perf_counter() - t0)
+
+    return run
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", choices=("tiny", "small", "e2b"), default="small")
@@ -191,12 +214,15 @@ def main(argv: list[str] | None = None) -> None:
     model = model.to(getattr(torch, dtype))
     runners = {"rust": rust_run}
     runners.update({f"hf-{c or 'dynamic'}": hf_runner(model, args.device, prompt, new, c, args.hf_compile) for c in (None, "static")})
+    floor_run = matvec_floor_runner(model, args.device)
     # Interleave the sides, so that a change in machine load hits them alike.
     samples = {k: [] for k in runners}
+    floor = []
     for _ in range(args.repeats):
         for k, run in runners.items():
             samples[k].append(run())
             print(f"  {k}: prompt read {samples[k][-1][0]:.1f} tok/s, decode {samples[k][-1][1]:.1f} tok/s", flush=True)
+        floor.append(floor_run())
     results = {
         k: {
             "read": statistics.median(s[0] for s in v),
@@ -218,6 +244,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"rust/transformers ({best} cache, the faster HF decode): "
           f"decode {rust['decode'] / base['decode']:.2f}x, prompt read {rust['read'] / base['read']:.2f}x")
     print(f"first {agree} of {new} greedy tokens agree")
+    floor_tok_s = statistics.median(floor)
+    print(f"matrix-vector products alone: {floor_tok_s:.1f} steps/s; rust decode is {rust['decode'] / floor_tok_s:.0%} "
+          f"of that floor, transformers {base['decode'] / floor_tok_s:.0%}")
 
 
 if __name__ == "__main__":
