@@ -56,8 +56,10 @@ setup: $(PY_STAMP) $(ENGINE_STAMP)
 engine: $(ENGINE_STAMP)
 
 # Every test, slow, cluster and GPU markers included (GPU tests skip with a
-# reason on a machine without one; nothing else skips).
-test: setup
+# reason on a machine without one; nothing else skips). The control plane
+# binaries are built here, once, rather than inside a test fixture, so the
+# first build (many minutes) is not cut short by the per-test timeout.
+test: setup k8s
 	$(PY) -m pytest tests
 
 # The quick loop while developing: no slow and no cluster tests.
