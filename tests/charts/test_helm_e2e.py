@@ -193,7 +193,9 @@ def test_helm_installs_the_operator_which_reconciles_the_sample_and_uninstall_le
         assert node["metadata"]["labels"]["cloud.google.com/gke-tpu-topology"] == "1x1"
         print(cluster.kubectl("get", "grs", "-n", NS).stdout)
 
-        forbidden = [ln for ln in operator.text().splitlines() if re.search(r"\b(403|Forbidden|forbidden)\b", ln)]
+        # "HTTP 403" is how gemma_operator.kube reports a refusal, "forbidden" how the API server and kopf
+        # word it. A bare 403 is not enough: log timestamps carry milliseconds like ",403]".
+        forbidden = [ln for ln in operator.text().splitlines() if re.search(r"HTTP 403|[Ff]orbidden", ln)]
         assert not forbidden, "the chart's RBAC refused the operator:\n" + "\n".join(forbidden[:10])
 
         # Uninstall. helm runs the pre-delete hook and waits for its Job, whose pod is held Pending; the
