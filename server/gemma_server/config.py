@@ -149,9 +149,10 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str] | None = None) 
     ns = parser.parse_args(list(argv))
     if not ns.model:
         parser.error("--model (or GEMMA_MODEL) is required")
+    # queue_limit counts admitted requests not yet decoding: 0 would admit none, so 1 is the least.
     for name in ("context", "read_every", "prefill_chunk", "queue_limit"):
-        if getattr(ns, name) < (0 if name == "queue_limit" else 1):
-            parser.error(f"--{name.replace('_', '-')} must be at least {0 if name == 'queue_limit' else 1}")
+        if getattr(ns, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if ns.shutdown_timeout < 0:
         parser.error("--shutdown-timeout must be >= 0")
     return Config(**vars(ns))

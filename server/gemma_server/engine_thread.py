@@ -142,6 +142,8 @@ class EngineThread(threading.Thread):
             ShuttingDown: the server began draining while the request was being tokenized.
         """
         with self._cond:
+            if self.dead:  # died while this request was being tokenized: nobody would read the queue
+                raise NotReady(f"The engine thread died: {self.dead}")
             if self.draining:
                 raise ShuttingDown()  # the caller releases its admission
             self._queue.append(job)
@@ -214,6 +216,8 @@ class EngineThread(threading.Thread):
                 job.post("error", ApiError(500, f"The engine failed: {self.dead}"))
                 with self._cond:
                     queued, self._queue = list(self._queue), collections.deque()
+                    self._admitted -= len(queued)  # so busy() turns false and a SIGTERM exits at once
+                    self._on_waiting(self._admitted)
                 for other in queued:
                     other.post("error", NotReady(f"The engine thread died: {self.dead}"))
                 return

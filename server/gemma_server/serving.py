@@ -60,16 +60,18 @@ def render_chat(tokenizer, request: ChatCompletionRequest) -> list[int]:
     import jinja2
 
     kwargs = dict(request.chat_template_kwargs or {})
+    # A template from the request would run arbitrary Jinja (loops that hold the event loop, errors of
+    # any type): only the checkpoint's own template is used, as vLLM does by default.
+    if "chat_template" in kwargs:
+        raise bad_request("chat_template_kwargs", "chat_template cannot be set by a request; the checkpoint's own is used.")
     try:
         text = tokenizer.apply_chat_template(
             request.template_messages(), tokenize=False, add_generation_prompt=request.add_generation_prompt,
             **kwargs,
         )
-    except jinja2.TemplateError as e:
-        raise bad_request("messages", f"The chat template rejected the messages: {e}") from e
     except TypeError as e:
         raise bad_request("chat_template_kwargs", f"Bad chat_template_kwargs: {e}") from e
-    except ValueError as e:
+    except (jinja2.TemplateError, ValueError, ArithmeticError, LookupError) as e:
         raise bad_request("messages", f"The chat template rejected the messages: {e}") from e
     return encode(tokenizer, text, "messages", add_special_tokens=False)
 

@@ -169,6 +169,7 @@ BAD = [
     ({"messages": [{"role": "user", "content": "x"}, {"role": "user", "content": "y"}]}, "messages"),
     ({"messages": [{"role": "user", "content": "word " * 2000}]}, "messages"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"chat_template_kwargs": {"chat_template": "{{ 1/0 }}"}}, "chat_template_kwargs"),
 ]
 
 
@@ -229,26 +230,35 @@ def test_a_request_that_disconnects_mid_stream_is_aborted_and_the_engine_goes_id
                       json={"model": model, "prompt": long_prompt, "max_tokens": CONTEXT, "stream": True}) as r:
         it = r.iter_bytes()
         assert next(it).startswith(b"data: ")
+        job = wait_for(lambda: state.engine_thread.running, 30, "decode running")
     # The server notices the closed connection; the decode stops within one token batch.
     wait_for(lambda: state.metrics.request_success["abort"]._value.get() == aborts + 1, 30, "abort counted")
     wait_for(lambda: not state.engine_thread.busy(), 30, "engine idle")
     assert state.metrics.num_requests_running._value.get() == 0
+    assert_engine_cancelled(job)
+
+
+def assert_engine_cancelled(job):
+    """The engine's own answer for `job` (left unread on its queue once the client is gone) is
+    "cancelled", before the 284 tokens the full reply has."""
+    queued = job.events._queue  # asyncio.Queue's deque: nobody reads it after the abort
+    wait_for(lambda: queued and queued[-1][0] == "done", 30, "the engine's done event")
+    done = queued[-1][1]
+    assert done.finish == "cancelled" and len(done.tokens) < 284, (done.finish, len(done.tokens))
 
 
 def test_a_non_streamed_request_that_disconnects_mid_decode_is_aborted(server, model, long_prompt):
     state = server.state
     aborts = state.metrics.request_success["abort"]._value.get()
-    generated = state.metrics.generation_tokens._value.get()
     body = json.dumps({"model": model, "prompt": long_prompt, "max_tokens": CONTEXT}).encode()
     host, port = server.base.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as conn:  # a client that hangs up mid-decode
         conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-        wait_for(state.engine_thread.busy, 30, "decode running")
+        job = wait_for(lambda: state.engine_thread.running, 30, "decode running")
     wait_for(lambda: state.metrics.request_success["abort"]._value.get() == aborts + 1, 30, "abort counted")
     wait_for(lambda: not state.engine_thread.busy(), 30, "engine idle")
-    # The decode stopped early: the full reply to this prompt is 284 tokens.
-    assert state.metrics.generation_tokens._value.get() - generated < 284
+    assert_engine_cancelled(job)
 
 
 def test_health_live_and_engine_report_after_boot(server):

@@ -20,7 +20,8 @@ def test_flags_win_over_environment_and_environment_over_defaults():
 
 
 def test_missing_model_or_bad_values_exit_with_usage_error(capsys):
-    for argv in ([], ["--model", "/m", "--context", "0"], ["--model", "/m", "--device", "gpu"]):
+    for argv in ([], ["--model", "/m", "--context", "0"], ["--model", "/m", "--queue-limit", "0"],
+                 ["--model", "/m", "--device", "gpu"]):
         with pytest.raises(SystemExit) as e:
             parse_config(argv, {})
         assert e.value.code == 2
