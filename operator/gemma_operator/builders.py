@@ -291,11 +291,14 @@ def build_deployment(spec: s.GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
     if spec.service_account_name:
         pod_spec["serviceAccountName"] = spec.service_account_name
     tpu = spec.accelerator.type == s.TPU_V5E
+    # Recreate where a new pod cannot start beside the old one: the only TPU chips, or a build cache
+    # volume that attaches to one node at a time.
+    recreate = tpu or (spec.build_cache.type == "pvc" and spec.build_cache.access_mode == "ReadWriteOnce")
     dep = _object("apps/v1", "Deployment", meta.name, meta)
     dep["spec"] = {
         "replicas": spec.replicas,
         "selector": {"matchLabels": selector_labels(meta)},
-        "strategy": {"type": "Recreate"} if tpu else
+        "strategy": {"type": "Recreate"} if recreate else
                     {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
         "revisionHistoryLimit": 3,
         # Booting can take the whole startup budget; do not let the Deployment call it stalled earlier.

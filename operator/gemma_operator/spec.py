@@ -19,9 +19,10 @@ Design notes:
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.alias_generators import to_camel
 
 API_GROUP = "gemmarust.dev"
@@ -84,6 +85,15 @@ class ModelSpec(_Model):
         None, description="Optional int4 embedding twin, same URL forms as source.", max_length=1024)
     token_secret: TokenSecretRef | None = Field(
         None, description="Secret with the Hugging Face token (gated or private hf:// models).")
+
+    @field_validator("source", "embedding_twin")
+    @classmethod
+    def _source_form(cls, v: str | None) -> str | None:
+        # The same rule as the CEL one, for objects stored before it existed: such a spec must become a
+        # condition, not a handler that fails on every retry. (A validator stays out of the schema.)
+        if v is not None and not re.fullmatch(MODEL_SOURCE_RE, v):
+            raise ValueError(MODEL_SOURCE_MESSAGE)
+        return v
 
 
 class AcceleratorSpec(_Model):

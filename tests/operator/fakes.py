@@ -66,6 +66,6 @@ class FakeEngineEndpoint:
 
     def boot_to(self, stage: str, done: dict[str, float]) -> None:
         """Report `stage` as running after the stages in `done` (name -> seconds) finished."""
-        stages = [{"stage": s, "status": "done", "seconds": secs} for s, secs in done.items()]
+        stages = [{"stage": s, "status": "ok", "seconds": secs} for s, secs in done.items()]
         stages.append({"stage": stage, "status": "running", "seconds": 0.5})
         self.engine = {"stage": stage, "stages": stages}

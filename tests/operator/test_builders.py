@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pydantic
 import pytest
 
 from gemma_operator import builders as b
@@ -242,5 +243,19 @@ def test_endpoint_and_selector_string():
     assert b.selector_string(META) == "app.kubernetes.io/instance=gemma,app.kubernetes.io/name=gemma-rust-server"
 
 
-def test_builders_are_deterministic():
-    assert b.build_deployment(tpu_spec(), META) == b.build_deployment(tpu_spec(), META)
+def test_cpu_with_a_read_write_once_build_cache_recreates():
+    # A new pod on another node could never attach the volume; a rolling update would wait forever.
+    cpu = {"model": {"source": "hf://o/m"}, "accelerator": {"type": "cpu"}}
+    rwo = parse_spec({**cpu, "buildCache": {"type": "pvc", "accessMode": "ReadWriteOnce"}})
+    rwx = parse_spec({**cpu, "buildCache": {"type": "pvc", "accessMode": "ReadWriteMany"}})
+    assert b.build_deployment(rwo, META)["spec"]["strategy"] == {"type": "Recreate"}
+    assert b.build_deployment(rwx, META)["spec"]["strategy"]["type"] == "RollingUpdate"
+
+
+@pytest.mark.parametrize("field", ["source", "embeddingTwin"])
+def test_a_model_source_of_no_known_form_is_refused_by_the_parser_too(field):
+    # Admission refuses it with the CEL rule; an object stored before that rule must still become an
+    # InvalidSpec condition (handlers catch the ValidationError), not a handler failing on every retry.
+    model = {"source": "hf://o/m", field: "foo"}
+    with pytest.raises(pydantic.ValidationError, match="model source must be hf://org/repo"):
+        parse_spec({"model": model})

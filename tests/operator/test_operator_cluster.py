@@ -276,9 +276,9 @@ def test_engine_boot_stages_reach_the_status(kube, ns, operator):
         obj = wait_phase(kube, ns, "boot", "LoadingWeights", operator)
         pod = obj["status"]["pods"][0]
         assert pod["engineStage"] == "weights"
-        assert pod["stages"][:3] == [{"stage": "build", "status": "done", "seconds": 61.2},
-                                     {"stage": "import", "status": "done", "seconds": 0.8},
-                                     {"stage": "smoke", "status": "done", "seconds": 3.5}]
+        assert pod["stages"][:3] == [{"stage": "build", "status": "ok", "seconds": 61.2},
+                                     {"stage": "import", "status": "ok", "seconds": 0.8},
+                                     {"stage": "smoke", "status": "ok", "seconds": 3.5}]
         fake.boot_to("warmup", {"build": 61.2, "import": 0.8, "smoke": 3.5, "weights": 20.0})
         wait_phase(kube, ns, "boot", "WarmingUp", operator)
         assert "/v1/engine" in fake.requests

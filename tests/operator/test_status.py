@@ -80,14 +80,14 @@ def test_scheduled_pod_with_container_starting_is_still_scheduling():
     ("build", "Building"), ("import", "Building"), ("smoke", "SmokeTesting"), ("weights", "LoadingWeights"),
     ("warmup", "WarmingUp"), ("serving", "WarmingUp"), (None, "Building")])
 def test_engine_stage_sets_the_boot_phase(stage, phase):
-    engine = {"g-1": {"stage": stage, "stages": [{"stage": "build", "status": "done", "seconds": 12.3456}]}} \
+    engine = {"g-1": {"stage": stage, "stages": [{"stage": "build", "status": "ok", "seconds": 12.3456}]}} \
         if stage else {}
     s = compute(observe([pod()], engine=engine))
     assert s["phase"] == phase
     assert conds(s)["Progressing"][0] == "True"
     if stage:
         assert s["pods"][0]["engineStage"] == stage
-        assert s["pods"][0]["stages"] == [{"stage": "build", "status": "done", "seconds": 12.346}]
+        assert s["pods"][0]["stages"] == [{"stage": "build", "status": "ok", "seconds": 12.346}]
 
 
 def test_engine_reporting_a_failed_stage_fails_the_pod():
