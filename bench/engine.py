@@ -177,8 +177,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda (a torch device string)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default=None,
                         help="compute dtype (default: float32 on cpu, bfloat16 elsewhere)")
-    parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 200 small, 512 e2b)")
-    parser.add_argument("--new", type=int, default=None, help="generated tokens (default 128 small, 256 e2b)")
+    parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 200 for small, 512 for tiny and e2b)")
+    parser.add_argument("--new", type=int, default=None, help="generated tokens (default 128 for small, 256 for tiny and e2b)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--read-every", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None,

@@ -276,6 +276,14 @@ impl Config {
         } else {
             0
         };
+        // Every token id indexes the per-layer table too: a smaller table would let a valid id (or a
+        // generated one) index past its end, a device-side assert on CUDA.
+        if ple_dim > 0 && vocab_size_per_layer_input < vocab_size {
+            return Err(Error::config(
+                "vocab_size_per_layer_input",
+                format!("must be >= vocab_size ({vocab_size}), got {vocab_size_per_layer_input}"),
+            ));
+        }
         let num_kv_shared = match get(m, "num_kv_shared_layers") {
             None => 0,
             Some(_) => int(m, "num_kv_shared_layers")?,
