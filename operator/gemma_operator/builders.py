@@ -336,20 +336,22 @@ def build_pod_monitoring(spec: s.GemmaRustServerSpec, meta: Meta) -> dict[str, A
     """GKE managed Prometheus PodMonitoring scraping /metrics, when asked for."""
     if not spec.monitoring.pod_monitoring:
         return None
-    pm = _object("monitoring.googleapis.com/v1", "PodMonitoring", meta.name, meta)
-    pm["spec"] = {"selector": {"matchLabels": selector_labels(meta)},
-                  "endpoints": [{"port": "http", "path": "/metrics", "interval": spec.monitoring.interval}]}
-    return pm
+    return _scrape_monitor("monitoring.googleapis.com/v1", "PodMonitoring", spec, meta)
 
 
 def build_service_monitor(spec: s.GemmaRustServerSpec, meta: Meta) -> dict[str, Any] | None:
     """Prometheus Operator ServiceMonitor scraping /metrics through the Service, when asked for."""
     if not spec.monitoring.service_monitor:
         return None
-    sm = _object("monitoring.coreos.com/v1", "ServiceMonitor", meta.name, meta)
-    sm["spec"] = {"selector": {"matchLabels": selector_labels(meta)},
-                  "endpoints": [{"port": "http", "path": "/metrics", "interval": spec.monitoring.interval}]}
-    return sm
+    return _scrape_monitor("monitoring.coreos.com/v1", "ServiceMonitor", spec, meta)
+
+
+def _scrape_monitor(api_version: str, kind: str, spec: s.GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
+    """PodMonitoring and ServiceMonitor share this spec shape: a selector and one /metrics endpoint."""
+    monitor = _object(api_version, kind, meta.name, meta)
+    monitor["spec"] = {"selector": {"matchLabels": selector_labels(meta)},
+                       "endpoints": [{"port": "http", "path": "/metrics", "interval": spec.monitoring.interval}]}
+    return monitor
 
 
 def build_build_cache_pvc(spec: s.GemmaRustServerSpec, meta: Meta) -> dict[str, Any] | None:

@@ -145,7 +145,6 @@ gt *aten_arange(int64_t start, int64_t end, int dtype, gt *like) {
   RET(at::arange(start, end, like->t.options().dtype(st(dtype))))
 }
 
-gt *aten_contiguous(gt *t) { RET(t->t.contiguous()) }
 gt *aten_reshape(gt *t, const int64_t *dims, size_t ndim) { RET(t->t.reshape(dims_of(dims, ndim))) }
 gt *aten_transpose(gt *t, int64_t d0, int64_t d1) { RET(t->t.transpose(d0, d1)) }
 gt *aten_unsqueeze(gt *t, int64_t d) { RET(t->t.unsqueeze(d)) }
@@ -165,14 +164,11 @@ gt *aten_index_select(gt *t, int64_t dim, gt *index) { RET(t->t.index_select(dim
 gt *aten_linear(gt *x, gt *w) { RET(at::linear(x->t, w->t)) }
 gt *aten_matmul(gt *a, gt *b) { RET(at::matmul(a->t, b->t)) }
 gt *aten_add(gt *a, gt *b) { RET(a->t + b->t) }
-gt *aten_sub(gt *a, gt *b) { RET(a->t - b->t) }
 gt *aten_mul(gt *a, gt *b) { RET(a->t * b->t) }
 gt *aten_add_scalar(gt *a, double v) { RET(a->t + v) }
 gt *aten_mul_scalar(gt *a, double v) { RET(a->t * v) }
 gt *aten_div_scalar(gt *a, double v) { RET(a->t / v) }
-gt *aten_pow_scalar(gt *a, double v) { RET(at::pow(a->t, v)) }
 gt *aten_remainder_scalar(gt *a, int64_t v) { RET(at::remainder(a->t, v)) }
-gt *aten_mean_dim(gt *a, int64_t dim, int keepdim) { RET(a->t.mean(dim, keepdim != 0)) }
 gt *aten_sum(gt *a) { RET(a->t.sum()) }
 
 double aten_item_double(gt *a) {
@@ -184,7 +180,6 @@ gt *aten_gelu_tanh(gt *a) { RET(at::gelu(a->t, "tanh")) }
 gt *aten_tanh(gt *a) { RET(at::tanh(a->t)) }
 gt *aten_cos(gt *a) { RET(at::cos(a->t)) }
 gt *aten_sin(gt *a) { RET(at::sin(a->t)) }
-gt *aten_softmax(gt *a, int64_t dim) { RET(at::softmax(a->t, dim)) }
 
 // weight may be NULL (a norm without scale).
 gt *aten_rms_norm(gt *x, gt *weight, double eps) {
@@ -209,7 +204,6 @@ gt *aten_sdpa(gt *q, gt *k, gt *v, gt *mask, double scale) {
 }
 
 int aten_index_copy_(gt *t, int64_t dim, gt *index, gt *src) { RET_INT(t->t.index_copy_(dim, index->t, src->t)) }
-int aten_copy_(gt *dst, gt *src) { RET_INT(dst->t.copy_(src->t)) }
 int aten_fill_(gt *t, double v) { RET_INT(t->t.fill_(v)) }
 int aten_add_scalar_(gt *t, double v) { RET_INT(t->t.add_(v)) }
 int aten_add_int_(gt *t, int64_t v) { RET_INT(t->t.add_(v)) }

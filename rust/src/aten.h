@@ -44,7 +44,6 @@ gt *aten_to(gt *t, gt *like, int dtype);
 gt *aten_to_dtype(gt *t, int dtype);
 gt *aten_full(const int64_t *dims, size_t ndim, double value, int dtype, gt *like);
 gt *aten_arange(int64_t start, int64_t end, int dtype, gt *like);
-gt *aten_contiguous(gt *t);
 
 /* Shapes. */
 gt *aten_reshape(gt *t, const int64_t *dims, size_t ndim);
@@ -58,21 +57,17 @@ gt *aten_index_select(gt *t, int64_t dim, gt *index);
 gt *aten_linear(gt *x, gt *w);
 gt *aten_matmul(gt *a, gt *b);
 gt *aten_add(gt *a, gt *b);
-gt *aten_sub(gt *a, gt *b);
 gt *aten_mul(gt *a, gt *b);
 gt *aten_add_scalar(gt *a, double v);
 gt *aten_mul_scalar(gt *a, double v);
 gt *aten_div_scalar(gt *a, double v);
-gt *aten_pow_scalar(gt *a, double v);
 gt *aten_remainder_scalar(gt *a, int64_t v);
-gt *aten_mean_dim(gt *a, int64_t dim, int keepdim);
 gt *aten_sum(gt *a);
 double aten_item_double(gt *a);
 gt *aten_gelu_tanh(gt *a);
 gt *aten_tanh(gt *a);
 gt *aten_cos(gt *a);
 gt *aten_sin(gt *a);
-gt *aten_softmax(gt *a, int64_t dim);
 gt *aten_rms_norm(gt *x, gt *weight, double eps);
 gt *aten_argmax(gt *a, int64_t dim, int keepdim);
 
@@ -88,7 +83,6 @@ gt *aten_sdpa(gt *q, gt *k, gt *v, gt *mask, double scale);
 
 /* In place. */
 int aten_index_copy_(gt *t, int64_t dim, gt *index, gt *src);
-int aten_copy_(gt *dst, gt *src);
 int aten_fill_(gt *t, double v);
 int aten_add_scalar_(gt *t, double v);
 int aten_add_int_(gt *t, int64_t v);

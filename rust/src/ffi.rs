@@ -36,7 +36,6 @@ unsafe extern "C" {
     pub fn aten_to_dtype(t: T, dtype: c_int) -> T;
     pub fn aten_full(dims: *const i64, ndim: usize, value: f64, dtype: c_int, like: T) -> T;
     pub fn aten_arange(start: i64, end: i64, dtype: c_int, like: T) -> T;
-    pub fn aten_contiguous(t: T) -> T;
 
     pub fn aten_reshape(t: T, dims: *const i64, ndim: usize) -> T;
     pub fn aten_transpose(t: T, d0: i64, d1: i64) -> T;
@@ -48,21 +47,17 @@ unsafe extern "C" {
     pub fn aten_linear(x: T, w: T) -> T;
     pub fn aten_matmul(a: T, b: T) -> T;
     pub fn aten_add(a: T, b: T) -> T;
-    pub fn aten_sub(a: T, b: T) -> T;
     pub fn aten_mul(a: T, b: T) -> T;
     pub fn aten_add_scalar(a: T, v: f64) -> T;
     pub fn aten_mul_scalar(a: T, v: f64) -> T;
     pub fn aten_div_scalar(a: T, v: f64) -> T;
-    pub fn aten_pow_scalar(a: T, v: f64) -> T;
     pub fn aten_remainder_scalar(a: T, v: i64) -> T;
-    pub fn aten_mean_dim(a: T, dim: i64, keepdim: c_int) -> T;
     pub fn aten_sum(a: T) -> T;
     pub fn aten_item_double(a: T) -> f64;
     pub fn aten_gelu_tanh(a: T) -> T;
     pub fn aten_tanh(a: T) -> T;
     pub fn aten_cos(a: T) -> T;
     pub fn aten_sin(a: T) -> T;
-    pub fn aten_softmax(a: T, dim: i64) -> T;
     pub fn aten_rms_norm(x: T, weight: T, eps: f64) -> T;
     pub fn aten_argmax(a: T, dim: i64, keepdim: c_int) -> T;
 
@@ -76,7 +71,6 @@ unsafe extern "C" {
     pub fn aten_sdpa(q: T, k: T, v: T, mask: T, scale: f64) -> T;
 
     pub fn aten_index_copy_(t: T, dim: i64, index: T, src: T) -> c_int;
-    pub fn aten_copy_(dst: T, src: T) -> c_int;
     pub fn aten_fill_(t: T, v: f64) -> c_int;
     pub fn aten_add_scalar_(t: T, v: f64) -> c_int;
     pub fn aten_add_int_(t: T, v: i64) -> c_int;

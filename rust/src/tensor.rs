@@ -45,15 +45,6 @@ impl DType {
             DType::BF16 => "bfloat16",
         }
     }
-
-    pub fn elem_size(self) -> usize {
-        match self {
-            DType::U8 | DType::I8 | DType::Bool => 1,
-            DType::F16 | DType::BF16 => 2,
-            DType::I32 | DType::F32 => 4,
-            DType::I64 => 8,
-        }
-    }
 }
 
 pub struct Tensor(NonNull<CTensor>);
@@ -146,8 +137,7 @@ impl Tensor {
 
     /// A `torch.Tensor` on the same storage as `self`.
     pub fn to_python<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let p = ffi!("to_python", ffi::aten_to_python(self.ptr()))
-            .map_err(|e| pyo3::exceptions::PyRuntimeError::new_err(e.to_string()))?;
+        let p = ffi!("to_python", ffi::aten_to_python(self.ptr())).map_err(PyErr::from)?;
         // SAFETY: THPVariable_Wrap returns a new reference or NULL (with the error in our shim).
         unsafe { Bound::from_owned_ptr_or_err(py, p) }
     }
@@ -229,7 +219,6 @@ impl Tensor {
     }
 
     unary! {
-        contiguous => aten_contiguous,
         sum => aten_sum,
         gelu_tanh => aten_gelu_tanh,
         tanh => aten_tanh,
@@ -242,7 +231,6 @@ impl Tensor {
         linear => aten_linear,
         matmul => aten_matmul,
         add => aten_add,
-        sub => aten_sub,
         mul => aten_mul,
         ge => aten_ge,
         le => aten_le,
@@ -254,7 +242,6 @@ impl Tensor {
         add_scalar => aten_add_scalar,
         mul_scalar => aten_mul_scalar,
         div_scalar => aten_div_scalar,
-        pow_scalar => aten_pow_scalar,
         ge_scalar => aten_ge_scalar,
     }
 
@@ -262,19 +249,11 @@ impl Tensor {
         wrap("remainder", ffi!("remainder", ffi::aten_remainder_scalar(self.ptr(), v)))
     }
 
-    pub fn mean_dim(&self, dim: i64, keepdim: bool) -> Result<Tensor> {
-        wrap("mean", ffi!("mean", ffi::aten_mean_dim(self.ptr(), dim, keepdim as i32)))
-    }
-
     /// `at::rms_norm` over the last dim, with an optional weight (one fused kernel where the
     /// backend has one).
     pub fn rms_norm(&self, weight: Option<&Tensor>, eps: f64) -> Result<Tensor> {
         let w = weight.map_or(std::ptr::null_mut(), |w| w.ptr());
         wrap("rms_norm", ffi!("rms_norm", ffi::aten_rms_norm(self.ptr(), w, eps)))
-    }
-
-    pub fn softmax(&self, dim: i64) -> Result<Tensor> {
-        wrap("softmax", ffi!("softmax", ffi::aten_softmax(self.ptr(), dim)))
     }
 
     pub fn argmax(&self, dim: i64, keepdim: bool) -> Result<Tensor> {
@@ -307,21 +286,8 @@ impl Tensor {
         Ok(out)
     }
 
-    /// Copy a tensor to the host as f32 values (a host sync).
-    pub fn to_vec_f32(&self) -> Result<Vec<f32>> {
-        let n = self.numel()? as usize;
-        let mut out = vec![0f32; n];
-        let t = self.to_dtype(DType::F32)?;
-        status(ffi!("copy_to_host", ffi::aten_copy_to_host(t.ptr(), out.as_mut_ptr() as *mut c_void, n * 4)))?;
-        Ok(out)
-    }
-
     pub fn index_copy_(&self, dim: i64, index: &Tensor, src: &Tensor) -> Result<()> {
         status(ffi!("index_copy_", ffi::aten_index_copy_(self.ptr(), dim, index.ptr(), src.ptr())))
-    }
-
-    pub fn copy_(&self, src: &Tensor) -> Result<()> {
-        status(ffi!("copy_", ffi::aten_copy_(self.ptr(), src.ptr())))
     }
 
     pub fn fill_(&self, v: f64) -> Result<()> {

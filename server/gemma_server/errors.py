@@ -60,7 +60,12 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
 
 def sse_error(status: int, message: str, param: str | None = None) -> bytes:
     """An error as one SSE event; the stream still ends with `data: [DONE]` after it."""
-    return b"data: " + json.dumps(error_body(status, message, param), separators=(",", ":")).encode() + b"\n\n"
+    return sse_event(error_body(status, message, param))
+
+
+def sse_event(obj: dict) -> bytes:
+    """One server-sent event carrying `obj` as compact JSON (the framing OpenAI's streams use)."""
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
 
 def bad_request(param: str | None, message: str) -> ApiError:

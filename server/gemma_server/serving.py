@@ -17,7 +17,6 @@ ending with `data: [DONE]`, the non-streaming path joins them. Differences, each
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -25,7 +24,7 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 from gemma_server.engine_thread import Done, EngineThread, Job
-from gemma_server.errors import ApiError, ShuttingDown, bad_request, sse_error
+from gemma_server.errors import ApiError, ShuttingDown, bad_request, sse_error, sse_event
 from gemma_server.metrics import Metrics
 from gemma_server.protocol import (
     ChatChoice,
@@ -266,10 +265,6 @@ async def race_disconnect(receive, awaitable: Awaitable[Any]) -> Any:
     raise ClientDisconnected()
 
 
-def _dump(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
-
-
 class Formatter:
     """Builds the response objects and SSE events of one request.
 
@@ -299,7 +294,7 @@ class Formatter:
         }
         if self.include_usage or with_usage:
             obj["usage"] = usage  # OpenAI: null on every chunk but the last when include_usage is set
-        return _dump(obj)
+        return sse_event(obj)
 
     def role_event(self) -> bytes:
         """The chat stream's first event: the assistant role, empty content (OpenAI, vLLM)."""

@@ -237,12 +237,6 @@ impl Weights {
     pub fn vector(&self, name: &str, shape: &[i64], dtype: DType) -> Result<Tensor> {
         self.main.dense(&self.main.full_name(name), shape)?.to_like(&self.like, dtype)
     }
-
-    /// Whether the main checkpoint stores `name` (dense or packed).
-    pub fn has_matrix(&self, name: &str) -> bool {
-        let base = self.main.full_name(name);
-        self.main.has(&format!("{base}.weight")) || self.main.has(&format!("{base}.weight_packed"))
-    }
 }
 
 /// Quantization spec of an embeddings directory: its own config.json when it has one.
