@@ -191,10 +191,50 @@ gt *aten_rms_norm(gt *x, gt *weight, double eps) {
 }
 gt *aten_argmax(gt *a, int64_t dim, int keepdim) { RET(at::argmax(a->t, dim, keepdim != 0)) }
 
+gt *aten_sub(gt *a, gt *b) { RET(a->t - b->t) }
+gt *aten_div(gt *a, gt *b) { RET(a->t / b->t) }
+gt *aten_mul_int(gt *a, int64_t v) { RET(a->t * v) }
+gt *aten_add_int(gt *a, int64_t v) { RET(a->t + v) }
+gt *aten_clamp(gt *a, double lo, double hi) { RET(at::clamp(a->t, lo, hi)) }
+gt *aten_softmax(gt *a, int64_t dim) { RET(at::softmax(a->t, dim)) }
+gt *aten_log_softmax(gt *a, int64_t dim) { RET(at::log_softmax(a->t, dim)) }
+gt *aten_cumsum(gt *a, int64_t dim) { RET(at::cumsum(a->t, dim)) }
+gt *aten_gather(gt *t, int64_t dim, gt *index) { RET(at::gather(t->t, dim, index->t)) }
+
+int aten_sort(gt *a, int descending, gt **values, gt **indices) {
+  RET_INT(
+      auto r = at::sort(a->t, /*stable=*/true, /*dim=*/-1, descending != 0);
+      *values = box(std::get<0>(r)); *indices = box(std::get<1>(r)))
+}
+
+int aten_topk(gt *a, int64_t k, gt **values, gt **indices) {
+  RET_INT(
+      auto r = at::topk(a->t, k, -1, /*largest=*/true, /*sorted=*/true);
+      *values = box(std::get<0>(r)); *indices = box(std::get<1>(r)))
+}
+
+gt *aten_searchsorted_right(gt *sorted, gt *values) {
+  RET(at::searchsorted(sorted->t, values->t, /*out_int32=*/false, /*right=*/true))
+}
+
+gt *aten_where(gt *cond, gt *a, gt *b) { RET(at::where(cond->t, a->t, b->t)) }
+gt *aten_where_int(gt *cond, gt *a, int64_t b) { RET(at::where(cond->t, a->t, at::Scalar(b))) }
+gt *aten_bitwise_xor(gt *a, gt *b) { RET(at::bitwise_xor(a->t, b->t)) }
+
+// ATen's >> on int64 is arithmetic; masking off the copied sign bits makes it logical.
+gt *aten_shift_right_logical(gt *a, int64_t bits) {
+  RET(at::bitwise_and(at::bitwise_right_shift(a->t, bits),
+                      static_cast<int64_t>((~uint64_t{0}) >> bits)))
+}
+
 gt *aten_ge(gt *a, gt *b) { RET(a->t.ge(b->t)) }
 gt *aten_le(gt *a, gt *b) { RET(a->t.le(b->t)) }
 gt *aten_gt(gt *a, gt *b) { RET(a->t.gt(b->t)) }
 gt *aten_ge_scalar(gt *a, double v) { RET(a->t.ge(v)) }
+gt *aten_gt_scalar(gt *a, double v) { RET(a->t.gt(v)) }
+gt *aten_lt_scalar(gt *a, double v) { RET(a->t.lt(v)) }
+gt *aten_lt(gt *a, gt *b) { RET(a->t.lt(b->t)) }
+gt *aten_logical_or(gt *a, gt *b) { RET(a->t.logical_or(b->t)) }
 gt *aten_logical_and(gt *a, gt *b) { RET(a->t.logical_and(b->t)) }
 gt *aten_logical_not(gt *a) { RET(a->t.logical_not()) }
 gt *aten_masked_fill(gt *a, gt *mask, double v) { RET(a->t.masked_fill(mask->t, v)) }
@@ -202,6 +242,28 @@ gt *aten_masked_fill(gt *a, gt *mask, double v) { RET(a->t.masked_fill(mask->t, 
 gt *aten_sdpa(gt *q, gt *k, gt *v, gt *mask, double scale) {
   RET(at::scaled_dot_product_attention(q->t, k->t, v->t, mask->t, 0.0, false, scale, true))
 }
+
+namespace {
+c10::List<std::optional<at::Tensor>> index_list(gt *const *indices, size_t n) {
+  c10::List<std::optional<at::Tensor>> list;
+  list.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    list.push_back(indices[i] ? std::optional<at::Tensor>(indices[i]->t) : std::nullopt);
+  }
+  return list;
+}
+}  // namespace
+
+int aten_index_put_(gt *t, gt *const *indices, size_t n, gt *values) {
+  RET_INT(t->t.index_put_(index_list(indices, n), values->t))
+}
+gt *aten_index_put(gt *t, gt *const *indices, size_t n, gt *values) {
+  RET(t->t.index_put(index_list(indices, n), values->t))
+}
+int aten_copy_(gt *dst, gt *src) { RET_INT(dst->t.copy_(src->t)) }
+int aten_scatter_add_(gt *t, int64_t dim, gt *index, gt *src) { RET_INT(t->t.scatter_add_(dim, index->t, src->t)) }
+
+gt *aten_scatter(gt *t, int64_t dim, gt *index, gt *src) { RET(t->t.scatter(dim, index->t, src->t)) }
 
 int aten_index_copy_(gt *t, int64_t dim, gt *index, gt *src) { RET_INT(t->t.index_copy_(dim, index->t, src->t)) }
 int aten_fill_(gt *t, double v) { RET_INT(t->t.fill_(v)) }

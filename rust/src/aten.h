@@ -70,18 +70,46 @@ gt *aten_cos(gt *a);
 gt *aten_sin(gt *a);
 gt *aten_rms_norm(gt *x, gt *weight, double eps);
 gt *aten_argmax(gt *a, int64_t dim, int keepdim);
+gt *aten_sub(gt *a, gt *b);
+gt *aten_div(gt *a, gt *b);
+gt *aten_mul_int(gt *a, int64_t v);
+gt *aten_add_int(gt *a, int64_t v);
+gt *aten_clamp(gt *a, double lo, double hi);
+gt *aten_softmax(gt *a, int64_t dim);
+gt *aten_log_softmax(gt *a, int64_t dim);
+gt *aten_cumsum(gt *a, int64_t dim);
+gt *aten_gather(gt *t, int64_t dim, gt *index);
+/* Sorted values and indices along the last dim; `stable` keeps equal values in index order. */
+int aten_sort(gt *a, int descending, gt **values, gt **indices);
+int aten_topk(gt *a, int64_t k, gt **values, gt **indices);
+/* Index of the first entry of each row of `sorted` that is > the row's value (right=True). */
+gt *aten_searchsorted_right(gt *sorted, gt *values);
+gt *aten_where(gt *cond, gt *a, gt *b);
+gt *aten_where_int(gt *cond, gt *a, int64_t b);
+gt *aten_bitwise_xor(gt *a, gt *b);
+/* Logical (unsigned) right shift of int64 values by `bits` (0 < bits < 64). */
+gt *aten_shift_right_logical(gt *a, int64_t bits);
 
 /* Comparisons and masks. */
 gt *aten_ge(gt *a, gt *b);
 gt *aten_le(gt *a, gt *b);
 gt *aten_gt(gt *a, gt *b);
 gt *aten_ge_scalar(gt *a, double v);
+gt *aten_gt_scalar(gt *a, double v);
+gt *aten_lt_scalar(gt *a, double v);
+gt *aten_lt(gt *a, gt *b);
+gt *aten_logical_or(gt *a, gt *b);
 gt *aten_logical_and(gt *a, gt *b);
 gt *aten_logical_not(gt *a);
 gt *aten_masked_fill(gt *a, gt *mask, double v);
 gt *aten_sdpa(gt *q, gt *k, gt *v, gt *mask, double scale);
 
-/* In place. */
+/* In place. `indices` of aten_index_put_ may hold NULL for a full slice (`t[rows, :, slots]`). */
+int aten_index_put_(gt *t, gt *const *indices, size_t n, gt *values);
+gt *aten_index_put(gt *t, gt *const *indices, size_t n, gt *values);
+int aten_copy_(gt *dst, gt *src);
+int aten_scatter_add_(gt *t, int64_t dim, gt *index, gt *src);
+gt *aten_scatter(gt *t, int64_t dim, gt *index, gt *src);
 int aten_index_copy_(gt *t, int64_t dim, gt *index, gt *src);
 int aten_fill_(gt *t, double v);
 int aten_add_scalar_(gt *t, double v);

@@ -5,6 +5,7 @@
 //! `encode_batch`); the decode callback re-attaches. One `From<Error> for PyErr` picks the
 //! exception class. Design from the seed rig's bindings.rs (PYO3.md lists each crossing).
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyTypeError, PyValueError};
@@ -12,7 +13,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use crate::error::Error;
-use crate::gemma4::engine::{self, parse_dtype};
+use crate::gemma4::cache::CacheSize;
+use crate::gemma4::engine::{self, Event, Io, Request, Settings, StepStats, parse_dtype};
+use crate::gemma4::sampling::{self, Sampler, SamplingParams};
 use crate::tensor::{DType, Tensor, no_grad};
 
 impl From<Error> for PyErr {
@@ -22,7 +25,7 @@ impl From<Error> for PyErr {
                 PyValueError::new_err(e.to_string())
             }
             Error::Io { .. } => PyOSError::new_err(e.to_string()),
-            Error::Torch { .. } => PyRuntimeError::new_err(e.to_string()),
+            Error::Torch { .. } | Error::Internal(_) | Error::Callback(_) => PyRuntimeError::new_err(e.to_string()),
         }
     }
 }
@@ -36,7 +39,181 @@ fn tensor_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Tensor> {
     Ok(Tensor::from_python(obj)?)
 }
 
-/// One Gemma 4 text model and one fixed-shape ring KV cache (see gemma_engine.pyi).
+/// How one request chooses its tokens (see gemma_engine.pyi).
+#[pyclass(frozen, module = "gemma_engine", name = "SamplingParams")]
+pub struct PySamplingParams {
+    inner: SamplingParams,
+}
+
+#[pymethods]
+impl PySamplingParams {
+    /// Raises:
+    ///     ValueError: a value out of range, named (the vocabulary is checked at admission).
+    #[new]
+    #[pyo3(signature = (temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, presence_penalty=0.0,
+                        frequency_penalty=0.0, repetition_penalty=1.0, logit_bias=None, logprobs=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        temperature: f64,
+        top_k: i64,
+        top_p: f64,
+        min_p: f64,
+        seed: i64,
+        presence_penalty: f64,
+        frequency_penalty: f64,
+        repetition_penalty: f64,
+        logit_bias: Option<HashMap<i64, f64>>,
+        logprobs: Option<i64>,
+    ) -> PyResult<Self> {
+        let mut bias: Vec<(i64, f64)> = logit_bias.unwrap_or_default().into_iter().collect();
+        bias.sort_by_key(|(id, _)| *id);
+        let inner = SamplingParams {
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            seed,
+            presence_penalty,
+            frequency_penalty,
+            repetition_penalty,
+            logit_bias: bias,
+            logprobs,
+        };
+        inner.check(i64::MAX)?;
+        Ok(PySamplingParams { inner })
+    }
+
+    fn __repr__(&self) -> String {
+        format!("{:?}", self.inner)
+    }
+}
+
+/// One request for `Engine.run`.
+#[pyclass(frozen, module = "gemma_engine", name = "Request")]
+pub struct PyRequest {
+    inner: Request,
+}
+
+#[pymethods]
+impl PyRequest {
+    #[new]
+    #[pyo3(signature = (id, ids, max_new, stop_ids=Vec::new(), sampling=None))]
+    fn new(id: u64, ids: Vec<i64>, max_new: i64, stop_ids: Vec<i64>, sampling: Option<Py<PySamplingParams>>) -> Self {
+        let params = sampling.map(|s| s.get().inner.clone()).unwrap_or_default();
+        PyRequest { inner: Request { id, prompt: ids, max_new, stop_ids, params } }
+    }
+
+    #[getter]
+    fn id(&self) -> u64 {
+        self.inner.id
+    }
+}
+
+/// New tokens of one request, and its end once it ended (see gemma_engine.pyi).
+#[pyclass(frozen, get_all, module = "gemma_engine", name = "Event")]
+pub struct PyEvent {
+    id: u64,
+    tokens: Vec<i64>,
+    /// Per token: (logprob, [(token id, logprob), ...]); empty unless the request asked.
+    logprobs: Vec<(f32, Vec<(i64, f32)>)>,
+    finish: Option<&'static str>,
+    error: Option<String>,
+    prompt_s: f64,
+    decode_s: f64,
+}
+
+impl From<Event> for PyEvent {
+    fn from(e: Event) -> Self {
+        PyEvent {
+            id: e.id,
+            tokens: e.tokens,
+            logprobs: e.logprobs.into_iter().map(|l| (l.logprob, l.top)).collect(),
+            finish: e.finish.map(|f| f.as_str()),
+            error: e.error,
+            prompt_s: e.timing.prompt_s,
+            decode_s: e.timing.decode_s,
+        }
+    }
+}
+
+#[pymethods]
+impl PyEvent {
+    fn __repr__(&self) -> String {
+        format!("Event(id={}, tokens={:?}, finish={:?}, error={:?})", self.id, self.tokens, self.finish, self.error)
+    }
+}
+
+/// `Engine.run`'s callbacks. A Python exception is kept in `failed` and ends the loop.
+struct PyIo {
+    poll: Py<PyAny>,
+    on_events: Py<PyAny>,
+    failed: Option<PyErr>,
+}
+
+impl PyIo {
+    fn fail(&mut self, e: PyErr) -> Error {
+        let msg = e.to_string();
+        self.failed = Some(e);
+        Error::Callback(msg)
+    }
+}
+
+impl Io for PyIo {
+    fn poll(&mut self, free: usize, idle: bool) -> crate::error::Result<Option<(Vec<Request>, Vec<u64>)>> {
+        let got = Python::attach(|py| -> PyResult<Option<(Vec<Request>, Vec<u64>)>> {
+            let r = self.poll.call1(py, (free, idle))?;
+            if r.is_none(py) {
+                return Ok(None);
+            }
+            let (reqs, cancels): (Vec<Py<PyRequest>>, Vec<u64>) = r.extract(py)?;
+            Ok(Some((reqs.iter().map(|r| r.get().inner.clone()).collect(), cancels)))
+        });
+        got.map_err(|e| self.fail(e))
+    }
+
+    fn emit(&mut self, events: Vec<Event>, stats: &StepStats) -> crate::error::Result<()> {
+        let done = Python::attach(|py| -> PyResult<()> {
+            let list = PyList::empty(py);
+            for e in events {
+                list.append(Py::new(py, PyEvent::from(e))?)?;
+            }
+            let s = PyDict::new(py);
+            s.set_item("batch_sizes", stats.batch_sizes.clone())?;
+            s.set_item("prompt_tokens", stats.prompt_tokens)?;
+            s.set_item("seconds", stats.seconds)?;
+            self.on_events.call1(py, (list, s))?;
+            Ok(())
+        });
+        done.map_err(|e| self.fail(e))
+    }
+}
+
+/// Free bytes on `like`'s device, as `gemma_engine._free_bytes` reports them (None: unknown).
+fn free_bytes(like: &Py<PyAny>) -> crate::error::Result<Option<i64>> {
+    Python::attach(|py| -> PyResult<Option<i64>> {
+        py.import("gemma_engine")?.getattr("_free_bytes")?.call1((like.bind(py),))?.extract()
+    })
+    .map_err(|e| Error::Internal(format!("cannot read the device's free memory: {e}")))
+}
+
+/// Refuse a KV cache that does not fit in what the device has free after the weights.
+fn check_fits(size: &CacheSize, context: i64, free: Option<i64>) -> crate::error::Result<()> {
+    let Some(free) = free else { return Ok(()) };
+    if size.total() <= free {
+        return Ok(());
+    }
+    let mib = |b: i64| b as f64 / (1 << 20) as f64;
+    Err(Error::Input(format!(
+        "max_batch {} x context {context} needs a KV cache of {:.1} MiB ({:.2} MiB per slot), but the device has \
+         {:.1} MiB free after the weights; lower max_batch or context",
+        size.max_batch,
+        mib(size.total()),
+        mib(size.bytes_per_slot),
+        mib(free)
+    )))
+}
+
+/// One Gemma 4 text model, `max_batch` sequence slots and their KV cache (see gemma_engine.pyi).
 ///
 /// Only the thread that built it may call it (PyO3 checks; another thread gets PanicException).
 #[pyclass(unsendable, module = "gemma_engine")]
@@ -48,18 +225,13 @@ pub struct Engine {
 impl Engine {
     /// Load a checkpoint directory (config.json + *.safetensors).
     ///
-    /// Args:
-    ///     model_dir: dense bf16/f32 or compressed-tensors W4A16 checkpoint.
-    ///     emb_dir: optional directory with int4 embed_tokens / embed_tokens_per_layer tables.
-    ///     like: a tensor on the target device; weights and cache follow it. Default: the host.
-    ///     context: ring size of full-attention layers (prompt + generated tokens).
-    ///     dtype: compute dtype, "float32", "bfloat16" or "float16".
-    ///     prefill_chunk: prompt tokens read per forward.
     /// Raises:
     ///     ValueError: bad config key, missing or misshapen tensor (named, with the expected
-    ///         shape), bad dtype, context < 1, prefill_chunk < 1.
+    ///         shape), bad dtype, context/prefill_chunk/max_batch < 1, a KV cache that does not fit.
     #[new]
-    #[pyo3(signature = (model_dir, emb_dir=None, like=None, context=8192, dtype="bfloat16", prefill_chunk=256))]
+    #[pyo3(signature = (model_dir, emb_dir=None, like=None, context=8192, dtype="bfloat16", prefill_chunk=256,
+                        max_batch=1))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         model_dir: PathBuf,
@@ -68,14 +240,23 @@ impl Engine {
         context: i64,
         dtype: &str,
         prefill_chunk: i64,
+        max_batch: i64,
     ) -> PyResult<Engine> {
-        let dtype = parse_dtype(dtype)?;
-        let like = match like {
-            Some(t) => tensor_arg(t, "like")?,
-            None => Tensor::from_i64(&[0])?,
+        let settings = Settings { context, dtype: parse_dtype(dtype)?, prefill_chunk, max_batch };
+        let (like, like_py) = match like {
+            Some(t) => (tensor_arg(t, "like")?, t.clone().unbind()),
+            None => {
+                let t = Tensor::from_i64(&[0])?;
+                let p = t.to_python(py)?.unbind();
+                (t, p)
+            }
         };
         let inner = py.detach(|| {
-            no_grad(|| engine::Engine::load(&model_dir, emb_dir.as_deref(), like, context, dtype, prefill_chunk))
+            no_grad(|| {
+                engine::Engine::load(&model_dir, emb_dir.as_deref(), like, settings, |size| {
+                    check_fits(size, context, free_bytes(&like_py)?)
+                })
+            })
         })?;
         Ok(Engine { inner })
     }
@@ -96,6 +277,11 @@ impl Engine {
     }
 
     #[getter]
+    fn max_batch(&self) -> i64 {
+        self.inner.max_batch()
+    }
+
+    #[getter]
     fn dtype(&self) -> &'static str {
         self.inner.dtype().name()
     }
@@ -105,7 +291,8 @@ impl Engine {
         Ok(self.inner.device()?)
     }
 
-    /// {"full_rings", "sliding_rings", "shared_layers", "context", "sliding_window"}.
+    /// {"full_rings", "sliding_rings", "shared_layers", "context", "sliding_window", "max_batch",
+    /// "kv_bytes_per_slot", "kv_bytes"}.
     fn layout<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let l = self.inner.layout();
         let d = PyDict::new(py);
@@ -114,24 +301,15 @@ impl Engine {
         d.set_item("shared_layers", l.shared_layers)?;
         d.set_item("context", l.context)?;
         d.set_item("sliding_window", l.sliding_window)?;
+        d.set_item("max_batch", l.max_batch)?;
+        d.set_item("kv_bytes_per_slot", l.kv_bytes_per_slot)?;
+        d.set_item("kv_bytes", l.kv_bytes)?;
         Ok(d)
     }
 
-    /// Greedy decode from a fresh cache.
-    ///
-    /// Args:
-    ///     ids: prompt token ids.
-    ///     max_new: most tokens to generate.
-    ///     stop_ids: extra stop tokens besides eos_ids (the stop token is not returned).
-    ///     read_every: steps between host reads; on_tokens gets batches of this size.
-    ///     on_tokens: called with each batch; a falsy return cancels.
-    /// Returns:
-    ///     (tokens, finish, read_s, decode_s), finish "stop" | "length" | "cancelled".
-    /// Raises:
-    ///     ValueError: empty prompt, max_new < 1, read_every < 1, a prompt of `context` tokens
-    ///         or more, a token id outside [0, vocab_size).
-    ///     Exception: whatever on_tokens raised.
-    #[pyo3(signature = (ids, max_new, stop_ids=Vec::new(), read_every=1, on_tokens=None))]
+    /// One request alone through the batching loop (see gemma_engine.pyi).
+    #[pyo3(signature = (ids, max_new, stop_ids=Vec::new(), read_every=1, on_tokens=None, sampling=None))]
+    #[allow(clippy::too_many_arguments)]
     fn decode(
         &mut self,
         py: Python<'_>,
@@ -140,13 +318,19 @@ impl Engine {
         stop_ids: Vec<i64>,
         read_every: i64,
         on_tokens: Option<Py<PyAny>>,
+        sampling: Option<Py<PySamplingParams>>,
     ) -> PyResult<(Vec<i64>, &'static str, f64, f64)> {
-        self.inner.check_request(&ids, max_new, read_every)?;
+        let params = sampling.map(|s| s.get().inner.clone()).unwrap_or_default();
+        let request = Request { id: 0, prompt: ids, max_new, stop_ids, params };
+        self.inner.check_request(&request)?;
+        if read_every < 1 {
+            return Err(PyValueError::new_err(format!("read_every must be >= 1, got {read_every}")));
+        }
         let mut failed: Option<PyErr> = None;
         let inner = &mut self.inner;
         let done = py.detach(|| {
             no_grad(|| {
-                inner.decode(&ids, max_new, &stop_ids, read_every, |batch| {
+                inner.decode(request, read_every, |batch| {
                     let Some(cb) = &on_tokens else { return true };
                     Python::attach(|py| {
                         let call = PyList::new(py, batch).and_then(|l| cb.call1(py, (l,)));
@@ -165,11 +349,26 @@ impl Engine {
             return Err(e);
         }
         let d = done?;
-        Ok((d.tokens, d.finish.as_str(), d.read_s, d.decode_s))
+        Ok((d.tokens, d.finish.as_str(), d.timing.prompt_s, d.timing.decode_s))
     }
 
-    /// float32 [vocab_size] logits (after softcap) for the token after `ids`, from a fresh
-    /// cache, on the host. For parity checks.
+    /// The continuous-batching loop (see gemma_engine.pyi).
+    #[pyo3(signature = (poll, on_events, read_every=1))]
+    fn run(&mut self, py: Python<'_>, poll: Py<PyAny>, on_events: Py<PyAny>, read_every: i64) -> PyResult<()> {
+        if read_every < 1 {
+            return Err(PyValueError::new_err(format!("read_every must be >= 1, got {read_every}")));
+        }
+        let mut io = PyIo { poll, on_events, failed: None };
+        let inner = &mut self.inner;
+        let done = py.detach(|| no_grad(|| inner.run(&mut io, read_every)));
+        if let Some(e) = io.failed.take() {
+            return Err(e);
+        }
+        Ok(done?)
+    }
+
+    /// float32 [vocab_size] logits (after softcap) for the token after `ids`, read into slot 0
+    /// from empty, on the host. For parity checks.
     ///
     /// Raises:
     ///     ValueError: as for decode.
@@ -179,6 +378,53 @@ impl Engine {
         let t = py.detach(|| no_grad(|| inner.logits(&ids)))?;
         t.to_python(py)
     }
+}
+
+/// Per row of `sample`: the parameters, the prompt ids, the ids generated so far, the draw index.
+type SampleRow = (Py<PySamplingParams>, Vec<i64>, Vec<i64>, i64);
+
+/// The engine's sampler on given logits (see gemma_engine.pyi): for tests against Transformers'
+/// processors.
+#[pyfunction]
+fn sample<'py>(
+    py: Python<'py>,
+    logits: &Bound<'py, PyAny>,
+    rows: Vec<SampleRow>,
+) -> PyResult<(Vec<i64>, Bound<'py, PyAny>)> {
+    let logits = tensor_arg(logits, "logits")?;
+    let size = logits.size()?;
+    let [n, vocab] = size[..] else {
+        return Err(PyValueError::new_err(format!("logits must be [rows, vocab], got {size:?}")));
+    };
+    if rows.len() as i64 != n {
+        return Err(PyValueError::new_err(format!("{} rows of parameters for {n} rows of logits", rows.len())));
+    }
+    let (tokens, probs) = no_grad(|| {
+        let mut sampler = Sampler::new(n, vocab, &logits)?;
+        for (i, (params, prompt, output, step)) in rows.iter().enumerate() {
+            let params = params.get();
+            params.inner.check(vocab)?;
+            let p = Tensor::from_i64(prompt)?.to_like(&logits, DType::I64)?;
+            sampler.assign(i as i64, &params.inner, &p)?;
+            if !output.is_empty() {
+                sampler.record(i as i64, &Tensor::from_i64(output)?.to_like(&logits, DType::I64)?)?;
+            }
+            sampler.set_step(i as i64, *step)?;
+        }
+        let chosen = sampler.choose(&logits, 0, n)?;
+        let host = Tensor::from_i64(&[0])?;
+        Ok((chosen.tokens.to_vec_i64()?, sampler.distribution(&logits, 0, n)?.to_like(&host, DType::F32)?))
+    })?;
+    Ok((tokens, probs.to_python(py)?))
+}
+
+/// The engine's uniform numbers for (seed, step) pairs, computed on the host's ATen (for tests).
+#[pyfunction]
+fn uniform(seeds: Vec<i64>, steps: Vec<i64>) -> PyResult<Vec<f32>> {
+    if seeds.len() != steps.len() {
+        return Err(PyValueError::new_err("seeds and steps must have the same length"));
+    }
+    Ok(no_grad(|| sampling::uniform(&Tensor::from_i64(&seeds)?, &Tensor::from_i64(&steps)?)?.to_vec_f32())?)
 }
 
 /// Computes sum(ones(8, 64) @ ones(64, 8)) on `like`'s device.
@@ -244,6 +490,11 @@ fn gemma_engine_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(smoke, m)?)?;
     m.add_function(wrap_pyfunction!(matmul_sum, m)?)?;
     m.add_function(wrap_pyfunction!(add_, m)?)?;
+    m.add_function(wrap_pyfunction!(sample, m)?)?;
+    m.add_function(wrap_pyfunction!(uniform, m)?)?;
     m.add_class::<Engine>()?;
+    m.add_class::<PySamplingParams>()?;
+    m.add_class::<PyRequest>()?;
+    m.add_class::<PyEvent>()?;
     Ok(())
 }

@@ -17,9 +17,17 @@ pub enum Error {
     #[error("tensor {name}: {msg}")]
     Weight { name: String, msg: String },
 
-    /// A request the caller can fix (empty prompt, id outside the vocabulary, ...).
+    /// A request the caller can fix (empty prompt, id outside the vocabulary, ...): ValueError.
     #[error("{0}")]
     Input(String),
+
+    /// A broken invariant of the engine itself, never the caller's fault: RuntimeError.
+    #[error("internal error: {0}")]
+    Internal(String),
+
+    /// A Python callback raised; the binding re-raises the Python exception itself.
+    #[error("a callback raised: {0}")]
+    Callback(String),
 
     /// A file could not be read.
     #[error("{path}: {source}")]

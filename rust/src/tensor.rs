@@ -32,6 +32,16 @@ impl DType {
         [U8, I8, I32, I64, F16, F32, Bool, BF16].into_iter().find(|d| *d as i32 == code)
     }
 
+    /// Bytes per element.
+    pub fn size(self) -> i64 {
+        match self {
+            DType::U8 | DType::I8 | DType::Bool => 1,
+            DType::F16 | DType::BF16 => 2,
+            DType::I32 | DType::F32 => 4,
+            DType::I64 => 8,
+        }
+    }
+
     /// The dtype names of `torch` ("float32", "bfloat16", ...).
     pub fn name(self) -> &'static str {
         match self {
@@ -231,7 +241,12 @@ impl Tensor {
         linear => aten_linear,
         matmul => aten_matmul,
         add => aten_add,
+        sub => aten_sub,
         mul => aten_mul,
+        div => aten_div,
+        lt => aten_lt,
+        logical_or => aten_logical_or,
+        bitwise_xor => aten_bitwise_xor,
         ge => aten_ge,
         le => aten_le,
         gt => aten_gt,
@@ -243,6 +258,103 @@ impl Tensor {
         mul_scalar => aten_mul_scalar,
         div_scalar => aten_div_scalar,
         ge_scalar => aten_ge_scalar,
+        gt_scalar => aten_gt_scalar,
+        lt_scalar => aten_lt_scalar,
+    }
+
+    /// `self * v` for an integer tensor (stays integer; int64 wraps on overflow).
+    pub fn mul_int(&self, v: i64) -> Result<Tensor> {
+        wrap("mul_int", ffi!("mul_int", ffi::aten_mul_int(self.ptr(), v)))
+    }
+
+    /// `self + v` for an integer tensor.
+    pub fn add_int(&self, v: i64) -> Result<Tensor> {
+        wrap("add_int", ffi!("add_int", ffi::aten_add_int(self.ptr(), v)))
+    }
+
+    pub fn clamp(&self, lo: f64, hi: f64) -> Result<Tensor> {
+        wrap("clamp", ffi!("clamp", ffi::aten_clamp(self.ptr(), lo, hi)))
+    }
+
+    pub fn softmax(&self, dim: i64) -> Result<Tensor> {
+        wrap("softmax", ffi!("softmax", ffi::aten_softmax(self.ptr(), dim)))
+    }
+
+    pub fn log_softmax(&self, dim: i64) -> Result<Tensor> {
+        wrap("log_softmax", ffi!("log_softmax", ffi::aten_log_softmax(self.ptr(), dim)))
+    }
+
+    pub fn cumsum(&self, dim: i64) -> Result<Tensor> {
+        wrap("cumsum", ffi!("cumsum", ffi::aten_cumsum(self.ptr(), dim)))
+    }
+
+    pub fn gather(&self, dim: i64, index: &Tensor) -> Result<Tensor> {
+        wrap("gather", ffi!("gather", ffi::aten_gather(self.ptr(), dim, index.ptr())))
+    }
+
+    /// Stable sort along the last dim: (values, int64 indices).
+    pub fn sort(&self, descending: bool) -> Result<(Tensor, Tensor)> {
+        self.pair("sort", |v, i| ffi!("sort", ffi::aten_sort(self.ptr(), descending as i32, v, i)))
+    }
+
+    /// The `k` largest along the last dim, largest first: (values, int64 indices).
+    pub fn topk(&self, k: i64) -> Result<(Tensor, Tensor)> {
+        self.pair("topk", |v, i| ffi!("topk", ffi::aten_topk(self.ptr(), k, v, i)))
+    }
+
+    fn pair(
+        &self,
+        op: &'static str,
+        call: impl FnOnce(*mut *mut CTensor, *mut *mut CTensor) -> Result<i32>,
+    ) -> Result<(Tensor, Tensor)> {
+        let (mut v, mut i) = (std::ptr::null_mut(), std::ptr::null_mut());
+        status(call(&mut v, &mut i))?;
+        Ok((wrap(op, Ok(v))?, wrap(op, Ok(i))?))
+    }
+
+    /// For each row of `self` (sorted ascending), the index of the first entry > that row's `values`.
+    pub fn searchsorted_right(&self, values: &Tensor) -> Result<Tensor> {
+        wrap("searchsorted", ffi!("searchsorted", ffi::aten_searchsorted_right(self.ptr(), values.ptr())))
+    }
+
+    /// `cond ? a : b`, elementwise with broadcasting.
+    pub fn where_(cond: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        wrap("where", ffi!("where", ffi::aten_where(cond.ptr(), a.ptr(), b.ptr())))
+    }
+
+    /// `cond ? a : b` for an integer tensor `a` and an integer `b`.
+    pub fn where_int(cond: &Tensor, a: &Tensor, b: i64) -> Result<Tensor> {
+        wrap("where", ffi!("where", ffi::aten_where_int(cond.ptr(), a.ptr(), b)))
+    }
+
+    /// Logical (unsigned) right shift of int64 values.
+    pub fn shift_right_logical(&self, bits: i64) -> Result<Tensor> {
+        wrap("shift_right", ffi!("shift_right", ffi::aten_shift_right_logical(self.ptr(), bits)))
+    }
+
+    /// `self[indices] = values` in place; a `None` index is a full slice (`t[rows, :, slots]`).
+    pub fn index_put_(&self, indices: &[Option<&Tensor>], values: &Tensor) -> Result<()> {
+        let ptrs: Vec<*mut CTensor> = indices.iter().map(|t| t.map_or(std::ptr::null_mut(), |t| t.ptr())).collect();
+        status(ffi!("index_put_", ffi::aten_index_put_(self.ptr(), ptrs.as_ptr(), ptrs.len(), values.ptr())))
+    }
+
+    /// A copy of `self` with `self[indices] = values`.
+    pub fn index_put(&self, indices: &[Option<&Tensor>], values: &Tensor) -> Result<Tensor> {
+        let ptrs: Vec<*mut CTensor> = indices.iter().map(|t| t.map_or(std::ptr::null_mut(), |t| t.ptr())).collect();
+        wrap("index_put", ffi!("index_put", ffi::aten_index_put(self.ptr(), ptrs.as_ptr(), ptrs.len(), values.ptr())))
+    }
+
+    /// Copy `src` into `self` in place (broadcasting, casting).
+    pub fn copy_(&self, src: &Tensor) -> Result<()> {
+        status(ffi!("copy_", ffi::aten_copy_(self.ptr(), src.ptr())))
+    }
+
+    pub fn scatter(&self, dim: i64, index: &Tensor, src: &Tensor) -> Result<Tensor> {
+        wrap("scatter", ffi!("scatter", ffi::aten_scatter(self.ptr(), dim, index.ptr(), src.ptr())))
+    }
+
+    pub fn scatter_add_(&self, dim: i64, index: &Tensor, src: &Tensor) -> Result<()> {
+        status(ffi!("scatter_add_", ffi::aten_scatter_add_(self.ptr(), dim, index.ptr(), src.ptr())))
     }
 
     pub fn remainder(&self, v: i64) -> Result<Tensor> {
@@ -283,6 +395,15 @@ impl Tensor {
         let mut out = vec![0i64; n];
         let t = self.to_dtype(DType::I64)?;
         status(ffi!("copy_to_host", ffi::aten_copy_to_host(t.ptr(), out.as_mut_ptr() as *mut c_void, n * 8)))?;
+        Ok(out)
+    }
+
+    /// Copy a tensor to the host as f32 values (a host sync).
+    pub fn to_vec_f32(&self) -> Result<Vec<f32>> {
+        let n = self.numel()? as usize;
+        let mut out = vec![0f32; n];
+        let t = self.to_dtype(DType::F32)?;
+        status(ffi!("copy_to_host", ffi::aten_copy_to_host(t.ptr(), out.as_mut_ptr() as *mut c_void, n * 4)))?;
         Ok(out)
     }
 

@@ -68,19 +68,30 @@ def test_non_tensor_argument_is_type_error():
         gemma_engine.add_([1.0], 1.0)
 
 
-def test_properties_and_layout(engine):
+def test_properties_and_layout(engine, dense_checkpoint):
     assert engine.eos_ids == [1, 106, 50]
     assert engine.vocab_size == 512
     assert engine.context == CONTEXT
+    assert engine.max_batch == 1
     assert engine.dtype == "float32"
     assert engine.device == "cpu"
-    # tiny config: S S F S F own their K/V, S F S F share it.
+    # tiny config: S S F S F own their K/V, S F S F share it. Each own-KV layer holds K and V of
+    # kv_heads x (ring + 1) x head_dim float32 (the extra entry takes padding rows' writes), plus
+    # one int64 position per entry and layer type.
+    cfg = json.loads((dense_checkpoint / "config.json").read_text())
+    kv_heads, sliding_dim, full_dim = cfg["num_key_value_heads"], cfg["head_dim"], cfg["per_layer_config"]["2"]["head_dim"]
+    sliding, full = 12, CONTEXT
+    per_slot = 3 * 2 * kv_heads * (sliding + 1) * sliding_dim * 4 + 2 * 2 * kv_heads * (full + 1) * full_dim * 4
+    per_slot += 8 * (sliding + 1 + full + 1)
     assert engine.layout() == {
         "full_rings": 2,
         "sliding_rings": 3,
         "shared_layers": 4,
         "context": CONTEXT,
         "sliding_window": 12,
+        "max_batch": 1,
+        "kv_bytes_per_slot": per_slot,
+        "kv_bytes": per_slot,
     }
 
 
@@ -139,7 +150,7 @@ def test_falsy_callback_return_cancels(engine, greedy):
 def test_max_new_gives_length_finish(engine, greedy):
     tokens, finish, read_s, decode_s = engine.decode(PROMPT, 5)
     assert (tokens, finish) == (greedy[:5], "length")
-    assert read_s > 0 and decode_s >= 0
+    assert read_s > 0 and decode_s > 0
 
 
 def test_full_context_gives_length_finish(engine):

@@ -43,10 +43,90 @@ def matmul_sum(a: torch.Tensor, b: torch.Tensor) -> float:
 def add_(t: torch.Tensor, value: float) -> None:
     """Add `value` to `t` in place from Rust: proves tensors share storage."""
 
-Finish = Literal["stop", "length", "cancelled"]
+Finish = Literal["stop", "length", "cancelled", "error"]
+
+def sample(
+    logits: torch.Tensor, rows: Sequence[tuple[SamplingParams, Sequence[int], Sequence[int], int]]
+) -> tuple[list[int], torch.Tensor]:
+    """Run the engine's sampler on given logits, for tests against Transformers' processors.
+
+    Args:
+        logits: float [n, vocab], one row per draw.
+        rows: per row (params, prompt ids, ids generated so far, draw index): the prompt and the
+            output ids feed the penalties, the draw index the seeded uniform number.
+    Returns:
+        (tokens, probs): the token each row draws, and the float32 [n, vocab] distribution it
+        draws from (after bias, penalties, temperature, top-k, top-p and min-p).
+    Raises:
+        ValueError: shapes that do not match, or a parameter out of range (named).
+    """
+
+def uniform(seeds: Sequence[int], steps: Sequence[int]) -> list[float]:
+    """The uniform number in [0, 1) the sampler draws token `step` of a request seeded `seed` with:
+    the (step + 1)-th output of splitmix64 started at `seed`, top 24 bits / 2**24."""
+
+class SamplingParams:
+    """How a request chooses its tokens; OpenAI's and Transformers' meanings.
+
+    Neutral values switch a stage off: temperature 0 is greedy (argmax after bias and penalties),
+    top_k 0 keeps every token, top_p 1 and min_p 0 filter nothing, the presence and frequency
+    penalties 0 and the repetition penalty 1 change nothing. The stages run in Transformers'
+    order: logit_bias, repetition penalty (prompt and output tokens), presence and frequency
+    penalties (output tokens), temperature, top-k, top-p, min-p. With a given `seed` a request
+    draws the same tokens whatever else is in the batch, and whatever read_every or
+    prefill_chunk are. `logprobs`: None for none, k in 0..20 for the chosen token's
+    log-probability and the k most likely tokens' (of the model's raw distribution).
+    """
+
+    def __init__(
+        self,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        seed: int = 0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        logit_bias: dict[int, float] | None = None,
+        logprobs: int | None = None,
+    ) -> None:
+        """Raises:
+        ValueError: a value out of range, named (token ids of logit_bias are checked against the
+            vocabulary when the request is admitted).
+        """
+
+class Request:
+    """One request for `Engine.run`: prompt ids, at most `max_new` new tokens, extra stop ids."""
+
+    def __init__(
+        self,
+        id: int,
+        ids: Sequence[int],
+        max_new: int,
+        stop_ids: Sequence[int] = (),
+        sampling: SamplingParams | None = None,
+    ) -> None: ...
+    @property
+    def id(self) -> int: ...
+
+class Event:
+    """New tokens of one request, and its end once it ended."""
+
+    id: int
+    tokens: list[int]
+    logprobs: list[tuple[float, list[tuple[int, float]]]]
+    """Per token, when the request asked: (its logprob, [(token id, logprob), ...] most likely first)."""
+    finish: Finish | None
+    """None while the request runs; "error" when it was refused at admission (see `error`)."""
+    error: str | None
+    prompt_s: float
+    """On the last event: seconds from admission to the read point that delivered the first token."""
+    decode_s: float
+    """On the last event: seconds from then to the end."""
 
 class Engine:
-    """One Gemma 4 text model and one fixed-shape ring KV cache.
+    """One Gemma 4 text model, `max_batch` sequence slots and their fixed-shape KV cache.
 
     `#[pyclass(unsendable)]`: only the thread that built it may call it; a call
     from another thread raises pyo3's PanicException.
@@ -60,6 +140,7 @@ class Engine:
         context: int = 8192,
         dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16",
         prefill_chunk: int = 256,
+        max_batch: int = 1,
     ) -> None:
         """Load a checkpoint directory (config.json + *.safetensors).
 
@@ -70,12 +151,17 @@ class Engine:
             like: a tensor on the target device (e.g. torch.zeros(1, device="cuda"));
                 every weight and the cache follow it. Default: CPU.
             context: ring size of full-attention layers = the most tokens
-                (prompt + generated) one decode can hold.
+                (prompt + generated) one request can hold.
             dtype: compute dtype.
             prefill_chunk: prompt tokens read per forward.
+            max_batch: sequence slots; each reserves a whole context of KV cache
+                (layout()["kv_bytes_per_slot"]).
         Raises:
             ValueError: bad config key, missing or misshapen tensor (named, with
-                the expected shape), bad dtype, context < 1, prefill_chunk < 1.
+                the expected shape), bad dtype, context, prefill_chunk or max_batch < 1,
+                or a KV cache of max_batch x kv_bytes_per_slot that does not fit in the
+                device's free memory after the weights (CPU: MemAvailable and the cgroup
+                limit; CUDA: torch.cuda.mem_get_info; other devices are not checked).
         """
 
     @property
@@ -85,12 +171,46 @@ class Engine:
     @property
     def context(self) -> int: ...
     @property
+    def max_batch(self) -> int: ...
+    @property
     def dtype(self) -> str: ...
     @property
     def device(self) -> str: ...
 
     def layout(self) -> dict[str, int]:
-        """{"full_rings", "sliding_rings", "shared_layers", "context", "sliding_window"}."""
+        """{"full_rings", "sliding_rings", "shared_layers", "context", "sliding_window",
+        "max_batch", "kv_bytes_per_slot", "kv_bytes"}.
+
+        kv_bytes_per_slot = sum over the layers with their own K/V of
+        2 * kv_heads * (ring + 1) * head_dim * dtype bytes, plus 8 bytes per ring entry of
+        each layer type (ring = context for full layers, min(sliding_window, context) for
+        sliding ones; the extra entry takes padding rows' writes); kv_bytes = max_batch x that.
+        """
+
+    def run(
+        self,
+        poll: Callable[[int, bool], tuple[Sequence[Request], Sequence[int]] | None],
+        on_events: Callable[[list[Event], dict[str, object]], object],
+        read_every: int = 1,
+    ) -> None:
+        """The continuous-batching loop; returns when `poll` returns None.
+
+        Each turn runs one decode step of every decoding slot and then one prefill_chunk of
+        the oldest prompt still being read. Every `read_every` turns (a read point) the new
+        tokens come to the host: `on_events(events, stats)` gets them (stats:
+        {"batch_sizes": decoding rows per step, "prompt_tokens": prompt tokens read,
+        "seconds": wall time of those turns}), then `poll(free, idle)` returns the new
+        requests (at most `free`, each taking the lowest free slot) and the ids of requests
+        to cancel, or None to end the loop (requests still running end "cancelled").
+        `idle` is True when no request runs, so `poll` may block until there is work. A
+        request the engine refuses (prompt too long, id outside the vocabulary, a bad
+        parameter) ends at once with finish "error" and the reason in `Event.error`.
+        The GIL is released while the device works and re-taken only for the callbacks.
+
+        Raises:
+            ValueError: read_every < 1.
+            Exception: whatever `poll` or `on_events` raised (the loop ends).
+        """
 
     def decode(
         self,
@@ -99,30 +219,31 @@ class Engine:
         stop_ids: Sequence[int] = (),
         read_every: int = 1,
         on_tokens: Callable[[list[int]], object] | None = None,
+        sampling: SamplingParams | None = None,
     ) -> tuple[list[int], Finish, float, float]:
-        """Greedy decode from a fresh cache.
+        """One request alone through `run`.
 
         Reads the prompt in chunks of `prefill_chunk`, then generates until a
         token in eos_ids or stop_ids (that token is not returned nor passed to
         on_tokens: "stop"), `max_new` tokens, or a full context, i.e. prompt +
         generated == context ("length"). Tokens come back to the host every
         `read_every` steps; `on_tokens(batch)` is called with each batch and a
-        falsy return cancels ("cancelled"). The GIL is released while the device
-        works and re-taken only for the callback. The tokens do not depend on
+        falsy return cancels ("cancelled"). The tokens do not depend on
         read_every or prefill_chunk.
 
         Returns:
-            (tokens, finish, read_s, decode_s): generated ids, "stop" | "length" |
-            "cancelled", seconds reading the prompt, seconds generating.
+            (tokens, finish, prompt_s, decode_s): generated ids, "stop" | "length" |
+            "cancelled", seconds to the first token, seconds generating after it.
         Raises:
             ValueError: empty prompt, max_new < 1, read_every < 1, a prompt of
-                `context` tokens or more, a token id outside [0, vocab_size).
+                `context` tokens or more, a token id outside [0, vocab_size), a
+                sampling parameter out of range.
             Exception: whatever `on_tokens` raised.
         """
 
     def logits(self, ids: Sequence[int]) -> torch.Tensor:
         """float32 [vocab_size] logits (after softcap) for the token after `ids`,
-        from a fresh cache, on the host. For parity checks.
+        read into slot 0 from empty, on the host. For parity checks.
 
         Raises:
             ValueError: as for decode.

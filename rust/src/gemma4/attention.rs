@@ -1,100 +1,137 @@
-//! `Attention` (M:1162-1275) and the per-forward `Keys` plan that masks the ring.
+//! `Attention` and the per-forward `Plan` that says which ring entries a forward writes and which
+//! keys each query may see (Transformers 5.18 `models/gemma4/modeling_gemma4.py`,
+//! `Gemma4TextAttention`).
 //!
 //! q = rope(q_norm(q_proj(x))), k = rope(k_norm(k_proj(x))), v = v_norm(v_proj(x)) (no scale);
-//! scores use scaling 1.0 (the q/k norms replace 1/sqrt(d)), softmax in float32 inside SDPA,
-//! GQA maps query head h to KV head h / (heads / kv_heads). KV-shared layers have no k/v
-//! projections: they read the keys the last non-shared layer of their type attended to.
+//! scores use scaling 1.0 (the q/k norms replace 1/sqrt(d)), softmax in float32 inside SDPA, GQA
+//! maps query head h to KV head h / (heads / kv_heads). KV-shared layers have no k/v projections:
+//! they read the keys and values their donor layer (`LayerSpec::kv_source`, computed from the
+//! config) attended to in the same forward.
 //!
-//! Masks (masking_utils.py:82, :101): full layers see key j iff j <= i; sliding layers iff
-//! i - W < j <= i, computed from the ring's slot positions. `Source` says which keys a forward
-//! reads: a later chunk of T > 1 prompt tokens on a sliding layer attends over the ring as it
-//! was plus the chunk itself (so a chunk longer than the window still sees exactly the right
-//! keys) and then leaves its last min(T, slots) keys in the ring.
+//! Masks (Transformers 5.18 `masking_utils.py`, `causal_mask_function` and
+//! `sliding_window_overlay`): full layers see key j iff j <= i; sliding layers iff i - W < j <= i,
+//! computed from the ring's positions, one row of positions per sequence slot. `Source` says which
+//! keys a forward reads: a later chunk of T > 1 prompt tokens on a sliding layer attends over the
+//! ring as it was plus the chunk itself (so a chunk longer than the window still sees exactly the
+//! right keys), and then leaves its last min(T, ring) keys in the ring.
 
-use crate::error::Result;
-use crate::gemma4::cache::{Cache, Ring};
+use crate::error::{Error, Result};
+use crate::gemma4::cache::{KvCache, Rows};
 use crate::gemma4::config::{Config, LayerSpec, LayerType};
 use crate::gemma4::norm::RmsNorm;
 use crate::gemma4::rope::{Rope, RopeAt};
 use crate::gemma4::weights::Weights;
 use crate::tensor::Tensor;
 
+/// What the slots of a forward held before it.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Fill {
+    /// Nothing: the first chunk of a prompt.
+    Empty,
+    /// Earlier tokens: later prompt chunks and decode steps.
+    Partial,
+}
+
 /// Which keys a forward attends to.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Source {
-    /// Write the new keys into the ring first, then attend over the whole ring (decode steps,
-    /// and later prompt chunks on full layers, whose ring never wraps).
+    /// Write the new keys into the ring first, then attend over the whole ring (decode steps, and
+    /// later prompt chunks on full layers, whose ring never wraps).
     Ring,
-    /// Attend over `cat(ring, chunk)`, then leave the chunk's tail in the ring (later prompt
-    /// chunks on sliding layers, where writing first could overwrite keys an earlier query of
-    /// the same chunk still needs).
+    /// Attend over `cat(ring, chunk)`, then leave the chunk's tail in the ring (later prompt chunks
+    /// on sliding layers, where writing first could overwrite keys an earlier query of the same
+    /// chunk still needs).
     RingAndChunk,
-    /// The first chunk from an empty cache: attend over the chunk alone (the ring is empty),
-    /// which is the same computation as an uncached reference forward; then fill the ring.
+    /// The first chunk into empty slots: attend over the chunk alone, the same computation as an
+    /// uncached reference forward; then fill the ring.
     Chunk,
 }
 
-/// How one layer type reads and writes its rings during one forward.
-pub struct Keys {
+/// How one layer type reads and writes the cache during one forward. Computing it writes nothing.
+pub struct Plan {
     pub rope: RopeAt,
-    /// bool `[1, 1, T, keys]`: true where the query may see the key.
+    /// bool `[rows, 1, T, keys]`: true where the query may see the key.
     pub mask: Tensor,
     pub source: Source,
-    /// Ring slots to write, int64 `[n]`, and how many trailing chunk rows go there.
-    pub slots: Tensor,
+    /// Ring entries to write, int64 `[rows, tail]`, for the last `tail` tokens of the forward.
+    pub entries: Tensor,
     pub tail: i64,
-    /// Slot positions to record in the cache after the forward (when written after attending).
-    pub deferred: Option<Tensor>,
+    /// `[rows, 1]` int64 0..rows: the row half of the write index.
+    pub row_index: Tensor,
+    /// The ring positions once this forward is done, `[rows, ring + 1]`.
+    pub positions_after: Tensor,
 }
 
-impl Keys {
-    /// Plan a forward of `t` tokens at positions `pos` (`[t]` int64 on the device); `fresh` when
-    /// the cache holds nothing yet.
-    pub fn plan(
+/// The rows of a forward whose tokens are real. `Padding(live)` (bool `[rows, 1]`) marks the rest,
+/// which write to the never-visible entry `ring` (see cache.rs) and record no position.
+pub enum Liveness {
+    AllLive,
+    Padding(Tensor),
+}
+
+impl Plan {
+    /// Plan a forward of `pos` (`[rows, T]` int64 on the device) for layers of `kind`, whose
+    /// rings of `ring` entries hold `ring_positions` (`[rows, ring + 1]`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
         kind: LayerType,
         pos: &Tensor,
-        t: i64,
-        fresh: bool,
-        cache: &Cache,
+        fill: Fill,
+        ring_positions: &Tensor,
+        ring: i64,
+        row_index: &Tensor,
+        live: &Liveness,
         rope: &Rope,
         window: i64,
-    ) -> Result<Keys> {
-        let s = cache.slots[kind.index()];
-        let kpos_ring = &cache.kpos[kind.index()];
-        let qpos = pos.unsqueeze(1)?;
-        let source = if fresh {
-            Source::Chunk
-        } else if kind == LayerType::Sliding && t > 1 {
-            Source::RingAndChunk
-        } else {
-            Source::Ring
+    ) -> Result<Plan> {
+        let [_, t] = dims2(pos)?;
+        let source = match fill {
+            Fill::Empty => Source::Chunk,
+            Fill::Partial if kind == LayerType::Sliding && t > 1 => Source::RingAndChunk,
+            Fill::Partial => Source::Ring,
         };
-        let (kpos, slots, tail, deferred) = if source == Source::Ring {
-            let slots = pos.remainder(s)?;
-            kpos_ring.index_copy_(0, &slots, pos)?;
-            (kpos_ring.shallow_clone()?, slots, t, None)
-        } else {
-            let tail = t.min(s);
-            let tail_pos = pos.narrow(0, t - tail, tail)?;
-            let slots = tail_pos.remainder(s)?;
-            let kpos = if source == Source::Chunk { pos.shallow_clone()? } else { Tensor::cat(&[kpos_ring, pos], 0)? };
-            (kpos, slots, tail, Some(tail_pos))
+        let tail = if source == Source::Ring { t } else { t.min(ring) };
+        let tail_pos = pos.narrow(1, t - tail, tail)?;
+        let (entries, written) = match live {
+            Liveness::AllLive => (tail_pos.remainder(ring)?, tail_pos.shallow_clone()?),
+            Liveness::Padding(live) => (
+                Tensor::where_int(live, &tail_pos.remainder(ring)?, ring)?,
+                Tensor::where_int(live, &tail_pos, -1)?,
+            ),
         };
-        let kpos = kpos.unsqueeze(0)?;
-        let mut keep = kpos.ge_scalar(0.0)?.logical_and(&kpos.le(&qpos)?)?;
-        if kind == LayerType::Sliding {
-            keep = keep.logical_and(&kpos.gt(&qpos.add_scalar(-(window as f64))?)?)?;
-        }
-        let mask = keep.unsqueeze(0)?.unsqueeze(0)?;
-        Ok(Keys { rope: rope.at(pos)?, mask, source, slots, tail, deferred })
+        let positions_after = ring_positions.index_put(&[Some(row_index), Some(&entries)], &written)?;
+        let keys = match source {
+            Source::Ring => positions_after.shallow_clone()?,
+            Source::Chunk => pos.shallow_clone()?,
+            Source::RingAndChunk => Tensor::cat(&[ring_positions, pos], 1)?,
+        };
+        Ok(Plan {
+            rope: rope.at(pos)?,
+            mask: visible(kind, &keys, pos, window)?,
+            source,
+            entries,
+            tail,
+            row_index: row_index.shallow_clone()?,
+            positions_after,
+        })
     }
+}
 
-    /// Record the positions written after attending, once every layer has read the old ring.
-    pub fn commit(&self, kpos_ring: &Tensor) -> Result<()> {
-        match &self.deferred {
-            Some(p) => kpos_ring.index_copy_(0, &self.slots, p),
-            None => Ok(()),
-        }
+/// bool `[rows, 1, T, keys]`: key position `kpos[r, j]` is visible to query position `qpos[r, i]`.
+fn visible(kind: LayerType, kpos: &Tensor, qpos: &Tensor, window: i64) -> Result<Tensor> {
+    let k = kpos.unsqueeze(1)?; // [rows, 1, keys]
+    let q = qpos.unsqueeze(2)?; // [rows, T, 1]
+    let mut keep = k.ge_scalar(0.0)?.logical_and(&k.le(&q)?)?;
+    if kind == LayerType::Sliding {
+        keep = keep.logical_and(&k.gt(&q.add_int(-window)?)?)?;
+    }
+    keep.unsqueeze(1)
+}
+
+fn dims2(t: &Tensor) -> Result<[i64; 2]> {
+    match t.size()?[..] {
+        [a, b] => Ok([a, b]),
+        ref other => Err(Error::Internal(format!("expected a 2-d tensor, got shape {other:?}"))),
     }
 }
 
@@ -110,30 +147,38 @@ pub struct Attention {
     q_norm: RmsNorm,
     /// None on KV-shared layers.
     kv: Option<KvProj>,
+    /// The layer whose keys a KV-shared layer reads.
+    donor: Option<usize>,
     o_proj: Tensor,
     num_heads: i64,
     num_kv_heads: i64,
     head_dim: i64,
 }
 
+/// The keys and values each layer attended to in the current forward, by layer index; KV-shared
+/// layers read their donor's entry.
+pub type Attended = Vec<Option<(Tensor, Tensor)>>;
+
 impl Attention {
     pub fn load(w: &Weights, cfg: &Config, spec: &LayerSpec, prefix: &str) -> Result<Attention> {
         let (h, d, nh, nkv) = (cfg.hidden_size, spec.head_dim, cfg.num_heads, spec.num_kv_heads);
         let eps = cfg.rms_norm_eps;
-        // Shared layers' k/v tensors, which some checkpoints ship, are never read (M:1606-1612).
+        // Shared layers' k/v tensors, which some checkpoints ship, are never read
+        // (modeling_gemma4.py, Gemma4TextAttention: `is_kv_shared_layer`).
         let kv = match spec.kv_source {
             Some(_) => None,
             None => Some(KvProj {
                 k_proj: w.linear(&format!("{prefix}.k_proj"), nkv * d, h)?,
                 v_proj: w.linear(&format!("{prefix}.v_proj"), nkv * d, h)?,
                 k_norm: RmsNorm::load(w, &format!("{prefix}.k_norm"), d, eps)?,
-                v_norm: RmsNorm::no_scale(eps, w.dtype),
+                v_norm: RmsNorm::no_scale(eps),
             }),
         };
         Ok(Attention {
             q_proj: w.linear(&format!("{prefix}.q_proj"), nh * d, h)?,
             q_norm: RmsNorm::load(w, &format!("{prefix}.q_norm"), d, eps)?,
             kv,
+            donor: spec.kv_source,
             o_proj: w.linear(&format!("{prefix}.o_proj"), h, nh * d)?,
             num_heads: nh,
             num_kv_heads: nkv,
@@ -141,56 +186,72 @@ impl Attention {
         })
     }
 
-    /// `x` `[T, hidden]` → `[T, hidden]`. `shared` carries the keys/values this layer type last
-    /// attended to: written by own-KV layers, read by KV-shared ones.
+    /// `x` `[rows, T, hidden]` → `[rows, T, hidden]`, for layer `layer` over the slots `rows`.
     pub fn forward(
         &self,
         x: &Tensor,
-        keys: &Keys,
-        ring: Option<&Ring>,
-        shared: &mut Option<(Tensor, Tensor)>,
+        plan: &Plan,
+        layer: usize,
+        rows: Rows,
+        cache: &mut KvCache,
+        attended: &mut Attended,
     ) -> Result<Tensor> {
-        let t = x.size()?[0];
-        let q = x.linear(&self.q_proj)?.reshape(&[t, self.num_heads, self.head_dim])?;
-        let q = keys.rope.apply(&self.q_norm.forward(&q)?)?;
+        let [n, t, _] = x.size()?[..] else { return Err(Error::Internal("attention input must be 3-d".into())) };
+        let q = x.linear(&self.q_proj)?.reshape(&[n, t, self.num_heads, self.head_dim])?;
+        let q = plan.rope.apply(&self.q_norm.forward(&q)?)?.transpose(1, 2)?;
 
-        if let (Some(kv), Some(ring)) = (&self.kv, ring) {
-            let shape = [t, self.num_kv_heads, self.head_dim];
-            let k = keys.rope.apply(&kv.k_norm.forward(&x.linear(&kv.k_proj)?.reshape(&shape)?)?)?.transpose(0, 1)?;
-            let v = kv.v_norm.forward(&x.linear(&kv.v_proj)?.reshape(&shape)?)?.transpose(0, 1)?;
-            let (k_all, v_all) = match keys.source {
-                Source::Ring => {
-                    ring.k.index_copy_(1, &keys.slots, &k)?;
-                    ring.v.index_copy_(1, &keys.slots, &v)?;
-                    (ring.k.shallow_clone()?, ring.v.shallow_clone()?)
-                }
-                Source::RingAndChunk | Source::Chunk => {
-                    // cat copies, so the ring can take the chunk's tail right after.
-                    let both = match keys.source {
-                        Source::Chunk => (k.shallow_clone()?, v.shallow_clone()?),
-                        _ => (Tensor::cat(&[&ring.k, &k], 1)?, Tensor::cat(&[&ring.v, &v], 1)?),
-                    };
-                    let (k_tail, v_tail) =
-                        (k.narrow(1, t - keys.tail, keys.tail)?, v.narrow(1, t - keys.tail, keys.tail)?);
-                    ring.k.index_copy_(1, &keys.slots, &k_tail)?;
-                    ring.v.index_copy_(1, &keys.slots, &v_tail)?;
-                    both
-                }
-            };
-            *shared = Some((k_all, v_all));
+        let (k_all, v_all) = match (&self.kv, self.donor) {
+            (Some(kv), _) => {
+                let shape = [n, t, self.num_kv_heads, self.head_dim];
+                let k = plan.rope.apply(&kv.k_norm.forward(&x.linear(&kv.k_proj)?.reshape(&shape)?)?)?;
+                let v = kv.v_norm.forward(&x.linear(&kv.v_proj)?.reshape(&shape)?)?;
+                let both = self.attend_to(plan, layer, rows, cache, &k, &v)?;
+                attended[layer] = Some((both.0.shallow_clone()?, both.1.shallow_clone()?));
+                both
+            }
+            (None, Some(donor)) => {
+                let (k, v) = attended.get(donor).and_then(|e| e.as_ref()).ok_or_else(|| {
+                    Error::Internal(format!("KV-shared layer {layer} ran before its donor layer {donor}"))
+                })?;
+                (k.shallow_clone()?, v.shallow_clone()?)
+            }
+            (None, None) => return Err(Error::Internal(format!("layer {layer} has neither K/V nor a donor"))),
+        };
+
+        let out = Tensor::sdpa(&q, &k_all, &v_all, &plan.mask, 1.0)?; // [rows, heads, T, d]
+        out.transpose(1, 2)?.reshape(&[n, t, self.num_heads * self.head_dim])?.linear(&self.o_proj)
+    }
+
+    /// Store this forward's keys (`[rows, T, kv_heads, d]`) in the cache as the plan says, and
+    /// return the keys and values to attend over, `[rows, kv_heads, keys, d]`.
+    fn attend_to(
+        &self,
+        plan: &Plan,
+        layer: usize,
+        rows: Rows,
+        cache: &mut KvCache,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        let t = k.size()?[1];
+        let tail = |x: &Tensor| x.narrow(1, t - plan.tail, plan.tail);
+        let missing = || Error::Internal(format!("layer {layer} has no ring"));
+        match plan.source {
+            Source::Ring => {
+                cache.write(layer, rows, &plan.row_index, &plan.entries, k, v)?;
+                cache.kv(layer, rows)?.ok_or_else(missing)
+            }
+            Source::Chunk => {
+                cache.write(layer, rows, &plan.row_index, &plan.entries, &tail(k)?, &tail(v)?)?;
+                Ok((k.transpose(1, 2)?, v.transpose(1, 2)?))
+            }
+            Source::RingAndChunk => {
+                let (rk, rv) = cache.kv(layer, rows)?.ok_or_else(missing)?;
+                // cat copies, so the ring can take the chunk's tail right after.
+                let both = (Tensor::cat(&[&rk, &k.transpose(1, 2)?], 2)?, Tensor::cat(&[&rv, &v.transpose(1, 2)?], 2)?);
+                cache.write(layer, rows, &plan.row_index, &plan.entries, &tail(k)?, &tail(v)?)?;
+                Ok(both)
+            }
         }
-        let (k_all, v_all) = shared.as_ref().ok_or_else(|| crate::error::Error::Torch {
-            op: "attention",
-            msg: "KV-shared layer ran before its source layer".into(),
-        })?;
-
-        let q = q.transpose(0, 1)?.unsqueeze(0)?;
-        let out = Tensor::sdpa(&q, &k_all.unsqueeze(0)?, &v_all.unsqueeze(0)?, &keys.mask, 1.0)?;
-        // [1, heads, T, d] -> [T, heads * d]
-        let out = out
-            .reshape(&[self.num_heads, t, self.head_dim])?
-            .transpose(0, 1)?
-            .reshape(&[t, self.num_heads * self.head_dim])?;
-        out.linear(&self.o_proj)
     }
 }

@@ -1,58 +1,157 @@
-//! The fixed-shape ring KV cache.
+//! The KV cache: one fixed-shape ring per sequence slot and layer, written only through its own
+//! methods.
 //!
-//! Full-attention layers own a ring of `context` slots, sliding layers a ring of
-//! `min(sliding_window, context)` slots, KV-shared layers none (they read their source layer's
-//! keys, M:1181-1187). Which position each slot holds is tracked per layer type in a device
-//! tensor (-1 = empty), and the attention masks are computed from it, so a decode step runs the
-//! same shapes at every position (what lets a device fuse or capture the step). Design from the
-//! seed rig's ring (Colab article, Step 4).
+//! Layout: every layer that computes its own keys holds `k` and `v` of shape
+//! `[max_batch, kv_heads, ring, head_dim]`, where `ring` is `context` for full-attention layers and
+//! `min(sliding_window, context)` for sliding ones; KV-shared layers hold nothing and read their
+//! donor's keys (Transformers 5.18 `models/gemma4/modeling_gemma4.py`, `Gemma4TextAttention.forward`,
+//! `kv_shared_layer_index`). Which position each ring entry holds is tracked per layer type in
+//! `positions` (`[max_batch, ring + 1]` int64, -1 = empty); the attention masks are computed from
+//! it, so a decode step runs the same shapes at every position. The extra entry at index `ring` is
+//! never visible: a decode step's padding rows (slots that are free or still reading their prompt)
+//! write their keys there, so a step can run every slot below the highest live one without
+//! touching the rings of slots that are not decoding.
+//!
+//! Memory: `bytes_per_slot = sum over own-KV layers of 2 * kv_heads * (ring(type) + 1) * head_dim *
+//! dtype bytes` (+ 8 bytes per ring entry of each type for the positions), and the whole cache is
+//! `max_batch * bytes_per_slot`. Per-slot rings (rather than one paged pool) keep every shape fixed
+//! and every slot's keys contiguous, which is what a compiled or captured step wants; the price is
+//! that a slot reserves a full context whether its request uses it or not.
+//!
+//! A forward works on `Rows`: a contiguous range of slots. Views of the tensors are narrowed to the
+//! range, so writes through them land in the cache (ATen views share storage). The design of a cache
+//! that owns its writes (`append` from a forward that takes `&mut`) is candle's
+//! `candle-transformers/src/models/gemma3.rs`.
 
 use crate::error::Result;
 use crate::gemma4::config::{Config, LayerType};
 use crate::tensor::{DType, Tensor};
 
-/// One layer's keys and values, `[kv_heads, slots, head_dim]`, after k_norm/RoPE and v_norm.
-pub struct Ring {
-    pub k: Tensor,
-    pub v: Tensor,
+/// A contiguous range of sequence slots `[start, start + len)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rows {
+    pub start: i64,
+    pub len: i64,
 }
 
-pub struct Cache {
-    pub rings: Vec<Option<Ring>>,
-    /// Slot positions per layer type (`LayerType::index`), int64 `[slots]`.
-    pub kpos: [Tensor; 2],
-    pub slots: [i64; 2],
+impl Rows {
+    pub fn one(slot: i64) -> Rows {
+        Rows { start: slot, len: 1 }
+    }
+    pub fn first(len: i64) -> Rows {
+        Rows { start: 0, len }
+    }
 }
 
-impl Cache {
-    pub fn new(cfg: &Config, context: i64, like: &Tensor, dtype: DType) -> Result<Cache> {
-        let slots = [cfg.sliding_window.min(context), context];
-        let rings = cfg
+/// One layer's keys and values, `[max_batch, kv_heads, ring, head_dim]`, after k_norm/RoPE and v_norm.
+struct LayerKv {
+    k: Tensor,
+    v: Tensor,
+}
+
+pub struct KvCache {
+    layers: Vec<Option<LayerKv>>,
+    /// Ring positions per layer type (`LayerType::index`), int64 `[max_batch, ring]`.
+    positions: [Tensor; 2],
+    ring: [i64; 2],
+    max_batch: i64,
+}
+
+/// The cache geometry, computable before anything is allocated.
+#[derive(Clone, Copy, Debug)]
+pub struct CacheSize {
+    pub bytes_per_slot: i64,
+    pub max_batch: i64,
+}
+
+impl CacheSize {
+    pub fn of(cfg: &Config, context: i64, max_batch: i64, dtype: DType) -> CacheSize {
+        let ring = ring_sizes(cfg, context);
+        let kv: i64 = cfg
+            .layers
+            .iter()
+            .filter(|l| l.kv_source.is_none())
+            .map(|l| 2 * l.num_kv_heads * (ring[l.kind.index()] + 1) * l.head_dim * dtype.size())
+            .sum();
+        CacheSize { bytes_per_slot: kv + 8 * (ring[0] + ring[1] + 2), max_batch }
+    }
+
+    pub fn total(&self) -> i64 {
+        self.bytes_per_slot * self.max_batch
+    }
+}
+
+/// Ring entries per layer type: sliding rings hold the window, full rings the context.
+pub fn ring_sizes(cfg: &Config, context: i64) -> [i64; 2] {
+    [cfg.sliding_window.min(context), context]
+}
+
+impl KvCache {
+    pub fn new(cfg: &Config, context: i64, max_batch: i64, like: &Tensor, dtype: DType) -> Result<KvCache> {
+        let ring = ring_sizes(cfg, context);
+        let layers = cfg
             .layers
             .iter()
             .map(|l| {
                 if l.kv_source.is_some() {
                     return Ok(None);
                 }
-                let shape = [l.num_kv_heads, slots[l.kind.index()], l.head_dim];
-                Ok(Some(Ring {
-                    k: Tensor::full(&shape, 0.0, dtype, like)?,
-                    v: Tensor::full(&shape, 0.0, dtype, like)?,
-                }))
+                let shape = [max_batch, l.num_kv_heads, ring[l.kind.index()] + 1, l.head_dim];
+                Ok(Some(LayerKv { k: Tensor::full(&shape, 0.0, dtype, like)?, v: Tensor::full(&shape, 0.0, dtype, like)? }))
             })
             .collect::<Result<Vec<_>>>()?;
-        let kpos =
-            [Tensor::full(&[slots[0]], -1.0, DType::I64, like)?, Tensor::full(&[slots[1]], -1.0, DType::I64, like)?];
-        Ok(Cache { rings, kpos, slots })
+        let positions = [
+            Tensor::full(&[max_batch, ring[0] + 1], -1.0, DType::I64, like)?,
+            Tensor::full(&[max_batch, ring[1] + 1], -1.0, DType::I64, like)?,
+        ];
+        Ok(KvCache { layers, positions, ring, max_batch })
     }
 
-    /// Forget every position (the K/V values stay but are masked out).
-    pub fn reset(&self) -> Result<()> {
-        self.kpos[0].fill_(-1.0)?;
-        self.kpos[1].fill_(-1.0)
+    pub fn ring(&self, kind: LayerType) -> i64 {
+        self.ring[kind.index()]
     }
 
-    pub fn count(&self, kind: LayerType, cfg: &Config) -> i64 {
-        cfg.layers.iter().zip(&self.rings).filter(|(l, r)| l.kind == kind && r.is_some()).count() as i64
+    pub fn max_batch(&self) -> i64 {
+        self.max_batch
+    }
+
+    /// How many layers of `kind` hold their own ring.
+    pub fn own_rings(&self, kind: LayerType, cfg: &Config) -> i64 {
+        cfg.layers.iter().zip(&self.layers).filter(|(l, r)| l.kind == kind && r.is_some()).count() as i64
+    }
+
+    /// Forget everything `slot` held (its K/V values stay but are masked out).
+    pub fn clear(&mut self, slot: i64) -> Result<()> {
+        for p in &self.positions {
+            p.narrow(0, slot, 1)?.fill_(-1.0)?;
+        }
+        Ok(())
+    }
+
+    /// The positions `rows` hold for layers of `kind`, `[rows, ring + 1]` (a view).
+    pub fn positions(&self, kind: LayerType, rows: Rows) -> Result<Tensor> {
+        self.positions[kind.index()].narrow(0, rows.start, rows.len)
+    }
+
+    /// Replace the positions of `rows` for layers of `kind` (`[rows, ring + 1]`).
+    pub fn set_positions(&mut self, kind: LayerType, rows: Rows, positions: &Tensor) -> Result<()> {
+        self.positions[kind.index()].narrow(0, rows.start, rows.len)?.copy_(positions)
+    }
+
+    /// Keys and values of `layer` for `rows`, `[rows, kv_heads, ring + 1, head_dim]` (views).
+    pub fn kv(&self, layer: usize, rows: Rows) -> Result<Option<(Tensor, Tensor)>> {
+        match &self.layers[layer] {
+            Some(l) => Ok(Some((l.k.narrow(0, rows.start, rows.len)?, l.v.narrow(0, rows.start, rows.len)?))),
+            None => Ok(None),
+        }
+    }
+
+    /// Write `k`, `v` (`[rows, T, kv_heads, head_dim]`) of `layer` at ring entries `entries`
+    /// (`[rows, T]` int64): `cache[row, :, entries[row, t]] = k[row, t]`.
+    pub fn write(&mut self, layer: usize, rows: Rows, row_index: &Tensor, entries: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {
+        let Some(l) = &self.layers[layer] else { return Ok(()) };
+        let idx = [Some(row_index), None, Some(entries), None];
+        l.k.narrow(0, rows.start, rows.len)?.index_put_(&idx, k)?;
+        l.v.narrow(0, rows.start, rows.len)?.index_put_(&idx, v)
     }
 }

@@ -1,19 +1,34 @@
-//! `Engine`: one model, one ring cache, and the greedy decode loop.
+//! `Engine`: one model, `max_batch` sequence slots, and the continuous-batching loop.
 //!
-//! The prompt is read in chunks of `prefill_chunk` tokens. Each decode step feeds the previous
-//! argmax (still on the device) at a device-side position counter, so a step issues the same
-//! ATen calls with the same shapes at every position and never waits for the host. Tokens come
-//! back every `read_every` steps; a stop token found in a batch ends the decode there (the steps
-//! run past it are discarded), so the result does not depend on `read_every` or `prefill_chunk`.
-//! Design from the seed rig (`generate(ids, max_new, read_every)`, Colab article Step 4).
+//! Each slot holds one request: its rings in the KV cache (cache.rs), its sampling state
+//! (sampling.rs), and on the device its last token and next position. One turn of the loop runs
+//! one decode step for every slot that is decoding and then at most one `prefill_chunk` of one
+//! prompt (the oldest unread one), so a long prompt delays the running streams by one chunk a
+//! step, never by the whole prompt. A decode step runs the slots `0..b`, where `b` is the smallest
+//! bucket (1, 2, 4, ..., max_batch) above the highest decoding slot; new requests take the lowest
+//! free slot, so the bucket follows the number of requests. Rows of the bucket that are not
+//! decoding run as padding whose writes land in the ring's never-visible entry. So a device sees a
+//! few fixed shapes, whatever the positions or the mix of requests.
+//!
+//! Tokens stay on the device and come back to the host every `read_every` turns (a "read point").
+//! There the host cuts each request at its first stop token or its length limit, hands the new
+//! tokens to the caller, frees finished slots, and asks the caller for new requests and
+//! cancellations (`Io::poll`). A slot that reached its length limit between read points stops
+//! decoding at once; one that hit a stop token runs on as padding until the read point and its
+//! extra tokens are dropped, so the result does not depend on `read_every`.
+//!
+//! Design from vLLM's `v1/core/sched/scheduler.py` (continuous batching, chunked prefill
+//! interleaved with decodes) and the seed rig's `generate(ids, max_new, read_every)`.
 
 use std::path::Path;
 use std::time::Instant;
 
 use crate::error::{Error, Result};
-use crate::gemma4::cache::Cache;
+use crate::gemma4::attention::{Fill, Liveness};
+use crate::gemma4::cache::{CacheSize, KvCache, Rows};
 use crate::gemma4::config::{Config, LayerType};
-use crate::gemma4::model::Model;
+use crate::gemma4::model::{Model, Output};
+use crate::gemma4::sampling::{Chosen, Sampler, SamplingParams};
 use crate::gemma4::weights::{Checkpoint, Weights, emb_quant};
 use crate::tensor::{DType, Tensor};
 
@@ -22,6 +37,8 @@ pub enum Finish {
     Stop,
     Length,
     Cancelled,
+    /// The request was refused at admission (`Event::error` says why).
+    Error,
 }
 
 impl Finish {
@@ -30,15 +47,74 @@ impl Finish {
             Finish::Stop => "stop",
             Finish::Length => "length",
             Finish::Cancelled => "cancelled",
+            Finish::Error => "error",
         }
     }
 }
 
-pub struct Decoded {
-    pub tokens: Vec<i64>,
-    pub finish: Finish,
-    pub read_s: f64,
+/// One request for the loop.
+#[derive(Clone, Debug)]
+pub struct Request {
+    pub id: u64,
+    pub prompt: Vec<i64>,
+    pub max_new: i64,
+    /// Stop tokens besides the model's eos ids (a stop token is not returned).
+    pub stop_ids: Vec<i64>,
+    pub params: SamplingParams,
+}
+
+/// The log-probabilities of one generated token.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprobs {
+    pub logprob: f32,
+    /// The most likely tokens, most likely first, as many as the request asked for.
+    pub top: Vec<(i64, f32)>,
+}
+
+/// Seconds a finished request spent: admission to its first token at a read point, then to the end.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Timing {
+    pub prompt_s: f64,
     pub decode_s: f64,
+}
+
+/// New tokens of one request, and its end once it ended.
+#[derive(Clone, Debug)]
+pub struct Event {
+    pub id: u64,
+    pub tokens: Vec<i64>,
+    /// One entry per token when the request asked for log-probabilities.
+    pub logprobs: Vec<TokenLogprobs>,
+    pub finish: Option<Finish>,
+    pub error: Option<String>,
+    pub timing: Timing,
+}
+
+impl Event {
+    fn end(id: u64, finish: Finish, timing: Timing) -> Event {
+        Event { id, tokens: Vec::new(), logprobs: Vec::new(), finish: Some(finish), error: None, timing }
+    }
+}
+
+/// What ran since the last read point.
+#[derive(Clone, Debug, Default)]
+pub struct StepStats {
+    /// Decoding rows of each decode step.
+    pub batch_sizes: Vec<usize>,
+    /// Prompt tokens read.
+    pub prompt_tokens: usize,
+    /// Wall seconds of those turns (the read point's host sync included).
+    pub seconds: f64,
+}
+
+/// The caller's side of `Engine::run`.
+pub trait Io {
+    /// Called at each read point: new requests (at most `free`) and the ids of requests to cancel,
+    /// or None to end the loop (every request still running ends "cancelled"). `idle` says that no
+    /// request is running, so the call may wait for work.
+    fn poll(&mut self, free: usize, idle: bool) -> Result<Option<(Vec<Request>, Vec<u64>)>>;
+    /// New tokens and ends, in the order the engine produced them.
+    fn emit(&mut self, events: Vec<Event>, stats: &StepStats) -> Result<()>;
 }
 
 /// What the binding reports from `layout()`.
@@ -48,14 +124,60 @@ pub struct Layout {
     pub shared_layers: i64,
     pub context: i64,
     pub sliding_window: i64,
+    pub max_batch: i64,
+    pub kv_bytes_per_slot: i64,
+    pub kv_bytes: i64,
+}
+
+enum Phase {
+    /// Reading the prompt; `done` tokens read so far.
+    Prompt { done: usize },
+    Decode,
+}
+
+struct Slot {
+    request: Request,
+    prompt: Tensor,
+    /// The most tokens this request may generate (max_new, and the context).
+    limit: usize,
+    phase: Phase,
+    /// Tokens drawn on the device (including those not read yet).
+    drawn: usize,
+    /// Tokens handed to the caller.
+    emitted: usize,
+    /// Decoding on the device (mirrors `Engine::live`).
+    live: bool,
+    finished: Option<Finish>,
+    admitted: Instant,
+    first_token: Option<Instant>,
+    /// Admission order, for first-come-first-served prompt reading.
+    seq: u64,
+}
+
+/// Tokens drawn by one forward, waiting for the next read point.
+struct Drawn {
+    chosen: Chosen,
+    /// The slot behind each row (None: padding).
+    rows: Vec<Option<usize>>,
 }
 
 pub struct Engine {
     model: Model,
-    cache: Cache,
+    cache: KvCache,
+    sampler: Sampler,
     like: Tensor,
     context: i64,
     prefill_chunk: i64,
+    max_batch: i64,
+    /// Each slot's last drawn token, int64 `[max_batch]`: the next decode step's input.
+    next: Tensor,
+    /// Each slot's next position, int64 `[max_batch]`.
+    positions: Tensor,
+    /// Which slots decode, bool `[max_batch]`.
+    live: Tensor,
+    /// `0..max_batch` as int64 `[max_batch, 1]`.
+    row_index: Tensor,
+    buckets: Vec<i64>,
 }
 
 /// Parse a compute dtype name.
@@ -68,32 +190,71 @@ pub fn parse_dtype(name: &str) -> Result<DType> {
     }
 }
 
+/// The decode-step batch sizes: powers of two below `max_batch`, and `max_batch`.
+pub fn buckets(max_batch: i64) -> Vec<i64> {
+    let mut b: Vec<i64> = std::iter::successors(Some(1i64), |x| Some(x * 2)).take_while(|x| *x < max_batch).collect();
+    b.push(max_batch);
+    b
+}
+
+/// The engine's settings besides the checkpoint.
+#[derive(Clone, Copy, Debug)]
+pub struct Settings {
+    pub context: i64,
+    pub dtype: DType,
+    pub prefill_chunk: i64,
+    pub max_batch: i64,
+}
+
+impl Settings {
+    fn check(&self) -> Result<()> {
+        for (name, v) in [("context", self.context), ("prefill_chunk", self.prefill_chunk), ("max_batch", self.max_batch)] {
+            if v < 1 {
+                return Err(Error::Input(format!("{name} must be >= 1, got {v}")));
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Engine {
-    /// Load `model_dir` (and the vocabulary tables of `emb_dir`) onto `like`'s device.
+    /// Load `model_dir` (and the vocabulary tables of `emb_dir`) onto `like`'s device. `fits` sees
+    /// the KV cache's size once the weights are on the device and before the cache is allocated;
+    /// it refuses a cache that cannot fit.
     pub fn load(
         model_dir: &Path,
         emb_dir: Option<&Path>,
         like: Tensor,
-        context: i64,
-        dtype: DType,
-        prefill_chunk: i64,
+        settings: Settings,
+        fits: impl FnOnce(&CacheSize) -> Result<()>,
     ) -> Result<Engine> {
-        if context < 1 {
-            return Err(Error::Input(format!("context must be >= 1, got {context}")));
-        }
-        if prefill_chunk < 1 {
-            return Err(Error::Input(format!("prefill_chunk must be >= 1, got {prefill_chunk}")));
-        }
+        settings.check()?;
         let cfg = Config::load(model_dir)?;
         let main = Checkpoint::open(model_dir, cfg.quant.clone())?;
         let emb = match emb_dir {
             Some(d) => Some(Checkpoint::open(d, emb_quant(d, cfg.quant.clone())?)?),
             None => None,
         };
-        let weights = Weights::new(main, emb, like.shallow_clone()?, dtype);
-        let model = Model::load(cfg, &weights, context)?;
-        let cache = Cache::new(&model.cfg, context, &like, dtype)?;
-        Ok(Engine { model, cache, like, context, prefill_chunk })
+        let weights = Weights::new(main, emb, like.shallow_clone()?, settings.dtype);
+        let model = Model::load(cfg, &weights, settings.context)?;
+        let b = settings.max_batch;
+        fits(&CacheSize::of(&model.cfg, settings.context, b, settings.dtype))?;
+        let cache = KvCache::new(&model.cfg, settings.context, b, &like, settings.dtype)?;
+        let sampler = Sampler::new(b, model.cfg.vocab_size, &like)?;
+        Ok(Engine {
+            next: Tensor::full(&[b], 0.0, DType::I64, &like)?,
+            positions: Tensor::full(&[b], 0.0, DType::I64, &like)?,
+            live: Tensor::full(&[b], 0.0, DType::Bool, &like)?,
+            row_index: Tensor::arange(0, b, DType::I64, &like)?.unsqueeze(1)?,
+            buckets: buckets(b),
+            model,
+            cache,
+            sampler,
+            like,
+            context: settings.context,
+            prefill_chunk: settings.prefill_chunk,
+            max_batch: b,
+        })
     }
 
     pub fn config(&self) -> &Config {
@@ -102,6 +263,10 @@ impl Engine {
 
     pub fn context(&self) -> i64 {
         self.context
+    }
+
+    pub fn max_batch(&self) -> i64 {
+        self.max_batch
     }
 
     pub fn dtype(&self) -> DType {
@@ -114,16 +279,20 @@ impl Engine {
 
     pub fn layout(&self) -> Layout {
         let cfg = &self.model.cfg;
+        let size = CacheSize::of(cfg, self.context, self.max_batch, self.model.dtype());
         Layout {
-            full_rings: self.cache.count(LayerType::Full, cfg),
-            sliding_rings: self.cache.count(LayerType::Sliding, cfg),
+            full_rings: self.cache.own_rings(LayerType::Full, cfg),
+            sliding_rings: self.cache.own_rings(LayerType::Sliding, cfg),
             shared_layers: cfg.layers.iter().filter(|l| l.kv_source.is_some()).count() as i64,
             context: self.context,
             sliding_window: cfg.sliding_window,
+            max_batch: self.max_batch,
+            kv_bytes_per_slot: size.bytes_per_slot,
+            kv_bytes: size.total(),
         }
     }
 
-    /// The checks on a request that a caller can fail, before any model code runs.
+    /// The checks on a prompt that a caller can fail, before any model code runs.
     pub fn check_prompt(&self, ids: &[i64]) -> Result<()> {
         if ids.is_empty() {
             return Err(Error::Input("the prompt is empty".into()));
@@ -143,91 +312,368 @@ impl Engine {
         Ok(())
     }
 
-    pub fn check_request(&self, ids: &[i64], max_new: i64, read_every: i64) -> Result<()> {
-        if max_new < 1 {
-            return Err(Error::Input(format!("max_new must be >= 1, got {max_new}")));
+    /// Every check on a request, before it takes a slot.
+    pub fn check_request(&self, r: &Request) -> Result<()> {
+        if r.max_new < 1 {
+            return Err(Error::Input(format!("max_new must be >= 1, got {}", r.max_new)));
         }
+        r.params.check(self.model.cfg.vocab_size)?;
+        self.check_prompt(&r.prompt)
+    }
+
+    /// float32 next-token logits after `ids`, read into slot 0 from empty, on the host as a tensor.
+    pub fn logits(&mut self, ids: &[i64]) -> Result<Tensor> {
+        self.check_prompt(ids)?;
+        let prompt = Tensor::from_i64(ids)?.to_like(&self.like, DType::I64)?;
+        self.cache.clear(0)?;
+        let mut done = 0;
+        loop {
+            let (logits, read) = self.prompt_chunk(0, &prompt, ids.len(), done)?;
+            done += read;
+            if let Some(l) = logits {
+                // A tensor built from host bytes lives on the host: it names where the logits go.
+                let host = Tensor::from_i64(&[0])?;
+                return l.reshape(&[self.model.cfg.vocab_size])?.to_like(&host, DType::F32);
+            }
+        }
+    }
+
+    /// Read the next chunk of `slot`'s prompt (`prompt`, `n` tokens, `done` read). Returns the
+    /// last position's logits `[1, vocab]` once the whole prompt is read, and the tokens read.
+    fn prompt_chunk(&mut self, slot: i64, prompt: &Tensor, n: usize, done: usize) -> Result<(Option<Tensor>, usize)> {
+        let end = (done + self.prefill_chunk as usize).min(n);
+        let t = (end - done) as i64;
+        let ids = prompt.narrow(0, done as i64, t)?.unsqueeze(0)?;
+        let pos = Tensor::arange(done as i64, end as i64, DType::I64, &self.like)?.unsqueeze(0)?;
+        let fill = if done == 0 { Fill::Empty } else { Fill::Partial };
+        let output = if end == n { Output::Logits } else { Output::Nothing };
+        let rows = Rows::one(slot);
+        let row_index = self.row_index.narrow(0, 0, 1)?;
+        let logits =
+            self.model.forward(&mut self.cache, rows, &ids, &pos, &row_index, &Liveness::AllLive, fill, output)?;
+        Ok((logits, end - done))
+    }
+
+    /// Run the continuous-batching loop until `io.poll` returns None. See the module docs.
+    pub fn run(&mut self, io: &mut impl Io, read_every: i64) -> Result<()> {
         if read_every < 1 {
             return Err(Error::Input(format!("read_every must be >= 1, got {read_every}")));
         }
-        self.check_prompt(ids)
-    }
-
-    /// Read the prompt from a fresh cache; the last token's logits `[vocab]`.
-    fn prefill(&self, ids: &[i64]) -> Result<Tensor> {
-        self.cache.reset()?;
-        let n = ids.len();
-        let chunk = self.prefill_chunk as usize;
-        let mut start = 0;
-        let mut logits = None;
-        while start < n {
-            let end = (start + chunk).min(n);
-            let t = (end - start) as i64;
-            let ids_t = Tensor::from_i64(&ids[start..end])?.to_like(&self.like, DType::I64)?;
-            let pos = Tensor::arange(start as i64, end as i64, DType::I64, &self.like)?;
-            logits = self.model.forward(&ids_t, &pos, t, start == 0, &self.cache, end == n)?;
-            start = end;
+        let mut slots: Vec<Option<Slot>> = (0..self.max_batch).map(|_| None).collect();
+        let mut drawn: Vec<Drawn> = Vec::new();
+        let mut seq = 0u64;
+        let mut stats = StepStats::default();
+        let mut since = Instant::now();
+        loop {
+            let events = self.read_point(&mut slots, &mut drawn)?;
+            stats.seconds = since.elapsed().as_secs_f64();
+            if !events.is_empty() || !stats.batch_sizes.is_empty() || stats.prompt_tokens > 0 {
+                io.emit(events, &stats)?;
+            }
+            let free = slots.iter().filter(|s| s.is_none()).count();
+            let Some((new, cancels)) = io.poll(free, free == slots.len())? else {
+                let ends = self.cancel(&mut slots, |_| true)?;
+                return io.emit(ends, &StepStats::default());
+            };
+            let mut events = self.cancel(&mut slots, |id| cancels.contains(&id))?;
+            for request in new {
+                if let Some(refused) = self.admit(&mut slots, request, &mut seq)? {
+                    events.push(refused);
+                }
+            }
+            if !events.is_empty() {
+                io.emit(events, &StepStats::default())?;
+            }
+            stats = StepStats::default();
+            since = Instant::now();
+            for _ in 0..read_every {
+                if !self.turn(&mut slots, &mut drawn, &mut stats)? {
+                    break;
+                }
+            }
         }
-        logits.ok_or_else(|| Error::Input("the prompt is empty".into()))
     }
 
-    /// float32 next-token logits after `ids`, on the host as a tensor.
-    pub fn logits(&mut self, ids: &[i64]) -> Result<Tensor> {
-        self.check_prompt(ids)?;
-        // A tensor built from host bytes lives on the host: it names where the logits go.
-        let host = Tensor::from_i64(&[0])?;
-        self.prefill(ids)?.to_like(&host, DType::F32)
+    /// Put `r` in the lowest free slot, or say why it cannot run.
+    fn admit(&mut self, slots: &mut [Option<Slot>], r: Request, seq: &mut u64) -> Result<Option<Event>> {
+        let refuse = |r: &Request, msg: String| {
+            let mut e = Event::end(r.id, Finish::Error, Timing::default());
+            e.error = Some(msg);
+            Ok(Some(e))
+        };
+        if let Err(e) = self.check_request(&r) {
+            return refuse(&r, e.to_string());
+        }
+        let Some(s) = slots.iter().position(|s| s.is_none()) else {
+            return refuse(&r, format!("all {} slots are busy", self.max_batch));
+        };
+        let prompt = Tensor::from_i64(&r.prompt)?.to_like(&self.like, DType::I64)?;
+        self.cache.clear(s as i64)?;
+        self.sampler.assign(s as i64, &r.params, &prompt)?;
+        let room = (self.context - r.prompt.len() as i64) as usize;
+        *seq += 1;
+        slots[s] = Some(Slot {
+            limit: (r.max_new as usize).min(room),
+            request: r,
+            prompt,
+            phase: Phase::Prompt { done: 0 },
+            drawn: 0,
+            emitted: 0,
+            live: false,
+            finished: None,
+            admitted: Instant::now(),
+            first_token: None,
+            seq: *seq,
+        });
+        Ok(None)
     }
 
-    /// Greedy decode; see the module docs. `on_tokens` gets each non-empty batch and returns
-    /// false to cancel.
+    /// End the requests whose ids `which` picks as "cancelled" and free their slots.
+    fn cancel(&mut self, slots: &mut [Option<Slot>], which: impl Fn(u64) -> bool) -> Result<Vec<Event>> {
+        let mut events = Vec::new();
+        for s in 0..slots.len() {
+            if slots[s].as_ref().is_some_and(|slot| which(slot.request.id)) {
+                let slot = self.free(slots, s)?;
+                events.push(Event::end(slot.request.id, Finish::Cancelled, timing(&slot)));
+            }
+        }
+        Ok(events)
+    }
+
+    fn free(&mut self, slots: &mut [Option<Slot>], s: usize) -> Result<Slot> {
+        let slot = slots[s].take().ok_or_else(|| Error::Internal(format!("slot {s} is already free")))?;
+        if slot.live {
+            self.live.narrow(0, s as i64, 1)?.fill_(0.0)?;
+        }
+        self.sampler.release(s as i64);
+        Ok(slot)
+    }
+
+    /// One turn: a decode step of every decoding slot, then a chunk of the oldest unread prompt
+    /// (a slot whose prompt ends here draws its first token now and decodes from the next turn).
+    /// Returns false when there was nothing to do.
+    fn turn(&mut self, slots: &mut [Option<Slot>], drawn: &mut Vec<Drawn>, stats: &mut StepStats) -> Result<bool> {
+        let top = slots.iter().rposition(|s| s.as_ref().is_some_and(|s| s.live));
+        if let Some(top) = top {
+            let b = *self.buckets.iter().find(|b| **b > top as i64).unwrap_or(&self.max_batch);
+            let rows: Vec<Option<usize>> =
+                (0..b as usize).map(|i| slots[i].as_ref().filter(|s| s.live).map(|_| i)).collect();
+            stats.batch_sizes.push(rows.iter().flatten().count());
+            self.decode_step(b, &rows, drawn)?;
+            for i in rows.iter().flatten() {
+                let slot = slots[*i].as_mut().ok_or_else(|| Error::Internal(format!("slot {i} vanished")))?;
+                slot.drawn += 1;
+                if slot.drawn >= slot.limit {
+                    slot.live = false;
+                    self.live.narrow(0, *i as i64, 1)?.fill_(0.0)?;
+                }
+            }
+        }
+        let reading = slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| s.as_ref().filter(|s| matches!(s.phase, Phase::Prompt { .. })).map(|s| (s.seq, i)))
+            .min();
+        if let Some((_, s)) = reading {
+            stats.prompt_tokens += self.read_prompt(slots, s, drawn)?;
+        }
+        Ok(top.is_some() || reading.is_some())
+    }
+
+    /// Read one chunk of slot `s`'s prompt; after the last chunk, draw its first token and start
+    /// it decoding. Returns the prompt tokens read.
+    fn read_prompt(&mut self, slots: &mut [Option<Slot>], s: usize, drawn: &mut Vec<Drawn>) -> Result<usize> {
+        let slot = slots[s].as_mut().ok_or_else(|| Error::Internal(format!("slot {s} is free")))?;
+        let Phase::Prompt { done } = slot.phase else { return Err(Error::Internal("slot is not reading".into())) };
+        let n = slot.request.prompt.len();
+        let prompt = slot.prompt.shallow_clone()?;
+        let (logits, read) = self.prompt_chunk(s as i64, &prompt, n, done)?;
+        slot.phase = Phase::Prompt { done: done + read };
+        let Some(logits) = logits else { return Ok(read) };
+        let si = s as i64;
+        let chosen = self.sampler.choose(&logits, si, 1)?;
+        self.sampler.advance(&chosen.tokens, si, 1, None)?;
+        self.next.narrow(0, si, 1)?.copy_(&chosen.tokens)?;
+        self.positions.narrow(0, si, 1)?.fill_(n as f64)?;
+        slot.phase = Phase::Decode;
+        slot.drawn = 1;
+        if slot.limit > 1 {
+            slot.live = true;
+            self.live.narrow(0, si, 1)?.fill_(1.0)?;
+        }
+        drawn.push(Drawn { chosen, rows: vec![Some(s)] });
+        Ok(read)
+    }
+
+    /// One decode step of slots `0..b`; `rows[i]` is Some for the decoding ones.
+    fn decode_step(&mut self, b: i64, rows: &[Option<usize>], drawn: &mut Vec<Drawn>) -> Result<()> {
+        let all = Rows::first(b);
+        let ids = self.next.narrow(0, 0, b)?.unsqueeze(1)?;
+        let positions = self.positions.narrow(0, 0, b)?;
+        let pos = positions.unsqueeze(1)?;
+        let live_rows = self.live.narrow(0, 0, b)?;
+        let padded = rows.iter().any(|r| r.is_none());
+        let live = if padded { Liveness::Padding(live_rows.unsqueeze(1)?) } else { Liveness::AllLive };
+        let row_index = self.row_index.narrow(0, 0, b)?;
+        let logits = self
+            .model
+            .forward(&mut self.cache, all, &ids, &pos, &row_index, &live, Fill::Partial, Output::Logits)?
+            .ok_or_else(|| Error::Internal("a decode step returned no logits".into()))?;
+        let chosen = self.sampler.choose(&logits, 0, b)?;
+        let step = live_rows.to_dtype(DType::I64)?;
+        self.sampler.advance(&chosen.tokens, 0, b, if padded { Some(&live_rows) } else { None })?;
+        self.next.narrow(0, 0, b)?.copy_(&chosen.tokens)?;
+        positions.copy_(&positions.add(&step)?)?;
+        drawn.push(Drawn { chosen, rows: rows.to_vec() });
+        Ok(())
+    }
+
+    /// Bring the drawn tokens to the host, cut each request at its end, free finished slots.
+    fn read_point(&mut self, slots: &mut [Option<Slot>], drawn: &mut Vec<Drawn>) -> Result<Vec<Event>> {
+        if drawn.is_empty() {
+            return Ok(Vec::new());
+        }
+        let batch: Vec<Drawn> = std::mem::take(drawn);
+        let refs: Vec<&Tensor> = batch.iter().map(|d| &d.chosen.tokens).collect();
+        let tokens = Tensor::cat(&refs, 0)?.to_vec_i64()?;
+        let now = Instant::now();
+        let mut events: Vec<Option<Event>> = (0..slots.len()).map(|_| None).collect();
+        let mut at = 0;
+        for d in &batch {
+            let lp = match &d.chosen.logprobs {
+                Some((chosen, ids, lps)) => {
+                    let k = ids.size()?[1] as usize;
+                    Some((chosen.to_vec_f32()?, ids.to_vec_i64()?, lps.to_vec_f32()?, k))
+                }
+                None => None,
+            };
+            for (row, s) in d.rows.iter().enumerate() {
+                let token = tokens[at + row];
+                let Some(s) = *s else { continue };
+                let Some(slot) = slots[s].as_mut() else { continue };
+                if slot.finished.is_some() {
+                    continue;
+                }
+                let ev = events[s].get_or_insert_with(|| Event {
+                    id: slot.request.id,
+                    tokens: Vec::new(),
+                    logprobs: Vec::new(),
+                    finish: None,
+                    error: None,
+                    timing: Timing::default(),
+                });
+                if self.model.cfg.eos_ids.contains(&token) || slot.request.stop_ids.contains(&token) {
+                    slot.finished = Some(Finish::Stop);
+                    continue;
+                }
+                ev.tokens.push(token);
+                if let (Some(want), Some((chosen, ids, lps, k))) = (slot.request.params.logprobs, &lp) {
+                    let base = row * k;
+                    let top = (0..(want as usize).min(*k)).map(|j| (ids[base + j], lps[base + j])).collect();
+                    ev.logprobs.push(TokenLogprobs { logprob: chosen[row], top });
+                }
+                slot.first_token.get_or_insert(now);
+                slot.emitted += 1;
+                if slot.emitted >= slot.limit {
+                    slot.finished = Some(Finish::Length);
+                }
+            }
+            at += d.rows.len();
+        }
+        let mut out = Vec::new();
+        for (s, ev) in events.into_iter().enumerate() {
+            let Some(mut ev) = ev else { continue };
+            if let Some(finish) = slots[s].as_ref().and_then(|slot| slot.finished) {
+                let slot = self.free(slots, s)?;
+                ev.finish = Some(finish);
+                ev.timing = timing(&slot);
+            }
+            out.push(ev);
+        }
+        Ok(out)
+    }
+}
+
+fn timing(slot: &Slot) -> Timing {
+    let now = Instant::now();
+    match slot.first_token {
+        Some(first) => Timing {
+            prompt_s: (first - slot.admitted).as_secs_f64(),
+            decode_s: (now - first).as_secs_f64(),
+        },
+        None => Timing { prompt_s: (now - slot.admitted).as_secs_f64(), decode_s: 0.0 },
+    }
+}
+
+/// `Engine::decode`'s side of the loop: one request, its tokens handed to `on_tokens`.
+struct One<F: FnMut(&[i64]) -> bool> {
+    request: Option<Request>,
+    id: u64,
+    on_tokens: F,
+    tokens: Vec<i64>,
+    finish: Option<Finish>,
+    error: Option<String>,
+    cancel: bool,
+    timing: Timing,
+}
+
+impl<F: FnMut(&[i64]) -> bool> Io for One<F> {
+    fn poll(&mut self, _free: usize, _idle: bool) -> Result<Option<(Vec<Request>, Vec<u64>)>> {
+        if self.finish.is_some() {
+            return Ok(None);
+        }
+        let cancels = if self.cancel { vec![self.id] } else { Vec::new() };
+        Ok(Some((self.request.take().into_iter().collect(), cancels)))
+    }
+
+    fn emit(&mut self, events: Vec<Event>, _stats: &StepStats) -> Result<()> {
+        for e in events {
+            self.tokens.extend_from_slice(&e.tokens);
+            if !e.tokens.is_empty() && !self.cancel && !(self.on_tokens)(&e.tokens) {
+                self.cancel = true;
+            }
+            if let Some(f) = e.finish {
+                self.finish = Some(if self.cancel { Finish::Cancelled } else { f });
+                self.error = e.error;
+                self.timing = e.timing;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The result of `Engine::decode`.
+pub struct Decoded {
+    pub tokens: Vec<i64>,
+    pub finish: Finish,
+    pub timing: Timing,
+}
+
+impl Engine {
+    /// One request through the loop alone; `on_tokens` gets each non-empty batch and returns false
+    /// to cancel.
     pub fn decode(
         &mut self,
-        ids: &[i64],
-        max_new: i64,
-        stop_ids: &[i64],
+        request: Request,
         read_every: i64,
-        mut on_tokens: impl FnMut(&[i64]) -> bool,
+        on_tokens: impl FnMut(&[i64]) -> bool,
     ) -> Result<Decoded> {
-        self.check_request(ids, max_new, read_every)?;
-        let limit = max_new.min(self.context - ids.len() as i64) as usize;
-        let is_stop = |t: &i64| self.model.cfg.eos_ids.contains(t) || stop_ids.contains(t);
-
-        let t0 = Instant::now();
-        let mut next = self.prefill(ids)?.argmax(-1, true)?;
-        // One host read so read_s covers the prompt's device work, not just its launch.
-        next.to_vec_i64()?;
-        let read_s = t0.elapsed().as_secs_f64();
-
-        let t1 = Instant::now();
-        let pos = Tensor::full(&[1], ids.len() as f64, DType::I64, &self.like)?;
-        let mut pending = vec![next.shallow_clone()?];
-        let mut produced = 1usize;
-        let mut tokens = Vec::with_capacity(limit);
-        let finish = loop {
-            while pending.len() < read_every as usize && produced < limit {
-                let logits = self.model.forward(&next, &pos, 1, false, &self.cache, true)?;
-                next = logits.ok_or_else(|| Error::Input("no logits".into()))?.argmax(-1, true)?;
-                pos.add_int_(1)?;
-                pending.push(next.shallow_clone()?);
-                produced += 1;
-            }
-            let refs: Vec<&Tensor> = pending.iter().collect();
-            let batch = Tensor::cat(&refs, 0)?.to_vec_i64()?;
-            pending.clear();
-            let cut = batch.iter().position(is_stop);
-            let keep = &batch[..cut.unwrap_or(batch.len())];
-            tokens.extend_from_slice(keep);
-            if !keep.is_empty() && !on_tokens(keep) {
-                break Finish::Cancelled;
-            }
-            if cut.is_some() {
-                break Finish::Stop;
-            }
-            if produced >= limit {
-                break Finish::Length;
-            }
+        self.check_request(&request)?;
+        let mut one = One {
+            id: request.id,
+            request: Some(request),
+            on_tokens,
+            tokens: Vec::new(),
+            finish: None,
+            error: None,
+            cancel: false,
+            timing: Timing::default(),
         };
-        Ok(Decoded { tokens, finish, read_s, decode_s: t1.elapsed().as_secs_f64() })
+        self.run(&mut one, read_every)?;
+        match (one.finish, one.error) {
+            (Some(Finish::Error), Some(e)) => Err(Error::Input(e)),
+            (Some(finish), _) => Ok(Decoded { tokens: one.tokens, finish, timing: one.timing }),
+            (None, _) => Err(Error::Internal("the loop ended without finishing the request".into())),
+        }
     }
 }

@@ -2,8 +2,8 @@
 //! per-layer-embedding (PLE) gate, and `layer_scalar` on the whole residual stream.
 
 use crate::error::Result;
-use crate::gemma4::attention::{Attention, Keys};
-use crate::gemma4::cache::Ring;
+use crate::gemma4::attention::{Attended, Attention, Plan};
+use crate::gemma4::cache::{KvCache, Rows};
 use crate::gemma4::config::{Config, LayerSpec};
 use crate::gemma4::mlp::Mlp;
 use crate::gemma4::norm::RmsNorm;
@@ -19,6 +19,7 @@ struct PerLayerInput {
 
 pub struct DecoderLayer {
     pub spec: LayerSpec,
+    index: usize,
     input_layernorm: RmsNorm,
     self_attn: Attention,
     post_attention_layernorm: RmsNorm,
@@ -55,19 +56,22 @@ impl DecoderLayer {
             // A stored buffer (M:1509-1510), in the compute dtype as the reference multiplies.
             layer_scalar: w.vector(&format!("{p}.layer_scalar"), &[1], w.dtype)?,
             spec,
+            index: i,
         })
     }
 
+    /// `xs` `[rows, T, hidden]`; `ple` this layer's per-layer input `[rows, T, P]`.
     pub fn forward(
         &self,
         xs: &Tensor,
         ple: Option<&Tensor>,
-        keys: &Keys,
-        ring: Option<&Ring>,
-        shared: &mut Option<(Tensor, Tensor)>,
+        plan: &Plan,
+        rows: Rows,
+        cache: &mut KvCache,
+        attended: &mut Attended,
     ) -> Result<Tensor> {
         let residual = xs;
-        let h = self.self_attn.forward(&self.input_layernorm.forward(xs)?, keys, ring, shared)?;
+        let h = self.self_attn.forward(&self.input_layernorm.forward(xs)?, plan, self.index, rows, cache, attended)?;
         let xs = residual.add(&self.post_attention_layernorm.forward(&h)?)?;
 
         let residual = &xs;

@@ -1,8 +1,12 @@
-//! The Gemma 4 text model: checkpoint → loader → model → decode loop.
+//! The Gemma 4 text model: checkpoint → loader → model → batched decode loop.
 //!
 //! `config` (config.json), `weights` (safetensors, W4A16 unpacking), `norm`, `rope`, `mlp`,
-//! `attention` (with the ring masks), `layer`, `model`, `cache` (fixed-shape rings), `engine`
-//! (the decode loop). The forward pass follows ../shared/reference/gemma4-architecture.md.
+//! `attention` (with the ring masks), `layer`, `model`, `cache` (per-slot fixed-shape rings),
+//! `sampling` (next-token choice on the device), `engine` (the continuous-batching loop).
+//!
+//! The forward pass follows Transformers 5.18 `src/transformers/models/gemma4/modeling_gemma4.py`
+//! (`Gemma4ForCausalLM`) and its config `configuration_gemma4.py`. Comments cite line ranges of
+//! those two files of that release as `M:<lines>` (modeling) and `C:<lines>` (configuration).
 
 pub mod attention;
 pub mod cache;
@@ -13,4 +17,5 @@ pub mod mlp;
 pub mod model;
 pub mod norm;
 pub mod rope;
+pub mod sampling;
 pub mod weights;

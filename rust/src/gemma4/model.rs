@@ -6,14 +6,23 @@
 //! `cap * tanh(logits / cap)` (M:1864-1867).
 
 use crate::error::{Error, Result};
-use crate::gemma4::attention::Keys;
-use crate::gemma4::cache::Cache;
+use crate::gemma4::attention::{Attended, Fill, Liveness, Plan};
+use crate::gemma4::cache::{KvCache, Rows};
 use crate::gemma4::config::{Config, LayerType};
 use crate::gemma4::layer::DecoderLayer;
 use crate::gemma4::norm::RmsNorm;
 use crate::gemma4::rope::Rope;
 use crate::gemma4::weights::Weights;
 use crate::tensor::{DType, Tensor};
+
+/// Whether a forward computes next-token logits.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Output {
+    /// The last position's logits of every row.
+    Logits,
+    /// Nothing (prompt chunks before the last).
+    Nothing,
+}
 
 /// The per-layer-embedding front end (P > 0).
 struct PerLayerEmbeddings {
@@ -84,65 +93,74 @@ impl Model {
         })
     }
 
-    /// Per-layer inputs `[T, L, P]` for token `ids` with main embeddings `x0`.
-    fn per_layer_inputs(&self, pl: &PerLayerEmbeddings, ids: &Tensor, x0: &Tensor, t: i64) -> Result<Tensor> {
+    /// Per-layer inputs `[rows, T, L, P]` for token `ids` (`[rows * T]`) with main embeddings `x0`.
+    fn per_layer_inputs(&self, pl: &PerLayerEmbeddings, ids: &Tensor, x0: &Tensor, n: i64, t: i64) -> Result<Tensor> {
         let (h, l, p) = (self.cfg.hidden_size, self.cfg.num_layers as i64, self.cfg.ple_dim);
-        let tok = pl.embed_tokens_per_layer.index_select(0, ids)?.mul(&pl.embed_scale)?.reshape(&[t, l, p])?;
-        let ctx = x0.linear(&pl.per_layer_model_projection)?.mul_scalar((h as f64).powf(-0.5))?.reshape(&[t, l, p])?;
+        let tok = pl.embed_tokens_per_layer.index_select(0, ids)?.mul(&pl.embed_scale)?.reshape(&[n, t, l, p])?;
+        let ctx = x0.linear(&pl.per_layer_model_projection)?.mul_scalar((h as f64).powf(-0.5))?.reshape(&[n, t, l, p])?;
         let ctx = pl.per_layer_projection_norm.forward(&ctx)?;
         ctx.add(&tok)?.mul_scalar(0.5f64.sqrt())
     }
 
-    /// Run `t` tokens `ids` at positions `pos` (both `[t]` int64 on the device) through the model,
-    /// writing their keys into `cache` (`fresh`: the cache is empty). Returns the next-token logits `[vocab]` of the last token
-    /// (after softcap, compute dtype) when `want_logits`.
+    /// Run tokens `ids` at positions `pos` (both `[rows, T]` int64 on the device) of the slots
+    /// `rows` through the model, writing their keys into `cache`. `row_index` is `[rows, 1]`
+    /// int64 `0..rows`; `live` says which rows are real. Returns each row's next-token logits
+    /// `[rows, vocab]` (after softcap, compute dtype) for `Output::Logits`.
+    #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
+        cache: &mut KvCache,
+        rows: Rows,
         ids: &Tensor,
         pos: &Tensor,
-        t: i64,
-        fresh: bool,
-        cache: &Cache,
-        want_logits: bool,
+        row_index: &Tensor,
+        live: &Liveness,
+        fill: Fill,
+        output: Output,
     ) -> Result<Option<Tensor>> {
-        let x0 = self.embed_tokens.index_select(0, ids)?.mul(&self.embed_scale)?;
+        let [n, t] = ids.size()?[..] else { return Err(Error::Internal("token ids must be [rows, T]".into())) };
+        let flat = ids.reshape(&[n * t])?;
+        let x0 = self.embed_tokens.index_select(0, &flat)?.mul(&self.embed_scale)?;
         let ple = match &self.per_layer {
-            Some(pl) => Some(self.per_layer_inputs(pl, ids, &x0, t)?),
+            Some(pl) => Some(self.per_layer_inputs(pl, &flat, &x0, n, t)?),
             None => None,
         };
-        let mut keys: [Option<Keys>; 2] = [None, None];
+        let mut plans: [Option<Plan>; 2] = [None, None];
         for kind in [LayerType::Sliding, LayerType::Full] {
             if let Some(rope) = &self.ropes[kind.index()] {
-                keys[kind.index()] = Some(Keys::plan(kind, pos, t, fresh, cache, rope, self.cfg.sliding_window)?);
+                let held = cache.positions(kind, rows)?;
+                let ring = cache.ring(kind);
+                let window = self.cfg.sliding_window;
+                plans[kind.index()] = Some(Plan::new(kind, pos, fill, &held, ring, row_index, live, rope, window)?);
             }
         }
-        let mut shared: [Option<(Tensor, Tensor)>; 2] = [None, None];
-        let mut xs = x0;
+        let mut attended: Attended = (0..self.layers.len()).map(|_| None).collect();
+        let mut xs = x0.reshape(&[n, t, self.cfg.hidden_size])?;
         for (i, layer) in self.layers.iter().enumerate() {
-            let k = layer.spec.kind.index();
-            let plan = keys[k]
+            let plan = plans[layer.spec.kind.index()]
                 .as_ref()
-                .ok_or_else(|| Error::Torch { op: "forward", msg: "no RoPE for a layer type".into() })?;
+                .ok_or_else(|| Error::Internal("no RoPE table for a layer type".into()))?;
             let ple_i = match &ple {
-                Some(p) => Some(p.narrow(1, i as i64, 1)?.reshape(&[t, self.cfg.ple_dim])?),
+                Some(p) => Some(p.narrow(2, i as i64, 1)?.reshape(&[n, t, self.cfg.ple_dim])?),
                 None => None,
             };
-            xs = layer.forward(&xs, ple_i.as_ref(), plan, cache.rings[i].as_ref(), &mut shared[k])?;
+            xs = layer.forward(&xs, ple_i.as_ref(), plan, rows, cache, &mut attended)?;
         }
-        for (k, plan) in keys.iter().enumerate() {
-            if let Some(plan) = plan {
-                plan.commit(&cache.kpos[k])?;
+        // Every layer has read the old positions: record the new ones.
+        for kind in [LayerType::Sliding, LayerType::Full] {
+            if let Some(plan) = &plans[kind.index()] {
+                cache.set_positions(kind, rows, &plan.positions_after)?;
             }
         }
-        if !want_logits {
+        if output == Output::Nothing {
             return Ok(None);
         }
-        let last = self.norm.forward(&xs.narrow(0, t - 1, 1)?)?;
+        let last = self.norm.forward(&xs.narrow(1, t - 1, 1)?)?;
         let mut logits = last.linear(&self.lm_head)?;
         if let Some(cap) = self.cfg.final_logit_softcapping {
             logits = logits.div_scalar(cap)?.tanh()?.mul_scalar(cap)?;
         }
-        Ok(Some(logits.reshape(&[self.cfg.vocab_size])?))
+        Ok(Some(logits.reshape(&[n, self.cfg.vocab_size])?))
     }
 
     pub fn dtype(&self) -> DType {

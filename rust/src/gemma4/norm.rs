@@ -7,7 +7,7 @@
 
 use crate::error::Result;
 use crate::gemma4::weights::Weights;
-use crate::tensor::{DType, Tensor};
+use crate::tensor::Tensor;
 
 pub struct RmsNorm {
     /// In the compute dtype (exact: checkpoint norms are bf16 or f32; the kernel reads it in float32).
@@ -20,7 +20,7 @@ impl RmsNorm {
         Ok(RmsNorm { weight: Some(w.vector(&format!("{name}.weight"), &[dim], w.dtype)?), eps })
     }
 
-    pub fn no_scale(eps: f64, _dtype: DType) -> RmsNorm {
+    pub fn no_scale(eps: f64) -> RmsNorm {
         RmsNorm { weight: None, eps }
     }
 

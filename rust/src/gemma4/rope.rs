@@ -46,13 +46,15 @@ impl Rope {
         Ok(Rope { cos: emb.cos()?.to_dtype(dtype)?, sin: emb.sin()?.to_dtype(dtype)?, half: d / 2 })
     }
 
-    /// cos and sin at `pos` (`[T]` int64), shaped `[T, 1, d]` to broadcast over heads.
+    /// cos and sin at `pos` (`[rows, T]` int64), shaped `[rows, T, 1, d]` to broadcast over heads.
     pub fn at(&self, pos: &Tensor) -> Result<RopeAt> {
-        Ok(RopeAt {
-            cos: self.cos.index_select(0, pos)?.unsqueeze(1)?,
-            sin: self.sin.index_select(0, pos)?.unsqueeze(1)?,
-            half: self.half,
-        })
+        let [rows, t] = pos.size()?[..] else {
+            return Err(crate::error::Error::Internal("RoPE positions must be [rows, T]".into()));
+        };
+        let flat = pos.reshape(&[rows * t])?;
+        let d = self.half * 2;
+        let pick = |table: &Tensor| table.index_select(0, &flat)?.reshape(&[rows, t, 1, d]);
+        Ok(RopeAt { cos: pick(&self.cos)?, sin: pick(&self.sin)?, half: self.half })
     }
 }
 
@@ -64,7 +66,7 @@ pub struct RopeAt {
 }
 
 impl RopeAt {
-    /// `x * cos + rotate_half(x) * sin` for `x` `[T, heads, d]`.
+    /// `x * cos + rotate_half(x) * sin` for `x` `[rows, T, heads, d]`.
     pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
         let x1 = x.narrow(-1, 0, self.half)?;
         let x2 = x.narrow(-1, self.half, self.half)?;
