@@ -195,7 +195,15 @@ gt *aten_sub(gt *a, gt *b) { RET(a->t - b->t) }
 gt *aten_div(gt *a, gt *b) { RET(a->t / b->t) }
 gt *aten_mul_int(gt *a, int64_t v) { RET(a->t * v) }
 gt *aten_add_int(gt *a, int64_t v) { RET(a->t + v) }
-gt *aten_clamp(gt *a, double lo, double hi) { RET(at::clamp(a->t, lo, hi)) }
+// Integer bounds for an integer tensor: double bounds would promote the result to floating point.
+gt *aten_clamp(gt *a, double lo, double hi) {
+  PROTECT(
+      if (at::isIntegralType(a->t.scalar_type(), /*includeBool=*/false)) {
+        return box(at::clamp(a->t, static_cast<int64_t>(lo), static_cast<int64_t>(hi)));
+      }
+      return box(at::clamp(a->t, lo, hi));)
+  return nullptr;
+}
 gt *aten_softmax(gt *a, int64_t dim) { RET(at::softmax(a->t, dim)) }
 gt *aten_log_softmax(gt *a, int64_t dim) { RET(at::log_softmax(a->t, dim)) }
 gt *aten_cumsum(gt *a, int64_t dim) { RET(at::cumsum(a->t, dim)) }

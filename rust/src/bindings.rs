@@ -107,6 +107,16 @@ impl PyRequest {
     fn id(&self) -> u64 {
         self.inner.id
     }
+
+    #[getter]
+    fn ids(&self) -> Vec<i64> {
+        self.inner.prompt.clone()
+    }
+
+    #[getter]
+    fn max_new(&self) -> i64 {
+        self.inner.max_new
+    }
 }
 
 /// New tokens of one request, and its end once it ended (see gemma_engine.pyi).

@@ -1,14 +1,17 @@
 """The FastAPI app: thin routes over the engine thread, the error handlers, and the drain on SIGTERM.
 
-Routes (serving-anchors.md §8): POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
-GET /health (+ /ping), GET /live, GET /v1/engine, GET /version, GET /metrics, GET / (chat page).
-Route bodies only parse, check, admit and hand over; the work is in protocol.py (what a request means),
-serving.py (tokens -> responses) and engine_thread.py (the engine).
+Routes (vLLM's `entrypoints/openai/api_server.py` set): POST /v1/chat/completions, POST /v1/completions,
+GET /v1/models, GET /health (+ /ping), GET /live, GET /v1/engine, GET /version, GET /metrics, GET / (chat
+page). Route bodies only parse, check, admit and hand over; the work is in protocol.py (what a request
+means), serving.py (tokens -> responses) and scheduler.py (the queue and the engines).
 
 Every error is `{"error": {...}}` (errors.py); FastAPI's 422 for a malformed body becomes 400 naming
 the field, as vLLM's `validation_exception_handler` does.
 
-Shutdown (vLLM's --shutdown-timeout, PR #36666; serving-anchors.md §5.3): on SIGTERM /health turns 503
+With `--api-key` every /v1 route needs `Authorization: Bearer <key>` (compared in constant time), as
+vLLM's `--api-key`; /health, /ping, /live, /metrics and / stay open for probes and scrapers.
+
+Shutdown (vLLM's --shutdown-timeout): on SIGTERM /health turns 503
 and new requests get 503; queued and running requests get `--shutdown-timeout` seconds to finish;
 what remains is aborted (error event, then [DONE]); then uvicorn exits.
 """
@@ -16,7 +19,9 @@ what remains is aborted (error event, then [DONE]); then uvicorn exits.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
+import threading
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -29,8 +34,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gemma_server.boot import Boot
 from gemma_server.config import Config
-from gemma_server.engine_thread import EngineThread
-from gemma_server.errors import ApiError, error_body
+from gemma_server.errors import ApiError, as_api_error, error_body, from_scheduler
+from gemma_server.scheduler import Scheduler, SchedulerError, StepObserver
 from gemma_server.metrics import Metrics
 from gemma_server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from gemma_server.serving import (
@@ -59,17 +64,24 @@ class ServerState:
 
     def __init__(self, config: Config, boot_class: type[Boot] = Boot) -> None:
         self.config = config
-        self.metrics = Metrics(config.model_name, config.context)
-        self.boot = boot_class(config, self.metrics, self._boot_failed)
-        self.engine_thread = EngineThread(
-            lambda: self.boot.run().engine, config.queue_limit, config.read_every,
-            on_waiting=self.metrics.num_requests_waiting.set, on_running=self.metrics.num_requests_running.set,
-        )
+        self.metrics = m = Metrics(config.model_name, config.context)
+        self.scheduler = Scheduler(config.queue_limit, StepObserver(
+            on_waiting=m.num_requests_waiting.set, on_running=m.num_requests_running.set,
+            on_usage=m.kv_cache_usage_perc.set, on_steps=m.observe_steps,
+        ))
+        self.boot = boot_class(config, self.metrics, self._boot_failed, self.scheduler)
+        self.boot_thread = threading.Thread(target=self._boot, name="boot", daemon=True)
         self.draining = False
         self.exit_code = 0
         self.loop: asyncio.AbstractEventLoop | None = None
         self.request_exit = lambda: None  # set by __main__ to stop uvicorn
         self._fingerprint: str | None = None
+
+    def _boot(self) -> None:
+        try:
+            self.boot.run()
+        except BaseException:  # noqa: BLE001 - the boot records and reports its own failure
+            pass
 
     def _boot_failed(self, reason: str) -> None:
         self.exit_code = 1
@@ -94,14 +106,25 @@ class ServerState:
 
     def not_ready_reason(self) -> str | None:
         """Why /health is 503, or None when ready."""
-        t = self.engine_thread
-        if t.dead or (self.boot.state.failed and not t.ready):
-            return f"The engine is not available: {t.dead or self.boot.state.failed}"
+        s = self.scheduler
+        if s.dead or self.boot.state.failed:
+            return f"The engine is not available: {s.dead or self.boot.state.failed}"
         if self.draining:
             return "The server is shutting down."
-        if not t.ready:
+        if not s.ready:
             return f"Loading model (stage: {self.boot.state.stage})."
         return None
+
+    def check_api_key(self, request: Request) -> None:
+        """401 in OpenAI's shape unless the request carries the configured key."""
+        key = self.config.api_key
+        if not key:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), key.encode()):
+            raise ApiError(401, "Invalid or missing API key: send `Authorization: Bearer <key>`.",
+                           headers={"WWW-Authenticate": "Bearer"})
 
     async def drain(self) -> None:
         """SIGTERM: refuse new work, let current work finish up to the timeout, abort the rest, exit."""
@@ -110,7 +133,7 @@ class ServerState:
         log.info("draining: new requests get 503; %.1fs for the running ones", self.config.shutdown_timeout)
         self.draining = True
         self.metrics.engine_ready.set(0)
-        t = self.engine_thread
+        t = self.scheduler
         t.start_drain()
         deadline = time.monotonic() + self.config.shutdown_timeout
         while t.busy() and time.monotonic() < deadline:
@@ -169,9 +192,9 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state.loop = asyncio.get_running_loop()
-        state.engine_thread.start()
+        state.boot_thread.start()
         yield
-        state.engine_thread.stop()
+        state.scheduler.stop()
 
     app = FastAPI(title="gemma-rust-operator server", lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.server = state
@@ -189,39 +212,53 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
         return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
+    @app.exception_handler(SchedulerError)
+    async def _refused(request: Request, exc: SchedulerError) -> JSONResponse:
+        err = from_scheduler(exc)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return JSONResponse(error_body(500, f"Internal error: {type(exc).__name__}: {exc}"), status_code=500)
+        err = as_api_error(exc)  # logs the exception with a request id; the body names only the id
+        return JSONResponse(err.body(), status_code=err.status)
 
     async def generate(request: Request, body: ChatCompletionRequest | CompletionRequest, chat: bool) -> Response:
         arrival = time.monotonic()
+        state.check_api_key(request)
         state.check_model(body.model)
         body.check()
-        thread = state.engine_thread
-        thread.admit()  # 429 / 503 before any tokenizing
+        sched = state.scheduler
+        n = body.n or 1
+        for _ in range(n):
+            sched.admit()  # 429 / 503 before any tokenizing
+        gens = []
         try:
             tok = state.tokenizer
             ids = render_chat(tok, body) if chat else tokenize_completion(tok, body)
             loaded = state.boot.loaded
-            params = body.engine_params(ids, loaded.context, loaded.vocab_size)
-            gen = Generation(params, tok, thread, state.metrics, arrival)
-            thread.submit(gen.job)
+            params = body.engine_params(ids, loaded.context, loaded.vocab_size, state.config.default_temperature)
+            for i in range(n):
+                gens.append(Generation(params, i, tok, sched, state.metrics, arrival))
+                sched.submit(gens[-1].job)
         except BaseException:
-            thread.release()
+            for _ in range(n - len(gens)):
+                sched.release()
+            for gen in gens:
+                gen.abandon()
             raise
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        fmt = Formatter(chat, state.config.model_name, state.fingerprint, include_usage)
+        fmt = Formatter(chat, state.config.model_name, state.fingerprint, tok, include_usage)
         try:
             if body.stream:
-                stream = await open_stream(gen, fmt, request.receive)
+                stream = await open_stream(gens, fmt, request.receive)
                 return StreamingResponse(stream, media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            text = await race_disconnect(request.receive, collect(gen))
+            outputs = await race_disconnect(request.receive, collect(gens))
         except ClientDisconnected:
-            gen.abandon()
+            for gen in gens:
+                gen.abandon()
             return Response(status_code=499)  # nobody reads it
-        return JSONResponse(fmt.response(text, gen).model_dump())
+        return JSONResponse(fmt.response(outputs, gens).model_dump())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -232,7 +269,8 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
         return await generate(request, body, chat=False)
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models(request: Request) -> dict[str, Any]:
+        state.check_api_key(request)
         card = ModelCard(id=config.model_name, root=config.model, max_model_len=config.context)
         return ModelList(data=[card]).model_dump()
 
@@ -246,21 +284,23 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
 
     @app.get("/live")
     async def live() -> Response:
-        t = state.engine_thread
-        if t.dead or not t.is_alive() and not state.draining:
-            return JSONResponse(error_body(503, f"The engine thread is not running: {t.dead or 'stopped'}"),
+        s = state.scheduler
+        if s.dead or state.boot.state.failed:
+            return JSONResponse(error_body(503, f"No engine is running: {s.dead or state.boot.state.failed}"),
                                 status_code=503)
         return JSONResponse({"status": "alive"})
 
     @app.get("/v1/engine")
-    async def engine_info() -> dict[str, Any]:
+    async def engine_info(request: Request) -> dict[str, Any]:
+        state.check_api_key(request)
         info = state.boot.state.as_json()
-        t = state.engine_thread
+        s = state.scheduler
+        workers = state.boot.loaded.workers if state.boot.loaded else []
         info.update(
             model=config.model, served_model_name=config.model_name, read_every=config.read_every,
-            queue_limit=config.queue_limit, ready=state.not_ready_reason() is None, draining=state.draining,
-            engine_thread_alive=t.is_alive(), engine_thread_error=t.dead,
-            engine_class=type(t.engine).__qualname__ if t.engine is not None else None,
+            queue_limit=config.queue_limit, max_num_seqs=config.max_num_seqs, ready=state.not_ready_reason() is None,
+            draining=state.draining, engine_error=s.dead, engines=[w.describe() for w in workers],
+            engine_class=type(workers[0].engine).__qualname__ if workers and workers[0].engine is not None else None,
         )
         return info
 

@@ -1,8 +1,10 @@
 """Boot stages: build -> import -> smoke -> weights -> warmup -> serving.
 
-The stages run on the engine thread (the engine is `unsendable`, so the thread that loads it must be the
-one that serves it), while uvicorn already answers: /health is 503 with the current stage until warmup
-ends, like llama.cpp's "Loading model" (serving-anchors.md §5.1). Each stage's start, seconds and outcome
+The stages run on a boot thread while uvicorn already answers: /health is 503 with the current stage until
+warmup ends, like llama.cpp's "Loading model" (vLLM's /health answers the same way while its engine starts).
+One engine runs per device (`--devices`); each is loaded, warmed up and then run on its own worker thread
+(scheduler.EngineWorker: the engine is `unsendable`, so the thread that loads it must be the one that serves
+it); the weights and warmup stages hand those tasks to the workers and wait for all of them. Each stage's start, seconds and outcome
 are logged, exported as `gemma_boot_stage_seconds` and reported by GET /v1/engine. A failed stage writes
 a one-line reason to the termination-message file (Kubernetes shows it as the container's last state, and
 the operator as a condition) and asks the process to exit non-zero, so the pod restarts with back-off.
@@ -25,6 +27,7 @@ from typing import Any
 from gemma_server import build as build_mod
 from gemma_server.config import Config
 from gemma_server.metrics import Metrics
+from gemma_server.scheduler import EngineWorker, Scheduler
 from gemma_server.sources import materialize, parse_source
 
 log = logging.getLogger(__name__)
@@ -65,14 +68,14 @@ class BootState:
 
 @dataclass
 class Loaded:
-    """What the boot hands to the engine thread and the request handlers.
+    """What the boot hands to the scheduler and the request handlers.
 
-    The engine is `unsendable`: even reading a property from another thread panics, so what the request
-    handlers need of it (context, vocab_size) is read once here, on the engine thread.
+    An engine is `unsendable`: even reading a property from another thread panics, so what the request
+    handlers need of it (context, vocab_size) is read once here, on its worker's thread.
     """
 
-    engine: Any
     tokenizer: Any
+    workers: list[EngineWorker]
     context: int = 0
     vocab_size: int = 0
 
@@ -102,12 +105,16 @@ class Boot:
         config: the server config.
         metrics: where stage seconds, readiness and build info go.
         on_failure: called with the one-line reason after a stage fails (the server then exits non-zero).
+        scheduler: gets the engine workers once they are warm.
     """
 
-    def __init__(self, config: Config, metrics: Metrics, on_failure: Callable[[str], None]) -> None:
+    def __init__(self, config: Config, metrics: Metrics, on_failure: Callable[[str], None],
+                 scheduler: Scheduler) -> None:
         self.config = config
         self.metrics = metrics
         self.on_failure = on_failure
+        self.scheduler = scheduler
+        self.devices: list[str] = []
         self.state = BootState(device=config.device, dtype=config.dtype, context=config.context)
         self.loaded: Loaded | None = None
         self._lock = threading.Lock()
@@ -150,10 +157,10 @@ class Boot:
     # ---- the stages ----------------------------------------------------------------------------
 
     def run(self) -> Loaded:
-        """Run every stage in order, then mark the server as serving.
+        """Run every stage in order, then start the engines serving.
 
         Returns:
-            the loaded engine and tokenizer.
+            the tokenizer and the engine workers.
         Raises:
             StageFailed: a stage failed (already recorded, written and reported).
         """
@@ -164,10 +171,11 @@ class Boot:
         self._stage("smoke", self._smoke)
         self._stage("weights", self._weights)
         self._stage("warmup", self._warmup)
+        assert self.loaded is not None
+        self.scheduler.start(self.loaded.workers, c.read_every)
         rec = self._begin("serving")
         rec.seconds = 0.0
         self.metrics.engine_ready.set(1)
-        assert self.loaded is not None
         return self.loaded
 
     def _build(self) -> str:
@@ -204,6 +212,7 @@ class Boot:
             tt = sys.modules["torch_tpu"]
             info["torch_tpu"] = getattr(tt, "__version__", "unknown")
             info["torch_tpu_defer_and_fuse"] = os.environ.get("TORCH_TPU_DEFER_AND_FUSE", "")
+        self.devices = device_list(c.device, c.devices, torch)
         self.state.build = info
         self.metrics.set_build_info(
             torch=built.get("torch", ""), torch_tpu=info.get("torch_tpu", ""), rustc=built.get("rustc", ""),
@@ -211,16 +220,16 @@ class Boot:
         )
         return f"gemma_engine {ge.__version__} for torch {built.get('torch')}"
 
-    def _like(self):
+    def _smoke(self) -> str:
         import torch
 
-        return torch.zeros(1, device=self.config.device)
-
-    def _smoke(self) -> str:
-        result = self.gemma_engine.smoke(self._like())
-        if float(result["value"]) != 4096.0:
-            raise RuntimeError(f"smoke test on {result.get('device')} gave {result['value']}, expected 4096")
-        return f"4096 on {result['device']}"
+        done = []
+        for device in self.devices:
+            result = self.gemma_engine.smoke(torch.zeros(1, device=device))
+            if float(result["value"]) != 4096.0:
+                raise RuntimeError(f"smoke test on {result.get('device')} gave {result['value']}, expected 4096")
+            done.append(str(result["device"]))
+        return f"4096 on {', '.join(done)}"
 
     def _weights(self) -> str:
         c = self.config
@@ -235,22 +244,62 @@ class Boot:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        engine = self.gemma_engine.Engine(
-            str(model_dir), str(emb_dir) if emb_dir else None, self._like(), context=c.context, dtype=c.dtype,
-            prefill_chunk=c.prefill_chunk,
-        )
-        self.loaded = Loaded(engine, tokenizer, engine.context, engine.vocab_size)
+        workers = [EngineWorker(i, d, self.scheduler) for i, d in enumerate(self.devices)]
+
+        def load(worker: EngineWorker) -> tuple[int, int]:
+            import torch
+
+            engine = self.gemma_engine.Engine(
+                str(model_dir), str(emb_dir) if emb_dir else None, torch.zeros(1, device=worker.device),
+                context=c.context, dtype=c.dtype, prefill_chunk=c.prefill_chunk, max_batch=c.max_num_seqs,
+            )
+            worker.set_engine(engine)
+            return engine.context, engine.vocab_size
+
+        sizes = run_on_workers(workers, load)
+        context, vocab_size = sizes[0]
+        self.loaded = Loaded(tokenizer, workers, context, vocab_size)
         self.state.model_dir = str(model_dir)
-        self.state.layout = dict(engine.layout())
-        self.state.device = engine.device
+        self.state.layout = dict(workers[0].layout)
+        self.state.device = ", ".join(w.device for w in workers)
         self.state.load_seconds = round(time.monotonic() - t0, 3)
-        return f"{model_dir} on {engine.device}"
+        return f"{model_dir} on {self.state.device}, {c.max_num_seqs} slots each"
 
     def _warmup(self) -> str:
         assert self.loaded is not None
         t0 = time.monotonic()
         tok = self.loaded.tokenizer
         ids = tok.encode("Hello", add_special_tokens=True) or [0]
-        tokens, finish, read_s, decode_s = self.loaded.engine.decode(ids, WARMUP_TOKENS)
+        outs = run_on_workers(self.loaded.workers, lambda w: w.engine.decode(ids, WARMUP_TOKENS))
         self.state.warmup_seconds = round(time.monotonic() - t0, 3)
-        return f"{len(tokens)} tokens ({finish})"
+        return ", ".join(f"{len(tokens)} tokens ({finish})" for tokens, finish, _, _ in outs)
+
+
+def run_on_workers(workers: list[EngineWorker], task: Callable[[EngineWorker], Any]) -> list[Any]:
+    """Run `task(worker)` on every worker's own thread at once; the results in order, or the first error."""
+    futures = [w.call(lambda w=w: task(w)) for w in workers]
+    return [f.result() for f in futures]
+
+
+def device_list(device: str, devices: str | None, torch) -> list[str]:
+    """The torch device of each engine: `devices` engines (default: every chip on cuda and tpu, one on cpu).
+
+    Raises:
+        ValueError: more engines asked for than the machine has devices (naming both counts).
+    """
+    if device == "cpu":
+        count = 1 if devices in (None, "all") else int(devices)
+        return ["cpu"] * count
+    available = torch.cuda.device_count() if device == "cuda" else _tpu_count(torch)
+    count = available if devices in (None, "all") else int(devices)
+    if count > available or count < 1:
+        raise ValueError(f"--devices {devices} asks for {count} {device} devices; this machine has {available}")
+    return [f"{device}:{i}" for i in range(count)]
+
+
+def _tpu_count(torch) -> int:
+    """Chips torch_tpu sees (it registers `torch.tpu` as PyTorch's other accelerator backends do)."""
+    backend = getattr(torch, "tpu", None)
+    if backend is None or not hasattr(backend, "device_count"):
+        raise ValueError("torch_tpu did not register torch.tpu.device_count(); set --devices to the chip count")
+    return int(backend.device_count())

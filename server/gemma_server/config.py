@@ -1,17 +1,20 @@
 """Server settings: command-line flags, each with a matching environment variable.
 
 A flag wins over its variable, the variable over the default (`--port` / `GEMMA_PORT`, ...). The operator
-sets the variables in the pod spec; people use the flags. `HF_TOKEN` is read from the environment only,
-never from a flag, so it does not show in `ps` or in the pod's args.
+sets the variables in the pod spec; people use the flags. Each setting is declared once, as a field of
+`Config` with its default, variable and help (llama-cpp-python's `server/settings.py` does the same with
+pydantic settings), and the parser is generated from those declarations. `HF_TOKEN` is read from the
+environment only, never from a flag, so it does not show in `ps` or in the pod's args.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 DEVICES = ("cpu", "cuda", "tpu")
 DTYPES = ("bfloat16", "float32", "float16")
@@ -29,30 +32,82 @@ def default_engine_src() -> Path:
     return Path(__file__).resolve().parents[2] / "rust"
 
 
+def setting(default, env: str, help: str, *, flag_type: Callable[[str], Any] | None = None,
+            choices: tuple[str, ...] | None = None, minimum: float | None = None) -> Any:
+    """Declare one setting: its default, environment variable and help, in one place.
+
+    Args:
+        default: the value when neither the flag nor the variable is given (a callable: computed from the
+            environment, e.g. a cache path).
+        env: the environment variable the operator sets in the pod spec.
+        help: one line for --help.
+        flag_type: how the flag's text becomes a value (default: the default's type; bool is a switch).
+        choices: the allowed values.
+        minimum: the least allowed value, checked after parsing.
+    """
+    meta = {"env": env, "help": help, "type": flag_type, "choices": choices, "minimum": minimum}
+    if callable(default):
+        return field(default=None, metadata={**meta, "computed": default})
+    return field(default=default, metadata=meta)
+
+
+def _cache_default(leaf: str) -> Callable[[Mapping[str, str]], str]:
+    return lambda environ: str(default_cache_root(environ) / leaf)
+
+
+def _devices(text: str) -> str:
+    if text != "all" and not (text.isdigit() and int(text) >= 1):
+        raise argparse.ArgumentTypeError(f"must be 'all' or a count >= 1, got {text!r}")
+    return text
+
+
 @dataclass(frozen=True)
 class Config:
-    """Everything `python -m gemma_server` was told. See `parse_config` for each field's flag."""
+    """Everything `python -m gemma_server` was told. Each field is one setting: `--field-name` and its
+    environment variable; `build_parser` is generated from these declarations."""
 
-    model: str
-    emb: str | None = None
-    device: str = "cpu"
-    context: int = 8192
-    read_every: int = 1
-    dtype: str = "bfloat16"
-    prefill_chunk: int = 256
-    served_model_name: str | None = None
-    host: str = "0.0.0.0"
-    port: int = 8000
-    queue_limit: int = 32
-    shutdown_timeout: float = 30.0
-    build_cache: str = ""
-    engine_src: str = ""
-    use_installed_engine: bool = False
-    termination_log: str = "/dev/termination-log"
-    gcs_root: str = "/gcs"
-    mount_timeout: float = 300.0
-    tpu_defer_and_fuse: str | None = None
-    log_level: str = "info"
+    model: str = setting(None, "GEMMA_MODEL", "checkpoint: a local directory, hf://org/repo[@revision] or "
+                         "gs://bucket/path (GCS FUSE, mounted at <gcs-root>/<bucket>); required", flag_type=str)
+    emb: str | None = setting(None, "GEMMA_EMB", "optional int4 embedding twin, same source forms as --model",
+                              flag_type=str)
+    device: str = setting("cpu", "GEMMA_DEVICE", "cpu, cuda or tpu (tpu imports torch_tpu first)", choices=DEVICES)
+    devices: str | None = setting(None, "GEMMA_DEVICES", "engines to run, one per device: a count or 'all' "
+                                  "(default: all on cuda and tpu, 1 on cpu)", flag_type=_devices)
+    context: int = setting(8192, "GEMMA_CONTEXT", "most tokens (prompt + generated) per request", minimum=1)
+    max_num_seqs: int = setting(8, "GEMMA_MAX_NUM_SEQS", "sequence slots per engine: requests decoded together "
+                                "in one batch", minimum=1)
+    read_every: int = setting(1, "GEMMA_READ_EVERY", "tokens come back to the host every N decode steps", minimum=1)
+    dtype: str = setting("bfloat16", "GEMMA_DTYPE", "compute dtype", choices=DTYPES)
+    prefill_chunk: int = setting(256, "GEMMA_PREFILL_CHUNK", "prompt tokens read per forward (one chunk per "
+                                 "step, between the running requests' decode steps)", minimum=1)
+    default_temperature: float = setting(1.0, "GEMMA_DEFAULT_TEMPERATURE", "temperature of a request that sets "
+                                         "none (OpenAI's default is 1; 0 makes such requests greedy)", minimum=0)
+    served_model_name: str | None = setting(None, "GEMMA_SERVED_MODEL_NAME", "the model id clients send "
+                                            "(default: from --model)", flag_type=str)
+    host: str = setting("0.0.0.0", "GEMMA_HOST", "listen address")
+    port: int = setting(8000, "GEMMA_PORT", "listen port", minimum=1)
+    queue_limit: int = setting(32, "GEMMA_QUEUE_LIMIT", "requests admitted but not yet in an engine's slot; more "
+                               "get 429", minimum=1)
+    shutdown_timeout: float = setting(30.0, "GEMMA_SHUTDOWN_TIMEOUT", "seconds queued and running requests get "
+                                      "to finish after SIGTERM", minimum=0)
+    api_key: str | None = setting(None, "GEMMA_API_KEY", "when set, every /v1 route needs `Authorization: Bearer "
+                                  "<key>` (prefer the variable: a flag shows in ps)", flag_type=str)
+    build_cache: str = setting(_cache_default("engine-builds"), "GEMMA_BUILD_CACHE", "directory of engine builds "
+                               "keyed by source hash, torch and python; mount a volume here so a restart skips "
+                               "the compile", flag_type=str)
+    engine_src: str = setting(lambda environ: str(default_engine_src()), "GEMMA_ENGINE_SRC",
+                              "the engine crate (rust/) to build", flag_type=str)
+    use_installed_engine: bool = setting(False, "GEMMA_USE_INSTALLED_ENGINE", "skip the build stage and import "
+                                         "the gemma_engine already installed (development)")
+    termination_log: str = setting("/dev/termination-log", "GEMMA_TERMINATION_LOG", "file that gets a one-line "
+                                   "reason when a boot stage fails")
+    gcs_root: str = setting("/gcs", "GEMMA_GCS_ROOT", "where GCS FUSE buckets are mounted: gs://B/P is read at "
+                            "<gcs-root>/B/P")
+    mount_timeout: float = setting(300.0, "GEMMA_MOUNT_TIMEOUT", "seconds to wait for a gs:// checkpoint to "
+                                   "appear under its mount", minimum=0)
+    tpu_defer_and_fuse: str | None = setting(None, "TORCH_TPU_DEFER_AND_FUSE", "sets TORCH_TPU_DEFER_AND_FUSE "
+                                             "before torch_tpu is imported", flag_type=str)
+    log_level: str = setting("info", "GEMMA_LOG_LEVEL", "log level", choices=("debug", "info", "warning", "error"))
 
     @property
     def model_name(self) -> str:
@@ -65,10 +120,6 @@ class Config:
         return src.rsplit("/", 1)[-1] or src
 
 
-def _flag(environ: Mapping[str, str], var: str, default):
-    return environ.get(var, default)
-
-
 def _bool(text: str | bool) -> bool:
     if isinstance(text, bool):
         return text
@@ -76,60 +127,25 @@ def _bool(text: str | bool) -> bool:
 
 
 def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
-    """The flag parser; defaults come from `environ`."""
-    cache = default_cache_root(environ)
-    e = lambda var, default=None: _flag(environ, var, default)  # noqa: E731
+    """The flag parser, generated from Config's declarations; defaults come from `environ`."""
     p = argparse.ArgumentParser(
         prog="python -m gemma_server",
         description="OpenAI-compatible server over the gemma_engine Rust engine.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--model", default=e("GEMMA_MODEL"),
-                   help="checkpoint: a local directory, hf://org/repo[@revision] or gs://bucket/path "
-                        "(GCS FUSE, mounted at <gcs-root>/<bucket>) [GEMMA_MODEL]")
-    p.add_argument("--emb", default=e("GEMMA_EMB"),
-                   help="optional int4 embedding twin, same source forms as --model [GEMMA_EMB]")
-    p.add_argument("--device", choices=DEVICES, default=e("GEMMA_DEVICE", "cpu"),
-                   help="cpu, cuda or tpu (tpu imports torch_tpu first) [GEMMA_DEVICE]")
-    p.add_argument("--context", type=int, default=int(e("GEMMA_CONTEXT", 8192)),
-                   help="most tokens (prompt + generated) per request [GEMMA_CONTEXT]")
-    p.add_argument("--read-every", type=int, default=int(e("GEMMA_READ_EVERY", 1)),
-                   help="tokens come back to the host every N decode steps [GEMMA_READ_EVERY]")
-    p.add_argument("--dtype", choices=DTYPES, default=e("GEMMA_DTYPE", "bfloat16"),
-                   help="compute dtype [GEMMA_DTYPE]")
-    p.add_argument("--prefill-chunk", type=int, default=int(e("GEMMA_PREFILL_CHUNK", 256)),
-                   help="prompt tokens read per forward [GEMMA_PREFILL_CHUNK]")
-    p.add_argument("--served-model-name", default=e("GEMMA_SERVED_MODEL_NAME"),
-                   help="the model id clients send (default: from --model) [GEMMA_SERVED_MODEL_NAME]")
-    p.add_argument("--host", default=e("GEMMA_HOST", "0.0.0.0"), help="listen address [GEMMA_HOST]")
-    p.add_argument("--port", type=int, default=int(e("GEMMA_PORT", 8000)), help="listen port [GEMMA_PORT]")
-    p.add_argument("--queue-limit", type=int, default=int(e("GEMMA_QUEUE_LIMIT", 32)),
-                   help="requests waiting for the engine beyond the one decoding; more get 429 "
-                        "[GEMMA_QUEUE_LIMIT]")
-    p.add_argument("--shutdown-timeout", type=float, default=float(e("GEMMA_SHUTDOWN_TIMEOUT", 30)),
-                   help="seconds queued and running requests get to finish after SIGTERM "
-                        "[GEMMA_SHUTDOWN_TIMEOUT]")
-    p.add_argument("--build-cache", default=e("GEMMA_BUILD_CACHE", str(cache / "engine-builds")),
-                   help="directory of engine builds keyed by source hash, torch and python; mount a "
-                        "volume here so a restart skips the compile [GEMMA_BUILD_CACHE]")
-    p.add_argument("--engine-src", default=e("GEMMA_ENGINE_SRC", str(default_engine_src())),
-                   help="the engine crate (rust/) to build [GEMMA_ENGINE_SRC]")
-    p.add_argument("--use-installed-engine", action="store_true",
-                   default=_bool(e("GEMMA_USE_INSTALLED_ENGINE", "0")),
-                   help="skip the build stage and import the gemma_engine already installed (development) "
-                        "[GEMMA_USE_INSTALLED_ENGINE]")
-    p.add_argument("--termination-log", default=e("GEMMA_TERMINATION_LOG", "/dev/termination-log"),
-                   help="file that gets a one-line reason when a boot stage fails [GEMMA_TERMINATION_LOG]")
-    p.add_argument("--gcs-root", default=e("GEMMA_GCS_ROOT", "/gcs"),
-                   help="where GCS FUSE buckets are mounted: gs://B/P is read at <gcs-root>/B/P "
-                        "[GEMMA_GCS_ROOT]")
-    p.add_argument("--mount-timeout", type=float, default=float(e("GEMMA_MOUNT_TIMEOUT", 300)),
-                   help="seconds to wait for a gs:// checkpoint to appear under its mount "
-                        "[GEMMA_MOUNT_TIMEOUT]")
-    p.add_argument("--tpu-defer-and-fuse", default=e("TORCH_TPU_DEFER_AND_FUSE"),
-                   help="sets TORCH_TPU_DEFER_AND_FUSE before torch_tpu is imported [TORCH_TPU_DEFER_AND_FUSE]")
-    p.add_argument("--log-level", default=e("GEMMA_LOG_LEVEL", "info"),
-                   choices=("debug", "info", "warning", "error"), help="[GEMMA_LOG_LEVEL]")
+    for f in fields(Config):
+        meta = f.metadata
+        flag = "--" + f.name.replace("_", "-")
+        computed = meta.get("computed")
+        default = computed(environ) if computed else f.default
+        kind = meta["type"] or type(default)
+        help_text = f"{meta['help']} [{meta['env']}]"
+        if kind is bool:
+            p.add_argument(flag, action="store_true", default=_bool(environ.get(meta["env"], default)), help=help_text)
+            continue
+        text = environ.get(meta["env"])
+        p.add_argument(flag, type=kind, choices=meta["choices"], help=help_text,
+                       default=kind(text) if text is not None else default)
     return p
 
 
@@ -146,13 +162,15 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str] | None = None) 
     """
     environ = os.environ if environ is None else environ
     parser = build_parser(environ)
-    ns = parser.parse_args(list(argv))
+    try:
+        ns = parser.parse_args(list(argv))
+    except ValueError as e:  # a variable whose text does not convert
+        parser.error(str(e))
     if not ns.model:
         parser.error("--model (or GEMMA_MODEL) is required")
-    # queue_limit counts admitted requests not yet decoding: 0 would admit none, so 1 is the least.
-    for name in ("context", "read_every", "prefill_chunk", "queue_limit"):
-        if getattr(ns, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if ns.shutdown_timeout < 0:
-        parser.error("--shutdown-timeout must be >= 0")
+    for f in fields(Config):
+        low = f.metadata.get("minimum")
+        value = getattr(ns, f.name)
+        if low is not None and value < low:
+            parser.error(f"--{f.name.replace('_', '-')} must be at least {low:g}, got {value}")
     return Config(**vars(ns))

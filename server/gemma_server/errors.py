@@ -10,11 +10,19 @@ unavailable_error, ...), which are the OpenAI reference's own where OpenAI has o
 from __future__ import annotations
 
 import json
+import logging
+import uuid
+
+from gemma_server import scheduler
+
+log = logging.getLogger(__name__)
 
 # HTTP status -> OpenAI-style error type.
 _TYPES = {
     400: "invalid_request_error",
+    401: "authentication_error",
     404: "not_found_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "unavailable_error",
@@ -73,15 +81,36 @@ def bad_request(param: str | None, message: str) -> ApiError:
     return ApiError(400, message, param)
 
 
-class ShuttingDown(ApiError):
-    """The server is draining: new work is refused and work past the shutdown timeout is aborted."""
+# The scheduler's plain exceptions -> (status, extra headers). The one place where the engine layer's
+# refusals become HTTP (vLLM's api_router maps its engine exceptions the same way).
+_SCHEDULER_STATUS: dict[type, tuple[int, dict[str, str]]] = {
+    scheduler.QueueFull: (429, {"Retry-After": "1"}),
+    scheduler.Draining: (503, {}),
+    scheduler.NotReady: (503, {"Retry-After": "5"}),
+    scheduler.EngineDead: (503, {}),
+    scheduler.Shutdown: (503, {}),
+    scheduler.EngineRefused: (400, {}),
+}
 
-    def __init__(self, message: str = "The server is shutting down; retry on another replica.") -> None:
-        super().__init__(503, message)
+
+def from_scheduler(exc: scheduler.SchedulerError) -> ApiError:
+    """The ApiError a client sees for one of the scheduler's refusals."""
+    status, headers = _SCHEDULER_STATUS.get(type(exc), (500, {}))
+    return ApiError(status, str(exc), headers=dict(headers))
 
 
-class NotReady(ApiError):
-    """The engine is still booting (or its thread died)."""
+def as_api_error(exc: BaseException) -> ApiError:
+    """Any error a request ran into, as what its client sees. Unknown errors keep their text out of the
+    body (it is logged with the request id instead)."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, scheduler.SchedulerError):
+        return from_scheduler(exc)
+    return internal_error(exc)
 
-    def __init__(self, message: str) -> None:
-        super().__init__(503, message, headers={"Retry-After": "5"})
+
+def internal_error(exc: BaseException) -> ApiError:
+    """A 500 that names a request id, not the exception: the text goes to the log only."""
+    request_id = uuid.uuid4().hex[:16]
+    log.error("internal error %s: %s: %s", request_id, type(exc).__name__, exc, exc_info=exc)
+    return ApiError(500, f"Internal error; the server log has the details under request id {request_id}.")

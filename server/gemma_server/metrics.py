@@ -13,8 +13,13 @@ vLLM, every interval comes from one process's monotonic clock:
   count at tokens-1 and the sum at the decode time, as vLLM's per-step observations do;
 - time per output token: decode time / (generated tokens - 1), observed once per request at finish.
 
-Label `model_name` on every metric (vLLM's `engine` label is dropped: there is one engine per process).
-Ours besides vLLM's: `gemma_boot_stage_seconds{stage}`, `gemma_engine_ready`, `gemma_build_info`.
+Label `model_name` on every metric (vLLM's `engine` label is dropped: the engines of one process, one per
+device, are summed). `gemma_num_requests_running` counts the engines' occupied sequence slots,
+`gemma_kv_cache_usage_perc` is occupied / total slots (each slot reserves its whole KV ring, so a slot is
+the unit of KV capacity: rust/src/gemma4/cache.rs), and `gemma_iteration_tokens_total` observes the rows
+of every decode step, as vLLM's observes the tokens of every engine step. Ours besides vLLM's:
+`gemma_engine_step_seconds` (wall time of one decode turn), `gemma_boot_stage_seconds{stage}`,
+`gemma_engine_ready`, `gemma_build_info`.
 `_created` series are off, as in vLLM.
 """
 
@@ -77,6 +82,13 @@ class Metrics:
         self.num_requests_waiting = Gauge(
             "gemma_num_requests_waiting", "Number of requests waiting to be processed.", labels, registry=r
         ).labels(m)
+        self.kv_cache_usage_perc = Gauge(
+            "gemma_kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels, registry=r
+        ).labels(m)
+        self.iteration_tokens = Histogram(
+            "gemma_iteration_tokens_total", "Histogram of number of tokens per engine_step.", labels,
+            buckets=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192], registry=r,
+        ).labels(m)
         self.prompt_tokens = Counter(
             "gemma_prompt_tokens", "Number of prefill tokens processed.", labels, registry=r
         ).labels(m)
@@ -132,6 +144,11 @@ class Metrics:
             registry=r,
         )
         self.boot_stage_seconds = {s: stage_seconds.labels(m, s) for s in STAGES}
+        self.engine_step_seconds = Histogram(
+            "gemma_engine_step_seconds", "Wall seconds of one engine turn (a decode step and at most one prompt "
+            "chunk).", labels, buckets=[0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0],
+            registry=r,
+        ).labels(m)
         self.engine_ready = Gauge(
             "gemma_engine_ready", "1 when the engine has warmed up and serves; 0 while booting, draining or dead.",
             labels, registry=r,
@@ -180,6 +197,15 @@ class Metrics:
             self.request_decode_time.observe(decode)
             if generation_tokens > 1:
                 self.request_time_per_output_token.observe(decode / (generation_tokens - 1))
+
+    def observe_steps(self, stats: dict) -> None:
+        """An engine's turns since its last read point: rows per decode step, prompt tokens, wall seconds."""
+        sizes = stats.get("batch_sizes") or []
+        for rows in sizes:
+            self.iteration_tokens.observe(rows)
+        turns = max(len(sizes), 1)
+        for _ in range(turns):
+            self.engine_step_seconds.observe(stats.get("seconds", 0.0) / turns)
 
     def observe_token_gap(self, gap: float, n_tokens: int) -> None:
         """A batch of n tokens arrived `gap` seconds after the previous one."""

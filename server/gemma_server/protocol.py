@@ -6,16 +6,19 @@ use) are fenced below the standard fields. Unknown fields are accepted and logge
 `OpenAIBaseModel` does. Turning a request into engine parameters is a pure method
 (`GenerationRequest.engine_params`), so it is unit-tested without a socket or an engine.
 
-The engine decodes greedily. A sampling field that would change the output (temperature > 0, top_p < 1,
-penalties, logit_bias, n > 1, ...) is refused with 400 naming it rather than silently ignored: a client
-asking for sampling should learn it does not get it. `seed` and `user` are accepted (greedy decoding needs
-no seed).
+Sampling follows OpenAI's meanings and ranges: temperature (0 is greedy), top_p, presence and frequency
+penalties, logit_bias, seed, logprobs / top_logprobs, n; and vLLM's extensions top_k, min_p,
+repetition_penalty. The engine samples on the device in Transformers' processor order (rust/src/gemma4/
+sampling.rs); a value outside its range is a 400 naming the field. Fields the engine cannot honour
+(tools, best_of > 1, echo, suffix, ignore_eos, min_tokens) are refused the same way rather than ignored.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -59,69 +62,129 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
+# Bounds that keep one request's work small (OpenAI allows 4 stop strings; a few more do no harm, many
+# would make stop matching the cost of a step).
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 300
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's own limit
+
+
 @dataclass(frozen=True)
 class EngineParams:
-    """One decode, as the engine thread runs it.
+    """One request, as the scheduler runs it.
 
     Attributes:
         prompt_ids: the prompt's token ids.
         max_new: most tokens to generate (already capped at context - prompt).
         stop_ids: token ids that end the decode (besides the model's eos ids).
         stop: strings that end the output, matched in the detokenized text.
+        sampling: keyword arguments of gemma_engine.SamplingParams (for choice 0; `choice_sampling`
+            gives each of the n choices its own seed).
+        n: how many choices.
+        logprobs: None, or how many top log-probabilities per token (0 for the chosen token's only).
     """
 
     prompt_ids: tuple[int, ...]
     max_new: int
     stop_ids: tuple[int, ...]
     stop: tuple[str, ...]
+    sampling: tuple[tuple[str, Any], ...] = ()
+    n: int = 1
+    logprobs: int | None = None
+
+    def choice_sampling(self, index: int, fresh_seed: Callable[[], int]) -> dict[str, Any]:
+        """SamplingParams keywords for choice `index`: a given seed s gives choice i the seed s + i (so
+        n > 1 choices differ but each is reproducible); without one every choice gets a fresh seed."""
+        kwargs = dict(self.sampling)
+        seed = kwargs.get("seed")
+        kwargs["seed"] = fresh_seed() if seed is None else _wrap64(seed + index)
+        if self.logprobs is not None:
+            kwargs["logprobs"] = self.logprobs
+        return kwargs
+
+
+def _wrap64(v: int) -> int:
+    return (v + 2**63) % 2**64 - 2**63
+
+
+def _in_range(name: str, value: float | None, lo: float, hi: float, lo_open: bool = False) -> None:
+    if value is None:
+        return
+    if not math.isfinite(value) or value > hi or value < lo or (lo_open and value == lo):
+        interval = f"{'(' if lo_open else '['}{lo}, {hi}]"
+        raise bad_request(name, f"{name} must be in {interval}, got {value}.")
 
 
 class GenerationRequest(OpenAIModel):
     """Fields and checks shared by chat and legacy completions."""
 
-    def _unsupported(self) -> None:
-        """Raise 400 naming the first field whose value asks for something greedy decoding cannot do."""
+    def _check_sampling(self) -> None:
+        """Raise 400 naming the first field whose value is out of range or cannot be honoured."""
         g = lambda name: getattr(self, name, None)  # noqa: E731 - fields differ between the two requests
-        temperature = g("temperature")
-        if temperature is not None and temperature < 0:
-            raise bad_request("temperature", "temperature must be >= 0.")
-        if temperature is not None and temperature > 0:
-            raise bad_request(
-                "temperature", "Only greedy decoding is supported: temperature must be 0 or absent."
-            )
-        if g("top_p") is not None and g("top_p") != 1:
-            raise bad_request("top_p", "Only greedy decoding is supported: top_p must be 1 or absent.")
-        if g("n") is not None and g("n") != 1:
-            raise bad_request("n", "Only one choice per request is supported: n must be 1.")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if g(name):
-                raise bad_request(name, f"{name} is not supported: it must be 0 or absent.")
-        if g("logit_bias"):
-            raise bad_request("logit_bias", "logit_bias is not supported.")
-        if g("logprobs") or g("top_logprobs"):
-            name = "logprobs" if g("logprobs") else "top_logprobs"
-            raise bad_request(name, f"{name} is not supported.")
-        # vLLM extensions with their neutral values.
-        if g("top_k") not in (None, 0, -1, 1):
-            raise bad_request("top_k", "Only greedy decoding is supported: top_k must be 0, -1, 1 or absent.")
-        if g("min_p") not in (None, 0):
-            raise bad_request("min_p", "min_p is not supported: it must be 0 or absent.")
-        if g("repetition_penalty") not in (None, 1):
-            raise bad_request("repetition_penalty", "repetition_penalty is not supported: it must be 1 or absent.")
+        _in_range("temperature", g("temperature"), 0.0, 2.0)
+        _in_range("top_p", g("top_p"), 0.0, 1.0, lo_open=True)
+        _in_range("frequency_penalty", g("frequency_penalty"), -2.0, 2.0)
+        _in_range("presence_penalty", g("presence_penalty"), -2.0, 2.0)
+        _in_range("min_p", g("min_p"), 0.0, 1.0)
+        _in_range("repetition_penalty", g("repetition_penalty"), 0.0, 2.0, lo_open=True)
+        if g("top_k") is not None and g("top_k") < -1:
+            raise bad_request("top_k", "top_k must be -1 or 0 (every token) or at least 1.")
+        if g("n") is not None and not 1 <= g("n") <= MAX_N:
+            raise bad_request("n", f"n must be between 1 and {MAX_N}.")
+        if g("seed") is not None and not (-(2**63) <= g("seed") < 2**63):
+            raise bad_request("seed", "seed must fit in a signed 64-bit integer.")
+        bias = g("logit_bias") or {}
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise bad_request("logit_bias", f"logit_bias holds at most {MAX_LOGIT_BIAS} entries, got {len(bias)}.")
+        for key, value in bias.items():
+            if not key.lstrip("-").isdigit():
+                raise bad_request("logit_bias", f"logit_bias keys must be token ids, got {key!r}.")
+            _in_range("logit_bias", value, -100.0, 100.0)
         if g("ignore_eos"):
             raise bad_request("ignore_eos", "ignore_eos is not supported.")
         if g("min_tokens"):
             raise bad_request("min_tokens", "min_tokens is not supported: it must be 0 or absent.")
-        if g("seed") is not None and not (-(2**63) <= g("seed") < 2**63):
-            raise bad_request("seed", "seed must fit in a signed 64-bit integer.")
+        ids = g("stop_token_ids") or []
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise bad_request("stop_token_ids", f"stop_token_ids holds at most {MAX_STOP_TOKEN_IDS} ids.")
+
+    def logprobs_wanted(self) -> int | None:
+        """None, or how many top log-probabilities each token carries."""
+        return None
+
+    def sampling_kwargs(self, default_temperature: float = 1.0) -> tuple[tuple[str, Any], ...]:
+        """The request's sampling fields as gemma_engine.SamplingParams keywords (absent fields: neutral;
+        an absent temperature: the server's default, OpenAI's 1.0 unless configured)."""
+        g = lambda name: getattr(self, name, None)  # noqa: E731
+        top_k = g("top_k")
+        kwargs = {
+            "temperature": default_temperature if g("temperature") is None else g("temperature"),
+            "top_k": 0 if top_k in (None, -1) else top_k,
+            "top_p": 1.0 if g("top_p") is None else g("top_p"),
+            "min_p": g("min_p") or 0.0,
+            "presence_penalty": g("presence_penalty") or 0.0,
+            "frequency_penalty": g("frequency_penalty") or 0.0,
+            "repetition_penalty": 1.0 if g("repetition_penalty") is None else g("repetition_penalty"),
+            "logit_bias": {int(k): float(v) for k, v in (g("logit_bias") or {}).items()} or None,
+            "seed": g("seed"),
+        }
+        return tuple(kwargs.items())
 
     def stop_strings(self) -> tuple[str, ...]:
         stop = getattr(self, "stop", None)
         if stop is None:
             return ()
         stops = (stop,) if isinstance(stop, str) else tuple(stop)
+        if len(stops) > MAX_STOP_STRINGS:
+            raise bad_request("stop", f"stop holds at most {MAX_STOP_STRINGS} strings, got {len(stops)}.")
         if any(s == "" for s in stops):
             raise bad_request("stop", "stop strings must not be empty.")
+        if any(len(s) > MAX_STOP_LENGTH for s in stops):
+            raise bad_request("stop", f"stop strings are at most {MAX_STOP_LENGTH} characters long.")
         return stops
 
     def requested_max_tokens(self) -> int | None:
@@ -136,7 +199,7 @@ class GenerationRequest(OpenAIModel):
 
     def check(self) -> None:
         """Every check that needs no tokenizer; raises ApiError(400) naming the field."""
-        self._unsupported()
+        self._check_sampling()
         self.stop_strings()
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options", "stream_options is only allowed when stream is true.")
@@ -145,13 +208,16 @@ class GenerationRequest(OpenAIModel):
             name = "max_completion_tokens" if getattr(self, "max_completion_tokens", None) is not None else "max_tokens"
             raise bad_request(name, f"{name} must be at least 1.")
 
-    def engine_params(self, prompt_ids: list[int], context: int, vocab_size: int) -> EngineParams:
+    def engine_params(
+        self, prompt_ids: list[int], context: int, vocab_size: int, default_temperature: float = 1.0
+    ) -> EngineParams:
         """Turn this request and its tokenized prompt into one engine decode.
 
         Args:
             prompt_ids: the prompt, tokenized (chat template applied for chat).
             context: the engine's context (most tokens, prompt + generated).
             vocab_size: ids must lie in [0, vocab_size).
+            default_temperature: the temperature of a request that sets none.
         Returns:
             EngineParams with max_new capped at context - len(prompt) (vLLM's `get_max_tokens`).
         Raises:
@@ -180,7 +246,12 @@ class GenerationRequest(OpenAIModel):
         if requested is None:
             requested = self.default_max_tokens()
         max_new = room if requested is None else min(requested, room)
-        return EngineParams(tuple(prompt_ids), max_new, stop_ids, self.stop_strings())
+        bias = [int(k) for k in (getattr(self, "logit_bias", None) or {})]
+        bad = [t for t in bias if not 0 <= t < vocab_size]
+        if bad:
+            raise bad_request("logit_bias", f"Token id {bad[0]} is outside the vocabulary [0, {vocab_size}).")
+        return EngineParams(tuple(prompt_ids), max_new, stop_ids, self.stop_strings(), self.sampling_kwargs(default_temperature),
+                            self.n or 1, self.logprobs_wanted())
 
     def _prompt_field(self) -> str:
         return "prompt"
@@ -222,10 +293,20 @@ class ChatCompletionRequest(GenerationRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     # --- end of extensions -------------------------------------------------------------------
 
+    def logprobs_wanted(self) -> int | None:
+        if not self.logprobs:
+            return None
+        return self.top_logprobs or 0
+
     def check(self) -> None:
         super().check()
         if not self.messages:
             raise bad_request("messages", "messages must hold at least one message.")
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise bad_request("top_logprobs", f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}.")
+            if not self.logprobs:
+                raise bad_request("top_logprobs", "top_logprobs needs logprobs set to true.")
         if self.tools:
             raise bad_request("tools", "Tool calling is not supported.")
         if self.tool_choice not in (None, "none"):
@@ -288,10 +369,15 @@ class CompletionRequest(GenerationRequest):
     def default_max_tokens(self) -> int | None:
         return COMPLETIONS_DEFAULT_MAX_TOKENS
 
+    def logprobs_wanted(self) -> int | None:
+        return self.logprobs
+
     def check(self) -> None:
         super().check()
-        if self.best_of not in (None, 1):
-            raise bad_request("best_of", "best_of must be 1 or absent.")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:
+            raise bad_request("logprobs", f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}.")
+        if self.best_of not in (None, 1, self.n):
+            raise bad_request("best_of", "best_of must be absent or equal to n.")
         if self.echo:
             raise bad_request("echo", "echo is not supported.")
         if self.suffix:
@@ -341,10 +427,36 @@ class ResponseMessage(BaseModel):
     refusal: None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """OpenAI's `choices[].logprobs` of a chat completion."""
+
+    content: list[TokenLogprob] | None
+    refusal: None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions API's `choices[].logprobs`."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: ResponseMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason
 
 
@@ -362,7 +474,7 @@ class ChatCompletionResponse(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason
 
 

@@ -4,8 +4,8 @@ Design: vLLM's `chat_completion/serving.py` and `completion/serving.py`: a gener
 into text pieces; the streaming path frames them as `chat.completion.chunk` / `text_completion` events
 ending with `data: [DONE]`, the non-streaming path joins them. Differences, each on purpose:
 
-- the first engine event is awaited before the stream opens (STYLE.md), so an error before any token
-  (engine error, shutdown while queued) is a JSON error with its status, not a broken stream;
+- the first engine event is awaited before the stream opens, so an error before any token (engine error,
+  shutdown while queued) is a JSON error with its status, not a broken stream;
 - while a request waits for the engine, a task watches for `http.disconnect` (vLLM's
   `with_cancellation`) and cancels it; once the stream is open, Starlette's own disconnect listener
   cancels the generator. Either way the job's cancel flag stops the decode within one token batch and
@@ -20,24 +20,30 @@ import asyncio
 import logging
 import time
 import uuid
+import random
 from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
 from typing import Any
 
-from gemma_server.engine_thread import Done, EngineThread, Job
-from gemma_server.errors import ApiError, ShuttingDown, bad_request, sse_error, sse_event
+from gemma_server.errors import ApiError, as_api_error, bad_request, sse_error, sse_event
 from gemma_server.metrics import Metrics
 from gemma_server.protocol import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     EngineParams,
     ResponseMessage,
     Timings,
+    TokenLogprob,
+    TopLogprob,
     Usage,
 )
+from gemma_server.scheduler import Done, Job, Scheduler, Shutdown
 from gemma_server.text import IncrementalDetokenizer, StopMatcher
 
 log = logging.getLogger(__name__)
@@ -91,51 +97,65 @@ def tokenize_completion(tokenizer, request: CompletionRequest) -> list[int]:
     return list(prompt)
 
 
+@dataclass
+class Piece:
+    """New output text of one choice, and the log-probabilities of the tokens behind it."""
+
+    text: str
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+
+
 class Generation:
-    """One request's decode seen from the asyncio side: token batches in, text pieces out, metrics at the end.
+    """One choice's decode seen from the asyncio side: token batches in, text pieces out, metrics at the end.
 
     Args:
         params: from the request's `engine_params`.
+        index: which of the request's n choices this is.
         tokenizer: for incremental detokenization.
-        engine_thread: where the job goes.
+        scheduler: where the job goes.
         metrics: where the request is recorded when it ends.
         arrival: time.monotonic() when the request arrived.
     """
 
-    def __init__(self, params: EngineParams, tokenizer, engine_thread: EngineThread, metrics: Metrics,
+    def __init__(self, params: EngineParams, index: int, tokenizer, scheduler: Scheduler, metrics: Metrics,
                  arrival: float) -> None:
         self.params = params
-        self.job = Job(list(params.prompt_ids), params.max_new, list(params.stop_ids),
+        self.index = index
+        sampling = params.choice_sampling(index, lambda: random.getrandbits(63))
+        self.job = Job(list(params.prompt_ids), params.max_new, list(params.stop_ids), sampling,
                        asyncio.get_running_loop(), arrival)
-        self._thread = engine_thread
+        self._scheduler = scheduler
         self._metrics = metrics
         self._detok = IncrementalDetokenizer(tokenizer, params.prompt_ids)
         self._stops = StopMatcher(params.stop)
         self.completion_tokens = 0  # tokens that made it into the output
-        self._seen = 0  # tokens received from the engine
         self.first_token: float | None = None
         self.last_token: float | None = None
         self.finish_reason: str | None = None
         self.done: Done | None = None
         self._recorded = False
 
-    def _consume(self, ids: list[int]) -> str:
-        out = []
-        for t in ids:
-            self._seen += 1
+    def _consume(self, ids: list[int], logprobs: list) -> Piece:
+        out = Piece("")
+        texts = []
+        for i, t in enumerate(ids):
             if self._stops.stopped:
-                continue
+                break
             self.completion_tokens += 1
-            out.append(self._stops.feed(self._detok.add(t)))
+            texts.append(self._stops.feed(self._detok.add(t)))
+            if logprobs:
+                chosen, top = logprobs[i]
+                out.logprobs.append((t, chosen, list(top)))
             if self._stops.stopped:
-                self.job.cancel = self.job.cancel or "stop"  # the engine stops within one batch
-        return "".join(out)
+                self.job.cancel = self.job.cancel or "stop"  # the engine stops at its next read point
+        out.text = "".join(texts)
+        return out
 
-    async def pieces(self) -> AsyncIterator[str]:
-        """Text pieces as they are decoded (possibly empty); sets `finish_reason` and `done` at the end.
+    async def pieces(self) -> AsyncIterator[Piece]:
+        """Pieces as they are decoded (possibly empty); sets `finish_reason` and `done` at the end.
 
         Raises:
-            ApiError: 503 when the shutdown timeout cut the request, 400/500 when the engine raised.
+            ApiError: 503 when the shutdown timeout cut the request, 400/500/503 when the engine refused or failed.
         """
         reason = "abort"
         events = self.job.events
@@ -145,7 +165,7 @@ class Generation:
                 kind, payload = pending or await events.get()
                 pending = None
                 if kind == "tokens":
-                    text = self._tokens(*payload)
+                    piece = self._tokens(*payload)
                     # When the client side fell behind, every batch already waiting becomes one piece:
                     # one SSE event and one write instead of one per batch.
                     while not events.empty():
@@ -153,18 +173,18 @@ class Generation:
                         if kind != "tokens":
                             pending = (kind, payload)
                             break
-                        text += self._tokens(*payload)
-                    yield text
+                        more = self._tokens(*payload)
+                        piece.text += more.text
+                        piece.logprobs += more.logprobs
+                    yield piece
                 elif kind == "done":
                     self.done = done = payload
-                    # Tokens the callbacks did not deliver (the engine returns them all).
-                    text = self._consume(done.tokens[self._seen :]) if done.finish != "cancelled" else ""
+                    text = ""
                     if not self._stops.stopped:
                         text += self._stops.feed(self._detok.flush())
                     text += self._stops.flush()
                     if self.job.cancel == "shutdown":
-                        raise ShuttingDown("The server shut down before this request finished "
-                                           "(--shutdown-timeout reached).")
+                        raise Shutdown("The server shut down before this request finished (--shutdown-timeout reached).")
                     if self._stops.stopped or done.finish == "stop":
                         reason = "stop"
                     elif done.finish == "length":
@@ -172,33 +192,33 @@ class Generation:
                     else:
                         reason = "abort"
                     self.finish_reason = reason
-                    yield text
+                    yield Piece(text)
                     return
                 else:  # "error"
                     reason = "error"
-                    raise _as_api_error(payload)
-        except ShuttingDown:
+                    raise as_api_error(payload)
+        except Shutdown:
             reason = "abort"
             raise
         finally:
             if self.finish_reason is None and reason != "error":
                 # Left early (disconnect, cancellation): stop the decode or leave the queue.
                 self.job.cancel = self.job.cancel or "abort"
-                self._thread.withdraw(self.job)
+                self._scheduler.withdraw(self.job)
             self.record(reason)
 
-    def _tokens(self, ids: list[int], t: float) -> str:
+    def _tokens(self, ids: list[int], logprobs: list, t: float) -> Piece:
         if self.last_token is not None:
             self._metrics.observe_token_gap(t - self.last_token, len(ids))
         self.first_token = self.first_token or t
         self.last_token = t
-        return self._consume(ids)
+        return self._consume(ids, logprobs)
 
     def abandon(self) -> None:
         """The client left before the generator ran: cancel the job and record the abort."""
         if not self._recorded:
             self.job.cancel = self.job.cancel or "abort"
-            self._thread.withdraw(self.job)
+            self._scheduler.withdraw(self.job)
             self.record("abort")
 
     def record(self, reason: str) -> None:
@@ -212,22 +232,16 @@ class Generation:
             first_token=self.first_token, last_token=self.last_token, finished=time.monotonic(),
         )
 
-    def usage(self) -> Usage:
-        p = len(self.params.prompt_ids)
-        return Usage(prompt_tokens=p, completion_tokens=self.completion_tokens,
-                     total_tokens=p + self.completion_tokens)
-
     def timings(self) -> Timings:
         d = self.done
-        return Timings(prompt_read_seconds=d.read_s if d else 0.0, decode_seconds=d.decode_s if d else 0.0)
+        return Timings(prompt_read_seconds=d.prompt_s if d else 0.0, decode_seconds=d.decode_s if d else 0.0)
 
 
-def _as_api_error(exc: BaseException) -> ApiError:
-    if isinstance(exc, ApiError):
-        return exc
-    if isinstance(exc, ValueError):  # the engine's own input checks; ours should have caught it first
-        return ApiError(400, f"The engine rejected the request: {exc}")
-    return ApiError(500, f"The engine failed: {type(exc).__name__}: {exc}")
+def usage(gens: list[Generation]) -> Usage:
+    """One request's usage over its choices (the prompt counted once, as OpenAI does for n > 1)."""
+    p = len(gens[0].params.prompt_ids)
+    c = sum(g.completion_tokens for g in gens)
+    return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
 
 
 async def race_disconnect(receive, awaitable: Awaitable[Any]) -> Any:
@@ -272,16 +286,19 @@ class Formatter:
         chat: chat completion (True) or legacy completion.
         model: the served model name.
         fingerprint: system_fingerprint.
+        tokenizer: turns token ids into the strings log-probabilities are reported with.
         include_usage: stream_options.include_usage.
     """
 
-    def __init__(self, chat: bool, model: str, fingerprint: str, include_usage: bool = False) -> None:
+    def __init__(self, chat: bool, model: str, fingerprint: str, tokenizer, include_usage: bool = False) -> None:
         self.chat = chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.model = model
         self.fingerprint = fingerprint
+        self.tokenizer = tokenizer
         self.include_usage = include_usage
+        self._offsets: dict[int, int] = {}  # completions' text_offset, per choice
 
     def _chunk(self, choices: list[dict], usage: dict | None = None, with_usage: bool = False) -> bytes:
         obj = {
@@ -296,71 +313,157 @@ class Formatter:
             obj["usage"] = usage  # OpenAI: null on every chunk but the last when include_usage is set
         return sse_event(obj)
 
-    def role_event(self) -> bytes:
-        """The chat stream's first event: the assistant role, empty content (OpenAI, vLLM)."""
-        return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}])
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
 
-    def text_event(self, text: str) -> bytes:
+    def logprobs(self, index: int, entries: list) -> ChatLogprobs | CompletionLogprobs | None:
+        """OpenAI's logprobs object for `entries` [(token id, logprob, [(id, logprob), ...])], or None."""
+        if not entries:
+            return None
         if self.chat:
-            return self._chunk([{"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}])
-        return self._chunk([{"index": 0, "text": text, "logprobs": None, "finish_reason": None}])
+            def top(tid: int, lp: float) -> TopLogprob:
+                s = self._token(tid)
+                return TopLogprob(token=s, logprob=lp, bytes=list(s.encode()))
 
-    def finish_event(self, reason: str) -> bytes:
-        if self.chat:
-            return self._chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason}])
-        return self._chunk([{"index": 0, "text": "", "logprobs": None, "finish_reason": reason}])
-
-    def usage_event(self, usage: Usage) -> bytes:
-        return self._chunk([], usage.model_dump(), with_usage=True)
-
-    def response(self, text: str, gen: Generation) -> ChatCompletionResponse | CompletionResponse:
-        reason = gen.finish_reason or "abort"
-        if self.chat:
-            return ChatCompletionResponse(
-                id=self.id, created=self.created, model=self.model, system_fingerprint=self.fingerprint,
-                choices=[ChatChoice(message=ResponseMessage(content=text), finish_reason=reason)],
-                usage=gen.usage(), timings=gen.timings(),
-            )
-        return CompletionResponse(
-            id=self.id, created=self.created, model=self.model, system_fingerprint=self.fingerprint,
-            choices=[CompletionChoice(text=text, finish_reason=reason)], usage=gen.usage(), timings=gen.timings(),
+            content = [TokenLogprob(**top(t, lp).model_dump(), top_logprobs=[top(i, v) for i, v in tops])
+                       for t, lp, tops in entries]
+            return ChatLogprobs(content=content)
+        tokens = [self._token(t) for t, _, _ in entries]
+        offsets = []
+        at = self._offsets.get(index, 0)
+        for s in tokens:
+            offsets.append(at)
+            at += len(s)
+        self._offsets[index] = at
+        return CompletionLogprobs(
+            tokens=tokens, token_logprobs=[lp for _, lp, _ in entries],
+            top_logprobs=[{self._token(i): v for i, v in tops} for _, _, tops in entries], text_offset=offsets,
         )
 
+    def role_event(self, index: int) -> bytes:
+        """A chat choice's first event: the assistant role, empty content (OpenAI, vLLM)."""
+        return self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}])
 
-async def collect(gen: Generation) -> str:
-    """The whole output of a non-streamed request."""
-    return "".join([piece async for piece in gen.pieces()])
+    def piece_event(self, index: int, piece: Piece) -> bytes:
+        lp = self.logprobs(index, piece.logprobs)
+        lp = lp.model_dump() if lp is not None else None
+        if self.chat:
+            return self._chunk([{"index": index, "delta": {"content": piece.text}, "logprobs": lp,
+                                 "finish_reason": None}])
+        return self._chunk([{"index": index, "text": piece.text, "logprobs": lp, "finish_reason": None}])
+
+    def finish_event(self, index: int, reason: str) -> bytes:
+        if self.chat:
+            return self._chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}])
+        return self._chunk([{"index": index, "text": "", "logprobs": None, "finish_reason": reason}])
+
+    def usage_event(self, u: Usage) -> bytes:
+        return self._chunk([], u.model_dump(), with_usage=True)
+
+    def response(self, outputs: list[tuple[str, list]], gens: list[Generation]):
+        """The non-streamed response: `outputs[i]` is choice i's (text, logprob entries)."""
+        timings = gens[0].timings()
+        common = dict(id=self.id, created=self.created, model=self.model, system_fingerprint=self.fingerprint,
+                      usage=usage(gens), timings=timings)
+        if self.chat:
+            choices = [ChatChoice(index=g.index, message=ResponseMessage(content=text),
+                                  logprobs=self.logprobs(g.index, lps), finish_reason=g.finish_reason or "abort")
+                       for (text, lps), g in zip(outputs, gens)]
+            return ChatCompletionResponse(choices=choices, **common)
+        choices = [CompletionChoice(index=g.index, text=text, logprobs=self.logprobs(g.index, lps),
+                                    finish_reason=g.finish_reason or "abort")
+                   for (text, lps), g in zip(outputs, gens)]
+        return CompletionResponse(choices=choices, **common)
 
 
-async def open_stream(gen: Generation, fmt: Formatter, receive) -> AsyncIterator[bytes]:
+async def collect(gens: list[Generation]) -> list[tuple[str, list]]:
+    """The whole output of a non-streamed request: per choice, its text and log-probability entries."""
+
+    async def one(gen: Generation) -> tuple[str, list]:
+        text, lps = [], []
+        async for piece in gen.pieces():
+            text.append(piece.text)
+            lps += piece.logprobs
+        return "".join(text), lps
+
+    tasks = [asyncio.ensure_future(one(g)) for g in gens]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def merged(gens: list[Generation]) -> AsyncIterator[tuple[int, Piece | None]]:
+    """Every choice's pieces in the order they come; (index, None) when a choice ends. An error of any
+    choice is raised here; leaving early closes every choice (which cancels its decode)."""
+    if len(gens) == 1:  # the common case needs no tasks
+        async for piece in gens[0].pieces():
+            yield 0, piece
+        yield 0, None
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(gen: Generation) -> None:
+        try:
+            async for piece in gen.pieces():
+                await queue.put((gen.index, piece, None))
+            await queue.put((gen.index, None, None))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            await queue.put((gen.index, None, e))
+
+    tasks = [asyncio.ensure_future(pump(g)) for g in gens]
+    try:
+        left = len(gens)
+        while left:
+            index, piece, error = await queue.get()
+            if error is not None:
+                raise error
+            if piece is None:
+                left -= 1
+            yield index, piece
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def open_stream(gens: list[Generation], fmt: Formatter, receive) -> AsyncIterator[bytes]:
     """Wait for the first engine event (errors surface as exceptions here), then return the SSE body.
 
     Raises:
         ApiError: the request failed before any token.
         ClientDisconnected: the client left while the request waited.
     """
-    pieces = gen.pieces()
-    first = await race_disconnect(receive, pieces.__anext__())
-    return _sse_body(gen, fmt, pieces, first)
+    items = merged(gens)
+    first = await race_disconnect(receive, items.__anext__())
+    return _sse_body(gens, fmt, items, first)
 
 
-async def _sse_body(gen: Generation, fmt: Formatter, pieces: AsyncIterator[str], first: str) -> AsyncIterator[bytes]:
+async def _sse_body(gens: list[Generation], fmt: Formatter, items: AsyncIterator, first) -> AsyncIterator[bytes]:
     try:
-        # The role event and the first text go out in one write: one send, one wake-up of the client.
-        head = fmt.role_event() if fmt.chat else b""
-        if first:
-            head += fmt.text_event(first)
-        if head:
-            yield head
-        async for piece in pieces:
-            if piece:
-                yield fmt.text_event(piece)
-        yield fmt.finish_event(gen.finish_reason or "abort")
+        # The role events and the first text go out in one write: one send, one wake-up of the client.
+        head = b"".join(fmt.role_event(g.index) for g in gens) if fmt.chat else b""
+        pending = [first]
+        while True:
+            for index, piece in pending:
+                if piece is None:
+                    head += fmt.finish_event(index, gens[index].finish_reason or "abort")
+                elif piece.text or piece.logprobs:
+                    head += fmt.piece_event(index, piece)
+            if head:
+                yield head
+                head = b""
+            try:
+                pending = [await items.__anext__()]
+            except StopAsyncIteration:
+                break
         if fmt.include_usage:
-            yield fmt.usage_event(gen.usage())
-    except ApiError as e:
-        yield sse_error(e.status, e.message, e.param)
+            yield fmt.usage_event(usage(gens))
+    except Exception as e:  # noqa: BLE001 - the stream is open: the error becomes its last event
+        err = as_api_error(e)
+        yield sse_error(err.status, err.message, err.param)
     finally:
-        await pieces.aclose()
+        await items.aclose()
     yield DONE_EVENT

@@ -94,8 +94,10 @@ def start_in_process(model_dir: Path, *extra: str, boot_class=None, wait_ready: 
 
 @pytest.fixture(scope="session")
 def server(chat_checkpoint) -> Iterator[InProcessServer]:  # noqa: F811
-    """The real engine on the chat checkpoint, served in-process."""
-    s = start_in_process(chat_checkpoint, "--queue-limit", "8")
+    """The real engine on the chat checkpoint, served in-process, four sequence slots. Requests that set no
+    temperature are greedy here (`--default-temperature 0`), so replies can be compared with the engine's
+    greedy decode; the sampling tests set their temperature."""
+    s = start_in_process(chat_checkpoint, "--queue-limit", "8", "--max-num-seqs", "4", "--default-temperature", "0")
     yield s
     s.stop()
 

@@ -14,7 +14,8 @@ import pytest
 
 from tests.server.conftest import CONTEXT, LONG_PROMPT, get_status, wait_for
 
-COMMON = ["--context", str(CONTEXT), "--dtype", "float32", "--served-model-name", "chat"]
+# Greedy unless a request sets its temperature, so token counts are the checkpoint's known replies.
+COMMON = ["--context", str(CONTEXT), "--dtype", "float32", "--served-model-name", "chat", "--default-temperature", "0"]
 
 
 def engine_info(base: str) -> dict:
@@ -81,7 +82,9 @@ def start_stream(base: str, model: str, prompt: str) -> tuple[httpx.Client, http
 
 
 def test_sigterm_drains_running_and_queued_requests_and_refuses_new_ones(spawn, chat_checkpoint):
-    s = spawn("--model", str(chat_checkpoint), "--use-installed-engine", "--shutdown-timeout", "120", *COMMON)
+    # One sequence slot, so the second request waits in the queue while the first decodes.
+    s = spawn("--model", str(chat_checkpoint), "--use-installed-engine", "--shutdown-timeout", "120",
+              "--max-num-seqs", "1", *COMMON)
     wait_for(lambda: get_status(s.base + "/health") == 200, 120, "/health 200")
     client, stream = start_stream(s.base, "chat", LONG_PROMPT)
     chunks = stream.iter_bytes()

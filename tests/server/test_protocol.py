@@ -55,18 +55,27 @@ def test_token_ids_outside_the_vocabulary_are_400():
 @pytest.mark.parametrize(
     "field,value",
     [
-        ("temperature", 0.7),
+        ("temperature", 2.1),
         ("temperature", -1.0),
-        ("top_p", 0.9),
-        ("n", 2),
-        ("frequency_penalty", 0.5),
-        ("presence_penalty", 0.5),
-        ("logit_bias", {"1": 2.0}),
-        ("logprobs", True),
+        ("temperature", float("nan")),
+        ("top_p", 0.0),
+        ("top_p", 1.1),
+        ("n", 0),
+        ("n", 17),
+        ("frequency_penalty", 2.5),
+        ("presence_penalty", -3.0),
+        ("logit_bias", {"1": 200.0}),
+        ("logit_bias", {"x": 1.0}),
+        ("logit_bias", {str(i): 1.0 for i in range(301)}),
+        ("logit_bias", {"512": 1.0}),
         ("top_logprobs", 2),
-        ("top_k", 40),
-        ("min_p", 0.1),
-        ("repetition_penalty", 1.2),
+        ("top_k", -2),
+        ("min_p", 1.5),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", 3.0),
+        ("stop", ["s"] * 17),
+        ("stop", "x" * 257),
+        ("stop_token_ids", list(range(65))),
         ("ignore_eos", True),
         ("max_tokens", 0),
         ("max_completion_tokens", -1),
@@ -79,7 +88,7 @@ def test_unsupported_or_bad_chat_fields_are_400_naming_the_field(field, value):
     assert_400(lambda: params(chat(**{field: value})), field)
 
 
-@pytest.mark.parametrize("field,value", [("best_of", 2), ("echo", True), ("suffix", "x"), ("logprobs", 3)])
+@pytest.mark.parametrize("field,value", [("best_of", 2), ("echo", True), ("suffix", "x"), ("logprobs", 6)])
 def test_unsupported_completion_fields_are_400_naming_the_field(field, value):
     assert_400(lambda: params(CompletionRequest(prompt="x", **{field: value})), field)
 
@@ -99,6 +108,27 @@ def test_greedy_values_seed_and_user_are_accepted():
     p = params(chat(temperature=0, top_p=1, n=1, seed=123, user="u", top_k=1, stop="END", stop_token_ids=[7]))
     assert p.stop == ("END",)
     assert p.stop_ids == (7,)
+
+
+def test_sampling_fields_become_engine_sampling_params_with_openai_defaults():
+    p = params(chat(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, presence_penalty=0.5, frequency_penalty=-0.5,
+                    repetition_penalty=1.1, logit_bias={"5": -100, "7": 2.5}, seed=11, n=3, logprobs=True,
+                    top_logprobs=4))
+    assert dict(p.sampling) == {"temperature": 0.7, "top_k": 40, "top_p": 0.9, "min_p": 0.05, "presence_penalty": 0.5,
+                                "frequency_penalty": -0.5, "repetition_penalty": 1.1,
+                                "logit_bias": {5: -100.0, 7: 2.5}, "seed": 11}
+    assert (p.n, p.logprobs) == (3, 4)
+    # Choice i of a seeded request draws with seed + i; without a seed each choice gets a fresh one.
+    assert [p.choice_sampling(i, lambda: 0)["seed"] for i in range(3)] == [11, 12, 13]
+    assert p.choice_sampling(0, lambda: 0)["logprobs"] == 4
+    unseeded = params(chat())
+    assert unseeded.choice_sampling(0, lambda: 42)["seed"] == 42
+    # Absent fields are neutral; an absent temperature is the server's default (OpenAI's 1 by default).
+    assert dict(unseeded.sampling)["temperature"] == 1.0 and dict(unseeded.sampling)["top_k"] == 0
+    assert dict(chat().engine_params([1, 2], 100, 512, default_temperature=0.0).sampling)["temperature"] == 0.0
+    assert dict(params(chat(top_k=-1)).sampling)["top_k"] == 0
+    assert params(chat(logprobs=True)).logprobs == 0 and params(chat()).logprobs is None
+    assert params(CompletionRequest(prompt="x", logprobs=2)).logprobs == 2
 
 
 def test_unknown_fields_are_ignored_and_logged(caplog):

@@ -21,7 +21,7 @@ MESSAGES = [{"role": "user", "content": "Hello"}]
 @pytest.fixture
 def gated(chat_checkpoint):
     s = start_in_process(chat_checkpoint, "--queue-limit", "1", boot_class=fake_gated_boot(str(chat_checkpoint)))
-    engine = s.state.boot.loaded.engine
+    engine = s.state.boot.loaded.workers[0].engine
     yield s, engine
     engine.gate.set()
     s.stop()

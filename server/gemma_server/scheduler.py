@@ -1,0 +1,388 @@
+"""The scheduler: a bounded first-come-first-served queue in front of one or more batched engines.
+
+Each engine (`gemma_engine.Engine`, one per device) is owned by one `EngineWorker` thread: the engine is
+`unsendable`, so the thread that loads it is the one that runs it. A worker's thread first runs boot tasks
+(`call`: load the weights, warm up), then the engine's own continuous-batching loop (`Engine.run`), which
+calls back at every read point:
+
+- `poll(free, idle)`: the worker asks the scheduler for new requests (at most `free`, the engine's free
+  sequence slots) and for the ids of its requests to cancel. A request goes to the engine with the most
+  free slots: a worker takes from the queue only while no other serving engine has more free slots. An
+  idle engine waits here (the GIL is released while it waits) until there is work or the server stops.
+- `on_events(events, stats)`: new tokens and ends, posted to each request's asyncio queue with
+  `loop.call_soon_threadsafe`; step statistics go to the metrics.
+
+Admission (`admit`) counts a request against `--queue-limit` before it is tokenized (TGI takes its
+semaphore before validation; vLLM issue #58192 is the bug of counting only after rendering). A client that
+leaves sets `job.cancel`; a queued job leaves the queue at once, a running one is cancelled at the engine's
+next read point, which frees its slot for the next step.
+
+This layer knows nothing of HTTP: it raises the plain exceptions below, and `errors.py` maps them to
+statuses in one table. A BaseException from an engine (pyo3's PanicException) leaves that engine in an
+unknown state: its worker is marked dead, its requests fail, and when no engine is left /health and /live
+turn 503 so Kubernetes restarts the pod (vLLM's engine-dead watchdog).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class SchedulerError(Exception):
+    """Base of the scheduler's refusals; errors.py gives each its HTTP status."""
+
+
+class QueueFull(SchedulerError):
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"The server is overloaded: {limit} requests are already waiting for an engine. Retry later.")
+
+
+class Draining(SchedulerError):
+    def __init__(self, message: str = "The server is shutting down; retry on another replica.") -> None:
+        super().__init__(message)
+
+
+class NotReady(SchedulerError):
+    """Still booting."""
+
+
+class EngineDead(SchedulerError):
+    """No engine is left to serve (or the request's engine died under it)."""
+
+
+class EngineRefused(SchedulerError):
+    """The engine refused one request at admission (its own checks; ours should have caught it first)."""
+
+
+class Shutdown(SchedulerError):
+    """The shutdown timeout cut the request."""
+
+
+@dataclass
+class Done:
+    """A request's end: finish is "stop" | "length" | "cancelled"; the engine's own clocks."""
+
+    finish: str
+    prompt_s: float
+    decode_s: float
+
+
+_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class Job:
+    """One request's decode, shared between the asyncio side and an engine worker.
+
+    Events on `events` (asyncio side): ("tokens", (ids, logprobs, t_monotonic)), ("done", Done), ("error",
+    exception). `cancel` is written by the asyncio side and read by the worker at read points; a str
+    assignment is atomic under the GIL.
+
+    Attributes:
+        sampling: keyword arguments of gemma_engine.SamplingParams.
+    """
+
+    prompt_ids: list[int]
+    max_new: int
+    stop_ids: list[int]
+    sampling: dict[str, Any]
+    loop: asyncio.AbstractEventLoop
+    arrival: float
+    id: int = field(default_factory=lambda: next(_ids))
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancel: str | None = None  # "abort" (client left), "stop" (stop string), "shutdown"
+    cancel_sent: bool = False
+    started: float | None = None
+
+    def post(self, kind: str, payload: Any) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+
+
+@dataclass
+class StepObserver:
+    """Where engine statistics go (metrics setters; no-ops by default)."""
+
+    on_waiting: Callable[[int], None] = lambda n: None
+    on_running: Callable[[int], None] = lambda n: None
+    on_usage: Callable[[float], None] = lambda f: None
+    on_steps: Callable[[dict], None] = lambda stats: None
+
+
+class EngineWorker:
+    """One engine on one device, on its own thread.
+
+    Args:
+        index: the engine's number (0..devices-1).
+        device: the torch device it runs on ("cpu", "cuda:1", "tpu:3").
+        scheduler: where it takes requests from.
+    """
+
+    def __init__(self, index: int, device: str, scheduler: Scheduler) -> None:
+        self.index = index
+        self.device = device
+        self.scheduler = scheduler
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"engine-{index}")
+        self.engine: Any = None
+        self.max_batch = 0
+        self.layout: dict[str, int] = {}
+        self.free = 0  # free slots at the last read point
+        self.active: dict[int, Job] = {}
+        self.served = 0  # requests it has taken
+        self.serving = False
+        self.dead: str | None = None
+        self._loop: Future | None = None
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run `fn` on this worker's thread (boot tasks: the engine may only be touched there)."""
+        return self._pool.submit(fn)
+
+    def set_engine(self, engine: Any) -> None:
+        """Called on this worker's thread once the engine is loaded."""
+        self.engine = engine
+        self.max_batch = int(engine.max_batch)
+        self.layout = dict(engine.layout())
+        self.free = self.max_batch
+
+    def serve(self, read_every: int) -> None:
+        """Start the engine's loop on this worker's thread."""
+        self.serving = True
+        self._loop = self._pool.submit(self._run, read_every)
+
+    def _run(self, read_every: int) -> None:
+        try:
+            self.engine.run(self._poll, self._on_events, read_every)
+        except BaseException as e:  # an exception from the loop or a panic: the engine can no longer be trusted
+            self.scheduler.worker_died(self, f"{type(e).__name__}: {e}")
+            log.critical("engine %d died", self.index, exc_info=True)
+
+    def _poll(self, free: int, idle: bool):
+        import gemma_engine
+
+        taken = self.scheduler.poll(self, free, idle)
+        if taken is None:
+            return None
+        jobs, cancels = taken
+        requests = [
+            gemma_engine.Request(j.id, j.prompt_ids, j.max_new, j.stop_ids, gemma_engine.SamplingParams(**j.sampling))
+            for j in jobs
+        ]
+        return requests, cancels
+
+    def _on_events(self, events, stats: dict) -> None:
+        now = time.monotonic()
+        for e in events:
+            job = self.active.get(e.id)
+            if job is None:
+                continue
+            if e.tokens:
+                job.post("tokens", (list(e.tokens), list(e.logprobs), now))
+            if e.finish is not None:
+                self.scheduler.finished(self, job)
+                if e.finish == "error":
+                    job.post("error", EngineRefused(e.error or "refused"))
+                else:
+                    job.post("done", Done(e.finish, e.prompt_s, e.decode_s))
+        if stats.get("batch_sizes") or stats.get("prompt_tokens"):
+            self.scheduler.observer.on_steps(stats)
+
+    def describe(self) -> dict[str, Any]:
+        """What /v1/engine shows of this engine."""
+        return {
+            "index": self.index, "device": self.device, "max_batch": self.max_batch, "active": len(self.active),
+            "served": self.served,
+            "kv_bytes_per_slot": self.layout.get("kv_bytes_per_slot"), "kv_bytes": self.layout.get("kv_bytes"),
+            "serving": self.serving, "dead": self.dead,
+        }
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False)
+
+
+class Scheduler:
+    """The queue and the engines behind it. See the module docstring.
+
+    Args:
+        queue_limit: most requests admitted but not yet in an engine.
+        observer: metrics hooks.
+    """
+
+    def __init__(self, queue_limit: int, observer: StepObserver | None = None) -> None:
+        self.queue_limit = queue_limit
+        self.observer = observer or StepObserver()
+        self.workers: list[EngineWorker] = []
+        self._cond = threading.Condition()
+        self._queue: collections.deque[Job] = collections.deque()
+        self._admitted = 0  # admitted, not yet in an engine (queued or still tokenizing)
+        self.ready = False
+        self.draining = False
+        self.dead: str | None = None
+        self._stopping = False
+
+    # ---- asyncio side --------------------------------------------------------------------------
+
+    def admit(self) -> None:
+        """Count one request against the queue limit, before any tokenizing.
+
+        Raises:
+            EngineDead, NotReady, Draining, QueueFull.
+        """
+        if self.dead:
+            raise EngineDead(f"No engine is running: {self.dead}")
+        if not self.ready:
+            raise NotReady("The model is loading.")
+        if self.draining:
+            raise Draining()
+        with self._cond:
+            if self._admitted >= self.queue_limit:
+                raise QueueFull(self.queue_limit)
+            self._admitted += 1
+            self._gauges()
+
+    def release(self) -> None:
+        """Give back an admission that never became a job (e.g. the prompt was bad)."""
+        with self._cond:
+            self._admitted -= 1
+            self._gauges()
+
+    def submit(self, job: Job) -> None:
+        """Queue an admitted job.
+
+        Raises:
+            EngineDead, Draining: the caller releases its admission.
+        """
+        with self._cond:
+            if self.dead:
+                raise EngineDead(f"No engine is running: {self.dead}")
+            if self.draining:
+                raise Draining()
+            self._queue.append(job)
+            self._cond.notify_all()
+
+    def withdraw(self, job: Job) -> bool:
+        """Take a job that has not reached an engine out of the queue. Returns whether it was still queued."""
+        with self._cond:
+            try:
+                self._queue.remove(job)
+            except ValueError:
+                return False
+            self._admitted -= 1
+            self._gauges()
+            return True
+
+    def busy(self) -> bool:
+        """True while a request runs or waits."""
+        with self._cond:
+            return self._admitted > 0 or any(w.active for w in self.workers)
+
+    def start_drain(self) -> None:
+        """Refuse new work from now on; queued and running jobs continue."""
+        self.draining = True
+
+    def abort_all(self) -> None:
+        """Shutdown timeout reached: cancel running jobs and fail every queued one."""
+        with self._cond:
+            queued, self._queue = list(self._queue), collections.deque()
+            self._admitted -= len(queued)
+            for w in self.workers:
+                for job in w.active.values():
+                    job.cancel = "shutdown"
+            self._gauges()
+        for job in queued:
+            job.cancel = "shutdown"
+            job.post("error", Shutdown("The server shut down before this request started."))
+
+    def stop(self) -> None:
+        """End the engines' loops (requests still running end cancelled)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        for w in self.workers:
+            w.shutdown()
+
+    def start(self, workers: list[EngineWorker], read_every: int) -> None:
+        """Boot is done: the workers start serving."""
+        with self._cond:
+            self.workers = list(workers)
+        for w in workers:
+            w.serve(read_every)
+        self.ready = True
+
+    def capacity(self) -> int:
+        """Sequence slots of the serving engines."""
+        return sum(w.max_batch for w in self.workers if w.serving and not w.dead)
+
+    # ---- worker side -----------------------------------------------------------------------------
+
+    def poll(self, worker: EngineWorker, free: int, idle: bool) -> tuple[list[Job], list[int]] | None:
+        """A worker's read point: its new jobs and cancels, or None when the server stops."""
+        with self._cond:
+            worker.free = free
+            while True:
+                if self._stopping:
+                    return None
+                cancels = []
+                for job in worker.active.values():
+                    if job.cancel is not None and not job.cancel_sent:
+                        job.cancel_sent = True
+                        cancels.append(job.id)
+                jobs = []
+                while self._queue and worker.free > 0 and self._most_free(worker):
+                    job = self._queue.popleft()
+                    self._admitted -= 1
+                    if job.cancel is not None:  # left while queued, but reached here first
+                        job.post("done", Done("cancelled", 0.0, 0.0))
+                        continue
+                    job.started = time.monotonic()
+                    worker.active[job.id] = job
+                    worker.served += 1
+                    worker.free -= 1
+                    jobs.append(job)
+                if jobs:
+                    self._gauges()
+                if jobs or cancels or not idle:
+                    return jobs, cancels
+                self._cond.wait()
+
+    def _most_free(self, worker: EngineWorker) -> bool:
+        others = [w.free for w in self.workers if w is not worker and w.serving and not w.dead]
+        return not others or worker.free >= max(others)
+
+    def finished(self, worker: EngineWorker, job: Job) -> None:
+        with self._cond:
+            worker.active.pop(job.id, None)
+            worker.free += 1
+            self._gauges()
+
+    def worker_died(self, worker: EngineWorker, reason: str) -> None:
+        """Fail the dead engine's requests; with no engine left, fail the queue too."""
+        with self._cond:
+            worker.dead = reason
+            failed, worker.active = list(worker.active.values()), {}
+            if all(w.dead for w in self.workers):
+                self.dead = reason
+                self.ready = False
+                queued, self._queue = list(self._queue), collections.deque()
+                self._admitted -= len(queued)
+                failed += queued
+            self._gauges()
+            self._cond.notify_all()
+        for job in failed:
+            job.post("error", EngineDead(f"The engine failed: {reason}"))
+
+    def _gauges(self) -> None:
+        running = sum(len(w.active) for w in self.workers)
+        self.observer.on_waiting(self._admitted)
+        self.observer.on_running(running)
+        capacity = self.capacity()
+        self.observer.on_usage(running / capacity if capacity else 0.0)
