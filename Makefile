@@ -29,7 +29,7 @@ PY_STAMP     := $(VENV)/.deps-stamp
 ENGINE_STAMP := $(VENV)/.engine-stamp
 RUST_SOURCES := $(shell find rust -type f \( -name '*.rs' -o -name '*.cpp' -o -name '*.h' -o -name '*.toml' -o -name '*.pyi' \) 2>/dev/null)
 
-.PHONY: help setup engine test test-fast demo bench bench-server bench-operator k8s lock crds clean
+.PHONY: help setup engine rust-check test test-fast demo bench bench-server bench-operator k8s lock crds clean
 
 help:
 	@echo "make demo   build everything and run the demo (see README)"
@@ -55,11 +55,17 @@ $(ENGINE_STAMP): $(PY_STAMP) $(RUST_SOURCES)
 setup: $(PY_STAMP) $(ENGINE_STAMP)
 engine: $(ENGINE_STAMP)
 
+# The crate's own checks: clippy with warnings as errors (the crate's internals are private, so an unused
+# shim entry, wrapper or field is dead code that fails here) and its Rust unit tests.
+rust-check: $(PY_STAMP)
+	cd rust && PATH=$(CURDIR)/$(VENV)/bin:$$PATH cargo clippy --release --all-targets --quiet -- -D warnings
+	cd rust && PATH=$(CURDIR)/$(VENV)/bin:$$PATH cargo test --release --quiet
+
 # Every test, slow, cluster and GPU markers included (GPU tests skip with a
 # reason on a machine without one; nothing else skips). The control plane
 # binaries are built here, once, rather than inside a test fixture, so the
 # first build (many minutes) is not cut short by the per-test timeout.
-test: setup k8s
+test: setup k8s rust-check
 	$(PY) -m pytest tests
 
 # The quick loop while developing: no slow and no cluster tests.

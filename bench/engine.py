@@ -16,7 +16,8 @@ The Rust engine reads tokens back every `--read-every` steps (1 = streaming, as 
 
 `--config small` (default) is a small-but-not-tiny CPU config (hidden 512, 8 layers, vocab 8k);
 `--config tiny` the test checkpoints' size (hidden 128), where per-op overhead dominates;
-`--config e2b` is ../shared/reference/gemma4-e2b-text-config.json with random weights (for a GPU).
+`--config e2b` is bench/gemma4-e2b-text-config.json (Gemma 4 E2B's text config, as google/gemma-4-E2B's
+config.json gives it) with random weights (for a GPU).
 On CPU the decode step of a model this small is mostly matrix-vector products that both sides
 hand to the same ATen kernels, so the Rust/Transformers ratio measures the per-op overhead that
 remains around them: it grows as the model shrinks. The last line prints that floor, the step's
@@ -37,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-E2B_CONFIG = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "gemma4-e2b-text-config.json"
+E2B_CONFIG = Path(__file__).resolve().parent / "gemma4-e2b-text-config.json"
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 

@@ -1,7 +1,7 @@
 //! Compiles the C++ shim (src/aten.cpp) against the PyTorch that is installed in the Python
 //! environment doing the build, and links the module to that PyTorch's libraries.
 //!
-//! Design from the seed rig ("Gemma 4 in Rust on TorchTPU: A Native TPU Rig With PyO3 and
+//! Design from the article ("Gemma 4 in Rust on TorchTPU: A Native TPU Rig With PyO3 and
 //! MCP"): no tch, no libtorch download. The installed torch is asked for its headers, library
 //! directory, C++ ABI flag and version; the shim is built with C++20 (PyTorch 2.14's headers
 //! need it) and the versions are recorded for `gemma_engine.BUILD`.

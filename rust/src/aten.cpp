@@ -119,7 +119,6 @@ int aten_shape(gt *t, int64_t *out, size_t cap) {
       for (size_t i = 0; i < s.size(); ++i) out[i] = s[i])
 }
 
-int aten_dtype(gt *t) { return static_cast<int>(t->t.scalar_type()); }
 
 size_t aten_device(gt *t, char *buf, size_t cap) {
   PROTECT(
@@ -165,7 +164,6 @@ gt *aten_linear(gt *x, gt *w) { RET(at::linear(x->t, w->t)) }
 gt *aten_matmul(gt *a, gt *b) { RET(at::matmul(a->t, b->t)) }
 gt *aten_add(gt *a, gt *b) { RET(a->t + b->t) }
 gt *aten_mul(gt *a, gt *b) { RET(a->t * b->t) }
-gt *aten_add_scalar(gt *a, double v) { RET(a->t + v) }
 gt *aten_mul_scalar(gt *a, double v) { RET(a->t * v) }
 gt *aten_div_scalar(gt *a, double v) { RET(a->t / v) }
 gt *aten_remainder_scalar(gt *a, int64_t v) { RET(at::remainder(a->t, v)) }
@@ -235,7 +233,6 @@ gt *aten_shift_right_logical(gt *a, int64_t bits) {
                       static_cast<int64_t>((~uint64_t{0}) >> bits)))
 }
 
-gt *aten_ge(gt *a, gt *b) { RET(a->t.ge(b->t)) }
 gt *aten_le(gt *a, gt *b) { RET(a->t.le(b->t)) }
 gt *aten_gt(gt *a, gt *b) { RET(a->t.gt(b->t)) }
 gt *aten_ge_scalar(gt *a, double v) { RET(a->t.ge(v)) }
@@ -244,8 +241,6 @@ gt *aten_lt_scalar(gt *a, double v) { RET(a->t.lt(v)) }
 gt *aten_lt(gt *a, gt *b) { RET(a->t.lt(b->t)) }
 gt *aten_logical_or(gt *a, gt *b) { RET(a->t.logical_or(b->t)) }
 gt *aten_logical_and(gt *a, gt *b) { RET(a->t.logical_and(b->t)) }
-gt *aten_logical_not(gt *a) { RET(a->t.logical_not()) }
-gt *aten_masked_fill(gt *a, gt *mask, double v) { RET(a->t.masked_fill(mask->t, v)) }
 
 gt *aten_sdpa(gt *q, gt *k, gt *v, gt *mask, double scale) {
   RET(at::scaled_dot_product_attention(q->t, k->t, v->t, mask->t, 0.0, false, scale, true))
@@ -273,7 +268,6 @@ int aten_scatter_add_(gt *t, int64_t dim, gt *index, gt *src) { RET_INT(t->t.sca
 
 gt *aten_scatter(gt *t, int64_t dim, gt *index, gt *src) { RET(t->t.scatter(dim, index->t, src->t)) }
 
-int aten_index_copy_(gt *t, int64_t dim, gt *index, gt *src) { RET_INT(t->t.index_copy_(dim, index->t, src->t)) }
 int aten_fill_(gt *t, double v) { RET_INT(t->t.fill_(v)) }
 int aten_add_scalar_(gt *t, double v) { RET_INT(t->t.add_(v)) }
 int aten_add_int_(gt *t, int64_t v) { RET_INT(t->t.add_(v)) }

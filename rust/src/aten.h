@@ -1,7 +1,7 @@
 /* C ABI over the few dozen ATen operations the Gemma 4 engine uses.
  *
  * Design: LaurentMazare/tch-rs torch-sys/libtch/torch_api.{h,cpp} (PROTECT), cut down to what
- * the model needs, as in the seed rig's 154-line shim. Every function catches every C++
+ * the model needs. Every function catches every C++
  * exception and leaves its message for `aten_take_error`; nothing throws across the ABI.
  * A function that fails returns NULL (or 0/-1); Rust checks `aten_take_error` after each call
  * (src/ffi.rs, macro `ffi!`).
@@ -36,7 +36,6 @@ gt *aten_shallow_clone(gt *t);
 /* Metadata. */
 int64_t aten_dim(gt *t);
 int aten_shape(gt *t, int64_t *out, size_t cap);
-int aten_dtype(gt *t);
 size_t aten_device(gt *t, char *buf, size_t cap);
 
 /* Creation and movement; `like` names the device. */
@@ -58,7 +57,6 @@ gt *aten_linear(gt *x, gt *w);
 gt *aten_matmul(gt *a, gt *b);
 gt *aten_add(gt *a, gt *b);
 gt *aten_mul(gt *a, gt *b);
-gt *aten_add_scalar(gt *a, double v);
 gt *aten_mul_scalar(gt *a, double v);
 gt *aten_div_scalar(gt *a, double v);
 gt *aten_remainder_scalar(gt *a, int64_t v);
@@ -91,7 +89,6 @@ gt *aten_bitwise_xor(gt *a, gt *b);
 gt *aten_shift_right_logical(gt *a, int64_t bits);
 
 /* Comparisons and masks. */
-gt *aten_ge(gt *a, gt *b);
 gt *aten_le(gt *a, gt *b);
 gt *aten_gt(gt *a, gt *b);
 gt *aten_ge_scalar(gt *a, double v);
@@ -100,8 +97,6 @@ gt *aten_lt_scalar(gt *a, double v);
 gt *aten_lt(gt *a, gt *b);
 gt *aten_logical_or(gt *a, gt *b);
 gt *aten_logical_and(gt *a, gt *b);
-gt *aten_logical_not(gt *a);
-gt *aten_masked_fill(gt *a, gt *mask, double v);
 gt *aten_sdpa(gt *q, gt *k, gt *v, gt *mask, double scale);
 
 /* In place. `indices` of aten_index_put_ may hold NULL for a full slice (`t[rows, :, slots]`). */
@@ -110,7 +105,6 @@ gt *aten_index_put(gt *t, gt *const *indices, size_t n, gt *values);
 int aten_copy_(gt *dst, gt *src);
 int aten_scatter_add_(gt *t, int64_t dim, gt *index, gt *src);
 gt *aten_scatter(gt *t, int64_t dim, gt *index, gt *src);
-int aten_index_copy_(gt *t, int64_t dim, gt *index, gt *src);
 int aten_fill_(gt *t, double v);
 int aten_add_scalar_(gt *t, double v);
 int aten_add_int_(gt *t, int64_t v);

@@ -3,7 +3,7 @@
 //! `#[pymodule]` is a registry; `Engine` is a thin `#[pyclass(unsendable)]` wrapper. Inputs are
 //! extracted and checked under the GIL, then the work runs in `py.detach` (tokenizers'
 //! `encode_batch`); the decode callback re-attaches. One `From<Error> for PyErr` picks the
-//! exception class. Design from the seed rig's bindings.rs (PYO3.md lists each crossing).
+//! exception class. README.md lists each Python crossing.
 
 use std::collections::HashMap;
 use std::path::PathBuf;

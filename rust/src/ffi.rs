@@ -29,7 +29,6 @@ unsafe extern "C" {
 
     pub fn aten_dim(t: T) -> i64;
     pub fn aten_shape(t: T, out: *mut i64, cap: usize) -> c_int;
-    pub fn aten_dtype(t: T) -> c_int;
     pub fn aten_device(t: T, buf: *mut c_char, cap: usize) -> usize;
 
     pub fn aten_to(t: T, like: T, dtype: c_int) -> T;
@@ -48,7 +47,6 @@ unsafe extern "C" {
     pub fn aten_matmul(a: T, b: T) -> T;
     pub fn aten_add(a: T, b: T) -> T;
     pub fn aten_mul(a: T, b: T) -> T;
-    pub fn aten_add_scalar(a: T, v: f64) -> T;
     pub fn aten_mul_scalar(a: T, v: f64) -> T;
     pub fn aten_div_scalar(a: T, v: f64) -> T;
     pub fn aten_remainder_scalar(a: T, v: i64) -> T;
@@ -77,7 +75,6 @@ unsafe extern "C" {
     pub fn aten_bitwise_xor(a: T, b: T) -> T;
     pub fn aten_shift_right_logical(a: T, bits: i64) -> T;
 
-    pub fn aten_ge(a: T, b: T) -> T;
     pub fn aten_le(a: T, b: T) -> T;
     pub fn aten_gt(a: T, b: T) -> T;
     pub fn aten_ge_scalar(a: T, v: f64) -> T;
@@ -86,8 +83,6 @@ unsafe extern "C" {
     pub fn aten_lt(a: T, b: T) -> T;
     pub fn aten_logical_or(a: T, b: T) -> T;
     pub fn aten_logical_and(a: T, b: T) -> T;
-    pub fn aten_logical_not(a: T) -> T;
-    pub fn aten_masked_fill(a: T, mask: T, v: f64) -> T;
     pub fn aten_sdpa(q: T, k: T, v: T, mask: T, scale: f64) -> T;
 
     pub fn aten_index_put_(t: T, indices: *const T, n: usize, values: T) -> c_int;
@@ -95,7 +90,6 @@ unsafe extern "C" {
     pub fn aten_copy_(dst: T, src: T) -> c_int;
     pub fn aten_scatter_add_(t: T, dim: i64, index: T, src: T) -> c_int;
     pub fn aten_scatter(t: T, dim: i64, index: T, src: T) -> T;
-    pub fn aten_index_copy_(t: T, dim: i64, index: T, src: T) -> c_int;
     pub fn aten_fill_(t: T, v: f64) -> c_int;
     pub fn aten_add_scalar_(t: T, v: f64) -> c_int;
     pub fn aten_add_int_(t: T, v: i64) -> c_int;

@@ -4,12 +4,11 @@
 //! Layers, from the edge in: `aten.cpp` (C++ shim, exceptions caught) → `ffi` (declarations,
 //! the `ffi!` macro) → `tensor` (owned handles) → `gemma4` (config, loader, model, ring cache,
 //! decode loop) → `bindings` (the only place that sees Python objects).
-//! Design follows the seed rig "Gemma 4 in Rust on TorchTPU: A Native TPU Rig With PyO3 and MCP".
+//! Design follows the article "Gemma 4 in Rust on TorchTPU: A Native TPU Rig With PyO3 and MCP", which
+//! ran Gemma 4 E2B this way on one TPU v5e chip.
 
-pub mod bindings;
-pub mod error;
+mod bindings;
+pub(crate) mod error;
 pub(crate) mod ffi;
-pub mod gemma4;
-pub mod tensor;
-
-pub use error::{Error, Result};
+pub(crate) mod gemma4;
+pub(crate) mod tensor;

@@ -27,11 +27,6 @@ pub enum DType {
 }
 
 impl DType {
-    pub fn from_code(code: i32) -> Option<DType> {
-        use DType::*;
-        [U8, I8, I32, I64, F16, F32, Bool, BF16].into_iter().find(|d| *d as i32 == code)
-    }
-
     /// Bytes per element.
     pub fn size(self) -> i64 {
         match self {
@@ -171,12 +166,6 @@ impl Tensor {
         Ok(self.size()?.iter().product())
     }
 
-    pub fn dtype(&self) -> Result<DType> {
-        let code = ffi!("dtype", ffi::aten_dtype(self.ptr()))?;
-        DType::from_code(code)
-            .ok_or_else(|| Error::Torch { op: "dtype", msg: format!("unsupported scalar type {code}") })
-    }
-
     /// The device as ATen prints it ("cpu", "cuda:0", ...).
     pub fn device(&self) -> Result<String> {
         let mut buf = [0u8; 128];
@@ -234,7 +223,6 @@ impl Tensor {
         tanh => aten_tanh,
         cos => aten_cos,
         sin => aten_sin,
-        logical_not => aten_logical_not,
     }
 
     binary! {
@@ -247,14 +235,12 @@ impl Tensor {
         lt => aten_lt,
         logical_or => aten_logical_or,
         bitwise_xor => aten_bitwise_xor,
-        ge => aten_ge,
         le => aten_le,
         gt => aten_gt,
         logical_and => aten_logical_and,
     }
 
     scalar! {
-        add_scalar => aten_add_scalar,
         mul_scalar => aten_mul_scalar,
         div_scalar => aten_div_scalar,
         ge_scalar => aten_ge_scalar,
@@ -372,10 +358,6 @@ impl Tensor {
         wrap("argmax", ffi!("argmax", ffi::aten_argmax(self.ptr(), dim, keepdim as i32)))
     }
 
-    pub fn masked_fill(&self, mask: &Tensor, v: f64) -> Result<Tensor> {
-        wrap("masked_fill", ffi!("masked_fill", ffi::aten_masked_fill(self.ptr(), mask.ptr(), v)))
-    }
-
     /// `scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)`.
     pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, scale: f64) -> Result<Tensor> {
         wrap(
@@ -405,10 +387,6 @@ impl Tensor {
         let t = self.to_dtype(DType::F32)?;
         status(ffi!("copy_to_host", ffi::aten_copy_to_host(t.ptr(), out.as_mut_ptr() as *mut c_void, n * 4)))?;
         Ok(out)
-    }
-
-    pub fn index_copy_(&self, dim: i64, index: &Tensor, src: &Tensor) -> Result<()> {
-        status(ffi!("index_copy_", ffi::aten_index_copy_(self.ptr(), dim, index.ptr(), src.ptr())))
     }
 
     pub fn fill_(&self, v: f64) -> Result<()> {

@@ -255,3 +255,25 @@ impl Attention {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::DType;
+
+    fn mask(kind: LayerType, held: &[i64], query: i64, window: i64) -> Vec<i64> {
+        let kpos = Tensor::from_i64(held).unwrap().reshape(&[1, held.len() as i64]).unwrap();
+        let qpos = Tensor::from_i64(&[query]).unwrap().reshape(&[1, 1]).unwrap();
+        visible(kind, &kpos, &qpos, window).unwrap().to_dtype(DType::I64).unwrap().to_vec_i64().unwrap()
+    }
+
+    #[test]
+    fn a_wrapped_sliding_ring_shows_only_the_window_and_never_the_padding_entry() {
+        // A 4-entry ring after position 9: entries hold 8, 9, 6, 7; the fifth is the padding entry.
+        let held = [8, 9, 6, 7, -1];
+        assert_eq!(mask(LayerType::Sliding, &held, 9, 3), vec![1, 1, 0, 1, 0]);
+        assert_eq!(mask(LayerType::Full, &held, 9, 3), vec![1, 1, 1, 1, 0]);
+        // A query earlier than some keys (a chunk's first token) does not see the later ones.
+        assert_eq!(mask(LayerType::Full, &held, 7, 3), vec![0, 0, 1, 1, 0]);
+    }
+}

@@ -54,7 +54,6 @@ pub struct KvCache {
     /// Ring positions per layer type (`LayerType::index`), int64 `[max_batch, ring]`.
     positions: [Tensor; 2],
     ring: [i64; 2],
-    max_batch: i64,
 }
 
 /// The cache geometry, computable before anything is allocated.
@@ -104,15 +103,11 @@ impl KvCache {
             Tensor::full(&[max_batch, ring[0] + 1], -1.0, DType::I64, like)?,
             Tensor::full(&[max_batch, ring[1] + 1], -1.0, DType::I64, like)?,
         ];
-        Ok(KvCache { layers, positions, ring, max_batch })
+        Ok(KvCache { layers, positions, ring })
     }
 
     pub fn ring(&self, kind: LayerType) -> i64 {
         self.ring[kind.index()]
-    }
-
-    pub fn max_batch(&self) -> i64 {
-        self.max_batch
     }
 
     /// How many layers of `kind` hold their own ring.

@@ -3,7 +3,8 @@
 //! Mirrors transformers 5.18 `models/gemma4/configuration_gemma4.py` (Gemma4TextConfig) and the
 //! compressed-tensors `quantization_config`. Every size comes from the file; a bad or missing key
 //! is an `Error::Config` naming it. Derived per-layer facts (head dim, KV source, MLP width)
-//! follow ../shared/reference/gemma4-architecture.md sections 1, 4 and 6.
+//! follow `Gemma4TextConfig.__init__` (C:) and `Gemma4TextAttention.__init__` / `Gemma4TextMLP` (M:) of
+//! that release (line legend in gemma4/mod.rs).
 
 use std::path::Path;
 

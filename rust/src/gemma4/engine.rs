@@ -18,7 +18,7 @@
 //! extra tokens are dropped, so the result does not depend on `read_every`.
 //!
 //! Design from vLLM's `v1/core/sched/scheduler.py` (continuous batching, chunked prefill
-//! interleaved with decodes) and the seed rig's `generate(ids, max_new, read_every)`.
+//! interleaved with decodes).
 
 use std::path::Path;
 use std::time::Instant;
@@ -675,5 +675,24 @@ impl Engine {
             (Some(finish), _) => Ok(Decoded { tokens: one.tokens, finish, timing: one.timing }),
             (None, _) => Err(Error::Internal("the loop ended without finishing the request".into())),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_are_powers_of_two_below_max_batch_then_max_batch() {
+        assert_eq!(buckets(1), vec![1]);
+        assert_eq!(buckets(8), vec![1, 2, 4, 8]);
+        assert_eq!(buckets(6), vec![1, 2, 4, 6]);
+    }
+
+    #[test]
+    fn settings_below_one_name_the_setting() {
+        let s = Settings { context: 8, dtype: DType::F32, prefill_chunk: 4, max_batch: 0 };
+        assert!(s.check().unwrap_err().to_string().contains("max_batch"));
+        assert!(Settings { max_batch: 2, ..s }.check().is_ok());
     }
 }

@@ -74,3 +74,25 @@ impl RopeAt {
         x.mul(&self.cos)?.add(&rotated.mul(&self.sin)?)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_rope_rotates_every_pair_with_theta_powers() {
+        let f = inv_freq(&RopeSpec { theta: 10000.0, partial_rotary_factor: None, factor: 1.0 }, 8);
+        let want: Vec<f32> = (0..4).map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / 8.0)).collect();
+        assert_eq!(f, want);
+    }
+
+    #[test]
+    fn proportional_rope_rotates_only_the_first_pairs_with_the_full_dim_exponent() {
+        // partial_rotary_factor 0.25 of d = 16: int(0.25 * 16 / 2) = 2 pairs rotate, exponent over 16.
+        let f = inv_freq(&RopeSpec { theta: 1e6, partial_rotary_factor: Some(0.25), factor: 1.0 }, 16);
+        assert_eq!(f.len(), 8);
+        assert_eq!(f[0], 1.0);
+        assert_eq!(f[1], 1.0 / 1e6f32.powf(2.0 / 16.0));
+        assert!(f[2..].iter().all(|x| *x == 0.0));
+    }
+}

@@ -376,3 +376,37 @@ impl Sampler {
         self.step.narrow(0, slot, 1)?.fill_(step as f64)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(p: SamplingParams) -> String {
+        p.check(100).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn out_of_range_parameters_name_the_field() {
+        let d = SamplingParams::default();
+        assert!(d.check(100).is_ok());
+        assert!(err(SamplingParams { temperature: -0.5, ..d.clone() }).starts_with("temperature"));
+        assert!(err(SamplingParams { temperature: f64::NAN, ..d.clone() }).starts_with("temperature"));
+        assert!(err(SamplingParams { top_p: 0.0, ..d.clone() }).starts_with("top_p"));
+        assert!(err(SamplingParams { min_p: 1.5, ..d.clone() }).starts_with("min_p"));
+        assert!(err(SamplingParams { top_k: -1, ..d.clone() }).starts_with("top_k"));
+        assert!(err(SamplingParams { repetition_penalty: 0.0, ..d.clone() }).starts_with("repetition_penalty"));
+        assert!(err(SamplingParams { logprobs: Some(21), ..d.clone() }).starts_with("top_logprobs"));
+        assert!(err(SamplingParams { logit_bias: vec![(100, 1.0)], ..d }).contains("token id 100"));
+    }
+
+    #[test]
+    fn stages_of_a_batch_are_the_union_of_its_requests() {
+        let greedy = SamplingParams::default().flags();
+        assert_eq!(greedy, Stages::default());
+        let sampled = SamplingParams { temperature: 0.7, logprobs: Some(3), ..Default::default() }.flags();
+        let biased = SamplingParams { logit_bias: vec![(1, 2.0)], logprobs: Some(5), ..Default::default() }.flags();
+        let all = greedy.union(sampled).union(biased);
+        assert!(all.draw && all.bias && !all.repetition && !all.presence_frequency);
+        assert_eq!(all.logprobs, Some(5));
+    }
+}
