@@ -69,7 +69,7 @@ impl Drop for Tensor {
 /// Wrap a handle returned by a shim call, after `ffi!` has checked the error.
 fn wrap(op: &'static str, r: Result<*mut CTensor>) -> Result<Tensor> {
     let p = r?;
-    NonNull::new(p).map(Tensor).ok_or_else(|| Error::Torch { op, msg: "null tensor without an error".into() })
+    NonNull::new(p).map(Tensor).ok_or_else(|| Error::Internal(format!("{op}: the shim returned no tensor and no error")))
 }
 
 /// Check an `int` status returned by an in-place shim call.

@@ -87,8 +87,10 @@ def test_completion_through_the_sdk_with_text_and_token_prompts(client, model, d
 def test_completions_default_to_16_tokens(client, model, direct_engine, tokenizer):
     ids = tokenizer.encode("Hello")
     tokens, finish, _, _ = direct_engine.decode(ids, 16)
+    assert finish == "length"  # this prompt's reply is longer than 16 tokens, so the cap is what ends it
     r = client.completions.create(model=model, prompt=ids)
-    assert r.usage.completion_tokens == len(tokens) <= 16
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == len(tokens) == 16
 
 
 def test_models_lists_the_served_name_with_max_model_len(client, model):
