@@ -6,6 +6,7 @@
 //! follow `Gemma4TextConfig.__init__` (C:) and `Gemma4TextAttention.__init__` / `Gemma4TextMLP` (M:) of
 //! that release (line legend in gemma4/mod.rs).
 
+use std::collections::HashMap;
 use std::path::Path;
 
 use serde_json::{Map, Value};
@@ -231,26 +232,7 @@ impl Config {
             Some(t) => t.as_object().ok_or_else(|| Error::config("text_config", "must be an object"))?,
             None => root,
         };
-        if let Some(t) = get(m, "model_type").and_then(|v| v.as_str())
-            && t != "gemma4_text"
-            && t != "gemma4"
-        {
-            return Err(Error::config("model_type", format!("{t:?} is not a Gemma 4 text model")));
-        }
-        if boolean(m, "enable_moe_block", false)? {
-            return Err(Error::config("enable_moe_block", "mixture-of-experts models are not supported"));
-        }
-        if boolean(m, "attention_k_eq_v", false)? {
-            return Err(Error::config("attention_k_eq_v", "K=V attention is not supported"));
-        }
-        if get(m, "use_bidirectional_attention").and_then(|v| v.as_str()) == Some("all") {
-            return Err(Error::config("use_bidirectional_attention", "\"all\" is not supported"));
-        }
-        if let Some(act) = get(m, "hidden_activation").and_then(|v| v.as_str())
-            && act != "gelu_pytorch_tanh"
-        {
-            return Err(Error::config("hidden_activation", format!("{act:?} is not supported (gelu_pytorch_tanh)")));
-        }
+        check_supported(m)?;
 
         let vocab_size = positive(m, "vocab_size")?;
         let hidden_size = positive(m, "hidden_size")?;
@@ -303,83 +285,24 @@ impl Config {
         let tie_word_embeddings = boolean(m, "tie_word_embeddings", true)?;
 
         let kinds = layer_types(m, num_layers)?;
-        // Transformers writes the keys zero-padded to one width ("04" of 35 layers).
-        let per_layer: Option<std::collections::HashMap<usize, &Map<String, Value>>> = match get(m, "per_layer_config")
-        {
-            None => None,
-            Some(v) => {
-                let o = v
-                    .as_object()
-                    .ok_or_else(|| Error::config("per_layer_config", "must be an object keyed by layer index"))?;
-                let mut map = std::collections::HashMap::new();
-                for (k, entry) in o {
-                    let key = format!("per_layer_config.{k}");
-                    let i: usize = k.parse().map_err(|_| Error::config(&key, "the key must be a layer index"))?;
-                    if i >= num_layers {
-                        return Err(Error::config(&key, format!("layer {i} does not exist ({num_layers} layers)")));
-                    }
-                    map.insert(i, entry.as_object().ok_or_else(|| Error::config(&key, "must be an object"))?);
-                }
-                Some(map)
-            }
-        };
+        let per_layer = per_layer_config(m, num_layers)?;
         let global_head_dim = match get(m, "global_head_dim") {
             None => 512, // configuration_gemma4.py: kwargs.pop("global_head_dim", 512)
             Some(_) => positive(m, "global_head_dim")?,
         };
 
         let first_shared = num_layers - num_kv_shared as usize;
+        let defaults = HeadDefaults { head_dim, num_kv_heads, global_head_dim, num_heads };
         let mut layers = Vec::with_capacity(num_layers);
         for (i, &kind) in kinds.iter().enumerate() {
-            // Head geometry: per_layer_config (what save_pretrained writes) overrides head_dim and
-            // num_key_value_heads; without it, full layers take global_head_dim (C:210-223).
-            let (mut d, mut nkv) = (head_dim, num_kv_heads);
-            match &per_layer {
-                Some(p) => {
-                    if let Some(o) = p.get(&i) {
-                        let k = format!("per_layer_config.{i}");
-                        if get(o, "head_dim").is_some() {
-                            d = positive(o, "head_dim")
-                                .map_err(|_| Error::config(format!("{k}.head_dim"), "must be an integer >= 1"))?;
-                        }
-                        if get(o, "num_key_value_heads").is_some() {
-                            nkv = positive(o, "num_key_value_heads").map_err(|_| {
-                                Error::config(format!("{k}.num_key_value_heads"), "must be an integer >= 1")
-                            })?;
-                        }
-                    }
-                }
-                None if kind == LayerType::Full => d = global_head_dim,
-                None => {}
-            }
-            if d % 2 != 0 {
-                return Err(Error::config(format!("head_dim (layer {i})"), format!("must be even, got {d}")));
-            }
-            if num_heads % nkv != 0 {
-                return Err(Error::config(
-                    "num_key_value_heads",
-                    format!("must divide num_attention_heads ({num_heads}), got {nkv} on layer {i}"),
-                ));
-            }
-            // M:1181-1187: a shared layer reads the last non-shared layer of its type.
-            let kv_source = if i >= first_shared {
-                let src = (0..first_shared).rev().find(|&j| kinds[j] == kind).ok_or_else(|| {
-                    Error::config(
-                        "num_kv_shared_layers",
-                        format!("shared layer {i} has no earlier non-shared layer of its type"),
-                    )
-                })?;
-                Some(src)
-            } else {
-                None
-            };
+            let (d, nkv) = head_geometry(per_layer.as_ref().map(|p| p.get(&i).copied()), i, kind, &defaults)?;
             // M:1064-1069: the double-wide MLP needs `layer_idx >= first_shared > 0`.
             let wide = double_wide && i >= first_shared && first_shared > 0;
             layers.push(LayerSpec {
                 kind,
                 head_dim: d,
                 num_kv_heads: nkv,
-                kv_source,
+                kv_source: kv_donor(&kinds, first_shared, i)?,
                 intermediate_size: if wide { 2 * intermediate_size } else { intermediate_size },
             });
         }
@@ -418,6 +341,104 @@ impl Config {
     }
 }
 
+/// Refuse the Gemma 4 variants the engine does not implement, naming the key.
+fn check_supported(m: &Map<String, Value>) -> Result<()> {
+    if let Some(t) = get(m, "model_type").and_then(|v| v.as_str())
+        && t != "gemma4_text"
+        && t != "gemma4"
+    {
+        return Err(Error::config("model_type", format!("{t:?} is not a Gemma 4 text model")));
+    }
+    if boolean(m, "enable_moe_block", false)? {
+        return Err(Error::config("enable_moe_block", "mixture-of-experts models are not supported"));
+    }
+    if boolean(m, "attention_k_eq_v", false)? {
+        return Err(Error::config("attention_k_eq_v", "K=V attention is not supported"));
+    }
+    if get(m, "use_bidirectional_attention").and_then(|v| v.as_str()) == Some("all") {
+        return Err(Error::config("use_bidirectional_attention", "\"all\" is not supported"));
+    }
+    if let Some(act) = get(m, "hidden_activation").and_then(|v| v.as_str())
+        && act != "gelu_pytorch_tanh"
+    {
+        return Err(Error::config("hidden_activation", format!("{act:?} is not supported (gelu_pytorch_tanh)")));
+    }
+    Ok(())
+}
+
+/// `per_layer_config` by layer index. Transformers writes the keys zero-padded to one width ("04" of
+/// 35 layers).
+fn per_layer_config(m: &Map<String, Value>, num_layers: usize) -> Result<Option<HashMap<usize, &Map<String, Value>>>> {
+    let Some(v) = get(m, "per_layer_config") else { return Ok(None) };
+    let o = v.as_object().ok_or_else(|| Error::config("per_layer_config", "must be an object keyed by layer index"))?;
+    let mut map = HashMap::new();
+    for (k, entry) in o {
+        let key = format!("per_layer_config.{k}");
+        let i: usize = k.parse().map_err(|_| Error::config(&key, "the key must be a layer index"))?;
+        if i >= num_layers {
+            return Err(Error::config(&key, format!("layer {i} does not exist ({num_layers} layers)")));
+        }
+        map.insert(i, entry.as_object().ok_or_else(|| Error::config(&key, "must be an object"))?);
+    }
+    Ok(Some(map))
+}
+
+/// The config-wide head sizes a layer starts from.
+struct HeadDefaults {
+    head_dim: i64,
+    num_kv_heads: i64,
+    global_head_dim: i64,
+    num_heads: i64,
+}
+
+/// Layer `i`'s (head_dim, num_kv_heads). With a `per_layer_config` (what save_pretrained writes) its
+/// entry overrides head_dim and num_key_value_heads (`entry` is Some(None) when the layer has none);
+/// without one (`entry` None), full layers take global_head_dim (C:210-223).
+fn head_geometry(
+    entry: Option<Option<&Map<String, Value>>>,
+    i: usize,
+    kind: LayerType,
+    h: &HeadDefaults,
+) -> Result<(i64, i64)> {
+    let (mut d, mut nkv) = (h.head_dim, h.num_kv_heads);
+    match entry {
+        Some(Some(o)) => {
+            let k = format!("per_layer_config.{i}");
+            if get(o, "head_dim").is_some() {
+                d = positive(o, "head_dim").map_err(|_| Error::config(format!("{k}.head_dim"), "must be an integer >= 1"))?;
+            }
+            if get(o, "num_key_value_heads").is_some() {
+                nkv = positive(o, "num_key_value_heads")
+                    .map_err(|_| Error::config(format!("{k}.num_key_value_heads"), "must be an integer >= 1"))?;
+            }
+        }
+        Some(None) => {}
+        None if kind == LayerType::Full => d = h.global_head_dim,
+        None => {}
+    }
+    if d % 2 != 0 {
+        return Err(Error::config(format!("head_dim (layer {i})"), format!("must be even, got {d}")));
+    }
+    if h.num_heads % nkv != 0 {
+        return Err(Error::config(
+            "num_key_value_heads",
+            format!("must divide num_attention_heads ({}), got {nkv} on layer {i}", h.num_heads),
+        ));
+    }
+    Ok((d, nkv))
+}
+
+/// The layer whose K/V layer `i` reads, when `i` is KV-shared (`i >= first_shared`): the last
+/// non-shared layer of its type (M:1181-1187).
+fn kv_donor(kinds: &[LayerType], first_shared: usize, i: usize) -> Result<Option<usize>> {
+    if i < first_shared {
+        return Ok(None);
+    }
+    (0..first_shared).rev().find(|&j| kinds[j] == kinds[i]).map(Some).ok_or_else(|| {
+        Error::config("num_kv_shared_layers", format!("shared layer {i} has no earlier non-shared layer of its type"))
+    })
+}
+
 fn layer_types(m: &Map<String, Value>, num_layers: usize) -> Result<Vec<LayerType>> {
     let mut kinds: Vec<LayerType> = match get(m, "layer_types") {
         // C:190-195: a 5:1 sliding:full pattern by default.
@@ -448,4 +469,71 @@ fn layer_types(m: &Map<String, Value>, num_layers: usize) -> Result<Vec<LayerTyp
         *last = LayerType::Full;
     }
     Ok(kinds)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+    use LayerType::{Full, Sliding};
+
+    fn obj(v: Value) -> Map<String, Value> {
+        v.as_object().unwrap().clone()
+    }
+
+    #[test]
+    fn layer_types_default_to_five_sliding_one_full_and_the_last_is_full() {
+        let kinds = layer_types(&obj(json!({})), 8).unwrap();
+        assert_eq!(kinds, vec![Sliding, Sliding, Sliding, Sliding, Sliding, Full, Sliding, Full]);
+        let given = obj(json!({"layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}));
+        assert_eq!(layer_types(&given, 3).unwrap(), vec![Sliding, Full, Full]);
+        let err = layer_types(&obj(json!({"layer_types": ["sliding_attention"]})), 2).unwrap_err();
+        assert!(err.to_string().contains("layer_types"));
+    }
+
+    #[test]
+    fn a_shared_layer_reads_the_last_non_shared_layer_of_its_type() {
+        let kinds = [Sliding, Sliding, Full, Sliding, Full, Sliding, Full];
+        assert_eq!(kv_donor(&kinds, 5, 4).unwrap(), None);
+        assert_eq!(kv_donor(&kinds, 5, 5).unwrap(), Some(3));
+        assert_eq!(kv_donor(&kinds, 5, 6).unwrap(), Some(4));
+        let err = kv_donor(&[Full, Sliding], 1, 1).unwrap_err();
+        assert!(err.to_string().contains("num_kv_shared_layers"));
+    }
+
+    #[test]
+    fn head_geometry_follows_per_layer_config_or_global_head_dim() {
+        let h = HeadDefaults { head_dim: 32, num_kv_heads: 2, global_head_dim: 64, num_heads: 4 };
+        assert_eq!(head_geometry(None, 0, Sliding, &h).unwrap(), (32, 2));
+        assert_eq!(head_geometry(None, 1, Full, &h).unwrap(), (64, 2));
+        let entry = obj(json!({"head_dim": 128, "num_key_value_heads": 1}));
+        assert_eq!(head_geometry(Some(Some(&entry)), 1, Full, &h).unwrap(), (128, 1));
+        assert_eq!(head_geometry(Some(None), 1, Full, &h).unwrap(), (32, 2));
+        let odd = obj(json!({"head_dim": 33}));
+        assert!(head_geometry(Some(Some(&odd)), 2, Sliding, &h).unwrap_err().to_string().contains("layer 2"));
+        let bad = obj(json!({"num_key_value_heads": 3}));
+        assert!(head_geometry(Some(Some(&bad)), 0, Sliding, &h).unwrap_err().to_string().contains("num_key_value_heads"));
+    }
+
+    #[test]
+    fn unsupported_variants_name_their_key() {
+        for (v, key) in [
+            (json!({"model_type": "llama"}), "model_type"),
+            (json!({"enable_moe_block": true}), "enable_moe_block"),
+            (json!({"attention_k_eq_v": true}), "attention_k_eq_v"),
+            (json!({"hidden_activation": "relu"}), "hidden_activation"),
+        ] {
+            assert!(check_supported(&obj(v)).unwrap_err().to_string().contains(key), "{key}");
+        }
+        assert!(check_supported(&obj(json!({"model_type": "gemma4_text"}))).is_ok());
+    }
+
+    #[test]
+    fn per_layer_config_keys_are_layer_indices_even_zero_padded() {
+        let m = obj(json!({"per_layer_config": {"04": {"head_dim": 64}}}));
+        let p = per_layer_config(&m, 5).unwrap().unwrap();
+        assert!(p.contains_key(&4));
+        let past = obj(json!({"per_layer_config": {"9": {}}}));
+        assert!(per_layer_config(&past, 5).unwrap_err().to_string().contains("per_layer_config.9"));
+    }
 }
