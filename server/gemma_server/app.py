@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import threading
 import time
@@ -102,6 +103,8 @@ class ServerState:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.model_name:
+            if not model.isascii() and not _is_utf8(model):
+                raise ApiError(400, "model is not valid Unicode text.", "model")
             raise ApiError(404, f"The model `{model}` does not exist.", "model")
 
     def not_ready_reason(self) -> str | None:
@@ -147,6 +150,58 @@ class ServerState:
                 await asyncio.sleep(0.02)
         await asyncio.sleep(0.05)  # let the last responses flush
         self.request_exit()
+
+
+def _is_utf8(text: str) -> bool:
+    """False for strings holding lone UTF-16 surrogates (valid JSON escapes, invalid text)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `max_bytes` is a 413 before any of it is parsed.
+
+    A declared Content-Length over the limit is refused at once; otherwise the body is read here, counting
+    as it arrives (a chunked body is cut at the limit), and handed on whole. Starlette reads the whole body
+    before FastAPI parses it anyway, so this holds no more than it would.
+    """
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or {}).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._refuse(send)
+        parts, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before sending its body
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                return await self._refuse(send)
+            parts.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        whole = [{"type": "http.request", "body": b"".join(parts), "more_body": False}]
+
+        async def replay():
+            return whole.pop() if whole else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send) -> None:
+        body = json.dumps(error_body(413, f"The request body is larger than {self.max_bytes} bytes.")).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
@@ -198,6 +253,7 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
 
     app = FastAPI(title="gemma-rust-operator server", lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.server = state
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -227,6 +283,7 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
         state.check_api_key(request)
         state.check_model(body.model)
         body.check()
+        body.check_size(config.context)
         sched = state.scheduler
         n = body.n or 1
         for _ in range(n):
@@ -234,7 +291,9 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
         gens = []
         try:
             tok = state.tokenizer
-            ids = render_chat(tok, body) if chat else tokenize_completion(tok, body)
+            # Rendering and tokenizing run off the event loop: a long prompt must not stall /live.
+            render = render_chat if chat else tokenize_completion
+            ids = await asyncio.get_running_loop().run_in_executor(None, render, tok, body)
             loaded = state.boot.loaded
             params = body.engine_params(ids, loaded.context, loaded.vocab_size, state.config.default_temperature)
             for i in range(n):

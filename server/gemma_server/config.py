@@ -86,6 +86,8 @@ class Config:
                                             "(default: from --model)", flag_type=str)
     host: str = setting("0.0.0.0", "GEMMA_HOST", "listen address")
     port: int = setting(8000, "GEMMA_PORT", "listen port", minimum=1)
+    max_body_bytes: int = setting(4 * 1024 * 1024, "GEMMA_MAX_BODY_BYTES", "largest request body; a larger one is "
+                                  "a 413 before it is parsed", minimum=1)
     queue_limit: int = setting(32, "GEMMA_QUEUE_LIMIT", "requests admitted but not yet in an engine's slot; more "
                                "get 429", minimum=1)
     shutdown_timeout: float = setting(30.0, "GEMMA_SHUTDOWN_TIMEOUT", "seconds queued and running requests get "

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from gemma_server.errors import bad_request
 
@@ -55,9 +55,10 @@ class TextPart(BaseModel):
     text: str | None = None
 
 
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
 
@@ -71,6 +72,10 @@ MAX_LOGIT_BIAS = 300
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's own limit
+MAX_MESSAGES = 1024
+# Characters of prompt text per token of context: no tokenizer packs more, so text past
+# context x this cannot fit and is refused before it is tokenized.
+MAX_CHARS_PER_TOKEN = 32
 
 
 @dataclass(frozen=True)
@@ -197,6 +202,22 @@ class GenerationRequest(OpenAIModel):
     def default_max_tokens(self) -> int | None:
         return None
 
+    def check_size(self, context: int) -> None:
+        """Refuse prompts that cannot fit `context` tokens, before they are rendered or tokenized."""
+        limit = context * MAX_CHARS_PER_TOKEN
+        if self._prompt_chars() > limit:
+            raise bad_request(self._prompt_field(), f"The prompt is longer than {limit} characters; it cannot fit "
+                                                    f"the model's context of {context} tokens.")
+        ids = self._prompt_ids_count()
+        if ids > context:
+            raise bad_request(self._prompt_field(), f"The prompt has {ids} token ids; the context holds {context}.")
+
+    def _prompt_chars(self) -> int:
+        return 0
+
+    def _prompt_ids_count(self) -> int:
+        return 0
+
     def check(self) -> None:
         """Every check that needs no tokenizer; raises ApiError(400) naming the field."""
         self._check_sampling()
@@ -298,10 +319,15 @@ class ChatCompletionRequest(GenerationRequest):
             return None
         return self.top_logprobs or 0
 
+    def _prompt_chars(self) -> int:
+        return sum(len(m["content"]) for m in self.template_messages())
+
     def check(self) -> None:
         super().check()
         if not self.messages:
             raise bad_request("messages", "messages must hold at least one message.")
+        if len(self.messages) > MAX_MESSAGES:
+            raise bad_request("messages", f"messages holds at most {MAX_MESSAGES} messages, got {len(self.messages)}.")
         if self.top_logprobs is not None:
             if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
                 raise bad_request("top_logprobs", f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}.")
@@ -339,7 +365,7 @@ class CompletionRequest(GenerationRequest):
     """POST /v1/completions (legacy). Field order: OpenAI API reference."""
 
     model: str | None = None
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     best_of: int | None = None
     echo: bool | None = False
     frequency_penalty: float | None = None
@@ -371,6 +397,18 @@ class CompletionRequest(GenerationRequest):
 
     def logprobs_wanted(self) -> int | None:
         return self.logprobs
+
+    def _prompt_chars(self) -> int:
+        p = self.prompt
+        if isinstance(p, str):
+            return len(p)
+        return sum(len(x) for x in p if isinstance(x, str))
+
+    def _prompt_ids_count(self) -> int:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], list):
+            return sum(len(x) for x in p)
+        return len(p) if isinstance(p, list) and all(isinstance(x, int) for x in p) else 0
 
     def check(self) -> None:
         super().check()

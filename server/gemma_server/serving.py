@@ -58,6 +58,10 @@ class ClientDisconnected(Exception):
 def render_chat(tokenizer, request: ChatCompletionRequest) -> list[int]:
     """Apply the checkpoint's chat template and tokenize (the template adds BOS itself).
 
+    Message content is the client's text: a control token typed into it (`<start_of_turn>`, `<eos>`) is
+    encoded as the characters it is made of, never as the control token, so a message cannot forge a
+    turn. Only the template's own markup becomes control tokens.
+
     Raises:
         ApiError: 400 naming `messages` when the template rejects the conversation (e.g. roles that do
             not alternate) or `chat_template_kwargs` when those do not fit.
@@ -69,28 +73,60 @@ def render_chat(tokenizer, request: ChatCompletionRequest) -> list[int]:
     # any type): only the checkpoint's own template is used, as vLLM does by default.
     if "chat_template" in kwargs:
         raise bad_request("chat_template_kwargs", "chat_template cannot be set by a request; the checkpoint's own is used.")
+    messages = request.template_messages()
     try:
         text = tokenizer.apply_chat_template(
-            request.template_messages(), tokenize=False, add_generation_prompt=request.add_generation_prompt,
-            **kwargs,
+            messages, tokenize=False, add_generation_prompt=request.add_generation_prompt, **kwargs,
         )
     except TypeError as e:
         raise bad_request("chat_template_kwargs", f"Bad chat_template_kwargs: {e}") from e
     except (jinja2.TemplateError, ValueError, ArithmeticError, LookupError) as e:
         raise bad_request("messages", f"The chat template rejected the messages: {e}") from e
-    return encode(tokenizer, text, "messages", add_special_tokens=False)
+    contents = [m["content"] for m in messages]
+    controls = control_tokens(tokenizer)
+    if not any(c in content for content in contents for c in controls):
+        return encode(tokenizer, text, "messages", add_special_tokens=False)
+    return encode_with_literal_contents(tokenizer, text, contents)
 
 
-def encode(tokenizer, text: str, param: str, add_special_tokens: bool) -> list[int]:
-    """tokenizer.encode, with text it cannot take (lone UTF-16 surrogates from a JSON escape) as a 400."""
+def control_tokens(tokenizer) -> list[str]:
+    """The strings the tokenizer turns into special (control) tokens."""
+    return [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
+
+
+def encode_with_literal_contents(tokenizer, text: str, contents: list[str]) -> list[int]:
+    """Tokenize rendered chat `text` with the template's markup as control tokens and each message's
+    content (found in order in `text`) with special tokens split into plain text."""
+    ids: list[int] = []
+    at = 0
+    for i, content in enumerate(contents):
+        body = content.strip()  # templates trim content (Gemma's `| trim`)
+        if not body:
+            continue
+        found = text.find(body, at)
+        if found < 0:
+            raise bad_request(f"messages[{i}].content",
+                              "This message holds control-token text that the chat template changed; remove it.")
+        ids += encode(tokenizer, text[at:found], "messages", add_special_tokens=False)
+        ids += encode(tokenizer, body, f"messages[{i}].content", add_special_tokens=False, split_special=True)
+        at = found + len(body)
+    return ids + encode(tokenizer, text[at:], "messages", add_special_tokens=False)
+
+
+def encode(tokenizer, text: str, param: str, add_special_tokens: bool, split_special: bool = False) -> list[int]:
+    """tokenizer.encode, with text it cannot take (lone UTF-16 surrogates from a JSON escape) as a 400.
+    `split_special`: control-token strings in `text` are encoded as plain text."""
+    if not text:
+        return []
     try:
-        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens, split_special_tokens=split_special)
     except (TypeError, ValueError, UnicodeError) as e:
         raise bad_request(param, f"The text cannot be tokenized (is it valid Unicode?): {e}") from e
 
 
 def tokenize_completion(tokenizer, request: CompletionRequest) -> list[int]:
-    """A text prompt is tokenized with the tokenizer's special tokens (BOS), as vLLM does; ids pass as they are."""
+    """A text prompt is tokenized with the tokenizer's special tokens (BOS), as vLLM does; ids pass as they are.
+    (A raw completion prompt is the client's own formatting: control tokens in it stay control tokens.)"""
     prompt = request.single_prompt()
     if isinstance(prompt, str):
         return encode(tokenizer, prompt, "prompt", add_special_tokens=True)
