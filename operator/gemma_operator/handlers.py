@@ -201,7 +201,7 @@ def _sync_locked(body: dict[str, Any], meta: b.Meta, uid: str, k: Kube, logger: 
     obs = st.Observed(generation=generation, replicas=spec.replicas if spec else 0, pods=pods,
                       engine=reports.engine, models=reports.models, problems=problems,
                       monitoring_requested=requested, monitoring_skipped=skipped,
-                      blockers={n: tuple(x) for n, x in ev.blockers(pods, events).items()},
+                      blockers=ev.blockers(pods, events),
                       disruption=ev.disruption(pods), warnings=b.spec_warnings(spec) if spec else [])
     new = st.compute_status(
         obs, accelerator=s.accelerator_text(spec.accelerator) if spec else "",
