@@ -150,11 +150,14 @@ def test_preempted_spot_pod_leads_while_its_replacement_waits_for_spot_capacity(
     cluster.kubectl("cordon", node)
     try:
         kubelet.shut_down_node(pod)
-        row = shows(cluster, kube, ns, "spot", operator, "NodePreempted", phase="Scheduling")
+        shows(cluster, kube, ns, "spot", operator, "NodePreempted", phase="Scheduling")
+        # Then the replacement's own wait follows: the scheduler's message once it has tried.
+        row = wait_for(lambda: (lambda r: r if "nodes are available" in r["MESSAGE"] else None)(
+            grs_row(cluster, ns, "spot")), what="the scheduler's message after the preemption", diagnose=operator.tail)
+        assert (row["PHASE"], row["REASON"]) == ("Scheduling", "NodePreempted")
         assert row["MESSAGE"].startswith(
             f"pod {pod['metadata']['name']} on spot node {node}: Pod was terminated in response to imminent node "
             "shutdown. (GKE reclaimed the node; a replacement waits for spot capacity); now pod ")
-        assert "nodes are available" in row["MESSAGE"]  # the replacement's own wait: the scheduler's message
     finally:
         cluster.kubectl("uncordon", node)
 
