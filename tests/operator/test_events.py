@@ -151,3 +151,12 @@ def test_the_same_shutdown_on_a_standard_node_and_an_eviction():
                                          "message": "The node was low on resource: memory."})
     b = ev.disruption([evicted, pod("g-new", created="2026-01-01T00:05:00Z")])
     assert b == ev.Blocker("Evicted", "pod g-old on node v5e-1x1-a: The node was low on resource: memory.")
+
+
+def test_a_flex_start_node_that_ends_is_preempted_too():
+    gone = pod("g-old", node_selector={"cloud.google.com/gke-flex-start": "true"},
+               status_extra={**SHUTDOWN, "conditions": [{**SHUTDOWN["conditions"][0], "reason": "DeletionByPodGC",
+                                                         "message": "PodGC: node no longer exists"}]})
+    b = ev.disruption([gone])
+    assert b == ev.Blocker("NodePreempted", "pod g-old on flex-start node v5e-1x1-a: PodGC: node no longer exists "
+                                            "(GKE reclaimed the node; a replacement waits for flex-start capacity)")
