@@ -8,7 +8,15 @@ import sys
 
 from kopf.cli import main
 
-if __name__ == "__main__":
-    args = sys.argv[1:]
+
+def kopf_argv(args: list[str]) -> list[str]:
+    """The `kopf` command line for `python -m gemma_operator ARGS` (pure).
+
+    --standalone: one operator, no peering objects (neither the RBAC rules nor the chart provide for them).
+    """
     scope = [] if any(a.startswith(("--namespace", "-n", "--all-namespaces", "-A")) for a in args) else ["--all-namespaces"]
-    sys.exit(main(["run", "--standalone", *scope, "-m", "gemma_operator.handlers", *args]))
+    return ["run", "--standalone", *scope, "-m", "gemma_operator.handlers", *args]
+
+
+if __name__ == "__main__":
+    sys.exit(main(kopf_argv(sys.argv[1:])))

@@ -12,13 +12,21 @@ Where the choices come from (see ../shared/reference/operator-anchors.md):
   (sglang-jax's GKE guide, production-stack PR #103).
 - Probe budget: startupProbe failureThreshold = ceil(startupTimeout / period) rather than a large
   initialDelay (tt-inference-server#4870), so liveness cannot kill a pod that is still compiling.
-- GCS FUSE: the CSI driver `gcsfuse.csi.storage.gke.io` plus the pod annotation `gke-gcsfuse/volumes`.
+- GCS FUSE: the CSI driver `gcsfuse.csi.storage.gke.io` plus the pod annotation `gke-gcsfuse/volumes`, with a
+  bounded file cache on the sidecar's `gke-gcsfuse-cache` volume (GcsFuseSpec in spec.py says where from).
+- Capacity classes: `standard` pods require nodes that are neither spot, flex-start nor preemptible
+  (node_affinity); on spot and flex-start the preStop and drain fit the grace GKE gives a reclaimed node's
+  pods (shutdown_plan).
+- /dev/shm: TPU pods mount an in-memory emptyDir there, as Google's TPU serving samples do
+  (GoogleCloudPlatform/kubernetes-engine-samples, ai-ml/gke-ray/rayserve/llm/tpu/ray-cluster.tpu-v6e-multihost.yaml).
 """
 
 from __future__ import annotations
 
 import math
 from typing import Any, NamedTuple
+
+from kubernetes.utils import parse_quantity
 
 from . import spec as s
 
@@ -36,16 +44,26 @@ LABEL_SERVER = "gemmarust.dev/server"
 TPU_ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
 TPU_TOPOLOGY_LABEL = "cloud.google.com/gke-tpu-topology"
 TPU_RESOURCE = "google.com/tpu"
+# Node labels of reclaimable capacity, each "true" on such nodes: Spot VMs
+# (https://cloud.google.com/kubernetes-engine/docs/how-to/autopilot-spot-pods, "cloud.google.com/gke-spot=true"),
+# flex-start VMs (https://cloud.google.com/kubernetes-engine/docs/how-to/dws-flex-start-training-tpu, the
+# workload's nodeSelector "cloud.google.com/gke-flex-start: true") and legacy preemptible VMs (the Spot Pods
+# page: the "cloud.google.com/gke-preemptible" selector).
 SPOT_LABEL = "cloud.google.com/gke-spot"
 FLEX_START_LABEL = "cloud.google.com/gke-flex-start"
+PREEMPTIBLE_LABEL = "cloud.google.com/gke-preemptible"
+RECLAIMABLE_LABELS = (SPOT_LABEL, FLEX_START_LABEL, PREEMPTIBLE_LABEL)
 COMPUTE_CLASS_LABEL = "cloud.google.com/compute-class"
 GCSFUSE_ANNOTATION = "gke-gcsfuse/volumes"
+# The GCS FUSE sidecar caches files on a volume of this name when the pod has one
+# (https://cloud.google.com/kubernetes-engine/docs/how-to/cloud-storage-fuse-csi-driver-sidecar).
+GCSFUSE_CACHE_VOLUME = "gke-gcsfuse-cache"
 
 CACHE_MOUNT = "/var/cache/gemma"
 GCS_ROOT = "/gcs"  # gemma_server's default --gcs-root: gs://B/P is read at /gcs/B/P
-PRESTOP_SLEEP_SECONDS = 5
 STARTUP_PERIOD_SECONDS = 10
-GCSFUSE_MOUNT_OPTIONS = "implicit-dirs,file-cache:enable-parallel-downloads:true,file-cache:max-size-mb:-1"
+# The file cache's size is the volume attribute fileCacheCapacity (GcsFuseSpec); these only tune it.
+GCSFUSE_MOUNT_OPTIONS = "implicit-dirs,file-cache:enable-parallel-downloads:true"
 
 
 class Meta(NamedTuple):
@@ -100,7 +118,7 @@ class ModelMount(NamedTuple):
     mount: dict[str, Any] | None
 
 
-def model_mount(source: str, volume_name: str) -> ModelMount:
+def model_mount(source: str, volume_name: str, gcs: s.GcsFuseSpec = s.GcsFuseSpec()) -> ModelMount:
     """Map a model URL to what the server container sees (pure).
 
     hf:// goes to the server as is (it downloads with the token). gs:// also goes as is, and the bucket is
@@ -115,7 +133,8 @@ def model_mount(source: str, volume_name: str) -> ModelMount:
         mount_path = f"{GCS_ROOT}/{root}"
         volume = {"name": volume_name, "csi": {"driver": "gcsfuse.csi.storage.gke.io", "readOnly": True,
                                                "volumeAttributes": {"bucketName": root,
-                                                                    "mountOptions": GCSFUSE_MOUNT_OPTIONS}}}
+                                                                    "mountOptions": GCSFUSE_MOUNT_OPTIONS,
+                                                                    "fileCacheCapacity": file_cache_capacity(gcs)}}}
         value = source
     elif scheme == "pvc":
         mount_path = f"/models/pvc/{root}"
@@ -126,11 +145,25 @@ def model_mount(source: str, volume_name: str) -> ModelMount:
     return ModelMount(value, volume, {"name": volume_name, "mountPath": mount_path, "readOnly": True})
 
 
+def file_cache_capacity(gcs: s.GcsFuseSpec) -> str:
+    """The driver's fileCacheCapacity: a tenth below the cache volume's size, so the cache's own bookkeeping
+    never pushes the emptyDir over its sizeLimit (which would evict the pod)."""
+    mib = int(parse_quantity(gcs.file_cache_size) * 9 / 10 / 2**20)
+    return f"{mib}Mi"
+
+
+def gcsfuse_cache_volume(gcs: s.GcsFuseSpec) -> dict[str, Any]:
+    empty_dir: dict[str, Any] = {"sizeLimit": gcs.file_cache_size}
+    if gcs.file_cache_medium == "Memory":
+        empty_dir["medium"] = "Memory"
+    return {"name": GCSFUSE_CACHE_VOLUME, "emptyDir": empty_dir}
+
+
 def _model_mounts(spec: s.GemmaRustServerSpec) -> tuple[ModelMount, ModelMount | None]:
-    main = model_mount(spec.model.source, "model")
+    main = model_mount(spec.model.source, "model", spec.model.gcs_fuse)
     twin = None
     if spec.model.embedding_twin:
-        twin = model_mount(spec.model.embedding_twin, "model-emb")
+        twin = model_mount(spec.model.embedding_twin, "model-emb", spec.model.gcs_fuse)
         # The same bucket or claim is mounted once.
         if twin.volume and main.volume and twin.mount["mountPath"] == main.mount["mountPath"]:
             twin = ModelMount(twin.value, None, None)
@@ -156,6 +189,19 @@ def node_selector(spec: s.GemmaRustServerSpec) -> dict[str, str]:
         out[COMPUTE_CLASS_LABEL] = accel.compute_class
     out.update(spec.node_selector)
     return out
+
+
+def node_affinity(spec: s.GemmaRustServerSpec) -> dict[str, Any] | None:
+    """For `standard` capacity: nodes that are not spot, flex-start or preemptible. Without it a standard pod
+    also fits a reclaimable node of the same topology, and is then preempted, or ends with the flex-start VM.
+    NotIn also matches a node without the label, which is how GKE's on-demand nodes look. A ComputeClass
+    decides provisioning itself, so it gets no affinity."""
+    accel = spec.accelerator
+    if accel.provisioning != "standard" or accel.compute_class:
+        return None
+    expressions = [{"key": key, "operator": "NotIn", "values": ["true"]} for key in RECLAIMABLE_LABELS]
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": expressions}]}}}
 
 
 def tolerations(spec: s.GemmaRustServerSpec) -> list[dict[str, Any]]:
@@ -200,7 +246,7 @@ def env(spec: s.GemmaRustServerSpec, main: ModelMount, twin: ModelMount | None) 
         *([{"name": "GEMMA_SERVED_MODEL_NAME", "value": srv.served_model_name}] if srv.served_model_name else []),
         {"name": "GEMMA_PORT", "value": str(srv.port)},
         {"name": "GEMMA_QUEUE_LIMIT", "value": str(srv.queue_limit)},
-        {"name": "GEMMA_SHUTDOWN_TIMEOUT", "value": str(srv.shutdown_timeout_seconds)},
+        {"name": "GEMMA_SHUTDOWN_TIMEOUT", "value": str(shutdown_plan(spec).drain)},
         {"name": "GEMMA_BUILD_CACHE", "value": f"{CACHE_MOUNT}/build"},
         *([{"name": "GEMMA_GCS_ROOT", "value": GCS_ROOT}] if any(
             m and m.value.startswith("gs://") for m in (main, twin)) else []),
@@ -231,9 +277,57 @@ def probes(spec: s.GemmaRustServerSpec) -> dict[str, Any]:
     }
 
 
+# After a Spot VM's preemption notice GKE gives pods 15 s to shut down, best effort (the first half of 30 s;
+# the second is for system pods): https://cloud.google.com/kubernetes-engine/docs/concepts/spot-vms,
+# "Termination and graceful shutdown of Spot VMs". Flex-start VMs are reclaimed too (at the latest after
+# seven days, https://cloud.google.com/kubernetes-engine/docs/concepts/dws); they get the same budget here.
+RECLAIM_GRACE_SECONDS = 15
+
+
+class ShutdownPlan(NamedTuple):
+    prestop: int  # seconds the preStop hook sleeps, so endpoints drop the pod before SIGTERM
+    drain: int    # the server's --shutdown-timeout
+    grace: int    # terminationGracePeriodSeconds: preStop + drain + time to exit
+
+
+def reclaimable(spec: s.GemmaRustServerSpec) -> bool:
+    return spec.accelerator.provisioning in ("spot", "flex-start")
+
+
+def shutdown_plan(spec: s.GemmaRustServerSpec) -> ShutdownPlan:
+    """preStop, drain and grace for the capacity class. On spot and flex-start the defaults fit the
+    RECLAIM_GRACE_SECONDS a reclaimed node gives (2 + 10 + 3 = 15); elsewhere the drain is unhurried and the
+    grace is longer than preStop + drain, so SIGKILL never cuts a drain short."""
+    if reclaimable(spec):
+        prestop, default_drain, margin = 2, 10, 3
+    else:
+        prestop, default_drain, margin = 5, 30, 15
+    drain = spec.server.shutdown_timeout_seconds or default_drain
+    return ShutdownPlan(prestop, drain, prestop + drain + margin)
+
+
 def termination_grace_seconds(spec: s.GemmaRustServerSpec) -> int:
-    """Longer than preStop + the server's drain, so SIGKILL never cuts a drain short."""
-    return PRESTOP_SLEEP_SECONDS + spec.server.shutdown_timeout_seconds + 15
+    return shutdown_plan(spec).grace
+
+
+def spec_warnings(spec: s.GemmaRustServerSpec) -> list[tuple[str, str]]:
+    """(reason, message) for a spec that works but will not do what its author likely expects (pure)."""
+    if not reclaimable(spec):
+        return []
+    kind = spec.accelerator.provisioning
+    out = []
+    plan = shutdown_plan(spec)
+    if plan.grace > RECLAIM_GRACE_SECONDS:
+        out.append(("DrainExceedsReclaimGrace",
+                    f"spec.server.shutdownTimeoutSeconds {plan.drain} s plus the {plan.prestop} s preStop does not "
+                    f"fit the {RECLAIM_GRACE_SECONDS} s GKE gives pods on a {kind} node that is reclaimed: "
+                    f"requests still running then are cut; set it to {RECLAIM_GRACE_SECONDS - plan.prestop - 3} or "
+                    "less (it only bounds the drain of a reclaimed pod; rollouts honour it)"))
+    if spec.build_cache.type == "emptyDir":
+        out.append(("EphemeralBuildCache",
+                    f"spec.buildCache.type emptyDir on {kind} capacity: every reclaimed or restarted pod compiles "
+                    "the engine again (boot stage build); set spec.buildCache.type: pvc to keep the build"))
+    return out
 
 
 def build_cache_volume(spec: s.GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
@@ -250,6 +344,19 @@ def pod_annotations(spec: s.GemmaRustServerSpec, main: ModelMount, twin: ModelMo
     return out
 
 
+def extra_volumes(spec: s.GemmaRustServerSpec, main: ModelMount,
+                  twin: ModelMount | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The GCS FUSE cache volume (for gs:// sources) and /dev/shm (TPU): (volumes, server mounts)."""
+    volumes: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = []
+    if any(m and m.volume and "csi" in m.volume for m in (main, twin)):
+        volumes.append(gcsfuse_cache_volume(spec.model.gcs_fuse))  # the sidecar mounts it, not the server
+    if spec.accelerator.type == s.TPU_V5E:
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    return volumes, mounts
+
+
 def build_deployment(spec: s.GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
     """The Deployment running the server pods.
 
@@ -260,8 +367,10 @@ def build_deployment(spec: s.GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
         A Deployment manifest (dict), without owner references (handlers.adopt adds them).
     """
     main, twin = _model_mounts(spec)
-    volumes = [build_cache_volume(spec, meta)] + [m.volume for m in (main, twin) if m and m.volume]
-    mounts = [{"name": "build-cache", "mountPath": CACHE_MOUNT}] + [m.mount for m in (main, twin) if m and m.mount]
+    more_volumes, more_mounts = extra_volumes(spec, main, twin)
+    volumes = [build_cache_volume(spec, meta)] + [m.volume for m in (main, twin) if m and m.volume] + more_volumes
+    mounts = ([{"name": "build-cache", "mountPath": CACHE_MOUNT}] + [m.mount for m in (main, twin) if m and m.mount]
+              + more_mounts)
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": spec.image,
@@ -269,7 +378,7 @@ def build_deployment(spec: s.GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
         "env": env(spec, main, twin),
         "ports": [{"name": "http", "containerPort": spec.server.port, "protocol": "TCP"}],
         **probes(spec),
-        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
+        "lifecycle": {"preStop": {"sleep": {"seconds": shutdown_plan(spec).prestop}}},
         "resources": container_resources(spec),
         "volumeMounts": mounts,
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
@@ -288,6 +397,9 @@ def build_deployment(spec: s.GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
         "terminationGracePeriodSeconds": termination_grace_seconds(spec),
         "enableServiceLinks": False,
     }
+    affinity = node_affinity(spec)
+    if affinity:
+        pod_spec["affinity"] = affinity
     if spec.service_account_name:
         pod_spec["serviceAccountName"] = spec.service_account_name
     tpu = spec.accelerator.type == s.TPU_V5E

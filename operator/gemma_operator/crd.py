@@ -150,6 +150,8 @@ PRINTER_COLUMNS = [
     {"name": "Accelerator", "type": "string", "jsonPath": ".status.accelerator"},
     {"name": "Reason", "type": "string", "jsonPath": ".status.reason"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    # `kubectl get grs -o wide` adds why the server is where it is.
+    {"name": "Message", "type": "string", "jsonPath": ".status.message", "priority": 1},
 ]
 
 

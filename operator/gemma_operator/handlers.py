@@ -6,7 +6,8 @@ Every handler funnels into `sync`, which has the same shape each time (STYLE.md,
 example, dask-kubernetes' controller):
 
     parse spec -> check problems -> build children (pure) -> adopt -> server-side apply -> observe pods
-    -> poll /v1/engine and /v1/models -> compute status (pure) -> patch status -> post transition Events
+    and the Events of those that are not ready -> poll /v1/engine and /v1/models -> compute status (pure)
+    -> patch status -> post transition Events
 
 Triggers:
 - create / update / resume of a GemmaRustServer: full sync, and children the spec no longer asks for
@@ -37,6 +38,7 @@ import kopf
 import pydantic
 
 from . import builders as b
+from . import events as ev
 from . import spec as s
 from . import status as st
 from .engine import EnginePoller
@@ -102,20 +104,15 @@ def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any)
 # Problems a schema-valid spec can still have
 
 
-def find_problems(spec: s.GemmaRustServerSpec, namespace: str, k: Kube) -> list[st.Problem]:
-    """Check what admission cannot: a known accelerator, the token Secret's existence."""
+def find_problems(spec: s.GemmaRustServerSpec) -> list[st.Problem]:
+    """Check what admission cannot: a known accelerator. (A missing token Secret is the kubelet's to find:
+    the pod's CreateContainerConfigError, which events.py reports, so the operator never reads Secrets.)"""
     problems = []
     if spec.accelerator.type not in s.KNOWN_ACCELERATORS:
         problems.append(st.Problem(
             "UnknownAccelerator",
             f"spec.accelerator.type {spec.accelerator.type!r} is not supported; set one of: "
             + ", ".join(s.KNOWN_ACCELERATORS), fatal=True))
-    ref = spec.model.token_secret
-    if ref and not k.secret_exists(namespace, ref.name):
-        problems.append(st.Problem(
-            "SecretNotFound",
-            f"Secret {ref.name!r} (spec.model.tokenSecret) not found in namespace {namespace!r}: create it "
-            f"with the Hugging Face token under key {ref.key!r}", fatal=False))
     return problems
 
 
@@ -172,7 +169,7 @@ def _sync_locked(body: dict[str, Any], meta: b.Meta, uid: str, k: Kube, logger: 
     skipped: list[tuple[str, str]] = []
     requested: list[str] = []
     if spec is not None:
-        problems += find_problems(spec, meta.namespace, k)
+        problems += find_problems(spec)
         children = b.build_children(spec, meta, _available(spec, k))
         skipped = list(children.skipped)
         requested = [kind for kind, on in (("PodMonitoring", spec.monitoring.pod_monitoring),
@@ -198,11 +195,14 @@ def _sync_locked(body: dict[str, Any], meta: b.Meta, uid: str, k: Kube, logger: 
                     if k.delete_if_present(api_version, kind, meta.namespace, name):
                         logger.info("deleted %s %s: no longer asked for", kind, name)
     pods = k.list_pods(meta.namespace, b.selector_string(meta))
+    events = [e for p in ev.pods_to_explain(pods) for e in k.pod_events(meta.namespace, p["metadata"]["uid"])]
     port = spec.server.port if spec else 8000
     reports = poller().poll(pods, port)
     obs = st.Observed(generation=generation, replicas=spec.replicas if spec else 0, pods=pods,
                       engine=reports.engine, models=reports.models, problems=problems,
-                      monitoring_requested=requested, monitoring_skipped=skipped)
+                      monitoring_requested=requested, monitoring_skipped=skipped,
+                      blockers=ev.blockers(pods, events),
+                      disruption=ev.disruption(pods), warnings=b.spec_warnings(spec) if spec else [])
     new = st.compute_status(
         obs, accelerator=s.accelerator_text(spec.accelerator) if spec else "",
         endpoint=b.endpoint(spec, meta) if spec else "", selector=b.selector_string(meta))

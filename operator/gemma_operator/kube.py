@@ -1,9 +1,9 @@
 """The operator's Kubernetes API edge: a small JSON client over the official `kubernetes` package.
 
 Everything the operator reads or writes outside kopf's own watch goes through `Kube`: server-side apply of
-children (one field manager, conflicts forced so a hand edit is put back), reading pods, checking that a
-Secret exists (metadata only: the operator never holds a token's value), API discovery for the optional
-monitoring CRDs, and merge patches of the custom resource's status.
+children (one field manager, conflicts forced so a hand edit is put back), reading pods and their Events,
+API discovery for the optional monitoring CRDs, and merge patches of the custom resource's status. It never
+reads Secrets.
 
 It talks raw JSON through the generated client's configured connection (auth, TLS, proxy) instead of the
 typed models, because the builders produce plain dicts for any kind, custom ones included.
@@ -28,7 +28,7 @@ RESOURCES = {
     ("v1", "Service"): "services",
     ("v1", "PersistentVolumeClaim"): "persistentvolumeclaims",
     ("v1", "Pod"): "pods",
-    ("v1", "Secret"): "secrets",
+    ("v1", "Event"): "events",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("monitoring.googleapis.com/v1", "PodMonitoring"): "podmonitorings",
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitors",
@@ -115,16 +115,12 @@ class Kube:
         out = self.request("GET", collection_path("v1", "Pod", namespace), query={"labelSelector": selector})
         return out.get("items", [])
 
-    def secret_exists(self, namespace: str, name: str) -> bool:
-        """Whether a Secret exists, reading only its metadata (PartialObjectMetadata)."""
-        try:
-            self.request("GET", f"{collection_path('v1', 'Secret', namespace)}/{name}",
-                         accept="application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1")
-            return True
-        except ApiError as e:
-            if e.status == 404:
-                return False
-            raise
+    def pod_events(self, namespace: str, uid: str) -> list[dict[str, Any]]:
+        """The Events about one pod (field selector on its uid: Events of an older pod of the same name are
+        not its own)."""
+        out = self.request("GET", collection_path("v1", "Event", namespace),
+                           query={"fieldSelector": f"involvedObject.uid={uid}"})
+        return out.get("items", [])
 
     def serves(self, api_version: str, ttl: float | None = None) -> bool:
         """Whether the cluster serves `api_version` (discovery, cached for `ttl` seconds, default

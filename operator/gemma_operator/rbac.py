@@ -12,9 +12,10 @@ Why each verb:
   that creates when absent (patch + create); Deployments and Services are also watched (list/watch)
   so a deleted one is put back at once; PDB and monitoring objects are deleted when no longer asked for.
 - pods: listed for status and watched so status follows them; never modified.
-- secrets: get, for the existence of spec.model.tokenSecret only (requested as PartialObjectMetadata: the
-  token's value is never read by the operator, only by the pod through secretKeyRef).
-- events: create, for the Events posted on each phase transition (and kopf's own warnings).
+- events: create, for the Events posted on each phase transition (and kopf's own warnings); list (core
+  group), for the Events of pods that are not ready: why a pod cannot start (gemma_operator.events).
+- no Secrets: a missing token Secret is the pod's own CreateContainerConfigError, which the status reports;
+  the token reaches the pod only through secretKeyRef.
 API discovery (/apis/...) needs no rule: every authenticated user may read it.
 """
 
@@ -37,8 +38,8 @@ RULES = [
     {"apiGroups": ["monitoring.coreos.com"], "resources": ["servicemonitors"],
      "verbs": ["create", "patch", "delete"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
-    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]},
     {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create"]},
+    {"apiGroups": [""], "resources": ["events"], "verbs": ["list"]},
 ]
 
 

@@ -75,6 +75,24 @@ class TokenSecretRef(_Model):
                      max_length=253)
 
 
+class GcsFuseSpec(_Model):
+    """How gs:// sources are mounted: the GCS FUSE file cache, bounded, on its own volume.
+
+    The cache lives on the volume the GCS FUSE CSI driver's sidecar looks for, `gke-gcsfuse-cache`
+    (https://cloud.google.com/kubernetes-engine/docs/how-to/cloud-storage-fuse-csi-driver-sidecar, "custom
+    read cache volume"), as Google's TPU samples mount it (GoogleCloudPlatform/kubernetes-engine-samples,
+    ai-ml/gke-ray/rayserve/llm/tpu/ray-cluster.tpu-v6e-multihost.yaml: an in-memory emptyDir).
+    """
+
+    file_cache_size: str = Field(
+        "16Gi", description="Size of the GCS FUSE file cache (the gke-gcsfuse-cache volume's sizeLimit; the "
+        "driver's fileCacheCapacity is set a tenth below it). Bounded, so a large model cannot fill the node.",
+        pattern=QUANTITY_RE, max_length=32)
+    file_cache_medium: Literal["Memory", "Disk"] = Field(
+        "Memory", description="Where the file cache lives: Memory (tmpfs, counted as the pod's memory; what "
+        "Google's TPU samples use, TPU VMs have no local SSD) or Disk (the node's boot disk).")
+
+
 class ModelSpec(_Model):
     source: str = Field(
         description="Where the checkpoint is: hf://org/repo[@revision], gs://bucket/path (GCS FUSE) or "
@@ -85,6 +103,8 @@ class ModelSpec(_Model):
         None, description="Optional int4 embedding twin, same URL forms as source.", max_length=1024)
     token_secret: TokenSecretRef | None = Field(
         None, description="Secret with the Hugging Face token (gated or private hf:// models).")
+    gcs_fuse: GcsFuseSpec = Field(default_factory=GcsFuseSpec,
+                                  description="GCS FUSE settings, used when a source is gs://.")
 
     @field_validator("source", "embedding_twin")
     @classmethod
@@ -106,7 +126,8 @@ class AcceleratorSpec(_Model):
         None, description="TPU slice topology (single host): 1x1 = 1 chip, 2x2 = 4 chips, 2x4 = 8 chips. "
         "Defaults to 1x1 on TPU; not allowed with type cpu.")
     provisioning: Literal["standard", "spot", "flex-start"] = Field(
-        "standard", description="Node capacity: standard (on-demand or reserved), spot, or flex-start.")
+        "standard", description="Node capacity: standard (on-demand or reserved; never a spot or flex-start "
+        "node), spot, or flex-start.")
     compute_class: str | None = Field(
         None, description="Optional GKE ComputeClass (cloud.google.com/compute-class node selector).",
         pattern=DNS_LABEL_RE, max_length=63)
@@ -130,8 +151,9 @@ class ServerSpec(_Model):
         None, description="Model id reported by /v1/models; the server derives one from the source if unset.",
         max_length=256)
     queue_limit: int = Field(64, description="Requests waiting beyond this get 429.", ge=1, le=100000)
-    shutdown_timeout_seconds: int = Field(
-        30, description="Drain time after SIGTERM before in-flight requests are ended.", ge=1, le=3600)
+    shutdown_timeout_seconds: int | None = Field(
+        None, description="Drain time after SIGTERM before in-flight requests are ended. Unset: 30 on standard "
+        "capacity, 10 on spot and flex-start, where GKE gives a reclaimed node's pods about 15 s.", ge=1, le=3600)
     startup_timeout_seconds: int = Field(
         3600, description="Budget for build, smoke test, weights and warmup before the pod is restarted.",
         ge=60, le=86400)
@@ -217,7 +239,8 @@ class GemmaRustServerSpec(_Model):
     pod_annotations: dict[str, str] = Field(default_factory=dict,
                                             description="Annotations added to the pods, passed through.")
     service_account_name: str | None = Field(
-        None, description="ServiceAccount of the pods (e.g. for Workload Identity to read gs://).",
+        None, description="ServiceAccount of the pods; for gs:// sources, the Kubernetes ServiceAccount that "
+        "Workload Identity grants roles/storage.objectViewer on the bucket. Unset: the namespace's default.",
         pattern=DNS_SUBDOMAIN_RE, max_length=253)
 
 

@@ -16,6 +16,11 @@ Conditions follow the Kubernetes API conventions and KServe's LLMInferenceServic
 the blocking reason), `Progressing`, `Degraded`, and `Monitoring` when scraping was asked for; each has
 reason, message, lastTransitionTime and observedGeneration. The last crash's termination message reaches
 `status.lastFailure` (KServe's lastFailureInfo).
+
+Why a pod cannot start (a failed mount, a missing Secret, an image pull, an OOM kill) comes from its Events
+and container statuses, read by gemma_operator.events: such a pod is Failed with that reason. An evicted or
+reclaimed pod is gone, and the reason it went stays on the phase while its replacement waits. A `Warning`
+condition (True, never Degraded) carries spec advice such as a build cache that every preemption loses.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ class PodView(NamedTuple):
     waiting_message: str
     restarts: int
     last_failure: dict[str, Any] | None
+    terminal: bool = False  # phase Failed or Succeeded: gone for good (evicted, shut down with its node)
 
 
 def pod_view(pod: dict[str, Any]) -> PodView:
@@ -89,6 +95,7 @@ def pod_view(pod: dict[str, Any]) -> PodView:
         waiting_message=waiting.get("message", ""),
         restarts=int(cs.get("restartCount") or 0),
         last_failure=last,
+        terminal=st.get("phase") in ("Failed", "Succeeded"),
     )
 
 
@@ -151,6 +158,9 @@ class Observed(NamedTuple):
     problems: list[Problem]               # spec problems found by the handlers
     monitoring_requested: list[str]       # kinds asked for (PodMonitoring, ServiceMonitor)
     monitoring_skipped: list[tuple[str, str]]  # (kind, why)
+    blockers: dict[str, tuple[str, str]] = {}  # pod name -> (reason, message): why it cannot start (events.py)
+    disruption: tuple[str, str] | None = None  # (reason, message) of the pod evicted or reclaimed (events.py)
+    warnings: list[tuple[str, str]] = []       # (reason, message) of spec advice (builders.spec_warnings)
 
 
 def _cond(type_: str, ok: bool, reason: str, message: str) -> dict[str, str]:
@@ -170,8 +180,9 @@ def compute_status(obs: Observed, *, accelerator: str, endpoint: str, selector: 
         readyText, selector, accelerator, endpoint, servedModel, pods and lastFailure.
     """
     views = [pod_view(p) for p in obs.pods]
-    active = [v for v in views if not v.deleting]
-    stages = {v.name: pod_stage(v, obs.engine.get(v.name)) for v in active}
+    active = [v for v in views if not v.deleting and not v.terminal]
+    stages = {v.name: PodStage(FAILED, *obs.blockers[v.name]) if v.name in obs.blockers
+              else pod_stage(v, obs.engine.get(v.name)) for v in active}
     ready = sum(1 for v in active if v.ready)
     failing = [(v, stages[v.name]) for v in active if stages[v.name].phase == FAILED]
     booting = [(v, stages[v.name]) for v in active if stages[v.name].phase not in (READY, FAILED)]
@@ -200,6 +211,9 @@ def compute_status(obs: Observed, *, accelerator: str, endpoint: str, selector: 
         message = f"pod {v.name}: {st.message}" if st.message else f"pod {v.name}: {st.reason}"
     else:
         phase, reason, message = PENDING, "WaitingForPods", f"{len(active)}/{obs.replicas} pods created"
+    if obs.disruption and phase in (PENDING, SCHEDULING):
+        # The replacement's own wait (e.g. the scheduler's message) follows why its predecessor went.
+        reason, message = obs.disruption[0], f"{obs.disruption[1]}; now {message}"
 
     is_ready = obs.replicas > 0 and ready >= obs.replicas and not fatal
     progressing = phase in BOOT_ORDER[:-1]
@@ -218,6 +232,8 @@ def compute_status(obs: Observed, *, accelerator: str, endpoint: str, selector: 
         else:
             conditions.append(_cond("Monitoring", True, "Configured",
                                     "created " + ", ".join(obs.monitoring_requested)))
+    if obs.warnings:
+        conditions.append(_cond("Warning", True, obs.warnings[0][0], "; ".join(m for _, m in obs.warnings)))
 
     pods = []
     for v in sorted(active, key=lambda v: v.name)[:MAX_PODS_IN_STATUS]:

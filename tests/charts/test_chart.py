@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import kopf.cli
 import pytest
@@ -18,10 +17,12 @@ import yaml
 
 from gemma_operator import builders, rbac
 from gemma_operator import spec as grs_spec
+from gemma_operator.__main__ import kopf_argv
 
 from .conftest import CHART, ROOT, find
 
 ALL_ON = ("sample.enabled=true", "networkPolicy.enabled=true", "dashboards.enabled=true")
+REFRESH_CRDS = "cp crds/*.yaml charts/gemma-rust-operator/crds/"
 
 
 # ------------------------------------------------------------------------------------------- lint, render
@@ -51,12 +52,10 @@ def test_chart_crd_is_the_generated_one():
     copied = sorted(p.name for p in (CHART / "crds").glob("*.yaml"))
     assert generated, "crds/ is empty: run `python -m gemma_operator.crd` (see crds/)"
     assert copied == generated, (
-        "charts/gemma-rust-operator/crds/ must hold exactly the generated CRDs; refresh with "
-        "`cp crds/*.yaml charts/gemma-rust-operator/crds/`")
+        f"charts/gemma-rust-operator/crds/ must hold exactly the generated CRDs; refresh with `{REFRESH_CRDS}`")
     for name in generated:
         assert (CHART / "crds" / name).read_bytes() == (ROOT / "crds" / name).read_bytes(), (
-            f"charts/gemma-rust-operator/crds/{name} differs from crds/{name}; refresh with "
-            "`cp crds/*.yaml charts/gemma-rust-operator/crds/`")
+            f"charts/gemma-rust-operator/crds/{name} differs from crds/{name}; refresh with `{REFRESH_CRDS}`")
 
 
 def test_cluster_role_has_exactly_the_operators_rules(helm):
@@ -72,14 +71,6 @@ def test_cluster_role_has_exactly_the_operators_rules(helm):
 # ------------------------------------------------------------------------------------------- the operator
 
 
-def kopf_run_argv(container: dict) -> list[str]:
-    """What `python -m gemma_operator ARGS` hands to kopf's CLI (gemma_operator/__main__.py)."""
-    args = container.get("args", [])
-    scope = [] if any(a.startswith(("--namespace", "-n", "--all-namespaces", "-A")) for a in args) else [
-        "--all-namespaces"]
-    return ["run", "--standalone", *scope, "-m", "gemma_operator.handlers", *args]
-
-
 @pytest.mark.parametrize("values", [(), ("operator.logLevel=debug", "operator.logFormat=json",
                                          "operator.livenessPort=9090")])
 def test_operator_runs_one_kopf_replica_with_recreate_and_liveness_on_its_health_endpoint(helm, values):
@@ -89,8 +80,11 @@ def test_operator_runs_one_kopf_replica_with_recreate_and_liveness_on_its_health
     assert spec["strategy"] == {"type": "Recreate"}
     (container,) = spec["template"]["spec"]["containers"]
     assert "command" not in container, "the image's entrypoint (python -m gemma_operator) must run"
-    # kopf's own CLI accepts every option the chart passes.
-    kopf.cli.main.make_context("kopf", kopf_run_argv(container))
+    # What the image's entrypoint hands kopf (gemma_operator/__main__.py) with the chart's args: kopf's own CLI
+    # accepts every option, and the operator runs standalone (the chart grants no peering objects).
+    argv = kopf_argv(container["args"])
+    kopf.cli.main.make_context("kopf", argv)
+    assert argv[:2] == ["run", "--standalone"] and "--all-namespaces" in argv
     liveness = next(a for a in container["args"] if a.startswith("--liveness="))
     port = int(re.fullmatch(r"--liveness=http://0\.0\.0\.0:(\d+)/healthz", liveness).group(1))
     probe = container["livenessProbe"]["httpGet"]
@@ -146,10 +140,17 @@ def test_schema_rejects_unknown_keys(helm, typo):
     assert "additional properties" in out.stderr.lower() and key in out.stderr, out.stderr
 
 
-@pytest.mark.parametrize("bad", ["sample.topology=3x3", "sample.provisioning=cheap", "operator.logLevel=loud",
-                                 "image.pullPolicy=Sometimes", "sample.model=s3://bucket/model"])
-def test_schema_rejects_bad_values(helm, bad):
-    assert helm.template(bad, check=False).returncode != 0, f"--set {bad} was accepted"
+@pytest.mark.parametrize("bad,why", [
+    ("sample.topology=3x3", "value must be one of"), ("sample.provisioning=cheap", "value must be one of"),
+    ("operator.logLevel=loud", "value must be one of"), ("image.pullPolicy=Sometimes", "value must be one of"),
+    ("sample.model=s3://bucket/model", "does not match pattern"),
+    ("networkPolicy.clientNamespaces={Apps}", "does not match pattern")])
+def test_schema_rejects_bad_values(helm, bad, why):
+    out = helm.template(bad, check=False)
+    assert out.returncode != 0, f"--set {bad} was accepted"
+    # helm names the value's path and what is wrong with it, as for unknown keys.
+    path = "/" + bad.split("=")[0].replace(".", "/")
+    assert path in out.stderr and why in out.stderr, out.stderr
 
 
 def schema_objects(node: dict, path: str = "$"):
@@ -181,7 +182,8 @@ def test_every_schema_object_rejects_unknown_keys():
 
 
 # Values that are Kubernetes objects or maps, documented as a whole (their inside is Kubernetes').
-WHOLE_VALUES = {"podSecurityContext", "securityContext", "resources", "nodeSelector", "affinity", "dashboards.labels"}
+WHOLE_VALUES = {"podSecurityContext", "securityContext", "resources", "nodeSelector", "affinity", "dashboards.labels",
+                "networkPolicy.prometheus.namespaceSelector", "networkPolicy.prometheus.podSelector"}
 
 
 def documented_keys(text: str) -> list[tuple[str, list[str]]]:
@@ -246,36 +248,70 @@ def test_dashboard_config_map_carries_the_dashboard_file_for_the_grafana_sidecar
     assert name == "gemma-rust-server.json"
 
 
-def test_network_policy_admits_the_operator_on_the_server_pods_http_port(helm):
+def server_pod():
+    server = builders.build_deployment(grs_spec.parse_spec({"model": {"source": "hf://o/m"}}),
+                                       builders.Meta("gemma", "models"))
+    (port,) = server["spec"]["template"]["spec"]["containers"][0]["ports"]
+    return server["spec"]["template"]["metadata"]["labels"], port["name"]
+
+
+def peers(policy: dict) -> list[tuple[dict, dict]]:
+    """(namespaceSelector, podSelector) of every peer the policy admits, each on the http port only."""
+    out = []
+    for rule in policy["spec"]["ingress"]:
+        assert rule["ports"] == [{"protocol": "TCP", "port": server_pod()[1]}], rule
+        out += [(peer.get("namespaceSelector"), peer.get("podSelector")) for peer in rule["from"]]
+    return out
+
+
+def test_network_policy_denies_all_ingress_to_server_pods_but_the_operator_and_managed_prometheus(helm):
     docs = helm.render("networkPolicy.enabled=true", "networkPolicy.namespaces={models,staging}")
     policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
     assert sorted(p["metadata"]["namespace"] for p in policies) == ["models", "staging"]
     operator_pod_labels = find(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
-    server = builders.build_deployment(grs_spec.parse_spec({"model": {"source": "hf://o/m"}}),
-                                       builders.Meta("gemma", "models"))
-    server_pod_labels = server["spec"]["template"]["metadata"]["labels"]
-    (server_port,) = server["spec"]["template"]["spec"]["containers"][0]["ports"]
+    server_labels, _ = server_pod()
     for p in policies:
-        assert p["spec"]["podSelector"]["matchLabels"].items() <= server_pod_labels.items()
-        (rule,) = p["spec"]["ingress"]
-        (peer,) = rule["from"]
-        assert peer["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "gemma-system"}
-        assert peer["podSelector"]["matchLabels"].items() <= operator_pod_labels.items()
-        assert rule["ports"] == [{"protocol": "TCP", "port": server_port["name"]}]
+        # It selects the server pods for Ingress, so whatever it does not list is denied.
+        assert p["spec"]["policyTypes"] == ["Ingress"]
+        assert p["spec"]["podSelector"]["matchLabels"].items() <= server_labels.items()
+        (operator, prometheus) = peers(p)
+        assert operator[0] == {"matchLabels": {"kubernetes.io/metadata.name": "gemma-system"}}
+        assert operator[1]["matchLabels"].items() <= operator_pod_labels.items()
+        # GKE Managed Prometheus's collectors, any pod of gmp-system.
+        assert prometheus == ({"matchLabels": {"kubernetes.io/metadata.name": "gmp-system"}}, {})
     # Another GemmaRustServer's pods carry the same selected labels, whatever their name.
     other = builders.labels(builders.Meta("other", "staging"))
     assert policies[0]["spec"]["podSelector"]["matchLabels"].items() <= other.items()
 
 
+def test_network_policy_opens_to_a_chosen_prometheus_and_to_client_namespaces(helm):
+    docs = helm.render("networkPolicy.enabled=true",
+                       "networkPolicy.prometheus.namespaceSelector.matchLabels.team=observability",
+                       "networkPolicy.prometheus.namespaceSelector.matchLabels.kubernetes\\.io/metadata\\.name=null",
+                       "networkPolicy.prometheus.podSelector.matchLabels.app\\.kubernetes\\.io/name=prometheus",
+                       "networkPolicy.clientNamespaces={apps,notebooks}")
+    (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    (_, prometheus, apps, notebooks) = peers(policy)
+    assert prometheus == ({"matchLabels": {"team": "observability"}},
+                          {"matchLabels": {"app.kubernetes.io/name": "prometheus"}})
+    assert (apps, notebooks) == (({"matchLabels": {"kubernetes.io/metadata.name": "apps"}}, None),
+                                 ({"matchLabels": {"kubernetes.io/metadata.name": "notebooks"}}, None))
+    off = find(helm.render("networkPolicy.enabled=true", "networkPolicy.prometheus.enabled=false"), "NetworkPolicy")
+    assert len(peers(off)) == 1  # the operator alone
+
+
 @pytest.mark.parametrize("values", [(), ("sample.topology=2x4", "sample.provisioning=spot", "sample.replicas=2"),
                                     ("sample.acceleratorType=cpu", "sample.embeddingTwin=",
-                                     "sample.tokenSecretName=hf-token", "sample.image=example.com/gemma:1")])
+                                     "sample.tokenSecretName=hf-token", "sample.image=example.com/gemma:1"),
+                                    ("sample.model=gs://weights/gemma-4-e2b", "sample.serviceAccountName=gemma-reader")])
 def test_sample_is_a_gemma_rust_server_the_operator_accepts(helm, values):
     sample = find(helm.render("sample.enabled=true", *values), "GemmaRustServer")
     assert sample["apiVersion"] == f"{grs_spec.API_GROUP}/{grs_spec.API_VERSION}"
     parsed = grs_spec.parse_spec(sample["spec"])  # pydantic, extra="forbid": no unknown field
     if parsed.accelerator.type == "cpu":
         assert parsed.accelerator.topology is None  # the CRD's CEL rule forbids a topology on cpu
+    if "sample.serviceAccountName=gemma-reader" in values:
+        assert parsed.service_account_name == "gemma-reader"
 
 
 def test_sample_default_server_image_is_this_release(helm):
@@ -310,6 +346,5 @@ def test_no_cleanup_hook_without_the_sample(helm):
 
 
 def test_chart_readme_refresh_command_matches_the_crd_test():
-    readme = (CHART / "README.md").read_text()
-    assert "cp crds/*.yaml charts/gemma-rust-operator/crds/" in readme
-    assert Path(ROOT / "crds").is_dir()
+    # The README tells developers the command that test_chart_crd_is_the_generated_one prints on failure.
+    assert f"`{REFRESH_CRDS}`" in (CHART / "README.md").read_text()

@@ -58,3 +58,15 @@ def test_readme_cpu_rollout_is_the_builders():
     assert cpu["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
     assert "google.com/tpu" not in str(cpu)
     assert "`RollingUpdate` (maxSurge 1, maxUnavailable 0)" in README
+
+
+@pytest.mark.parametrize("provisioning", ["standard", "spot", "flex-start"])
+def test_readme_capacity_table_is_the_builders(provisioning):
+    row = re.search(rf"^\| `{provisioning}` \| (.*) \| (\d+) s \+ (\d+) s, (\d+) s \|$", README, re.M)
+    assert row, f"README's capacity table has no row for {provisioning}"
+    s = spec.parse_spec({"model": {"source": "hf://o/m"}, "accelerator": {"provisioning": provisioning}})
+    assert tuple(int(x) for x in row.groups()[1:]) == tuple(builders.shutdown_plan(s))
+    if provisioning == "standard":
+        affinity = builders.node_affinity(s)["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        for expr in affinity["nodeSelectorTerms"][0]["matchExpressions"]:
+            assert f"`{expr['key']}`" in row.group(1) and expr["operator"] == "NotIn" and expr["values"] == ["true"]

@@ -13,6 +13,8 @@ Fake kubelet behaviours (kwok stages), selected by pod annotations the tests put
     fake.gemmarust.dev/boot: hold-unready   -> the container runs but never turns Ready (a server booting)
     fake.gemmarust.dev/boot: crash          -> the container crash-loops; its termination message is the
                                                annotation fake.gemmarust.dev/termination-message
+    fake.gemmarust.dev/boot: fake-kubelet   -> left as the scheduler bound it (no stage matches): a test's
+                                               FakeKubelet (tests/operator/fakes.py) writes its status and Events
 Every other pod becomes Running and Ready at once (kwok's own pod-ready stage).
 
 Command line (keeps running until Ctrl-C):
@@ -49,6 +51,7 @@ BINARIES = ["etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler
 
 BOOT_ANNOTATION = "fake.gemmarust.dev/boot"
 TERMINATION_ANNOTATION = "fake.gemmarust.dev/termination-message"
+FAKE_KUBELET = "fake-kubelet"  # BOOT_ANNOTATION value: no kwok stage, a FakeKubelet plays the kubelet
 SERVICE_CIDR = "10.96.0.0/16"
 
 
@@ -211,8 +214,7 @@ def tpu_node(name: str, topology: str, *, provisioning: str = "standard") -> dic
     labels = {"cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice",
               "cloud.google.com/gke-tpu-topology": topology,
               "cloud.google.com/gke-nodepool": f"v5e-{topology}-{provisioning}",
-              "node.kubernetes.io/instance-type": f"ct5lp-hightpu-{chips}t",
-              "cloud.google.com/gke-provisioning": provisioning}
+              "node.kubernetes.io/instance-type": f"ct5lp-hightpu-{chips}t"}
     if provisioning == "spot":
         labels["cloud.google.com/gke-spot"] = "true"
     if provisioning == "flex-start":

@@ -79,12 +79,14 @@ def test_tpu_deployment_matches_golden():
                                            "timeoutSeconds": 3, "failureThreshold": 3},
                         "livenessProbe": {"httpGet": {"path": "/live", "port": "http"}, "periodSeconds": 10,
                                           "timeoutSeconds": 5, "failureThreshold": 6},
-                        "lifecycle": {"preStop": {"sleep": {"seconds": 5}}},
+                        # Spot: a 2 s preStop, so that preStop + drain fit what a reclaimed node gives.
+                        "lifecycle": {"preStop": {"sleep": {"seconds": 2}}},
                         "resources": {"requests": {"cpu": "8", "memory": "64Gi", "google.com/tpu": "4"},
                                       "limits": {"google.com/tpu": "4"}},
                         "volumeMounts": [
                             {"name": "build-cache", "mountPath": "/var/cache/gemma"},
                             {"name": "model", "mountPath": "/gcs/weights-bucket", "readOnly": True},
+                            {"name": "dshm", "mountPath": "/dev/shm"},
                         ],
                         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
                         "terminationMessagePath": "/dev/termination-log",
@@ -102,11 +104,15 @@ def test_tpu_deployment_matches_golden():
                         {"name": "build-cache", "emptyDir": {"sizeLimit": "20Gi"}},
                         {"name": "model", "csi": {"driver": "gcsfuse.csi.storage.gke.io", "readOnly": True,
                                                   "volumeAttributes": {"bucketName": "weights-bucket",
-                                                                       "mountOptions": b.GCSFUSE_MOUNT_OPTIONS}}},
+                                                                       "mountOptions": b.GCSFUSE_MOUNT_OPTIONS,
+                                                                       "fileCacheCapacity": "14745Mi"}}},
+                        # The GCS FUSE sidecar's file cache, bounded (16Gi by default, in memory).
+                        {"name": "gke-gcsfuse-cache", "emptyDir": {"sizeLimit": "16Gi", "medium": "Memory"}},
+                        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
                     ],
                     "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000,
                                         "fsGroup": 1000, "seccompProfile": {"type": "RuntimeDefault"}},
-                    "terminationGracePeriodSeconds": 40,
+                    "terminationGracePeriodSeconds": 25,  # preStop 2 + drain 20 + 3
                     "enableServiceLinks": False,
                 },
             },
@@ -164,6 +170,7 @@ def test_pvc_model_source_and_pvc_build_cache():
     assert pod["volumes"] == [
         {"name": "build-cache", "persistentVolumeClaim": {"claimName": "gemma-build-cache"}},
         {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
     ]
     env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
     assert env["GEMMA_MODEL"] == "/models/pvc/models/gemma/e2b"
@@ -259,3 +266,77 @@ def test_a_model_source_of_no_known_form_is_refused_by_the_parser_too(field):
     model = {"source": "hf://o/m", field: "foo"}
     with pytest.raises(pydantic.ValidationError, match="model source must be hf://org/repo"):
         parse_spec({"model": model})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Capacity classes
+
+
+def pod_of(**spec):
+    return b.build_deployment(parse_spec({"model": {"source": "hf://o/m"}, **spec}), META)["spec"]["template"]["spec"]
+
+
+def test_standard_capacity_requires_a_node_that_is_not_spot_flex_start_or_preemptible():
+    assert pod_of()["affinity"] == {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [
+            {"key": "cloud.google.com/gke-spot", "operator": "NotIn", "values": ["true"]},
+            {"key": "cloud.google.com/gke-flex-start", "operator": "NotIn", "values": ["true"]},
+            {"key": "cloud.google.com/gke-preemptible", "operator": "NotIn", "values": ["true"]}]}]}}}
+    for accel in ({"provisioning": "spot"}, {"provisioning": "flex-start"}, {"computeClass": "tpu-any"}):
+        assert "affinity" not in pod_of(accelerator=accel), accel
+
+
+@pytest.mark.parametrize("provisioning,timeout,plan", [
+    ("standard", None, (5, 30, 50)), ("standard", 120, (5, 120, 140)),
+    ("spot", None, (2, 10, 15)), ("flex-start", None, (2, 10, 15)), ("spot", 30, (2, 30, 35))])
+def test_prestop_and_drain_follow_the_capacity_class(provisioning, timeout, plan):
+    server = {"shutdownTimeoutSeconds": timeout} if timeout else {}
+    pod = pod_of(accelerator={"provisioning": provisioning}, server=server)
+    (c,) = pod["containers"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    got = (c["lifecycle"]["preStop"]["sleep"]["seconds"], int(env["GEMMA_SHUTDOWN_TIMEOUT"]),
+           pod["terminationGracePeriodSeconds"])
+    assert got == plan
+
+
+def test_a_drain_longer_than_a_reclaimed_node_gives_is_a_warning():
+    spec = parse_spec({"model": {"source": "hf://o/m"}, "accelerator": {"provisioning": "spot"},
+                       "server": {"shutdownTimeoutSeconds": 30}, "buildCache": {"type": "pvc"}})
+    ((reason, message),) = b.spec_warnings(spec)
+    assert reason == "DrainExceedsReclaimGrace"
+    assert message.startswith("spec.server.shutdownTimeoutSeconds 30 s plus the 2 s preStop does not fit the 15 s")
+    assert "set it to 10 or less" in message
+    fits = parse_spec({"model": {"source": "hf://o/m"}, "accelerator": {"provisioning": "spot"},
+                       "server": {"shutdownTimeoutSeconds": 10}, "buildCache": {"type": "pvc"}})
+    assert b.spec_warnings(fits) == []
+
+
+def test_an_ephemeral_build_cache_on_reclaimable_capacity_is_a_warning_not_on_standard():
+    for provisioning in ("spot", "flex-start"):
+        ((reason, message),) = b.spec_warnings(parse_spec({"model": {"source": "hf://o/m"},
+                                                           "accelerator": {"provisioning": provisioning}}))
+        assert reason == "EphemeralBuildCache"
+        assert f"emptyDir on {provisioning} capacity" in message and "spec.buildCache.type: pvc" in message
+    assert b.spec_warnings(parse_spec({"model": {"source": "hf://o/m"}})) == []
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GCS FUSE and /dev/shm
+
+
+def test_gcs_file_cache_is_bounded_on_its_own_volume_of_the_chosen_medium():
+    pod = pod_of(model={"source": "gs://bkt/m", "gcsFuse": {"fileCacheSize": "40Gi", "fileCacheMedium": "Disk"}},
+                 accelerator={"type": "cpu"})
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["gke-gcsfuse-cache"] == {"name": "gke-gcsfuse-cache", "emptyDir": {"sizeLimit": "40Gi"}}
+    attrs = volumes["model"]["csi"]["volumeAttributes"]
+    assert attrs["fileCacheCapacity"] == "36864Mi"  # 40 GiB less a tenth
+    assert "max-size-mb" not in attrs["mountOptions"]
+    # The sidecar mounts the cache volume, not the server.
+    assert "gke-gcsfuse-cache" not in {m["name"] for m in pod["containers"][0]["volumeMounts"]}
+
+
+def test_no_gcs_cache_volume_without_a_gs_source_and_dev_shm_only_on_tpu():
+    tpu = {v["name"] for v in pod_of()["volumes"]}
+    cpu = {v["name"] for v in pod_of(accelerator={"type": "cpu"})["volumes"]}
+    assert tpu == {"build-cache", "dshm"} and cpu == {"build-cache"}

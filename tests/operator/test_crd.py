@@ -44,7 +44,9 @@ def test_crd_names_subresources_and_columns():
         "specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
         "labelSelectorPath": ".status.selector"}}
     assert [c["name"] for c in version["additionalPrinterColumns"]] == [
-        "Ready", "Phase", "Ready/Replicas", "Model", "Accelerator", "Reason", "Age"]
+        "Ready", "Phase", "Ready/Replicas", "Model", "Accelerator", "Reason", "Age", "Message"]
+    # The message is for `kubectl get grs -o wide`; the default columns stay narrow.
+    assert [c.get("priority", 0) for c in version["additionalPrinterColumns"]] == [0] * 7 + [1]
 
 
 def test_defaults_reach_nested_objects():
@@ -53,6 +55,10 @@ def test_defaults_reach_nested_objects():
     assert spec["accelerator"]["properties"]["type"]["default"] == "tpu-v5-lite-podslice"
     assert spec["server"]["properties"]["port"]["default"] == 8000
     assert "default" not in spec["model"]["properties"]["tokenSecret"]  # optional: stays absent
+    gcs = spec["model"]["properties"]["gcsFuse"]
+    assert gcs["default"] == {} and gcs["properties"]["fileCacheSize"]["default"] == "16Gi"
+    # Follows the capacity class (builders.shutdown_plan), so the API server must not fill it in.
+    assert "default" not in spec["server"]["properties"]["shutdownTimeoutSeconds"]
 
 
 def test_cross_field_rules_are_cel():

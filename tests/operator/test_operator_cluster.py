@@ -231,21 +231,6 @@ def test_invalid_cr_is_refused_at_admission_with_its_message(cluster, ns, spec, 
     assert message in p.stderr, p.stderr
 
 
-def test_missing_secret_is_degraded_until_it_exists(kube, ns, operator):
-    create(kube, ns, "tok", {"model": {"source": "hf://google/gated", "tokenSecret": {"name": "hf"}},
-                             "accelerator": CPU})
-    obj = wait_phase(kube, ns, "tok", "Degraded", operator)
-    deg = condition(obj, "Degraded")
-    assert (deg["status"], deg["reason"]) == ("True", "SecretNotFound")
-    assert "'hf'" in deg["message"] and "create it" in deg["message"]
-    env = deployment(kube, ns, "tok")["spec"]["template"]["spec"]["containers"][0]["env"]
-    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}} in env
-    kube.request("POST", f"/api/v1/namespaces/{ns}/secrets",
-                 {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "hf"}, "stringData": {"token": "x"}})
-    obj = wait_phase(kube, ns, "tok", "Ready", operator)
-    assert condition(obj, "Degraded")["status"] == "False"
-
-
 def test_unknown_accelerator_fails_without_a_deployment(kube, ns, operator):
     create(kube, ns, "v9", {"model": model(), "accelerator": {"type": "tpu-v9-slice"}})
     obj = wait_phase(kube, ns, "v9", "Failed", operator)

@@ -30,5 +30,11 @@ def test_children_the_operator_prunes_can_be_deleted():
         assert "delete" in verbs(api_version.rpartition("/")[0], RESOURCES[(api_version, kind)]), kind
 
 
-def test_secrets_are_only_read_one_by_one():
-    assert verbs("", "secrets") == {"get"}
+def test_no_rule_reads_secrets():
+    # A missing token Secret shows as the pod's CreateContainerConfigError (events.py), not by reading it.
+    assert not [r for r in rbac.RULES if "secrets" in r["resources"] or "*" in r["resources"]]
+
+
+def test_pod_events_are_listed_not_watched():
+    assert verbs("", "events") == {"create", "list"}
+    assert verbs("events.k8s.io", "events") == {"create"}

@@ -33,10 +33,12 @@ def pod(name="g-1", *, node="v5e-2x2-a", scheduled=True, schedule_message="", ru
                        **({"containerStatuses": [cs]} if scheduled else {})}}
 
 
-def observe(pods=(), *, replicas=1, engine=None, models=None, problems=(), requested=(), skipped=()):
+def observe(pods=(), *, replicas=1, engine=None, models=None, problems=(), requested=(), skipped=(), blockers=None,
+            disruption=None, warnings=()):
     return st.Observed(generation=3, replicas=replicas, pods=list(pods), engine=engine or {}, models=models or {},
                        problems=list(problems), monitoring_requested=list(requested),
-                       monitoring_skipped=list(skipped))
+                       monitoring_skipped=list(skipped), blockers=blockers or {}, disruption=disruption,
+                       warnings=list(warnings))
 
 
 def compute(obs):
@@ -136,11 +138,11 @@ def test_one_ready_one_crashing_is_degraded():
     assert conds(s)["Ready"][0] == "False"
 
 
-def test_missing_secret_is_degraded_even_when_pods_run():
-    problem = st.Problem("SecretNotFound", "Secret 'hf' (spec.model.tokenSecret) not found", fatal=False)
+def test_a_non_fatal_problem_is_degraded_even_when_pods_run():
+    problem = st.Problem("ApplyRejected", "PodDisruptionBudget g: forbidden", fatal=False)
     s = compute(observe([pod(ready=True)], problems=[problem]))
     assert s["phase"] == "Degraded"
-    assert conds(s)["Degraded"] == ("True", "SecretNotFound", "Secret 'hf' (spec.model.tokenSecret) not found")
+    assert conds(s)["Degraded"] == ("True", "ApplyRejected", "PodDisruptionBudget g: forbidden")
     assert conds(s)["Ready"][0] == "True"  # what runs still serves
 
 
@@ -198,3 +200,38 @@ def test_events_at_each_phase_transition():
     assert st.transition_events(ready, ready) == []
     failed = compute(observe([pod(waiting={"reason": "CrashLoopBackOff"})]))
     assert st.transition_events(failed, ready)[0][:2] == ("Warning", "Failed")
+
+
+def test_a_pod_that_cannot_start_fails_with_the_reason_events_found():
+    why = ("GcsFusePermissionDenied", "MountVolume.SetUp failed ... (the pod runs as ServiceAccount ns/default; ...)")
+    s = compute(observe([pod(running=False)], blockers={"g-1": why}))
+    assert (s["phase"], s["reason"], s["message"]) == ("Failed", why[0], f"pod g-1: {why[1]}")
+    assert conds(s)["Ready"] == ("False", why[0], f"pod g-1: {why[1]}")
+    assert conds(s)["Degraded"] == ("True", why[0], f"pod g-1: {why[1]}")
+    assert s["pods"][0]["reason"] == why[0] and s["pods"][0]["message"] == why[1]
+
+
+def test_a_terminal_pod_is_not_a_replica_and_its_disruption_leads_the_wait():
+    gone = pod("g-old", running=False)
+    gone["status"]["phase"] = "Failed"
+    wait = "0/6 nodes are available: 6 Insufficient google.com/tpu."
+    why = ("NodePreempted", "pod g-old on spot node v5e-2x2-spot-a: Pod was terminated in response to imminent node "
+                            "shutdown.")
+    s = compute(observe([gone, pod("g-new", scheduled=False, schedule_message=wait)], disruption=why))
+    assert s["replicas"] == 1 and [p["name"] for p in s["pods"]] == ["g-new"]
+    assert (s["phase"], s["reason"]) == ("Scheduling", "NodePreempted")
+    assert s["message"] == f"{why[1]}; now pod g-new: {wait}"
+    # Ready wins over an old disruption.
+    assert compute(observe([gone, pod("g-new", ready=True)], disruption=why))["reason"] == "AllReplicasReady"
+
+
+def test_spec_warnings_are_a_warning_condition_not_degraded():
+    warnings = [("EphemeralBuildCache", "spec.buildCache.type emptyDir on spot capacity: ..."),
+                ("DrainExceedsReclaimGrace", "spec.server.shutdownTimeoutSeconds 30 s ...")]
+    s = compute(observe([pod(ready=True)], warnings=warnings))
+    assert s["phase"] == "Ready"
+    assert conds(s)["Degraded"][0] == "False"
+    assert conds(s)["Warning"] == ("True", "EphemeralBuildCache",
+                                   "spec.buildCache.type emptyDir on spot capacity: ...; "
+                                   "spec.server.shutdownTimeoutSeconds 30 s ...")
+    assert "Warning" not in conds(compute(observe([pod(ready=True)])))
