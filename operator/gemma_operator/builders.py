@@ -60,6 +60,7 @@ GCSFUSE_ANNOTATION = "gke-gcsfuse/volumes"
 GCSFUSE_CACHE_VOLUME = "gke-gcsfuse-cache"
 
 CACHE_MOUNT = "/var/cache/gemma"
+TMP_SIZE = "1Gi"
 GCS_ROOT = "/gcs"  # gemma_server's default --gcs-root: gs://B/P is read at /gcs/B/P
 STARTUP_PERIOD_SECONDS = 10
 # The file cache's size is the volume attribute fileCacheCapacity (GcsFuseSpec); these only tune it.
@@ -368,9 +369,12 @@ def build_deployment(spec: s.GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
     """
     main, twin = _model_mounts(spec)
     more_volumes, more_mounts = extra_volumes(spec, main, twin)
-    volumes = [build_cache_volume(spec, meta)] + [m.volume for m in (main, twin) if m and m.volume] + more_volumes
-    mounts = ([{"name": "build-cache", "mountPath": CACHE_MOUNT}] + [m.mount for m in (main, twin) if m and m.mount]
-              + more_mounts)
+    # The root filesystem is read-only; the compilers of the boot build (g++, rustc) get a scratch /tmp.
+    tmp = {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE}}
+    volumes = ([build_cache_volume(spec, meta), tmp] + [m.volume for m in (main, twin) if m and m.volume]
+               + more_volumes)
+    mounts = ([{"name": "build-cache", "mountPath": CACHE_MOUNT}, {"name": "tmp", "mountPath": "/tmp"}]
+              + [m.mount for m in (main, twin) if m and m.mount] + more_mounts)
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": spec.image,
@@ -381,7 +385,8 @@ def build_deployment(spec: s.GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
         "lifecycle": {"preStop": {"sleep": {"seconds": shutdown_plan(spec).prestop}}},
         "resources": container_resources(spec),
         "volumeMounts": mounts,
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "capabilities": {"drop": ["ALL"]}},
         "terminationMessagePath": "/dev/termination-log",
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }

@@ -5,7 +5,9 @@ libpython, so a build is reusable exactly when all three match. Builds live in `
 the wheel is installed (unpacked, as `pip install --target` would) there, `BUILD.json` marks it
 complete, and the directory goes first on sys.path. Mount a volume at the build cache and a restarted
 pod skips the compile. A build goes to a temporary directory and is renamed into place, under a file
-lock, so two processes sharing the cache never see half a build.
+lock, so two processes sharing the cache never see half a build. maturin builds a copy of the crate made
+in that directory, because the crate's build.rs writes a generated file into its source tree, and in the
+image that tree is on a read-only root filesystem.
 
 Cargo's own target directory is `$CARGO_TARGET_DIR` when set (the Makefile exports one per torch and
 python version, so a rebuild is incremental), else `<build-cache>/cargo-target`.
@@ -61,8 +63,9 @@ def ignore_patterns(crate: Path) -> list[str]:
     return [ln.strip("/") for ln in lines if ln and not ln.startswith("#") and not ln.startswith("!")]
 
 
-def source_files(crate: Path) -> list[Path]:
-    """The crate's source files, sorted, relative to `crate`, without what its .gitignore ignores.
+def crate_files(crate: Path) -> list[Path]:
+    """Every file of the crate, sorted, relative to `crate`, without build outputs: target/, caches and
+    what its .gitignore ignores.
 
     Only the .gitignore subset the crate uses is understood: glob patterns, anchored with a leading /
     or not, matched against the relative path or its file name.
@@ -77,11 +80,25 @@ def source_files(crate: Path) -> list[Path]:
     for root, dirs, files in os.walk(crate):
         rel_root = Path(root).relative_to(crate)
         dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS and not skip(str(rel_root / d)))
-        for f in files:
-            rel = rel_root / f
-            if rel.suffix in _SOURCE_SUFFIXES and not skip(str(rel)):
-                out.append(rel)
+        out += [rel_root / f for f in files if not skip(str(rel_root / f))]
     return sorted(out)
+
+
+def source_files(crate: Path) -> list[Path]:
+    """The crate's files that change the build (by suffix), as `crate_files` lists them."""
+    return [rel for rel in crate_files(crate) if rel.suffix in _SOURCE_SUFFIXES]
+
+
+def copy_crate(crate: Path, dest: Path) -> Path:
+    """Copy the crate's files (`crate_files`) to `dest`; returns `dest`.
+
+    The copies get new modification times, so cargo reruns build.rs (which writes the generated file into
+    this copy) even where the shared target directory holds a build of the same sources.
+    """
+    for rel in crate_files(crate):
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(crate / rel, dest / rel)
+    return dest
 
 
 def source_hash(crate: Path) -> str:
@@ -141,7 +158,7 @@ def ensure_engine(crate: Path, cache_root: Path, torch_version: str) -> BuildRes
         if (final / DONE_MARKER).is_file():  # another process built it while we waited
             return BuildResult(final, key, cached=True)
         with tempfile.TemporaryDirectory(dir=cache_root, prefix=f".{key}.") as tmp:
-            wheel = _maturin_build(crate, Path(tmp) / "wheels", cache_root)
+            wheel = _maturin_build(copy_crate(crate, Path(tmp) / "crate"), Path(tmp) / "wheels", cache_root)
             staging = Path(tmp) / "install"
             install_wheel(wheel, staging)
             (staging / DONE_MARKER).write_text(

@@ -85,10 +85,12 @@ def test_tpu_deployment_matches_golden():
                                       "limits": {"google.com/tpu": "4"}},
                         "volumeMounts": [
                             {"name": "build-cache", "mountPath": "/var/cache/gemma"},
+                            {"name": "tmp", "mountPath": "/tmp"},
                             {"name": "model", "mountPath": "/gcs/weights-bucket", "readOnly": True},
                             {"name": "dshm", "mountPath": "/dev/shm"},
                         ],
-                        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+                        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                            "capabilities": {"drop": ["ALL"]}},
                         "terminationMessagePath": "/dev/termination-log",
                         "terminationMessagePolicy": "FallbackToLogsOnError",
                     }],
@@ -102,6 +104,7 @@ def test_tpu_deployment_matches_golden():
                     ],
                     "volumes": [
                         {"name": "build-cache", "emptyDir": {"sizeLimit": "20Gi"}},
+                        {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
                         {"name": "model", "csi": {"driver": "gcsfuse.csi.storage.gke.io", "readOnly": True,
                                                   "volumeAttributes": {"bucketName": "weights-bucket",
                                                                        "mountOptions": b.GCSFUSE_MOUNT_OPTIONS,
@@ -131,7 +134,8 @@ def test_cpu_deployment_uses_rolling_update_and_no_tpu_scheduling():
     assert pod["nodeSelector"] == {"pool": "big"}
     assert pod["tolerations"] == [{"key": "x", "operator": "Exists"}]
     assert pod["serviceAccountName"] == "reader"
-    assert pod["volumes"] == [{"name": "build-cache", "emptyDir": {"sizeLimit": "20Gi"}}]
+    assert pod["volumes"] == [{"name": "build-cache", "emptyDir": {"sizeLimit": "20Gi"}},
+                              {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}]
     assert dep["spec"]["template"]["metadata"]["annotations"] == {}
     c = pod["containers"][0]
     assert c["resources"] == {}
@@ -169,6 +173,7 @@ def test_pvc_model_source_and_pvc_build_cache():
     pod = dep["spec"]["template"]["spec"]
     assert pod["volumes"] == [
         {"name": "build-cache", "persistentVolumeClaim": {"claimName": "gemma-build-cache"}},
+        {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
         {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}},
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
     ]
@@ -339,4 +344,4 @@ def test_gcs_file_cache_is_bounded_on_its_own_volume_of_the_chosen_medium():
 def test_no_gcs_cache_volume_without_a_gs_source_and_dev_shm_only_on_tpu():
     tpu = {v["name"] for v in pod_of()["volumes"]}
     cpu = {v["name"] for v in pod_of(accelerator={"type": "cpu"})["volumes"]}
-    assert tpu == {"build-cache", "dshm"} and cpu == {"build-cache"}
+    assert tpu == {"build-cache", "tmp", "dshm"} and cpu == {"build-cache", "tmp"}

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from gemma_server.build import cache_key, source_files, source_hash
+from gemma_server.build import cache_key, copy_crate, source_files, source_hash
 from gemma_server.config import parse_config
 from gemma_server.metrics import build_1_2_5_buckets
 from gemma_server.sources import Source, materialize, parse_source
@@ -89,6 +89,24 @@ def test_build_key_changes_with_source_torch_and_python_but_not_with_ignored_out
     assert source_hash(crate) != h
     assert cache_key(h, "2.14.1+cu130", "3.11") == f"{h[:16]}-torch2.14.1_cu130-py3.11"
     assert cache_key(h, "2.14.1", "3.11") != cache_key(h, "2.14.1", "3.12")
+
+
+def test_the_engine_builds_from_a_copy_of_the_crate_without_its_build_outputs(tmp_path):
+    # The image's crate is root-owned on a read-only filesystem, and build.rs writes into the tree it builds.
+    crate = tmp_path / "crate"
+    (crate / "src").mkdir(parents=True)
+    (crate / "python" / "pkg").mkdir(parents=True)
+    (crate / "target").mkdir()
+    (crate / "Cargo.toml").write_text("[package]\n")
+    (crate / "src" / "lib.rs").write_text("fn a() {}\n")
+    (crate / "python" / "pkg" / "py.typed").write_text("")
+    (crate / "python" / "pkg" / "_build.py").write_text("TORCH_VERSION = '1'\n")
+    (crate / "target" / "x.rs").write_text("junk")
+    (crate / ".gitignore").write_text("/target/\n/python/pkg/_build.py\n")
+    copy = copy_crate(crate, tmp_path / "copy")
+    assert sorted(str(p.relative_to(copy)) for p in copy.rglob("*") if p.is_file()) == [
+        ".gitignore", "Cargo.toml", "python/pkg/py.typed", "src/lib.rs"]
+    assert source_hash(copy) == source_hash(crate)
 
 
 def test_token_count_buckets_are_vllms_1_2_5_series():
