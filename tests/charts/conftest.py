@@ -2,7 +2,7 @@
 
 helm is the one tests/cluster/build_binaries.sh builds from the Go module proxy into the control plane's
 cache (~/.cache/gemma-rust-operator/k8s-v<version>/bin), so the static chart tests and the end-to-end
-test run the same helm. `helm template` gets --kube-version, because a helm built with `go build` (no
+test run the same helm; the static tests build it alone when it is missing. `helm template` gets --kube-version, because a helm built with `go build` (no
 release ldflags) assumes Kubernetes 1.20 when no cluster is asked, below the chart's kubeVersion.
 """
 
@@ -21,10 +21,11 @@ CHART = ROOT / "charts" / "gemma-rust-operator"
 
 
 def helm_binary() -> Path:
-    """The cached helm, built (with the rest of the control plane) when it is missing."""
+    """The cached helm, built on its own when it is missing (not the whole control plane: `make test-fast`
+    runs the chart's static tests)."""
     helm = controlplane.BIN_DIR / "helm"
     if not helm.is_file():
-        controlplane.ensure_binaries()
+        controlplane.ensure_binaries(helm_only=True)
     return helm
 
 

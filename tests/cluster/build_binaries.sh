@@ -3,6 +3,9 @@
 #   etcd, kube-apiserver, kube-scheduler, kube-controller-manager, kubectl, kwok, helm
 # into $GEMMA_K8S_CACHE (default $HOME/.cache/gemma-rust-operator/k8s-v$K8S_VERSION/bin).
 #
+#   build_binaries.sh [PART...]    PART: etcd kwok kubernetes helm kwok-stages (default: all of them)
+# The chart's static tests need only helm, which builds on its own in a fraction of the time.
+#
 # k8s.io/kubernetes is used as a Go module. Its go.mod points every k8s.io/* staging module at
 # ./staging/src/..., which does not exist outside its repository, so a temporary go.mod requires it at a
 # pinned version and replaces each staging module with the published k8s.io/<name> v0.<minor>.<patch>
@@ -93,12 +96,21 @@ copy_kwok_stages() {
   chmod 644 "$out"/*.yaml
 }
 
+PARTS=("$@")
+[[ ${#PARTS[@]} -gt 0 ]] || PARTS=(etcd kwok kubernetes helm kwok-stages)
+want() { local p; for p in "${PARTS[@]}"; do [[ "$p" == "$1" ]] && return 0; done; return 1; }
+for p in "${PARTS[@]}"; do
+  case "$p" in etcd|kwok|kubernetes|helm|kwok-stages) ;; *) echo "unknown part: $p" >&2; exit 2 ;; esac
+done
+
 start=$(date +%s)
-build_single etcd go.etcd.io/etcd/server/v3 "$ETCD_VERSION" go.etcd.io/etcd/server/v3
-build_single kwok sigs.k8s.io/kwok "$KWOK_VERSION" sigs.k8s.io/kwok/cmd/kwok
-build_kubernetes
-build_single helm helm.sh/helm/v3 "$HELM_VERSION" helm.sh/helm/v3/cmd/helm \
-  "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
-copy_kwok_stages
+if want etcd; then build_single etcd go.etcd.io/etcd/server/v3 "$ETCD_VERSION" go.etcd.io/etcd/server/v3; fi
+if want kwok; then build_single kwok sigs.k8s.io/kwok "$KWOK_VERSION" sigs.k8s.io/kwok/cmd/kwok; fi
+if want kubernetes; then build_kubernetes; fi
+if want helm; then
+  build_single helm helm.sh/helm/v3 "$HELM_VERSION" helm.sh/helm/v3/cmd/helm \
+    "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
+fi
+if want kwok-stages; then copy_kwok_stages; fi
 echo "built into $BIN in $(( $(date +%s) - start ))s"
 ls -l "$BIN"
