@@ -6,6 +6,8 @@
 #   $(CACHE)/uv-cache            wheels (torch is ~3 GB; a warm install is hard links)
 #   $(CACHE)/cargo/<key>         the engine's cargo target dir, per torch and python
 #   $(CACHE)/k8s-<version>       local control plane binaries (tests/cluster/)
+#   $(CACHE)/base-images         Debian root filesystems for local stand-ins of the images' bases
+#                                (tests/images/base_images.py), keyed by recipe
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -29,7 +31,16 @@ PY_STAMP     := $(VENV)/.deps-stamp
 ENGINE_STAMP := $(VENV)/.engine-stamp
 RUST_SOURCES := $(shell find rust -type f \( -name '*.rs' -o -name '*.cpp' -o -name '*.h' -o -name '*.toml' -o -name '*.pyi' \) 2>/dev/null)
 
-.PHONY: help setup engine rust-check test test-fast demo bench bench-server bench-operator k8s lock crds clean
+# Container images (`make images`). Tags: $(REGISTRY)/gemma-rust-operator and $(REGISTRY)/gemma-server at
+# the distributions' version.
+REGISTRY     ?= gemma-rust-operator
+IMAGE_TAG    := $(shell sed -n 's/^version = "\(.*\)"/\1/p' operator/pyproject.toml)
+DOCKER_BUILD_FLAGS ?= --network host
+# Runs its command with a Docker engine that builds with BuildKit ($$DOCKER): the one that answers, or a
+# dockerd started for the command and stopped after it (tests/images/docker_engine.sh).
+WITH_DOCKER  := bash tests/images/docker_engine.sh
+
+.PHONY: help setup engine rust-check test test-fast demo bench bench-server bench-operator k8s lock crds clean images base-images
 
 help:
 	@echo "make demo   build everything and run the demo (see README)"
@@ -64,9 +75,11 @@ rust-check: $(PY_STAMP)
 # Every test, slow, cluster and GPU markers included (GPU tests skip with a
 # reason on a machine without one; nothing else skips). The control plane
 # binaries are built here, once, rather than inside a test fixture, so the
-# first build (many minutes) is not cut short by the per-test timeout.
+# first build (many minutes) is not cut short by the per-test timeout. The
+# image tests need Docker: pytest runs with a Docker engine (started here
+# when none answers, and stopped after), and fails naming it when there is none.
 test: setup k8s rust-check
-	$(PY) -m pytest tests
+	$(WITH_DOCKER) $(PY) -m pytest tests
 
 # The quick loop while developing: no slow and no cluster tests.
 test-fast: setup
@@ -83,6 +96,16 @@ bench-server: setup
 
 bench-operator: setup
 	$(PY) -m bench.operator
+
+# Both images, built from the repository root (README, "Deploying on GKE", says how to push them).
+images:
+	$(WITH_DOCKER) bash -c '$$DOCKER build $(DOCKER_BUILD_FLAGS) -f images/Dockerfile.operator -t $(REGISTRY)/gemma-rust-operator:$(IMAGE_TAG) . \
+	  && $$DOCKER build $(DOCKER_BUILD_FLAGS) -f images/Dockerfile.server -t $(REGISTRY)/gemma-server:$(IMAGE_TAG) .'
+
+# The images' bases where no registry answers: local stand-ins built from Debian's packages
+# (tests/images/base_images.py; the image tests do this themselves).
+base-images:
+	$(WITH_DOCKER) $(PYTHON) -m tests.images.base_images
 
 # Local control plane binaries and helm, built once from the Go module proxy
 # into $(CACHE)/k8s-<version>/ (the cluster fixture does this on first use).
