@@ -9,7 +9,7 @@ these checks read the Dockerfiles:
 - the server image keeps the boot build off the network (CARGO_NET_OFFLINE);
 - versions: Python (the Makefile's, which torch_tpu supports), torch (the lock's), torch_tpu/libtpu,
   every package of images/server-requirements.txt that the lock also pins, maturin (rust/pyproject.toml's
-  build requirement), and base images pinned to exact versions;
+  build requirement), uv (the Makefile's), and base images pinned to exact versions;
 - each build context holds exactly what its Dockerfile copies (a broader one would still build).
 """
 
@@ -111,6 +111,11 @@ def test_server_requirements_pin_the_locks_versions_and_the_tpu_stack():
         assert pins[re.sub(r"[-_.]+", "-", name).lower()] == version, requirement
     maturin = tomllib.loads((ROOT / "rust" / "pyproject.toml").read_text())["build-system"]["requires"]
     assert f"maturin=={pins['maturin']}" in maturin
+
+
+def test_server_image_installs_with_the_makefiles_uv():
+    wanted = re.search(r"^UV_VERSION\s*:=\s*(\S+)", (ROOT / "Makefile").read_text(), re.M).group(1)
+    assert re.findall(r"\buv==(\S+)", SERVER.final.runs()) == [wanted]
 
 
 # ------------------------------------------------------------------------------------------- operator image
