@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from gemma_operator.kube import ApiError, Kube
+from gemma_operator.poller import TEST_URL_ANNOTATION
+from gemma_operator.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_FILE = ROOT / "crds" / "gemmarustservers.gemmarust.dev.yaml"
@@ -63,6 +65,9 @@ def start_operator(kubeconfig: Path, log: Path, *, resync: str = "2", extra_env:
     liveness = f"http://127.0.0.1:{port}/healthz"
     env = {**os.environ, "KUBECONFIG": str(kubeconfig), "GEMMA_OPERATOR_RESYNC_SECONDS": resync,
            "GEMMA_OPERATOR_TEST_ENGINE_URLS": "1", "GEMMA_OPERATOR_DISCOVERY_TTL_SECONDS": "3",
+           # The fake kubelet's boot annotations and the test-only poll URL, besides the defaults.
+           "GEMMA_OPERATOR_ALLOWED_POD_ANNOTATIONS": ",".join(
+               [*Settings().allowed_pod_annotations, "fake.gemmarust.dev/*", TEST_URL_ANNOTATION]),
            **(extra_env or {})}
     fh = open(log, "w")
     proc = subprocess.Popen([sys.executable, "-m", "gemma_operator", f"--liveness={liveness}", *args],
