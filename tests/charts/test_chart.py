@@ -43,20 +43,22 @@ def test_default_install_renders_the_operator_and_nothing_optional(helm):
     assert kinds == sorted([
         ("ClusterRole", "grs-gemma-rust-operator"), ("ClusterRoleBinding", "grs-gemma-rust-operator"),
         ("ConfigMap", "grs-gemma-rust-operator-dashboards"), ("Deployment", "grs-gemma-rust-operator"),
-        ("ServiceAccount", "grs-gemma-rust-operator")])
+        ("ServiceAccount", "grs-gemma-rust-operator"), ("ValidatingAdmissionPolicy", "pod-powers.gemmarust.dev"),
+        ("ValidatingAdmissionPolicyBinding", "pod-powers.gemmarust.dev")])
 
 
 def test_chart_crd_is_the_generated_one():
-    generated = sorted(p.name for p in (ROOT / "crds").glob("*.yaml"))
+    # The admission policy in crds/ is not a CRD; the chart ships it from files/ (test_chart_security.py).
+    generated = sorted(p.name for p in (ROOT / "crds").glob("*.yaml") if not p.name.endswith(".admission.yaml"))
     copied = sorted(p.name for p in (CHART / "crds").glob("*.yaml"))
     assert generated, "crds/ is empty: run `python -m gemma_operator.crd` (see crds/)"
     assert copied == generated, (
         "charts/gemma-rust-operator/crds/ must hold exactly the generated CRDs; refresh with "
-        "`cp crds/*.yaml charts/gemma-rust-operator/crds/`")
+        "`cp crds/gemmarustservers.gemmarust.dev.yaml charts/gemma-rust-operator/crds/`")
     for name in generated:
         assert (CHART / "crds" / name).read_bytes() == (ROOT / "crds" / name).read_bytes(), (
             f"charts/gemma-rust-operator/crds/{name} differs from crds/{name}; refresh with "
-            "`cp crds/*.yaml charts/gemma-rust-operator/crds/`")
+            "`cp crds/gemmarustservers.gemmarust.dev.yaml charts/gemma-rust-operator/crds/`")
 
 
 def test_cluster_role_has_exactly_the_operators_rules(helm):
@@ -311,5 +313,5 @@ def test_no_cleanup_hook_without_the_sample(helm):
 
 def test_chart_readme_refresh_command_matches_the_crd_test():
     readme = (CHART / "README.md").read_text()
-    assert "cp crds/*.yaml charts/gemma-rust-operator/crds/" in readme
+    assert "cp crds/gemmarustservers.gemmarust.dev.yaml charts/gemma-rust-operator/crds/" in readme
     assert Path(ROOT / "crds").is_dir()
