@@ -13,12 +13,14 @@ A pod runs a tenant's code, so whatever it answers is untrusted, and no pod may 
   the `failed` reason is redacted (`gemma_operator.redact`): a pod holds a few KiB of the operator's memory,
   whatever it sends.
 
-Polling runs apart from the handlers: one asyncio loop in its own thread performs the fetches, and
-`PodPoller.observe` (called by `sync`) only records which pods to poll and returns the reports cached so
-far, without waiting. Each server has its own cap on concurrent fetches, so one server's slow pods hold up
-none of another's. When a pod's kept report changes, `on_change(server)` is called (the handlers then
-refresh that server's status). A pod that does not answer (not listening yet, a network policy, a kwok pod
-with a made-up IP) is retried later with back-off; nothing here raises for a pod.
+Polling runs apart from the handlers: one asyncio loop in its own thread performs the fetches, on its own
+schedule (each booting pod every `min_interval`), and `PodPoller.observe` (called by `sync`) only records
+which pods a server has and returns the reports cached so far, without waiting. Each server has its own
+cap on concurrent fetches, so one server's slow pods hold up none of another's. When a pod's report
+reaches a new stage, `on_change(server)` is called (the handlers then refresh that server's status). A pod
+that does not answer (not listening yet, a network policy, a kwok pod with a made-up IP) is retried later
+with back-off; nothing here raises for a pod. A server's pods are polled until `forget(server)`, or until
+no `observe` has named them for FORGET_AFTER_SECONDS.
 
 Test-only override: a local control plane's pods (kwok) have no network, so tests point the poller at a
 loopback HTTP server that serves the same JSON. When the operator runs with
@@ -192,6 +194,14 @@ class _Pod(NamedTuple):
     last_seen: float
 
 
+class _Target(NamedTuple):
+    """A pod worth polling, as the last `observe` saw it."""
+
+    uid: str
+    base: str    # http://ip:port (or the test override)
+    ready: bool  # Ready pods get /v1/models, booting ones /v1/engine
+
+
 class _Job(NamedTuple):
     uid: str
     url: str
@@ -226,6 +236,7 @@ class PodPoller:
         self.on_change, self.allow_test_urls = on_change, allow_test_urls
         self.min_interval, self.max_backoff, self.deadline, self.fetch = min_interval, max_backoff, deadline, fetch
         self._pods: dict[str, _Pod] = {}
+        self._targets: dict[str, tuple[list[_Target], float]] = {}  # server -> (its pods, when observed)
         self._inflight: set[str] = set()
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
@@ -234,6 +245,8 @@ class PodPoller:
         self._session: aiohttp.ClientSession | None = None
         self._thread = threading.Thread(target=self._loop.run_forever, name="pod-poller", daemon=True)
         self._thread.start()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._scheduler = asyncio.run_coroutine_threadsafe(self._schedule(), self._loop)
 
     def observe(self, server: str, pods: list[dict[str, Any]], port: int) -> Reports:
         """Start the fetches that are due for `pods` (not waiting for them) and return their cached reports.
@@ -245,17 +258,19 @@ class PodPoller:
             port: the server's HTTP port (spec.server.port).
         """
         now = time.monotonic()
-        jobs = []
+        targets = [target for pod in pods if (target := self._target(pod, port))]
         with self._lock:
-            for pod in pods:
-                job = self._due(pod, port, now)
-                if job:
-                    self._inflight.add(job.uid)
-                    jobs.append(job)
+            self._targets[server] = (targets, now)
+            jobs = self._due(targets, now)
             reports = self._reports(pods, now)
         for job in jobs:
-            asyncio.run_coroutine_threadsafe(self._poll(server, job), self._loop)
+            self._loop.call_soon_threadsafe(self._start, server, job)
         return reports
+
+    def forget(self, server: str) -> None:
+        """Stop polling `server`'s pods (it was deleted)."""
+        with self._lock:
+            self._targets.pop(server, None)
 
     def in_flight(self) -> frozenset[str]:
         """The uids of the pods being fetched now."""
@@ -265,6 +280,9 @@ class PodPoller:
     def close(self) -> None:
         """Stop the polling loop (fetches in flight are abandoned)."""
         async def shutdown() -> None:
+            self._scheduler.cancel()
+            for task in list(self._tasks):
+                task.cancel()
             if self._session:
                 await self._session.close()
         if self._loop.is_running():
@@ -274,19 +292,27 @@ class PodPoller:
 
     # -- under the lock ---------------------------------------------------------------------------------
 
-    def _due(self, pod: dict[str, Any], port: int, now: float) -> _Job | None:
+    def _target(self, pod: dict[str, Any], port: int) -> _Target | None:
         meta, status = pod.get("metadata", {}), pod.get("status") or {}
-        uid = meta.get("uid", "")
-        if meta.get("deletionTimestamp") or status.get("phase") != "Running" or uid in self._inflight:
+        if meta.get("deletionTimestamp") or status.get("phase") != "Running":
             return None
-        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
-        seen = self._pods.get(uid)
-        if seen and now < seen.next_try:
-            return None
-        if ready and seen and seen.models:
-            return None  # the served model does not change while the pod lives
         url = base_url(pod, port, self.allow_test_urls)
-        return _Job(uid, url + ("/v1/models" if ready else "/v1/engine"), ready) if url else None
+        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+        return _Target(meta.get("uid", ""), url, ready) if url else None
+
+    def _due(self, targets: list[_Target], now: float) -> list[_Job]:
+        """The fetches to start now for `targets`, marked in flight."""
+        jobs = []
+        for target in targets:
+            seen = self._pods.get(target.uid)
+            if target.uid in self._inflight or (seen and now < seen.next_try):
+                continue
+            if target.ready and seen and seen.models:
+                continue  # the served model does not change while the pod lives
+            self._inflight.add(target.uid)
+            jobs.append(_Job(target.uid, target.base + ("/v1/models" if target.ready else "/v1/engine"),
+                             target.ready))
+        return jobs
 
     def _reports(self, pods: list[dict[str, Any]], now: float) -> Reports:
         for pod in pods:
@@ -295,6 +321,8 @@ class PodPoller:
                 self._pods[uid] = self._pods[uid]._replace(last_seen=now)
         for uid in [u for u, p in self._pods.items() if now - p.last_seen > FORGET_AFTER_SECONDS]:
             del self._pods[uid]
+        for server in [s for s, (_, seen) in self._targets.items() if now - seen > FORGET_AFTER_SECONDS]:
+            del self._targets[server]
         engine, models, errors = {}, {}, {}
         for pod in pods:
             meta = pod.get("metadata", {})
@@ -327,6 +355,22 @@ class PodPoller:
             return _milestones(new) != _milestones(old)
 
     # -- on the polling loop ----------------------------------------------------------------------------
+
+    def _start(self, server: str, job: _Job) -> None:
+        task = self._loop.create_task(self._poll(server, job))
+        self._tasks.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._tasks.discard)
+
+    async def _schedule(self) -> None:
+        """Start the fetches that came due, every quarter of `min_interval` (at most 4 times a second)."""
+        while True:
+            await asyncio.sleep(max(self.min_interval / 4, 0.25))
+            now = time.monotonic()
+            with self._lock:
+                due = [(server, job) for server, (targets, _) in self._targets.items()
+                       for job in self._due(targets, now)]
+            for server, job in due:
+                self._start(server, job)
 
     async def _poll(self, server: str, job: _Job) -> None:
         if self._session is None:

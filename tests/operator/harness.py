@@ -176,8 +176,7 @@ def token_kubeconfig(cluster, kube: Kube, path: Path, namespace: str, service_ac
 
 
 def install_crd(cluster) -> None:
-    """The CRD and its admission policy (the two files in crds/, as a user applies them)."""
-    cluster.kubectl("apply", "--server-side", "-f", str(CRD_FILE), "-f", str(POLICY_FILE))
+    cluster.kubectl("apply", "--server-side", "-f", str(CRD_FILE))
     cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
                     "crd/gemmarustservers.gemmarust.dev")
 

@@ -5,6 +5,9 @@ certificate may impersonate any user; the authorizer then sees that user and sys
 alice may only edit GemmaRustServers; bob may also create pods; carol may also use one ServiceAccount and
 get one Secret and one PersistentVolumeClaim by name. Creates are dry runs: admission runs in full, nothing
 is stored, so the operator never sees these objects.
+
+The policy is applied from crds/ as a user without the chart would, for this module only: the chart's
+end-to-end test installs the chart's own copy with helm, which refuses to adopt an object it did not create.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import pytest
 from gemma_operator.kube import ApiError, Kube
 from gemma_operator.spec import DEFAULT_IMAGE
 
-from .harness import GRS_PATH, create, ensure, grs, wait_for
+from .harness import GRS_PATH, POLICY_FILE, create, ensure, get, grs, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -72,8 +75,15 @@ def role(kube, ns, name, rules, users):
         "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": u} for u in users]})
 
 
+@pytest.fixture(scope="module")
+def admission_policy(cluster):
+    cluster.kubectl("apply", "--server-side", "-f", str(POLICY_FILE))
+    yield
+    cluster.kubectl("delete", "-f", str(POLICY_FILE), "--wait=true")
+
+
 @pytest.fixture
-def users(cluster, kube, ns):
+def users(cluster, kube, ns, admission_policy):
     """alice, bob and carol with their rights in `ns`, once the policy is in force there."""
     role(kube, ns, "grs-editor", [{"apiGroups": ["gemmarust.dev"], "resources": ["gemmarustservers"],
                                    "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"]}],
@@ -141,3 +151,9 @@ def test_on_update_only_a_changed_power_is_checked(kube, users, ns):
     with pytest.raises(ApiError) as caught:
         patch({"spec": {"image": "example.com/evil:2"}})
     assert "spec.image needs RBAC permission" in caught.value.message
+    # The operator's own writes (kopf's annotations on the object, the status) pass the policy too.
+    def handled():
+        obj = get(kube, ns, "shared")
+        return (obj.get("status") or {}).get("observedGeneration") == 1 and \
+            "gemmarust.dev/last-handled-configuration" in (obj["metadata"].get("annotations") or {})
+    wait_for(handled, what="the operator's writes to a server under the policy")

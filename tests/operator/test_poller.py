@@ -77,7 +77,8 @@ def test_booting_pod_reports_engine_and_ready_pod_reports_models(make_poller):
         reports = reported(poller, "ns/g", [ready], what="models")
         assert reports.models["p"] == {"data": [{"id": "gemma-4"}]}
         assert reports.engine["p"]["stage"] == "weights"  # the last boot report is kept
-        assert fake.requests[0] == "/v1/engine" and fake.requests[-1] == "/v1/models"
+        assert fake.requests[0] == "/v1/engine" and "/v1/models" in fake.requests
+        wait_for(lambda: not poller.in_flight(), what="no fetch in flight")
         seen = len(fake.requests)
         poller.observe("ns/g", [ready], 8000)
         poller.observe("ns/g", [ready], 8000)
@@ -123,6 +124,23 @@ def test_pods_not_running_are_not_polled(make_poller, phase):
 
 def test_ipv6_pod_address_is_bracketed():
     assert p.base_url(running_pod("p", ip="fd00::5"), 8000, False) == "http://[fd00::5]:8000"
+
+
+def test_pods_are_polled_on_the_pollers_own_schedule_until_forgotten(make_poller):
+    changed = []
+    with FakeEngineEndpoint() as fake:
+        poller = make_poller(min_interval=0.2, on_change=changed.append)
+        pod = running_pod("p", url=fake.url)
+        reported(poller, "ns/g", [pod])
+        fake.boot_to("weights", {"build": 1.0})  # no observe from here on: the poller polls by itself
+        wait_for(lambda: len(changed) == 2, what="the new stage seen without an observe")
+        assert poller.observe("ns/g", [pod], 8000).engine["p"]["stage"] == "weights"
+        poller.forget("ns/g")
+        wait_for(lambda: not poller.in_flight(), what="no fetch in flight")
+        polls = len(fake.requests)
+        fake.boot_to("warmup", {"build": 1.0, "weights": 2.0})
+        with pytest.raises(AssertionError, match="timed out"):
+            wait_for(lambda: len(fake.requests) > polls, timeout=1.0, what="a poll of a forgotten server")
 
 
 def test_a_change_of_stage_is_announced_and_a_growing_stage_time_is_not(make_poller):

@@ -46,6 +46,9 @@ def test_hostile_pods_stall_no_one_bloat_nothing_and_every_status_is_written(kub
 
         create(kube, ns, "good", booting(good.url))
         phase_within(kube, ns, "good", "Building", 45, operator)
+        # How fast the good server's status follows its pod while it is the only one.
+        good.boot_to("smoke", {"build": 30.0, "import": 0.5})
+        alone = phase_within(kube, ns, "good", "SmokeTesting", 10, operator)
         baseline = operator.rss_bytes()
 
         for name, fake, replicas in (("slow", slow, 4), ("huge", huge, 4), ("redirect", redirect, 1),
@@ -66,16 +69,17 @@ def test_hostile_pods_stall_no_one_bloat_nothing_and_every_status_is_written(kub
         wait_for(lambda: huge.requests.count("/v1/engine") >= 8 and slow.bytes_sent > 20, timeout=60,
                  what="several polls of every huge and slow pod")
 
-        # The good server's status follows its pod within a second or two, trickles and 10 MiB replies
-        # notwithstanding (a blocking poll inside sync made this take as long as the slowest pod).
-        good.boot_to("smoke", {"build": 30.0, "import": 0.5})
-        took_smoke = phase_within(kube, ns, "good", "SmokeTesting", 10, operator)
+        # The good server's status follows its pod about as fast as when it was alone, trickles and 10 MiB
+        # replies notwithstanding (a blocking poll inside sync made this take as long as the slowest pod).
         good.boot_to("weights", {"build": 30.0, "import": 0.5, "smoke": 2.0})
         took_weights = phase_within(kube, ns, "good", "LoadingWeights", 10, operator)
+        good.boot_to("warmup", {"build": 30.0, "import": 0.5, "smoke": 2.0, "weights": 9.0})
+        took_warmup = phase_within(kube, ns, "good", "WarmingUp", 10, operator)
         grown = operator.rss_bytes() - baseline
-        print(f"good server: SmokeTesting after {took_smoke:.2f}s, LoadingWeights after {took_weights:.2f}s; "
-              f"operator RSS {baseline / 2**20:.0f} MiB -> +{grown / 2**20:.1f} MiB; "
-              f"huge polled {huge.requests.count('/v1/engine')}x, slow trickled {slow.bytes_sent} B")
-        assert took_smoke < 3 and took_weights < 3
+        print(f"good server's status behind its pod: alone {alone:.2f}s; beside hostile pods "
+              f"{took_weights:.2f}s, {took_warmup:.2f}s; operator RSS {baseline / 2**20:.0f} MiB -> "
+              f"+{grown / 2**20:.1f} MiB; huge polled {huge.requests.count('/v1/engine')}x, slow trickled "
+              f"{slow.bytes_sent} B")
+        assert max(took_weights, took_warmup) < max(alone + 1.5, 2.5)
         assert grown < 40 * 2**20
         assert operator.alive()
