@@ -112,10 +112,14 @@ base-images:
 k8s:
 	bash tests/cluster/build_binaries.sh
 
-# Regenerate the CRD from the operator's pydantic spec, and the chart's copy.
+# Regenerate the CRD from the operator's pydantic spec and its admission policy (gemma_operator.admission),
+# and the chart's copies: the CRD in its crds/, the policy in files/ (a template includes it; helm's crds/
+# takes CustomResourceDefinitions only).
 crds: $(PY_STAMP)
 	$(PY) -m gemma_operator.crd > crds/gemmarustservers.gemmarust.dev.yaml
-	cp crds/*.yaml charts/gemma-rust-operator/crds/
+	$(PY) -m gemma_operator.admission > crds/gemmarustservers.gemmarust.dev.admission.yaml
+	cp crds/gemmarustservers.gemmarust.dev.yaml charts/gemma-rust-operator/crds/
+	cp crds/gemmarustservers.gemmarust.dev.admission.yaml charts/gemma-rust-operator/files/
 
 # Regenerate the pinned lock from requirements/dev.in.
 lock: | $(UV)

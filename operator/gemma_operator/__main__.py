@@ -1,7 +1,8 @@
 """`python -m gemma_operator`: the same as `kopf run --standalone --all-namespaces -m gemma_operator.handlers`.
 
 Extra arguments go to `kopf run` (e.g. `--namespace team-a`, `--liveness=http://0.0.0.0:8080/healthz`,
-`--verbose`). Without --namespace the operator serves all namespaces.
+`--verbose`). Without --namespace the operator serves all namespaces; with one or more (the chart's
+watchNamespaces), only those.
 """
 
 import sys

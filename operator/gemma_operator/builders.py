@@ -235,12 +235,14 @@ def device(spec: s.GemmaRustServerSpec) -> str:
 
 
 def env(spec: s.GemmaRustServerSpec, main: ModelMount, twin: ModelMount | None) -> list[dict[str, Any]]:
-    """The server's environment (its documented GEMMA_* variables); the token only via secretKeyRef."""
+    """The server's environment (its documented GEMMA_* variables); the token and API key only via secretKeyRef."""
     e, srv = spec.engine, spec.server
     out = [
         {"name": "GEMMA_MODEL", "value": main.value},
         *([{"name": "GEMMA_EMB", "value": twin.value}] if twin else []),
         {"name": "GEMMA_DEVICE", "value": device(spec)},
+        # One engine per chip of the slice; unset on CPU (the server's default, one engine).
+        *([{"name": "GEMMA_DEVICES", "value": str(s.chips(spec.accelerator))}] if s.chips(spec.accelerator) else []),
         {"name": "GEMMA_CONTEXT", "value": str(e.context)},
         {"name": "GEMMA_READ_EVERY", "value": str(e.read_every)},
         {"name": "GEMMA_DTYPE", "value": e.dtype},
@@ -259,6 +261,9 @@ def env(spec: s.GemmaRustServerSpec, main: ModelMount, twin: ModelMount | None) 
     if spec.model.token_secret:
         ref = spec.model.token_secret
         out.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    if srv.api_key_secret:
+        ref = srv.api_key_secret
+        out.append({"name": "GEMMA_API_KEY", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
     return out
 
 

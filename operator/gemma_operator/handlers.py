@@ -2,12 +2,12 @@
 
     kopf run --standalone --all-namespaces -m gemma_operator.handlers
 
-Every handler funnels into `sync`, which has the same shape each time (STYLE.md, kopf's 02-children
-example, dask-kubernetes' controller):
+Every handler funnels into `sync`, which has the same shape each time (kopf's examples/02-children,
+dask-kubernetes' controller):
 
     parse spec -> check problems -> build children (pure) -> adopt -> server-side apply -> observe pods
-    and the Events of those that are not ready -> poll /v1/engine and /v1/models -> compute status (pure)
-    -> patch status -> post transition Events
+    and the Events of those that are not ready -> read the cached /v1/engine and /v1/models reports
+    -> compute status (pure) -> patch status -> post transition Events
 
 Triggers:
 - create / update / resume of a GemmaRustServer: full sync, and children the spec no longer asks for
@@ -18,7 +18,9 @@ Triggers:
   GemmaRustServer can be deleted while the operator is not running (garbage collection takes the
   children through their owner references);
 - events of the Deployments and Pods the operator owns: a deleted Deployment or Service is re-applied at
-  once; any other change refreshes the status, so `kubectl get grs` follows pods without waiting.
+  once; any other change refreshes the status, so `kubectl get grs` follows pods without waiting;
+- a pod's report changing stage (the poller, `gemma_operator.poller`, polls pods apart from `sync` and
+  never makes it wait): the status is refreshed.
 
 The operator never crash-loops on a custom resource: a spec it cannot act on becomes a condition with a
 reason (Problem); only transient API trouble raises `kopf.TemporaryError`, which kopf retries.
@@ -37,16 +39,16 @@ from typing import Any
 import kopf
 import pydantic
 
-from . import builders as b
-from . import events as ev
-from . import spec as s
-from . import status as st
-from .engine import EnginePoller
+from . import builders, events, status
+from .admission import allowlist_problems
 from .kube import ApiError, Kube
+from .poller import PodPoller
+from .settings import Settings
+from .spec import API_GROUP, API_VERSION, KIND, KNOWN_ACCELERATORS, PLURAL, GemmaRustServerSpec, \
+    accelerator_text, parse_spec
 
-GRS = (s.API_GROUP, s.API_VERSION, s.PLURAL)
-RESYNC_SECONDS = float(os.environ.get("GEMMA_OPERATOR_RESYNC_SECONDS", "15"))
-CHILD_LABELS = {b.LABEL_MANAGED_BY: b.MANAGED_BY}
+GRS = (API_GROUP, API_VERSION, PLURAL)
+CHILD_LABELS = {builders.LABEL_MANAGED_BY: builders.MANAGED_BY}
 
 _state: dict[str, Any] = {}
 _locks: dict[str, threading.Lock] = {}
@@ -55,15 +57,21 @@ _written: dict[str, dict[str, Any]] = {}  # uid -> last status written (we are i
 _known: dict[str, tuple[str, str]] = {}  # uid -> (namespace, name) of every GemmaRustServer seen
 
 
+def settings() -> Settings:
+    if "settings" not in _state:
+        _state["settings"] = Settings.from_env()
+    return _state["settings"]
+
+
 def kube() -> Kube:
     if "kube" not in _state:
-        _state["kube"] = Kube()
+        _state["kube"] = Kube(discovery_ttl=settings().discovery_ttl_seconds)
     return _state["kube"]
 
 
-def poller() -> EnginePoller:
+def poller() -> PodPoller:
     if "poller" not in _state:
-        _state["poller"] = EnginePoller()
+        _state["poller"] = PodPoller(on_change=_report_changed, allow_test_urls=settings().test_engine_urls)
     return _state["poller"]
 
 
@@ -79,6 +87,7 @@ def _now() -> str:
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any) -> None:
     """Operator settings: our own finalizer and annotation names, no CRD scanning (less RBAC)."""
+    ours = _state["settings"] = Settings.from_env()
     # No handler needs a finalizer (no timers/daemons, no blocking delete handler); should one ever be
     # added, it gets our name.
     settings.persistence.finalizer = "gemmarust.dev/finalizer"
@@ -89,34 +98,38 @@ def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any)
     settings.scanning.disabled = True
     # kopf's own per-handler Events would duplicate ours; keep warnings and errors.
     settings.posting.level = logging.WARNING
-    settings.execution.max_workers = int(os.environ.get("GEMMA_OPERATOR_WORKERS", "8"))
+    settings.execution.max_workers = ours.workers
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
-    _state["kube"] = Kube()
-    _state["poller"] = EnginePoller()
+    _state["logger"] = logger
+    kube()
+    poller()
     # Level-based resync in a plain thread rather than a kopf timer: kopf timers need a finalizer on every
     # object, which would leave GemmaRustServers undeletable whenever the operator is not running.
     stop = _state["stop"] = threading.Event()
-    threading.Thread(target=_resync_loop, args=(stop, logger), name="resync", daemon=True).start()
+    threading.Thread(target=_resync_loop, args=(stop, ours.resync_seconds, logger), name="resync",
+                     daemon=True).start()
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Problems a schema-valid spec can still have
 
 
-def find_problems(spec: s.GemmaRustServerSpec) -> list[st.Problem]:
-    """Check what admission cannot: a known accelerator. (A missing token Secret is the kubelet's to find:
-    the pod's CreateContainerConfigError, which events.py reports, so the operator never reads Secrets.)"""
+def find_problems(spec: GemmaRustServerSpec) -> list[status.Problem]:
+    """Check what admission cannot: a known accelerator and the operator's allowlists. (A missing token
+    Secret is the kubelet's to find: the pod's CreateContainerConfigError, which events.py reports, so the
+    operator never reads Secrets.)"""
     problems = []
-    if spec.accelerator.type not in s.KNOWN_ACCELERATORS:
-        problems.append(st.Problem(
+    if spec.accelerator.type not in KNOWN_ACCELERATORS:
+        problems.append(status.Problem(
             "UnknownAccelerator",
             f"spec.accelerator.type {spec.accelerator.type!r} is not supported; set one of: "
-            + ", ".join(s.KNOWN_ACCELERATORS), fatal=True))
+            + ", ".join(KNOWN_ACCELERATORS), fatal=True))
+    problems += allowlist_problems(spec, settings())
     return problems
 
 
-def _available(spec: s.GemmaRustServerSpec, k: Kube) -> frozenset[str]:
+def _available(spec: GemmaRustServerSpec, k: Kube) -> frozenset[str]:
     wanted = []
     if spec.monitoring.pod_monitoring:
         wanted.append("monitoring.googleapis.com/v1")
@@ -143,50 +156,54 @@ def sync(body: dict[str, Any], logger: logging.Logger, *, apply: bool = True, pr
         kopf.TemporaryError: the API server failed in a way worth retrying.
     """
     meta_d = body["metadata"]
-    meta = b.Meta(meta_d["name"], meta_d["namespace"])
+    meta = builders.Meta(meta_d["name"], meta_d["namespace"])
     uid = meta_d.get("uid", "")
     k = kube()
     with _lock(uid):
         try:
             return _sync_locked(body, meta, uid, k, logger, apply=apply, prune=prune)
+        except ServerGone:
+            return {}  # garbage collection takes the children
         except ApiError as e:
-            if e.status == 404 and "gemmarustservers" in str(e):
-                return {}  # the custom resource is gone; garbage collection takes the children
             raise kopf.TemporaryError(str(e), delay=5) from e
 
 
-def _sync_locked(body: dict[str, Any], meta: b.Meta, uid: str, k: Kube, logger: logging.Logger, *,
+class ServerGone(Exception):
+    """The custom resource was deleted while it was being synced (its status subresource answered 404)."""
+
+
+def _sync_locked(body: dict[str, Any], meta: builders.Meta, uid: str, k: Kube, logger: logging.Logger, *,
                  apply: bool, prune: bool) -> dict[str, Any]:
     generation = int(body["metadata"].get("generation") or 0)
-    problems: list[st.Problem] = []
+    problems: list[status.Problem] = []
     try:
-        spec = s.parse_spec(body.get("spec") or {})
+        spec = parse_spec(body.get("spec") or {})
     except pydantic.ValidationError as e:
         # Only reachable for objects stored before a schema change: admission applies the same schema.
         spec = None
-        problems.append(st.Problem("InvalidSpec", "spec does not fit the schema: " + "; ".join(
+        problems.append(status.Problem("InvalidSpec", "spec does not fit the schema: " + "; ".join(
             f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()), fatal=True))
     skipped: list[tuple[str, str]] = []
     requested: list[str] = []
     if spec is not None:
         problems += find_problems(spec)
-        children = b.build_children(spec, meta, _available(spec, k))
+        children = builders.build_children(spec, meta, _available(spec, k))
         skipped = list(children.skipped)
         requested = [kind for kind, on in (("PodMonitoring", spec.monitoring.pod_monitoring),
                                            ("ServiceMonitor", spec.monitoring.service_monitor)) if on]
         if apply and not any(p.fatal for p in problems):
             for obj in children.apply:
                 try:
-                    k.apply(b.adopt(obj, body))
+                    k.apply(builders.adopt(obj, body))
                 except ApiError as e:
-                    optional = (obj["apiVersion"], obj["kind"]) in b.OPTIONAL_KINDS
+                    optional = (obj["apiVersion"], obj["kind"]) in builders.OPTIONAL_KINDS
                     if e.status in (404, 405) and optional:
                         # Its CRD went away (or is being deleted) since discovery was cached.
                         k.forget(obj["apiVersion"])
                         skipped.append((obj["kind"], f"{obj['apiVersion']} is no longer served by this cluster"))
                         continue
                     if e.status in (400, 403, 422):
-                        problems.append(st.Problem(
+                        problems.append(status.Problem(
                             "ApplyRejected", f"{obj['kind']} {obj['metadata']['name']}: {e.message}", fatal=False))
                         continue
                     raise
@@ -194,23 +211,28 @@ def _sync_locked(body: dict[str, Any], meta: b.Meta, uid: str, k: Kube, logger: 
                 for api_version, kind, name in children.absent:
                     if k.delete_if_present(api_version, kind, meta.namespace, name):
                         logger.info("deleted %s %s: no longer asked for", kind, name)
-    pods = k.list_pods(meta.namespace, b.selector_string(meta))
-    events = [e for p in ev.pods_to_explain(pods) for e in k.pod_events(meta.namespace, p["metadata"]["uid"])]
+    pods = k.list_pods(meta.namespace, builders.selector_string(meta))
+    pod_events = [e for p in events.pods_to_explain(pods) for e in k.pod_events(meta.namespace, p["metadata"]["uid"])]
     port = spec.server.port if spec else 8000
-    reports = poller().poll(pods, port)
-    obs = st.Observed(generation=generation, replicas=spec.replicas if spec else 0, pods=pods,
-                      engine=reports.engine, models=reports.models, problems=problems,
-                      monitoring_requested=requested, monitoring_skipped=skipped,
-                      blockers=ev.blockers(pods, events),
-                      disruption=ev.disruption(pods), warnings=b.spec_warnings(spec) if spec else [])
-    new = st.compute_status(
-        obs, accelerator=s.accelerator_text(spec.accelerator) if spec else "",
-        endpoint=b.endpoint(spec, meta) if spec else "", selector=b.selector_string(meta))
+    reports = poller().observe(f"{meta.namespace}/{meta.name}", pods, port)
+    obs = status.Observed(generation=generation, replicas=spec.replicas if spec else 0, pods=pods,
+                          engine=reports.engine, models=reports.models, problems=problems,
+                          monitoring_requested=requested, monitoring_skipped=skipped, poll_errors=reports.errors,
+                          blockers=events.blockers(pods, pod_events), disruption=events.disruption(pods),
+                          warnings=builders.spec_warnings(spec) if spec else [])
+    new = status.compute_status(
+        obs, accelerator=accelerator_text(spec.accelerator) if spec else "",
+        endpoint=builders.endpoint(spec, meta) if spec else "", selector=builders.selector_string(meta))
     old = _written.get(uid) or body.get("status") or {}
-    new = st.with_transitions(new, old, _now())
-    if st.status_changed(new, old):
-        k.patch_status(meta.namespace, meta.name, new)
-        for type_, reason, message in st.transition_events(new, old):
+    new = status.with_transitions(new, old, _now())
+    if status.status_changed(new, old):
+        try:
+            k.patch_status(meta.namespace, meta.name, new)
+        except ApiError as e:
+            if e.status == 404:
+                raise ServerGone from e
+            raise
+        for type_, reason, message in status.transition_events(new, old):
             post_event(k, body, type_, reason, message)
             logger.info("%s: %s", reason, message)
     _written[uid] = new
@@ -225,11 +247,11 @@ def post_event(k: Kube, body: dict[str, Any], type_: str, reason: str, message: 
     event = {
         "apiVersion": "v1", "kind": "Event",
         "metadata": {"name": f"{meta['name']}.{digest}", "namespace": meta["namespace"]},
-        "involvedObject": {"apiVersion": body.get("apiVersion", f"{s.API_GROUP}/{s.API_VERSION}"),
-                           "kind": body.get("kind", s.KIND), "name": meta["name"],
+        "involvedObject": {"apiVersion": body.get("apiVersion", f"{API_GROUP}/{API_VERSION}"),
+                           "kind": body.get("kind", KIND), "name": meta["name"],
                            "namespace": meta["namespace"], "uid": meta.get("uid")},
         "type": type_, "reason": reason, "message": message[:1024],
-        "source": {"component": b.MANAGED_BY}, "reportingComponent": b.MANAGED_BY,
+        "source": {"component": builders.MANAGED_BY}, "reportingComponent": builders.MANAGED_BY,
         "reportingInstance": os.environ.get("HOSTNAME", "gemma-rust-operator"),
         "firstTimestamp": now.split(".")[0] + "Z", "lastTimestamp": now.split(".")[0] + "Z", "count": 1,
     }
@@ -258,24 +280,35 @@ def track(event: dict[str, Any], body: kopf.Body, **_: Any) -> None:
     if event.get("type") == "DELETED":
         _known.pop(uid, None)
         _written.pop(uid, None)
+        poller().forget(f"{body.metadata.namespace}/{body.metadata.name}")
         with _locks_guard:
             _locks.pop(uid, None)
     else:
         _known[uid] = (body.metadata.namespace, body.metadata.name)
 
 
+def resync_one(namespace: str, name: str, logger: logging.Logger, *, apply: bool = True) -> None:
+    """Sync one GemmaRustServer read afresh; errors are logged (the next pass retries), never raised."""
+    try:
+        body = kube().get_server(namespace, name)
+        if body and not body["metadata"].get("deletionTimestamp"):
+            sync(body, logger, apply=apply)
+    except Exception as e:  # noqa: BLE001 - never let one object stop a resync pass or the poller
+        logger.warning("resync of %s/%s failed: %s", namespace, name, e)
+
+
 def resync_all(logger: logging.Logger) -> None:
     """One level-based pass over every known GemmaRustServer: put back children edited or deleted by
-    hand, poll booting pods, refresh status. Errors of one object are logged and do not stop the pass."""
-    def one(ref: tuple[str, str]) -> None:
-        try:
-            body = kube().get_server(*ref)
-            if body and not body["metadata"].get("deletionTimestamp"):
-                sync(body, logger)
-        except Exception as e:  # noqa: BLE001 - the next pass retries; never let one object stop the loop
-            logger.warning("resync of %s/%s failed: %s", ref[0], ref[1], e)
+    hand, refresh status. Errors of one object are logged and do not stop the pass."""
+    list(_resync_pool().map(lambda ref: resync_one(*ref, logger), list(_known.values())))
 
-    list(_resync_pool().map(one, list(_known.values())))
+
+def _report_changed(server: str) -> None:
+    """The poller saw a pod of `server` ("namespace/name") change stage: refresh its status (on the resync
+    pool, not on the poller's thread)."""
+    namespace, name = server.split("/", 1)
+    logger = _state.get("logger") or logging.getLogger(__name__)
+    _resync_pool().submit(resync_one, namespace, name, logger, apply=False)
 
 
 def _resync_pool() -> ThreadPoolExecutor:
@@ -284,8 +317,8 @@ def _resync_pool() -> ThreadPoolExecutor:
     return _state["pool"]
 
 
-def _resync_loop(stop: threading.Event, logger: logging.Logger) -> None:
-    while not stop.wait(RESYNC_SECONDS):
+def _resync_loop(stop: threading.Event, period: float, logger: logging.Logger) -> None:
+    while not stop.wait(period):
         resync_all(logger)
 
 
@@ -294,10 +327,12 @@ def stop_resync(**_: Any) -> None:
     stop = _state.get("stop")
     if stop:
         stop.set()
+    if "poller" in _state:
+        _state.pop("poller").close()
 
 
 def _owner(labels: dict[str, str], namespace: str) -> dict[str, Any] | None:
-    name = labels.get(b.LABEL_SERVER)
+    name = labels.get(builders.LABEL_SERVER)
     return kube().get_server(namespace, name) if name else None
 
 

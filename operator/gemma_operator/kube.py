@@ -12,7 +12,6 @@ typed models, because the builders produce plain dicts for any kind, custom ones
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from typing import Any
@@ -21,6 +20,9 @@ import kubernetes
 from kubernetes.client import ApiClient
 
 from .builders import FIELD_MANAGER
+from .spec import API_GROUP, API_VERSION, KIND, PLURAL
+
+GRS_API_VERSION = f"{API_GROUP}/{API_VERSION}"
 
 # (apiVersion, kind) -> plural resource name, for the kinds the operator touches.
 RESOURCES = {
@@ -32,7 +34,7 @@ RESOURCES = {
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("monitoring.googleapis.com/v1", "PodMonitoring"): "podmonitorings",
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitors",
-    ("gemmarust.dev/v1alpha1", "GemmaRustServer"): "gemmarustservers",
+    (GRS_API_VERSION, KIND): PLURAL,
 }
 
 
@@ -68,9 +70,10 @@ def load_api_client() -> ApiClient:
 class Kube:
     """Raw JSON access to the API server (thread-safe: the generated client uses a urllib3 pool)."""
 
-    def __init__(self, api_client: ApiClient | None = None, timeout: float = 20.0):
+    def __init__(self, api_client: ApiClient | None = None, timeout: float = 20.0, discovery_ttl: float = 60.0):
         self.api = api_client or load_api_client()
         self.timeout = timeout
+        self.discovery_ttl = discovery_ttl
         self._discovery: dict[str, tuple[float, bool]] = {}
         self._lock = threading.Lock()
 
@@ -122,15 +125,12 @@ class Kube:
                            query={"fieldSelector": f"involvedObject.uid={uid}"})
         return out.get("items", [])
 
-    def serves(self, api_version: str, ttl: float | None = None) -> bool:
-        """Whether the cluster serves `api_version` (discovery, cached for `ttl` seconds, default
-        $GEMMA_OPERATOR_DISCOVERY_TTL_SECONDS or 60)."""
-        if ttl is None:
-            ttl = float(os.environ.get("GEMMA_OPERATOR_DISCOVERY_TTL_SECONDS", "60"))
+    def serves(self, api_version: str) -> bool:
+        """Whether the cluster serves `api_version` (discovery, cached for `discovery_ttl` seconds)."""
         now = time.monotonic()
         with self._lock:
             hit = self._discovery.get(api_version)
-            if hit and now - hit[0] < ttl:
+            if hit and now - hit[0] < self.discovery_ttl:
                 return hit[1]
         try:
             self.request("GET", f"/apis/{api_version}")
@@ -152,7 +152,7 @@ class Kube:
 
     def get_server(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            return self.request("GET", f"{collection_path('gemmarust.dev/v1alpha1', 'GemmaRustServer', namespace)}/{name}")
+            return self.request("GET", f"{collection_path(GRS_API_VERSION, KIND, namespace)}/{name}")
         except ApiError as e:
             if e.status == 404:
                 return None
@@ -160,5 +160,5 @@ class Kube:
 
     def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
         """JSON merge patch of the status subresource (lists such as conditions are replaced whole)."""
-        path = f"{collection_path('gemmarust.dev/v1alpha1', 'GemmaRustServer', namespace)}/{name}/status"
+        path = f"{collection_path(GRS_API_VERSION, KIND, namespace)}/{name}/status"
         return self.request("PATCH", path, {"status": status}, content_type="application/merge-patch+json")

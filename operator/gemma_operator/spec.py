@@ -50,6 +50,10 @@ MODEL_SOURCE_MESSAGE = (
     "model source must be hf://org/repo[@revision], gs://bucket/path (mounted with GCS FUSE) "
     "or pvc://claim/path"
 )
+# A ".." path segment: the path stays inside the pod's mount either way, but a source is a location, not a
+# way to walk out of one.
+PARENT_SEGMENT_RE = r"(^|/)\.\.(/|$)"
+PARENT_SEGMENT_MESSAGE = "model source must not contain '..' path segments"
 DNS_LABEL_RE = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN_RE = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 QUANTITY_RE = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
@@ -91,6 +95,13 @@ class GcsFuseSpec(_Model):
     file_cache_medium: Literal["Memory", "Disk"] = Field(
         "Memory", description="Where the file cache lives: Memory (tmpfs, counted as the pod's memory; what "
         "Google's TPU samples use, TPU VMs have no local SSD) or Disk (the node's boot disk).")
+class ApiKeySecretRef(_Model):
+    """A Secret key holding the server's API key; it reaches the pod only through secretKeyRef."""
+
+    name: str = Field(description="Secret name, in the custom resource's namespace.", pattern=DNS_SUBDOMAIN_RE,
+                      max_length=253)
+    key: str = Field("api-key", description="Key in the Secret whose value is the API key.", min_length=1,
+                     max_length=253)
 
 
 class ModelSpec(_Model):
@@ -113,6 +124,8 @@ class ModelSpec(_Model):
         # condition, not a handler that fails on every retry. (A validator stays out of the schema.)
         if v is not None and not re.fullmatch(MODEL_SOURCE_RE, v):
             raise ValueError(MODEL_SOURCE_MESSAGE)
+        if v is not None and re.search(PARENT_SEGMENT_RE, v):
+            raise ValueError(PARENT_SEGMENT_MESSAGE)
         return v
 
 
@@ -157,6 +170,9 @@ class ServerSpec(_Model):
     startup_timeout_seconds: int = Field(
         3600, description="Budget for build, smoke test, weights and warmup before the pod is restarted.",
         ge=60, le=86400)
+    api_key_secret: ApiKeySecretRef | None = Field(
+        None, description="Secret with the API key clients must send (Authorization: Bearer KEY); it reaches "
+        "the server as GEMMA_API_KEY. Without it the API is open to whoever reaches the Service.")
 
 
 class BuildCacheSpec(_Model):
@@ -193,6 +209,9 @@ CEL_RULES: dict[type[_Model], list[dict[str, str]]] = {
              ".source"),
         _cel(f"!has(self.embeddingTwin) || self.embeddingTwin.matches(r'{MODEL_SOURCE_RE}')",
              MODEL_SOURCE_MESSAGE, ".embeddingTwin"),
+        _cel(f"!self.source.matches(r'{PARENT_SEGMENT_RE}')", PARENT_SEGMENT_MESSAGE, ".source"),
+        _cel(f"!has(self.embeddingTwin) || !self.embeddingTwin.matches(r'{PARENT_SEGMENT_RE}')",
+             PARENT_SEGMENT_MESSAGE, ".embeddingTwin"),
     ],
     ResourcesSpec: [
         _cel("!has(self.limits) || !('google.com/tpu' in self.limits)",

@@ -15,7 +15,8 @@ weights, warmup, serving).
 Conditions follow the Kubernetes API conventions and KServe's LLMInferenceService: `Ready` (False carries
 the blocking reason), `Progressing`, `Degraded`, and `Monitoring` when scraping was asked for; each has
 reason, message, lastTransitionTime and observedGeneration. The last crash's termination message reaches
-`status.lastFailure` (KServe's lastFailureInfo).
+`status.lastFailure` (KServe's lastFailureInfo), like a boot stage's failure reason only after
+`gemma_operator.redact` (the pod writes that text, and anyone who may read the custom resource reads it).
 
 Why a pod cannot start (a failed mount, a missing Secret, an image pull, an OOM kill) comes from its Events
 and container statuses, read by gemma_operator.events: such a pod is Failed with that reason. An evicted or
@@ -26,6 +27,8 @@ condition (True, never Degraded) carries spec advice such as a build cache that 
 from __future__ import annotations
 
 from typing import Any, NamedTuple
+
+from .redact import redact
 
 PENDING, SCHEDULING, BUILDING, SMOKE_TESTING, LOADING_WEIGHTS, WARMING_UP, READY = (
     "Pending", "Scheduling", "Building", "SmokeTesting", "LoadingWeights", "WarmingUp", "Ready")
@@ -70,19 +73,19 @@ class PodView(NamedTuple):
 
 def pod_view(pod: dict[str, Any]) -> PodView:
     """Extract what the status needs from a Pod object (as returned by the API)."""
-    meta, spec, st = pod.get("metadata", {}), pod.get("spec", {}), pod.get("status", {}) or {}
-    conds = {c.get("type"): c for c in st.get("conditions") or []}
+    meta, spec, pod_status = pod.get("metadata", {}), pod.get("spec", {}), pod.get("status", {}) or {}
+    conds = {c.get("type"): c for c in pod_status.get("conditions") or []}
     sched = conds.get("PodScheduled", {})
     scheduled = bool(spec.get("nodeName")) or sched.get("status") == "True"
-    cs = next((c for c in st.get("containerStatuses") or [] if c.get("name") == "server"),
-              (st.get("containerStatuses") or [{}])[0])
+    cs = next((c for c in pod_status.get("containerStatuses") or [] if c.get("name") == "server"),
+              (pod_status.get("containerStatuses") or [{}])[0])
     state = cs.get("state") or {}
     waiting = state.get("waiting") or {}
     last = None
     for term in ((cs.get("lastState") or {}).get("terminated"), state.get("terminated")):
         if term and (term.get("exitCode", 0) != 0 or term.get("reason") not in (None, "Completed")):
             last = {"reason": term.get("reason") or "Error", "exitCode": term.get("exitCode"),
-                    "message": (term.get("message") or "").strip()[-1024:]}
+                    "message": redact(term.get("message") or "")}
     return PodView(
         name=meta.get("name", ""),
         node=spec.get("nodeName") or "",
@@ -95,7 +98,7 @@ def pod_view(pod: dict[str, Any]) -> PodView:
         waiting_message=waiting.get("message", ""),
         restarts=int(cs.get("restartCount") or 0),
         last_failure=last,
-        terminal=st.get("phase") in ("Failed", "Succeeded"),
+        terminal=pod_status.get("phase") in ("Failed", "Succeeded"),
     )
 
 
@@ -105,8 +108,9 @@ class PodStage(NamedTuple):
     message: str
 
 
-def pod_stage(view: PodView, engine: dict[str, Any] | None) -> PodStage:
-    """Where one pod is, from its Kubernetes status and (when it answered) its /v1/engine report."""
+def pod_stage(view: PodView, engine: dict[str, Any] | None, poll_error: str = "") -> PodStage:
+    """Where one pod is, from its Kubernetes status and (when it answered) its /v1/engine report; `poll_error`
+    says why the last poll of the pod got no report."""
     if view.ready:
         return PodStage(READY, "Ready", "")
     if not view.scheduled:
@@ -122,12 +126,13 @@ def pod_stage(view: PodView, engine: dict[str, Any] | None) -> PodStage:
     stage = (engine or {}).get("stage")
     if (engine or {}).get("failed"):
         # gemma_server reports the failing stage's reason here just before it exits non-zero.
-        return PodStage(FAILED, "BootStageFailed", f"stage {stage}: {engine['failed']}")
+        return PodStage(FAILED, "BootStageFailed", f"stage {stage}: {redact(str(engine['failed']))}")
     if stage in ENGINE_STAGE_PHASE:
         phase = ENGINE_STAGE_PHASE[stage]
         return PodStage(phase, phase, f"engine stage {stage}")
     # Running, not ready, no report (yet): the server builds the engine first.
-    return PodStage(BUILDING, BUILDING, "waiting for the server's /v1/engine report")
+    why = f" (last poll: {poll_error})" if poll_error else ""
+    return PodStage(BUILDING, BUILDING, f"waiting for the server's /v1/engine report{why}")
 
 
 def engine_stages(engine: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -158,6 +163,7 @@ class Observed(NamedTuple):
     problems: list[Problem]               # spec problems found by the handlers
     monitoring_requested: list[str]       # kinds asked for (PodMonitoring, ServiceMonitor)
     monitoring_skipped: list[tuple[str, str]]  # (kind, why)
+    poll_errors: dict[str, str] = {}      # pod name -> why its last poll got no report
     blockers: dict[str, tuple[str, str]] = {}  # pod name -> (reason, message): why it cannot start (events.py)
     disruption: tuple[str, str] | None = None  # (reason, message) of the pod evicted or reclaimed (events.py)
     warnings: list[tuple[str, str]] = []       # (reason, message) of spec advice (builders.spec_warnings)
@@ -182,7 +188,7 @@ def compute_status(obs: Observed, *, accelerator: str, endpoint: str, selector: 
     views = [pod_view(p) for p in obs.pods]
     active = [v for v in views if not v.deleting and not v.terminal]
     stages = {v.name: PodStage(FAILED, *obs.blockers[v.name]) if v.name in obs.blockers
-              else pod_stage(v, obs.engine.get(v.name)) for v in active}
+              else pod_stage(v, obs.engine.get(v.name), obs.poll_errors.get(v.name, "")) for v in active}
     ready = sum(1 for v in active if v.ready)
     failing = [(v, stages[v.name]) for v in active if stages[v.name].phase == FAILED]
     booting = [(v, stages[v.name]) for v in active if stages[v.name].phase not in (READY, FAILED)]
@@ -194,9 +200,10 @@ def compute_status(obs: Observed, *, accelerator: str, endpoint: str, selector: 
         phase, reason, message = FAILED, fatal[0].reason, fatal[0].message
         degraded = (reason, message)
     elif failing:
-        v, st = failing[0]
+        v, stage = failing[0]
         phase = DEGRADED if ready else FAILED
-        reason, message = st.reason, f"pod {v.name}: {st.message}" if st.message else f"pod {v.name}: {st.reason}"
+        reason = stage.reason
+        message = f"pod {v.name}: {stage.message}" if stage.message else f"pod {v.name}: {stage.reason}"
         degraded = (reason, message)
     elif obs.problems:
         phase, reason, message = DEGRADED, obs.problems[0].reason, obs.problems[0].message
@@ -206,9 +213,9 @@ def compute_status(obs: Observed, *, accelerator: str, endpoint: str, selector: 
     elif ready >= obs.replicas and not booting:
         phase, reason, message = READY, "AllReplicasReady", f"{ready}/{obs.replicas} replicas ready"
     elif booting:
-        v, st = min(booting, key=lambda b: BOOT_ORDER.index(b[1].phase))
-        phase, reason = st.phase, st.reason
-        message = f"pod {v.name}: {st.message}" if st.message else f"pod {v.name}: {st.reason}"
+        v, stage = min(booting, key=lambda booted: BOOT_ORDER.index(booted[1].phase))
+        phase, reason = stage.phase, stage.reason
+        message = f"pod {v.name}: {stage.message}" if stage.message else f"pod {v.name}: {stage.reason}"
     else:
         phase, reason, message = PENDING, "WaitingForPods", f"{len(active)}/{obs.replicas} pods created"
     if obs.disruption and phase in (PENDING, SCHEDULING):
@@ -237,17 +244,19 @@ def compute_status(obs: Observed, *, accelerator: str, endpoint: str, selector: 
 
     pods = []
     for v in sorted(active, key=lambda v: v.name)[:MAX_PODS_IN_STATUS]:
-        st = stages[v.name]
-        entry: dict[str, Any] = {"name": v.name, "node": v.node, "ready": v.ready, "stage": st.phase,
+        stage = stages[v.name]
+        entry: dict[str, Any] = {"name": v.name, "node": v.node, "ready": v.ready, "stage": stage.phase,
                                  "restarts": v.restarts}
-        if st.reason not in (st.phase,):
-            entry["reason"] = st.reason
-        if st.message:
-            entry["message"] = st.message
+        if stage.reason not in (stage.phase,):
+            entry["reason"] = stage.reason
+        if stage.message:
+            entry["message"] = stage.message
         engine = obs.engine.get(v.name)
         if engine:
             entry["engineStage"] = str(engine.get("stage", ""))
             entry["stages"] = engine_stages(engine)
+            if isinstance(engine.get("engines"), list):
+                entry["engines"] = len(engine["engines"])  # engines in the pod, one per chip
         model = served_model(obs.models.get(v.name))
         if model:
             entry["servedModel"] = model
@@ -310,8 +319,8 @@ def transition_events(new: dict[str, Any], old: dict[str, Any] | None) -> list[t
         events.append(("Warning" if warn else "Normal", new["phase"],
                        f"phase {before} -> {new['phase']}: {new['message']}".rstrip(": ")))
     else:
-        def degraded_reason(st: dict[str, Any]) -> str:
-            return next((c.get("reason", "") for c in st.get("conditions") or []
+        def degraded_reason(status: dict[str, Any]) -> str:
+            return next((c.get("reason", "") for c in status.get("conditions") or []
                          if c.get("type") == "Degraded" and c.get("status") == "True"), "")
 
         if degraded_reason(new) and degraded_reason(new) != degraded_reason(old):

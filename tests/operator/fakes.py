@@ -1,4 +1,4 @@
-"""FakeEngineEndpoint: a loopback HTTP server answering like a booting gemma_server pod.
+"""FakeEngineEndpoint: a loopback HTTP server answering like a booting gemma_server pod, or like a hostile one.
 
 Why a fake: pods on the local control plane are kwok pods with no process and no network, so the operator
 cannot reach a real server at their IP. This stub serves the same JSON documents as gemma_server's
@@ -6,6 +6,10 @@ cannot reach a real server at their IP. This stub serves the same JSON documents
 [{stage, status, seconds}], `data` = [{id, max_model_len}]), and the test changes them as the "boot"
 advances. Pods point the operator at it with the test-only annotation `gemmarust.dev/engine-url-for-tests`
 (honoured only when the operator runs with GEMMA_OPERATOR_TEST_ENGINE_URLS=1).
+
+`mode` makes it misbehave as a tenant's pod can, for the operator's poller: "trickle" sends a 200 header and
+then one byte every `trickle_seconds`, forever; "redirect" answers 302 to `redirect_to`; "huge" sends a
+valid JSON document of `huge_bytes` (10 MiB by default); "raw" answers 200 with the bytes `raw`.
 """
 
 from __future__ import annotations
@@ -24,11 +28,20 @@ class FakeEngineEndpoint:
                                                                      "seconds": 0.0}]}
         self.models: dict[str, Any] | None = None
         self.requests: list[str] = []
+        self.mode = "json"
+        self.trickle_seconds = 0.2
+        self.redirect_to = ""
+        self.huge_bytes = 10 * 1024 * 1024
+        self.raw = b""
+        self.bytes_sent = 0
+        self.stopping = threading.Event()
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's naming
                 fake.requests.append(self.path)
+                if fake.mode != "json" and self.path.startswith("/v1/"):
+                    return getattr(self, f"misbehave_{fake.mode}")()
                 body, code = None, 404
                 if self.path == "/v1/engine":
                     body, code = fake.engine, 200
@@ -46,6 +59,46 @@ class FakeEngineEndpoint:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def misbehave_trickle(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(b'{"stage": "build", "pad": "')
+                while not fake.stopping.wait(fake.trickle_seconds):
+                    self.wfile.write(b"x")
+                    self.wfile.flush()
+                    fake.bytes_sent += 1
+
+            def misbehave_redirect(self) -> None:
+                self.send_response(302)
+                self.send_header("Location", fake.redirect_to + self.path)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def misbehave_huge(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                chunk = b"x" * 65536
+                self.wfile.write(b'{"stage": "build", "pad": "')
+                for _ in range(fake.huge_bytes // len(chunk)):
+                    self.wfile.write(chunk)
+                    fake.bytes_sent += len(chunk)
+                self.wfile.write(b'"}')
+
+            def misbehave_raw(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(fake.raw)))
+                self.end_headers()
+                self.wfile.write(fake.raw)
+
+            def handle_one_request(self) -> None:
+                try:
+                    super().handle_one_request()
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up on us, as it should
+
             def log_message(self, *args: Any) -> None:
                 pass
 
@@ -61,6 +114,7 @@ class FakeEngineEndpoint:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self.stopping.set()
         self.server.shutdown()
         self.server.server_close()
 

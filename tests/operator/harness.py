@@ -12,13 +12,17 @@ import subprocess
 import sys
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from gemma_operator.kube import ApiError, Kube
+from gemma_operator.poller import TEST_URL_ANNOTATION
+from gemma_operator.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_FILE = ROOT / "crds" / "gemmarustservers.gemmarust.dev.yaml"
+POLICY_FILE = ROOT / "crds" / "gemmarustservers.gemmarust.dev.admission.yaml"
 GRS_PATH = "/apis/gemmarust.dev/v1alpha1/namespaces/{ns}/gemmarustservers"
 
 
@@ -42,14 +46,47 @@ def wait_for(fn: Callable[[], Any], *, timeout: float = 45.0, what: str = "condi
 class Operator:
     """The operator process and what tests need from it."""
 
-    def __init__(self, proc: subprocess.Popen, log: Path, liveness: str):
-        self.proc, self.log, self.liveness = proc, log, liveness
+    def __init__(self, proc: subprocess.Popen, log: Path, liveness: str, argv: list[str], env: dict[str, str]):
+        self.proc, self.log, self.liveness, self.argv, self.env = proc, log, liveness, argv, env
 
     def tail(self, n: int = 60) -> str:
         return "operator log (tail):\n" + "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def rss_bytes(self) -> int:
+        """The process's resident memory (Linux /proc)."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise AssertionError("no VmRSS in /proc status")
+
+    def start(self) -> None:
+        """(Re)start the process with the same command line, environment and log (appended)."""
+        fh = open(self.log, "a")
+        self.proc = subprocess.Popen(self.argv, stdout=fh, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT,
+                                     start_new_session=True)
+
+        def live() -> bool:
+            if not self.alive():
+                raise AssertionError(f"operator exited with {self.proc.returncode}\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(self.liveness, timeout=2) as r:
+                    return r.status == 200
+            except OSError:
+                return False
+
+        wait_for(live, timeout=60, what="the operator's liveness endpoint", diagnose=self.tail)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Stop the operator for the duration of the block (e.g. while another operator runs), then start it."""
+        stop_operator(self)
+        try:
+            yield
+        finally:
+            self.start()
 
 
 def start_operator(kubeconfig: Path, log: Path, *, resync: str = "2", extra_env: dict[str, str] | None = None,
@@ -63,22 +100,13 @@ def start_operator(kubeconfig: Path, log: Path, *, resync: str = "2", extra_env:
     liveness = f"http://127.0.0.1:{port}/healthz"
     env = {**os.environ, "KUBECONFIG": str(kubeconfig), "GEMMA_OPERATOR_RESYNC_SECONDS": resync,
            "GEMMA_OPERATOR_TEST_ENGINE_URLS": "1", "GEMMA_OPERATOR_DISCOVERY_TTL_SECONDS": "3",
+           # The fake kubelet's boot annotations and the test-only poll URL, besides the defaults.
+           "GEMMA_OPERATOR_ALLOWED_POD_ANNOTATIONS": ",".join(
+               [*Settings().allowed_pod_annotations, "fake.gemmarust.dev/*", TEST_URL_ANNOTATION]),
            **(extra_env or {})}
-    fh = open(log, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "gemma_operator", f"--liveness={liveness}", *args],
-                            stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
-    op = Operator(proc, log, liveness)
-
-    def live() -> bool:
-        if not op.alive():
-            raise AssertionError(f"operator exited with {proc.returncode}\n{op.tail()}")
-        try:
-            with urllib.request.urlopen(liveness, timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
-
-    wait_for(live, timeout=60, what="the operator's liveness endpoint", diagnose=op.tail)
+    log.write_text("")
+    op = Operator(None, log, liveness, [sys.executable, "-m", "gemma_operator", f"--liveness={liveness}", *args], env)
+    op.start()
     return op
 
 
@@ -93,31 +121,53 @@ def stop_operator(op: Operator) -> int:
     return op.proc.returncode
 
 
-def least_privilege_kubeconfig(cluster, kube: Kube, path: Path) -> Path:
+def ensure(kube: Kube, path: str, obj: dict) -> None:
+    """Create `obj` at `path` unless it exists."""
+    try:
+        kube.request("POST", path, obj)
+    except ApiError as e:
+        if e.status != 409:
+            raise
+
+
+def least_privilege_kubeconfig(cluster, kube: Kube, path: Path, *, namespaces: tuple[str, ...] = (),
+                               name: str = "gemma-rust-operator") -> Path:
     """A kubeconfig holding a ServiceAccount token bound to exactly gemma_operator.rbac.RULES.
 
     The operator under test runs with it, so a verb missing from the rules (which the Helm chart copies)
-    fails the integration tests instead of a user's first install.
+    fails the integration tests instead of a user's first install. With `namespaces`, the rules are a Role
+    in each of them (the chart's watchNamespaces mode) instead of a ClusterRole.
     """
     from gemma_operator import rbac
+
+    ns = "gemma-system"
+    ensure(kube, "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+    ensure(kube, f"/api/v1/namespaces/{ns}/serviceaccounts",
+           {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name}})
+    subjects = [{"kind": "ServiceAccount", "name": name, "namespace": ns}]
+    rbac_api = "/apis/rbac.authorization.k8s.io/v1"
+    if not namespaces:
+        ensure(kube, f"{rbac_api}/clusterroles", rbac.cluster_role(name))
+        ensure(kube, f"{rbac_api}/clusterrolebindings", {
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": {"name": name},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
+            "subjects": subjects})
+    for watched in namespaces:
+        ensure(kube, f"{rbac_api}/namespaces/{watched}/roles", {
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": name},
+            "rules": rbac.RULES})
+        ensure(kube, f"{rbac_api}/namespaces/{watched}/rolebindings", {
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": name},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": subjects})
+    return token_kubeconfig(cluster, kube, path, ns, name)
+
+
+def token_kubeconfig(cluster, kube: Kube, path: Path, namespace: str, service_account: str) -> Path:
+    """A kubeconfig with a day-long token of `service_account` (TokenRequest API)."""
     from tests.cluster.controlplane import kubeconfig_text
 
-    def ensure(path_: str, obj: dict) -> None:
-        try:
-            kube.request("POST", path_, obj)
-        except ApiError as e:
-            if e.status != 409:
-                raise
-
-    name, ns = "gemma-rust-operator", "gemma-system"
-    ensure("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
-    ensure(f"/api/v1/namespaces/{ns}/serviceaccounts",
-           {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name}})
-    ensure("/apis/rbac.authorization.k8s.io/v1/clusterroles", rbac.cluster_role(name))
-    ensure("/apis/rbac.authorization.k8s.io/v1/clusterrolebindings", {
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": {"name": name},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
-        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ns}]})
+    name, ns = service_account, namespace
     token = kube.request("POST", f"/api/v1/namespaces/{ns}/serviceaccounts/{name}/token", {
         "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
         "spec": {"expirationSeconds": 86400}})["status"]["token"]

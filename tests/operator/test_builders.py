@@ -58,6 +58,7 @@ def test_tpu_deployment_matches_golden():
                             {"name": "GEMMA_MODEL", "value": "gs://weights-bucket/gemma-4-e2b"},
                             {"name": "GEMMA_EMB", "value": "gs://weights-bucket/emb-int4"},
                             {"name": "GEMMA_DEVICE", "value": "tpu"},
+                            {"name": "GEMMA_DEVICES", "value": "4"},
                             {"name": "GEMMA_CONTEXT", "value": "4096"},
                             {"name": "GEMMA_READ_EVERY", "value": "4"},
                             {"name": "GEMMA_DTYPE", "value": "bfloat16"},
@@ -145,6 +146,7 @@ def test_cpu_deployment_uses_rolling_update_and_no_tpu_scheduling():
     assert env["TORCH_TPU_DEFER_AND_FUSE"] == "0"
     assert "HF_TOKEN" not in env and "GEMMA_EMB" not in env and "GEMMA_SERVED_MODEL_NAME" not in env
     assert "GEMMA_GCS_ROOT" not in env
+    assert "GEMMA_DEVICES" not in env and "GEMMA_API_KEY" not in env  # one engine on CPU; the API is open
 
 
 @pytest.mark.parametrize("topology,chips", [(None, "1"), ("1x1", "1"), ("2x2", "4"), ("2x4", "8")])
@@ -155,6 +157,16 @@ def test_tpu_chips_follow_topology(topology, chips):
     assert pod["containers"][0]["resources"] == {"requests": {"google.com/tpu": chips},
                                                  "limits": {"google.com/tpu": chips}}
     assert pod["nodeSelector"]["cloud.google.com/gke-tpu-topology"] == (topology or "1x1")
+    # One engine per chip: the server starts as many as GEMMA_DEVICES says.
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    assert env["GEMMA_DEVICES"] == chips
+
+
+def test_api_key_secret_reaches_the_server_only_through_a_secret_key_ref():
+    spec = parse_spec({"model": {"source": "hf://a/b"}, "server": {"apiKeySecret": {"name": "gemma-api"}}})
+    env = b.build_deployment(spec, META)["spec"]["template"]["spec"]["containers"][0]["env"]
+    (entry,) = [e for e in env if e["name"] == "GEMMA_API_KEY"]
+    assert entry == {"name": "GEMMA_API_KEY", "valueFrom": {"secretKeyRef": {"name": "gemma-api", "key": "api-key"}}}
 
 
 def test_flex_start_and_compute_class_selectors():
@@ -345,3 +357,14 @@ def test_no_gcs_cache_volume_without_a_gs_source_and_dev_shm_only_on_tpu():
     tpu = {v["name"] for v in pod_of()["volumes"]}
     cpu = {v["name"] for v in pod_of(accelerator={"type": "cpu"})["volumes"]}
     assert tpu == {"build-cache", "tmp", "dshm"} and cpu == {"build-cache", "tmp"}
+@pytest.mark.parametrize("field", ["source", "embeddingTwin"])
+@pytest.mark.parametrize("source", ["pvc://claim/../../var/run/secrets", "gs://bucket/a/..", "hf://o/m@main/../x",
+                                    "pvc://claim/.."])
+def test_a_parent_segment_in_a_model_source_is_refused_by_the_parser_too(field, source):
+    with pytest.raises(pydantic.ValidationError, match="must not contain '..' path segments"):
+        parse_spec({"model": {"source": "hf://o/m", field: source}})
+
+
+def test_dots_inside_a_name_are_not_a_parent_segment():
+    spec = parse_spec({"model": {"source": "pvc://claim/gemma..v2/x", "embeddingTwin": "gs://bucket/a..b"}})
+    assert spec.model.source == "pvc://claim/gemma..v2/x"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gemma_operator.engine import TEST_URL_ANNOTATION
+from gemma_operator.poller import TEST_URL_ANNOTATION
 from tests.cluster.controlplane import BOOT_ANNOTATION, TERMINATION_ANNOTATION
 
 from .harness import condition, create, dump, get, wait_for
@@ -335,11 +335,26 @@ def test_phase_transitions_post_events(cluster, kube, ns, operator):
 
 
 def test_child_the_api_server_rejects_is_a_degraded_condition_not_a_crash(kube, ns, operator):
-    # Tolerations are passed through unchecked by the CRD schema; the API server refuses this one.
-    create(kube, ns, "tol", {"model": model(), "accelerator": CPU,
-                             "tolerations": [{"key": "x", "operator": "Sometimes"}]})
-    obj = wait_phase(kube, ns, "tol", "Degraded", operator)
+    # Node selector values are passed through unchecked by the CRD schema; the API server refuses this one.
+    create(kube, ns, "sel", {"model": model(), "accelerator": CPU, "nodeSelector": {"pool": "not a label!"}})
+    obj = wait_phase(kube, ns, "sel", "Degraded", operator)
     deg = condition(obj, "Degraded")
     assert deg["reason"] == "ApplyRejected"
-    assert deg["message"].startswith("Deployment tol:") and "Sometimes" in deg["message"], deg
+    assert deg["message"].startswith("Deployment sel:") and "not a label!" in deg["message"], deg
     assert operator.alive()
+
+
+@pytest.mark.parametrize("field,value,reason,named", [
+    ("podAnnotations", {"container.apparmor.security.beta.kubernetes.io/server": "unconfined"},
+     "PodAnnotationNotAllowed", "'container.apparmor.security.beta.kubernetes.io/server'"),
+    ("tolerations", [{"operator": "Exists"}], "TolerationNotAllowed", "no key, so it tolerates every taint"),
+    ("tolerations", [{"key": "node-role.kubernetes.io/control-plane", "operator": "Exists"}],
+     "TolerationNotAllowed", "key 'node-role.kubernetes.io/control-plane'"),
+])
+def test_annotation_or_toleration_outside_the_allowlist_fails_without_a_deployment(kube, ns, operator, field, value,
+                                                                                      reason, named):
+    create(kube, ns, "deny", {"model": model(), "accelerator": CPU, field: value})
+    obj = wait_phase(kube, ns, "deny", "Failed", operator)
+    deg = condition(obj, "Degraded")
+    assert deg["reason"] == reason and named in deg["message"], deg
+    assert kube.request("GET", f"/apis/apps/v1/namespaces/{ns}/deployments")["items"] == []

@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from gemma_operator.engine import TEST_URL_ANNOTATION
+from gemma_operator.poller import TEST_URL_ANNOTATION
 from tests.cluster.controlplane import BOOT_ANNOTATION
 
 from .harness import ROOT, create, get, wait_for

@@ -34,11 +34,11 @@ def pod(name="g-1", *, node="v5e-2x2-a", scheduled=True, schedule_message="", ru
 
 
 def observe(pods=(), *, replicas=1, engine=None, models=None, problems=(), requested=(), skipped=(), blockers=None,
-            disruption=None, warnings=()):
+            disruption=None, warnings=(), poll_errors=None):
     return st.Observed(generation=3, replicas=replicas, pods=list(pods), engine=engine or {}, models=models or {},
                        problems=list(problems), monitoring_requested=list(requested),
                        monitoring_skipped=list(skipped), blockers=blockers or {}, disruption=disruption,
-                       warnings=list(warnings))
+                       warnings=list(warnings), poll_errors=poll_errors or {})
 
 
 def compute(obs):
@@ -97,6 +97,18 @@ def test_engine_reporting_a_failed_stage_fails_the_pod():
     s = compute(observe([pod()], engine=engine))
     assert s["phase"] == "Failed"
     assert conds(s)["Degraded"] == ("True", "BootStageFailed", "pod g-1: stage smoke: matmul mismatch on tpu")
+
+
+def test_a_pod_running_several_engines_shows_how_many():
+    engines = [{"index": i, "device": f"tpu:{i}", "max_batch": 8, "active": 0} for i in range(4)]
+    s = compute(observe([pod()], engine={"g-1": {"stage": "serving", "engines": engines}}))
+    assert s["pods"][0]["engines"] == 4
+    assert "engines" not in compute(observe([pod()], engine={"g-1": {"stage": "serving"}}))["pods"][0]
+
+
+def test_why_the_last_poll_got_no_report_is_shown_while_waiting_for_one():
+    s = compute(observe([pod()], poll_errors={"g-1": "redirect refused (HTTP 302)"}))
+    assert s["pods"][0]["message"] == "waiting for the server's /v1/engine report (last poll: redirect refused (HTTP 302))"
 
 
 def test_least_advanced_booting_pod_sets_the_phase():
