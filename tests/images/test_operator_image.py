@@ -54,11 +54,13 @@ def own_cluster(tmp_path_factory) -> Iterator[Cluster]:
 
 
 def chart_pod(tmp_path_factory, liveness_port: int) -> dict:
-    """The operator pod spec the chart renders for this image."""
+    """The operator pod spec the chart renders for this image. The operator's pod-annotation allowlist also
+    admits the local control plane's kwok boot annotation, which the test's server uses."""
     repository, tag = OPERATOR_TAG.rsplit(":", 1)
     helm = Helm(helm_binary(), tmp_path_factory.mktemp("helm-home"))
     docs = helm.render(f"image.repository={repository}", f"image.tag={tag}",
-                       f"operator.livenessPort={liveness_port}")
+                       f"operator.livenessPort={liveness_port}",
+                       f"operator.allowedPodAnnotations={{gke-gcsfuse/*,{BOOT_ANNOTATION}}}")
     return find(docs, "Deployment")["spec"]["template"]["spec"]
 
 
