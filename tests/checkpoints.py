@@ -26,7 +26,8 @@ Builders (plain functions) and fixtures (session scope, registered through
 * ``PARITY_PROMPT`` -> fixture ``parity_prompt`` (28 ids, bos first, eos id 106 inside; longer than
   the window).
 * ``load_hf_reference(model_dir, emb_dir=None, dtype=torch.float32)``: the Transformers model whose
-  weights are exactly what the engine should compute with; ``greedy_reference(model, prompt)`` runs
+  weights are exactly what the engine should compute with (the plain ``from_pretrained(model_dir,
+  dtype=dtype)``, with the int4 tables of ``emb_dir`` put in); ``greedy_reference(model, prompt)`` runs
   it greedily for 64 tokens and returns the tokens and each step's logits.
 
 All three parity checkpoints come from the same random model (``SEED``). Greedy float32 runs of
@@ -68,14 +69,15 @@ compressed-tensors writes it::
 Unpacking (4 bits, compressed_tensors/compressors/pack_quantized/helpers.py): column ``c`` of row
 ``r`` lives in word ``weight_packed[r, c // 8]``, bits ``4*(c % 8)`` to ``4*(c % 8) + 3`` (column
 ``8k`` in the least significant nibble), as the unsigned nibble ``u``; the int4 value is
-``q = u - 8`` in ``[-8, 7]``. Symmetric, so there is no zero point. The weight is::
+``q = u - 8`` in ``[-8, 7]``. Symmetric, so there is no zero point. The weight, computed in the
+compute dtype ``D``, is::
 
-    w[r, c] = bf16(q[r, c] * weight_scale[r, c // G])     # G = group_size = 32
+    w[r, c] = q[r, c] * D(weight_scale[r, c // G])     # G = group_size = 32, product in D
 
-that is, the product rounded once to bfloat16: compressed-tensors' ``dequantize`` multiplies in the
-scale's dtype (``forward_helpers._dequantize``), and that is what Transformers loads. The product
-of a 4-bit integer and a bf16 scale is exact in float32, so ``(q.to(bf16) * scale)`` in bf16 or
-``(q * scale)`` in float32 then rounded to bf16 give the same bits. Reference: those values in float32.
+which is what the plain ``Gemma4ForCausalLM.from_pretrained(dir, dtype=D)`` computes: Transformers
+loads the bf16 scales cast to ``D`` and compressed-tensors' decompression (``forward_helpers._dequantize``)
+multiplies in the scale's dtype. In float32 the product of a 4-bit integer and a bf16 scale is exact;
+in bfloat16 it is rounded once. Reference: ``load_hf_reference``, that plain call.
 
 Int4 vocabulary tables (``save_w4a16_emb4``), after the seed's "-emb4" twin
 ----------------------------------------------------------------------------
@@ -101,10 +103,11 @@ Int4 vocabulary tables (``save_w4a16_emb4``), after the seed's "-emb4" twin
   ``"ignore": []``; the group size is ``quantization_config.config_groups.group_0.weights.group_size``.
 
 When an ``emb_dir`` is given, its tables replace ``model_dir``'s dense ones: the engine looks rows up
-in ``bf16(q * scale)`` (then scales by sqrt(H) and sqrt(P) as usual), and the tied ``lm_head`` uses
-the same dequantized int4 ``embed_tokens`` table, not ``model_dir``'s dense one: Transformers ties
-``lm_head.weight`` to whatever ``embed_tokens.weight`` holds. ``dequantize_emb4_tables(emb_dir)``
-returns the two tables; ``load_hf_reference(model_dir, emb_dir)`` is the W4A16 reference with them.
+in ``q * scale`` computed in the compute dtype, like the linears (then scales by sqrt(H) and sqrt(P)
+as usual), and the tied ``lm_head`` uses the same dequantized int4 ``embed_tokens`` table, not
+``model_dir``'s dense one: Transformers ties ``lm_head.weight`` to whatever ``embed_tokens.weight``
+holds. ``dequantize_emb4_tables(emb_dir, dtype)`` returns the two tables; ``load_hf_reference(model_dir,
+emb_dir)`` is the W4A16 reference with them.
 
 Chat checkpoint (``save_chat``)
 -------------------------------
@@ -122,7 +125,6 @@ import json
 import math
 import os
 import tempfile
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -139,16 +141,18 @@ from compressed_tensors.quantization import (
 from compressed_tensors.quantization.utils import calculate_qparams
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import AutoTokenizer, CompressedTensorsConfig
+from transformers import AutoTokenizer
 from transformers.utils import logging as transformers_logging
 from transformers.models.gemma4 import Gemma4ForCausalLM, Gemma4TextConfig
 
-# Chosen by `search_seed(0, 200)`, which returned 27: the first seed from 0 upward whose greedy
-# 64-token float32 run on PARITY_PROMPT under Transformers, for the dense, W4A16 and W4A16+emb4
-# references alike, never hits eos, uses at least MIN_DISTINCT_TOKENS distinct tokens and keeps every
-# step's top-1/top-2 logit gap above SEARCH_MARGIN. Minimum gaps it gave (Transformers 5.18, torch
-# 2.14.1, CPU): dense 0.0407, W4A16 0.0594, emb4 0.0841 (median gaps ~0.8; 53-58 distinct tokens).
-SEED = 27
+# Chosen by `search_seed(0, 200)`, which returned 170: the first seed from 0 upward whose layer
+# scalars are all distinct and whose greedy 64-token float32 run on PARITY_PROMPT under
+# Transformers, for the dense, W4A16 and W4A16+emb4 references alike (`load_hf_reference`: the
+# plain float32 load, int4 weights dequantized in float32), never hits eos, uses at least
+# MIN_DISTINCT_TOKENS distinct tokens and keeps every step's top-1/top-2 logit gap above
+# SEARCH_MARGIN. Minimum gaps it gave (Transformers 5.18, torch 2.14.1, CPU): dense 0.0339, W4A16
+# 0.0681, emb4 0.0768 (median gaps 0.76-1.3; 51-55 distinct tokens).
+SEED = 170
 
 # Greedy length of the parity run; long enough to run far past the sliding window.
 GENERATE_TOKENS = 64
@@ -363,14 +367,23 @@ def load_hf_reference(
         emb_dir: the int4 embedding-table directory of ``save_w4a16_emb4``, or None.
         dtype: compute dtype of the returned model.
 
+    It is ``Gemma4ForCausalLM.from_pretrained(model_dir, dtype=dtype)``, the plain call a user makes.
+    For a W4A16 checkpoint that call (Transformers 5.18 with compressed-tensors installed) loads the
+    packed int4 weights with their scales cast to ``dtype``, and compressed-tensors decompresses them
+    to ``q * scale`` in ``dtype`` on the first forward pass (``ModelCompressor.add_decompress_hook``).
+    Here that decompression runs at once, through the same ``decompress_model`` the hook calls, so
+    the returned model holds dense weights. With ``emb_dir`` the two vocabulary tables are replaced
+    by ``dequantize_emb4_tables(emb_dir, dtype)``.
+
     Returns:
         Gemma4ForCausalLM in eval mode.
     """
-    model_dir = Path(model_dir)
-    config = json.loads((model_dir / "config.json").read_text())
-    if "quantization_config" in config or emb_dir is not None:
-        return _load_quantized_reference(model_dir, emb_dir, dtype)
     model = Gemma4ForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.compressor.decompress_model(model)
+    if emb_dir is not None:
+        _replace_tables(model, dequantize_emb4_tables(emb_dir, dtype), emb_dir)
     model.eval()
     return model
 
@@ -493,15 +506,19 @@ def save_w4a16_emb4(
     return model_dir, emb_dir
 
 
-def dequantize_emb4_tables(emb_dir: str | Path) -> dict[str, torch.Tensor]:
-    """The int4 vocabulary tables of ``emb_dir``, dequantized by compressed-tensors.
+def dequantize_emb4_tables(emb_dir: str | Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The int4 vocabulary tables of ``emb_dir``, dequantized by compressed-tensors in ``dtype``.
+
+    The scales are cast to ``dtype`` first, as ``from_pretrained(dtype=dtype)`` casts a quantized
+    module's scales, so compressed-tensors' decompression multiplies in ``dtype``.
 
     Args:
         emb_dir: a directory written by ``save_w4a16_emb4``.
+        dtype: the dtype of the product.
 
     Returns:
-        {"embed_tokens": [V, H], "embed_tokens_per_layer": [V, L*P]}, bfloat16, each value
-        ``bf16(q * scale)``.
+        {"embed_tokens": [V, H], "embed_tokens_per_layer": [V, L*P]} in ``dtype``, each value
+        ``q * dtype(scale)``.
 
     Raises:
         ValueError: when a tensor is missing or the group size does not match.
@@ -519,51 +536,19 @@ def dequantize_emb4_tables(emb_dir: str | Path) -> dict[str, torch.Tensor]:
         if missing:
             raise ValueError(f"{emb_dir}: missing tensors {missing}")
         state = {s: tensors[n] for s, n in names.items()}
+        state["weight_scale"] = state["weight_scale"].to(dtype)
         tables[table] = PackedQuantizationCompressor.decompress(state, scheme)["weight"]
     return tables
 
 
-def _load_quantized_reference(model_dir: Path, emb_dir, dtype: torch.dtype) -> Gemma4ForCausalLM:
-    # dequantize=True: compressed-tensors unpacks every W4A16 linear at load to bf16(q * scale),
-    # the product computed in the scale's dtype (compressed_tensors forward_helpers._dequantize).
-    with warnings.catch_warnings():
-        # Transformers warns that the passed config only overrides `dequantize`: that is the intent.
-        warnings.filterwarnings("ignore", message="You passed `quantization_config`")
-        model = Gemma4ForCausalLM.from_pretrained(
-            model_dir, dtype=torch.bfloat16, quantization_config=CompressedTensorsConfig(dequantize=True)
-        )
-    if emb_dir is not None:
-        tables = dequantize_emb4_tables(emb_dir)
-        with torch.no_grad():
-            for table, values in tables.items():
-                weight = getattr(model.model, table).weight
-                if weight.shape != values.shape:
-                    raise ValueError(f"{emb_dir}: {table} is {tuple(values.shape)}, model wants {tuple(weight.shape)}")
-                # In place, so the tied lm_head follows the int4 table as Transformers ties it.
-                weight.copy_(values)
-    model = _exact_buffers(model.to(dtype))
-    model.eval()
-    return model
-
-
-def _exact_buffers(model: Gemma4ForCausalLM) -> Gemma4ForCausalLM:
-    """Give a model loaded in bfloat16 and cast the non-persistent buffers `from_pretrained(dtype=...)` gives.
-
-    Loading through compressed-tensors in bfloat16 rounds two kinds of buffers, which `.to(dtype)`
-    does not undo:
-
-    * the RoPE `inv_freq` tables (0.64938 -> 0.6484), which Transformers computes in float32 at any
-      dtype (modeling_gemma4.py:1080-1159): rebuilt here from the config;
-    * the `embed_scale` buffers (sqrt(128) = 11.3137 -> 11.3125), which a float32 model holds exactly
-      (modeling_gemma4.py:1455 casts the scale to the weight dtype).
-
-    Without this the W4A16 reference drifts from the dense one (first-token KL 1.2e-4).
-    """
-    model.model.rotary_emb = type(model.model.rotary_emb)(model.config)
-    dtype = next(model.parameters()).dtype
-    for emb in (model.model.embed_tokens, model.model.embed_tokens_per_layer):
-        emb.embed_scale.data = torch.tensor(emb.scalar_embed_scale, dtype=torch.float32).to(dtype)
-    return model
+def _replace_tables(model: Gemma4ForCausalLM, tables: dict[str, torch.Tensor], emb_dir) -> None:
+    with torch.no_grad():
+        for table, values in tables.items():
+            weight = getattr(model.model, table).weight
+            if weight.shape != values.shape:
+                raise ValueError(f"{emb_dir}: {table} is {tuple(values.shape)}, model wants {tuple(weight.shape)}")
+            # In place, so the tied lm_head follows the int4 table as Transformers ties it.
+            weight.copy_(values)
 
 
 def reference_runs(seed: int = SEED, prompt: list[int] = PARITY_PROMPT, group_size: int = GROUP_SIZE) -> dict:
@@ -597,8 +582,16 @@ def run_ok(tokens: list[int], logits: torch.Tensor, min_margin: float = MIN_MARG
     )
 
 
+def layer_scalars_distinct(model: Gemma4ForCausalLM) -> bool:
+    """Whether no two layers share a ``layer_scalar`` value (after the bf16 rounding), so a scalar
+    applied to the wrong layer changes the output."""
+    scalars = [layer.layer_scalar.item() for layer in model.model.layers]
+    return len(set(scalars)) == len(scalars)
+
+
 def search_seed(start: int = 0, stop: int = 200, min_margin: float = SEARCH_MARGIN) -> int:
-    """The first seed in [start, stop) whose three reference runs all pass ``run_ok``.
+    """The first seed in [start, stop) whose layer scalars are distinct and whose three reference
+    runs all pass ``run_ok``.
 
     The dense run is checked first, since it is the cheapest to build.
 
@@ -606,7 +599,10 @@ def search_seed(start: int = 0, stop: int = 200, min_margin: float = SEARCH_MARG
         RuntimeError: when no seed in the range qualifies.
     """
     for seed in range(start, stop):
-        tokens, logits = greedy_reference(random_model(seed=seed), PARITY_PROMPT)
+        model = random_model(seed=seed)
+        if not layer_scalars_distinct(model):
+            continue
+        tokens, logits = greedy_reference(model, PARITY_PROMPT)
         if not run_ok(tokens, logits, min_margin):
             continue
         if all(run_ok(t, lg, min_margin) for t, lg in reference_runs(seed).values()):

@@ -359,6 +359,10 @@ impl Engine {
         if read_every < 1 {
             return Err(Error::Input(format!("read_every must be >= 1, got {read_every}")));
         }
+        // Every slot starts free, on the device too: a run that ended on an error (a callback's
+        // exception) leaves its slots marked live, and a decode step would run such a row as live
+        // (writing its cache and moving its draw index) while a new request reads its prompt there.
+        self.live.fill_(0.0)?;
         let mut slots: Vec<Option<Slot>> = (0..self.max_batch).map(|_| None).collect();
         let mut drawn: Vec<Drawn> = Vec::new();
         let mut seq = 0u64;

@@ -5,7 +5,9 @@
 //! Packing (compressed_tensors/compressors/pack_quantized/helpers.py, `pack_to_int32`): value i
 //! of a row sits at bits `i*B .. i*B+B` of the row's little-endian int32 words, stored with an
 //! offset of `2^(B-1)`. Dequantization (quantization/lifecycle/forward_helpers.py `_dequantize`)
-//! is `q.to(scale.dtype) * scale`, with `scale` `[out, in/group_size]`.
+//! is `q.to(scale.dtype) * scale`, with `scale` `[out, in/group_size]`; here both are first cast
+//! to the compute dtype, as in `Gemma4ForCausalLM.from_pretrained(path, dtype=...)`, which loads
+//! the stored (bfloat16) scales in `dtype` before compressed-tensors decompresses the weights.
 //! Tensor names may carry `model.` (Gemma4ForCausalLM) or `model.language_model.`
 //! (Gemma4ForConditionalGeneration); each checkpoint's prefix is detected once.
 
@@ -157,10 +159,11 @@ impl Checkpoint {
         }
         let sdtype = st_dtype(sdt).ok_or_else(|| Error::weight(&scale_name, format!("unsupported dtype {sdt:?}")))?;
         let ints = unpack(pbytes, rows as usize, cols as usize, words as usize, q.num_bits);
-        // Dequantize on the device, in the scale's dtype as compressed-tensors does.
-        let qt = Tensor::from_bytes(&ints, &[rows, cols / group, group], DType::I8)?.to_like(like, sdtype)?;
-        let scale = Tensor::from_bytes(sbytes, &[rows, cols / group, 1], sdtype)?.to_like(like, sdtype)?;
-        qt.mul(&scale)?.reshape(&[rows, cols])?.to_dtype(dtype)
+        // Dequantize on the device in the compute dtype: a float32 engine multiplies in float32
+        // (no bfloat16 rounding of the product), as Transformers' plain float32 load does.
+        let qt = Tensor::from_bytes(&ints, &[rows, cols / group, group], DType::I8)?.to_like(like, dtype)?;
+        let scale = Tensor::from_bytes(sbytes, &[rows, cols / group, 1], sdtype)?.to_like(like, dtype)?;
+        qt.mul(&scale)?.reshape(&[rows, cols])
     }
 }
 
