@@ -3,10 +3,9 @@
 What this file is
 -----------------
 Builders and pytest fixtures for the small random Gemma 4 text checkpoints that the engine's parity
-tests (issue 2, section 3) and the server demo (issue 3, item 8) run on. Everything is derived from a
+tests and the server demo run on. Everything is derived from a
 fixed seed, so two builds write the same bytes. The architecture follows
-``transformers/models/gemma4/{configuration,modeling}_gemma4.py`` (Transformers 5.18) as summarised in
-``shared/reference/gemma4-architecture.md``; the tiny config switches on every feature E2B uses.
+``transformers/models/gemma4/{configuration,modeling}_gemma4.py`` (Transformers 5.18); the tiny config switches on every feature E2B uses.
 
 Builders (plain functions) and fixtures (session scope, registered through
 ``pytest_plugins = ("tests.checkpoints",)``):

@@ -4,7 +4,7 @@ Every function here is deterministic: no clock, no uuid, no API call. The handle
 adopt the results (owner references) and apply them with server-side apply; unit tests compare their output
 with golden dicts (tests/operator/test_builders.py).
 
-Where the choices come from (see ../shared/reference/operator-anchors.md):
+Where the choices come from:
 - TPU scheduling: GKE's node labels `cloud.google.com/gke-tpu-accelerator` / `-topology`, the
   `google.com/tpu` extended resource (requests = limits = the slice's chips) and the `google.com/tpu=present:
   NoSchedule` taint GKE puts on TPU nodes; spot / flex-start / ComputeClass node selectors.

@@ -1,4 +1,4 @@
-"""Parity of the Rust engine with Transformers on the three tiny checkpoints (issue 2, section 3).
+"""Parity of the Rust engine with Transformers on the three tiny checkpoints.
 
 Float32 compute: 64 of 64 greedy tokens identical to Transformers' greedy run, with the prompt (28
 tokens) and the generation running far past the 12-token sliding window; KL(hf || rust) of the
