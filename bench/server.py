@@ -1,7 +1,14 @@
-"""What the HTTP server costs: streamed tokens/s and time to first token through the server vs the engine
-called directly, same checkpoint, same prompt, same tokens, in one run.
+"""What the HTTP server costs, and what batching concurrent requests gives.
 
     .venv/bin/python -m bench.server [--runs 9] [--max-tokens 64] [--model DIR]
+    .venv/bin/python -m bench.server --concurrency 1,2,4,8,16 [--rounds 5] [--gap-chunks 4096,256,64]
+
+With `--concurrency` it runs the batching benchmark of bench/concurrency.py (its docstring says what it
+measures): aggregate tokens/s, TTFT and inter-token p50/p99 at each concurrency through the openai SDK,
+Transformers' batching beside it, the matrix-product floor, and the longest gap a running stream sees while
+a long prompt is read, on a random checkpoint of the small config. Without it (the default), one stream:
+streamed tokens/s and time to first token through the server vs the engine called directly, same
+checkpoint, same prompt, same tokens, in one run.
 
 Without --model (or MODEL) it uses the tiny demo checkpoint (bench/demo.py). The two ways alternate run by
 run, so load on the machine hits both alike; figures are medians.
@@ -85,17 +92,66 @@ def server_means(metrics_text: str) -> dict[str, float]:
     return out
 
 
+def start_server(model_dir: str, port: int, threads: int, args: list[str]) -> subprocess.Popen:
+    """`python -m gemma_server` on `model_dir` in a subprocess, on `threads` torch threads, with extra `args`."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "gemma_server", "--model", model_dir, "--use-installed-engine", "--device", "cpu",
+         "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(port),
+         "--termination-log", os.devnull, "--log-level", "warning", *args],
+        env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+
+
+def wait_healthy(base: str, server: subprocess.Popen, timeout: float = 600) -> None:
+    """Poll /health until 200; exit if the server dies or the deadline passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(base + "/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if server.poll() is not None or time.monotonic() > deadline:
+            sys.exit("the server did not become ready")
+        time.sleep(0.2)
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    """SIGTERM (the server drains), then wait; kill if it does not end."""
+    server.send_signal(signal.SIGTERM)
+    try:
+        server.wait(60)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=os.environ.get("MODEL"))
-    p.add_argument("--runs", type=int, default=9)
+    p.add_argument("--runs", type=int, default=9, help="single-stream runs of each way")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--context", type=int, default=1024, help="single stream only (--concurrency: prompt + max_tokens)")
+    batching = p.add_argument_group("batching (--concurrency)")
+    batching.add_argument("--concurrency", help="comma-separated concurrent streams, e.g. 1,2,4,8,16: run the "
+                          "batching benchmark instead of the single-stream one")
+    batching.add_argument("--rounds", type=int, default=5)
+    batching.add_argument("--compare-at", default="1,8",
+                          help="concurrencies at which the engine in-process and Transformers also run")
+    batching.add_argument("--prompt-tokens", type=int, default=32, help="prompt length of every stream")
+    batching.add_argument("--long-prompt", type=int, default=2000, help="the prompt read while a stream runs")
+    batching.add_argument("--gap-chunks", default="4096,256,64",
+                          help="--prefill-chunk values for the long-prompt gap; empty to skip it")
+    batching.add_argument("--gap-context", type=int, default=4096)
+    batching.add_argument("--gap-rounds", type=int, default=3)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
                    help="torch threads for both engines (default: cores - 1, leaving a core for the server's "
                         "event loop and this client, so the comparison measures serving, not a CPU fight)")
     a = p.parse_args()
+    if a.concurrency:
+        from bench.concurrency import main as batching_main
+
+        return batching_main(a)
     model_dir = a.model or str(ensure_demo_checkpoint())
 
     import gemma_engine
@@ -107,22 +163,9 @@ def main() -> int:
     engine = gemma_engine.Engine(model_dir, None, torch.zeros(1), context=a.context, dtype=a.dtype)
     port = pick_port()
     base = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen(
-        [sys.executable, "-m", "gemma_server", "--model", model_dir, "--use-installed-engine", "--device", "cpu",
-         "--context", str(a.context), "--dtype", a.dtype, "--served-model-name", "bench", "--host", "127.0.0.1",
-         "--port", str(port), "--termination-log", os.devnull, "--log-level", "warning"],
-        env={**os.environ, "OMP_NUM_THREADS": str(a.threads)})
+    server = start_server(model_dir, port, a.threads, ["--context", str(a.context), "--dtype", a.dtype])
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                if httpx.get(base + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                sys.exit("the server did not become ready")
-            time.sleep(0.2)
+        wait_healthy(base, server)
         client = httpx.Client(timeout=600)
         direct_run(engine, ids, a.max_tokens)  # warm both once
         http_run(client, base, "bench", ids, a.max_tokens)
@@ -133,8 +176,7 @@ def main() -> int:
         server_side = server_means(client.get(base + "/metrics").text)
         client.close()
     finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(60)
+        stop_server(server)
 
     n_d, n_h = {r[2] for r in d_runs}, {r[2] for r in h_runs}
     if n_d != n_h:
