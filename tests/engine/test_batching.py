@@ -52,6 +52,15 @@ SAMPLED = dict(
 )
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Run the engine's ATen ops on one thread: the tiny model gains nothing from more, and on a
+    loaded machine OpenMP barriers made these runs 5-8 times slower with two (the tokens do not
+    depend on it; see tests/checkpoints.py `one_thread`)."""
+    with ck.one_thread():
+        yield
+
+
 def _engine(checkpoint_dirs, kind, **kwargs) -> gemma_engine.Engine:
     model_dir, emb_dir = checkpoint_dirs[kind]
     kwargs = {"context": CONTEXT, "dtype": "float32", **kwargs}
