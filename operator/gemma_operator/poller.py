@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import threading
 import time
@@ -221,8 +222,9 @@ class PodPoller:
     """Per-pod report cache, filled by a polling loop in its own thread; `observe` never waits for a pod.
 
     Args:
-        on_change: called with the server key (whatever `observe` was given) when a pod's kept report
-            changed; it runs on the polling thread, so it must only hand the work off.
+        on_change: called with the server key (whatever `observe` was given) when a pod's report reached a
+            new stage, failed differently, or named its model; it runs on the polling thread, so it must
+            only hand the work off.
         allow_test_urls: honour the test-only URL annotation (GEMMA_OPERATOR_TEST_ENGINE_URLS).
         min_interval: seconds between two polls of the same booting pod.
         max_backoff: longest wait after repeated failures.
@@ -243,9 +245,9 @@ class PodPoller:
         # server -> (its fetch cap, fetches holding or waiting for it); used on the loop's thread only.
         self._limits: dict[str, tuple[asyncio.Semaphore, int]] = {}
         self._session: aiohttp.ClientSession | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
         self._thread = threading.Thread(target=self._loop.run_forever, name="pod-poller", daemon=True)
         self._thread.start()
-        self._tasks: set[asyncio.Task[None]] = set()
         self._scheduler = asyncio.run_coroutine_threadsafe(self._schedule(), self._loop)
 
     def observe(self, server: str, pods: list[dict[str, Any]], port: int) -> Reports:
@@ -314,15 +316,17 @@ class PodPoller:
                              target.ready))
         return jobs
 
+    def _prune(self, now: float) -> None:
+        for uid in [u for u, p in self._pods.items() if now - p.last_seen > FORGET_AFTER_SECONDS]:
+            del self._pods[uid]
+        for server in [s for s, (_, seen) in self._targets.items() if now - seen > FORGET_AFTER_SECONDS]:
+            del self._targets[server]
+
     def _reports(self, pods: list[dict[str, Any]], now: float) -> Reports:
         for pod in pods:
             uid = pod.get("metadata", {}).get("uid", "")
             if uid in self._pods:
                 self._pods[uid] = self._pods[uid]._replace(last_seen=now)
-        for uid in [u for u, p in self._pods.items() if now - p.last_seen > FORGET_AFTER_SECONDS]:
-            del self._pods[uid]
-        for server in [s for s, (_, seen) in self._targets.items() if now - seen > FORGET_AFTER_SECONDS]:
-            del self._targets[server]
         engine, models, errors = {}, {}, {}
         for pod in pods:
             meta = pod.get("metadata", {})
@@ -365,12 +369,16 @@ class PodPoller:
         """Start the fetches that came due, every quarter of `min_interval` (at most 4 times a second)."""
         while True:
             await asyncio.sleep(max(self.min_interval / 4, 0.25))
-            now = time.monotonic()
-            with self._lock:
-                due = [(server, job) for server, (targets, _) in self._targets.items()
-                       for job in self._due(targets, now)]
-            for server, job in due:
-                self._start(server, job)
+            try:
+                now = time.monotonic()
+                with self._lock:
+                    self._prune(now)
+                    due = [(server, job) for server, (targets, _) in self._targets.items()
+                           for job in self._due(targets, now)]
+                for server, job in due:
+                    self._start(server, job)
+            except Exception:  # noqa: BLE001 - polling must outlive any one bad tick
+                logging.getLogger(__name__).exception("pod poller tick failed")
 
     async def _poll(self, server: str, job: _Job) -> None:
         if self._session is None:

@@ -3,6 +3,8 @@ and CEL, real scheduler placing pods on GKE-labelled TPU v5e nodes, real garbage
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from gemma_operator.poller import TEST_URL_ANNOTATION
@@ -248,6 +250,18 @@ def test_crashing_container_termination_message_reaches_the_cr(kube, ns, operato
     assert reason in condition(obj, "Degraded")["message"]
     assert obj["status"]["lastFailure"]["message"] == reason
     assert obj["status"]["lastFailure"]["exitCode"] == 1
+
+
+def test_a_termination_message_with_credentials_reaches_the_cr_redacted(kube, ns, operator):
+    # What an image that prints its environment into /dev/termination-log would leave there.
+    token = "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"
+    dump = f"HF_TOKEN={token}\nGEMMA_API_KEY=s3cr3t-api-key\nHOME=/home/app"
+    create(kube, ns, "leak", {"model": model(), "accelerator": CPU,
+                              "podAnnotations": {BOOT_ANNOTATION: "crash", TERMINATION_ANNOTATION: dump}})
+    obj = wait_phase(kube, ns, "leak", "Failed", operator)
+    assert obj["status"]["lastFailure"]["message"] == "HF_TOKEN=[redacted]\nGEMMA_API_KEY=[redacted]\nHOME=[redacted]"
+    text = json.dumps(obj["status"])
+    assert token not in text and "s3cr3t" not in text
 
 
 def test_engine_boot_stages_reach_the_status(kube, ns, operator):
