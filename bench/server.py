@@ -19,7 +19,7 @@ run, so load on the machine hits both alike; figures are medians.
   connection, with the same token-id prompt; TTFT = request sent -> first content chunk received;
   tokens/s likewise from the chunks' arrival times; n from the usage chunk.
 
-Goal (issue 3, item 10): HTTP/direct tokens/s >= 0.95 and TTFT overhead <= 5 ms.
+Goal: HTTP/direct tokens/s >= 0.95 and TTFT overhead <= 5 ms.
 """
 
 from __future__ import annotations
