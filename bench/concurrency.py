@@ -15,7 +15,8 @@ float32 on the CPU, greedy:
    within each round, so load on the machine hits them alike).
    Beside it, at the `--compare-at` levels (default 1 and 8), "engine": the same prompts submitted at once to
    `gemma_engine.Engine.run` in this process (max_batch = the largest C, read_every 1), tokens / seconds of
-   the call: the batching gain without HTTP and the client.
+   the call: the batching gain without HTTP and the client; and from the engine's own stats, the median
+   time of a turn that is one decode step of 1 (and of 8) rows and no prompt chunk, set against the floor.
 2. Transformers at the `--compare-at` batch sizes, on the same weights, device, dtype and threads:
    `generate_batch` (its continuous-batching manager) when the installed version runs it on this model, else
    batched `generate` with a static cache (`disable_compile`, eager as our engine is); the table says which
@@ -189,8 +190,11 @@ async def gap_rounds(base: str, rounds: int, long_len: int, context: int, vocab:
     return {k: statistics.median(o[k] for o in out) for k in out[0]}
 
 
-def engine_runner(engine, new: int):
-    """run(prompts) -> tokens/s of `Engine.run` given all prompts at once (greedy, `new` tokens each)."""
+def engine_runner(engine, new: int, steps: dict[int, list[float]]):
+    """run(prompts) -> tokens/s of `Engine.run` given all prompts at once (greedy, `new` tokens each).
+
+    Appends to `steps[rows]` the seconds of each turn that was one decode step of `rows` rows and no
+    prompt chunk (the engine's own stats, its read point included)."""
     import gemma_engine
 
     def run(prompts: list[list[int]]) -> float:
@@ -207,6 +211,8 @@ def engine_runner(engine, new: int):
 
         def on_events(events, stats) -> None:
             nonlocal tokens
+            if len(stats["batch_sizes"]) == 1 and not stats["prompt_tokens"]:
+                steps.setdefault(stats["batch_sizes"][0], []).append(stats["seconds"])
             for e in events:
                 tokens += len(e.tokens)
                 if e.finish:
@@ -322,7 +328,8 @@ def main(a) -> int:
         # The in-process engine and 2 first, while no server runs.
         engine = gemma_engine.Engine(str(model_dir), None, torch.zeros(1), context=context, dtype=a.dtype,
                                      max_batch=max(levels))
-        direct_run = engine_runner(engine, a.max_tokens)
+        step_s: dict[int, list[float]] = {}
+        direct_run = engine_runner(engine, a.max_tokens, step_s)
         why_not = hf_continuous_batching_error(model, prompt_ids(a.prompt_tokens, 0, vocab))
         hf_kind = "generate_batch (continuous batching)" if why_not is None else "batched generate, static cache"
         hf_run = hf_runner(model, why_not is None, a.max_tokens)
@@ -335,6 +342,7 @@ def main(a) -> int:
                 for k, run in side.items():
                     samples[k][c].append(run([prompt_ids(a.prompt_tokens, 100 * r + i, vocab) for i in range(c)]))
         direct = {c: statistics.median(v) for c, v in samples["engine"].items()}
+        steps = {rows: statistics.median(v) for rows, v in step_s.items() if rows in (1, 8)}
         hf_med = {c: statistics.median(v) for c, v in samples["hf"].items()}
         del engine, direct_run, side
         print(f"[{time.perf_counter() - t_start:.0f} s] engine in-process: "
@@ -371,12 +379,12 @@ def main(a) -> int:
                 stop_server(server)
             print(f"  prefill chunk {chunk}: longest gap {gaps[chunk]['longest'] * 1000:.0f} ms", flush=True)
 
-    report(a, levels, ours, direct, hf_med, hf_kind, why_not, floor, gaps)
+    report(a, levels, ours, direct, hf_med, hf_kind, why_not, floor, steps, gaps)
     print(f"\nwhole run: {time.perf_counter() - t_start:.0f} s")
     return 0
 
 
-def report(a, levels, ours, direct, hf, hf_kind, why_not, floor, gaps) -> None:
+def report(a, levels, ours, direct, hf, hf_kind, why_not, floor, steps, gaps) -> None:
     one, d_one = ours[levels[0]]["agg"], direct.get(levels[0])
     x = f"x C={levels[0]}"
     cell = lambda v: f"{v:>8.1f}" if v is not None else f"{'-':>8}"  # noqa: E731
@@ -406,6 +414,12 @@ def report(a, levels, ours, direct, hf, hf_kind, why_not, floor, gaps) -> None:
         if {1, 8} <= set(direct):
             print(f"engine in-process at 8: {direct[8] / direct[1]:.2f}x one stream, "
                   f"{direct[8] / direct[1] / ceiling:.0%} of the floor ratio")
+        if {1, 8} <= set(steps):
+            f, step_gain = floor[a.threads], 8 * steps[1] / steps[8]
+            print(f"engine decode step alone (its stats, turns without a prompt chunk, medians): "
+                  f"{steps[1] * 1e3:.2f} ms at 1 row ({f[1] / steps[1]:.0%} of it matrix products), "
+                  f"{steps[8] * 1e3:.2f} ms at 8 rows ({f[8] / steps[8]:.0%}) -> {step_gain:.2f}x, "
+                  f"{step_gain / ceiling:.0%} of the floor ratio")
     if gaps:
         print(f"\nrunning stream's gaps while a {a.long_prompt}-token prompt is read (context {a.gap_context}, "
               f"{a.gap_rounds} rounds, medians):")
