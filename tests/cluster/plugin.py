@@ -8,6 +8,10 @@ fails the tests that need it, with the log's tail: it never skips.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
 import pytest
 
 from .controlplane import ControlPlane
@@ -29,11 +33,18 @@ class Cluster:
         return self.cp.kubectl(*args, input=input, check=check)
 
 
-@pytest.fixture(scope="session")
-def cluster(tmp_path_factory: pytest.TempPathFactory):
-    cp = ControlPlane(tmp_path_factory.mktemp("k8s"))
+@contextmanager
+def running_cluster(workdir: Path) -> Iterator[Cluster]:
+    """A control plane started in `workdir`, stopped on exit (also when its start fails)."""
+    cp = ControlPlane(workdir)
     try:
         cp.start()
         yield Cluster(cp)
     finally:
         cp.stop()
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with running_cluster(tmp_path_factory.mktemp("k8s")) as c:
+        yield c

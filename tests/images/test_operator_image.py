@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import tomllib
 import uuid
 from collections.abc import Iterator
@@ -25,8 +24,8 @@ import yaml
 
 from gemma_operator.kube import Kube
 from tests.charts.conftest import Helm, find, helm_binary
-from tests.cluster.controlplane import BOOT_ANNOTATION, ControlPlane
-from tests.cluster.plugin import Cluster
+from tests.cluster.controlplane import BOOT_ANNOTATION, free_port
+from tests.cluster.plugin import Cluster, running_cluster
 from tests.images.conftest import BUILD_TIMEOUT, OPERATOR_TAG
 from tests.images.containers import ROOT, TMPFS, Container, docker, run_args
 from tests.images.test_dockerfiles import lock_pins
@@ -37,20 +36,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.timeout(BUILD_T
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def own_cluster(tmp_path_factory) -> Iterator[Cluster]:
-    cp = ControlPlane(tmp_path_factory.mktemp("k8s-operator-image"))
-    try:
-        cp.start()
-        yield Cluster(cp)
-    finally:
-        cp.stop()
+    with running_cluster(tmp_path_factory.mktemp("k8s-operator-image")) as c:
+        yield c
 
 
 def chart_pod(tmp_path_factory, liveness_port: int) -> dict:
