@@ -286,8 +286,7 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
         body.check_size(config.context)
         sched = state.scheduler
         n = body.n or 1
-        for _ in range(n):
-            sched.admit()  # 429 / 503 before any tokenizing
+        sched.admit(n)  # 429 / 503 before any tokenizing
         gens = []
         try:
             tok = state.tokenizer
@@ -297,11 +296,11 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
             loaded = state.boot.loaded
             params = body.engine_params(ids, loaded.context, loaded.vocab_size, state.config.default_temperature)
             for i in range(n):
-                gens.append(Generation(params, i, tok, sched, state.metrics, arrival))
-                sched.submit(gens[-1].job)
+                gen = Generation(params, i, tok, sched, state.metrics, arrival)
+                sched.submit(gen.job)
+                gens.append(gen)  # queued: from here on its admission is the queue's to give back
         except BaseException:
-            for _ in range(n - len(gens)):
-                sched.release()
+            sched.release(n - len(gens))
             for gen in gens:
                 gen.abandon()
             raise

@@ -231,8 +231,9 @@ class Scheduler:
 
     # ---- asyncio side --------------------------------------------------------------------------
 
-    def admit(self) -> None:
-        """Count one request against the queue limit, before any tokenizing.
+    def admit(self, count: int = 1) -> None:
+        """Count `count` jobs (a request's choices) against the queue limit, before any tokenizing: all of
+        them or none.
 
         Raises:
             EngineDead, NotReady, Draining, QueueFull.
@@ -244,15 +245,15 @@ class Scheduler:
         if self.draining:
             raise Draining()
         with self._cond:
-            if self._admitted >= self.queue_limit:
+            if self._admitted + count > self.queue_limit:
                 raise QueueFull(self.queue_limit)
-            self._admitted += 1
+            self._admitted += count
             self._gauges()
 
-    def release(self) -> None:
-        """Give back an admission that never became a job (e.g. the prompt was bad)."""
+    def release(self, count: int = 1) -> None:
+        """Give back admissions that never became jobs (e.g. the prompt was bad)."""
         with self._cond:
-            self._admitted -= 1
+            self._admitted -= count
             self._gauges()
 
     def submit(self, job: Job) -> None:

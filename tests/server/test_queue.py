@@ -108,3 +108,16 @@ def test_a_streamed_request_that_disconnects_while_queued_is_aborted(gated):
     engine.gate.set()
     running.join(30)
     assert engine.decodes == 1
+
+
+def test_choices_past_the_queue_limit_are_refused_together_and_hold_no_admission(gated):
+    server, engine = gated
+    m = server.state.metrics
+    url = server.base + "/v1/chat/completions"
+    # n = 2 jobs against a queue limit of 1: refused as a whole, before tokenizing...
+    r = httpx.post(url, json={"messages": MESSAGES, "max_tokens": 2, "n": 2})
+    assert r.status_code == 429
+    # ...and nothing of it stays admitted: the gauge is back at 0 and the next request is served.
+    assert m.num_requests_waiting._value.get() == 0
+    r = httpx.post(url, json={"messages": MESSAGES, "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
