@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 from kubernetes.utils import parse_quantity
 
-from . import spec as s
+from .spec import TPU_V5E, GcsFuseSpec, GemmaRustServerSpec, chips
 
 FIELD_MANAGER = "gemma-rust-operator"
 CONTAINER = "server"
@@ -95,7 +95,7 @@ def selector_string(meta: Meta) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(meta).items()))
 
 
-def endpoint(spec: s.GemmaRustServerSpec, meta: Meta) -> str:
+def endpoint(spec: GemmaRustServerSpec, meta: Meta) -> str:
     """The in-cluster OpenAI base URL (what an openai client takes as base_url)."""
     return f"http://{meta.name}.{meta.namespace}.svc.cluster.local:{spec.server.port}/v1"
 
@@ -119,7 +119,7 @@ class ModelMount(NamedTuple):
     mount: dict[str, Any] | None
 
 
-def model_mount(source: str, volume_name: str, gcs: s.GcsFuseSpec = s.GcsFuseSpec()) -> ModelMount:
+def model_mount(source: str, volume_name: str, gcs: GcsFuseSpec = GcsFuseSpec()) -> ModelMount:
     """Map a model URL to what the server container sees (pure).
 
     hf:// goes to the server as is (it downloads with the token). gs:// also goes as is, and the bucket is
@@ -146,21 +146,21 @@ def model_mount(source: str, volume_name: str, gcs: s.GcsFuseSpec = s.GcsFuseSpe
     return ModelMount(value, volume, {"name": volume_name, "mountPath": mount_path, "readOnly": True})
 
 
-def file_cache_capacity(gcs: s.GcsFuseSpec) -> str:
+def file_cache_capacity(gcs: GcsFuseSpec) -> str:
     """The driver's fileCacheCapacity: a tenth below the cache volume's size, so the cache's own bookkeeping
     never pushes the emptyDir over its sizeLimit (which would evict the pod)."""
     mib = int(parse_quantity(gcs.file_cache_size) * 9 / 10 / 2**20)
     return f"{mib}Mi"
 
 
-def gcsfuse_cache_volume(gcs: s.GcsFuseSpec) -> dict[str, Any]:
+def gcsfuse_cache_volume(gcs: GcsFuseSpec) -> dict[str, Any]:
     empty_dir: dict[str, Any] = {"sizeLimit": gcs.file_cache_size}
     if gcs.file_cache_medium == "Memory":
         empty_dir["medium"] = "Memory"
     return {"name": GCSFUSE_CACHE_VOLUME, "emptyDir": empty_dir}
 
 
-def _model_mounts(spec: s.GemmaRustServerSpec) -> tuple[ModelMount, ModelMount | None]:
+def _model_mounts(spec: GemmaRustServerSpec) -> tuple[ModelMount, ModelMount | None]:
     main = model_mount(spec.model.source, "model", spec.model.gcs_fuse)
     twin = None
     if spec.model.embedding_twin:
@@ -175,12 +175,12 @@ def _model_mounts(spec: s.GemmaRustServerSpec) -> tuple[ModelMount, ModelMount |
 # Deployment
 
 
-def node_selector(spec: s.GemmaRustServerSpec) -> dict[str, str]:
+def node_selector(spec: GemmaRustServerSpec) -> dict[str, str]:
     """Node labels the pods require: TPU slice, provisioning model, ComputeClass, then the user's."""
     accel = spec.accelerator
     out: dict[str, str] = {}
-    if accel.type == s.TPU_V5E:
-        out[TPU_ACCELERATOR_LABEL] = s.TPU_V5E
+    if accel.type == TPU_V5E:
+        out[TPU_ACCELERATOR_LABEL] = TPU_V5E
         out[TPU_TOPOLOGY_LABEL] = accel.topology or "1x1"
     if accel.provisioning == "spot":
         out[SPOT_LABEL] = "true"
@@ -192,7 +192,7 @@ def node_selector(spec: s.GemmaRustServerSpec) -> dict[str, str]:
     return out
 
 
-def node_affinity(spec: s.GemmaRustServerSpec) -> dict[str, Any] | None:
+def node_affinity(spec: GemmaRustServerSpec) -> dict[str, Any] | None:
     """For `standard` capacity: nodes that are not spot, flex-start or preemptible. Without it a standard pod
     also fits a reclaimable node of the same topology, and is then preempted, or ends with the flex-start VM.
     NotIn also matches a node without the label, which is how GKE's on-demand nodes look. A ComputeClass
@@ -205,9 +205,9 @@ def node_affinity(spec: s.GemmaRustServerSpec) -> dict[str, Any] | None:
         "nodeSelectorTerms": [{"matchExpressions": expressions}]}}}
 
 
-def tolerations(spec: s.GemmaRustServerSpec) -> list[dict[str, Any]]:
+def tolerations(spec: GemmaRustServerSpec) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    if spec.accelerator.type == s.TPU_V5E:
+    if spec.accelerator.type == TPU_V5E:
         out.append({"key": TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
     if spec.accelerator.provisioning == "spot":
         # Only needed where the spot pool is tainted; harmless elsewhere.
@@ -215,10 +215,10 @@ def tolerations(spec: s.GemmaRustServerSpec) -> list[dict[str, Any]]:
     return out + [dict(t) for t in spec.tolerations]
 
 
-def container_resources(spec: s.GemmaRustServerSpec) -> dict[str, Any]:
+def container_resources(spec: GemmaRustServerSpec) -> dict[str, Any]:
     requests = {k: str(v) for k, v in (spec.resources.requests or {}).items()}
     limits = {k: str(v) for k, v in (spec.resources.limits or {}).items()}
-    n = s.chips(spec.accelerator)
+    n = chips(spec.accelerator)
     if n:
         requests[TPU_RESOURCE] = str(n)
         limits[TPU_RESOURCE] = str(n)
@@ -230,11 +230,11 @@ def container_resources(spec: s.GemmaRustServerSpec) -> dict[str, Any]:
     return out
 
 
-def device(spec: s.GemmaRustServerSpec) -> str:
-    return "tpu" if spec.accelerator.type == s.TPU_V5E else "cpu"
+def device(spec: GemmaRustServerSpec) -> str:
+    return "tpu" if spec.accelerator.type == TPU_V5E else "cpu"
 
 
-def env(spec: s.GemmaRustServerSpec, main: ModelMount, twin: ModelMount | None) -> list[dict[str, Any]]:
+def env(spec: GemmaRustServerSpec, main: ModelMount, twin: ModelMount | None) -> list[dict[str, Any]]:
     """The server's environment (its documented GEMMA_* variables); the token and API key only via secretKeyRef."""
     e, srv = spec.engine, spec.server
     out = [
@@ -242,7 +242,7 @@ def env(spec: s.GemmaRustServerSpec, main: ModelMount, twin: ModelMount | None) 
         *([{"name": "GEMMA_EMB", "value": twin.value}] if twin else []),
         {"name": "GEMMA_DEVICE", "value": device(spec)},
         # One engine per chip of the slice; unset on CPU (the server's default, one engine).
-        *([{"name": "GEMMA_DEVICES", "value": str(s.chips(spec.accelerator))}] if s.chips(spec.accelerator) else []),
+        *([{"name": "GEMMA_DEVICES", "value": str(chips(spec.accelerator))}] if chips(spec.accelerator) else []),
         {"name": "GEMMA_CONTEXT", "value": str(e.context)},
         {"name": "GEMMA_READ_EVERY", "value": str(e.read_every)},
         {"name": "GEMMA_DTYPE", "value": e.dtype},
@@ -267,7 +267,7 @@ def env(spec: s.GemmaRustServerSpec, main: ModelMount, twin: ModelMount | None) 
     return out
 
 
-def probes(spec: s.GemmaRustServerSpec) -> dict[str, Any]:
+def probes(spec: GemmaRustServerSpec) -> dict[str, Any]:
     """startup (covers build, smoke test, weights, warmup), readiness on /health, liveness on /live."""
     def get(path: str) -> dict[str, Any]:
         return {"path": path, "port": "http"}
@@ -296,11 +296,11 @@ class ShutdownPlan(NamedTuple):
     grace: int    # terminationGracePeriodSeconds: preStop + drain + time to exit
 
 
-def reclaimable(spec: s.GemmaRustServerSpec) -> bool:
+def reclaimable(spec: GemmaRustServerSpec) -> bool:
     return spec.accelerator.provisioning in ("spot", "flex-start")
 
 
-def shutdown_plan(spec: s.GemmaRustServerSpec) -> ShutdownPlan:
+def shutdown_plan(spec: GemmaRustServerSpec) -> ShutdownPlan:
     """preStop, drain and grace for the capacity class. On spot and flex-start the defaults fit the
     RECLAIM_GRACE_SECONDS a reclaimed node gives (2 + 10 + 3 = 15); elsewhere the drain is unhurried and the
     grace is longer than preStop + drain, so SIGKILL never cuts a drain short."""
@@ -312,11 +312,11 @@ def shutdown_plan(spec: s.GemmaRustServerSpec) -> ShutdownPlan:
     return ShutdownPlan(prestop, drain, prestop + drain + margin)
 
 
-def termination_grace_seconds(spec: s.GemmaRustServerSpec) -> int:
+def termination_grace_seconds(spec: GemmaRustServerSpec) -> int:
     return shutdown_plan(spec).grace
 
 
-def spec_warnings(spec: s.GemmaRustServerSpec) -> list[tuple[str, str]]:
+def spec_warnings(spec: GemmaRustServerSpec) -> list[tuple[str, str]]:
     """(reason, message) for a spec that works but will not do what its author likely expects (pure)."""
     if not reclaimable(spec):
         return []
@@ -336,34 +336,34 @@ def spec_warnings(spec: s.GemmaRustServerSpec) -> list[tuple[str, str]]:
     return out
 
 
-def build_cache_volume(spec: s.GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
+def build_cache_volume(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
     bc = spec.build_cache
     if bc.type == "pvc":
         return {"name": "build-cache", "persistentVolumeClaim": {"claimName": build_cache_claim_name(meta)}}
     return {"name": "build-cache", "emptyDir": {"sizeLimit": bc.size}}
 
 
-def pod_annotations(spec: s.GemmaRustServerSpec, main: ModelMount, twin: ModelMount | None) -> dict[str, str]:
+def pod_annotations(spec: GemmaRustServerSpec, main: ModelMount, twin: ModelMount | None) -> dict[str, str]:
     out = dict(spec.pod_annotations)
     if any(m and m.volume and "csi" in m.volume for m in (main, twin)):
         out[GCSFUSE_ANNOTATION] = "true"
     return out
 
 
-def extra_volumes(spec: s.GemmaRustServerSpec, main: ModelMount,
+def extra_volumes(spec: GemmaRustServerSpec, main: ModelMount,
                   twin: ModelMount | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The GCS FUSE cache volume (for gs:// sources) and /dev/shm (TPU): (volumes, server mounts)."""
     volumes: list[dict[str, Any]] = []
     mounts: list[dict[str, Any]] = []
     if any(m and m.volume and "csi" in m.volume for m in (main, twin)):
         volumes.append(gcsfuse_cache_volume(spec.model.gcs_fuse))  # the sidecar mounts it, not the server
-    if spec.accelerator.type == s.TPU_V5E:
+    if spec.accelerator.type == TPU_V5E:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     return volumes, mounts
 
 
-def build_deployment(spec: s.GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
+def build_deployment(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
     """The Deployment running the server pods.
 
     Args:
@@ -412,7 +412,7 @@ def build_deployment(spec: s.GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
         pod_spec["affinity"] = affinity
     if spec.service_account_name:
         pod_spec["serviceAccountName"] = spec.service_account_name
-    tpu = spec.accelerator.type == s.TPU_V5E
+    tpu = spec.accelerator.type == TPU_V5E
     # Recreate where a new pod cannot start beside the old one: the only TPU chips, or a build cache
     # volume that attaches to one node at a time.
     recreate = tpu or (spec.build_cache.type == "pvc" and spec.build_cache.access_mode == "ReadWriteOnce")
@@ -437,7 +437,7 @@ def build_deployment(spec: s.GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
 # Other children
 
 
-def build_service(spec: s.GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
+def build_service(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
     """ClusterIP Service in front of the pods; its DNS name is the OpenAI base URL's host."""
     svc = _object("v1", "Service", meta.name, meta)
     svc["spec"] = {"type": "ClusterIP", "selector": selector_labels(meta),
@@ -445,7 +445,7 @@ def build_service(spec: s.GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
     return svc
 
 
-def build_pdb(spec: s.GemmaRustServerSpec, meta: Meta) -> dict[str, Any] | None:
+def build_pdb(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any] | None:
     """A PodDisruptionBudget allowing one voluntary eviction at a time, only when replicas > 1."""
     if spec.replicas <= 1:
         return None
@@ -454,21 +454,21 @@ def build_pdb(spec: s.GemmaRustServerSpec, meta: Meta) -> dict[str, Any] | None:
     return pdb
 
 
-def build_pod_monitoring(spec: s.GemmaRustServerSpec, meta: Meta) -> dict[str, Any] | None:
+def build_pod_monitoring(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any] | None:
     """GKE managed Prometheus PodMonitoring scraping /metrics, when asked for."""
     if not spec.monitoring.pod_monitoring:
         return None
     return _scrape_monitor("monitoring.googleapis.com/v1", "PodMonitoring", spec, meta)
 
 
-def build_service_monitor(spec: s.GemmaRustServerSpec, meta: Meta) -> dict[str, Any] | None:
+def build_service_monitor(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any] | None:
     """Prometheus Operator ServiceMonitor scraping /metrics through the Service, when asked for."""
     if not spec.monitoring.service_monitor:
         return None
     return _scrape_monitor("monitoring.coreos.com/v1", "ServiceMonitor", spec, meta)
 
 
-def _scrape_monitor(api_version: str, kind: str, spec: s.GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
+def _scrape_monitor(api_version: str, kind: str, spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
     """PodMonitoring and ServiceMonitor share this spec shape: a selector and one /metrics endpoint."""
     monitor = _object(api_version, kind, meta.name, meta)
     monitor["spec"] = {"selector": {"matchLabels": selector_labels(meta)},
@@ -476,7 +476,7 @@ def _scrape_monitor(api_version: str, kind: str, spec: s.GemmaRustServerSpec, me
     return monitor
 
 
-def build_build_cache_pvc(spec: s.GemmaRustServerSpec, meta: Meta) -> dict[str, Any] | None:
+def build_build_cache_pvc(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any] | None:
     """The build cache PersistentVolumeClaim, for buildCache.type pvc."""
     bc = spec.build_cache
     if bc.type != "pvc":
@@ -501,7 +501,7 @@ class Children(NamedTuple):
     skipped: list[tuple[str, str]]       # (kind, why) optional children not created
 
 
-def build_children(spec: s.GemmaRustServerSpec, meta: Meta, available: frozenset[str]) -> Children:
+def build_children(spec: GemmaRustServerSpec, meta: Meta, available: frozenset[str]) -> Children:
     """Everything the custom resource owns, given which optional API groups the cluster serves.
 
     Args:

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from . import spec as s
+from .spec import API_GROUP, API_VERSION, CEL_RULES, KIND, PLURAL, SHORT_NAMES, SINGULAR, GemmaRustServerSpec
 
 _KEEP = {"type", "description", "default", "enum", "pattern", "minimum", "maximum", "minLength", "maxLength",
          "minItems", "maxItems", "maxProperties", "properties", "required", "items", "additionalProperties",
@@ -95,12 +95,12 @@ def _trim(out: dict[str, Any], node: dict[str, Any]) -> dict[str, Any]:
 
 def spec_schema() -> dict[str, Any]:
     """The OpenAPI v3 schema of `spec`, with defaults and CEL rules (pure)."""
-    raw = s.GemmaRustServerSpec.model_json_schema(by_alias=True, mode="validation")
+    raw = GemmaRustServerSpec.model_json_schema(by_alias=True, mode="validation")
     defs = raw.get("$defs", {})
-    cel_by_name = {model.__name__: rules for model, rules in s.CEL_RULES.items()}
+    cel_by_name = {model.__name__: rules for model, rules in CEL_RULES.items()}
     out = _structural({k: v for k, v in raw.items() if k != "$defs"}, defs, cel_by_name)
-    if s.GemmaRustServerSpec.__name__ in cel_by_name:
-        out["x-kubernetes-validations"] = cel_by_name[s.GemmaRustServerSpec.__name__]
+    if GemmaRustServerSpec.__name__ in cel_by_name:
+        out["x-kubernetes-validations"] = cel_by_name[GemmaRustServerSpec.__name__]
     return out
 
 
@@ -161,16 +161,16 @@ def build_crd() -> dict[str, Any]:
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
         "metadata": {
-            "name": f"{s.PLURAL}.{s.API_GROUP}",
+            "name": f"{PLURAL}.{API_GROUP}",
             "labels": {"app.kubernetes.io/name": "gemma-rust-operator", "app.kubernetes.io/part-of": "gemma-rust-operator"},
         },
         "spec": {
-            "group": s.API_GROUP,
+            "group": API_GROUP,
             "scope": "Namespaced",
-            "names": {"kind": s.KIND, "listKind": f"{s.KIND}List", "plural": s.PLURAL, "singular": s.SINGULAR,
-                      "shortNames": list(s.SHORT_NAMES), "categories": ["all", "gemmarust"]},
+            "names": {"kind": KIND, "listKind": f"{KIND}List", "plural": PLURAL, "singular": SINGULAR,
+                      "shortNames": list(SHORT_NAMES), "categories": ["all", "gemmarust"]},
             "versions": [{
-                "name": s.API_VERSION,
+                "name": API_VERSION,
                 "served": True,
                 "storage": True,
                 "schema": {"openAPIV3Schema": {
