@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import time
 import tomllib
 import uuid
@@ -36,7 +35,7 @@ from tests.checkpoints import chat_checkpoint  # noqa: F401 - the session fixtur
 from tests.images.conftest import BUILD_TIMEOUT, SERVER_TAG, record
 from tests.images.containers import ROOT, TMPFS, Container, docker, run_args
 from tests.images.test_dockerfiles import requirement_pins
-from tests.server.conftest import LONG_PROMPT
+from tests.server.conftest import LONG_PROMPT, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(BUILD_TIMEOUT + 3600)]
 
@@ -44,12 +43,6 @@ STAGES = ["build", "import", "smoke", "weights", "warmup", "serving"]
 COLD_BOOT_TIMEOUT = 1800  # compiles the engine on two cores
 WARM_BOOT_TIMEOUT = 300
 CLAIM = "checkpoints"  # the pvc:// claim; its directory on the host is mounted in its place
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_pod(model: str, port: int) -> dict:
