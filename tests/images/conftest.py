@@ -3,8 +3,8 @@ unmodified Dockerfiles.
 
 `make test` runs pytest under tests/images/docker_engine.sh, which starts dockerd when none answers. Without
 an engine these fixtures fail (never skip), naming what is missing. The first build of the server image
-downloads torch (~3 GB of wheels) and takes many minutes; later builds reuse Docker's layer cache and
-pip's cache mount and take seconds.
+downloads torch (~3 GB of wheels) and takes minutes; later builds reuse Docker's layer cache and uv's
+cache mount (images/Dockerfile.server) and take seconds.
 
 Build and boot times are printed in pytest's terminal summary ("image tests: times").
 """
