@@ -236,13 +236,13 @@ def device(spec: GemmaRustServerSpec) -> str:
 
 def env(spec: GemmaRustServerSpec, main: ModelMount, twin: ModelMount | None) -> list[dict[str, Any]]:
     """The server's environment (its documented GEMMA_* variables); the token and API key only via secretKeyRef."""
-    e, srv = spec.engine, spec.server
+    e, srv, n_chips = spec.engine, spec.server, chips(spec.accelerator)
     out = [
         {"name": "GEMMA_MODEL", "value": main.value},
         *([{"name": "GEMMA_EMB", "value": twin.value}] if twin else []),
         {"name": "GEMMA_DEVICE", "value": device(spec)},
         # One engine per chip of the slice; unset on CPU (the server's default, one engine).
-        *([{"name": "GEMMA_DEVICES", "value": str(chips(spec.accelerator))}] if chips(spec.accelerator) else []),
+        *([{"name": "GEMMA_DEVICES", "value": str(n_chips)}] if n_chips else []),
         {"name": "GEMMA_CONTEXT", "value": str(e.context)},
         {"name": "GEMMA_READ_EVERY", "value": str(e.read_every)},
         {"name": "GEMMA_DTYPE", "value": e.dtype},
@@ -312,10 +312,6 @@ def shutdown_plan(spec: GemmaRustServerSpec) -> ShutdownPlan:
     return ShutdownPlan(prestop, drain, prestop + drain + margin)
 
 
-def termination_grace_seconds(spec: GemmaRustServerSpec) -> int:
-    return shutdown_plan(spec).grace
-
-
 def spec_warnings(spec: GemmaRustServerSpec) -> list[tuple[str, str]]:
     """(reason, message) for a spec that works but will not do what its author likely expects (pure)."""
     if not reclaimable(spec):
@@ -343,9 +339,14 @@ def build_cache_volume(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
     return {"name": "build-cache", "emptyDir": {"sizeLimit": bc.size}}
 
 
+def _gcsfuse(main: ModelMount, twin: ModelMount | None) -> bool:
+    """Whether the pod mounts a bucket through the GCS FUSE CSI driver."""
+    return any(m and m.volume and "csi" in m.volume for m in (main, twin))
+
+
 def pod_annotations(spec: GemmaRustServerSpec, main: ModelMount, twin: ModelMount | None) -> dict[str, str]:
     out = dict(spec.pod_annotations)
-    if any(m and m.volume and "csi" in m.volume for m in (main, twin)):
+    if _gcsfuse(main, twin):
         out[GCSFUSE_ANNOTATION] = "true"
     return out
 
@@ -355,7 +356,7 @@ def extra_volumes(spec: GemmaRustServerSpec, main: ModelMount,
     """The GCS FUSE cache volume (for gs:// sources) and /dev/shm (TPU): (volumes, server mounts)."""
     volumes: list[dict[str, Any]] = []
     mounts: list[dict[str, Any]] = []
-    if any(m and m.volume and "csi" in m.volume for m in (main, twin)):
+    if _gcsfuse(main, twin):
         volumes.append(gcsfuse_cache_volume(spec.model.gcs_fuse))  # the sidecar mounts it, not the server
     if spec.accelerator.type == TPU_V5E:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
@@ -373,6 +374,7 @@ def build_deployment(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
         A Deployment manifest (dict), without owner references (handlers.adopt adds them).
     """
     main, twin = _model_mounts(spec)
+    plan = shutdown_plan(spec)
     more_volumes, more_mounts = extra_volumes(spec, main, twin)
     # The root filesystem is read-only; the compilers of the boot build (g++, rustc) get a scratch /tmp.
     tmp = {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE}}
@@ -387,7 +389,7 @@ def build_deployment(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
         "env": env(spec, main, twin),
         "ports": [{"name": "http", "containerPort": spec.server.port, "protocol": "TCP"}],
         **probes(spec),
-        "lifecycle": {"preStop": {"sleep": {"seconds": shutdown_plan(spec).prestop}}},
+        "lifecycle": {"preStop": {"sleep": {"seconds": plan.prestop}}},
         "resources": container_resources(spec),
         "volumeMounts": mounts,
         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
@@ -404,7 +406,7 @@ def build_deployment(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
         "volumes": volumes,
         "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
                             "seccompProfile": {"type": "RuntimeDefault"}},
-        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
+        "terminationGracePeriodSeconds": plan.grace,
         "enableServiceLinks": False,
     }
     affinity = node_affinity(spec)
