@@ -50,17 +50,15 @@ def makefile_python() -> str:
     return re.search(r"^PYTHON\s*\?=\s*python(3\.\d+)", (ROOT / "Makefile").read_text(), re.M).group(1)
 
 
+def server_pod() -> dict:
+    """The pod spec the operator builds for a GemmaRustServer with the defaults."""
+    spec = grs_spec.parse_spec({"model": {"source": "hf://org/model"}})
+    return builders.build_deployment(spec, builders.Meta("gemma", "default"))["spec"]["template"]["spec"]
+
+
 def server_container() -> dict:
-    spec = grs_spec.parse_spec({"model": {"source": "hf://org/model"}})
-    (container,) = builders.build_deployment(spec, builders.Meta("gemma", "default"))["spec"]["template"]["spec"][
-        "containers"]
+    (container,) = server_pod()["containers"]
     return container
-
-
-def server_pod_security() -> dict:
-    spec = grs_spec.parse_spec({"model": {"source": "hf://org/model"}})
-    return builders.build_deployment(spec, builders.Meta("gemma", "default"))["spec"]["template"]["spec"][
-        "securityContext"]
 
 
 # ------------------------------------------------------------------------------------------- server image
@@ -72,7 +70,7 @@ def test_server_entrypoint_is_the_command_the_operator_runs():
 
 def test_server_user_is_the_non_root_uid_and_gid_of_the_operators_pod():
     uid, _, gid = SERVER.final.last("USER").partition(":")
-    pod = server_pod_security()
+    pod = server_pod()["securityContext"]
     assert int(uid) != 0
     assert (int(uid), int(gid)) == (pod["runAsUser"], pod["runAsGroup"])
 
