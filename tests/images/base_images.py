@@ -38,9 +38,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.images.containers import ROOT, client, docker
 from tests.images.dockerfile import parse_dockerfile
 
-ROOT = Path(__file__).resolve().parents[2]
 STANDINS = Path(__file__).with_name("standins")
 DOCKERFILES = (ROOT / "images" / "Dockerfile.operator", ROOT / "images" / "Dockerfile.server")
 CACHE = Path(os.environ.get("GEMMA_CACHE", Path.home() / ".cache" / "gemma-rust-operator")) / "base-images"
@@ -65,10 +65,6 @@ class StandIn:
     suite: str  # the Debian release its tag names
     dockerfile: Path
     build_args: tuple[tuple[str, str], ...]
-
-
-def docker() -> str:
-    return os.environ.get("DOCKER", "docker")
 
 
 def base_images() -> list[str]:
@@ -133,8 +129,7 @@ def _run(*args: str, timeout: float | None = None, quiet: bool = False) -> subpr
 
 def _labels(image: str) -> dict[str, str] | None:
     """The image's labels ({} when it has none), or None when the engine does not have the image."""
-    p = subprocess.run([docker(), "image", "inspect", "--format", "{{json .Config.Labels}}", image],
-                       capture_output=True, text=True)
+    p = docker("image", "inspect", "--format", "{{json .Config.Labels}}", image, check=False)
     return None if p.returncode != 0 else (json.loads(p.stdout) or {})
 
 
@@ -168,7 +163,7 @@ def debian_base(suite: str) -> str:
             if p.returncode != 0:
                 raise StandInError(f"tar of the {suite} root filesystem failed (exit {p.returncode})")
             partial.rename(tarball)
-    p = _run(docker(), "import", "--change", f"ENV PATH={DEFAULT_PATH}", "--change", 'CMD ["bash"]',
+    p = _run(client(), "import", "--change", f"ENV PATH={DEFAULT_PATH}", "--change", 'CMD ["bash"]',
              str(tarball), name)
     if p.returncode != 0:
         raise StandInError(f"docker import of {tarball} failed (exit {p.returncode})")
@@ -179,7 +174,7 @@ def debian_base(suite: str) -> str:
 def build_standin(s: StandIn, key: str) -> None:
     base = debian_base(s.suite)
     args = [f"--build-arg=BASE={base}"] + [f"--build-arg={k}={v}" for k, v in s.build_args]
-    p = _run(docker(), "build", "--network", "host", "--label", f"{LABEL}={key}", *args,
+    p = _run(client(), "build", "--network", "host", "--label", f"{LABEL}={key}", *args,
              "-f", str(s.dockerfile), "-t", s.image, str(STANDINS))
     if p.returncode != 0:
         raise StandInError(f"building the stand-in {s.image} from {s.dockerfile} failed (exit {p.returncode})")
@@ -200,7 +195,7 @@ def ensure(image: str) -> str:
         standin, no_standin = None, e
     if labels is not None and (LABEL not in labels or (standin and labels[LABEL] == standin[1])):
         return f"{image}: present" + (" (local stand-in)" if LABEL in labels else "")
-    pull = _run(docker(), "pull", image, timeout=PULL_TIMEOUT, quiet=True)
+    pull = _run(client(), "pull", image, timeout=PULL_TIMEOUT, quiet=True)
     if pull.returncode == 0:
         return f"{image}: pulled"
     why = (pull.stderr.strip().splitlines() or ["no message"])[-1]
