@@ -28,11 +28,11 @@ from __future__ import annotations
 import re
 from typing import Any, NamedTuple
 
-SERVER = "server"  # builders.CONTAINER
+from .builders import CONTAINER as SERVER
+from .builders import FLEX_START_LABEL, SPOT_LABEL
+from .status import MAX_PODS_IN_STATUS as MAX_PODS_EXPLAINED  # a pod that is not shown is not explained
+
 GCSFUSE_SIDECAR = "gke-gcsfuse-sidecar"  # the container the GCS FUSE CSI driver injects
-SPOT_LABEL = "cloud.google.com/gke-spot"  # builders.SPOT_LABEL
-FLEX_START_LABEL = "cloud.google.com/gke-flex-start"  # builders.FLEX_START_LABEL
-MAX_PODS_EXPLAINED = 16  # status.MAX_PODS_IN_STATUS: a pod that is not shown is not explained
 MAX_MESSAGE = 1024
 
 # DisruptionTarget reasons that mean the node went away under the pod.
