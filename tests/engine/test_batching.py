@@ -20,7 +20,7 @@ import torch
 
 import gemma_engine
 from tests import checkpoints as ck
-from tests.engine.test_sampling import transformers_scores
+from tests.engine.test_sampling import inverse_cdf_draw, transformers_scores
 
 # The quantized checkpoints repeat the dense runs on other weights: the long suite only.
 KIND_PARAMS = ["dense", pytest.param("w4a16", marks=pytest.mark.slow), pytest.param("emb4", marks=pytest.mark.slow)]
@@ -288,10 +288,7 @@ def test_sampled_tokens_are_transformers_processors_with_the_engine_uniform_draw
     uniforms = gemma_engine.uniform([1234] * len(tokens), list(range(len(tokens))))
     for step, (token, u) in enumerate(zip(tokens, uniforms)):
         scores = transformers_scores(logits[step], SAMPLED, prompt, tokens[:step])
-        order = torch.sort(scores, stable=True).indices
-        cdf = torch.cumsum(torch.softmax(scores[order], -1), 0)
-        at = min(int(torch.searchsorted(cdf, u * cdf[-1], right=True)), VOCAB - 1)
-        assert token == int(order[at]), f"step {step}"
+        assert token == inverse_cdf_draw(scores, u), f"step {step}"
     greedy_tokens = engine.decode(prompt, len(tokens))[0]
     assert tokens != greedy_tokens
 

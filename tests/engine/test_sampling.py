@@ -89,6 +89,14 @@ def transformers_probs(logits, params, prompt, output) -> torch.Tensor:
     return torch.softmax(transformers_scores(logits, params, prompt, output), -1)
 
 
+def inverse_cdf_draw(scores: torch.Tensor, u: float) -> int:
+    """The token the engine's documented draw gives for the uniform number `u` on one row's `scores`:
+    the inverse CDF of softmax(scores), tokens in ascending order of score (ties in id order)."""
+    order = torch.sort(scores, stable=True).indices
+    cdf = torch.cumsum(torch.softmax(scores[order], -1), 0)
+    return int(order[min(int(torch.searchsorted(cdf, u * cdf[-1], right=True)), len(order) - 1)])
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_distribution_equals_transformers_processors(case):
     params = CASES[case]
@@ -260,11 +268,7 @@ def test_each_row_draws_the_inverse_cdf_of_its_own_uniform_number():
     tokens, _ = gemma_engine.sample(logits.expand(40, -1).contiguous(), rows)
     # Each row draws with its own uniform number: the inverse CDF of that number, in ascending order.
     us = gemma_engine.uniform([11] * 40, list(range(40)))
-    probs = torch.softmax(logits, -1)
-    order = torch.sort(logits, stable=True).indices
-    cdf = torch.cumsum(probs[order], 0)
-    expected = [int(order[min(int(torch.searchsorted(cdf, u * cdf[-1], right=True)), VOCAB - 1)]) for u in us]
-    assert tokens == expected
+    assert tokens == [inverse_cdf_draw(logits, u) for u in us]
 
 
 @pytest.mark.parametrize(
