@@ -99,7 +99,7 @@ def _forward_logits(model, prompt: list[int], tokens: list[int]) -> torch.Tensor
     agree within ~1e-5 (measured on the dense checkpoint).
     """
     rows = []
-    with ck.one_thread(), torch.no_grad():
+    with torch.no_grad():  # on one thread, as every test here (`_one_thread`)
         for step in range(len(tokens)):
             rows.append(model(torch.tensor([prompt + tokens[:step]])).logits[0, -1].float())
     return torch.stack(rows)
