@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from bench.demo import pick_port
-from bench.engine import make_config, random_model
+from bench.engine import make_config, matvec_floor_runner, random_model
 from bench.server import start_server, stop_server, wait_healthy
 
 MODEL = "bench"
@@ -274,24 +274,15 @@ def hf_runner(model, continuous: bool, new: int):
 # --- 3: the floor ---------------------------------------------------------------------------------------
 
 
-@torch.no_grad()
-def matmul_seconds(weights: list[torch.Tensor], rows: int, threads: int, steps: int = 20, repeats: int = 7) -> float:
-    """Seconds of one decode step's matrix products alone, `rows` rows, on `threads` torch threads (the
-    fastest of `repeats` means over `steps` steps)."""
+def matmul_seconds(model, rows: int, threads: int, repeats: int = 7) -> float:
+    """Seconds of one decode step's matrix products alone (bench/engine.py `matvec_floor_runner`), `rows`
+    rows, on `threads` torch threads: the fastest of `repeats` runs, after one warm-up run."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
-        for w in weights:  # warm-up
-            torch.nn.functional.linear(xs[w.shape[1]], w)
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                for w in weights:
-                    torch.nn.functional.linear(xs[w.shape[1]], w)
-            times.append((time.perf_counter() - t0) / steps)
-        return min(times)
+        run = matvec_floor_runner(model, "cpu", rows=rows)
+        run()
+        return 1 / max(run() for _ in range(repeats))
     finally:
         torch.set_num_threads(before)
 
@@ -351,8 +342,7 @@ def main(a) -> int:
               + " tok/s", flush=True)
 
         # 3
-        weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
-        floor = {t: {rows: matmul_seconds(weights, rows, t) for rows in (1, 8)} for t in sorted({1, 2, a.threads})}
+        floor = {t: {rows: matmul_seconds(model, rows, t) for rows in (1, 8)} for t in sorted({1, 2, a.threads})}
 
         # 1
         port = pick_port()

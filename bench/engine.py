@@ -150,14 +150,15 @@ def hf_runner(model, device: str, prompt: list[int], new: int, cache: str | None
     return run
 
 
-def matvec_floor_runner(model, device: str, steps: int = 20):
-    """The decode floor: one step's matrix-vector products alone (every Linear, lm_head included).
+def matvec_floor_runner(model, device: str, steps: int = 20, rows: int = 1):
+    """The decode floor: one step's matrix-vector products alone (every Linear, lm_head included), for
+    `rows` sequences decoding together (bench/concurrency.py compares 1 and 8).
 
     Returns run() -> steps per second of just those products, in a bare Python loop. A decode step
     cannot be faster than this on the same kernels, so it bounds any ratio the two sides can reach.
     """
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    xs = {w.shape[1]: torch.randn(1, w.shape[1], device=device, dtype=w.dtype) for w in weights}
+    xs = {w.shape[1]: torch.randn(rows, w.shape[1], device=device, dtype=w.dtype) for w in weights}
 
     @torch.no_grad()
     def run() -> float:
