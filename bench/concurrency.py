@@ -52,9 +52,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.demo import pick_port
+from bench.demo import pick_port, stop_server
 from bench.engine import make_config, matvec_floor_runner, random_model
-from bench.server import start_server, stop_server, wait_healthy
+from bench.server import start_server, wait_healthy
 
 MODEL = "bench"
 

@@ -65,8 +65,9 @@ def pick_port() -> int:
     return free
 
 
-def wait_until_ready(base: str, proc: subprocess.Popen, timeout: float = 1800) -> dict:
-    """Poll /v1/engine and /health, printing each boot stage as it ends. Returns the final /v1/engine."""
+def wait_until_ready(base: str, proc: subprocess.Popen, timeout: float = 1800, show_stages: bool = True) -> dict:
+    """Poll /v1/engine and /health until /health is 200, printing each boot stage as it ends when
+    `show_stages`. Returns the final /v1/engine; exits if the server dies or the deadline passes."""
     shown: set[str] = set()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -75,7 +76,7 @@ def wait_until_ready(base: str, proc: subprocess.Popen, timeout: float = 1800) -
         try:
             info = httpx.get(base + "/v1/engine", timeout=5).json()
             for s in info["stages"]:
-                if s["status"] != "running" and s["stage"] not in shown:
+                if show_stages and s["status"] != "running" and s["stage"] not in shown:
                     shown.add(s["stage"])
                     print(f"  stage {s['stage']:<8} {s['status']:<8} {s['seconds']:>8.2f}s  {s['message']}", flush=True)
             if httpx.get(base + "/health", timeout=5).status_code == 200:
@@ -84,6 +85,16 @@ def wait_until_ready(base: str, proc: subprocess.Popen, timeout: float = 1800) -
             pass
         time.sleep(0.25)
     sys.exit(f"the server was not ready after {timeout:.0f}s")
+
+
+def stop_server(proc: subprocess.Popen) -> int:
+    """SIGTERM (the server drains), then wait; kill if it does not end within 60 s. Returns its exit status."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
 
 
 def chat_once(base: str, model: str) -> None:
@@ -141,15 +152,10 @@ The server keeps running (Ctrl+C stops it):
 """, flush=True)
         return proc.wait()
     except KeyboardInterrupt:
-        proc.send_signal(signal.SIGTERM)
-        return proc.wait(60)
+        return stop_server(proc)
     finally:
         if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
 
 
 if __name__ == "__main__":

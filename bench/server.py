@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -35,7 +34,7 @@ import time
 
 import httpx
 
-from bench.demo import ensure_demo_checkpoint, pick_port
+from bench.demo import ensure_demo_checkpoint, pick_port, stop_server, wait_until_ready
 
 PROMPT = "Hello"
 
@@ -101,28 +100,9 @@ def start_server(model_dir: str, port: int, threads: int, args: list[str]) -> su
         env={**os.environ, "OMP_NUM_THREADS": str(threads)})
 
 
-def wait_healthy(base: str, server: subprocess.Popen, timeout: float = 600) -> None:
-    """Poll /health until 200; exit if the server dies or the deadline passes."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if httpx.get(base + "/health").status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if server.poll() is not None or time.monotonic() > deadline:
-            sys.exit("the server did not become ready")
-        time.sleep(0.2)
-
-
-def stop_server(server: subprocess.Popen) -> None:
-    """SIGTERM (the server drains), then wait; kill if it does not end."""
-    server.send_signal(signal.SIGTERM)
-    try:
-        server.wait(60)
-    except subprocess.TimeoutExpired:
-        server.kill()
-        server.wait()
+def wait_healthy(base: str, server: subprocess.Popen) -> None:
+    """Until /health is 200 (bench/demo.py `wait_until_ready`, its boot stages not printed)."""
+    wait_until_ready(base, server, timeout=600, show_stages=False)
 
 
 def main() -> int:
