@@ -6,7 +6,7 @@ Every handler funnels into `sync`, which has the same shape each time (kopf's ex
 dask-kubernetes' controller):
 
     parse spec -> check problems -> build children (pure) -> adopt -> server-side apply -> observe pods
-    and the Events of those that are not ready -> read the cached /v1/engine and /v1/models reports
+    and the Events of those still starting -> read the cached /v1/engine and /v1/models reports
     -> compute status (pure) -> patch status -> post transition Events
 
 Triggers:

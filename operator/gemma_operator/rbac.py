@@ -13,7 +13,7 @@ Why each verb:
   so a deleted one is put back at once; PDB and monitoring objects are deleted when no longer asked for.
 - pods: listed for status and watched so status follows them; never modified.
 - events: create, for the Events posted on each phase transition (and kopf's own warnings); list (core
-  group), for the Events of pods that are not ready: why a pod cannot start (gemma_operator.events).
+  group), for the Events of pods that have not started: why a pod cannot start (gemma_operator.events).
 - no Secrets: a missing token Secret is the pod's own CreateContainerConfigError, which the status reports;
   the token reaches the pod only through secretKeyRef.
 API discovery (/apis/...) needs no rule: every authenticated user may read it.

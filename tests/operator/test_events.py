@@ -119,9 +119,15 @@ def test_a_crashing_gcs_fuse_sidecar():
                                 "gke-gcsfuse/memory-limit")
 
 
-def test_pods_to_explain_are_the_live_unready_ones():
-    pods = [pod("a"), pod("b", ready=True), pod("c", deleting=True), pod("d", phase="Failed")]
-    assert [p["metadata"]["name"] for p in ev.pods_to_explain(pods)] == ["a"]
+def test_pods_to_explain_are_the_live_unready_ones_whose_events_can_say_why():
+    booting = pod("e", server_state={"running": {}}, phase="Running")
+    pulling = pod("f", server_state={"running": {}}, phase="Running",
+                  sidecar={"state": {"waiting": {"reason": "ImagePullBackOff"}}})
+    pods = [pod("a"), pod("b", ready=True), pod("c", deleting=True), pod("d", phase="Failed"), booting, pulling]
+    assert [p["metadata"]["name"] for p in ev.pods_to_explain(pods)] == ["a", "f"]
+    # What pod_blocker makes of a started pod does not depend on its Events.
+    p = booting
+    assert ev.pod_blocker(p, [event(p, "FailedMount", PERMISSION), event(p, "Failed", "Failed to pull image")]) is None
 
 
 SHUTDOWN = {"phase": "Failed", "reason": "Terminated", "message": "Pod was terminated in response to imminent node "
