@@ -16,6 +16,11 @@ pytestmark = pytest.mark.cluster
 SPEC = {"model": {"source": "hf://google/gemma-4-e2b-it"}, "accelerator": {"type": "cpu"}}
 
 
+def handled_and_ready(obj: dict) -> bool:
+    return ((obj.get("status") or {}).get("phase") == "Ready"
+            and "gemmarust.dev/last-handled-configuration" in (obj["metadata"].get("annotations") or {}))
+
+
 @pytest.fixture
 def other_ns(kube, operator):
     name = f"t-{uuid.uuid4().hex[:8]}"
@@ -35,10 +40,11 @@ def test_namespaced_operator_serves_its_namespace_with_a_role_and_nothing_else(c
             # handled theirs too (kopf marks what it handled with its annotations).
             create(kube, other_ns, "theirs", SPEC)
             create(kube, ns, "mine", SPEC)
-            obj = wait_for(lambda: (lambda o: o if (o.get("status") or {}).get("phase") == "Ready" else None)(
-                get(kube, ns, "mine")), timeout=60, what="mine Ready", diagnose=scoped.tail)
+            # kopf writes its annotation in a patch of its own after the handler's status patch, so wait
+            # for both.
+            obj = wait_for(lambda: o if handled_and_ready(o := get(kube, ns, "mine")) else None,
+                           timeout=60, what="mine Ready and marked handled", diagnose=scoped.tail)
             assert obj["status"]["readyText"] == "1/1"
-            assert "gemmarust.dev/last-handled-configuration" in obj["metadata"]["annotations"]
             theirs = get(kube, other_ns, "theirs")
             assert not theirs.get("status") and not (theirs["metadata"].get("annotations") or {})
             assert kube.request("GET", f"/apis/apps/v1/namespaces/{other_ns}/deployments")["items"] == []
