@@ -1,8 +1,8 @@
 //! PyO3 bindings: the only module that sees Python objects.
 //!
 //! `#[pymodule]` is a registry; `Engine` is a thin `#[pyclass(unsendable)]` wrapper. Inputs are
-//! extracted and checked under the GIL, then the work runs in `py.detach` (tokenizers'
-//! `encode_batch`); the decode callback re-attaches. One `From<Error> for PyErr` picks the
+//! extracted under the GIL, then the work runs in `py.detach` (tokenizers' `encode_batch`), where
+//! the engine checks them before any model code runs; the callbacks re-attach. One `From<Error> for PyErr` picks the
 //! exception class. README.md lists each Python crossing.
 
 use std::collections::HashMap;
@@ -332,10 +332,6 @@ impl Engine {
     ) -> PyResult<(Vec<i64>, &'static str, f64, f64)> {
         let params = sampling.map(|s| s.get().inner.clone()).unwrap_or_default();
         let request = Request { id: 0, prompt: ids, max_new, stop_ids, params };
-        self.inner.check_request(&request)?;
-        if read_every < 1 {
-            return Err(PyValueError::new_err(format!("read_every must be >= 1, got {read_every}")));
-        }
         let mut failed: Option<PyErr> = None;
         let inner = &mut self.inner;
         let done = py.detach(|| {
@@ -365,9 +361,6 @@ impl Engine {
     /// The continuous-batching loop (see gemma_engine.pyi).
     #[pyo3(signature = (poll, on_events, read_every=1))]
     fn run(&mut self, py: Python<'_>, poll: Py<PyAny>, on_events: Py<PyAny>, read_every: i64) -> PyResult<()> {
-        if read_every < 1 {
-            return Err(PyValueError::new_err(format!("read_every must be >= 1, got {read_every}")));
-        }
         let mut io = PyIo { poll, on_events, failed: None };
         let inner = &mut self.inner;
         let done = py.detach(|| no_grad(|| inner.run(&mut io, read_every)));
@@ -383,7 +376,6 @@ impl Engine {
     /// Raises:
     ///     ValueError: as for decode.
     fn logits<'py>(&mut self, py: Python<'py>, ids: Vec<i64>) -> PyResult<Bound<'py, PyAny>> {
-        self.inner.check_prompt(&ids)?;
         let inner = &mut self.inner;
         let t = py.detach(|| no_grad(|| inner.logits(&ids)))?;
         t.to_python(py)

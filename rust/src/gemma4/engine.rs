@@ -91,8 +91,13 @@ pub struct Event {
 }
 
 impl Event {
+    /// No tokens yet, not ended.
+    fn new(id: u64) -> Event {
+        Event { id, tokens: Vec::new(), logprobs: Vec::new(), finish: None, error: None, timing: Timing::default() }
+    }
+
     fn end(id: u64, finish: Finish, timing: Timing) -> Event {
-        Event { id, tokens: Vec::new(), logprobs: Vec::new(), finish: Some(finish), error: None, timing }
+        Event { finish: Some(finish), timing, ..Event::new(id) }
     }
 }
 
@@ -524,10 +529,15 @@ impl Engine {
             .forward(&mut self.cache, all, &ids, &pos, &row_index, &live, Fill::Partial, Output::Logits)?
             .ok_or_else(|| Error::Internal("a decode step returned no logits".into()))?;
         let chosen = self.sampler.choose(&logits, 0, b)?;
-        let step = live_rows.to_dtype(DType::I64)?;
-        self.sampler.advance(&chosen.tokens, 0, b, if padded { Some(&live_rows) } else { None })?;
         self.next.narrow(0, 0, b)?.copy_(&chosen.tokens)?;
-        positions.copy_(&positions.add(&step)?)?;
+        // Only decoding rows move on; padding rows keep their position and sampling state.
+        if padded {
+            self.sampler.advance(&chosen.tokens, 0, b, Some(&live_rows))?;
+            positions.copy_(&positions.add(&live_rows.to_dtype(DType::I64)?)?)?;
+        } else {
+            self.sampler.advance(&chosen.tokens, 0, b, None)?;
+            positions.add_int_(1)?;
+        }
         drawn.push(Drawn { chosen, rows: rows.to_vec() });
         Ok(())
     }
@@ -558,14 +568,7 @@ impl Engine {
                 if slot.finished.is_some() {
                     continue;
                 }
-                let ev = events[s].get_or_insert_with(|| Event {
-                    id: slot.request.id,
-                    tokens: Vec::new(),
-                    logprobs: Vec::new(),
-                    finish: None,
-                    error: None,
-                    timing: Timing::default(),
-                });
+                let ev = events[s].get_or_insert_with(|| Event::new(slot.request.id));
                 if self.model.cfg.eos_ids.contains(&token) || slot.request.stop_ids.contains(&token) {
                     slot.finished = Some(Finish::Stop);
                     continue;

@@ -171,6 +171,10 @@ pub struct Sampler {
     /// How often each token was generated, float32 `[slots, vocab]`.
     counts: Tensor,
     ones: Tensor,
+    /// Constants of every step, made once: -inf (float32 scalar), and bool `[1, vocab]` true but for the
+    /// last entry (top-p always keeps the largest of a row sorted ascending).
+    ninf: Tensor,
+    not_last: Tensor,
     /// Per slot, the stages its request needs (host).
     flags: Vec<Stages>,
 }
@@ -211,6 +215,8 @@ impl Sampler {
             in_prompt: table(0.0, DType::Bool)?,
             counts: table(0.0, DType::F32)?,
             ones: col(1.0, DType::F32)?,
+            ninf: Tensor::full(&[], f64::NEG_INFINITY, DType::F32, like)?,
+            not_last: Tensor::arange(0, vocab, DType::I64, like)?.lt_scalar((vocab - 1) as f64)?.unsqueeze(0)?,
             flags: vec![Stages::default(); slots as usize],
         })
     }
@@ -337,22 +343,20 @@ impl Sampler {
     /// entries at -inf, and the sort order.
     fn filtered(&self, x: &Tensor, start: i64, n: i64) -> Result<(Tensor, Tensor)> {
         let rows = |t: &Tensor| t.narrow(0, start, n);
-        let ninf = Tensor::full(&[], f64::NEG_INFINITY, DType::F32, x)?;
+        let ninf = &self.ninf;
         let (sorted, order) = x.div(&rows(&self.temperature)?)?.sort(false)?;
         // TopKLogitsWarper: remove values < the k-th largest.
         let kth = sorted.gather(1, &rows(&self.kth)?)?;
-        let sorted = Tensor::where_(&sorted.lt(&kth)?, &ninf, &sorted)?;
+        let sorted = Tensor::where_(&sorted.lt(&kth)?, ninf, &sorted)?;
         // TopPLogitsWarper: remove cumulative probability <= 1 - top_p, always keeping the largest.
         let cum = sorted.softmax(-1)?.cumsum(-1)?;
-        let cut = cum.le(&rows(&self.top_p_cut)?)?.narrow(1, 0, self.vocab - 1)?;
-        let keep_last = Tensor::full(&[n, 1], 0.0, DType::Bool, x)?;
-        let cut = Tensor::cat(&[&cut, &keep_last], 1)?;
-        let sorted = Tensor::where_(&cut, &ninf, &sorted)?;
+        let cut = cum.le(&rows(&self.top_p_cut)?)?.logical_and(&self.not_last)?;
+        let sorted = Tensor::where_(&cut, ninf, &sorted)?;
         // MinPLogitsWarper: remove probabilities < min_p * the largest (which it always keeps).
         let probs = sorted.softmax(-1)?;
         let top = probs.narrow(1, self.vocab - 1, 1)?;
         let cut = probs.lt(&top.mul(&rows(&self.min_p)?)?)?;
-        Ok((Tensor::where_(&cut, &ninf, &sorted)?, order))
+        Ok((Tensor::where_(&cut, ninf, &sorted)?, order))
     }
 
     /// The distribution the draw samples from, in vocabulary order, float32 `[n, vocab]` (for tests:
