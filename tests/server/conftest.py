@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 import uvicorn
 
@@ -103,6 +104,18 @@ def server(chat_checkpoint) -> Iterator[InProcessServer]:  # noqa: F811
 
 
 @pytest.fixture(scope="session")
+def client(server) -> openai.OpenAI:
+    """The openai SDK pointed at the session's server."""
+    return openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def model(server) -> str:
+    """The session server's served model name."""
+    return server.state.config.model_name
+
+
+@pytest.fixture(scope="session")
 def tokenizer(chat_checkpoint):  # noqa: F811
     from transformers import AutoTokenizer
 
@@ -138,23 +151,28 @@ class Spawned:
             pytest.fail(f"server did not exit within {timeout}s; log:\n{self.logs()[-3000:]}")
 
 
+def spawn_server(log_dir: Path, *args: str, env: dict[str, str] | None = None, name: str = "server") -> Spawned:
+    """Start `python -m gemma_server ARGS` on a free loopback port, its output in `log_dir/<name>.log`."""
+    port = free_port()
+    log = log_dir / f"{name}.log"
+    term = log_dir / f"{name}.termination.log"
+    cmd = [sys.executable, "-m", "gemma_server", "--host", "127.0.0.1", "--port", str(port),
+           "--termination-log", str(term), *args]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=full_env, cwd=REPO)
+    return Spawned(proc, f"http://127.0.0.1:{port}", log, term)
+
+
 @pytest.fixture
 def spawn(tmp_path) -> Iterator[Callable[..., Spawned]]:
     """Start `python -m gemma_server ARGS` on a free port; every process is killed at teardown."""
     procs: list[subprocess.Popen] = []
 
     def start(*args: str, env: dict[str, str] | None = None) -> Spawned:
-        port = free_port()
-        n = len(procs)
-        log = tmp_path / f"server{n}.log"
-        term = tmp_path / f"termination{n}.log"
-        cmd = [sys.executable, "-m", "gemma_server", "--host", "127.0.0.1", "--port", str(port),
-               "--termination-log", str(term), *args]
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        with open(log, "w") as f:
-            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=full_env, cwd=REPO)
-        procs.append(proc)
-        return Spawned(proc, f"http://127.0.0.1:{port}", log, term)
+        s = spawn_server(tmp_path, *args, env=env, name=f"server{len(procs)}")
+        procs.append(s.proc)
+        return s
 
     yield start
     for p in procs:

@@ -16,16 +16,6 @@ from tests.server.conftest import CONTEXT, LONG_PROMPT, wait_for
 
 
 @pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(server) -> str:
-    return server.state.config.model_name
-
-
-@pytest.fixture(scope="module")
 def reference(direct_engine, tokenizer):
     """The engine's own greedy reply to CHAT_PROMPT (called directly) and its text."""
     ids = tokenizer.apply_chat_template(CHAT_PROMPT, add_generation_prompt=True, tokenize=False)

@@ -10,7 +10,7 @@ import openai
 import pytest
 import torch
 
-from tests.server.conftest import start_in_process, wait_for
+from tests.server.conftest import start_in_process
 
 PROMPTS = [
     "Write a short paragraph about the ocean.",
@@ -20,16 +20,6 @@ PROMPTS = [
     "Hello",
     "Name three colours.",
 ]
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(server) -> str:
-    return server.state.config.model_name
 
 
 def chat_ids(tokenizer, content: str) -> list[int]:

@@ -1,50 +1,36 @@
 """What one request may hold: every oversized or malformed form gets its 4xx at once, while the event loop
 stays free (a concurrent /live answers within 100 ms of what it takes on an idle server) and the server's
 memory stays bounded; and message text cannot forge a chat turn. The real server runs in its own process
-(so the test's client threads do not share its GIL); the tokenizer is the checkpoint's."""
+(spawn_server: so the test's client threads do not share its GIL); the tokenizer is the checkpoint's."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from gemma_server.protocol import ChatCompletionRequest
 from gemma_server.serving import control_tokens, render_chat
-from tests.server.conftest import CONTEXT, REPO, free_port, get_status, wait_for
+from tests.server.conftest import CONTEXT, Spawned, get_status, spawn_server, wait_for
 
 MB = 1024 * 1024
 
 
-@dataclass
-class Served:
-    base: str
-    pid: int
-
-
 @pytest.fixture(scope="module")
-def small_body_server(chat_checkpoint, tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("limits") / "server.log"
-    cmd = [sys.executable, "-m", "gemma_server", "--model", str(chat_checkpoint), "--host", "127.0.0.1",
-           "--port", str(port), "--use-installed-engine", "--context", str(CONTEXT), "--dtype", "float32",
-           "--default-temperature", "0", "--max-body-bytes", str(1 * MB), "--termination-log", str(log) + ".term"]
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ})
+def small_body_server(chat_checkpoint, tmp_path_factory) -> Iterator[Spawned]:
+    s = spawn_server(tmp_path_factory.mktemp("limits"), "--model", str(chat_checkpoint), "--use-installed-engine",
+                     "--context", str(CONTEXT), "--dtype", "float32", "--default-temperature", "0",
+                     "--max-body-bytes", str(1 * MB))
     try:
-        base = f"http://127.0.0.1:{port}"
-        wait_for(lambda: get_status(base + "/health") == 200, 120, "/health 200")
-        yield Served(base, proc.pid)
+        wait_for(lambda: get_status(s.base + "/health") == 200, 120, "/health 200")
+        yield s
     finally:
-        proc.kill()
-        proc.wait(10)
+        s.proc.kill()
+        s.proc.wait(10)
 
 
 def rss_mb(pid: int) -> float:
@@ -106,13 +92,13 @@ OVERSIZED = {
 def test_an_oversized_body_is_413_before_parsing_and_the_loop_stays_free(small_body_server, name):
     path, body = OVERSIZED[name]
     content = json.dumps(body).encode()
-    before = rss_mb(small_body_server.pid)
+    before = rss_mb(small_body_server.proc.pid)
     noise = idle_live_seconds(small_body_server.base)
     r, seconds, slowest_live = send_while_probing(small_body_server.base, path, content)
     assert r.status_code == 413, r.text[:200]
     assert r.json()["error"]["code"] == 413 and "1048576 bytes" in r.json()["error"]["message"]
     assert slowest_live < 0.1 + noise, f"/live took {slowest_live:.3f}s (idle: {noise:.3f}s) while the body was refused"
-    assert rss_mb(small_body_server.pid) - before < 20
+    assert rss_mb(small_body_server.proc.pid) - before < 20
 
 
 def test_a_chunked_body_is_cut_at_the_limit(small_body_server):
