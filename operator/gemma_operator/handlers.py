@@ -6,7 +6,7 @@ Every handler funnels into `sync`, which has the same shape each time (kopf's ex
 dask-kubernetes' controller):
 
     parse spec -> check problems -> build children (pure) -> adopt -> server-side apply -> observe pods
-    and the Events of those still starting -> read the cached /v1/engine and /v1/models reports
+    and the Events of those still starting -> read the cached /v1/engine reports
     -> compute status (pure) -> patch status -> post transition Events
 
 Triggers:
@@ -216,7 +216,7 @@ def _sync_locked(body: dict[str, Any], meta: builders.Meta, uid: str, k: Kube, l
     port = spec.server.port if spec else 8000
     reports = poller().observe(f"{meta.namespace}/{meta.name}", pods, port)
     obs = status.Observed(generation=generation, replicas=spec.replicas if spec else 0, pods=pods,
-                          engine=reports.engine, models=reports.models, problems=problems,
+                          engine=reports.engine, served_models=reports.served_models, problems=problems,
                           monitoring_requested=requested, monitoring_skipped=skipped, poll_errors=reports.errors,
                           blockers=events.blockers(pods, pod_events), disruption=events.disruption(pods),
                           warnings=builders.spec_warnings(spec) if spec else [])

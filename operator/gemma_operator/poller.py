@@ -1,5 +1,7 @@
-"""Polls each server pod's own HTTP endpoints for the status: `GET /v1/engine` while it boots, `GET /v1/models`
-once it is ready.
+"""Polls each server pod's boot report, `GET /v1/engine`, for the status: every `min_interval` while the pod
+boots, and once when it is ready, for the model id it serves (`served_model_name`). /v1/engine needs no API
+key (gemma_server's app.py), so this works with `spec.server.apiKeySecret` too, and the operator needs no
+Secret.
 
 A pod runs a tenant's code, so whatever it answers is untrusted, and no pod may stall or bloat the operator:
 - every fetch has a total deadline (`FETCH_DEADLINE_SECONDS`, connect + headers + body: aiohttp's
@@ -9,7 +11,7 @@ A pod runs a tenant's code, so whatever it answers is untrusted, and no pod may 
   compressed reply is refused (it could inflate far beyond its size);
 - redirects are refused (a 3xx is a failed fetch) and no proxy from the environment is used, so the
   operator fetches nothing but the pod's own address;
-- only the fields the status shows are kept, each bounded (`keep_engine_fields`, `keep_models_fields`), and
+- only the fields the status shows are kept, each bounded (`keep_engine_fields`, `served_model_of`), and
   the `failed` reason is redacted (`gemma_operator.redact`): a pod holds a few KiB of the operator's memory,
   whatever it sends.
 
@@ -51,7 +53,7 @@ PER_SERVER_FETCHES = 4       # concurrent fetches of one server's pods
 MAX_FETCHES = 64             # concurrent fetches in all
 FORGET_AFTER_SECONDS = 600   # a pod not observed for this long is forgotten
 
-# What is kept of a report (gemma_server's GET /v1/engine and GET /v1/models): bounds on each field.
+# What is kept of a report (gemma_server's GET /v1/engine): bounds on each field.
 MAX_NAME = 32        # stage names and statuses, device names
 MAX_STAGES = 16
 MAX_ENGINES = 64
@@ -122,12 +124,10 @@ def keep_engine_fields(doc: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def keep_models_fields(doc: dict[str, Any]) -> dict[str, Any]:
-    """The served model id of a `/v1/models` reply (the first entry's id, at most 256 characters)."""
-    data = doc.get("data")
-    first = data[0] if isinstance(data, list) and data else None
-    model_id = _text(first.get("id"), MAX_MODEL_ID) if isinstance(first, dict) else None
-    return {"data": [{"id": model_id}]} if model_id else {"data": []}
+def served_model_of(doc: dict[str, Any]) -> str:
+    """The model id a ready pod's `/v1/engine` report names (`served_model_name`, at most 256 characters), or
+    "" when it names none."""
+    return _text(doc.get("served_model_name"), MAX_MODEL_ID) or ""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -188,7 +188,7 @@ def new_session(deadline: float = FETCH_DEADLINE_SECONDS, max_bytes: int = MAX_R
 
 class _Pod(NamedTuple):
     engine: dict[str, Any] | None  # last kept /v1/engine report
-    models: dict[str, Any] | None  # last kept /v1/models report
+    served_model: str | None       # the model id a ready pod's report named
     error: str                     # why the last fetch failed ("" after a success)
     next_try: float
     failures: int
@@ -200,7 +200,7 @@ class _Target(NamedTuple):
 
     uid: str
     base: str    # http://ip:port (or the test override)
-    ready: bool  # Ready pods get /v1/models, booting ones /v1/engine
+    ready: bool  # a Ready pod is polled once, for its model id; a booting one until it is ready
 
 
 class _Job(NamedTuple):
@@ -211,7 +211,7 @@ class _Job(NamedTuple):
 
 class Reports(NamedTuple):
     engine: dict[str, dict[str, Any]]  # pod name -> kept /v1/engine report
-    models: dict[str, dict[str, Any]]  # pod name -> kept /v1/models report
+    served_models: dict[str, str]      # pod name -> the model id its ready report named
     errors: dict[str, str]             # pod name -> why its last fetch failed
 
 
@@ -309,11 +309,10 @@ class PodPoller:
             seen = self._pods.get(target.uid)
             if target.uid in self._inflight or (seen and now < seen.next_try):
                 continue
-            if target.ready and seen and seen.models:
+            if target.ready and seen and seen.served_model is not None:
                 continue  # the served model does not change while the pod lives
             self._inflight.add(target.uid)
-            jobs.append(_Job(target.uid, target.base + ("/v1/models" if target.ready else "/v1/engine"),
-                             target.ready))
+            jobs.append(_Job(target.uid, target.base + "/v1/engine", target.ready))
         return jobs
 
     def _prune(self, now: float) -> None:
@@ -327,17 +326,17 @@ class PodPoller:
             uid = pod.get("metadata", {}).get("uid", "")
             if uid in self._pods:
                 self._pods[uid] = self._pods[uid]._replace(last_seen=now)
-        engine, models, errors = {}, {}, {}
+        engine, served, errors = {}, {}, {}
         for pod in pods:
             meta = pod.get("metadata", {})
             seen, name = self._pods.get(meta.get("uid", "")), meta.get("name", "")
             if seen and seen.engine is not None:
                 engine[name] = seen.engine
-            if seen and seen.models is not None:
-                models[name] = seen.models
+            if seen and seen.served_model is not None:
+                served[name] = seen.served_model
             if seen and seen.error:
                 errors[name] = seen.error
-        return Reports(engine, models, errors)
+        return Reports(engine, served, errors)
 
     def _record(self, job: _Job, result: Fetched) -> bool:
         """Store one fetch's outcome; True when what the status shows of this pod changed."""
@@ -349,12 +348,11 @@ class PodPoller:
                 failures = old.failures + 1
                 wait = min(self.max_backoff, self.min_interval * 2 ** min(failures, 6))
                 new = old._replace(error=result.error, next_try=now + wait, failures=failures, last_seen=now)
-            elif job.ready:
-                new = old._replace(models=keep_models_fields(result.doc), error="", next_try=now + self.min_interval,
-                                   failures=0, last_seen=now)
             else:
                 new = old._replace(engine=keep_engine_fields(result.doc), error="",
                                    next_try=now + self.min_interval, failures=0, last_seen=now)
+                if job.ready:
+                    new = new._replace(served_model=served_model_of(result.doc))
             self._pods[job.uid] = new
             return _milestones(new) != _milestones(old)
 
@@ -405,4 +403,4 @@ def _milestones(pod: _Pod) -> tuple[Any, ...]:
     The running stage's seconds grow at every poll; the periodic resync shows those."""
     engine = pod.engine or {}
     return (engine.get("stage"), engine.get("failed"), len(engine.get("stages") or []),
-            len(engine.get("engines") or []), pod.models, pod.error)
+            len(engine.get("engines") or []), pod.served_model, pod.error)

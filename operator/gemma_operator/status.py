@@ -147,11 +147,6 @@ def engine_stages(engine: dict[str, Any] | None) -> list[dict[str, Any]]:
     return out
 
 
-def served_model(models: dict[str, Any] | None) -> str:
-    data = (models or {}).get("data") or []
-    return str(data[0].get("id", "")) if data and isinstance(data[0], dict) else ""
-
-
 class Observed(NamedTuple):
     """Everything the handlers observed for one custom resource."""
 
@@ -159,7 +154,7 @@ class Observed(NamedTuple):
     replicas: int                         # spec.replicas
     pods: list[dict[str, Any]]            # Pod objects selected by the server's labels
     engine: dict[str, dict[str, Any]]     # pod name -> /v1/engine JSON (booting pods that answered)
-    models: dict[str, dict[str, Any]]     # pod name -> /v1/models JSON (ready pods that answered)
+    served_models: dict[str, str]         # pod name -> the model id its /v1/engine names (ready pods)
     problems: list[Problem]               # spec problems found by the handlers
     monitoring_requested: list[str]       # kinds asked for (PodMonitoring, ServiceMonitor)
     monitoring_skipped: list[tuple[str, str]]  # (kind, why)
@@ -257,7 +252,7 @@ def compute_status(obs: Observed, *, accelerator: str, endpoint: str, selector: 
             entry["stages"] = engine_stages(engine)
             if isinstance(engine.get("engines"), list):
                 entry["engines"] = len(engine["engines"])  # engines in the pod, one per chip
-        model = served_model(obs.models.get(v.name))
+        model = obs.served_models.get(v.name, "")
         if model:
             entry["servedModel"] = model
         pods.append(entry)

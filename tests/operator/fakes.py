@@ -2,8 +2,8 @@
 
 Why a fake: pods on the local control plane are kwok pods with no process and no network, so the operator
 cannot reach a real server at their IP. This stub serves the same JSON documents as gemma_server's
-`GET /v1/engine`, `GET /v1/models`, `/health` and `/live` (shapes from server/gemma_server/app.py: `stage`, `stages` =
-[{stage, status, seconds}], `data` = [{id, max_model_len}]), and the test changes them as the "boot"
+`GET /v1/engine`, `/health` and `/live` (shapes from server/gemma_server/app.py: `stage`, `stages` =
+[{stage, status, seconds}], and once serving `served_model_name`), and the test changes them as the "boot"
 advances. Pods point the operator at it with the test-only annotation `gemmarust.dev/engine-url-for-tests`
 (honoured only when the operator runs with GEMMA_OPERATOR_TEST_ENGINE_URLS=1).
 
@@ -21,12 +21,11 @@ from typing import Any
 
 
 class FakeEngineEndpoint:
-    """Serve mutable JSON for /v1/engine and /v1/models on 127.0.0.1:<free port>; records request paths."""
+    """Serve mutable JSON for /v1/engine on 127.0.0.1:<free port>; records request paths."""
 
     def __init__(self) -> None:
         self.engine: dict[str, Any] = {"stage": "build", "stages": [{"stage": "build", "status": "running",
                                                                      "seconds": 0.0}]}
-        self.models: dict[str, Any] | None = None
         self.requests: list[str] = []
         self.mode = "json"
         self.trickle_seconds = 0.2
@@ -45,10 +44,8 @@ class FakeEngineEndpoint:
                 body, code = None, 404
                 if self.path == "/v1/engine":
                     body, code = fake.engine, 200
-                elif self.path == "/v1/models" and fake.models is not None:
-                    body, code = fake.models, 200
                 elif self.path == "/health":
-                    ready = fake.models is not None
+                    ready = fake.engine.get("stage") == "serving"
                     body, code = ({"status": "ok"}, 200) if ready else ({"error": {"message": "booting"}}, 503)
                 elif self.path == "/live":
                     body, code = {"status": "alive"}, 200
@@ -123,6 +120,11 @@ class FakeEngineEndpoint:
         stages = [{"stage": s, "status": "ok", "seconds": secs} for s, secs in done.items()]
         stages.append({"stage": stage, "status": "running", "seconds": 0.5})
         self.engine = {"stage": stage, "stages": stages}
+
+    def serve(self, model_id: str) -> None:
+        """Report a finished boot that serves `model_id`."""
+        done = [{"stage": s, "status": "ok", "seconds": 1.0} for s in ("build", "import", "smoke", "weights", "warmup")]
+        self.engine = {"stage": "serving", "stages": done, "served_model_name": model_id}
 
 
 class FakeKubelet:

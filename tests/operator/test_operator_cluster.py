@@ -285,7 +285,7 @@ def test_engine_boot_stages_reach_the_status(kube, ns, operator):
 
 def test_ready_pod_reports_its_served_model(kube, ns, operator):
     with FakeEngineEndpoint() as fake:
-        fake.models = {"object": "list", "data": [{"id": "gemma-4-e2b-it", "max_model_len": 8192}]}
+        fake.serve("gemma-4-e2b-it")
         create(kube, ns, "served", {"model": model(), "accelerator": CPU,
                                     "podAnnotations": {TEST_URL_ANNOTATION: fake.url}})
         obj = wait_for(lambda: (lambda o: o if status_of(o).get("servedModel") else None)(get(kube, ns, "served")),

@@ -2,7 +2,8 @@
 
 kwok pods have no process, so the server runs on loopback and the pod points the operator's poller at it
 with the test-only annotation `gemmarust.dev/engine-url-for-tests`. This checks the operator against the
-server's actual /v1/engine and /v1/models documents, not a copy of their shape.
+server's actual /v1/engine document, not a copy of its shape. The server runs with an API key, as one made
+with `spec.server.apiKeySecret` does: the operator holds no Secret and must not need it.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 
 import pytest
@@ -21,6 +23,8 @@ from tests.cluster.controlplane import BOOT_ANNOTATION
 from .harness import ROOT, create, get, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+API_KEY = "test-key-the-operator-never-sees"
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +39,7 @@ def real_server(chat_checkpoint, tmp_path_factory):  # chat_checkpoint: tests/ch
            "--served-model-name", "gemma-tiny", "--termination-log", str(d / "termination.log")]
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", "GEMMA_API_KEY": API_KEY})
     url = f"http://127.0.0.1:{port}"
 
     def healthy():
@@ -73,7 +77,10 @@ def test_real_server_boot_stages_reach_the_status(kube, ns, operator, real_serve
 def test_real_server_served_model_reaches_the_status(kube, ns, operator, real_server):
     create(kube, ns, "real-ready", {"model": {"source": "hf://google/gemma-4-e2b-it"}, "accelerator": {"type": "cpu"},
                                     "podAnnotations": {TEST_URL_ANNOTATION: real_server}})
-    obj = wait_for(lambda: (lambda o: o if (o.get("status") or {}).get("servedModel") else None)(
-        get(kube, ns, "real-ready")), what="servedModel from the real /v1/models", diagnose=operator.tail)
+    obj = wait_for(lambda: o if (o := get(kube, ns, "real-ready")).get("status", {}).get("servedModel") else None,
+                   what="servedModel from the real /v1/engine", diagnose=operator.tail)
     assert obj["status"]["servedModel"] == "gemma-tiny"
+    with pytest.raises(urllib.error.HTTPError) as refused:  # the API itself is closed without the key
+        urllib.request.urlopen(real_server + "/v1/models", timeout=5)
+    assert refused.value.code == 401
     assert obj["status"]["phase"] == "Ready"

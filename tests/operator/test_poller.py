@@ -64,20 +64,20 @@ def reported(poller, server, pods, port=8000, what="engine"):
 # ------------------------------------------------------------------------------------------- well-behaved pods
 
 
-def test_booting_pod_reports_engine_and_ready_pod_reports_models(make_poller):
+def test_booting_pod_reports_its_stage_and_ready_pod_its_model_once(make_poller):
     with FakeEngineEndpoint() as fake:
         fake.boot_to("weights", {"build": 41.5, "import": 0.4, "smoke": 2.0})
         poller = make_poller(min_interval=0.0)
         reports = reported(poller, "ns/g", [running_pod("p", url=fake.url)])
         assert reports.engine["p"]["stage"] == "weights"
         assert [s["stage"] for s in reports.engine["p"]["stages"]] == ["build", "import", "smoke", "weights"]
-        assert reports.models == {} and reports.errors == {}
-        fake.models = {"object": "list", "data": [{"id": "gemma-4", "max_model_len": 8192}]}
+        assert reports.served_models == {} and reports.errors == {}
+        fake.serve("gemma-4")
         ready = running_pod("p", ready=True, url=fake.url)
-        reports = reported(poller, "ns/g", [ready], what="models")
-        assert reports.models["p"] == {"data": [{"id": "gemma-4"}]}
-        assert reports.engine["p"]["stage"] == "weights"  # the last boot report is kept
-        assert fake.requests[0] == "/v1/engine" and "/v1/models" in fake.requests
+        reports = reported(poller, "ns/g", [ready], what="served_models")
+        assert reports.served_models["p"] == "gemma-4"
+        assert reports.engine["p"]["stage"] == "serving"
+        assert set(fake.requests) == {"/v1/engine"}
         wait_for(lambda: not poller.in_flight(), what="no fetch in flight")
         seen = len(fake.requests)
         poller.observe("ns/g", [ready], 8000)
@@ -253,5 +253,6 @@ def test_a_real_shaped_report_keeps_what_the_status_shows():
     assert p.keep_engine_fields(doc) == {
         "stage": "serving", "stages": [{"stage": "build", "status": "ok", "seconds": 2.0}],
         "engines": [{"index": 0, "device": "tpu:0", "max_batch": 4, "active": 0}]}
-    assert p.keep_models_fields({"data": [{"id": "m" * 1000, "root": "/models/x"}]}) == {"data": [{"id": "m" * 256}]}
-    assert p.keep_models_fields({"data": "nope"}) == {"data": []}
+    assert p.served_model_of({**doc, "served_model_name": "m" * 1000}) == "m" * 256
+    assert p.served_model_of({**doc, "served_model_name": ["nope"]}) == ""
+    assert p.served_model_of(doc) == ""

@@ -70,7 +70,7 @@ def test_termination_message_and_boot_failure_reach_the_status_redacted():
                "status": {"phase": "Running", "conditions": [{"type": "PodScheduled", "status": "True"}],
                           "containerStatuses": [{"name": "server", "state": {"running": {"startedAt": "t"}}}]}}
     obs = status.Observed(generation=1, replicas=2, pods=[crashed, booting],
-                          engine={"g-2": {"stage": "smoke", "failed": f"env: HF_TOKEN={HF_TOKEN}"}}, models={},
+                          engine={"g-2": {"stage": "smoke", "failed": f"env: HF_TOKEN={HF_TOKEN}"}}, served_models={},
                           problems=[], monitoring_requested=[], monitoring_skipped=[])
     out = status.compute_status(obs, accelerator="cpu", endpoint="", selector="")
     assert HF_TOKEN not in json.dumps(out)

@@ -33,9 +33,10 @@ def pod(name="g-1", *, node="v5e-2x2-a", scheduled=True, schedule_message="", ru
                        **({"containerStatuses": [cs]} if scheduled else {})}}
 
 
-def observe(pods=(), *, replicas=1, engine=None, models=None, problems=(), requested=(), skipped=(), blockers=None,
-            disruption=None, warnings=(), poll_errors=None):
-    return st.Observed(generation=3, replicas=replicas, pods=list(pods), engine=engine or {}, models=models or {},
+def observe(pods=(), *, replicas=1, engine=None, served_models=None, problems=(), requested=(), skipped=(),
+            blockers=None, disruption=None, warnings=(), poll_errors=None):
+    return st.Observed(generation=3, replicas=replicas, pods=list(pods), engine=engine or {},
+                       served_models=served_models or {},
                        problems=list(problems), monitoring_requested=list(requested),
                        monitoring_skipped=list(skipped), blockers=blockers or {}, disruption=disruption,
                        warnings=list(warnings), poll_errors=poll_errors or {})
@@ -119,7 +120,7 @@ def test_least_advanced_booting_pod_sets_the_phase():
 
 
 def test_all_ready_is_ready_with_served_model():
-    s = compute(observe([pod(ready=True)], models={"g-1": {"object": "list", "data": [{"id": "gemma-4"}]}}))
+    s = compute(observe([pod(ready=True)], served_models={"g-1": "gemma-4"}))
     assert s["phase"] == "Ready"
     assert s["servedModel"] == "gemma-4"
     assert s["readyText"] == "1/1"
