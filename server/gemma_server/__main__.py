@@ -6,6 +6,9 @@ SIGTERM/SIGINT starts the app's drain (app.ServerState.drain) and only the drain
 `timeout_graceful_shutdown` is the backstop for connections still open after that. A second SIGINT
 forces the exit, as in uvicorn. The exit status is 1 when a boot stage failed (the reason is in the
 termination-message file), else 0.
+
+Connections: a request must be all in within `--request-read-timeout` (connections.py, against slowloris),
+and at `--max-connections` open connections uvicorn answers new requests with its own plain-text 503.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import uvicorn
 
 from gemma_server.app import create_app
 from gemma_server.config import parse_config
+from gemma_server.connections import ReceiptDeadlineProtocol
 
 
 class DrainingServer(uvicorn.Server):
@@ -52,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     state = app.state.server
     server = DrainingServer(
         uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                       timeout_graceful_shutdown=5, access_log=False),
+                       timeout_graceful_shutdown=5, access_log=False,
+                       http=ReceiptDeadlineProtocol.with_deadline(config.request_read_timeout),
+                       limit_concurrency=config.max_connections),
         state,
     )
 

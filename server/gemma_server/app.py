@@ -8,8 +8,12 @@ means), serving.py (tokens -> responses) and scheduler.py (the queue and the eng
 Every error is `{"error": {...}}` (errors.py); FastAPI's 422 for a malformed body becomes 400 naming
 the field, as vLLM's `validation_exception_handler` does.
 
-With `--api-key` every /v1 route needs `Authorization: Bearer <key>` (compared in constant time), as
-vLLM's `--api-key`; /health, /ping, /live, /metrics and / stay open for probes and scrapers.
+With `--api-key` the API routes (/v1/chat/completions, /v1/completions, /v1/models) need `Authorization:
+Bearer <key>` (compared in constant time), as vLLM's `--api-key`; /metrics needs it with
+`--metrics-need-key`. /health, /ping, /live, /version and / stay open for probes, and so does the boot
+report /v1/engine: the operator reads it for the custom resource's status, and the operator holds no
+Secrets. No route shows a filesystem path (the checkpoint directory, the engine module) unless
+`--expose-paths` says so.
 
 Shutdown (vLLM's --shutdown-timeout): on SIGTERM /health turns 503
 and new requests get 503; queued and running requests get `--shutdown-timeout` seconds to finish;
@@ -233,6 +237,12 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
     return JSONResponse(error_body(400, message, param), status_code=400)
 
 
+def shown_source(config: Config) -> str | None:
+    """The checkpoint source as /v1/models (`root`) and /v1/engine (`model`) show it: an hf:// or gs:// name
+    always, a local directory only with --expose-paths."""
+    return config.model if config.expose_paths or "://" in config.model else None
+
+
 def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
     """Build the app. The engine thread (and its boot) starts with the app's lifespan.
 
@@ -329,7 +339,7 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         state.check_api_key(request)
-        card = ModelCard(id=config.model_name, root=config.model, max_model_len=config.context)
+        card = ModelCard(id=config.model_name, root=shown_source(config), max_model_len=config.context)
         return ModelList(data=[card]).model_dump()
 
     @app.get("/health")
@@ -349,13 +359,15 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
         return JSONResponse({"status": "alive"})
 
     @app.get("/v1/engine")
-    async def engine_info(request: Request) -> dict[str, Any]:
-        state.check_api_key(request)
+    async def engine_info() -> dict[str, Any]:
         info = state.boot.state.as_json()
+        if not config.expose_paths:
+            info.pop("model_dir", None)
+            info["build"].pop("module", None)
         s = state.scheduler
         workers = state.boot.loaded.workers if state.boot.loaded else []
         info.update(
-            model=config.model, served_model_name=config.model_name, read_every=config.read_every,
+            model=shown_source(config), served_model_name=config.model_name, read_every=config.read_every,
             queue_limit=config.queue_limit, max_num_seqs=config.max_num_seqs, ready=state.not_ready_reason() is None,
             draining=state.draining, engine_error=s.dead, engines=[w.describe() for w in workers],
             engine_class=type(workers[0].engine).__qualname__ if workers and workers[0].engine is not None else None,
@@ -369,8 +381,11 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
         return {"version": __version__, "engine": state.boot.state.build.get("version")}
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
+
+        if config.metrics_need_key:
+            state.check_api_key(request)
 
         return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 

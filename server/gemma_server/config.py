@@ -88,12 +88,21 @@ class Config:
     port: int = setting(8000, "GEMMA_PORT", "listen port", minimum=1)
     max_body_bytes: int = setting(4 * 1024 * 1024, "GEMMA_MAX_BODY_BYTES", "largest request body; a larger one is "
                                   "a 413 before it is parsed", minimum=1)
+    request_read_timeout: float = setting(20.0, "GEMMA_REQUEST_READ_TIMEOUT", "seconds a client has to send a "
+                                          "whole request (headers and body) after it connects or its previous "
+                                          "reply ends; then the connection is closed (slowloris)", minimum=0.5)
+    max_connections: int = setting(512, "GEMMA_MAX_CONNECTIONS", "open connections, or requests in flight, at "
+                                   "which a new request gets uvicorn's 503", minimum=1)
     queue_limit: int = setting(32, "GEMMA_QUEUE_LIMIT", "requests admitted but not yet in an engine's slot; more "
                                "get 429", minimum=1)
     shutdown_timeout: float = setting(30.0, "GEMMA_SHUTDOWN_TIMEOUT", "seconds queued and running requests get "
                                       "to finish after SIGTERM", minimum=0)
     api_key: str | None = setting(None, "GEMMA_API_KEY", "when set, every /v1 route needs `Authorization: Bearer "
                                   "<key>` (prefer the variable: a flag shows in ps)", flag_type=str)
+    metrics_need_key: bool = setting(False, "GEMMA_METRICS_NEED_KEY", "with --api-key, /metrics needs the key "
+                                     "too (the scraper then sends it as a bearer token)")
+    expose_paths: bool = setting(False, "GEMMA_EXPOSE_PATHS", "show filesystem paths (checkpoint directory, "
+                                 "engine module) in /v1/models and /v1/engine, for debugging")
     build_cache: str = setting(_cache_default("engine-builds"), "GEMMA_BUILD_CACHE", "directory of engine builds "
                                "keyed by source hash, torch and python; mount a volume here so a restart skips "
                                "the compile", flag_type=str)

@@ -276,6 +276,9 @@ def test_health_live_and_engine_report_after_boot(server):
     assert httpx.get(server.base + "/live").status_code == 200
     info = httpx.get(server.base + "/v1/engine").json()
     assert info["stage"] == "serving"
+    # A local checkpoint's directory and the engine module's file stay private without --expose-paths.
+    assert info["model"] is None and "model_dir" not in info and "module" not in info["build"]
+    assert httpx.get(server.base + "/v1/models").json()["data"][0]["root"] is None
     assert [(s["stage"], s["status"]) for s in info["stages"]] == [
         ("build", "skipped"), ("import", "ok"), ("smoke", "ok"), ("weights", "ok"), ("warmup", "ok"),
         ("serving", "running")]

@@ -141,7 +141,7 @@ def test_two_engines_on_the_cpu_share_the_requests(chat_checkpoint, direct_engin
         s.stop()
 
 
-def test_api_key_guards_the_api_and_leaves_probes_open(chat_checkpoint):
+def test_api_key_guards_the_api_and_leaves_probes_and_the_boot_report_open(chat_checkpoint):
     s = start_in_process(chat_checkpoint, "--api-key", "sesame", "--default-temperature", "0")
     try:
         r = httpx.post(s.base + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
@@ -150,7 +150,25 @@ def test_api_key_guards_the_api_and_leaves_probes_open(chat_checkpoint):
         assert httpx.get(s.base + "/v1/models", headers={"Authorization": "Bearer nope"}).status_code == 401
         client = openai.OpenAI(base_url=s.base + "/v1", api_key="sesame", max_retries=0)
         assert client.models.list().data[0].id == s.state.config.model_name
-        for path in ("/health", "/live", "/metrics"):
+        for path in ("/health", "/live", "/metrics", "/version"):
             assert httpx.get(s.base + path).status_code == 200, path
+        # The operator holds no Secrets: it reads the boot report and the served model id without the key.
+        report = httpx.get(s.base + "/v1/engine").json()
+        assert report["stage"] == "serving" and report["served_model_name"] == s.state.config.model_name
+    finally:
+        s.stop()
+
+
+def test_metrics_can_need_the_key_and_paths_show_only_when_asked(chat_checkpoint):
+    s = start_in_process(chat_checkpoint, "--api-key", "sesame", "--metrics-need-key", "--expose-paths")
+    try:
+        assert httpx.get(s.base + "/metrics").status_code == 401
+        metrics = httpx.get(s.base + "/metrics", headers={"Authorization": "Bearer sesame"})
+        assert metrics.status_code == 200 and "gemma_num_requests_running" in metrics.text
+        models = httpx.get(s.base + "/v1/models", headers={"Authorization": "Bearer sesame"}).json()
+        assert models["data"][0]["root"] == str(chat_checkpoint)
+        report = httpx.get(s.base + "/v1/engine").json()
+        assert report["model"] == str(chat_checkpoint) and report["model_dir"] == str(chat_checkpoint)
+        assert report["build"]["module"].endswith((".py", ".so"))
     finally:
         s.stop()

@@ -27,7 +27,8 @@ def test_health_is_503_until_warmup_then_200(spawn, chat_checkpoint, tmp_path):
     # look at a booting server for as long as it likes, then "mount" the bucket.
     gcs = tmp_path / "gcs"
     gcs.mkdir()
-    s = spawn("--model", "gs://bucket/chat", "--gcs-root", str(gcs), "--use-installed-engine", *COMMON)
+    s = spawn("--model", "gs://bucket/chat", "--gcs-root", str(gcs), "--use-installed-engine", "--expose-paths",
+              *COMMON)
     wait_for(lambda: get_status(s.base + "/live") == 200, 60, "the port to answer")
     wait_for(lambda: engine_info(s.base)["stage"] == "weights", 120, "the weights stage")
     r = httpx.get(s.base + "/health")
@@ -145,7 +146,7 @@ def cargo_target_dir() -> str:
 @pytest.mark.slow
 def test_a_restart_with_a_warm_build_cache_skips_the_compile(spawn, chat_checkpoint, tmp_path):
     cache = tmp_path / "builds"
-    env = {"GEMMA_BUILD_CACHE": str(cache), "CARGO_TARGET_DIR": cargo_target_dir()}
+    env = {"GEMMA_BUILD_CACHE": str(cache), "CARGO_TARGET_DIR": cargo_target_dir(), "GEMMA_EXPOSE_PATHS": "1"}
     args = ["--model", str(chat_checkpoint), *COMMON]
 
     cold = spawn(*args, env=env)
