@@ -1,11 +1,13 @@
 """What one request may hold: every oversized or malformed form gets its 4xx at once, while the event loop
 stays free (a concurrent /live answers within 100 ms of what it takes on an idle server) and the server's
-memory stays bounded; and message text cannot forge a chat turn. The real server runs in its own process
-(spawn_server: so the test's client threads do not share its GIL); the tokenizer is the checkpoint's."""
+memory stays bounded; a connection that sends its request too slowly is closed at the read deadline; and
+message text cannot forge a chat turn. The real server runs in its own process (spawn_server: so the test's
+client threads do not share its GIL); the tokenizer is the checkpoint's."""
 
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -18,13 +20,14 @@ from gemma_server.serving import control_tokens, render_chat
 from tests.server.conftest import CONTEXT, Spawned, get_status, spawn_server, wait_for
 
 MB = 1024 * 1024
+READ_TIMEOUT = 2.0  # seconds: the module server's --request-read-timeout
 
 
 @pytest.fixture(scope="module")
 def small_body_server(chat_checkpoint, tmp_path_factory) -> Iterator[Spawned]:
     s = spawn_server(tmp_path_factory.mktemp("limits"), "--model", str(chat_checkpoint), "--use-installed-engine",
                      "--context", str(CONTEXT), "--dtype", "float32", "--default-temperature", "0",
-                     "--max-body-bytes", str(1 * MB))
+                     "--max-body-bytes", str(1 * MB), "--request-read-timeout", str(READ_TIMEOUT))
     try:
         wait_for(lambda: get_status(s.base + "/health") == 200, 120, "/health 200")
         yield s
@@ -109,6 +112,71 @@ def test_a_chunked_body_is_cut_at_the_limit(small_body_server):
     r = httpx.post(small_body_server.base + "/v1/completions", content=chunks(),
                    headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 413
+
+
+def open_slow_connections(base: str, partial: int, trickling: int) -> list[socket.socket]:
+    """`partial` connections that send part of a request and stop, and `trickling` ones whose bytes the
+    caller keeps sending one at a time (slowloris)."""
+    host, port = base.removeprefix("http://").split(":")
+    socks = []
+    for i in range(partial + trickling):
+        s = socket.create_connection((host, int(port)), timeout=10)
+        if i % 2:  # headers whole, body short of its Content-Length
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
+        else:  # headers unfinished
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        socks.append(s)
+    return socks
+
+
+def closed_by_server(s: socket.socket, deadline: float) -> bool:
+    """True once the server closed `s` (EOF or reset) before `deadline` (monotonic seconds)."""
+    try:
+        s.settimeout(max(0.01, deadline - time.monotonic()))
+        while s.recv(4096):
+            pass  # a reply (uvicorn may answer before closing) is read through to the close
+        return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except socket.timeout:
+        return False
+
+
+def test_slow_connections_are_closed_at_the_read_deadline_while_the_server_serves(small_body_server):
+    base = small_body_server.base
+    noise = idle_live_seconds(base)
+    before = rss_mb(small_body_server.proc.pid)
+    t0 = time.monotonic()
+    socks = open_slow_connections(base, partial=200, trickling=20)
+    trickled, stop = socks[200:], threading.Event()
+    assert not closed_by_server(socks[0], time.monotonic() + 0.5)  # open until its deadline, not refused at once
+
+    def trickle() -> None:  # a byte every 0.2 s on each: bytes must not reset the deadline
+        while not stop.wait(0.2):
+            for s in trickled:
+                try:
+                    s.send(b"x")
+                except OSError:
+                    pass
+    feeder = threading.Thread(target=trickle, daemon=True)
+    feeder.start()
+    try:
+        # Meanwhile the server answers probes at once and serves a whole request.
+        r, _, slowest_live = send_while_probing(base, "/v1/completions", json.dumps(
+            {"prompt": "Hello", "max_tokens": 2}).encode())
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        assert slowest_live < 0.1 + noise, f"/live took {slowest_live:.3f}s (idle: {noise:.3f}s) beside slow ones"
+        # Every slow connection is closed by the server, none long after the 2 s read deadline.
+        deadline = t0 + READ_TIMEOUT + 5
+        still_open = [i for i, s in enumerate(socks) if not closed_by_server(s, deadline)]
+        assert not still_open, f"{len(still_open)} of {len(socks)} still open after {deadline - t0:.0f}s"
+    finally:
+        stop.set()
+        feeder.join(5)
+        for s in socks:
+            s.close()
+    assert rss_mb(small_body_server.proc.pid) - before < 20
 
 
 CAPPED = [
