@@ -210,8 +210,9 @@ def _sync_locked(body: dict[str, Any], meta: builders.Meta, uid: str, k: Kube, l
                 try:
                     k.apply(builders.adopt(obj, body))
                 except ApiError as e:
+                    row = builders.OPTIONAL_BY_KIND.get(obj["kind"])
                     failure = status.classify_apply_error(obj, e.status, e.message,
-                                                          optional=obj["kind"] in builders.OPTIONAL_BY_KIND)
+                                                          missing=row.missing() if row else None)
                     if failure.skipped:
                         k.forget(obj["apiVersion"])
                         skipped.append(failure.skipped)

@@ -67,18 +67,20 @@ class ApplyFailure(NamedTuple):
     # both None: transient trouble, worth a retry
 
 
-def classify_apply_error(obj: dict[str, Any], http_status: int, message: str, *, optional: bool) -> ApplyFailure:
+def classify_apply_error(obj: dict[str, Any], http_status: int, message: str, *,
+                         missing: str | None) -> ApplyFailure:
     """Turn an apply's HTTP error into a skip, a problem, or neither (retry) (pure).
 
     Args:
         obj: the object that was applied.
         http_status: the API server's status code.
         message: its message.
-        optional: whether the object's kind is one of builders.OPTIONAL_KINDS.
+        missing: for an optional kind (builders.OPTIONAL_KINDS), why it is skipped when its API is not
+            served (OptionalKind.missing()); None for the kinds every cluster serves.
     """
-    if http_status in (404, 405) and optional:
+    if http_status in (404, 405) and missing:
         # Its CRD went away (or is being deleted) since discovery was cached.
-        return ApplyFailure((obj["kind"], f"{obj['apiVersion']} is no longer served by this cluster"), None)
+        return ApplyFailure((obj["kind"], missing), None)
     if http_status in (400, 403, 422):
         return ApplyFailure(None, Problem("ApplyRejected", f"{obj['kind']} {obj['metadata']['name']}: {message}",
                                           fatal=False))
