@@ -292,7 +292,7 @@ CEL_RULES: dict[type[_Model], list[dict[str, str]]] = {
     AutoscalingSpec: [
         _cel("self.minReplicas <= self.maxReplicas",
              "spec.autoscaling.minReplicas must not exceed spec.autoscaling.maxReplicas", ".minReplicas"),
-        _cel("self.provider != 'KEDA' || has(self.prometheus.serverAddress)",
+        _cel("self.provider != 'KEDA' || (has(self.prometheus) && has(self.prometheus.serverAddress))",
              "spec.autoscaling.provider KEDA queries Prometheus: set spec.autoscaling.prometheus.serverAddress, "
              "or use provider HPA", ".prometheus"),
         _cel("self.metric != 'kvCacheUsage' || self.target <= 1.0",
@@ -300,7 +300,8 @@ CEL_RULES: dict[type[_Model], list[dict[str, str]]] = {
              ".target"),
     ],
     GatewaySpec: [
-        _cel("!self.inferencePool || has(self.endpointPicker)",
+        # has(): the API server also checks this rule against the field's default, {}, before defaulting.
+        _cel("!has(self.inferencePool) || !self.inferencePool || has(self.endpointPicker)",
              "spec.gateway.inferencePool names an endpoint picker: set spec.gateway.endpointPicker.name "
              "(the picker's Service)", ".endpointPicker"),
     ],
