@@ -583,8 +583,8 @@ def build_inference_pool(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any
     obj = _object("inference.networking.k8s.io/v1", "InferencePool", meta.name, meta)
     obj["spec"] = {"selector": {"matchLabels": selector_labels(meta)},
                    "targetPorts": [{"number": spec.server.port}],
-                   "endpointPickerRef": {"name": picker.name, "kind": "Service", "port": {"number": picker.port},
-                                         "failureMode": picker.failure_mode}}
+                   "endpointPickerRef": {"name": picker.name, "group": "", "kind": "Service",
+                                         "port": {"number": picker.port}, "failureMode": picker.failure_mode}}
     return obj
 
 
@@ -657,6 +657,9 @@ class Children(NamedTuple):
     absent: list[tuple[str, str, str]]   # (apiVersion, kind, name) that must not exist
     skipped: list[tuple[str, str]]       # (kind, why) optional children asked for but not created
     optional: dict[str, list[str]] = {}  # condition -> kinds asked for (created or skipped)
+    # (apiVersion, kind, name) of a fallback whose primary kind is now built (an HPA once KEDA's
+    # ScaledObject is): deleted on every sync, not only when the spec changes, since both would drive replicas
+    replaced: list[tuple[str, str, str]] = []
 
 
 def build_children(spec: GemmaRustServerSpec, meta: Meta, available: frozenset[str]) -> Children:
@@ -668,8 +671,8 @@ def build_children(spec: GemmaRustServerSpec, meta: Meta, available: frozenset[s
         available: apiVersions (e.g. "monitoring.googleapis.com/v1") the cluster serves, among those in
             OPTIONAL_KINDS.
     Returns:
-        Children: what to apply, what to delete if present, what was skipped (with why), and which optional
-        kinds each condition reports on.
+        Children: what to apply, what to delete if present (`absent` when the spec changes, `replaced`
+        always), what was skipped (with why), and which optional kinds each condition reports on.
     """
     apply: list[dict[str, Any]] = []
     absent: list[tuple[str, str, str]] = []
@@ -681,12 +684,13 @@ def build_children(spec: GemmaRustServerSpec, meta: Meta, available: frozenset[s
     apply += [build_deployment(spec, meta), build_service(spec, meta)]
     pdb = build_pdb(spec, meta)
     apply.append(pdb) if pdb else absent.append(("policy/v1", "PodDisruptionBudget", meta.name))
+    replaced: list[tuple[str, str, str]] = []
     built: set[str] = set()
     for row in OPTIONAL_KINDS:
-        on = row.wanted(spec) and not (row.fallback_for and row.fallback_for in built)
-        if not on:
+        stood_in = bool(row.fallback_for and row.fallback_for in built)
+        if not row.wanted(spec) or stood_in:
             if row.api_version in available:
-                absent.append((row.api_version, row.kind, meta.name))
+                (replaced if stood_in else absent).append((row.api_version, row.kind, meta.name))
             continue
         if row.api_version in available:
             apply.append(row.builder(spec, meta))
@@ -695,7 +699,7 @@ def build_children(spec: GemmaRustServerSpec, meta: Meta, available: frozenset[s
         elif not any(alt.fallback_for == row.kind and alt.wanted(spec) for alt in OPTIONAL_KINDS):
             skipped.append((row.kind, row.missing()))
             optional.setdefault(row.condition, []).append(row.kind)
-    return Children(apply, absent, skipped, optional)
+    return Children(apply, absent, skipped, optional, replaced)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -220,10 +220,9 @@ def _sync_locked(body: dict[str, Any], meta: builders.Meta, uid: str, k: Kube, l
                         problems.append(failure.problem)
                     else:
                         raise
-            if prune:
-                for api_version, kind, name in children.absent:
-                    if k.delete_if_present(api_version, kind, meta.namespace, name):
-                        logger.info("deleted %s %s: no longer asked for", kind, name)
+            for api_version, kind, name in children.replaced + (children.absent if prune else []):
+                if k.delete_if_present(api_version, kind, meta.namespace, name):
+                    logger.info("deleted %s %s: no longer asked for", kind, name)
     pods = k.list_pods(meta.namespace, builders.selector_string(meta))
     pod_events = [e for p in events.pods_to_explain(pods) for e in k.pod_events(meta.namespace, p["metadata"]["uid"])]
     port = spec.server.port if spec else 8000

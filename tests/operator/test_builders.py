@@ -421,7 +421,7 @@ def test_inference_pool_selects_the_pods_on_the_server_port_and_names_the_picker
         "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
         "metadata": {"name": "gemma", "namespace": "serving", "labels": LABELS},
         "spec": {"selector": {"matchLabels": SELECTOR}, "targetPorts": [{"number": 9000}],
-                 "endpointPickerRef": {"name": "epp", "kind": "Service", "port": {"number": 9002},
+                 "endpointPickerRef": {"name": "epp", "group": "", "kind": "Service", "port": {"number": 9002},
                                        "failureMode": "FailClose"}},
     }
 
@@ -434,7 +434,10 @@ def test_keda_is_chosen_when_served_and_given_an_address_and_our_hpa_is_pruned()
     spec = scaling(prometheus={"serverAddress": "http://p:9090"})
     kids = b.build_children(spec, META, EVERYTHING)
     assert kinds(kids)[-1] == "ScaledObject"
-    assert ("autoscaling/v2", "HorizontalPodAutoscaler", "gemma") in kids.absent
+    # Replaced, not merely absent: deleted on every sync, since an HPA left from before KEDA's CRD appeared
+    # would drive the replicas beside KEDA's own.
+    assert kids.replaced == [("autoscaling/v2", "HorizontalPodAutoscaler", "gemma")]
+    assert ("autoscaling/v2", "HorizontalPodAutoscaler", "gemma") not in kids.absent
     assert kids.optional == {"ScalingActive": ["ScaledObject"]} and kids.skipped == []
 
 

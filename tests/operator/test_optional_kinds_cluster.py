@@ -93,7 +93,9 @@ def test_scaled_object_is_accepted_by_kedas_crd_updated_with_the_spec_and_delete
     so = wait_for(lambda: get_child(kube, "keda.sh/v1alpha1", "ScaledObject", ns, "keda"),
                   what="the ScaledObject", diagnose=operator.tail)
     assert so["spec"] == builders.build_scaled_object(parse_spec(spec), builders.Meta("keda", ns))["spec"]
-    assert get_child(kube, "autoscaling/v2", "HorizontalPodAutoscaler", ns, "keda") is None
+    # An HPA made while discovery had not yet seen KEDA's CRD goes once the ScaledObject is made.
+    wait_for(gone(kube, "autoscaling/v2", "HorizontalPodAutoscaler", ns, "keda"), what="no HPA of our own beside KEDA",
+             diagnose=operator.tail)
     # No KEDA operator runs here, so no keda-hpa-keda reports: the condition says which object drives, and waits.
     obj = wait_cond(kube, ns, "keda", "ScalingActive", "Unknown", operator, reason="WaitingForAutoscaler")
     assert condition(obj, "ScalingActive")["message"].startswith("ScaledObject keda drives the replicas")
