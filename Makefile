@@ -6,6 +6,7 @@
 #   $(CACHE)/uv-cache            wheels (torch is ~3 GB; a warm install is hard links)
 #   $(CACHE)/cargo/<key>         the engine's cargo target dir, per torch and python
 #   $(CACHE)/k8s-<version>       local control plane binaries (tests/cluster/)
+#   $(CACHE)/crds/<module>-<ver> third-party CRDs the tests install (KEDA, the inference extension)
 #   $(CACHE)/base-images         Debian root filesystems for local stand-ins of the images' bases
 #                                (tests/images/base_images.py), keyed by recipe
 
@@ -40,7 +41,7 @@ DOCKER_BUILD_FLAGS ?= --network host
 # dockerd started for the command and stopped after it (tests/images/docker_engine.sh).
 WITH_DOCKER  := bash tests/images/docker_engine.sh
 
-.PHONY: help setup engine rust-check test test-fast demo bench bench-server bench-operator k8s lock crds clean images base-images
+.PHONY: help setup engine rust-check test test-fast demo bench bench-server bench-operator k8s k8s-crds lock crds clean images base-images
 
 help:
 	@echo "make demo   build everything and run the demo (see README)"
@@ -74,11 +75,11 @@ rust-check: $(PY_STAMP)
 
 # Every test, slow, cluster and GPU markers included (GPU tests skip with a
 # reason on a machine without one; nothing else skips). The control plane
-# binaries are built here, once, rather than inside a test fixture, so the
+# binaries are built (and the third-party CRDs fetched) here, once, rather than inside a test fixture, so the
 # first build (many minutes) is not cut short by the per-test timeout. The
 # image tests need Docker: pytest runs with a Docker engine (started here
 # when none answers, and stopped after), and fails naming it when there is none.
-test: setup k8s rust-check
+test: setup k8s k8s-crds rust-check
 	$(WITH_DOCKER) $(PY) -m pytest tests
 
 # The quick loop while developing: no slow and no cluster tests.
@@ -111,6 +112,11 @@ base-images:
 # into $(CACHE)/k8s-<version>/ (the cluster fixture does this on first use).
 k8s:
 	bash tests/cluster/build_binaries.sh
+
+# KEDA's ScaledObject and the Gateway API inference extension's InferencePool CRDs, from their Go modules
+# through the Go module proxy, into $(CACHE)/crds/ (tests/cluster/crds.py installs them in tests).
+k8s-crds:
+	bash tests/cluster/fetch_crds.sh
 
 # Regenerate the CRD from the operator's pydantic spec and its admission policy (gemma_operator.admission),
 # and the chart's copies: the CRD in its crds/, the policy in files/ (a template includes it; helm's crds/

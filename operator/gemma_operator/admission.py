@@ -15,6 +15,10 @@ administrator gave a ServiceAccount. The operator's own writes (metadata, status
 and its binding (`make crds`); the chart ships the same file (files/, templates/admission-policy.yaml) and
 tests fail when either copy is stale.
 
+spec.autoscaling and spec.gateway otherwise give no such power: the HPA, ScaledObject and InferencePool made
+for them act on this server's own pods in its namespace, and whoever may edit a GemmaRustServer may set
+its replicas anyway. Their one exception, a KEDA TriggerAuthentication named by the spec, is a power above.
+
 The operator also refuses, on its own side, pod annotations and tolerations outside the allowlists of its
 settings (`allowlist_problems`): an administrator decides which of those any GemmaRustServer may carry.
 """
@@ -43,6 +47,7 @@ class Power(NamedTuple):
     unset: str              # CEL literal of "not set"
     grant: tuple[str, str] | None  # (resource, verb) on the object `value` names that also allows it
     why: str                # what the power does, for the message
+    group: str = ""         # API group of the grant's resource
 
 
 def _claim(field: str) -> str:
@@ -71,6 +76,14 @@ POWERS = [
           "the pods select these nodes"),
     Power("podAnnotations", "spec.podAnnotations", "has($s.podAnnotations) ? $s.podAnnotations : {}", "{}", None,
           "the pods carry these annotations"),
+    # Not a pod's power but the same shape: KEDA (kedacore/keda v2.21.0, pkg/scalers/prometheus_scaler.go)
+    # sends the credentials a TriggerAuthentication resolves to spec.autoscaling.prometheus.serverAddress,
+    # which the author of the GemmaRustServer chooses.
+    Power("prometheusAuthentication", "spec.autoscaling.prometheus.authenticationRef",
+          "has($s.autoscaling) && has($s.autoscaling.prometheus) && has($s.autoscaling.prometheus.authenticationRef)"
+          " ? $s.autoscaling.prometheus.authenticationRef : ''", "''", ("triggerauthentications", "get"),
+          "KEDA sends the credentials of this TriggerAuthentication to spec.autoscaling.prometheus.serverAddress",
+          group="keda.sh"),
 ]
 
 _MAY_CREATE_PODS = "authorizer.group('').resource('pods').namespace(request.namespace).check('create').allowed()"
@@ -86,7 +99,7 @@ def _validation(p: Power) -> dict[str, Any]:
     pods = 'needs RBAC permission to create pods in namespace " + request.namespace'
     if p.grant:
         resource, verb = p.grant
-        ok.append(f"authorizer.group('').resource('{resource}').namespace(request.namespace).name({new})"
+        ok.append(f"authorizer.group('{p.group}').resource('{resource}').namespace(request.namespace).name({new})"
                   f".check('{verb}').allowed()")
         message = (f'"{p.field} naming " + {new} + " {pods} + ", or to {verb} {resource}/" + {new} + '
                    f'" there ({p.why})"')

@@ -23,12 +23,16 @@ Where the choices come from:
 
 from __future__ import annotations
 
+import hashlib
 import math
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Callable, NamedTuple
 
 from kubernetes.utils import parse_quantity
 
-from .spec import TPU_V5E, GcsFuseSpec, GemmaRustServerSpec, chips
+from .spec import API_GROUP, API_VERSION, AUTOSCALING_METRICS, KIND, TPU_V5E, GcsFuseSpec, GemmaRustServerSpec, \
+    chips
 
 FIELD_MANAGER = "gemma-rust-operator"
 CONTAINER = "server"
@@ -420,7 +424,7 @@ def build_deployment(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
     recreate = tpu or (spec.build_cache.type == "pvc" and spec.build_cache.access_mode == "ReadWriteOnce")
     dep = _object("apps/v1", "Deployment", meta.name, meta)
     dep["spec"] = {
-        "replicas": spec.replicas,
+        "replicas": replicas(spec),
         "selector": {"matchLabels": selector_labels(meta)},
         "strategy": {"type": "Recreate"} if recreate else
                     {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
@@ -448,8 +452,9 @@ def build_service(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
 
 
 def build_pdb(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any] | None:
-    """A PodDisruptionBudget allowing one voluntary eviction at a time, only when replicas > 1."""
-    if spec.replicas <= 1:
+    """A PodDisruptionBudget allowing one voluntary eviction at a time, only when replicas > 1 (the
+    Deployment's: it follows an autoscaler's spec.replicas too, so the PDB comes and goes with it)."""
+    if replicas(spec) <= 1:
         return None
     pdb = _object("policy/v1", "PodDisruptionBudget", meta.name, meta)
     pdb["spec"] = {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(meta)}}
@@ -490,17 +495,171 @@ def build_build_cache_pvc(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, An
     return pvc
 
 
-# Kinds whose CRDs may be missing from a cluster: (apiVersion, kind) -> what to install.
-OPTIONAL_KINDS = {
-    ("monitoring.googleapis.com/v1", "PodMonitoring"): "GKE managed Prometheus",
-    ("monitoring.coreos.com/v1", "ServiceMonitor"): "the Prometheus Operator",
-}
+# ---------------------------------------------------------------------------------------------------------
+# Autoscaling and the Gateway API inference extension
+
+
+def replicas(spec: GemmaRustServerSpec) -> int:
+    """The Deployment's replicas: spec.replicas, which the scale subresource exposes and, while
+    spec.autoscaling is set, the autoscaler writes. Clamped into minReplicas..maxReplicas, as the
+    autoscaler itself would, so the Deployment never leaves that range before the autoscaler's first act."""
+    scaling = spec.autoscaling
+    if scaling is None:
+        return spec.replicas
+    return min(max(spec.replicas, scaling.min_replicas), scaling.max_replicas)
+
+
+def quantity(value: float) -> str:
+    """A resource.Quantity string for a target: whole numbers as they are, others in milli-units."""
+    if float(value).is_integer():
+        return str(int(value))
+    return f"{round(value * 1000)}m"
+
+
+def metric_query(spec: GemmaRustServerSpec, meta: Meta) -> str:
+    """PromQL for KEDA: the metric summed over this server's pods. KEDA's Prometheus trigger targets an
+    AverageValue by default (kedacore/keda v2.21.0, pkg/scalers/prometheus_scaler.go), so the HPA it makes
+    divides this sum by the replicas. `namespace` and `pod` are the target labels both GKE Managed
+    Prometheus (PodMonitoring) and the Prometheus Operator (ServiceMonitor) attach; a Deployment's pods
+    are named <deployment>-<replicaset hash>-<suffix>."""
+    name = AUTOSCALING_METRICS[spec.autoscaling.metric]
+    return f'sum({name}{{namespace="{meta.namespace}",pod=~"{meta.name}-[a-z0-9]+-[a-z0-9]+"}})'
+
+
+def hpa_metric_name(spec: GemmaRustServerSpec) -> str:
+    """The Pods metric's name as the custom-metrics adapter serves it: prometheus-adapter keeps a gauge's
+    name (kubernetes-sigs/prometheus-adapter docs/config.md, `name.as` defaults to the series name); GKE's
+    Custom Metrics Stackdriver Adapter names Managed Prometheus series prometheus.googleapis.com|NAME|gauge
+    (https://cloud.google.com/kubernetes-engine/docs/tutorials/autoscaling-metrics, "Prometheus")."""
+    name = AUTOSCALING_METRICS[spec.autoscaling.metric]
+    if spec.autoscaling.metrics_adapter == "GKE":
+        return f"prometheus.googleapis.com|{name}|gauge"
+    return name
+
+
+def _scale_target(meta: Meta) -> dict[str, str]:
+    return {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND, "name": meta.name}
+
+
+def build_scaled_object(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
+    """A KEDA ScaledObject (keda.sh/v1alpha1) scaling the GemmaRustServer through its scale subresource on a
+    Prometheus query of the chosen gauge. KEDA then owns an HPA named keda-hpa-<name>."""
+    scaling = spec.autoscaling
+    trigger: dict[str, Any] = {"type": "prometheus", "metadata": {
+        "serverAddress": scaling.prometheus.server_address, "query": metric_query(spec, meta),
+        "threshold": f"{scaling.target:g}"}}
+    if scaling.prometheus.authentication_ref:
+        trigger["authenticationRef"] = {"name": scaling.prometheus.authentication_ref}
+    obj = _object("keda.sh/v1alpha1", "ScaledObject", meta.name, meta)
+    obj["spec"] = {"scaleTargetRef": _scale_target(meta), "minReplicaCount": scaling.min_replicas,
+                   "maxReplicaCount": scaling.max_replicas, "triggers": [trigger]}
+    return obj
+
+
+def build_hpa(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
+    """An autoscaling/v2 HorizontalPodAutoscaler on the GemmaRustServer's scale subresource, holding the
+    per-pod average of the chosen gauge (a Pods metric, served by a custom-metrics adapter) at target."""
+    scaling = spec.autoscaling
+    obj = _object("autoscaling/v2", "HorizontalPodAutoscaler", meta.name, meta)
+    obj["spec"] = {"scaleTargetRef": _scale_target(meta), "minReplicas": scaling.min_replicas,
+                   "maxReplicas": scaling.max_replicas,
+                   "metrics": [{"type": "Pods", "pods": {
+                       "metric": {"name": hpa_metric_name(spec)},
+                       "target": {"type": "AverageValue", "averageValue": quantity(scaling.target)}}}]}
+    return obj
+
+
+def scaling_hpa_name(kind: str, meta: Meta) -> str:
+    """The HPA that acts for the autoscaling object of `kind`: ours, or the one KEDA makes for a ScaledObject
+    (kedacore/keda v2.21.0, controllers/keda/hpa.go, getDefaultHpaName)."""
+    return f"keda-hpa-{meta.name}" if kind == "ScaledObject" else meta.name
+
+
+def build_inference_pool(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
+    """An InferencePool (inference.networking.k8s.io/v1, gateway-api-inference-extension v1.2.0
+    config/crd/bases/inference.networking.k8s.io_inferencepools.yaml) selecting this server's pods on the
+    server's port, naming the user's endpoint picker."""
+    picker = spec.gateway.endpoint_picker
+    obj = _object("inference.networking.k8s.io/v1", "InferencePool", meta.name, meta)
+    obj["spec"] = {"selector": {"matchLabels": selector_labels(meta)},
+                   "targetPorts": [{"number": spec.server.port}],
+                   "endpointPickerRef": {"name": picker.name, "group": "", "kind": "Service",
+                                         "port": {"number": picker.port}, "failureMode": picker.failure_mode}}
+    return obj
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The optional kinds: one table that discovery, building, pruning and conditions read
+
+
+def _monitoring_on(field: str) -> Callable[[GemmaRustServerSpec], bool]:
+    return lambda spec: getattr(spec.monitoring, field)
+
+
+def _keda_wanted(spec: GemmaRustServerSpec) -> bool:
+    scaling = spec.autoscaling
+    return scaling is not None and scaling.provider != "HPA" and (
+        scaling.provider == "KEDA" or scaling.prometheus.server_address is not None)
+
+
+def _hpa_wanted(spec: GemmaRustServerSpec) -> bool:
+    return spec.autoscaling is not None and spec.autoscaling.provider != "KEDA"
+
+
+@dataclass(frozen=True)
+class OptionalKind:
+    """A child kind the spec switches on and a cluster may not serve.
+
+    api_version, kind, plural: what to apply and where. builder: spec, meta -> the object. wanted: the spec
+    switch. crd: the CustomResourceDefinition that serves it (None: built into Kubernetes). provider: what
+    to install for it. condition: the status condition that reports it. fallback_for: a kind this one
+    stands in for; it is built only when that kind is not (the HPA when KEDA's ScaledObject is not).
+    """
+
+    api_version: str
+    kind: str
+    plural: str
+    builder: Callable[[GemmaRustServerSpec, Meta], dict[str, Any]]
+    wanted: Callable[[GemmaRustServerSpec], bool]
+    crd: str | None
+    provider: str
+    condition: str
+    fallback_for: str | None = None
+
+    def missing(self) -> str:
+        """Why it was not created, when its apiVersion is not served."""
+        crd = f": CRD {self.crd} is not installed" if self.crd else ""
+        return f"{self.api_version} is not served by this cluster{crd} (install {self.provider})"
+
+
+MONITORING, SCALING, GATEWAY = "Monitoring", "ScalingActive", "Gateway"
+
+OPTIONAL_KINDS = (
+    OptionalKind("monitoring.googleapis.com/v1", "PodMonitoring", "podmonitorings", build_pod_monitoring,
+                 _monitoring_on("pod_monitoring"), "podmonitorings.monitoring.googleapis.com",
+                 "GKE managed Prometheus", MONITORING),
+    OptionalKind("monitoring.coreos.com/v1", "ServiceMonitor", "servicemonitors", build_service_monitor,
+                 _monitoring_on("service_monitor"), "servicemonitors.monitoring.coreos.com",
+                 "the Prometheus Operator", MONITORING),
+    OptionalKind("keda.sh/v1alpha1", "ScaledObject", "scaledobjects", build_scaled_object, _keda_wanted,
+                 "scaledobjects.keda.sh", "KEDA", SCALING),
+    OptionalKind("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers", build_hpa,
+                 _hpa_wanted, None, "Kubernetes 1.23 or later", SCALING, fallback_for="ScaledObject"),
+    OptionalKind("inference.networking.k8s.io/v1", "InferencePool", "inferencepools", build_inference_pool,
+                 lambda spec: spec.gateway.inference_pool, "inferencepools.inference.networking.k8s.io",
+                 "the Gateway API inference extension", GATEWAY),
+)
+OPTIONAL_BY_KIND = {row.kind: row for row in OPTIONAL_KINDS}
 
 
 class Children(NamedTuple):
     apply: list[dict[str, Any]]          # objects to server-side apply, in order
     absent: list[tuple[str, str, str]]   # (apiVersion, kind, name) that must not exist
-    skipped: list[tuple[str, str]]       # (kind, why) optional children not created
+    skipped: list[tuple[str, str]]       # (kind, why) optional children asked for but not created
+    optional: dict[str, list[str]] = {}  # condition -> kinds asked for (created or skipped)
+    # (apiVersion, kind, name) of a fallback whose primary kind is now built (an HPA once KEDA's
+    # ScaledObject is): deleted on every sync, not only when the spec changes, since both would drive replicas
+    replaced: list[tuple[str, str, str]] = []
 
 
 def build_children(spec: GemmaRustServerSpec, meta: Meta, available: frozenset[str]) -> Children:
@@ -512,28 +671,68 @@ def build_children(spec: GemmaRustServerSpec, meta: Meta, available: frozenset[s
         available: apiVersions (e.g. "monitoring.googleapis.com/v1") the cluster serves, among those in
             OPTIONAL_KINDS.
     Returns:
-        Children: what to apply, what to delete if present, and what was skipped (with why).
+        Children: what to apply, what to delete if present (`absent` when the spec changes, `replaced`
+        always), what was skipped (with why), and which optional kinds each condition reports on.
     """
     apply: list[dict[str, Any]] = []
     absent: list[tuple[str, str, str]] = []
     skipped: list[tuple[str, str]] = []
+    optional: dict[str, list[str]] = {}
     pvc = build_build_cache_pvc(spec, meta)
     if pvc:
         apply.append(pvc)
     apply += [build_deployment(spec, meta), build_service(spec, meta)]
     pdb = build_pdb(spec, meta)
     apply.append(pdb) if pdb else absent.append(("policy/v1", "PodDisruptionBudget", meta.name))
-    for (api_version, kind), provider in OPTIONAL_KINDS.items():
-        builder = build_pod_monitoring if kind == "PodMonitoring" else build_service_monitor
-        obj = builder(spec, meta)
-        if obj is None:
-            if api_version in available:
-                absent.append((api_version, kind, meta.name))
-        elif api_version in available:
-            apply.append(obj)
-        else:
-            skipped.append((kind, f"{api_version} is not served by this cluster (install {provider})"))
-    return Children(apply, absent, skipped)
+    replaced: list[tuple[str, str, str]] = []
+    built: set[str] = set()
+    for row in OPTIONAL_KINDS:
+        stood_in = bool(row.fallback_for and row.fallback_for in built)
+        if not row.wanted(spec) or stood_in:
+            if row.api_version in available:
+                (replaced if stood_in else absent).append((row.api_version, row.kind, meta.name))
+            continue
+        if row.api_version in available:
+            apply.append(row.builder(spec, meta))
+            built.add(row.kind)
+            optional.setdefault(row.condition, []).append(row.kind)
+        elif not any(alt.fallback_for == row.kind and alt.wanted(spec) for alt in OPTIONAL_KINDS):
+            skipped.append((row.kind, row.missing()))
+            optional.setdefault(row.condition, []).append(row.kind)
+    return Children(apply, absent, skipped, optional, replaced)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Events
+
+
+def build_event(body: dict[str, Any], type_: str, reason: str, message: str, now: datetime,
+                instance: str) -> dict[str, Any]:
+    """A core/v1 Event about the custom resource `body`, posted by the operator (pure: the caller gives the
+    time and the reporting instance).
+
+    Args:
+        body: the custom resource (apiVersion, kind, metadata name/namespace/uid).
+        type_: Normal or Warning.
+        reason: CamelCase reason.
+        message: what happened (cut to the API's 1024 characters).
+        now: when, in UTC.
+        instance: reportingInstance (the operator pod's name).
+    """
+    meta = body["metadata"]
+    micro = now.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
+    digest = hashlib.sha1(f"{meta.get('uid')}{reason}{message}{micro}".encode()).hexdigest()[:10]
+    return {
+        "apiVersion": "v1", "kind": "Event",
+        "metadata": {"name": f"{meta['name']}.{digest}", "namespace": meta["namespace"]},
+        "involvedObject": {"apiVersion": body.get("apiVersion", f"{API_GROUP}/{API_VERSION}"),
+                           "kind": body.get("kind", KIND), "name": meta["name"],
+                           "namespace": meta["namespace"], "uid": meta.get("uid")},
+        "type": type_, "reason": reason, "message": message[:1024],
+        "source": {"component": MANAGED_BY}, "reportingComponent": MANAGED_BY, "reportingInstance": instance,
+        "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1,
+    }
 
 
 def adopt(child: dict[str, Any], owner: dict[str, Any]) -> dict[str, Any]:

@@ -11,7 +11,8 @@ dask-kubernetes' controller):
 
 Triggers:
 - create / update / resume of a GemmaRustServer: full sync, and children the spec no longer asks for
-  (PodDisruptionBudget at one replica, a monitoring object turned off) are deleted;
+  (PodDisruptionBudget at one replica, an optional object of builders.OPTIONAL_KINDS turned off) are
+  deleted;
 - a resync pass every GEMMA_OPERATOR_RESYNC_SECONDS (default 15) over every GemmaRustServer: full sync,
   which also puts back a child deleted or edited by hand (server-side apply with forced conflicts) and
   polls booting pods. It is a plain thread, not a kopf timer, so no finalizer is needed: a
@@ -28,7 +29,6 @@ reason (Problem); only transient API trouble raises `kopf.TemporaryError`, which
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
@@ -44,7 +44,7 @@ from .admission import allowlist_problems
 from .kube import ApiError, Kube
 from .poller import PodPoller
 from .settings import Settings
-from .spec import API_GROUP, API_VERSION, KIND, KNOWN_ACCELERATORS, PLURAL, GemmaRustServerSpec, \
+from .spec import API_GROUP, API_VERSION, AUTOSCALING_METRICS, KNOWN_ACCELERATORS, PLURAL, GemmaRustServerSpec, \
     accelerator_text, parse_spec
 
 GRS = (API_GROUP, API_VERSION, PLURAL)
@@ -129,13 +129,28 @@ def find_problems(spec: GemmaRustServerSpec) -> list[status.Problem]:
     return problems
 
 
-def _available(spec: GemmaRustServerSpec, k: Kube) -> frozenset[str]:
-    wanted = []
-    if spec.monitoring.pod_monitoring:
-        wanted.append("monitoring.googleapis.com/v1")
-    if spec.monitoring.service_monitor:
-        wanted.append("monitoring.coreos.com/v1")
-    return frozenset(v for v in wanted if k.serves(v))
+def _available(k: Kube) -> frozenset[str]:
+    """The optional kinds' apiVersions the cluster serves (discovery, cached): those asked for, to create
+    them, and those switched off, to delete what an earlier spec created."""
+    return frozenset(row.api_version for row in builders.OPTIONAL_KINDS if k.serves(row.api_version))
+
+
+def _scaling(spec: GemmaRustServerSpec, meta: builders.Meta, children: builders.Children,
+             k: Kube) -> status.ScalingView | None:
+    """The autoscaler's side for the ScalingActive condition: the HPA that acts for the autoscaling object
+    created (ours, or the one KEDA made), read afresh."""
+    skipped = {kind for kind, _ in children.skipped}
+    kind = next((kind for kind in children.optional.get(builders.SCALING, []) if kind not in skipped), None)
+    if kind is None or spec.autoscaling is None:
+        return None
+    scaling = spec.autoscaling
+    metric = builders.hpa_metric_name(spec) if kind == "HorizontalPodAutoscaler" else \
+        builders.metric_query(spec, meta)
+    hpa_name = builders.scaling_hpa_name(kind, meta)
+    hpa = k.get_if_present("autoscaling/v2", "HorizontalPodAutoscaler", meta.namespace, hpa_name)
+    summary = (f"{scaling.min_replicas}..{scaling.max_replicas} replicas, "
+               f"{AUTOSCALING_METRICS[scaling.metric]} {scaling.target:g} per pod")
+    return status.ScalingView(meta.name, summary, metric, hpa_name, hpa)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -184,40 +199,39 @@ def _sync_locked(body: dict[str, Any], meta: builders.Meta, uid: str, k: Kube, l
         problems.append(status.Problem("InvalidSpec", "spec does not fit the schema: " + "; ".join(
             f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()), fatal=True))
     skipped: list[tuple[str, str]] = []
-    requested: list[str] = []
+    optional: dict[str, list[str]] = {}
+    scaling = None
     if spec is not None:
         problems += find_problems(spec)
-        children = builders.build_children(spec, meta, _available(spec, k))
-        skipped = list(children.skipped)
-        requested = [kind for kind, on in (("PodMonitoring", spec.monitoring.pod_monitoring),
-                                           ("ServiceMonitor", spec.monitoring.service_monitor)) if on]
+        children = builders.build_children(spec, meta, _available(k))
+        skipped, optional = list(children.skipped), children.optional
         if apply and not any(p.fatal for p in problems):
             for obj in children.apply:
                 try:
                     k.apply(builders.adopt(obj, body))
                 except ApiError as e:
-                    optional = (obj["apiVersion"], obj["kind"]) in builders.OPTIONAL_KINDS
-                    if e.status in (404, 405) and optional:
-                        # Its CRD went away (or is being deleted) since discovery was cached.
+                    row = builders.OPTIONAL_BY_KIND.get(obj["kind"])
+                    failure = status.classify_apply_error(obj, e.status, e.message,
+                                                          missing=row.missing() if row else None)
+                    if failure.skipped:
                         k.forget(obj["apiVersion"])
-                        skipped.append((obj["kind"], f"{obj['apiVersion']} is no longer served by this cluster"))
-                        continue
-                    if e.status in (400, 403, 422):
-                        problems.append(status.Problem(
-                            "ApplyRejected", f"{obj['kind']} {obj['metadata']['name']}: {e.message}", fatal=False))
-                        continue
-                    raise
-            if prune:
-                for api_version, kind, name in children.absent:
-                    if k.delete_if_present(api_version, kind, meta.namespace, name):
-                        logger.info("deleted %s %s: no longer asked for", kind, name)
+                        skipped.append(failure.skipped)
+                    elif failure.problem:
+                        problems.append(failure.problem)
+                    else:
+                        raise
+            for api_version, kind, name in children.replaced + (children.absent if prune else []):
+                if k.delete_if_present(api_version, kind, meta.namespace, name):
+                    logger.info("deleted %s %s: no longer asked for", kind, name)
     pods = k.list_pods(meta.namespace, builders.selector_string(meta))
     pod_events = [e for p in events.pods_to_explain(pods) for e in k.pod_events(meta.namespace, p["metadata"]["uid"])]
     port = spec.server.port if spec else 8000
     reports = poller().observe(f"{meta.namespace}/{meta.name}", pods, port)
-    obs = status.Observed(generation=generation, replicas=spec.replicas if spec else 0, pods=pods,
+    if spec is not None:
+        scaling = _scaling(spec, meta, children, k)
+    obs = status.Observed(generation=generation, replicas=builders.replicas(spec) if spec else 0, pods=pods,
                           engine=reports.engine, served_models=reports.served_models, problems=problems,
-                          monitoring_requested=requested, monitoring_skipped=skipped, poll_errors=reports.errors,
+                          optional=optional, skipped=skipped, scaling=scaling, poll_errors=reports.errors,
                           blockers=events.blockers(pods, pod_events), disruption=events.disruption(pods),
                           warnings=builders.spec_warnings(spec) if spec else [])
     new = status.compute_status(
@@ -241,22 +255,10 @@ def _sync_locked(body: dict[str, Any], meta: builders.Meta, uid: str, k: Kube, l
 
 def post_event(k: Kube, body: dict[str, Any], type_: str, reason: str, message: str) -> None:
     """Post a core/v1 Event on the custom resource (best effort: an Event is never worth a retry)."""
-    meta = body["metadata"]
-    now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-    digest = hashlib.sha1(f"{meta.get('uid')}{reason}{message}{now}".encode()).hexdigest()[:10]
-    event = {
-        "apiVersion": "v1", "kind": "Event",
-        "metadata": {"name": f"{meta['name']}.{digest}", "namespace": meta["namespace"]},
-        "involvedObject": {"apiVersion": body.get("apiVersion", f"{API_GROUP}/{API_VERSION}"),
-                           "kind": body.get("kind", KIND), "name": meta["name"],
-                           "namespace": meta["namespace"], "uid": meta.get("uid")},
-        "type": type_, "reason": reason, "message": message[:1024],
-        "source": {"component": builders.MANAGED_BY}, "reportingComponent": builders.MANAGED_BY,
-        "reportingInstance": os.environ.get("HOSTNAME", "gemma-rust-operator"),
-        "firstTimestamp": now.split(".")[0] + "Z", "lastTimestamp": now.split(".")[0] + "Z", "count": 1,
-    }
+    event = builders.build_event(body, type_, reason, message, datetime.now(timezone.utc),
+                                 os.environ.get("HOSTNAME", "gemma-rust-operator"))
     try:
-        k.request("POST", f"/api/v1/namespaces/{meta['namespace']}/events", event)
+        k.request("POST", f"/api/v1/namespaces/{body['metadata']['namespace']}/events", event)
     except ApiError as e:
         logging.getLogger(__name__).warning("could not post event %s: %s", reason, e)
 

@@ -2,7 +2,7 @@
 
 Everything the operator reads or writes outside kopf's own watch goes through `Kube`: server-side apply of
 children (one field manager, conflicts forced so a hand edit is put back), reading pods and their Events,
-API discovery for the optional monitoring CRDs, and merge patches of the custom resource's status. It never
+API discovery for the optional kinds' CRDs (builders.OPTIONAL_KINDS), reading the HPA that scales a server, and merge patches of the custom resource's status. It never
 reads Secrets.
 
 It talks raw JSON through the generated client's configured connection (auth, TLS, proxy) instead of the
@@ -19,7 +19,7 @@ from typing import Any
 import kubernetes
 from kubernetes.client import ApiClient
 
-from .builders import FIELD_MANAGER
+from .builders import FIELD_MANAGER, OPTIONAL_KINDS
 from .spec import API_GROUP, API_VERSION, KIND, PLURAL
 
 GRS_API_VERSION = f"{API_GROUP}/{API_VERSION}"
@@ -32,9 +32,8 @@ RESOURCES = {
     ("v1", "Pod"): "pods",
     ("v1", "Event"): "events",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
-    ("monitoring.googleapis.com/v1", "PodMonitoring"): "podmonitorings",
-    ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitors",
     (GRS_API_VERSION, KIND): PLURAL,
+    **{(row.api_version, row.kind): row.plural for row in OPTIONAL_KINDS},
 }
 
 
@@ -112,6 +111,15 @@ class Kube:
         except ApiError as e:
             if e.status == 404:
                 return False
+            raise
+
+    def get_if_present(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        """One object, or None when it does not exist."""
+        try:
+            return self.request("GET", f"{collection_path(api_version, kind, namespace)}/{name}")
+        except ApiError as e:
+            if e.status == 404:
+                return None
             raise
 
     def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:

@@ -8,9 +8,13 @@ Why each verb:
 - gemmarustservers: kopf lists/watches them and patches metadata (finalizer, progress annotations);
   /status: the operator merge-patches the status; /finalizers update: owner references with
   blockOwnerDeletion need it where the OwnerReferencesPermissionEnforcement admission plugin is on.
-- children (Deployment, Service, PDB, PVC, PodMonitoring, ServiceMonitor): server-side apply is a PATCH
+- children (Deployment, Service, PDB, PVC and the optional kinds of builders.OPTIONAL_KINDS: PodMonitoring,
+  ServiceMonitor, ScaledObject, HorizontalPodAutoscaler, InferencePool): server-side apply is a PATCH
   that creates when absent (patch + create); Deployments and Services are also watched (list/watch)
-  so a deleted one is put back at once; PDB and monitoring objects are deleted when no longer asked for.
+  so a deleted one is put back at once; PDB and optional objects are deleted when no longer asked for.
+- horizontalpodautoscalers get: the ScalingActive condition reads the status conditions of the HPA that
+  scales a server (ours, or the one KEDA makes for a ScaledObject). The HPA controller and KEDA scale the
+  GemmaRustServer through its scale subresource with their own rights; the operator never writes it.
 - pods: listed for status and watched so status follows them; never modified.
 - events: create, for the Events posted on each phase transition (and kopf's own warnings); list (core
   group), for the Events of pods that have not started: why a pod cannot start (gemma_operator.events).
@@ -36,6 +40,11 @@ RULES = [
     {"apiGroups": ["monitoring.googleapis.com"], "resources": ["podmonitorings"],
      "verbs": ["create", "patch", "delete"]},
     {"apiGroups": ["monitoring.coreos.com"], "resources": ["servicemonitors"],
+     "verbs": ["create", "patch", "delete"]},
+    {"apiGroups": ["keda.sh"], "resources": ["scaledobjects"], "verbs": ["create", "patch", "delete"]},
+    {"apiGroups": ["autoscaling"], "resources": ["horizontalpodautoscalers"],
+     "verbs": ["get", "create", "patch", "delete"]},
+    {"apiGroups": ["inference.networking.k8s.io"], "resources": ["inferencepools"],
      "verbs": ["create", "patch", "delete"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
     {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create"]},

@@ -205,6 +205,72 @@ class MonitoringSpec(_Model):
     interval: str = Field("30s", description="Scrape interval.", pattern=r"^[0-9]+(s|m)$", max_length=8)
 
 
+
+# The server's gauges an autoscaler can follow (gemma_server/metrics.py exports them, label model_name):
+# spec.autoscaling.metric -> metric name.
+AUTOSCALING_METRICS = {
+    "requestsWaiting": "gemma_num_requests_waiting",
+    "requestsRunning": "gemma_num_requests_running",
+    "kvCacheUsage": "gemma_kv_cache_usage_perc",
+}
+
+
+class PrometheusSpec(_Model):
+    """Where KEDA's Prometheus trigger queries the server's metrics."""
+
+    server_address: str | None = Field(
+        None, description="Prometheus HTTP API base URL KEDA queries (it appends /api/v1/query), e.g. "
+        "http://prometheus-operated.monitoring.svc:9090, or on GKE Managed Prometheus "
+        "https://monitoring.googleapis.com/v1/projects/PROJECT_ID/location/global/prometheus with "
+        "authenticationRef. Without it the operator creates an HPA instead of a ScaledObject.",
+        pattern=r"^https?://[^\s]+$", max_length=1024)
+    authentication_ref: str | None = Field(
+        None, description="Name of a KEDA TriggerAuthentication in the namespace (e.g. GCP Workload Identity "
+        "for monitoring.googleapis.com).", pattern=DNS_SUBDOMAIN_RE, max_length=253)
+
+
+class AutoscalingSpec(_Model):
+    """Replicas driven by the server's queue (or load, or KV-cache use) instead of spec.replicas."""
+
+    min_replicas: int = Field(1, description="Fewest replicas the autoscaler keeps.", ge=1, le=256)
+    max_replicas: int = Field(description="Most replicas the autoscaler makes.", ge=1, le=256)
+    metric: Literal["requestsWaiting", "requestsRunning", "kvCacheUsage"] = Field(
+        "requestsWaiting", description="Per-pod gauge to hold at target: requestsWaiting "
+        "(gemma_num_requests_waiting), requestsRunning (gemma_num_requests_running) or kvCacheUsage "
+        "(gemma_kv_cache_usage_perc, 0 to 1).")
+    target: float = Field(description="Average of the metric per pod the autoscaler aims at, e.g. 4 "
+                          "(requests waiting) or 0.8 (KV-cache usage).", gt=0, le=100000)
+    provider: Literal["Auto", "KEDA", "HPA"] = Field(
+        "Auto", description="KEDA: a KEDA ScaledObject with a Prometheus trigger (needs KEDA's CRD and "
+        "prometheus.serverAddress). HPA: an autoscaling/v2 HorizontalPodAutoscaler on a Pods metric served "
+        "by a custom-metrics adapter. Auto: KEDA when its CRD is installed and serverAddress is set, else HPA.")
+    metrics_adapter: Literal["PrometheusAdapter", "GKE"] = Field(
+        "PrometheusAdapter", description="How the HPA names the metric: PrometheusAdapter "
+        "(gemma_num_requests_waiting) or GKE, the Custom Metrics Stackdriver Adapter over Managed Prometheus "
+        "(prometheus.googleapis.com|gemma_num_requests_waiting|gauge).")
+    prometheus: PrometheusSpec = Field(default_factory=PrometheusSpec,
+                                       description="Prometheus endpoint for KEDA.")
+
+
+class EndpointPickerRef(_Model):
+    """The Gateway API inference extension's endpoint picker (a Service the user deploys)."""
+
+    name: str = Field(description="Service of the endpoint picker, in this namespace.", pattern=DNS_LABEL_RE,
+                      max_length=63)
+    port: int = Field(9002, description="Its gRPC ext-proc port (the picker's --grpc-port, default 9002).",
+                      ge=1, le=65535)
+    failure_mode: Literal["FailClose", "FailOpen"] = Field(
+        "FailClose", description="What the gateway does when the picker does not answer.")
+
+
+class GatewaySpec(_Model):
+    inference_pool: bool = Field(
+        False, description="Create an InferencePool (inference.networking.k8s.io/v1) selecting this server's "
+        "pods, for the Gateway API inference extension (when its CRD is installed).")
+    endpoint_picker: EndpointPickerRef | None = Field(
+        None, description="The endpoint picker the InferencePool names; required with inferencePool.")
+
+
 CEL_RULES: dict[type[_Model], list[dict[str, str]]] = {
     ModelSpec: [
         _cel(f"self.source.matches(r'{MODEL_SOURCE_RE}')", MODEL_SOURCE_MESSAGE,
@@ -222,6 +288,22 @@ CEL_RULES: dict[type[_Model], list[dict[str, str]]] = {
         _cel("!has(self.requests) || !('google.com/tpu' in self.requests)",
              "spec.resources.requests must not set google.com/tpu: the operator derives it from "
              "spec.accelerator.topology", ".requests"),
+    ],
+    AutoscalingSpec: [
+        _cel("self.minReplicas <= self.maxReplicas",
+             "spec.autoscaling.minReplicas must not exceed spec.autoscaling.maxReplicas", ".minReplicas"),
+        _cel("self.provider != 'KEDA' || (has(self.prometheus) && has(self.prometheus.serverAddress))",
+             "spec.autoscaling.provider KEDA queries Prometheus: set spec.autoscaling.prometheus.serverAddress, "
+             "or use provider HPA", ".prometheus"),
+        _cel("self.metric != 'kvCacheUsage' || self.target <= 1.0",
+             "spec.autoscaling.target for kvCacheUsage is a fraction of the KV cache (0 to 1), e.g. 0.8",
+             ".target"),
+    ],
+    GatewaySpec: [
+        # has(): the API server also checks this rule against the field's default, {}, before defaulting.
+        _cel("!has(self.inferencePool) || !self.inferencePool || has(self.endpointPicker)",
+             "spec.gateway.inferencePool names an endpoint picker: set spec.gateway.endpointPicker.name "
+             "(the picker's Service)", ".endpointPicker"),
     ],
     AcceleratorSpec: [
         _cel("self.type != 'cpu' || !has(self.topology)",
@@ -250,6 +332,11 @@ class GemmaRustServerSpec(_Model):
     build_cache: BuildCacheSpec = Field(default_factory=BuildCacheSpec,
                                         description="Where the compiled engine is cached.")
     monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec, description="Metrics scraping.")
+    autoscaling: AutoscalingSpec | None = Field(
+        None, description="Scale on the server's queue; while set, the autoscaler writes spec.replicas (scale "
+        "subresource) and the Deployment follows it, within minReplicas..maxReplicas.")
+    gateway: GatewaySpec = Field(default_factory=GatewaySpec,
+                                 description="Gateway API inference extension.")
     resources: ResourcesSpec = Field(
         default_factory=lambda: ResourcesSpec(),
         description="Container resources, passed through. google.com/tpu is set from the topology.")
@@ -269,6 +356,11 @@ CEL_RULES[GemmaRustServerSpec] = [
     _cel("self.buildCache.type != 'pvc' || self.buildCache.accessMode != 'ReadWriteOnce' || self.replicas <= 1",
          "a ReadWriteOnce build cache PVC can serve one replica: set spec.buildCache.accessMode to "
          "ReadWriteMany, spec.buildCache.type to emptyDir, or spec.replicas to 1", ".buildCache.accessMode"),
+    _cel("self.buildCache.type != 'pvc' || self.buildCache.accessMode != 'ReadWriteOnce' || "
+         "!has(self.autoscaling) || self.autoscaling.maxReplicas <= 1",
+         "a ReadWriteOnce build cache PVC can serve one replica: set spec.buildCache.accessMode to "
+         "ReadWriteMany, spec.buildCache.type to emptyDir, or spec.autoscaling.maxReplicas to 1",
+         ".buildCache.accessMode"),
 ]
 
 

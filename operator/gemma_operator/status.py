@@ -14,7 +14,10 @@ weights, warmup, serving).
 
 Conditions follow the Kubernetes API conventions and KServe's LLMInferenceService: `Ready` (False carries
 the blocking reason), `Progressing`, `Degraded`, and `Monitoring` when scraping was asked for; each has
-reason, message, lastTransitionTime and observedGeneration. The last crash's termination message reaches
+reason, message, lastTransitionTime and observedGeneration. The optional kinds (builders.OPTIONAL_KINDS) report
+through the condition their row names: `Monitoring`, `Gateway` (True when created, False naming the CRD
+that is missing) and `ScalingActive`, which says which object drives the replicas and, from the status
+conditions of the HPA that acts (ours, or the one KEDA makes), whether it can read its metric. The last crash's termination message reaches
 `status.lastFailure` (KServe's lastFailureInfo), like a boot stage's failure reason only after
 `gemma_operator.redact` (the pod writes that text, and anyone who may read the custom resource reads it).
 
@@ -54,6 +57,34 @@ class Problem(NamedTuple):
     reason: str   # CamelCase, e.g. SecretNotFound
     message: str  # says what to do
     fatal: bool   # True: nothing can run until the spec changes (phase Failed)
+
+
+class ApplyFailure(NamedTuple):
+    """What one failed server-side apply means (classify_apply_error)."""
+
+    skipped: tuple[str, str] | None  # (kind, why): an optional kind no longer served; go on without it
+    problem: Problem | None          # the API server refused the object: a Degraded condition
+    # both None: transient trouble, worth a retry
+
+
+def classify_apply_error(obj: dict[str, Any], http_status: int, message: str, *,
+                         missing: str | None) -> ApplyFailure:
+    """Turn an apply's HTTP error into a skip, a problem, or neither (retry) (pure).
+
+    Args:
+        obj: the object that was applied.
+        http_status: the API server's status code.
+        message: its message.
+        missing: for an optional kind (builders.OPTIONAL_KINDS), why it is skipped when its API is not
+            served (OptionalKind.missing()); None for the kinds every cluster serves.
+    """
+    if http_status in (404, 405) and missing:
+        # Its CRD went away (or is being deleted) since discovery was cached.
+        return ApplyFailure((obj["kind"], missing), None)
+    if http_status in (400, 403, 422):
+        return ApplyFailure(None, Problem("ApplyRejected", f"{obj['kind']} {obj['metadata']['name']}: {message}",
+                                          fatal=False))
+    return ApplyFailure(None, None)
 
 
 class PodView(NamedTuple):
@@ -156,16 +187,84 @@ class Observed(NamedTuple):
     engine: dict[str, dict[str, Any]]     # pod name -> /v1/engine JSON (booting pods that answered)
     served_models: dict[str, str]         # pod name -> the model id its /v1/engine names (ready pods)
     problems: list[Problem]               # spec problems found by the handlers
-    monitoring_requested: list[str]       # kinds asked for (PodMonitoring, ServiceMonitor)
-    monitoring_skipped: list[tuple[str, str]]  # (kind, why)
+    optional: dict[str, list[str]]        # condition -> optional kinds asked for (builders.Children.optional)
+    skipped: list[tuple[str, str]]        # (kind, why) optional kinds asked for but not created
     poll_errors: dict[str, str] = {}      # pod name -> why its last poll got no report
     blockers: dict[str, tuple[str, str]] = {}  # pod name -> (reason, message): why it cannot start (events.py)
     disruption: tuple[str, str] | None = None  # (reason, message) of the pod evicted or reclaimed (events.py)
     warnings: list[tuple[str, str]] = []       # (reason, message) of spec advice (builders.spec_warnings)
+    scaling: "ScalingView | None" = None       # the autoscaler's side, when spec.autoscaling is set
+
+
+class ScalingView(NamedTuple):
+    """What the ScalingActive condition is made of."""
+
+    name: str                    # the autoscaling object's name
+    summary: str                 # e.g. "1..4 replicas, gemma_num_requests_waiting 4 per pod"
+    metric: str                  # the metric's name as the autoscaler asks for it
+    hpa_name: str                # the HPA that acts (ours, or keda-hpa-<name>)
+    hpa: dict[str, Any] | None   # that HPA as read (None: not there yet)
 
 
 def _cond(type_: str, ok: bool, reason: str, message: str) -> dict[str, str]:
     return {"type": type_, "status": "True" if ok else "False", "reason": reason, "message": message}
+
+
+# The reason of a False optional-kind condition whose CRD is missing; Monitoring keeps its older name.
+CRD_MISSING = {"Monitoring": "MonitoringCRDMissing"}
+
+# What an HPA's ScalingActive=False reasons (kubernetes pkg/controller/podautoscaler/horizontal.go) mean here.
+_METRIC_NOT_SERVED = {
+    "FailedGetPodsMetric": "no custom-metrics adapter serves the Pods metric {metric} (install prometheus-adapter "
+                           "or, on GKE, the Custom Metrics Stackdriver Adapter, and scrape the pods)",
+    "FailedGetExternalMetric": "KEDA's metrics server cannot answer its Prometheus query for {metric} (is "
+                               "spec.autoscaling.prometheus.serverAddress reachable, and are the pods scraped?)",
+}
+
+
+def optional_conditions(obs: Observed) -> list[dict[str, str]]:
+    """One condition per group of optional kinds asked for: created, or skipped naming what to install."""
+    out = []
+    for group, kinds in obs.optional.items():
+        missing = [(k, why) for k, why in obs.skipped if k in kinds]
+        if group == "ScalingActive":
+            out.append(scaling_condition(kinds[0], missing, obs.scaling))
+        elif missing:
+            out.append(_cond(group, False, CRD_MISSING.get(group, "CRDMissing"),
+                             "; ".join(f"{k} skipped: {w}" for k, w in missing)))
+        else:
+            out.append(_cond(group, True, "Configured", "created " + ", ".join(kinds)))
+    return out
+
+
+def scaling_condition(kind: str, missing: list[tuple[str, str]], view: ScalingView | None) -> dict[str, str]:
+    """ScalingActive: which object drives the replicas, and whether its HPA can read the metric (pure).
+
+    Args:
+        kind: ScaledObject or HorizontalPodAutoscaler.
+        missing: (kind, why) when it could not be created.
+        view: the autoscaler's side (None only when it was not created).
+    """
+    if missing or view is None:
+        why = "; ".join(f"{k} skipped: {w}" for k, w in missing)
+        return {"type": "ScalingActive", "status": "False", "reason": "CRDMissing",
+                "message": f"{why}; spec.replicas drives the replicas"}
+    drives = f"{kind} {view.name} drives the replicas ({view.summary})"
+    conds = {c.get("type"): c for c in ((view.hpa or {}).get("status") or {}).get("conditions") or []}
+    active = conds.get("ScalingActive")
+    if not active:
+        return {"type": "ScalingActive", "status": "Unknown", "reason": "WaitingForAutoscaler",
+                "message": f"{drives}; HorizontalPodAutoscaler {view.hpa_name} has not reported yet"}
+    if active.get("status") != "True":
+        reason = active.get("reason") or "ScalingInactive"
+        meaning = _METRIC_NOT_SERVED.get(reason, "the autoscaler is not scaling").format(metric=view.metric)
+        return {"type": "ScalingActive", "status": "False", "reason": reason,
+                "message": f"{drives}, but {meaning}; replicas stay where they are. HorizontalPodAutoscaler "
+                           f"{view.hpa_name}: {active.get('message', '')}"}
+    hpa_status = view.hpa.get("status") or {}
+    return {"type": "ScalingActive", "status": "True", "reason": kind,
+            "message": f"{drives}; desired {hpa_status.get('desiredReplicas', '?')}, "
+                       f"current {hpa_status.get('currentReplicas', '?')}"}
 
 
 def compute_status(obs: Observed, *, accelerator: str, endpoint: str, selector: str) -> dict[str, Any]:
@@ -227,13 +326,7 @@ def compute_status(obs: Observed, *, accelerator: str, endpoint: str, selector: 
         _cond("Degraded", degraded is not None, degraded[0] if degraded else "AsExpected",
               degraded[1] if degraded else ""),
     ]
-    if obs.monitoring_requested:
-        if obs.monitoring_skipped:
-            why = "; ".join(f"{k} skipped: {w}" for k, w in obs.monitoring_skipped)
-            conditions.append(_cond("Monitoring", False, "MonitoringCRDMissing", why))
-        else:
-            conditions.append(_cond("Monitoring", True, "Configured",
-                                    "created " + ", ".join(obs.monitoring_requested)))
+    conditions += optional_conditions(obs)
     if obs.warnings:
         conditions.append(_cond("Warning", True, obs.warnings[0][0], "; ".join(m for _, m in obs.warnings)))
 

@@ -305,7 +305,12 @@ def test_network_policy_opens_to_a_chosen_prometheus_and_to_client_namespaces(he
 @pytest.mark.parametrize("values", [(), ("sample.topology=2x4", "sample.provisioning=spot", "sample.replicas=2"),
                                     ("sample.acceleratorType=cpu", "sample.embeddingTwin=",
                                      "sample.tokenSecretName=hf-token", "sample.image=example.com/gemma:1"),
-                                    ("sample.model=gs://weights/gemma-4-e2b", "sample.serviceAccountName=gemma-reader")])
+                                    ("sample.model=gs://weights/gemma-4-e2b", "sample.serviceAccountName=gemma-reader"),
+                                    ("sample.autoscaling.enabled=true", "--set-json=sample.autoscaling.target=0.5",
+                                     "sample.autoscaling.metric=kvCacheUsage",
+                                     "sample.autoscaling.prometheusAddress=http://prometheus.monitoring.svc:9090",
+                                     "sample.inferencePool.enabled=true",
+                                     "sample.inferencePool.endpointPickerName=gemma-epp")])
 def test_sample_is_a_gemma_rust_server_the_operator_accepts(helm, values):
     sample = find(helm.render("sample.enabled=true", *values), "GemmaRustServer")
     assert sample["apiVersion"] == f"{grs_spec.API_GROUP}/{grs_spec.API_VERSION}"
@@ -314,6 +319,23 @@ def test_sample_is_a_gemma_rust_server_the_operator_accepts(helm, values):
         assert parsed.accelerator.topology is None  # the CRD's CEL rule forbids a topology on cpu
     if "sample.serviceAccountName=gemma-reader" in values:
         assert parsed.service_account_name == "gemma-reader"
+
+
+def test_sample_autoscaling_and_inference_pool_switches_reach_its_spec(helm):
+    sample = find(helm.render("sample.enabled=true", "sample.autoscaling.enabled=true", "sample.autoscaling.maxReplicas=3",
+                              "sample.inferencePool.enabled=true", "sample.inferencePool.endpointPickerName=epp"),
+                  "GemmaRustServer")
+    parsed = grs_spec.parse_spec(sample["spec"])
+    assert (parsed.autoscaling.max_replicas, parsed.autoscaling.target, parsed.autoscaling.provider) == (3, 4, "Auto")
+    assert parsed.autoscaling.prometheus.server_address is None
+    assert parsed.gateway.inference_pool and parsed.gateway.endpoint_picker.name == "epp"
+    plain = find(helm.render("sample.enabled=true"), "GemmaRustServer")
+    assert "autoscaling" not in plain["spec"] and "gateway" not in plain["spec"]
+
+
+def test_sample_inference_pool_without_a_picker_fails_saying_what_to_set(helm):
+    out = helm.template("sample.enabled=true", "sample.inferencePool.enabled=true", check=False)
+    assert out.returncode != 0 and "sample.inferencePool.endpointPickerName" in out.stderr
 
 
 def test_sample_default_server_image_is_this_release(helm):

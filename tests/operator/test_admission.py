@@ -43,16 +43,31 @@ ONE_POWER = {
     "spec.nodeSelector": {"nodeSelector": {"a": "b"}},
     "spec.podAnnotations": {"podAnnotations": {"x": "y"}},
 }
+# Powers that reach another object than the pod: the KEDA ScaledObject's trigger.
+KEDA = {"maxReplicas": 2, "target": 1, "prometheus": {"serverAddress": "http://p:9090"}}
+OTHER_POWER = {
+    "spec.autoscaling.prometheus.authenticationRef": (
+        {"autoscaling": KEDA}, {"autoscaling": {**KEDA, "prometheus": {**KEDA["prometheus"], "authenticationRef": "a"}}},
+        builders.build_scaled_object),
+}
 
 
 @pytest.mark.parametrize("field", ONE_POWER)
 def test_each_guarded_power_reaches_the_pod(field):
-    assert {p.field for p in admission.POWERS} == set(ONE_POWER)
+    assert {p.field for p in admission.POWERS} == set(ONE_POWER) | set(OTHER_POWER)
     meta = builders.Meta("g", "ns")
     base = builders.build_deployment(parse_spec({"model": {"source": "hf://o/m"}}), meta)["spec"]["template"]
     spec = parse_spec({"model": {"source": "hf://o/m"}, **ONE_POWER[field]})
     assert builders.build_deployment(spec, meta)["spec"]["template"] != base
     assert DEFAULT_IMAGE in admission.render()  # the one image that needs no pod rights
+
+
+@pytest.mark.parametrize("field", OTHER_POWER)
+def test_each_guarded_power_beyond_the_pod_reaches_the_object_it_names(field):
+    without, with_power, builder = OTHER_POWER[field]
+    meta = builders.Meta("g", "ns")
+    assert builder(parse_spec({"model": {"source": "hf://o/m"}, **with_power}), meta) != \
+        builder(parse_spec({"model": {"source": "hf://o/m"}, **without}), meta)
 
 
 def allowlist(**settings):

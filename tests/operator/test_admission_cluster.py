@@ -39,6 +39,9 @@ POWERS = {
     "nodeSelector": ({"nodeSelector": {"node-role.kubernetes.io/control-plane": ""}}, None),
     "podAnnotations": ({"podAnnotations": {"container.apparmor.security.beta.kubernetes.io/server": "unconfined"}},
                        None),
+    "prometheusAuthentication": ({"autoscaling": {"maxReplicas": 2, "target": 1, "prometheus": {
+        "serverAddress": "http://collector.example.com", "authenticationRef": "prod-auth"}}},
+        "or to get triggerauthentications/prod-auth there"),
 }
 
 
@@ -93,6 +96,8 @@ def users(cluster, kube, ns, admission_policy):
         {"apiGroups": [""], "resources": ["serviceaccounts"], "resourceNames": ["ns-admin"], "verbs": ["use"]},
         {"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["prod-db"], "verbs": ["get"]},
         {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "resourceNames": ["prod-data"], "verbs": ["get"]},
+        {"apiGroups": ["keda.sh"], "resources": ["triggerauthentications"], "resourceNames": ["prod-auth"],
+         "verbs": ["get"]},
     ], ["carol"])
     alice = as_user(cluster, "alice")
 
@@ -128,7 +133,7 @@ def test_a_user_who_may_create_pods_is_admitted_with_every_power(users, ns):
 
 def test_rights_on_the_named_objects_admit_just_those_fields(users, ns):
     named = [POWERS[p][0] for p in ("serviceAccountName", "tokenSecret", "apiKeySecret", "pvc source",
-                                    "pvc embeddingTwin")]
+                                    "pvc embeddingTwin", "prometheusAuthentication")]
     dry_run_create(users["carol"], ns, spec_with(*named))
     other = refusal(users["carol"], ns, spec_with({"model": {"source": "hf://o/m", "tokenSecret": {"name": "other"}}}))
     assert "or to get secrets/other there" in other.message

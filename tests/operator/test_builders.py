@@ -238,8 +238,10 @@ def test_children_skip_monitoring_kinds_the_cluster_does_not_serve():
     kids = b.build_children(spec, META, frozenset({"monitoring.coreos.com/v1"}))
     assert [o["kind"] for o in kids.apply] == ["Deployment", "Service", "ServiceMonitor"]
     assert kids.absent == [("policy/v1", "PodDisruptionBudget", "gemma")]
-    assert kids.skipped == [("PodMonitoring", "monitoring.googleapis.com/v1 is not served by this cluster "
-                                              "(install GKE managed Prometheus)")]
+    assert kids.skipped == [("PodMonitoring", "monitoring.googleapis.com/v1 is not served by this cluster: CRD "
+                                              "podmonitorings.monitoring.googleapis.com is not installed (install "
+                                              "GKE managed Prometheus)")]
+    assert kids.optional == {"Monitoring": ["PodMonitoring", "ServiceMonitor"]}
 
 
 def test_children_mark_switched_off_monitoring_for_deletion():
@@ -368,3 +370,154 @@ def test_a_parent_segment_in_a_model_source_is_refused_by_the_parser_too(field, 
 def test_dots_inside_a_name_are_not_a_parent_segment():
     spec = parse_spec({"model": {"source": "pvc://claim/gemma..v2/x", "embeddingTwin": "gs://bucket/a..b"}})
     assert spec.model.source == "pvc://claim/gemma..v2/x"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Autoscaling and the InferencePool
+
+SCALE_TARGET = {"apiVersion": "gemmarust.dev/v1alpha1", "kind": "GemmaRustServer", "name": "gemma"}
+EVERYTHING = frozenset(row.api_version for row in b.OPTIONAL_KINDS)
+
+
+def scaling(**autoscaling):
+    return tpu_spec(accelerator={"type": "cpu"}, autoscaling={"maxReplicas": 4, "target": 4, **autoscaling},
+                    monitoring={"podMonitoring": False})
+
+
+def test_hpa_scales_the_server_on_the_pods_metric_prometheus_adapter_serves():
+    assert b.build_hpa(scaling(minReplicas=2), META) == {
+        "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+        "metadata": {"name": "gemma", "namespace": "serving", "labels": LABELS},
+        "spec": {"scaleTargetRef": SCALE_TARGET, "minReplicas": 2, "maxReplicas": 4,
+                 "metrics": [{"type": "Pods", "pods": {"metric": {"name": "gemma_num_requests_waiting"},
+                                                       "target": {"type": "AverageValue", "averageValue": "4"}}}]},
+    }
+
+
+def test_hpa_names_the_metric_as_gkes_adapter_does_and_a_fraction_in_milli_units():
+    hpa = b.build_hpa(scaling(metric="kvCacheUsage", target=0.75, metricsAdapter="GKE"), META)
+    assert hpa["spec"]["metrics"][0]["pods"] == {
+        "metric": {"name": "prometheus.googleapis.com|gemma_kv_cache_usage_perc|gauge"},
+        "target": {"type": "AverageValue", "averageValue": "750m"}}
+
+
+def test_scaled_object_queries_prometheus_for_the_servers_pods():
+    spec = scaling(metric="requestsRunning", target=8,
+                   prometheus={"serverAddress": "http://prometheus.monitoring.svc:9090", "authenticationRef": "gmp"})
+    assert b.build_scaled_object(spec, META) == {
+        "apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject",
+        "metadata": {"name": "gemma", "namespace": "serving", "labels": LABELS},
+        "spec": {"scaleTargetRef": SCALE_TARGET, "minReplicaCount": 1, "maxReplicaCount": 4,
+                 "triggers": [{"type": "prometheus", "metadata": {
+                     "serverAddress": "http://prometheus.monitoring.svc:9090",
+                     "query": 'sum(gemma_num_requests_running{namespace="serving",pod=~"gemma-[a-z0-9]+-[a-z0-9]+"})',
+                     "threshold": "8"}, "authenticationRef": {"name": "gmp"}}]},
+    }
+
+
+def test_inference_pool_selects_the_pods_on_the_server_port_and_names_the_picker():
+    spec = tpu_spec(server={"port": 9000}, gateway={"inferencePool": True, "endpointPicker": {"name": "epp"}})
+    assert b.build_inference_pool(spec, META) == {
+        "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+        "metadata": {"name": "gemma", "namespace": "serving", "labels": LABELS},
+        "spec": {"selector": {"matchLabels": SELECTOR}, "targetPorts": [{"number": 9000}],
+                 "endpointPickerRef": {"name": "epp", "group": "", "kind": "Service", "port": {"number": 9002},
+                                       "failureMode": "FailClose"}},
+    }
+
+
+def kinds(children):
+    return [o["kind"] for o in children.apply]
+
+
+def test_keda_is_chosen_when_served_and_given_an_address_and_our_hpa_is_pruned():
+    spec = scaling(prometheus={"serverAddress": "http://p:9090"})
+    kids = b.build_children(spec, META, EVERYTHING)
+    assert kinds(kids)[-1] == "ScaledObject"
+    # Replaced, not merely absent: deleted on every sync, since an HPA left from before KEDA's CRD appeared
+    # would drive the replicas beside KEDA's own.
+    assert kids.replaced == [("autoscaling/v2", "HorizontalPodAutoscaler", "gemma")]
+    assert ("autoscaling/v2", "HorizontalPodAutoscaler", "gemma") not in kids.absent
+    assert kids.optional == {"ScalingActive": ["ScaledObject"]} and kids.skipped == []
+
+
+def test_without_kedas_crd_auto_falls_back_to_an_hpa_and_skips_nothing():
+    spec = scaling(prometheus={"serverAddress": "http://p:9090"})
+    kids = b.build_children(spec, META, frozenset({"autoscaling/v2"}))
+    assert kinds(kids)[-1] == "HorizontalPodAutoscaler"
+    assert kids.optional == {"ScalingActive": ["HorizontalPodAutoscaler"]} and kids.skipped == []
+
+
+def test_auto_without_a_prometheus_address_uses_an_hpa_even_with_keda():
+    kids = b.build_children(scaling(), META, EVERYTHING)
+    assert kinds(kids)[-1] == "HorizontalPodAutoscaler"
+    assert ("keda.sh/v1alpha1", "ScaledObject", "gemma") in kids.absent
+
+
+def test_provider_keda_without_its_crd_is_skipped_naming_the_crd():
+    spec = scaling(provider="KEDA", prometheus={"serverAddress": "http://p:9090"})
+    kids = b.build_children(spec, META, frozenset({"autoscaling/v2"}))
+    assert "HorizontalPodAutoscaler" not in kinds(kids) and "ScaledObject" not in kinds(kids)
+    assert kids.skipped == [("ScaledObject", "keda.sh/v1alpha1 is not served by this cluster: CRD "
+                                             "scaledobjects.keda.sh is not installed (install KEDA)")]
+    assert ("autoscaling/v2", "HorizontalPodAutoscaler", "gemma") in kids.absent
+
+
+def test_removing_autoscaling_and_the_pool_prunes_their_objects():
+    kids = b.build_children(tpu_spec(monitoring={"podMonitoring": False}), META, EVERYTHING)
+    assert {("keda.sh/v1alpha1", "ScaledObject", "gemma"), ("autoscaling/v2", "HorizontalPodAutoscaler", "gemma"),
+            ("inference.networking.k8s.io/v1", "InferencePool", "gemma")} <= set(kids.absent)
+    assert kids.optional == {}
+
+
+def test_inference_pool_without_its_crd_is_skipped_naming_the_crd():
+    spec = tpu_spec(gateway={"inferencePool": True, "endpointPicker": {"name": "epp"}})
+    kids = b.build_children(spec, META, frozenset())
+    assert ("InferencePool", "inference.networking.k8s.io/v1 is not served by this cluster: CRD "
+            "inferencepools.inference.networking.k8s.io is not installed (install the Gateway API inference "
+            "extension)") in kids.skipped
+
+
+@pytest.mark.parametrize("replicas,expected", [(1, 2), (3, 3), (9, 4)])
+def test_deployment_replicas_follow_spec_replicas_within_the_autoscaling_bounds(replicas, expected):
+    spec = scaling(minReplicas=2, maxReplicas=4)
+    spec = spec.model_copy(update={"replicas": replicas})
+    assert b.build_deployment(spec, META)["spec"]["replicas"] == expected
+    assert b.replicas(tpu_spec(replicas=7)) == 7
+
+
+def test_every_optional_row_names_its_crd_and_a_builder_of_its_own_kind():
+    spec = tpu_spec(autoscaling={"maxReplicas": 4, "target": 4, "prometheus": {"serverAddress": "http://p:9090"}},
+                    monitoring={"serviceMonitor": True},
+                    gateway={"inferencePool": True, "endpointPicker": {"name": "e"}})
+    for row in b.OPTIONAL_KINDS:
+        obj = row.builder(spec, META)
+        assert (obj["apiVersion"], obj["kind"]) == (row.api_version, row.kind)
+        assert row.crd is None or row.crd == f"{row.plural}.{row.api_version.split('/')[0]}"
+
+
+def test_event_is_built_from_the_time_and_instance_given():
+    from datetime import datetime, timezone
+
+    body = {"apiVersion": "gemmarust.dev/v1alpha1", "kind": "GemmaRustServer",
+            "metadata": {"name": "g", "namespace": "ns", "uid": "u1"}}
+    now = datetime(2026, 1, 2, 3, 4, 5, 600000, tzinfo=timezone.utc)
+    event = b.build_event(body, "Normal", "Ready", "x" * 2000, now, "op-0")
+    assert event["metadata"]["name"].startswith("g.") and len(event["metadata"]["name"]) == 12
+    assert event == b.build_event(body, "Normal", "Ready", "x" * 2000, now, "op-0")
+    assert event["involvedObject"] == {"apiVersion": "gemmarust.dev/v1alpha1", "kind": "GemmaRustServer",
+                                       "name": "g", "namespace": "ns", "uid": "u1"}
+    assert (event["firstTimestamp"], event["reportingInstance"], len(event["message"])) == (
+        "2026-01-02T03:04:05Z", "op-0", 1024)
+
+
+@pytest.mark.parametrize("autoscaling,message", [
+    ({"minReplicas": 5, "maxReplicas": 4, "target": 1}, "minReplicas must not exceed"),
+    ({"maxReplicas": 4, "target": 1, "provider": "KEDA"}, "set spec.autoscaling.prometheus.serverAddress"),
+    ({"maxReplicas": 4, "target": 2, "metric": "kvCacheUsage"}, "a fraction of the KV cache"),
+])
+def test_autoscaling_rules_are_cel_in_the_crd(autoscaling, message):
+    from gemma_operator import crd
+
+    rules = crd.spec_schema()["properties"]["autoscaling"]["x-kubernetes-validations"]
+    assert any(message in r["message"] for r in rules)

@@ -68,3 +68,12 @@ def test_cross_field_rules_are_cel():
     assert any("buildCache" in r and "replicas" in r for r in rules)
     assert any("topology" in r and "cpu" in r for r in rules)
     assert any("computeClass" in r and "provisioning" in r for r in rules)
+
+
+def test_cel_rules_of_a_defaulted_object_hold_for_its_default():
+    # The API server checks an object's CEL rules against the object's `default` ({}) before nested
+    # defaults apply, and refuses the CRD when a rule reads a field that is then absent.
+    from gemma_operator.spec import CEL_RULES, GatewaySpec
+
+    (rule,) = CEL_RULES[GatewaySpec]
+    assert rule["rule"].startswith("!has(self.inferencePool) ||")

@@ -71,7 +71,7 @@ def test_termination_message_and_boot_failure_reach_the_status_redacted():
                           "containerStatuses": [{"name": "server", "state": {"running": {"startedAt": "t"}}}]}}
     obs = status.Observed(generation=1, replicas=2, pods=[crashed, booting],
                           engine={"g-2": {"stage": "smoke", "failed": f"env: HF_TOKEN={HF_TOKEN}"}}, served_models={},
-                          problems=[], monitoring_requested=[], monitoring_skipped=[])
+                          problems=[], optional={}, skipped=[])
     out = status.compute_status(obs, accelerator="cpu", endpoint="", selector="")
     assert HF_TOKEN not in json.dumps(out)
     assert len(out["lastFailure"]["message"].encode()) <= MAX_BYTES

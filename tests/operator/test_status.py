@@ -36,9 +36,9 @@ def pod(name="g-1", *, node="v5e-2x2-a", scheduled=True, schedule_message="", ru
 def observe(pods=(), *, replicas=1, engine=None, served_models=None, problems=(), requested=(), skipped=(),
             blockers=None, disruption=None, warnings=(), poll_errors=None):
     return st.Observed(generation=3, replicas=replicas, pods=list(pods), engine=engine or {},
-                       served_models=served_models or {},
-                       problems=list(problems), monitoring_requested=list(requested),
-                       monitoring_skipped=list(skipped), blockers=blockers or {}, disruption=disruption,
+                       served_models=served_models or {}, problems=list(problems),
+                       optional={"Monitoring": list(requested)} if requested else {},
+                       skipped=list(skipped), blockers=blockers or {}, disruption=disruption,
                        warnings=list(warnings), poll_errors=poll_errors or {})
 
 
@@ -248,3 +248,79 @@ def test_spec_warnings_are_a_warning_condition_not_degraded():
                                    "spec.buildCache.type emptyDir on spot capacity: ...; "
                                    "spec.server.shutdownTimeoutSeconds 30 s ...")
     assert "Warning" not in conds(compute(observe([pod(ready=True)])))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Optional kinds: Gateway and ScalingActive
+
+
+def test_a_missing_inference_pool_crd_is_a_gateway_condition_naming_it_and_the_pod_still_serves():
+    why = "inference.networking.k8s.io/v1 is not served by this cluster: CRD inferencepools.inference.networking.k8s.io"
+    s = compute(st.Observed(generation=1, replicas=1, pods=[pod(ready=True)], engine={}, served_models={},
+                            problems=[], optional={"Gateway": ["InferencePool"]}, skipped=[("InferencePool", why)]))
+    assert conds(s)["Gateway"] == ("False", "CRDMissing", f"InferencePool skipped: {why}")
+    assert s["phase"] == "Ready"
+
+
+def scaled(hpa, kind="HorizontalPodAutoscaler", skipped=()):
+    view = st.ScalingView("g", "1..4 replicas, gemma_num_requests_waiting 4 per pod", "gemma_num_requests_waiting",
+                          "g" if kind == "HorizontalPodAutoscaler" else "keda-hpa-g", hpa)
+    obs = st.Observed(generation=1, replicas=1, pods=[pod(ready=True)], engine={}, served_models={}, problems=[],
+                      optional={"ScalingActive": [kind]}, skipped=list(skipped), scaling=None if skipped else view)
+    return conds(compute(obs))["ScalingActive"]
+
+
+def hpa(active, reason="ValidMetricFound", message="the HPA was able to successfully calculate a replica count"):
+    return {"status": {"currentReplicas": 1, "desiredReplicas": 2, "conditions": [
+        {"type": "AbleToScale", "status": "True", "reason": "SucceededGetScale"},
+        {"type": "ScalingActive", "status": active, "reason": reason, "message": message}]}}
+
+
+def test_scaling_active_names_the_object_that_drives_the_replicas():
+    assert scaled(hpa("True")) == (
+        "True", "HorizontalPodAutoscaler", "HorizontalPodAutoscaler g drives the replicas (1..4 replicas, "
+        "gemma_num_requests_waiting 4 per pod); desired 2, current 1")
+
+
+def test_an_hpa_that_cannot_get_its_pods_metric_says_no_adapter_serves_it():
+    status, reason, message = scaled(hpa("False", "FailedGetPodsMetric",
+                                         "the HPA was unable to compute the replica count: unable to get metric "
+                                         "gemma_num_requests_waiting: no custom metrics API (custom.metrics.k8s.io) "
+                                         "registered"))
+    assert (status, reason) == ("False", "FailedGetPodsMetric")
+    assert "no custom-metrics adapter serves the Pods metric gemma_num_requests_waiting" in message
+    assert message.endswith("no custom metrics API (custom.metrics.k8s.io) registered")
+
+
+def test_a_keda_hpa_that_cannot_get_its_external_metric_points_at_prometheus():
+    status, reason, message = scaled(hpa("False", "FailedGetExternalMetric", "unable to get external metric"),
+                                     kind="ScaledObject")
+    assert (status, reason) == ("False", "FailedGetExternalMetric")
+    assert message.startswith("ScaledObject g drives the replicas") and "serverAddress reachable" in message
+    assert "HorizontalPodAutoscaler keda-hpa-g: unable to get external metric" in message
+
+
+def test_before_the_hpa_reports_scaling_is_unknown():
+    assert scaled(None)[:2] == ("Unknown", "WaitingForAutoscaler")
+    assert scaled({"status": {}})[:2] == ("Unknown", "WaitingForAutoscaler")
+
+
+def test_a_missing_keda_crd_leaves_spec_replicas_in_charge():
+    status, reason, message = scaled(None, kind="ScaledObject", skipped=[("ScaledObject", "CRD scaledobjects.keda.sh")])
+    assert (status, reason) == ("False", "CRDMissing")
+    assert message == "ScaledObject skipped: CRD scaledobjects.keda.sh; spec.replicas drives the replicas"
+
+
+@pytest.mark.parametrize("code,optional,outcome", [
+    (404, True, "skipped"), (405, True, "skipped"), (404, False, "retry"), (422, False, "problem"),
+    (403, True, "problem"), (500, True, "retry"), (409, False, "retry"),
+])
+def test_apply_errors_are_classified(code, optional, outcome):
+    obj = {"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject", "metadata": {"name": "g"}}
+    failure = st.classify_apply_error(obj, code, "refused", missing="CRD scaledobjects.keda.sh is gone" if optional else None)
+    got = "skipped" if failure.skipped else "problem" if failure.problem else "retry"
+    assert got == outcome
+    if failure.problem:
+        assert failure.problem == st.Problem("ApplyRejected", "ScaledObject g: refused", fatal=False)
+    if failure.skipped:
+        assert failure.skipped == ("ScaledObject", "CRD scaledobjects.keda.sh is gone")

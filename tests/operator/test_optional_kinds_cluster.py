@@ -1,0 +1,172 @@
+"""The optional kinds against the real API server: KEDA's ScaledObject and the inference extension's
+InferencePool under their projects' own CRDs (tests/cluster/crds.py, fetched from their Go modules), and
+the autoscaling/v2 HPA acted on by kube-controller-manager's own HPA controller.
+
+Each test states whether it needs a CRD installed or absent (`installed`/`absent`), so the order in which
+the tests run does not matter."""
+
+from __future__ import annotations
+
+import pytest
+
+from gemma_operator import builders
+from gemma_operator.spec import parse_spec
+from tests.cluster.crds import INFERENCE_POOLS, SCALED_OBJECTS, absent, crd_names, installed
+
+from .harness import GRS_PATH, condition, create, dump, get, wait_for
+
+pytestmark = pytest.mark.cluster
+
+BASE = {"model": {"source": "hf://google/gemma-4-e2b-it"}, "accelerator": {"type": "cpu"}}
+PROMETHEUS = "http://prometheus.monitoring.svc:9090"
+PICKER = {"name": "gemma-epp"}
+
+
+
+
+def get_child(kube, api_version, kind, ns, name):
+    return kube.get_if_present(api_version, kind, ns, name)
+
+
+def patch_spec(kube, ns, name, spec):
+    kube.request("PATCH", f"{GRS_PATH.format(ns=ns)}/{name}", {"spec": spec},
+                 content_type="application/merge-patch+json")
+
+
+def cond_is(kube, ns, name, type_, status, reason=None):
+    def check():
+        obj = get(kube, ns, name)
+        c = condition(obj, type_)
+        return obj if c.get("status") == status and (reason is None or c.get("reason") == reason) else None
+    return check
+
+
+def wait_cond(kube, ns, name, type_, status, operator, reason=None, timeout=60):
+    return wait_for(cond_is(kube, ns, name, type_, status, reason), timeout=timeout,
+                    what=f"{name} condition {type_}={status} {reason or ''}",
+                    diagnose=lambda: dump(get(kube, ns, name).get("status")) + "\n" + operator.tail(30))
+
+
+def gone(kube, api_version, kind, ns, name):
+    return lambda: get_child(kube, api_version, kind, ns, name) is None
+
+
+def test_the_table_agrees_with_the_upstream_crds():
+    for crd in (SCALED_OBJECTS, INFERENCE_POOLS):
+        row = next(r for r in builders.OPTIONAL_KINDS if r.crd == crd.name)
+        names = crd_names(crd)
+        assert (names["kind"], names["plural"], row.api_version) == (row.kind, row.plural, crd.group_version)
+
+
+def test_hpa_on_the_scale_subresource_is_accepted_and_says_when_no_adapter_serves_the_metric(
+        cluster, kube, ns, operator):
+    spec = {**BASE, "autoscaling": {"provider": "HPA", "minReplicas": 2, "maxReplicas": 3, "target": 4}}
+    create(kube, ns, "hpa", spec)
+    hpa = wait_for(lambda: get_child(kube, "autoscaling/v2", "HorizontalPodAutoscaler", ns, "hpa"),
+                   what="the HPA", diagnose=operator.tail)
+    # Accepted by the real API server, as built.
+    assert hpa["spec"] == builders.build_hpa(parse_spec(spec), builders.Meta("hpa", ns))["spec"]
+    # Before the HPA acts, the Deployment already runs minReplicas (spec.replicas is 1).
+    assert kube.request("GET", f"/apis/apps/v1/namespaces/{ns}/deployments/hpa")["spec"]["replicas"] == 2
+    # kube-controller-manager's HPA controller reads the GemmaRustServer's scale subresource (two pods) and
+    # asks custom.metrics.k8s.io for the Pods metric, which nothing serves here; the operator says so.
+    obj = wait_cond(kube, ns, "hpa", "ScalingActive", "False", operator, reason="FailedGetPodsMetric", timeout=120)
+    message = condition(obj, "ScalingActive")["message"]
+    assert message.startswith("HorizontalPodAutoscaler hpa drives the replicas (2..3 replicas, "
+                              "gemma_num_requests_waiting 4 per pod), but no custom-metrics adapter serves "
+                              "the Pods metric gemma_num_requests_waiting"), message
+    wait_for(lambda: (lambda st: st.get("phase") == "Ready" and st.get("readyText") == "2/2")(
+        get(kube, ns, "hpa").get("status") or {}), what="two ready replicas", diagnose=operator.tail)
+    # Removing spec.autoscaling removes the HPA.
+    kube.request("PATCH", f"{GRS_PATH.format(ns=ns)}/hpa", [{"op": "remove", "path": "/spec/autoscaling"}],
+                 content_type="application/json-patch+json")
+    wait_for(gone(kube, "autoscaling/v2", "HorizontalPodAutoscaler", ns, "hpa"), what="the HPA to be deleted",
+             diagnose=operator.tail)
+    wait_for(lambda: not condition(get(kube, ns, "hpa"), "ScalingActive"), what="ScalingActive to go")
+
+
+def test_scaled_object_is_accepted_by_kedas_crd_updated_with_the_spec_and_deleted_with_the_server(
+        cluster, kube, ns, operator):
+    installed(cluster, SCALED_OBJECTS)
+    spec = {**BASE, "autoscaling": {"maxReplicas": 4, "target": 4, "prometheus": {"serverAddress": PROMETHEUS}}}
+    create(kube, ns, "keda", spec)
+    so = wait_for(lambda: get_child(kube, "keda.sh/v1alpha1", "ScaledObject", ns, "keda"),
+                  what="the ScaledObject", diagnose=operator.tail)
+    assert so["spec"] == builders.build_scaled_object(parse_spec(spec), builders.Meta("keda", ns))["spec"]
+    # An HPA made while discovery had not yet seen KEDA's CRD goes once the ScaledObject is made.
+    wait_for(gone(kube, "autoscaling/v2", "HorizontalPodAutoscaler", ns, "keda"), what="no HPA of our own beside KEDA",
+             diagnose=operator.tail)
+    # No KEDA operator runs here, so no keda-hpa-keda reports: the condition says which object drives, and waits.
+    obj = wait_cond(kube, ns, "keda", "ScalingActive", "Unknown", operator, reason="WaitingForAutoscaler")
+    assert condition(obj, "ScalingActive")["message"].startswith("ScaledObject keda drives the replicas")
+    patch_spec(kube, ns, "keda", {"autoscaling": {"metric": "kvCacheUsage", "target": 0.8}})
+    so = wait_for(lambda: (lambda o: o if o and o["spec"]["triggers"][0]["metadata"]["threshold"] == "0.8" else None)(
+        get_child(kube, "keda.sh/v1alpha1", "ScaledObject", ns, "keda")), what="the ScaledObject updated",
+        diagnose=operator.tail)
+    assert so["spec"]["triggers"][0]["metadata"]["query"].startswith("sum(gemma_kv_cache_usage_perc{")
+    cluster.kubectl("delete", "grs", "keda", "-n", ns, "--wait=true", "--timeout=60s")
+    wait_for(gone(kube, "keda.sh/v1alpha1", "ScaledObject", ns, "keda"), timeout=60,
+             what="the garbage collector to delete the ScaledObject")
+
+
+def test_keda_asked_for_without_its_crd_is_a_condition_naming_it_and_the_pod_still_runs(cluster, kube, ns, operator):
+    absent(cluster, SCALED_OBJECTS)
+    create(kube, ns, "nokeda", {**BASE, "autoscaling": {"provider": "KEDA", "maxReplicas": 2, "target": 4,
+                                                        "prometheus": {"serverAddress": PROMETHEUS}}})
+    obj = wait_cond(kube, ns, "nokeda", "ScalingActive", "False", operator, reason="CRDMissing")
+    assert "CRD scaledobjects.keda.sh is not installed (install KEDA)" in condition(obj, "ScalingActive")["message"]
+    wait_for(lambda: get(kube, ns, "nokeda").get("status", {}).get("phase") == "Ready",
+             what="the pod to run anyway", diagnose=operator.tail)
+    assert get_child(kube, "autoscaling/v2", "HorizontalPodAutoscaler", ns, "nokeda") is None
+
+
+def test_inference_pool_is_accepted_by_its_crd_follows_the_port_and_goes_with_the_server(cluster, kube, ns, operator):
+    installed(cluster, INFERENCE_POOLS)
+    spec = {**BASE, "gateway": {"inferencePool": True, "endpointPicker": PICKER}}
+    create(kube, ns, "pool", spec)
+    pool = wait_for(lambda: get_child(kube, "inference.networking.k8s.io/v1", "InferencePool", ns, "pool"),
+                    what="the InferencePool", diagnose=operator.tail)
+    assert pool["spec"] == builders.build_inference_pool(parse_spec(spec), builders.Meta("pool", ns))["spec"]
+    wait_cond(kube, ns, "pool", "Gateway", "True", operator, reason="Configured")
+    patch_spec(kube, ns, "pool", {"server": {"port": 9000}})
+    wait_for(lambda: get_child(kube, "inference.networking.k8s.io/v1", "InferencePool", ns, "pool")
+             ["spec"]["targetPorts"] == [{"number": 9000}], what="the pool on port 9000", diagnose=operator.tail)
+    patch_spec(kube, ns, "pool", {"gateway": {"inferencePool": False}})
+    wait_for(gone(kube, "inference.networking.k8s.io/v1", "InferencePool", ns, "pool"),
+             what="the pool to be deleted when switched off", diagnose=operator.tail)
+    patch_spec(kube, ns, "pool", {"gateway": {"inferencePool": True}})
+    wait_for(lambda: get_child(kube, "inference.networking.k8s.io/v1", "InferencePool", ns, "pool"),
+             what="the pool back", diagnose=operator.tail)
+    cluster.kubectl("delete", "grs", "pool", "-n", ns, "--wait=true", "--timeout=60s")
+    wait_for(gone(kube, "inference.networking.k8s.io/v1", "InferencePool", ns, "pool"), timeout=60,
+             what="the garbage collector to delete the InferencePool")
+
+
+def test_inference_pool_without_its_crd_is_a_gateway_condition_naming_it_and_the_pod_still_runs(
+        cluster, kube, ns, operator):
+    absent(cluster, INFERENCE_POOLS)
+    create(kube, ns, "nopool", {**BASE, "gateway": {"inferencePool": True, "endpointPicker": PICKER}})
+    obj = wait_cond(kube, ns, "nopool", "Gateway", "False", operator, reason="CRDMissing")
+    assert condition(obj, "Gateway")["message"] == (
+        "InferencePool skipped: inference.networking.k8s.io/v1 is not served by this cluster: CRD "
+        "inferencepools.inference.networking.k8s.io is not installed (install the Gateway API inference extension)")
+    wait_for(lambda: get(kube, ns, "nopool").get("status", {}).get("phase") == "Ready", what="the pod to run anyway",
+             diagnose=operator.tail)
+
+
+@pytest.mark.parametrize("spec,message", [
+    ({"gateway": {"inferencePool": True}}, "spec.gateway.inferencePool names an endpoint picker"),
+    ({"autoscaling": {"minReplicas": 3, "maxReplicas": 2, "target": 1}}, "minReplicas must not exceed"),
+    ({"autoscaling": {"maxReplicas": 2, "target": 2, "metric": "kvCacheUsage"}}, "a fraction of the KV cache"),
+    ({"autoscaling": {"maxReplicas": 2, "target": 2, "provider": "KEDA"}},
+     "set spec.autoscaling.prometheus.serverAddress"),
+])
+def test_admission_refuses_an_autoscaling_or_gateway_spec_that_cannot_work(cluster, ns, spec, message):
+    import json
+    import subprocess
+
+    body = {"apiVersion": "gemmarust.dev/v1alpha1", "kind": "GemmaRustServer", "metadata": {"name": "bad"},
+            "spec": {**BASE, **spec}}
+    with pytest.raises(subprocess.CalledProcessError) as err:
+        cluster.kubectl("create", "-n", ns, "-f", "-", input=json.dumps(body))
+    assert message in err.value.stderr
