@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tests.server.openapi_checks import engine_replies, run_schemathesis
+from tests.server.openapi_checks import finished_requests, run_schemathesis
 
 API_KEY = "fuzz-key"
 
@@ -51,13 +51,15 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             report = run_schemathesis(base, API_KEY, Path(tmp) / "schemathesis.json", seed=args.seed,
                                       max_examples=args.max_examples, timeout=6 * 3600)
-        replies = engine_replies(base)
+        finished = finished_requests(base)
     finally:
         stop_server(proc)
     print(report["output"][-8000:])
     cases = report["test_cases"]
     print(f"cases sent {cases['generated']} · with failures {cases['with_failures']} · errored {cases['errored']} · "
-          f"engine replies {replies:.0f} · {report['running_time']:.0f} s · seed {args.seed}, "
+          f"engine replies {finished.get('stop', 0) + finished.get('length', 0):.0f} (requests by finish: "
+          f"{', '.join(f'{k} {v:.0f}' for k, v in sorted(finished.items()))}) · {report['running_time']:.0f} s · "
+          f"seed {args.seed}, "
           f"max examples {args.max_examples}")
     for failure in report["failures"]:
         print(f"FAILURE {failure['code']} {failure['title']}: {failure['count']} in {', '.join(failure['operations'])}")

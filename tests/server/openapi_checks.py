@@ -91,8 +91,14 @@ def run_schemathesis(base: str, api_key: str, report: Path, *, seed: int, max_ex
     return result
 
 
+def finished_requests(base: str) -> dict[str, float]:
+    """The server's `gemma_request_success_total` by finished_reason (stop, length, abort, error)."""
+    text = httpx.get(base + "/metrics", timeout=10).text
+    return {sample.labels["finished_reason"]: sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name == "gemma_request_success_total"}
+
+
 def engine_replies(base: str) -> float:
     """Requests the server's engine answered to their end (finished "stop" or "length"), from /metrics."""
-    text = httpx.get(base + "/metrics", timeout=10).text
-    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-               if sample.name == "gemma_request_success_total" and sample.labels["finished_reason"] in ("stop", "length"))
+    finished = finished_requests(base)
+    return finished.get("stop", 0) + finished.get("length", 0)
