@@ -1,13 +1,13 @@
 """The long run of requests generated from the server's OpenAPI document (tests/server/test_openapi.py is
 the short one).
 
-    .venv/bin/python -m bench.fuzz [--max-examples 600] [--seed 1] [--model DIR]
+    .venv/bin/python -m bench.fuzz [--max-examples 600] [--max-time 2400] [--seed 1] [--model DIR]
 
 Starts `python -m gemma_server` on the CPU as the test does (the tiny demo checkpoint unless --model or
 MODEL names one; a 64-token context and 16 slots so that a request for many long choices ends in seconds;
 an API key, so that schemathesis's auth checks run), then runs schemathesis with every check and
 tests/server/openapi_checks.py's hooks: its coverage phase, then `--max-examples` generated cases per
-operation. Prints the cases sent, the replies the engine generated, and each failure and error; exits 1
+operation, or as many as `--max-time` seconds allow. Prints the cases sent, the replies the engine generated, and each failure and error; exits 1
 when there is any.
 """
 
@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m bench.fuzz", description=__doc__.split("\n\n")[0])
     p.add_argument("--max-examples", type=int, default=600, help="generated cases per operation")
+    p.add_argument("--max-time", type=int, default=2400, help="seconds the whole run may take")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--model", default=os.environ.get("MODEL"))
     args = p.parse_args(argv)
@@ -50,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         wait_until_ready(base, proc, show_stages=False)
         with tempfile.TemporaryDirectory() as tmp:
             report = run_schemathesis(base, API_KEY, Path(tmp) / "schemathesis.json", seed=args.seed,
-                                      max_examples=args.max_examples, timeout=6 * 3600)
+                                      max_examples=args.max_examples, timeout=args.max_time + 600,
+                                      extra=("--max-time", str(args.max_time)))
         finished = finished_requests(base)
     finally:
         stop_server(proc)
