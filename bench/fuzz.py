@@ -18,7 +18,10 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+
+import httpx
 
 from tests.server.openapi_checks import finished_requests, run_schemathesis
 
@@ -31,8 +34,23 @@ def server_args(model: str) -> list[str]:
             "--queue-limit", "64"]
 
 
+def wait_until_healthy(base: str, proc: subprocess.Popen, timeout: float = 600) -> None:
+    """Poll /health until 200 (bench/demo.py's wait reads /v1/engine, which the API key closes)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            sys.exit(f"the server exited with status {proc.returncode} during boot")
+        try:
+            if httpx.get(base + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+    sys.exit(f"the server was not ready after {timeout:.0f}s")
+
+
 def main(argv: list[str] | None = None) -> int:
-    from bench.demo import ensure_demo_checkpoint, pick_port, stop_server, wait_until_ready
+    from bench.demo import ensure_demo_checkpoint, pick_port, stop_server
 
     p = argparse.ArgumentParser(prog="python -m bench.fuzz", description=__doc__.split("\n\n")[0])
     p.add_argument("--max-examples", type=int, default=600, help="generated cases per operation")
@@ -48,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "GEMMA_API_KEY": API_KEY, "GEMMA_LOG_LEVEL": "error", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, env=env)
     try:
-        wait_until_ready(base, proc, show_stages=False)
+        wait_until_healthy(base, proc)
         with tempfile.TemporaryDirectory() as tmp:
             report = run_schemathesis(base, API_KEY, Path(tmp) / "schemathesis.json", seed=args.seed,
                                       max_examples=args.max_examples, timeout=args.max_time + 600,
