@@ -1,7 +1,7 @@
 """The long run of requests generated from the server's OpenAPI document (tests/server/test_openapi.py is
 the short one).
 
-    .venv/bin/python -m bench.fuzz [--max-examples 600] [--max-time 2400] [--seed 1] [--model DIR]
+    .venv/bin/python -m bench.fuzz [--max-examples 600] [--max-time 2400] [--workers 2] [--seed 1] [--model DIR]
 
 Starts `python -m gemma_server` on the CPU as the test does (the tiny demo checkpoint unless --model or
 MODEL names one; a 64-token context and 16 slots so that a request for many long choices ends in seconds;
@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.fuzz", description=__doc__.split("\n\n")[0])
     p.add_argument("--max-examples", type=int, default=600, help="generated cases per operation")
     p.add_argument("--max-time", type=int, default=2400, help="seconds the whole run may take")
+    p.add_argument("--workers", type=int, default=2, help="operations tested at once")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--model", default=os.environ.get("MODEL"))
     args = p.parse_args(argv)
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             report = run_schemathesis(base, API_KEY, Path(tmp) / "schemathesis.json", seed=args.seed,
                                       max_examples=args.max_examples, timeout=args.max_time + 600,
+                                      workers=args.workers,
                                       extra=("--max-time", str(args.max_time)))
         finished = finished_requests(base)
     finally:

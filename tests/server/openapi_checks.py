@@ -62,7 +62,7 @@ REPO = HERE.parents[1]
 
 
 def run_schemathesis(base: str, api_key: str, report: Path, *, seed: int, max_examples: int,
-                     timeout: float, extra: tuple[str, ...] = ()) -> dict:
+                     timeout: float, workers: int = 1, extra: tuple[str, ...] = ()) -> dict:
     """`st run` against `base`/openapi.json with every check, this module's hooks and schemathesis.toml.
 
     Args:
@@ -72,13 +72,14 @@ def run_schemathesis(base: str, api_key: str, report: Path, *, seed: int, max_ex
         seed: schemathesis's seed (fixed: the same cases every run).
         max_examples: cases per operation in the fuzzing phase (the coverage phase adds its own).
         timeout: seconds for the whole run.
+        workers: operations tested at once (more than 1 lets the engine batch the two generation routes).
         extra: more `st run` options.
     Returns:
         the JSON run report: `test_cases.generated`, `failures`, `errors`, `exit_code`, ...
     """
     cmd = [sys.executable, "-m", "schemathesis.cli", "--config-file", str(HERE / "schemathesis.toml"), "run",
            f"{base}/openapi.json", "--header", f"Authorization: Bearer {api_key}", "--checks", "all",
-           "--seed", str(seed), "--max-examples", str(max_examples), "--workers", "1", "--continue-on-failure",
+           "--seed", str(seed), "--max-examples", str(max_examples), "--workers", str(workers), "--continue-on-failure",
            "--request-timeout", "120", "--max-response-time", "120", "--no-color",
            "--report", "json", "--report-json-path", str(report), *extra]
     env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.server.openapi_checks",
