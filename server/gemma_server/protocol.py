@@ -113,6 +113,9 @@ MAX_MESSAGES = 1024
 # context x this cannot fit and is refused before it is tokenized.
 MAX_CHARS_PER_TOKEN = 32
 MAX_INT64 = 2**63 - 1
+# Any integer is a seed: it is taken modulo 2**64 (choice i of n uses seed + i), so no bound can be missed by
+# a JSON number that a float rounds (9.2e18 is 2**63 to a JSON Schema validator).
+SEED = "Any integer, taken modulo 2**64 into the engine's signed 64-bit seed."
 # logit_bias keys: token ids written in ASCII digits.
 TOKEN_ID_KEY = re.compile(r"[0-9]+")
 
@@ -175,12 +178,10 @@ class GenerationRequest(OpenAIModel):
         _in_range("presence_penalty", g("presence_penalty"), -2.0, 2.0)
         _in_range("min_p", g("min_p"), 0.0, 1.0)
         _in_range("repetition_penalty", g("repetition_penalty"), 0.0, 2.0, lo_open=True)
-        if g("top_k") is not None and not -1 <= g("top_k") <= MAX_INT64:
-            raise bad_request("top_k", "top_k must be -1 or 0 (every token) or at least 1, and fit in 64 bits.")
+        if g("top_k") is not None and g("top_k") < -1:
+            raise bad_request("top_k", "top_k must be -1 or 0 (every token) or at least 1.")
         if g("n") is not None and not 1 <= g("n") <= MAX_N:
             raise bad_request("n", f"n must be between 1 and {MAX_N}.")
-        if g("seed") is not None and not (-MAX_INT64 - 1 <= g("seed") <= MAX_INT64):
-            raise bad_request("seed", "seed must fit in a signed 64-bit integer.")
         bias = g("logit_bias") or {}
         if len(bias) > MAX_LOGIT_BIAS:
             raise bad_request("logit_bias", f"logit_bias holds at most {MAX_LOGIT_BIAS} entries, got {len(bias)}.")
@@ -207,7 +208,8 @@ class GenerationRequest(OpenAIModel):
         top_k = g("top_k")
         kwargs = {
             "temperature": default_temperature if g("temperature") is None else g("temperature"),
-            "top_k": 0 if top_k in (None, -1) else top_k,
+            # Past the vocabulary every top_k keeps every token: clamped to the engine's i64.
+            "top_k": 0 if top_k in (None, -1) else min(top_k, MAX_INT64),
             "top_p": 1.0 if g("top_p") is None else g("top_p"),
             "min_p": g("min_p") or 0.0,
             "presence_penalty": g("presence_penalty") or 0.0,
@@ -343,7 +345,7 @@ class ChatCompletionRequest(GenerationRequest):
     n: Integer | None = documented(1, minimum=1, maximum=MAX_N)
     presence_penalty: float | None = documented(**PENALTY)
     response_format: dict[str, Any] | None = documented(properties={"type": {"enum": ["text"]}})
-    seed: Integer | None = documented(minimum=-MAX_INT64 - 1, maximum=MAX_INT64)
+    seed: Integer | None = Field(default=None, description=SEED)
     stop: str | list[str] | None = documented(**STOP)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -356,7 +358,7 @@ class ChatCompletionRequest(GenerationRequest):
 
     # --- extensions (vLLM's names) -------------------------------------------------------------
     stop_token_ids: list[Integer] | None = documented(**TOKEN_IDS)
-    top_k: Integer | None = documented(minimum=-1, maximum=MAX_INT64)
+    top_k: Integer | None = documented(minimum=-1)
     min_p: float | None = documented(minimum=0.0, maximum=1.0)
     repetition_penalty: float | None = documented(exclusiveMinimum=0.0, maximum=2.0)
     ignore_eos: bool = documented(False, enum=[False], description="Not supported.")
@@ -482,7 +484,7 @@ class CompletionRequest(GenerationRequest):
     max_tokens: Integer | None = documented(minimum=1)
     n: Integer | None = documented(1, minimum=1, maximum=MAX_N)
     presence_penalty: float | None = documented(**PENALTY)
-    seed: Integer | None = documented(minimum=-MAX_INT64 - 1, maximum=MAX_INT64)
+    seed: Integer | None = Field(default=None, description=SEED)
     stop: str | list[str] | None = documented(**STOP)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -493,7 +495,7 @@ class CompletionRequest(GenerationRequest):
 
     # --- extensions (vLLM's names) -------------------------------------------------------------
     stop_token_ids: list[Integer] | None = documented(**TOKEN_IDS)
-    top_k: Integer | None = documented(minimum=-1, maximum=MAX_INT64)
+    top_k: Integer | None = documented(minimum=-1)
     min_p: float | None = documented(minimum=0.0, maximum=1.0)
     repetition_penalty: float | None = documented(exclusiveMinimum=0.0, maximum=2.0)
     ignore_eos: bool = documented(False, enum=[False], description="Not supported.")

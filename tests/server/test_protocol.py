@@ -72,7 +72,6 @@ def test_token_ids_outside_the_vocabulary_are_400():
         ("logit_bias", {"512": 1.0}),
         ("top_logprobs", 2),
         ("top_k", -2),
-        ("top_k", 2**64),  # past the engine's i64: refused here, not a failure on the engine's thread
         ("logit_bias", {"\u00b2": 1.0}),  # a digit to str.isdigit, not to int()
         ("min_p", 1.5),
         ("repetition_penalty", 0.0),
@@ -163,3 +162,9 @@ def test_logit_bias_key_pattern_is_exactly_the_ids_below_the_vocabulary(vocab):
     accepted = [n for n in range(vocab * 3 + 20) if pattern.match(str(n))]
     assert accepted == list(range(vocab))
     assert bool(pattern.match("007")) == (vocab > 7) and not pattern.match("-1") and not pattern.match("\u00b2")
+
+
+def test_seeds_and_top_k_past_64_bits_are_taken_in_range_not_refused():
+    # A float rounds 2**63 - 1 to 2**63, which JSON Schema's maximum would pass: no such bound is kept.
+    p = params(chat(seed=2**64 + 5, top_k=2**70))
+    assert p.choice_sampling(0, lambda: 0)["seed"] == 5 and dict(p.sampling)["top_k"] == 2**63 - 1
