@@ -273,12 +273,16 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
     app = FastAPI(title="gemma-rust-operator server", lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.server = state
 
+    # The routes that call check_api_key (with --api-key; /metrics only with --metrics-need-key).
+    keyed = frozenset(["/v1/chat/completions", "/v1/completions", "/v1/models",
+                       *(["/metrics"] if config.metrics_need_key else [])] if config.api_key else [])
+
     def document() -> dict[str, Any]:
         """openapi.py's document; kept once the model's limits are in it."""
         if app.openapi_schema is None:
             loaded = state.boot.loaded
             limits = openapi.ModelLimits(loaded.vocab_size, loaded.context) if loaded else None
-            doc = openapi.document(app, bool(config.api_key), limits)
+            doc = openapi.document(app, keyed, limits)
             if limits is None:
                 return doc
             app.openapi_schema = doc

@@ -7,7 +7,7 @@ below, each error with `ErrorResponse`), and `document` builds the rest with Fas
 (fastapi/openapi/utils.py), then:
 
 - removes the 422 and its schemas;
-- with `--api-key`, adds the bearer scheme and the 401 to every /v1 route;
+- with `--api-key`, adds the bearer scheme and the 401 to the routes that need the key;
 - once the model is loaded, writes its limits into the request schemas: token ids below the vocabulary
   size, a token-id prompt shorter than the context, prompt text within the length `check_size` allows.
 
@@ -73,12 +73,12 @@ class ModelLimits:
     context: int
 
 
-def document(app: FastAPI, api_key: bool, limits: ModelLimits | None) -> dict[str, Any]:
+def document(app: FastAPI, keyed: frozenset[str], limits: ModelLimits | None) -> dict[str, Any]:
     """The OpenAPI document of `app` (see the module docstring).
 
     Args:
         app: the app, its routes declared with their `responses=`.
-        api_key: whether /v1 routes need a bearer key.
+        keyed: the paths that need the bearer key (none without --api-key).
         limits: the loaded model's limits, or None while it loads.
     Returns:
         the document as a dict.
@@ -90,11 +90,11 @@ def document(app: FastAPI, api_key: bool, limits: ModelLimits | None) -> dict[st
     for path, operations in doc["paths"].items():
         for operation in operations.values():
             operation["responses"].pop("422", None)
-            if api_key and path.startswith("/v1/"):
+            if path in keyed:
                 operation["security"] = [{"bearer": []}]
                 operation["responses"]["401"] = {"description": _DESCRIPTIONS[401], "content": {
                     "application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
-    if api_key:
+    if keyed:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     if limits is not None:
         for name in _REQUESTS:

@@ -45,7 +45,8 @@ def test_the_document_states_the_servers_statuses_content_types_and_limits(fuzz_
     error_ref = {"$ref": "#/components/schemas/ErrorResponse"}
     assert chat["responses"]["400"]["content"]["application/json"]["schema"] == error_ref
     assert set(chat["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
-    assert chat["security"] == [{"bearer": []}] and "security" not in paths["/health"]["get"]
+    assert chat["security"] == [{"bearer": []}] and "401" in paths["/v1/models"]["get"]["responses"]
+    assert not [p for p in ("/health", "/v1/engine", "/metrics") if "security" in paths[p]["get"]]
     assert list(paths["/"]["get"]["responses"]["200"]["content"]) == ["text/html"]
     assert list(paths["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
     schemas = doc["components"]["schemas"]
