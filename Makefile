@@ -41,7 +41,7 @@ DOCKER_BUILD_FLAGS ?= --network host
 # dockerd started for the command and stopped after it (tests/images/docker_engine.sh).
 WITH_DOCKER  := bash tests/images/docker_engine.sh
 
-.PHONY: help setup engine rust-check test test-fast demo bench bench-server bench-operator k8s k8s-crds lock crds clean images base-images
+.PHONY: help setup engine rust-check test test-fast demo bench bench-server bench-operator bench-fuzz bench-soak k8s k8s-crds lock crds clean images base-images
 
 help:
 	@echo "make demo   build everything and run the demo (see README)"
@@ -97,6 +97,14 @@ bench-server: setup
 
 bench-operator: setup
 	$(PY) -m bench.operator
+
+# The long run of requests generated from the server's OpenAPI document (tests/server/test_openapi.py is the
+# short one), and minutes of concurrent streaming load with the server's invariants checked afterwards.
+bench-fuzz: setup
+	$(PY) -m bench.fuzz
+
+bench-soak: setup
+	$(PY) -m bench.soak
 
 # Both images, built from the repository root (README, "Deploying on GKE", says how to push them).
 images:

@@ -6,7 +6,8 @@ page). Route bodies only parse, check, admit and hand over; the work is in proto
 means), serving.py (tokens -> responses) and scheduler.py (the queue and the engines).
 
 Every error is `{"error": {...}}` (errors.py); FastAPI's 422 for a malformed body becomes 400 naming
-the field, as vLLM's `validation_exception_handler` does.
+the field, as vLLM's `validation_exception_handler` does. Each route declares the statuses it answers,
+and /openapi.json is openapi.py's document of them.
 
 With `--api-key` the API routes (/v1/chat/completions, /v1/completions, /v1/models) need `Authorization:
 Bearer <key>` (compared in constant time), as vLLM's `--api-key`; /metrics needs it with
@@ -34,15 +35,23 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gemma_server import openapi
 from gemma_server.boot import Boot
 from gemma_server.config import Config
 from gemma_server.errors import ApiError, as_api_error, error_body, from_scheduler
 from gemma_server.scheduler import Scheduler, SchedulerError, StepObserver
 from gemma_server.metrics import Metrics
-from gemma_server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from gemma_server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+)
 from gemma_server.serving import (
     ClientDisconnected,
     Formatter,
@@ -263,6 +272,23 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
 
     app = FastAPI(title="gemma-rust-operator server", lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.server = state
+
+    # The routes that call check_api_key (with --api-key; /metrics only with --metrics-need-key).
+    keyed = frozenset(["/v1/chat/completions", "/v1/completions", "/v1/models",
+                       *(["/metrics"] if config.metrics_need_key else [])] if config.api_key else [])
+
+    def document() -> dict[str, Any]:
+        """openapi.py's document; kept once the model's limits are in it."""
+        if app.openapi_schema is None:
+            loaded = state.boot.loaded
+            limits = openapi.ModelLimits(loaded.vocab_size, loaded.context) if loaded else None
+            doc = openapi.document(app, keyed, limits)
+            if limits is None:
+                return doc
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = document
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
 
     @app.exception_handler(ApiError)
@@ -328,29 +354,29 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
             return Response(status_code=499)  # nobody reads it
         return JSONResponse(fmt.response(outputs, gens).model_dump())
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=None, responses=openapi.generation(ChatCompletionResponse))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await generate(request, body, chat=True)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=None, responses=openapi.generation(CompletionResponse))
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await generate(request, body, chat=False)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList)
     async def models(request: Request) -> dict[str, Any]:
         state.check_api_key(request)
         card = ModelCard(id=config.model_name, root=shown_source(config), max_model_len=config.context)
         return ModelList(data=[card]).model_dump()
 
-    @app.get("/health")
-    @app.get("/ping")
+    @app.get("/health", responses=openapi.PROBE)
+    @app.get("/ping", responses=openapi.PROBE)
     async def health() -> Response:
         reason = state.not_ready_reason()
         if reason is None:
             return JSONResponse({"status": "ok"})
         return JSONResponse(error_body(503, reason), status_code=503, headers={"Retry-After": "5"})
 
-    @app.get("/live")
+    @app.get("/live", responses=openapi.PROBE)
     async def live() -> Response:
         s = state.scheduler
         if s.dead or state.boot.state.failed:
@@ -380,7 +406,7 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
 
         return {"version": __version__, "engine": state.boot.state.build.get("version")}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=openapi.METRICS)
     async def metrics(request: Request) -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -389,7 +415,7 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
 
         return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/")
+    @app.get("/", response_class=HTMLResponse, responses=openapi.PAGE)
     async def index() -> FileResponse:
         return FileResponse(STATIC / "index.html", media_type="text/html")
 

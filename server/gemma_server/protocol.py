@@ -6,6 +6,11 @@ use) are fenced below the standard fields. Unknown fields are accepted and logge
 `OpenAIBaseModel` does. Turning a request into engine parameters is a pure method
 (`GenerationRequest.engine_params`), so it is unit-tested without a socket or an engine.
 
+The OpenAPI document shows every bound `check()` enforces: a field checked here carries the same bound as
+JSON Schema keywords (`documented`), and rules that tie two fields together are the models' `allOf`
+(server/gemma_server/openapi.py adds the served model's own limits: vocabulary size and context). Requests
+are validated strictly, as JSON Schema reads them: "0.5" is not a number and 1 is not a boolean.
+
 Sampling follows OpenAI's meanings and ranges: temperature (0 is greedy), top_p, presence and frequency
 penalties, logit_bias, seed, logprobs / top_logprobs, n; and vLLM's extensions top_k, min_p,
 repetition_penalty. The engine samples on the device in Transformers' processor order (rust/src/gemma4/
@@ -17,12 +22,13 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from gemma_server.errors import bad_request
 
@@ -32,10 +38,38 @@ log = logging.getLogger(__name__)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
-class OpenAIModel(BaseModel):
-    """Base of every request: unknown fields are kept so they can be logged, then ignored."""
+def _json_integer(value: Any) -> Any:
+    """A number with no fraction is an integer, as JSON Schema reads it (1.0 is 1); anything else goes on to
+    the strict int check (which refuses strings, booleans and fractions)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
 
-    model_config = ConfigDict(extra="allow")
+
+Integer = Annotated[int, BeforeValidator(_json_integer)]
+
+
+def documented(default: Any = None, **schema: Any) -> Any:
+    """A field whose bounds `check()` enforces (so the 400 names the field in this module's words), shown
+    in the OpenAPI document as the JSON Schema keywords `schema`."""
+    return Field(default=default, json_schema_extra=schema)
+
+
+def _one_of_fields_null_or(field: str, other: str, value: Any) -> dict:
+    """JSON Schema: `field` is absent or null unless `other` is `value`."""
+    return {"anyOf": [{"properties": {field: {"type": "null"}}},
+                      {"properties": {other: {"const": value}}, "required": [other]}]}
+
+
+# stream_options is only allowed with stream true (OpenAI and vLLM refuse it otherwise).
+STREAM_OPTIONS_RULE = _one_of_fields_null_or("stream_options", "stream", True)
+
+
+class OpenAIModel(BaseModel):
+    """Base of every request: unknown fields are kept so they can be logged, then ignored. Strict, as the
+    document's JSON Schema is: no string-to-number or number-to-boolean coercion."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
 
     @model_validator(mode="after")
     def _log_ignored_fields(self) -> OpenAIModel:
@@ -45,19 +79,21 @@ class OpenAIModel(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's extension; accepted, not used
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: str
-    text: str | None = None
+    """A content part; only text parts are supported (`ChatCompletionRequest.check`)."""
 
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={"required": ["type", "text"]})
+    type: str = Field(json_schema_extra={"enum": ["text"]})
+    text: str | None = Field(default=None, json_schema_extra={"type": "string"})
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -76,6 +112,12 @@ MAX_MESSAGES = 1024
 # Characters of prompt text per token of context: no tokenizer packs more, so text past
 # context x this cannot fit and is refused before it is tokenized.
 MAX_CHARS_PER_TOKEN = 32
+MAX_INT64 = 2**63 - 1
+# Any integer is a seed: it is taken modulo 2**64 (choice i of n uses seed + i), so no bound can be missed by
+# a JSON number that a float rounds (9.2e18 is 2**63 to a JSON Schema validator).
+SEED = "Any integer, taken modulo 2**64 into the engine's signed 64-bit seed."
+# logit_bias keys: token ids written in ASCII digits.
+TOKEN_ID_KEY = re.compile(r"[0-9]+")
 
 
 @dataclass(frozen=True)
@@ -140,13 +182,11 @@ class GenerationRequest(OpenAIModel):
             raise bad_request("top_k", "top_k must be -1 or 0 (every token) or at least 1.")
         if g("n") is not None and not 1 <= g("n") <= MAX_N:
             raise bad_request("n", f"n must be between 1 and {MAX_N}.")
-        if g("seed") is not None and not (-(2**63) <= g("seed") < 2**63):
-            raise bad_request("seed", "seed must fit in a signed 64-bit integer.")
         bias = g("logit_bias") or {}
         if len(bias) > MAX_LOGIT_BIAS:
             raise bad_request("logit_bias", f"logit_bias holds at most {MAX_LOGIT_BIAS} entries, got {len(bias)}.")
         for key, value in bias.items():
-            if not key.lstrip("-").isdigit():
+            if not TOKEN_ID_KEY.fullmatch(key):
                 raise bad_request("logit_bias", f"logit_bias keys must be token ids, got {key!r}.")
             _in_range("logit_bias", value, -100.0, 100.0)
         if g("ignore_eos"):
@@ -168,7 +208,8 @@ class GenerationRequest(OpenAIModel):
         top_k = g("top_k")
         kwargs = {
             "temperature": default_temperature if g("temperature") is None else g("temperature"),
-            "top_k": 0 if top_k in (None, -1) else top_k,
+            # Past the vocabulary every top_k keeps every token: clamped to the engine's i64.
+            "top_k": 0 if top_k in (None, -1) else min(top_k, MAX_INT64),
             "top_p": 1.0 if g("top_p") is None else g("top_p"),
             "min_p": g("min_p") or 0.0,
             "presence_penalty": g("presence_penalty") or 0.0,
@@ -224,10 +265,10 @@ class GenerationRequest(OpenAIModel):
         self.stop_strings()
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options", "stream_options is only allowed when stream is true.")
-        requested = self.requested_max_tokens()
-        if requested is not None and requested < 1:
-            name = "max_completion_tokens" if getattr(self, "max_completion_tokens", None) is not None else "max_tokens"
-            raise bad_request(name, f"{name} must be at least 1.")
+        for name in ("max_tokens", "max_completion_tokens"):
+            value = getattr(self, name, None)
+            if value is not None and value < 1:
+                raise bad_request(name, f"{name} must be at least 1.")
 
     def engine_params(
         self, prompt_ids: list[int], context: int, vocab_size: int, default_temperature: float = 1.0
@@ -278,40 +319,54 @@ class GenerationRequest(OpenAIModel):
         return "prompt"
 
 
+# JSON Schema of the fields both requests share, as `check()` enforces them.
+PENALTY = {"minimum": -2.0, "maximum": 2.0}
+LOGIT_BIAS = {"maxProperties": MAX_LOGIT_BIAS, "propertyNames": {"pattern": f"^{TOKEN_ID_KEY.pattern}$"},
+              "additionalProperties": {"minimum": -100.0, "maximum": 100.0}}
+STOP = {"minLength": 1, "maxLength": MAX_STOP_LENGTH, "maxItems": MAX_STOP_STRINGS,
+        "items": {"minLength": 1, "maxLength": MAX_STOP_LENGTH}}
+TOKEN_IDS = {"maxItems": MAX_STOP_TOKEN_IDS, "items": {"minimum": 0}}
+
+
 class ChatCompletionRequest(GenerationRequest):
     """POST /v1/chat/completions. Field order: OpenAI API reference (as vLLM's ChatCompletionRequest)."""
 
-    messages: list[ChatMessage]
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        STREAM_OPTIONS_RULE, _one_of_fields_null_or("top_logprobs", "logprobs", True)]})
+
+    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1, "maxItems": MAX_MESSAGES})
     model: str | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    frequency_penalty: float | None = documented(**PENALTY)
+    logit_bias: dict[str, float] | None = documented(**LOGIT_BIAS)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
-    max_tokens: int | None = Field(default=None, description="Deprecated by OpenAI; max_completion_tokens wins.")
-    max_completion_tokens: int | None = None
-    n: int | None = 1
-    presence_penalty: float | None = None
-    response_format: dict[str, Any] | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    top_logprobs: Integer | None = documented(minimum=0, maximum=MAX_TOP_LOGPROBS)
+    max_tokens: Integer | None = documented(minimum=1, description="Deprecated by OpenAI; max_completion_tokens wins.")
+    max_completion_tokens: Integer | None = documented(minimum=1)
+    n: Integer | None = documented(1, minimum=1, maximum=MAX_N)
+    presence_penalty: float | None = documented(**PENALTY)
+    response_format: dict[str, Any] | None = documented(properties={"type": {"enum": ["text"]}})
+    seed: Integer | None = Field(default=None, description=SEED)
+    stop: str | list[str] | None = documented(**STOP)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    temperature: float | None = documented(minimum=0.0, maximum=2.0)
+    top_p: float | None = documented(exclusiveMinimum=0.0, maximum=1.0)
+    tools: list[dict[str, Any]] | None = documented(maxItems=0, description="Tool calling is not supported.")
+    tool_choice: str | dict[str, Any] | None = documented(enum=["none", None])
     parallel_tool_calls: bool | None = None
     user: str | None = None
 
     # --- extensions (vLLM's names) -------------------------------------------------------------
-    stop_token_ids: list[int] | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
+    stop_token_ids: list[Integer] | None = documented(**TOKEN_IDS)
+    top_k: Integer | None = documented(minimum=-1)
+    min_p: float | None = documented(minimum=0.0, maximum=1.0)
+    repetition_penalty: float | None = documented(exclusiveMinimum=0.0, maximum=2.0)
+    ignore_eos: bool = documented(False, enum=[False], description="Not supported.")
+    min_tokens: Integer = documented(0, enum=[0], description="Not supported.")
     add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = documented(
+        propertyNames={"not": {"enum": ["chat_template"]}},
+        description="Variables of the checkpoint's chat template; names it does not read are ignored.")
     # --- end of extensions -------------------------------------------------------------------
 
     def logprobs_wanted(self) -> int | None:
@@ -361,35 +416,90 @@ class ChatCompletionRequest(GenerationRequest):
         return "messages"
 
 
+def prompt_schema(vocab_size: int | None = None, context: int | None = None) -> list[dict]:
+    """JSON Schema branches of `prompt` as `single_prompt` and `engine_params` take it: a string, a list of
+    one string, a non-empty list of token ids, or a list of one such list (an empty prompt is refused); with
+    the served model's limits when given (ids below the vocabulary size, fewer ids than the context, text
+    within `check_size`)."""
+    text: dict[str, Any] = {"type": "string", "minLength": 1}
+    ids: dict[str, Any] = {"type": "array", "items": token_id_schema(vocab_size), "minItems": 1}
+    if context is not None:
+        text["maxLength"] = context * MAX_CHARS_PER_TOKEN
+        ids["maxItems"] = context - 1
+    return [text, {"type": "array", "items": text, "minItems": 1, "maxItems": 1},
+            ids, {"type": "array", "items": ids, "minItems": 1, "maxItems": 1}]
+
+
+def token_id_schema(vocab_size: int | None = None) -> dict[str, Any]:
+    """JSON Schema of one token id: [0, vocab_size) when the vocabulary size is known."""
+    return {"type": "integer", "minimum": 0, **({"maximum": vocab_size - 1} if vocab_size else {})}
+
+
+def token_id_key_pattern(vocab_size: int | None = None) -> str:
+    """A regex of the logit_bias keys accepted: ASCII decimal token ids, below `vocab_size` when known."""
+    if not vocab_size:
+        return f"^{TOKEN_ID_KEY.pattern}$"
+    return f"^0*(?:{_below(vocab_size - 1)})$"
+
+
+def _below(top: int) -> str:
+    """A regex of the decimal numbers 0..top without leading zeros."""
+    digits = str(top)
+    alternatives = ["[0-9]"] + [f"[1-9][0-9]{{{n - 1}}}" for n in range(2, len(digits))]
+    if len(digits) > 1:
+        for i, d in enumerate(digits):
+            low = 1 if i == 0 else 0
+            if int(d) > low:
+                rest = len(digits) - i - 1
+                alternatives.append(f"{digits[:i]}[{low}-{int(d) - 1}]" + (f"[0-9]{{{rest}}}" if rest else ""))
+        alternatives.append(digits)
+    else:
+        alternatives = [f"[0-{top}]"]
+    return "|".join(alternatives)
+
+
+def _one_prompt(schema: dict) -> None:
+    schema["anyOf"] = prompt_schema()
+
+
+def _best_of_rule() -> dict:
+    """JSON Schema: best_of is absent, null or 1, or equals n."""
+    same = [{"properties": {"n": {"const": k}, "best_of": {"const": k}}, "required": ["n", "best_of"]}
+            for k in range(2, MAX_N + 1)]
+    return {"anyOf": [{"properties": {"best_of": {"enum": [None, 1]}}}, *same]}
+
+
 class CompletionRequest(GenerationRequest):
     """POST /v1/completions (legacy). Field order: OpenAI API reference."""
 
+    model_config = ConfigDict(json_schema_extra={"allOf": [STREAM_OPTIONS_RULE, _best_of_rule()]})
+
     model: str | None = None
-    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
-    best_of: int | None = None
-    echo: bool | None = False
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    logprobs: int | None = None
-    max_tokens: int | None = None
-    n: int | None = 1
-    presence_penalty: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    prompt: str | list[str] | list[Integer] | list[list[Integer]] = Field(json_schema_extra=_one_prompt)
+    best_of: Integer | None = documented(description="Must be absent, 1, or equal to n.")
+    echo: bool | None = documented(False, enum=[False, None], description="Not supported.")
+    frequency_penalty: float | None = documented(**PENALTY)
+    logit_bias: dict[str, float] | None = documented(**LOGIT_BIAS)
+    logprobs: Integer | None = documented(minimum=0, maximum=MAX_COMPLETION_LOGPROBS)
+    max_tokens: Integer | None = documented(minimum=1)
+    n: Integer | None = documented(1, minimum=1, maximum=MAX_N)
+    presence_penalty: float | None = documented(**PENALTY)
+    seed: Integer | None = Field(default=None, description=SEED)
+    stop: str | list[str] | None = documented(**STOP)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    suffix: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    suffix: str | None = documented(maxLength=0, description="Not supported.")
+    temperature: float | None = documented(minimum=0.0, maximum=2.0)
+    top_p: float | None = documented(exclusiveMinimum=0.0, maximum=1.0)
     user: str | None = None
 
     # --- extensions (vLLM's names) -------------------------------------------------------------
-    stop_token_ids: list[int] | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
+    stop_token_ids: list[Integer] | None = documented(**TOKEN_IDS)
+    top_k: Integer | None = documented(minimum=-1)
+    min_p: float | None = documented(minimum=0.0, maximum=1.0)
+    repetition_penalty: float | None = documented(exclusiveMinimum=0.0, maximum=2.0)
+    ignore_eos: bool = documented(False, enum=[False], description="Not supported.")
+    min_tokens: Integer = documented(0, enum=[0], description="Not supported.")
     # --- end of extensions -------------------------------------------------------------------
 
     def default_max_tokens(self) -> int | None:
@@ -525,6 +635,19 @@ class CompletionResponse(BaseModel):
     usage: Usage
     system_fingerprint: str
     timings: Timings  # extension
+
+
+class ErrorInfo(BaseModel):
+    """The one error shape (errors.py): `code` is the HTTP status, `param` the request field at fault."""
+
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
 
 
 class ModelCard(BaseModel):

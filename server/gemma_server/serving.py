@@ -17,6 +17,7 @@ ending with `data: [DONE]`, the non-streaming path joins them. Differences, each
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -68,11 +69,7 @@ def render_chat(tokenizer, request: ChatCompletionRequest) -> list[int]:
     """
     import jinja2
 
-    kwargs = dict(request.chat_template_kwargs or {})
-    # A template from the request would run arbitrary Jinja (loops that hold the event loop, errors of
-    # any type): only the checkpoint's own template is used, as vLLM does by default.
-    if "chat_template" in kwargs:
-        raise bad_request("chat_template_kwargs", "chat_template cannot be set by a request; the checkpoint's own is used.")
+    kwargs = template_kwargs(tokenizer, request.chat_template_kwargs or {})
     messages = request.template_messages()
     try:
         text = tokenizer.apply_chat_template(
@@ -87,6 +84,41 @@ def render_chat(tokenizer, request: ChatCompletionRequest) -> list[int]:
     if not any(c in content for content in contents for c in controls):
         return encode(tokenizer, text, "messages", add_special_tokens=False)
     return encode_with_literal_contents(tokenizer, text, contents)
+
+
+# Variables the server (or Transformers' apply_chat_template) sets itself: not a request's to set.
+_TEMPLATE_OWN = frozenset({"messages", "add_generation_prompt", "continue_final_message", "tools", "documents",
+                           "raise_exception", "strftime_now", "bos_token", "eos_token", "unk_token", "pad_token",
+                           "sep_token", "cls_token", "mask_token", "additional_special_tokens"})
+
+
+def template_kwargs(tokenizer, given: dict[str, Any]) -> dict[str, Any]:
+    """The request's chat_template_kwargs that the checkpoint's template reads; the others are ignored
+    (logged), as vLLM's `resolve_chat_template_kwargs` (vllm/entrypoints/chat_utils.py) keeps only
+    the template's own variables.
+
+    Raises:
+        ApiError: 400 when the request names `chat_template`: a template from the request would run
+            arbitrary Jinja (loops that hold the event loop, errors of any type); only the checkpoint's
+            own is used, as vLLM does by default.
+    """
+    if "chat_template" in given:
+        raise bad_request("chat_template_kwargs", "chat_template cannot be set by a request; the checkpoint's own is used.")
+    template = tokenizer.chat_template
+    readable = (template_variables(template) if isinstance(template, str) else frozenset()) - _TEMPLATE_OWN
+    ignored = sorted(set(given) - readable)
+    if ignored:
+        log.warning("ignored chat_template_kwargs the chat template does not read: %s", ", ".join(ignored))
+    return {k: v for k, v in given.items() if k in readable}
+
+
+@functools.lru_cache(maxsize=8)
+def template_variables(template: str) -> frozenset[str]:
+    """The variables a Jinja chat template reads (jinja2.meta)."""
+    import jinja2
+    import jinja2.meta
+
+    return frozenset(jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(template)))
 
 
 def control_tokens(tokenizer) -> list[str]:

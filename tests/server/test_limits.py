@@ -15,8 +15,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from gemma_server.errors import ApiError
 from gemma_server.protocol import ChatCompletionRequest
-from gemma_server.serving import control_tokens, render_chat
+from gemma_server.serving import control_tokens, render_chat, template_kwargs
 from tests.server.conftest import CONTEXT, Spawned, get_status, spawn_server, wait_for
 
 MB = 1024 * 1024
@@ -199,8 +200,8 @@ def test_each_cap_is_a_400_naming_the_field_and_the_loop_stays_free(small_body_s
     assert seconds < 2 and slowest_live < 0.1 + noise
 
 
-@pytest.mark.parametrize("prompt", [[1.0, 2.0], ["1", "2"], [[1, 2.5]], [True, 3]])
-def test_token_id_prompts_are_strict_integers(small_body_server, prompt):
+@pytest.mark.parametrize("prompt", [[1.5, 2.0], ["1", "2"], [[1, 2.5]], [True, 3]])
+def test_token_id_prompts_are_integers_as_json_schema_reads_them(small_body_server, prompt):
     r = httpx.post(small_body_server.base + "/v1/completions", json={"prompt": prompt, "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
 
@@ -220,3 +221,12 @@ def test_typed_control_tokens_are_text_not_turns(tokenizer):
     assert sorted(i for i in ids if i in control_ids) == sorted(i for i in plain if i in control_ids)
     # And the typed text is all there, as text.
     assert forged in tokenizer.decode(ids)
+
+
+def test_chat_template_kwargs_reach_the_template_only_under_names_it_reads(tokenizer):
+    # The chat checkpoint's template reads no variable of its own: every name is dropped, including the
+    # ones the server sets itself, which would otherwise be a TypeError inside apply_chat_template.
+    assert template_kwargs(tokenizer, {"enable_thinking": True, "add_generation_prompt": 1, "tokenize": 1}) == {}
+    with pytest.raises(ApiError) as e:
+        template_kwargs(tokenizer, {"chat_template": "{{ 1/0 }}"})
+    assert e.value.param == "chat_template_kwargs"

@@ -1,11 +1,13 @@
 """Unit tests of protocol.py: request validation and request -> engine parameters (no server, no engine)."""
 
 import logging
+import re
 
 import pytest
+from pydantic import ValidationError
 
 from gemma_server.errors import ApiError
-from gemma_server.protocol import ChatCompletionRequest, CompletionRequest
+from gemma_server.protocol import ChatCompletionRequest, CompletionRequest, token_id_key_pattern
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -70,6 +72,7 @@ def test_token_ids_outside_the_vocabulary_are_400():
         ("logit_bias", {"512": 1.0}),
         ("top_logprobs", 2),
         ("top_k", -2),
+        ("logit_bias", {"\u00b2": 1.0}),  # a digit to str.isdigit, not to int()
         ("min_p", 1.5),
         ("repetition_penalty", 0.0),
         ("repetition_penalty", 3.0),
@@ -144,3 +147,24 @@ def test_text_content_parts_are_joined_and_image_parts_refused():
     assert req.template_messages() == [{"role": "user", "content": "ab"}]
     img = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
     assert_400(img.check, "messages[0].content")
+
+
+def test_bodies_are_read_as_json_schema_reads_them():
+    assert CompletionRequest(prompt=[1.0, 2]).prompt == [1, 2] and chat(seed=5.0).seed == 5
+    for bad in ({"temperature": "0.5"}, {"stream": 1}, {"n": "2"}, {"n": 1.5}, {"logprobs": "true"}):
+        with pytest.raises(ValidationError):
+            chat(**bad)
+
+
+@pytest.mark.parametrize("vocab", [1, 10, 11, 512, 262144])
+def test_logit_bias_key_pattern_is_exactly_the_ids_below_the_vocabulary(vocab):
+    pattern = re.compile(token_id_key_pattern(vocab))
+    accepted = [n for n in range(vocab * 3 + 20) if pattern.match(str(n))]
+    assert accepted == list(range(vocab))
+    assert bool(pattern.match("007")) == (vocab > 7) and not pattern.match("-1") and not pattern.match("\u00b2")
+
+
+def test_seeds_and_top_k_past_64_bits_are_taken_in_range_not_refused():
+    # A float rounds 2**63 - 1 to 2**63, which JSON Schema's maximum would pass: no such bound is kept.
+    p = params(chat(seed=2**64 + 5, top_k=2**70))
+    assert p.choice_sampling(0, lambda: 0)["seed"] == 5 and dict(p.sampling)["top_k"] == 2**63 - 1

@@ -1,0 +1,105 @@
+"""Schemathesis hooks for the runs against the server's OpenAPI document (tests/server/test_openapi.py,
+bench/fuzz.py), loaded with `SCHEMATHESIS_HOOKS=tests.server.openapi_checks`.
+
+Every built-in check runs. One needs a narrower reading, which `schema_valid_requests_are_served` gives:
+schemathesis's `positive_data_acceptance` wants a 2xx for every request the document allows, but two
+refusals depend on what no JSON Schema can state, the chat template's own rules (Gemma's templates want
+user and assistant turns to alternate) and the prompt's length in tokens. schemathesis.toml lets the
+built-in check accept a 400, and this check fails every schema-valid 400 except those two, each told
+by the server's own message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import schemathesis
+from prometheus_client.parser import text_string_to_metric_families
+
+# (param, message prefix) of the 400s a schema-valid request may get; the messages are the server's own
+# (serving.render_chat, GenerationRequest.engine_params and check_size).
+REFUSALS_BEYOND_THE_SCHEMA = (
+    ("messages", "The chat template rejected the messages:"),
+    ("messages", "Input length ("),
+    ("messages", "The prompt is longer than"),
+    ("prompt", "Input length ("),
+)
+
+
+def refused_beyond_the_schema(body: object) -> bool:
+    """Whether an error body is one of the refusals the document cannot state."""
+    error = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(error, dict):
+        return False
+    return any(error.get("param") == param and str(error.get("message", "")).startswith(prefix)
+               for param, prefix in REFUSALS_BEYOND_THE_SCHEMA)
+
+
+@schemathesis.check
+def schema_valid_requests_are_served(ctx, response, case) -> None:
+    """A request the document allows gets no 400 but for a refusal beyond the schema."""
+    meta = case.meta
+    if meta is None or not meta.generation.mode.is_positive or response.status_code != 400:
+        return None
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if not refused_beyond_the_schema(body):
+        raise AssertionError(f"A schema-valid request got 400: {response.text[:300]}")
+    return None
+
+
+# ---- running schemathesis against a served document -----------------------------------------------
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+
+
+def run_schemathesis(base: str, api_key: str, report: Path, *, seed: int, max_examples: int,
+                     timeout: float, workers: int = 1, extra: tuple[str, ...] = ()) -> dict:
+    """`st run` against `base`/openapi.json with every check, this module's hooks and schemathesis.toml.
+
+    Args:
+        base: the server's URL.
+        api_key: its --api-key (sent as a bearer token; the `ignored_auth` check also sends none).
+        report: where the JSON run report goes.
+        seed: schemathesis's seed (fixed: the same cases every run).
+        max_examples: cases per operation in the fuzzing phase (the coverage phase adds its own).
+        timeout: seconds for the whole run.
+        workers: operations tested at once (more than 1 lets the engine batch the two generation routes).
+        extra: more `st run` options.
+    Returns:
+        the JSON run report: `test_cases.generated`, `failures`, `errors`, `exit_code`, ...
+    """
+    cmd = [sys.executable, "-m", "schemathesis.cli", "--config-file", str(HERE / "schemathesis.toml"), "run",
+           f"{base}/openapi.json", "--header", f"Authorization: Bearer {api_key}", "--checks", "all",
+           "--seed", str(seed), "--max-examples", str(max_examples), "--workers", str(workers), "--continue-on-failure",
+           "--request-timeout", "120", "--max-response-time", "120", "--no-color",
+           "--report", "json", "--report-json-path", str(report), *extra]
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.server.openapi_checks",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=report.parent)
+    if not report.is_file():
+        raise RuntimeError(f"schemathesis wrote no report (exit {out.returncode}):\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
+    result = json.loads(report.read_text())
+    result["output"] = out.stdout
+    return result
+
+
+def finished_requests(base: str) -> dict[str, float]:
+    """The server's `gemma_request_success_total` by finished_reason (stop, length, abort, error)."""
+    text = httpx.get(base + "/metrics", timeout=10).text
+    return {sample.labels["finished_reason"]: sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name == "gemma_request_success_total"}
+
+
+def engine_replies(base: str) -> float:
+    """Requests the server's engine answered to their end (finished "stop" or "length"), from /metrics."""
+    finished = finished_requests(base)
+    return finished.get("stop", 0) + finished.get("length", 0)
