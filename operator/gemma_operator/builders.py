@@ -735,6 +735,23 @@ def build_event(body: dict[str, Any], type_: str, reason: str, message: str, now
     }
 
 
+def foreign(existing: dict[str, Any] | None, owner_uid: str) -> str | None:
+    """Why an object that already has a child's name is not that child, or None when it is (or none exists).
+
+    The operator applies with force and prunes by name, so without this check a GemmaRustServer named after
+    someone else's Deployment, Service or PVC would take it over, or delete it.
+    """
+    if existing is None:
+        return None
+    refs = existing.get("metadata", {}).get("ownerReferences") or []
+    controller = next((r for r in refs if r.get("controller")), None)
+    if controller is None:
+        return "it has no controller"
+    if controller.get("uid") != owner_uid:
+        return f"its controller is {controller.get('kind', '?')} {controller.get('name', '?')}"
+    return None
+
+
 def adopt(child: dict[str, Any], owner: dict[str, Any]) -> dict[str, Any]:
     """Return `child` with a controller owner reference to `owner` (so garbage collection deletes it).
 

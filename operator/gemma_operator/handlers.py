@@ -187,6 +187,35 @@ class ServerGone(Exception):
     """The custom resource was deleted while it was being synced (its status subresource answered 404)."""
 
 
+# (server uid, kind, name) of children seen to be this server's: checked once per process, not every sync.
+_own_children: set[tuple[str, str, str]] = set()
+
+
+def _foreign_child(k: Kube, obj: dict[str, Any], uid: str) -> status.Problem | None:
+    """A ChildConflict problem when an object that is not this server's child already has `obj`'s name (a
+    forced apply would take it over), else None."""
+    meta = obj["metadata"]
+    key = (uid, obj["kind"], meta["name"])
+    if key in _own_children:
+        return None
+    why = builders.foreign(k.get_if_present(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"]), uid)
+    if why is None:
+        _own_children.add(key)
+        return None
+    return status.Problem("ChildConflict", f"{obj['kind']} {meta['name']} already exists and is not this "
+                          f"GemmaRustServer's ({why}): rename the GemmaRustServer, or delete that object",
+                          fatal=False)
+
+
+def _delete_own(k: Kube, api_version: str, kind: str, namespace: str, name: str, uid: str) -> bool:
+    """Delete a child this server no longer asks for, if it is this server's; True when one was deleted."""
+    existing = k.get_if_present(api_version, kind, namespace, name)
+    if existing is None or builders.foreign(existing, uid):
+        return False
+    _own_children.discard((uid, kind, name))
+    return k.delete_if_present(api_version, kind, namespace, name, uid=existing["metadata"]["uid"])
+
+
 def _sync_locked(body: dict[str, Any], meta: builders.Meta, uid: str, k: Kube, logger: logging.Logger, *,
                  apply: bool, prune: bool) -> dict[str, Any]:
     generation = int(body["metadata"].get("generation") or 0)
@@ -207,6 +236,9 @@ def _sync_locked(body: dict[str, Any], meta: builders.Meta, uid: str, k: Kube, l
         skipped, optional = list(children.skipped), children.optional
         if apply and not any(p.fatal for p in problems):
             for obj in children.apply:
+                if conflict := _foreign_child(k, obj, uid):
+                    problems.append(conflict)
+                    continue
                 try:
                     k.apply(builders.adopt(obj, body))
                 except ApiError as e:
@@ -221,7 +253,7 @@ def _sync_locked(body: dict[str, Any], meta: builders.Meta, uid: str, k: Kube, l
                     else:
                         raise
             for api_version, kind, name in children.replaced + (children.absent if prune else []):
-                if k.delete_if_present(api_version, kind, meta.namespace, name):
+                if _delete_own(k, api_version, kind, meta.namespace, name, uid):
                     logger.info("deleted %s %s: no longer asked for", kind, name)
     pods = k.list_pods(meta.namespace, builders.selector_string(meta))
     pod_events = [e for p in events.pods_to_explain(pods) for e in k.pod_events(meta.namespace, p["metadata"]["uid"])]

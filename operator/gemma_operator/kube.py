@@ -103,13 +103,16 @@ class Kube:
         return self.request("PATCH", path, obj, query={"fieldManager": FIELD_MANAGER, "force": "true"},
                             content_type="application/apply-patch+yaml")
 
-    def delete_if_present(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
-        """Delete one object; returns False when it did not exist."""
+    def delete_if_present(self, api_version: str, kind: str, namespace: str, name: str, *,
+                          uid: str | None = None) -> bool:
+        """Delete one object (only if its uid is still `uid`, when given); returns False when it did not exist
+        (or, with `uid`, was replaced since)."""
+        body = {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": {"uid": uid}} if uid else None
         try:
-            self.request("DELETE", f"{collection_path(api_version, kind, namespace)}/{name}")
+            self.request("DELETE", f"{collection_path(api_version, kind, namespace)}/{name}", body)
             return True
         except ApiError as e:
-            if e.status == 404:
+            if e.status == 404 or (uid and e.status == 409):
                 return False
             raise
 

@@ -12,6 +12,8 @@ Why each verb:
   ServiceMonitor, ScaledObject, HorizontalPodAutoscaler, InferencePool): server-side apply is a PATCH
   that creates when absent (patch + create); Deployments and Services are also watched (list/watch)
   so a deleted one is put back at once; PDB and optional objects are deleted when no longer asked for.
+  get on each: before its first apply, and before a delete, the operator reads the object of that name
+  and leaves it alone unless this GemmaRustServer is its controller (handlers._foreign_child).
 - horizontalpodautoscalers get: the ScalingActive condition reads the status conditions of the HPA that
   scales a server (ours, or the one KEDA makes for a ScaledObject). The HPA controller and KEDA scale the
   GemmaRustServer through its scale subresource with their own rights; the operator never writes it.
@@ -33,19 +35,19 @@ RULES = [
     {"apiGroups": ["gemmarust.dev"], "resources": ["gemmarustservers"], "verbs": ["get", "list", "watch", "patch"]},
     {"apiGroups": ["gemmarust.dev"], "resources": ["gemmarustservers/status"], "verbs": ["patch"]},
     {"apiGroups": ["gemmarust.dev"], "resources": ["gemmarustservers/finalizers"], "verbs": ["update"]},
-    {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["list", "watch", "create", "patch"]},
-    {"apiGroups": [""], "resources": ["services"], "verbs": ["list", "watch", "create", "patch"]},
-    {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["create", "patch"]},
-    {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": ["create", "patch", "delete"]},
+    {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get", "list", "watch", "create", "patch"]},
+    {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "list", "watch", "create", "patch"]},
+    {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["get", "create", "patch"]},
+    {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": ["get", "create", "patch", "delete"]},
     {"apiGroups": ["monitoring.googleapis.com"], "resources": ["podmonitorings"],
-     "verbs": ["create", "patch", "delete"]},
+     "verbs": ["get", "create", "patch", "delete"]},
     {"apiGroups": ["monitoring.coreos.com"], "resources": ["servicemonitors"],
-     "verbs": ["create", "patch", "delete"]},
-    {"apiGroups": ["keda.sh"], "resources": ["scaledobjects"], "verbs": ["create", "patch", "delete"]},
+     "verbs": ["get", "create", "patch", "delete"]},
+    {"apiGroups": ["keda.sh"], "resources": ["scaledobjects"], "verbs": ["get", "create", "patch", "delete"]},
     {"apiGroups": ["autoscaling"], "resources": ["horizontalpodautoscalers"],
      "verbs": ["get", "create", "patch", "delete"]},
     {"apiGroups": ["inference.networking.k8s.io"], "resources": ["inferencepools"],
-     "verbs": ["create", "patch", "delete"]},
+     "verbs": ["get", "create", "patch", "delete"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
     {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["list"]},

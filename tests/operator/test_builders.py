@@ -264,6 +264,20 @@ def test_adopt_sets_a_controller_owner_reference_without_mutating():
     assert "ownerReferences" not in child["metadata"]
 
 
+def test_foreign_names_why_an_object_is_not_this_servers_child():
+    def existing(*refs):
+        return {"metadata": {"name": "gemma", "ownerReferences": list(refs)}}
+    ours = {"kind": "GemmaRustServer", "name": "gemma", "uid": "1234", "controller": True}
+    assert b.foreign(None, "1234") is None
+    assert b.foreign(existing(ours), "1234") is None
+    assert b.foreign(existing(), "1234") == "it has no controller"
+    assert b.foreign(existing({**ours, "controller": False}), "1234") == "it has no controller"
+    assert b.foreign(existing({"kind": "ReplicaSet", "name": "web", "uid": "9", "controller": True}), "1234") == (
+        "its controller is ReplicaSet web")
+    # Same name and kind, but another (deleted and re-created) GemmaRustServer's.
+    assert b.foreign(existing({**ours, "uid": "5678"}), "1234") == "its controller is GemmaRustServer gemma"
+
+
 def test_endpoint_and_selector_string():
     assert b.endpoint(tpu_spec(), META) == "http://gemma.serving.svc.cluster.local:8000/v1"
     assert b.selector_string(META) == "app.kubernetes.io/instance=gemma,app.kubernetes.io/name=gemma-rust-server"

@@ -372,3 +372,21 @@ def test_annotation_or_toleration_outside_the_allowlist_fails_without_a_deployme
     deg = condition(obj, "Degraded")
     assert deg["reason"] == reason and named in deg["message"], deg
     assert kube.request("GET", f"/apis/apps/v1/namespaces/{ns}/deployments")["items"] == []
+
+
+def test_an_object_that_is_not_its_child_is_left_alone_with_a_condition(kube, ns, operator):
+    # Someone else's Service already has the name the server's Service would take.
+    theirs = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "taken", "labels": {"team": "other"}},
+              "spec": {"selector": {"app": "theirs"}, "ports": [{"port": 80}]}}
+    made = kube.request("POST", f"/api/v1/namespaces/{ns}/services", theirs)
+    create(kube, ns, "taken", {"model": model(), "accelerator": CPU})
+    obj = wait_for(lambda: o if condition(o := get(kube, ns, "taken"), "Degraded").get("reason") == "ChildConflict"
+                   else None, what="a ChildConflict condition", diagnose=operator.tail)
+    message = condition(obj, "Degraded")["message"]
+    assert message.startswith("Service taken already exists and is not this GemmaRustServer's (it has no controller)")
+    service = kube.request("GET", f"/api/v1/namespaces/{ns}/services/taken")
+    assert service["metadata"]["uid"] == made["metadata"]["uid"]
+    assert service["spec"]["selector"] == {"app": "theirs"} and "ownerReferences" not in service["metadata"]
+    # Its own children that do not clash are made as usual.
+    deployment = kube.request("GET", f"/apis/apps/v1/namespaces/{ns}/deployments/taken")
+    assert deployment["metadata"]["ownerReferences"][0]["uid"] == obj["metadata"]["uid"]
