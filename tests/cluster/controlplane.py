@@ -17,6 +17,10 @@ Fake kubelet behaviours (kwok stages), selected by pod annotations the tests put
                                                FakeKubelet (tests/operator/fakes.py) writes its status and Events
 Every other pod becomes Running and Ready at once (kwok's own pod-ready stage).
 
+Faults: `stop_component` / `start_component` stop one component (kube-apiserver, etcd) and bring it back with
+its data, `wait_ready` waits for /readyz; tests/operator/test_faults_cluster.py uses them on a control
+plane of its own, so the session's cluster never sees them.
+
 Command line (keeps running until Ctrl-C):
     .venv/bin/python -m tests.cluster.controlplane up [--dir DIR]
 """
