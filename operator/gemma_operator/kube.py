@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 import kubernetes
+import urllib3
 from kubernetes.client import ApiClient
 
 from .builders import FIELD_MANAGER, OPTIONAL_KINDS
@@ -37,17 +38,23 @@ RESOURCES = {
 }
 
 
+# ApiError.status when no HTTP answer came at all (connection refused or dropped, read timeout).
+UNREACHABLE = 0
+
+
 class ApiError(Exception):
-    """A non-2xx answer from the API server."""
+    """A non-2xx answer from the API server, or none (status UNREACHABLE): callers treat both alike, so an
+    API server that restarts or loses etcd is the transient trouble that kopf retries soon, not a crash."""
 
     def __init__(self, status: int, body: str, what: str):
         self.status = status
         self.body = body
         try:
             self.message = json.loads(body).get("message", body)
-        except ValueError:
+        except (ValueError, AttributeError):
             self.message = body
-        super().__init__(f"{what}: HTTP {status}: {self.message}")
+        super().__init__(f"{what}: HTTP {status}: {self.message}" if status != UNREACHABLE
+                         else f"{what}: {self.message}")
 
 
 def collection_path(api_version: str, kind: str, namespace: str) -> str:
@@ -81,14 +88,18 @@ class Kube:
         """One API call; returns the decoded JSON body.
 
         Raises:
-            ApiError: the API server answered outside 2xx.
+            ApiError: the API server answered outside 2xx, or could not be reached (status UNREACHABLE).
         """
         _, url, headers, _, _ = self.api.param_serialize(
             method=method, resource_path=path, query_params=list((query or {}).items()),
             header_params={"Content-Type": content_type, "Accept": accept}, auth_settings=["BearerToken"])
-        # The generated REST client serialises a dict body itself, for +json and +yaml content types alike.
-        resp = self.api.call_api(method, url, header_params=headers, body=body, _request_timeout=self.timeout)
-        raw = resp.read()
+        try:
+            # The generated REST client serialises a dict body itself, for +json and +yaml content types alike.
+            resp = self.api.call_api(method, url, header_params=headers, body=body, _request_timeout=self.timeout)
+            raw = resp.read()
+        except (urllib3.exceptions.HTTPError, OSError) as e:
+            # urllib3 has already retried (the client's default Retry); the API server is down or restarting.
+            raise ApiError(UNREACHABLE, f"could not reach the API server: {e}", f"{method} {path}") from e
         text = raw.decode() if isinstance(raw, bytes) else (raw or "")
         if not 200 <= resp.status < 300:
             raise ApiError(resp.status, text, f"{method} {path}")

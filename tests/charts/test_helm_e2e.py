@@ -30,8 +30,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gemma_operator.kube import Kube
 from tests.cluster.controlplane import kubeconfig_text
 from tests.images.dockerfile import parse_dockerfile
+from tests.operator.harness import RESTRICTED, refused_pods
 
 from .conftest import CHART, ROOT
 
@@ -130,7 +132,11 @@ def test_helm_installs_the_operator_which_reconciles_the_sample_and_uninstall_le
         cluster, helm, tmp_path):
     kc = cluster.kubeconfig
     admin = dict(kubeconfig=kc)
-    installed = helm.run("install", RELEASE, str(CHART), "--namespace", NS, "--create-namespace",
+    # The release's namespace enforces the restricted Pod Security level: the API server's PodSecurity
+    # admission refuses any pod of the release (operator, hook, sample server) that does not meet it.
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS, "labels": RESTRICTED}}))
+    installed = helm.run("install", RELEASE, str(CHART), "--namespace", NS,
              "--set", "sample.enabled=true", "--set", f"sample.name={SAMPLE}",
              "--set", "networkPolicy.enabled=true", "--set", "dashboards.enabled=true",
              "--set", "cleanupHook.timeoutSeconds=120",
@@ -171,6 +177,10 @@ def test_helm_installs_the_operator_which_reconciles_the_sample_and_uninstall_le
                 return False
 
         wait_for(live, 60, "the operator's /healthz", operator.tail)
+        # Its Deployment's pod was admitted (it exists, held Pending): refused, it would exist nowhere.
+        selector = f"app.kubernetes.io/name=gemma-rust-operator,app.kubernetes.io/instance={RELEASE}"
+        wait_for(lambda: kubectl_json(cluster, "get", "pods", "-n", NS, "-l", selector)["items"], 60,
+                 "the operator's pod admitted", lambda: str(refused_pods(Kube(cluster.api), NS)))
 
         # It reconciles the sample: children appear, the pod lands on a v5e 1x1 node, status is written.
         wait_for(lambda: cluster.kubectl("get", "deployment,service", SAMPLE, "-n", NS, check=False).returncode == 0,
@@ -185,6 +195,7 @@ def test_helm_installs_the_operator_which_reconciles_the_sample_and_uninstall_le
             return st if st.get("phase") == "Ready" and st.get("readyReplicas") == 1 else None
 
         status = wait_for(ready_status, 120, "the sample's status phase Ready", operator.tail)
+        assert refused_pods(Kube(cluster.api), NS) == {}
         assert status["observedGeneration"] == 1
         assert {c["type"]: c["status"] for c in status["conditions"]}["Ready"] == "True"
         assert status["endpoint"] == f"http://{SAMPLE}.{NS}.svc.cluster.local:8000/v1"
@@ -207,6 +218,9 @@ def test_helm_installs_the_operator_which_reconciles_the_sample_and_uninstall_le
         wait_for(lambda: cluster.kubectl("get", "job", job_name, "-n", NS, check=False).returncode == 0, 60,
                  "the pre-delete hook's Job")
         job = kubectl_json(cluster, "get", "job", job_name, "-n", NS)
+        wait_for(lambda: kubectl_json(cluster, "get", "pods", "-n", NS, "-l", f"job-name={job_name}")["items"], 60,
+                 "the hook's pod admitted", lambda: json.dumps(kubectl_json(cluster, "get", "job", job_name, "-n",
+                                                                             NS).get("status")))
         hook_pod = job["spec"]["template"]["spec"]
         (hook_container,) = hook_pod["containers"]
         hook_argv, hook_env = local_command(

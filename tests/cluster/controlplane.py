@@ -17,6 +17,10 @@ Fake kubelet behaviours (kwok stages), selected by pod annotations the tests put
                                                FakeKubelet (tests/operator/fakes.py) writes its status and Events
 Every other pod becomes Running and Ready at once (kwok's own pod-ready stage).
 
+Faults: `stop_component` / `start_component` stop one component (kube-apiserver, etcd) and bring it back with
+its data, `wait_ready` waits for /readyz; tests/operator/test_faults_cluster.py uses them on a control
+plane of its own, so the session's cluster never sees them.
+
 Command line (keeps running until Ctrl-C):
     .venv/bin/python -m tests.cluster.controlplane up [--dir DIR]
 """
@@ -356,14 +360,35 @@ class ControlPlane:
         """Restart one component with its arguments (e.g. kube-controller-manager after installing CRDs:
         its garbage collector looks for new resource types only every 30 s, a hard-coded period, so until
         then the children of a new kind's objects are not collected)."""
-        p = self.procs[name]
+        self.stop_component(name)
+        self.start_component(name)
+
+    def stop_component(self, name: str) -> None:
+        """Stop one component (SIGTERM, then SIGKILL after 10 s), leaving the others running: a fault for
+        tests. Its data stays (etcd's data dir), so `start_component` brings it back as it was."""
+        p = self.procs.pop(name)
         p.terminate()
         try:
             p.wait(timeout=10)
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait(timeout=5)
+
+    def start_component(self, name: str) -> None:
+        """Start a stopped component again with the arguments it was first started with."""
         self._spawn(name, self.args[name])
+
+    def readyz(self) -> tuple[int, str]:
+        """kube-apiserver's /readyz?verbose (status, text); (0, why) when it does not answer."""
+        try:
+            status, body = self._https_get("/readyz?verbose")
+            return status, body.decode(errors="replace")
+        except OSError as e:
+            return 0, str(e)
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Wait until kube-apiserver answers /readyz with 200 (every check passes, etcd's included)."""
+        self._wait("kube-apiserver /readyz", lambda: self.readyz()[0] == 200, timeout=timeout)
 
     def _nodes_ready(self) -> bool:
         out = json.loads(self.kubectl("get", "nodes", "-o", "json").stdout)

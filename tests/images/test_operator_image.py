@@ -29,7 +29,8 @@ from tests.cluster.plugin import Cluster, running_cluster
 from tests.images.conftest import BUILD_TIMEOUT, OPERATOR_TAG
 from tests.images.containers import ROOT, TMPFS, Container, docker, run_args
 from tests.images.test_dockerfiles import lock_pins
-from tests.operator.harness import create, dump, get, install_crd, least_privilege_kubeconfig, wait_for
+from tests.operator.harness import (create, create_namespace, dump, get, install_crd, least_privilege_kubeconfig,
+                                    wait_for)
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.timeout(BUILD_TIMEOUT + 900)]
 
@@ -122,7 +123,7 @@ def test_operator_image_installs_the_operator_with_the_locks_versions_and_no_tor
 def test_operator_image_reconciles_a_gemmarustserver_to_its_first_phases(operator_container):
     c, kube = operator_container
     ns = f"img-{uuid.uuid4().hex[:8]}"
-    kube.request("POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+    create_namespace(kube, ns)
     # kwok runs the pod but holds it unready, as a server that is still building its engine.
     obj = create(kube, ns, "g", {"model": {"source": "hf://google/gemma-4-e2b-it"}, "accelerator": {"topology": "1x1"},
                                  "podAnnotations": {BOOT_ANNOTATION: "hold-unready"}})

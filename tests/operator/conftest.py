@@ -9,7 +9,8 @@ import pytest
 
 from gemma_operator.kube import Kube
 
-from .harness import install_crd, least_privilege_kubeconfig, start_operator, stop_operator, wait_for
+from .harness import (create_namespace, install_crd, least_privilege_kubeconfig, refused_pods, start_operator,
+                      stop_operator, wait_for)
 
 
 @pytest.fixture(scope="session")
@@ -31,10 +32,14 @@ def operator(cluster, kube, tmp_path_factory):
 
 @pytest.fixture
 def ns(cluster, kube, operator):
-    """A fresh namespace; at the end its GemmaRustServers are deleted and their pods waited for."""
+    """A fresh namespace enforcing the restricted Pod Security level. At the end no ReplicaSet in it may have
+    been refused a pod by PodSecurity admission (the refusal shows only there), then its GemmaRustServers
+    are deleted and their pods waited for."""
     name = f"t-{uuid.uuid4().hex[:8]}"
-    kube.request("POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+    create_namespace(kube, name)
     yield name
+    refused = {rs: why for rs, why in refused_pods(kube, name).items() if "violates PodSecurity" in why}
+    assert not refused, f"PodSecurity admission refused pods in {name}: {refused}"
     cluster.kubectl("delete", "grs", "--all", "-n", name, "--wait=true", "--timeout=60s")
     wait_for(lambda: not kube.request("GET", f"/api/v1/namespaces/{name}/pods")["items"], timeout=60,
              what=f"pods in {name} to go", diagnose=operator.tail)

@@ -121,6 +121,31 @@ def stop_operator(op: Operator) -> int:
     return op.proc.returncode
 
 
+# Pod Security Admission's restricted level, enforced: the API server refuses any pod (at creation, so a
+# Deployment's ReplicaSet reports FailedCreate) that runs as root, keeps capabilities, may escalate
+# privileges or has no RuntimeDefault seccomp profile (kubernetes.io/docs/concepts/security/pod-security-standards).
+RESTRICTED = {"pod-security.kubernetes.io/enforce": "restricted",
+              "pod-security.kubernetes.io/enforce-version": "latest"}
+
+
+def create_namespace(kube: Kube, name: str) -> str:
+    """Create namespace `name` with the restricted Pod Security level enforced (what the tests deploy into)."""
+    kube.request("POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
+                                                "metadata": {"name": name, "labels": RESTRICTED}})
+    return name
+
+
+def refused_pods(kube: Kube, namespace: str) -> dict[str, str]:
+    """ReplicaSet name -> message, for each ReplicaSet in `namespace` whose pods the API server refused (its
+    ReplicaFailure condition, reason FailedCreate: how a Deployment's pod that admission forbids shows)."""
+    out = {}
+    for rs in kube.request("GET", f"/apis/apps/v1/namespaces/{namespace}/replicasets")["items"]:
+        for c in (rs.get("status") or {}).get("conditions") or []:
+            if c.get("type") == "ReplicaFailure" and c.get("status") == "True":
+                out[rs["metadata"]["name"]] = c.get("message", "")
+    return out
+
+
 def ensure(kube: Kube, path: str, obj: dict) -> None:
     """Create `obj` at `path` unless it exists."""
     try:

@@ -9,7 +9,8 @@ import uuid
 
 import pytest
 
-from .harness import create, get, least_privilege_kubeconfig, start_operator, stop_operator, wait_for
+from .harness import (create, create_namespace, get, least_privilege_kubeconfig, start_operator, stop_operator,
+                      wait_for)
 
 pytestmark = pytest.mark.cluster
 
@@ -24,7 +25,7 @@ def handled_and_ready(obj: dict) -> bool:
 @pytest.fixture
 def other_ns(kube, operator):
     name = f"t-{uuid.uuid4().hex[:8]}"
-    kube.request("POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+    create_namespace(kube, name)
     yield name
     kube.request("DELETE", f"/api/v1/namespaces/{name}")
 

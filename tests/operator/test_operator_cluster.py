@@ -178,25 +178,6 @@ def test_new_image_rolls_out_with_recreate(kube, ns, operator):
     assert obj["status"]["readyText"] == "1/1"
 
 
-def test_deleted_or_edited_child_is_put_back(kube, ns, operator):
-    create(kube, ns, "d", {"model": model(), "accelerator": CPU})
-    dep = wait_for(lambda: deployment(kube, ns, "d"), what="the Deployment")
-    kube.request("DELETE", f"/apis/apps/v1/namespaces/{ns}/deployments/d")
-    back = wait_for(lambda: (lambda d: d if d["metadata"]["uid"] != dep["metadata"]["uid"] else None)(
-        deployment(kube, ns, "d")), what="the Deployment to come back", diagnose=operator.tail)
-    assert back["metadata"]["ownerReferences"][0]["name"] == "d"
-    svc = kube.request("GET", f"/api/v1/namespaces/{ns}/services/d")
-    kube.request("DELETE", f"/api/v1/namespaces/{ns}/services/d")
-    wait_for(lambda: (lambda s: s if s["metadata"]["uid"] != svc["metadata"]["uid"] else None)(
-        kube.request("GET", f"/api/v1/namespaces/{ns}/services/d")), what="the Service to come back")
-    # A hand edit of an owned field (as `kubectl edit` would, another field manager) is reverted.
-    kube.request("PATCH", f"/apis/apps/v1/namespaces/{ns}/deployments/d",
-                 {"spec": {"template": {"spec": {"containers": [{"name": "server", "image": "evil:1"}]}}}},
-                 content_type="application/strategic-merge-patch+json")
-    wait_for(lambda: deployment(kube, ns, "d")["spec"]["template"]["spec"]["containers"][0]["image"]
-             != "evil:1", what="the edited image to be put back", diagnose=operator.tail)
-
-
 def test_deleted_cr_takes_its_children(cluster, kube, ns, operator):
     create(kube, ns, "gone", {"model": model(), "accelerator": CPU})
     wait_phase(kube, ns, "gone", "Ready", operator)
