@@ -136,9 +136,11 @@ def log_size(operator: Operator) -> int:
 
 
 # The operator's words for an API server it cannot reach (gemma_operator.kube.ApiError for a failed
-# connection; kopf's own watcher and its retries).
+# connection; kopf's own watcher and its retries). With etcd down the API server takes requests and does not
+# answer them: the first sign is urllib3's read timeout (20 s), logged as it retries; the ApiError comes only
+# once its retries are spent, more than a minute later.
 UNREACHABLE = ("could not reach the API server", "Connection refused", "ServerDisconnectedError",
-               "ClientConnectorError", "HTTP 500", "HTTP 503", "HTTP 504")
+               "ClientConnectorError", "ReadTimeoutError", "HTTP 500", "HTTP 503", "HTTP 504")
 
 
 # ---------------------------------------------------------------------------------------------------------
