@@ -166,8 +166,25 @@ def _in_range(name: str, value: float | None, lo: float, hi: float, lo_open: boo
         raise bad_request(name, f"{name} must be in {interval}, got {value}.")
 
 
+# JSON Schema of the fields both requests share, as `check()` enforces them.
+PENALTY = {"minimum": -2.0, "maximum": 2.0}
+LOGIT_BIAS = {"maxProperties": MAX_LOGIT_BIAS, "propertyNames": {"pattern": f"^{TOKEN_ID_KEY.pattern}$"},
+              "additionalProperties": {"minimum": -100.0, "maximum": 100.0}}
+STOP = {"minLength": 1, "maxLength": MAX_STOP_LENGTH, "maxItems": MAX_STOP_STRINGS,
+        "items": {"minLength": 1, "maxLength": MAX_STOP_LENGTH}}
+TOKEN_IDS = {"maxItems": MAX_STOP_TOKEN_IDS, "items": {"minimum": 0}}
+
+
 class GenerationRequest(OpenAIModel):
     """Fields and checks shared by chat and legacy completions."""
+
+    # --- extensions both requests take (vLLM's names) ----------------------------------------------
+    stop_token_ids: list[Integer] | None = documented(**TOKEN_IDS)
+    top_k: Integer | None = documented(minimum=-1)
+    min_p: float | None = documented(minimum=0.0, maximum=1.0)
+    repetition_penalty: float | None = documented(exclusiveMinimum=0.0, maximum=2.0)
+    ignore_eos: bool = documented(False, enum=[False], description="Not supported.")
+    min_tokens: Integer = documented(0, enum=[0], description="Not supported.")
 
     def _check_sampling(self) -> None:
         """Raise 400 naming the first field whose value is out of range or cannot be honoured."""
@@ -319,14 +336,6 @@ class GenerationRequest(OpenAIModel):
         return "prompt"
 
 
-# JSON Schema of the fields both requests share, as `check()` enforces them.
-PENALTY = {"minimum": -2.0, "maximum": 2.0}
-LOGIT_BIAS = {"maxProperties": MAX_LOGIT_BIAS, "propertyNames": {"pattern": f"^{TOKEN_ID_KEY.pattern}$"},
-              "additionalProperties": {"minimum": -100.0, "maximum": 100.0}}
-STOP = {"minLength": 1, "maxLength": MAX_STOP_LENGTH, "maxItems": MAX_STOP_STRINGS,
-        "items": {"minLength": 1, "maxLength": MAX_STOP_LENGTH}}
-TOKEN_IDS = {"maxItems": MAX_STOP_TOKEN_IDS, "items": {"minimum": 0}}
-
 
 class ChatCompletionRequest(GenerationRequest):
     """POST /v1/chat/completions. Field order: OpenAI API reference (as vLLM's ChatCompletionRequest)."""
@@ -356,13 +365,7 @@ class ChatCompletionRequest(GenerationRequest):
     parallel_tool_calls: bool | None = None
     user: str | None = None
 
-    # --- extensions (vLLM's names) -------------------------------------------------------------
-    stop_token_ids: list[Integer] | None = documented(**TOKEN_IDS)
-    top_k: Integer | None = documented(minimum=-1)
-    min_p: float | None = documented(minimum=0.0, maximum=1.0)
-    repetition_penalty: float | None = documented(exclusiveMinimum=0.0, maximum=2.0)
-    ignore_eos: bool = documented(False, enum=[False], description="Not supported.")
-    min_tokens: Integer = documented(0, enum=[0], description="Not supported.")
+    # --- extensions (vLLM's names; the shared ones are GenerationRequest's) -------------------
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = documented(
         propertyNames={"not": {"enum": ["chat_template"]}},
@@ -493,14 +496,6 @@ class CompletionRequest(GenerationRequest):
     top_p: float | None = documented(exclusiveMinimum=0.0, maximum=1.0)
     user: str | None = None
 
-    # --- extensions (vLLM's names) -------------------------------------------------------------
-    stop_token_ids: list[Integer] | None = documented(**TOKEN_IDS)
-    top_k: Integer | None = documented(minimum=-1)
-    min_p: float | None = documented(minimum=0.0, maximum=1.0)
-    repetition_penalty: float | None = documented(exclusiveMinimum=0.0, maximum=2.0)
-    ignore_eos: bool = documented(False, enum=[False], description="Not supported.")
-    min_tokens: Integer = documented(0, enum=[0], description="Not supported.")
-    # --- end of extensions -------------------------------------------------------------------
 
     def default_max_tokens(self) -> int | None:
         return COMPLETIONS_DEFAULT_MAX_TOKENS
