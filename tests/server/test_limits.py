@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from gemma_server.errors import ApiError
+from bench.soak import rss_mb
 from gemma_server.protocol import ChatCompletionRequest
 from gemma_server.serving import control_tokens, render_chat, template_kwargs
 from tests.server.conftest import CONTEXT, Spawned, get_status, spawn_server, wait_for
@@ -35,14 +36,6 @@ def small_body_server(chat_checkpoint, tmp_path_factory) -> Iterator[Spawned]:
     finally:
         s.proc.kill()
         s.proc.wait(10)
-
-
-def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError(f"no VmRSS for pid {pid}")
 
 
 def idle_live_seconds(base: str, n: int = 30) -> float:
