@@ -78,6 +78,9 @@ class ServerState:
 
     def __init__(self, config: Config, boot_class: type[Boot] = Boot) -> None:
         self.config = config
+        # The paths that need the API key (none without --api-key): check_api_key and /openapi.json read it.
+        self.keyed = frozenset(["/v1/chat/completions", "/v1/completions", "/v1/models",
+                                *(["/metrics"] if config.metrics_need_key else [])] if config.api_key else [])
         self.metrics = m = Metrics(config.model_name, config.context)
         self.scheduler = Scheduler(config.queue_limit, StepObserver(
             on_waiting=m.num_requests_waiting.set, on_running=m.num_requests_running.set,
@@ -132,10 +135,10 @@ class ServerState:
         return None
 
     def check_api_key(self, request: Request) -> None:
-        """401 in OpenAI's shape unless the request carries the configured key."""
-        key = self.config.api_key
-        if not key:
+        """401 in OpenAI's shape unless the request's path is open (not in `keyed`) or it carries the key."""
+        if request.url.path not in self.keyed:
             return
+        key = self.config.api_key
         given = request.headers.get("authorization", "")
         scheme, _, token = given.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), key.encode()):
@@ -273,16 +276,12 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
     app = FastAPI(title="gemma-rust-operator server", lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.server = state
 
-    # The routes that call check_api_key (with --api-key; /metrics only with --metrics-need-key).
-    keyed = frozenset(["/v1/chat/completions", "/v1/completions", "/v1/models",
-                       *(["/metrics"] if config.metrics_need_key else [])] if config.api_key else [])
-
     def document() -> dict[str, Any]:
         """openapi.py's document; kept once the model's limits are in it."""
         if app.openapi_schema is None:
             loaded = state.boot.loaded
             limits = openapi.ModelLimits(loaded.vocab_size, loaded.context) if loaded else None
-            doc = openapi.document(app, keyed, limits)
+            doc = openapi.document(app, state.keyed, limits)
             if limits is None:
                 return doc
             app.openapi_schema = doc
@@ -410,9 +409,7 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
     async def metrics(request: Request) -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
 
-        if config.metrics_need_key:
-            state.check_api_key(request)
-
+        state.check_api_key(request)
         return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/", response_class=HTMLResponse, responses=openapi.PAGE)
