@@ -314,6 +314,7 @@ def track(event: dict[str, Any], body: kopf.Body, **_: Any) -> None:
     if event.get("type") == "DELETED":
         _known.pop(uid, None)
         _written.pop(uid, None)
+        _own_children.difference_update({key for key in _own_children if key[0] == uid})
         poller().forget(f"{body.metadata.namespace}/{body.metadata.name}")
         with _locks_guard:
             _locks.pop(uid, None)
