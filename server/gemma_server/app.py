@@ -389,6 +389,7 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
         if not config.expose_paths:
             info.pop("model_dir", None)
             info["build"].pop("module", None)
+            info["build"].pop("torch_tpu_compile_cache_dir", None)
         s = state.scheduler
         workers = state.boot.loaded.workers if state.boot.loaded else []
         info.update(

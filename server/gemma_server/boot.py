@@ -33,6 +33,8 @@ from gemma_server.sources import materialize, parse_source
 log = logging.getLogger(__name__)
 
 WARMUP_TOKENS = 4
+DEFER_AND_FUSE_VAR = "TORCH_TPU_DEFER_AND_FUSE"
+TPU_COMPILE_CACHE_VAR = "TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT"
 
 
 @dataclass
@@ -166,6 +168,9 @@ class Boot:
         """
         c = self.config
         self._build_path: Path | None = None
+        # Before anything imports torch: torch_tpu 0.2.0 declares a `torch.backends` entry point, which
+        # torch's `_import_device_backends` (torch/__init__.py) loads on `import torch` (the build stage).
+        os.environ.update(tpu_environment(c))
         self._stage("build", self._build, skip="--use-installed-engine" if c.use_installed_engine else None)
         self._stage("import", self._import)
         self._stage("smoke", self._smoke)
@@ -189,9 +194,12 @@ class Boot:
     def _import(self) -> str:
         c = self.config
         if c.device == "tpu":
+            # Made here, so that a cache directory that cannot be made fails this stage with its OS error;
+            # torch_tpu would abort the process on it (an ABSL_CHECK in csrc/common/tier3_compilation_cache.cc).
+            cache = os.environ.get(TPU_COMPILE_CACHE_VAR, "")
+            if cache and "://" not in cache:
+                Path(cache).mkdir(parents=True, exist_ok=True)
             # torch_tpu registers its kernels on import; the engine's ATen calls then reach them.
-            if c.tpu_defer_and_fuse is not None:
-                os.environ["TORCH_TPU_DEFER_AND_FUSE"] = c.tpu_defer_and_fuse
             importlib.import_module("torch_tpu")
         import torch
 
@@ -211,7 +219,10 @@ class Boot:
         if c.device == "tpu":
             tt = sys.modules["torch_tpu"]
             info["torch_tpu"] = getattr(tt, "__version__", "unknown")
-            info["torch_tpu_defer_and_fuse"] = os.environ.get("TORCH_TPU_DEFER_AND_FUSE", "")
+            info["torch_tpu_defer_and_fuse"] = os.environ.get(DEFER_AND_FUSE_VAR, "")
+            info["torch_tpu_eager_mode"] = eager_mode_name(torch)
+            info["torch_tpu_compile_cache"] = "on" if os.environ.get(TPU_COMPILE_CACHE_VAR) else "off"
+            info["torch_tpu_compile_cache_dir"] = os.environ.get(TPU_COMPILE_CACHE_VAR, "")
         self.devices = device_list(c.device, c.devices, torch)
         self.state.build = info
         self.metrics.set_build_info(
@@ -273,6 +284,40 @@ class Boot:
         outs = run_on_workers(self.loaded.workers, lambda w: w.engine.decode(ids, WARMUP_TOKENS))
         self.state.warmup_seconds = round(time.monotonic() - t0, 3)
         return ", ".join(f"{len(tokens)} tokens ({finish})" for tokens, finish, _, _ in outs)
+
+
+def tpu_environment(config: Config) -> dict[str, str]:
+    """The variables torch_tpu reads, as `config` asks for them; empty off TPU.
+
+    - TORCH_TPU_DEFER_AND_FUSE: exactly "1" or "0". torch_tpu starts in defer-and-fuse only when the
+      variable is "1" (`GetDefaultEagerMode` in torch_tpu's csrc/eager/eager_mode.cc; it wins over the
+      older TPU_DEFER_AND_FUSE, and TPU_LAUNCH_BLOCKING=1 wins over both), so "true" would be off.
+    - TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT: the persistent compilation cache (csrc/common/env_vars.h:
+      "If not set, the tier-3 compilation cache is disabled"). torch_tpu keeps its entries under
+      <root>/<fingerprint of torch_tpu's binary version and libtpu's PJRT version>/<key>.bin, so a
+      different libtpu does not load them, and turns on its in-memory tier-2 cache
+      (/dev/shm/torch_tpu_cache/default) with it (csrc/common/tier3_compilation_cache.cc,
+      tier2_compilation_cache.cc). Left as the environment has it with `--tpu-compile-cache off`.
+    """
+    if config.device != "tpu":
+        return {}
+    env = {DEFER_AND_FUSE_VAR: "1" if config.tpu_defer_and_fuse else "0"}
+    cache = config.tpu_compile_cache
+    if cache is None:
+        cache = str(Path(config.build_cache) / "tpu-compile")
+    if cache != "off":
+        env[TPU_COMPILE_CACHE_VAR] = cache
+    return env
+
+
+def eager_mode_name(torch) -> str:
+    """torch_tpu's eager mode as it runs (`torch.tpu.eager_mode`, public in torch_tpu 0.2.0's
+    _internal/public_api.py), e.g. "DEFER_AND_FUSE"; "unknown" where this torch_tpu has no such property."""
+    try:
+        mode = torch.tpu.eager_mode
+    except (AttributeError, RuntimeError):
+        return "unknown"
+    return str(getattr(mode, "name", mode))
 
 
 def run_on_workers(workers: list[EngineWorker], task: Callable[[EngineWorker], Any]) -> list[Any]:

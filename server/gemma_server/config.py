@@ -55,6 +55,16 @@ def _cache_default(leaf: str) -> Callable[[Mapping[str, str]], str]:
     return lambda environ: str(default_cache_root(environ) / leaf)
 
 
+def _switch(text: str) -> bool:
+    """The text of an on/off setting whose flag takes a value (so a default of on can be turned off)."""
+    word = text.strip().lower()
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"must be 1 or 0 (true/false, yes/no, on/off), got {text!r}")
+
+
 def _devices(text: str) -> str:
     if text != "all" and not (text.isdigit() and int(text) >= 1):
         raise argparse.ArgumentTypeError(f"must be 'all' or a count >= 1, got {text!r}")
@@ -102,7 +112,7 @@ class Config:
     metrics_need_key: bool = setting(False, "GEMMA_METRICS_NEED_KEY", "with --api-key, /metrics needs the key "
                                      "too (the scraper then sends it as a bearer token)")
     expose_paths: bool = setting(False, "GEMMA_EXPOSE_PATHS", "show filesystem paths (checkpoint directory, "
-                                 "engine module) in /v1/models and /v1/engine, for debugging")
+                                 "engine module, TPU compile cache) in /v1/models and /v1/engine, for debugging")
     build_cache: str = setting(_cache_default("engine-builds"), "GEMMA_BUILD_CACHE", "directory of engine builds "
                                "keyed by source hash, torch and python; mount a volume here so a restart skips "
                                "the compile", flag_type=str)
@@ -116,8 +126,18 @@ class Config:
                             "<gcs-root>/B/P")
     mount_timeout: float = setting(300.0, "GEMMA_MOUNT_TIMEOUT", "seconds to wait for a gs:// checkpoint to "
                                    "appear under its mount", minimum=0)
-    tpu_defer_and_fuse: str | None = setting(None, "TORCH_TPU_DEFER_AND_FUSE", "sets TORCH_TPU_DEFER_AND_FUSE "
-                                             "before torch_tpu is imported", flag_type=str)
+    # The two TPU settings become torch_tpu's own variables before torch is imported (boot.tpu_environment).
+    tpu_defer_and_fuse: bool = setting(True, "TORCH_TPU_DEFER_AND_FUSE", "on tpu: torch_tpu's defer-and-fuse "
+                                       "eager mode (queued ATen ops compiled into fused XLA programs), 1 or 0; "
+                                       "the boot writes exactly 1 or 0 to the variable, since torch_tpu turns "
+                                       "the mode on only for '1' (torch_tpu csrc/eager/eager_mode.cc)",
+                                       flag_type=_switch)
+    tpu_compile_cache: str | None = setting(None, "GEMMA_TPU_COMPILE_CACHE", "on tpu: directory of torch_tpu's "
+                                            "persistent compilation cache, written to "
+                                            "TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT (torch_tpu csrc/common/"
+                                            "env_vars.h), so a restart loads the compiled programs instead of "
+                                            "compiling them again; 'off' leaves that variable as it is "
+                                            "(default: <build-cache>/tpu-compile)", flag_type=str)
     log_level: str = setting("info", "GEMMA_LOG_LEVEL", "log level", choices=("debug", "info", "warning", "error"))
 
     @property
@@ -156,8 +176,16 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
             continue
         text = environ.get(meta["env"])
         p.add_argument(flag, type=kind, choices=meta["choices"], help=help_text,
-                       default=kind(text) if text is not None else default)
+                       default=_from_environment(p, meta["env"], text, kind) if text is not None else default)
     return p
+
+
+def _from_environment(parser: argparse.ArgumentParser, env: str, text: str, kind: Callable[[str], Any]) -> Any:
+    """A variable's text as its setting's value; text that does not convert is a usage error naming it."""
+    try:
+        return kind(text)
+    except (ValueError, argparse.ArgumentTypeError) as e:
+        parser.error(f"{env}={text!r}: {e}")
 
 
 def parse_config(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Config:

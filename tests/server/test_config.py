@@ -1,9 +1,13 @@
-"""Unit tests of config.py, sources.py, build.py's key and metrics.py's buckets (pure parts)."""
+"""Unit tests of config.py, sources.py, build.py's key, boot.py's TPU environment and metrics.py's buckets
+(pure parts)."""
 
+import enum
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from gemma_server.boot import eager_mode_name, tpu_environment
 from gemma_server.build import cache_key, copy_crate, source_files, source_hash
 from gemma_server.config import parse_config
 from gemma_server.metrics import build_1_2_5_buckets
@@ -15,7 +19,7 @@ def test_flags_win_over_environment_and_environment_over_defaults():
            "TORCH_TPU_DEFER_AND_FUSE": "1", "GEMMA_SERVED_MODEL_NAME": "gemma"}
     c = parse_config(["--port", "9001"], env)
     assert (c.model, c.port, c.context, c.device, c.tpu_defer_and_fuse, c.model_name) == (
-        "/m", 9001, 4096, "tpu", "1", "gemma")
+        "/m", 9001, 4096, "tpu", True, "gemma")
     assert parse_config([], {"GEMMA_MODEL": "/x"}).port == 8000
 
 
@@ -26,6 +30,73 @@ def test_missing_model_or_bad_values_exit_with_usage_error(capsys):
             parse_config(argv, {})
         assert e.value.code == 2
     assert "--device" in capsys.readouterr().err
+
+
+def test_a_variable_that_does_not_convert_is_a_usage_error_naming_it(capsys):
+    for env, text in (("GEMMA_PORT", "eighty"), ("TORCH_TPU_DEFER_AND_FUSE", "maybe")):
+        with pytest.raises(SystemExit) as e:
+            parse_config([], {"GEMMA_MODEL": "/m", env: text})
+        assert e.value.code == 2
+        assert f"{env}={text!r}" in capsys.readouterr().err
+
+
+def test_defer_and_fuse_is_on_by_default_and_either_flag_or_variable_turns_it_off(capsys):
+    def on(argv, env):
+        return parse_config(["--model", "/m", *argv], env).tpu_defer_and_fuse
+
+    assert on([], {}) is True
+    assert on([], {"TORCH_TPU_DEFER_AND_FUSE": "0"}) is False
+    assert on([], {"TORCH_TPU_DEFER_AND_FUSE": "true"}) is True
+    assert on(["--tpu-defer-and-fuse", "off"], {"TORCH_TPU_DEFER_AND_FUSE": "1"}) is False
+    assert on(["--tpu-defer-and-fuse", "1"], {"TORCH_TPU_DEFER_AND_FUSE": "0"}) is True
+    with pytest.raises(SystemExit):
+        on(["--tpu-defer-and-fuse", "sometimes"], {})
+    assert "--tpu-defer-and-fuse: must be 1 or 0" in capsys.readouterr().err
+
+
+def test_tpu_environment_turns_on_defer_and_fuse_and_the_compile_cache_under_the_build_cache():
+    def tpu_env(*argv, env=None):
+        return tpu_environment(parse_config(["--model", "/m", "--device", "tpu", *argv], env or {}))
+
+    assert tpu_env("--build-cache", "/cache/build") == {
+        "TORCH_TPU_DEFER_AND_FUSE": "1", "TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT": "/cache/build/tpu-compile"}
+    # The operator's pod: its variables, nothing on the command line.
+    assert tpu_env(env={"GEMMA_BUILD_CACHE": "/var/cache/gemma/build", "TORCH_TPU_DEFER_AND_FUSE": "1",
+                        "GEMMA_TPU_COMPILE_CACHE": "/var/cache/gemma/tpu-compile"}) == {
+        "TORCH_TPU_DEFER_AND_FUSE": "1", "TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT": "/var/cache/gemma/tpu-compile"}
+    # torch_tpu reads only "1" as on, so a "true" the user gave is written as "1".
+    assert tpu_env(env={"TORCH_TPU_DEFER_AND_FUSE": "true", "GEMMA_TPU_COMPILE_CACHE": "off"}) == {
+        "TORCH_TPU_DEFER_AND_FUSE": "1"}
+    assert tpu_env("--tpu-defer-and-fuse", "0", "--tpu-compile-cache", "gs://b/tpu") == {
+        "TORCH_TPU_DEFER_AND_FUSE": "0", "TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT": "gs://b/tpu"}
+
+
+def test_tpu_environment_is_empty_off_tpu():
+    for device in ("cpu", "cuda"):
+        config = parse_config(["--model", "/m", "--device", device], {"TORCH_TPU_DEFER_AND_FUSE": "1",
+                                                                    "GEMMA_TPU_COMPILE_CACHE": "/c"})
+        assert tpu_environment(config) == {}
+
+
+class FakeEagerMode(enum.Enum):
+    """torch_tpu's EagerMode members (no torch_tpu is installed off TPU)."""
+
+    DEFER_AND_FUSE = 1
+    DEFER_NEVER = 2
+
+
+class FakeTorch:
+    """torch as eager_mode_name sees it: with torch_tpu's `torch.tpu` module (given its attributes), or without."""
+
+    def __init__(self, **tpu) -> None:
+        if tpu:
+            self.tpu = SimpleNamespace(**tpu)
+
+
+def test_eager_mode_name_reads_torch_tpu_or_says_unknown():
+    assert eager_mode_name(FakeTorch(eager_mode=FakeEagerMode.DEFER_AND_FUSE)) == "DEFER_AND_FUSE"
+    assert eager_mode_name(FakeTorch(device_count=lambda: 1)) == "unknown"  # a torch_tpu without the property
+    assert eager_mode_name(FakeTorch()) == "unknown"
 
 
 def test_served_name_defaults_to_the_model_source():
