@@ -64,6 +64,7 @@ GCSFUSE_ANNOTATION = "gke-gcsfuse/volumes"
 GCSFUSE_CACHE_VOLUME = "gke-gcsfuse-cache"
 
 CACHE_MOUNT = "/var/cache/gemma"
+TPU_COMPILE_CACHE = f"{CACHE_MOUNT}/tpu-compile"
 TMP_SIZE = "1Gi"
 GCS_ROOT = "/gcs"  # gemma_server's default --gcs-root: gs://B/P is read at /gcs/B/P
 STARTUP_PERIOD_SECONDS = 10
@@ -255,6 +256,9 @@ def env(spec: GemmaRustServerSpec, main: ModelMount, twin: ModelMount | None) ->
         {"name": "GEMMA_QUEUE_LIMIT", "value": str(srv.queue_limit)},
         {"name": "GEMMA_SHUTDOWN_TIMEOUT", "value": str(shutdown_plan(spec).drain)},
         {"name": "GEMMA_BUILD_CACHE", "value": f"{CACHE_MOUNT}/build"},
+        # torch_tpu's persistent compilation cache on the same volume, so a restart loads the compiled
+        # programs instead of compiling them again (the server sets TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT).
+        *([{"name": "GEMMA_TPU_COMPILE_CACHE", "value": TPU_COMPILE_CACHE}] if device(spec) == "tpu" else []),
         *([{"name": "GEMMA_GCS_ROOT", "value": GCS_ROOT}] if any(
             m and m.value.startswith("gs://") for m in (main, twin)) else []),
         # Downloaded hf:// weights live next to the build, so a restarted pod on a PVC skips both.
@@ -330,9 +334,10 @@ def spec_warnings(spec: GemmaRustServerSpec) -> list[tuple[str, str]]:
                     f"requests still running then are cut; set it to {RECLAIM_GRACE_SECONDS - plan.prestop - 3} or "
                     "less (it only bounds the drain of a reclaimed pod; rollouts honour it)"))
     if spec.build_cache.type == "emptyDir":
+        also = " and torch_tpu's programs (boot stage warmup)" if device(spec) == "tpu" else ""
         out.append(("EphemeralBuildCache",
                     f"spec.buildCache.type emptyDir on {kind} capacity: every reclaimed or restarted pod compiles "
-                    "the engine again (boot stage build); set spec.buildCache.type: pvc to keep the build"))
+                    f"the engine again (boot stage build){also}; set spec.buildCache.type: pvc to keep the build"))
     return out
 
 

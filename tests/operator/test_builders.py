@@ -67,6 +67,7 @@ def test_tpu_deployment_matches_golden():
                             {"name": "GEMMA_QUEUE_LIMIT", "value": "64"},
                             {"name": "GEMMA_SHUTDOWN_TIMEOUT", "value": "20"},
                             {"name": "GEMMA_BUILD_CACHE", "value": "/var/cache/gemma/build"},
+                            {"name": "GEMMA_TPU_COMPILE_CACHE", "value": "/var/cache/gemma/tpu-compile"},
                             {"name": "GEMMA_GCS_ROOT", "value": "/gcs"},
                             {"name": "HF_HOME", "value": "/var/cache/gemma/hf"},
                             {"name": "TORCH_TPU_DEFER_AND_FUSE", "value": "1"},
@@ -147,6 +148,7 @@ def test_cpu_deployment_uses_rolling_update_and_no_tpu_scheduling():
     assert "HF_TOKEN" not in env and "GEMMA_EMB" not in env and "GEMMA_SERVED_MODEL_NAME" not in env
     assert "GEMMA_GCS_ROOT" not in env
     assert "GEMMA_DEVICES" not in env and "GEMMA_API_KEY" not in env  # one engine on CPU; the API is open
+    assert "GEMMA_TPU_COMPILE_CACHE" not in env  # torch_tpu's compilation cache: TPU pods only
 
 
 @pytest.mark.parametrize("topology,chips", [(None, "1"), ("1x1", "1"), ("2x2", "4"), ("2x4", "8")])
@@ -350,7 +352,21 @@ def test_an_ephemeral_build_cache_on_reclaimable_capacity_is_a_warning_not_on_st
                                                            "accelerator": {"provisioning": provisioning}}))
         assert reason == "EphemeralBuildCache"
         assert f"emptyDir on {provisioning} capacity" in message and "spec.buildCache.type: pvc" in message
+        assert "torch_tpu's programs (boot stage warmup)" in message  # its compilation cache is on that volume
     assert b.spec_warnings(parse_spec({"model": {"source": "hf://o/m"}})) == []
+    ((_, cpu_message),) = b.spec_warnings(parse_spec({"model": {"source": "hf://o/m"},
+                                                      "accelerator": {"type": "cpu", "provisioning": "spot"}}))
+    assert "torch_tpu" not in cpu_message
+
+
+def test_tpu_compilation_cache_is_on_the_build_cache_volume():
+    spec = parse_spec({"model": {"source": "hf://o/m"}, "buildCache": {"type": "pvc"}})
+    container = b.build_deployment(spec, META)["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    (cache_mount,) = [m["mountPath"] for m in container["volumeMounts"] if m["name"] == "build-cache"]
+    assert env["GEMMA_TPU_COMPILE_CACHE"] == cache_mount + "/tpu-compile"
+    assert env["GEMMA_BUILD_CACHE"] == cache_mount + "/build"
+    assert env["TORCH_TPU_DEFER_AND_FUSE"] == "1"  # spec.engine.deferAndFuse defaults to true
 
 
 # ---------------------------------------------------------------------------------------------------------
