@@ -78,7 +78,7 @@ def test_server_user_is_the_non_root_uid_and_gid_of_the_operators_pod():
 def test_server_env_defaults_are_the_operators_values():
     env = SERVER.final.env()
     pod_env = {e["name"]: e.get("value") for e in server_container()["env"]}
-    for var in ("GEMMA_BUILD_CACHE", "HF_HOME"):
+    for var in ("GEMMA_BUILD_CACHE", "GEMMA_TPU_COMPILE_CACHE", "HF_HOME"):
         assert env[var] == pod_env[var], f"{var}: image {env[var]!r}, operator {pod_env[var]!r}"
     assert int(env["GEMMA_PORT"]) == grs_spec.ServerSpec().port
     assert SERVER.final.last("EXPOSE") == env["GEMMA_PORT"]
