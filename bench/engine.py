@@ -2,6 +2,7 @@
 checkpoint and device, in one run.
 
     python -m bench.engine [--config small|e2b] [--device cpu|cuda] [--dtype bfloat16|float32|float16]
+                           [--format dense|w4a16]
 
 Both sides greedy-decode the same prompt from the same bf16 weights (written once with
 `save_pretrained`; the Rust engine reads the files, Transformers uses the model it saved). For each
@@ -22,6 +23,15 @@ On CPU the decode step of a model this small is mostly matrix-vector products th
 hand to the same ATen kernels, so the Rust/Transformers ratio measures the per-op overhead that
 remains around them: it grows as the model shrinks. The last line prints that floor, the step's
 matrix-vector products alone, and how close each side comes to it.
+`--format w4a16` writes the same config as a compressed-tensors W4A16 checkpoint (int4 linears, as
+tests/checkpoints.py `save_w4a16` does) and runs both sides in bfloat16: the engine keeps the int4
+weights packed for ATen's int4 kernels, and Transformers loads the checkpoint with the plain
+`from_pretrained(path, dtype=torch.bfloat16)` (compressed-tensors decompresses it to dense bfloat16).
+The engine's weight bytes on the device, the bytes a decode step reads per token (every weight but the
+per-layer embedding table, of which a step reads one row) and the effective GB/s are printed.
+
+Before the timings it prints the ATen calls the engine makes per decode step and per layer (counted by
+the shim, `gemma_engine.aten_calls`): the same on every machine.
 The weights are random, so the tokens are meaningless; how many agree is printed for information
 (in bf16 the two sides drift apart on a random model; parity is tests/engine/test_parity.py).
 """
@@ -103,7 +113,8 @@ def sync(device: str) -> None:
 
 
 def rust_runner(model_dir: Path, device: str, dtype: str, prompt: list[int], new: int, read_every: int):
-    """Load the Rust engine; returns (load seconds, run) where run() -> (read tok/s, decode tok/s, tokens)."""
+    """Load the Rust engine; returns (load seconds, run, engine) where run() -> (read tok/s, decode tok/s,
+    tokens)."""
     import gemma_engine
 
     t0 = time.perf_counter()
@@ -117,7 +128,42 @@ def rust_runner(model_dir: Path, device: str, dtype: str, prompt: list[int], new
         tokens, _, read_s, decode_s = engine.decode(prompt, new, read_every=read_every)
         return len(prompt) / read_s, (len(tokens) - 1) / decode_s, tokens
 
-    return load_s, run
+    return load_s, run, engine
+
+
+def aten_calls_per_step(engine, prompt: list[int], steps: int = 16) -> tuple[float, list[int]]:
+    """ATen calls the engine makes per decode step (its whole turn: the forward, sampling, the
+    position update and, at read_every 1, the read point), and per layer in the last step's forward.
+
+    Counted by the shim (gemma_engine.aten_calls), so the figure is the same on every machine: two
+    decodes of the same prompt that differ by `steps` decode steps differ by `steps` times a step.
+    """
+    import gemma_engine
+
+    def calls(new: int) -> int:
+        before = gemma_engine.aten_calls()
+        engine.decode(prompt, new, read_every=1)
+        return gemma_engine.aten_calls() - before
+
+    prompt_only = calls(1)
+    per_step = (calls(1 + steps) - prompt_only) / steps  # its last forward is a decode step
+    return per_step, list(engine.layer_calls)
+
+
+def ple_table_bytes(config, dtype: str) -> int:
+    """Bytes of the per-layer embedding table on the device (a decode step reads one row of it)."""
+    p = config.hidden_size_per_layer_input or 0
+    return config.vocab_size_per_layer_input * config.num_hidden_layers * p * getattr(torch, dtype).itemsize
+
+
+def describe_layer_calls(config, per_layer: list[int]) -> str:
+    """'sliding 40, full 41, kv-shared sliding 30, ...': the calls of each kind of layer (equal within a kind)."""
+    shared_from = config.num_hidden_layers - (config.num_kv_shared_layers or 0)
+    kinds: dict[str, set[int]] = {}
+    for i, (kind, n) in enumerate(zip(config.layer_types, per_layer)):
+        name = ("kv-shared " if i >= shared_from else "") + kind.removesuffix("_attention")
+        kinds.setdefault(name, set()).add(n)
+    return ", ".join(f"{k} {'/'.join(map(str, sorted(v)))}" for k, v in kinds.items())
 
 
 def hf_runner(model, device: str, prompt: list[int], new: int, cache: str | None, compile_: bool = False):
@@ -188,12 +234,17 @@ def main(argv: list[str] | None = None) -> None:
                              "OpenMP/MKL threads contend with other processes and the timings thrash; torch's default elsewhere)")
     parser.add_argument("--hf-compile", action="store_true", help="let Transformers compile a static-cache forward")
     parser.add_argument("--e2b-config", type=Path, default=E2B_CONFIG, help="the E2B text config.json")
+    parser.add_argument("--format", choices=("dense", "w4a16"), default="dense",
+                        help="checkpoint format (w4a16: int4 linears, both sides in bfloat16)")
+    parser.add_argument("--group-size", type=int, default=128, help="int4 columns per scale group (w4a16)")
     args = parser.parse_args(argv)
+    if args.format == "w4a16" and args.dtype not in (None, "bfloat16"):
+        parser.error("--format w4a16 runs in bfloat16 (ATen's int4 kernels take bfloat16 activations)")
 
     threads = args.threads or (1 if args.device == "cpu" else None)
     if threads:
         torch.set_num_threads(threads)
-    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    dtype = args.dtype or ("float32" if args.device == "cpu" and args.format == "dense" else "bfloat16")
     n_prompt = args.prompt or (200 if args.config == "small" else 512)
     new = args.new or (128 if args.config == "small" else 256)
     config = make_config(args.config, args.e2b_config)
@@ -204,15 +255,28 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"config {args.config}: hidden {config.hidden_size}, layers {config.num_hidden_layers}, vocab {config.vocab_size}; "
           f"device {args.device}, dtype {dtype}, prompt {n_prompt}, new {new}, repeats {args.repeats}, "
-          f"read_every {args.read_every}, torch threads {torch.get_num_threads()}")
+          f"read_every {args.read_every}, torch threads {torch.get_num_threads()}, format {args.format}")
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, gemma_engine {gemma_engine.__version__}")
 
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        model = random_model(config, args.device)
-        model.save_pretrained(tmp)
+        if args.format == "w4a16":
+            from tests import checkpoints as ck
+
+            ck.save_w4a16(tmp, group_size=args.group_size, config=config)
+            model = ck.load_hf_reference(tmp, None, torch.bfloat16).to(args.device)
+        else:
+            model = random_model(config, args.device)
+            model.save_pretrained(tmp)
         print(f"random checkpoint written in {time.perf_counter() - t0:.1f} s", flush=True)
-        load_s, rust_run = rust_runner(Path(tmp), args.device, dtype, prompt, new, args.read_every)
+        load_s, rust_run, engine = rust_runner(Path(tmp), args.device, dtype, prompt, new, args.read_every)
+    per_step, per_layer = aten_calls_per_step(engine, prompt)
+    print(f"ATen calls per decode step: {per_step:.0f} ({sum(per_layer)} in the {len(per_layer)} layers: "
+          f"{describe_layer_calls(config, per_layer)})", flush=True)
+    weights = engine.weights()
+    read_bytes = weights["bytes"] - ple_table_bytes(config, dtype)
+    print(f"engine weights on the device: {weights['bytes'] / 1e6:.1f} MB (int4: {weights['int4']}); "
+          f"a decode step reads {read_bytes / 1e6:.1f} MB a token", flush=True)
     model = model.to(getattr(torch, dtype))
     runners = {"rust": rust_run}
     runners.update({f"hf-{c or 'dynamic'}": hf_runner(model, args.device, prompt, new, c, args.hf_compile) for c in (None, "static")})
@@ -246,6 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"rust/transformers ({best} cache, the faster HF decode): "
           f"decode {rust['decode'] / base['decode']:.2f}x, prompt read {rust['read'] / base['read']:.2f}x")
     print(f"first {agree} of {new} greedy tokens agree")
+    print(f"rust decode reads weights at {read_bytes * rust['decode'] / 1e9:.2f} GB/s effective")
     floor_tok_s = statistics.median(floor)
     print(f"matrix-vector products alone: {floor_tok_s:.1f} steps/s; rust decode is {rust['decode'] / floor_tok_s:.0%} "
           f"of that floor, transformers {base['decode'] / floor_tok_s:.0%}")

@@ -459,6 +459,21 @@ def save_w4a16(
     return out_dir
 
 
+def dense_table_and_norm_bytes(model_dir: str | Path, dtype: torch.dtype) -> int:
+    """Bytes in `dtype` of a checkpoint's tensors that are not quantized linears (embedding tables,
+    norms, layer scalars): what an engine holds dense whatever it does with the int4 weights."""
+    from safetensors import safe_open
+
+    quantized = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
+    total = 0
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(path, "pt") as f:
+            for name in f.keys():
+                if not name.endswith(quantized):
+                    total += math.prod(f.get_slice(name).get_shape())
+    return total * torch.finfo(dtype).bits // 8
+
+
 def save_w4a16_emb4(
     model_dir: str | Path,
     emb_dir: str | Path,

@@ -207,6 +207,53 @@ gt *aten_log_softmax(gt *a, int64_t dim) { RET(at::log_softmax(a->t, dim)) }
 gt *aten_cumsum(gt *a, int64_t dim) { RET(at::cumsum(a->t, dim)) }
 gt *aten_gather(gt *t, int64_t dim, gt *index) { RET(at::gather(t->t, dim, index->t)) }
 
+gt *aten_add_alpha(gt *a, gt *b, double alpha) { RET(at::add(a->t, b->t, alpha)) }
+int aten_add_(gt *a, gt *b) { RET_INT(a->t.add_(b->t)) }
+gt *aten_addcmul(gt *a, gt *b, gt *c) { RET(at::addcmul(a->t, b->t, c->t)) }
+gt *aten_roll(gt *a, int64_t shift, int64_t dim) { RET(at::roll(a->t, {shift}, {dim})) }
+
+int aten_split(gt *t, const int64_t *sizes, size_t n, int64_t dim, gt **out) {
+  RET_INT(
+      auto parts = t->t.split_with_sizes(at::IntArrayRef(sizes, n), dim);
+      for (size_t i = 0; i < n; ++i) out[i] = box(parts[i]))
+}
+
+int aten_unbind(gt *t, int64_t dim, gt **out, size_t n) {
+  RET_INT(
+      auto parts = t->t.unbind(dim);
+      if (parts.size() != n) { throw std::invalid_argument("unbind: wrong number of outputs"); }
+      for (size_t i = 0; i < n; ++i) out[i] = box(parts[i]))
+}
+
+// Layouts from PyTorch's own tests of these kernels (test/test_linalg.py, `_group_quantize_tensor`
+// and `test__int4_mm`): the CPU packer takes the int32 values, the CUDA one two values a byte, the
+// even column in the high nibble.
+gt *aten_int4_pack(gt *w, int64_t inner_k_tiles, gt *like) {
+  PROTECT(
+      const at::Tensor &v = w->t;
+      if (like->t.device().is_cpu()) {
+        return box(at::_convert_weight_to_int4pack_for_cpu(v.to(at::kInt).contiguous(), inner_k_tiles));
+      }
+      using namespace at::indexing;
+      at::Tensor even = v.index({Slice(), Slice(0, None, 2)});
+      at::Tensor odd = v.index({Slice(), Slice(1, None, 2)});
+      at::Tensor bytes = at::bitwise_or(at::bitwise_left_shift(even, 4), odd).to(at::kByte);
+      return box(at::_convert_weight_to_int4pack(bytes.to(like->t.device()), inner_k_tiles));)
+  return nullptr;
+}
+
+gt *aten_int4_mm(gt *x, gt *packed, int64_t group, gt *scales_zeros) {
+  PROTECT(
+      if (x->t.device().is_cpu()) {
+        return box(at::_weight_int4pack_mm_for_cpu(x->t, packed->t, group, scales_zeros->t));
+      }
+      return box(at::_weight_int4pack_mm(x->t, packed->t, group, scales_zeros->t));)
+  return nullptr;
+}
+
+int aten_scalar_type(gt *t) { return static_cast<int>(t->t.scalar_type()); }
+int64_t aten_nbytes(gt *t) { return static_cast<int64_t>(t->t.nbytes()); }
+
 int aten_sort(gt *a, int descending, gt **values, gt **indices) {
   RET_INT(
       auto r = at::sort(a->t, /*stable=*/true, /*dim=*/-1, descending != 0);
@@ -235,7 +282,6 @@ gt *aten_shift_right_logical(gt *a, int64_t bits) {
 
 gt *aten_le(gt *a, gt *b) { RET(a->t.le(b->t)) }
 gt *aten_gt(gt *a, gt *b) { RET(a->t.gt(b->t)) }
-gt *aten_ge_scalar(gt *a, double v) { RET(a->t.ge(v)) }
 gt *aten_gt_scalar(gt *a, double v) { RET(a->t.gt(v)) }
 gt *aten_lt_scalar(gt *a, double v) { RET(a->t.lt(v)) }
 gt *aten_lt(gt *a, gt *b) { RET(a->t.lt(b->t)) }

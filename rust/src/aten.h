@@ -77,6 +77,27 @@ gt *aten_softmax(gt *a, int64_t dim);
 gt *aten_log_softmax(gt *a, int64_t dim);
 gt *aten_cumsum(gt *a, int64_t dim);
 gt *aten_gather(gt *t, int64_t dim, gt *index);
+/* `a + alpha * b`. */
+gt *aten_add_alpha(gt *a, gt *b, double alpha);
+/* `a += b` in place. */
+int aten_add_(gt *a, gt *b);
+/* `a + b * c`. */
+gt *aten_addcmul(gt *a, gt *b, gt *c);
+gt *aten_roll(gt *a, int64_t shift, int64_t dim);
+/* `n` pieces of `sizes[i]` along `dim` (views), written to `out[0..n]`. */
+int aten_split(gt *t, const int64_t *sizes, size_t n, int64_t dim, gt **out);
+/* `n` views `t.select(dim, i)`, written to `out[0..n]`; n must equal t.size(dim). */
+int aten_unbind(gt *t, int64_t dim, gt **out, size_t n);
+/* int4 weights kept packed: `w` holds int32 values 0..15 (`[out, in]`, the stored value is v - 8) on
+   the host; the result is the packed layout of ATen's int4 matmul for `like`'s device (CPU:
+   _convert_weight_to_int4pack_for_cpu; CUDA: _convert_weight_to_int4pack of two values a byte). */
+gt *aten_int4_pack(gt *w, int64_t inner_k_tiles, gt *like);
+/* `x @ dequant(packed).T`, x bfloat16 `[rows, in]`; scales_zeros bfloat16 `[in / group, out, 2]`. */
+gt *aten_int4_mm(gt *x, gt *packed, int64_t group, gt *scales_zeros);
+/* The c10::ScalarType code. */
+int aten_scalar_type(gt *t);
+/* Bytes of the tensor's elements. */
+int64_t aten_nbytes(gt *t);
 /* Sorted values and indices along the last dim; `stable` keeps equal values in index order. */
 int aten_sort(gt *a, int descending, gt **values, gt **indices);
 int aten_topk(gt *a, int64_t k, gt **values, gt **indices);
@@ -91,7 +112,6 @@ gt *aten_shift_right_logical(gt *a, int64_t bits);
 /* Comparisons and masks. */
 gt *aten_le(gt *a, gt *b);
 gt *aten_gt(gt *a, gt *b);
-gt *aten_ge_scalar(gt *a, double v);
 gt *aten_gt_scalar(gt *a, double v);
 gt *aten_lt_scalar(gt *a, double v);
 gt *aten_lt(gt *a, gt *b);

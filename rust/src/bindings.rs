@@ -240,7 +240,7 @@ impl Engine {
     ///         shape), bad dtype, context/prefill_chunk/max_batch < 1, a KV cache that does not fit.
     #[new]
     #[pyo3(signature = (model_dir, emb_dir=None, like=None, context=8192, dtype="bfloat16", prefill_chunk=256,
-                        max_batch=1))]
+                        max_batch=1, packed_int4=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -251,8 +251,9 @@ impl Engine {
         dtype: &str,
         prefill_chunk: i64,
         max_batch: i64,
+        packed_int4: Option<bool>,
     ) -> PyResult<Engine> {
-        let settings = Settings { context, dtype: parse_dtype(dtype)?, prefill_chunk, max_batch };
+        let settings = Settings { context, dtype: parse_dtype(dtype)?, prefill_chunk, max_batch, packed_int4 };
         let (like, like_py) = match like {
             Some(t) => (tensor_arg(t, "like")?, t.clone().unbind()),
             None => {
@@ -299,6 +300,21 @@ impl Engine {
     #[getter]
     fn device(&self) -> PyResult<String> {
         Ok(self.inner.device()?)
+    }
+
+    /// {"int4": "packed" | "dequantized" | "mixed" | "none", "bytes": weight bytes on the device}.
+    fn weights<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let w = self.inner.weights();
+        let d = PyDict::new(py);
+        d.set_item("int4", w.int4)?;
+        d.set_item("bytes", w.bytes)?;
+        Ok(d)
+    }
+
+    /// ATen calls each layer made in the last forward.
+    #[getter]
+    fn layer_calls(&self) -> Vec<u64> {
+        self.inner.layer_calls()
     }
 
     /// {"full_rings", "sliding_rings", "shared_layers", "context", "sliding_window", "max_batch",
@@ -475,6 +491,12 @@ fn add_(t: &Bound<'_, PyAny>, value: f64) -> PyResult<()> {
 }
 
 /// What built this module.
+/// ATen operator calls the engine has made in this process, on every thread.
+#[pyfunction]
+fn aten_calls() -> u64 {
+    crate::ffi::aten_calls()
+}
+
 fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("torch", env!("GEMMA_BUILD_TORCH"))?;
@@ -494,6 +516,7 @@ fn gemma_engine_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(add_, m)?)?;
     m.add_function(wrap_pyfunction!(sample, m)?)?;
     m.add_function(wrap_pyfunction!(uniform, m)?)?;
+    m.add_function(wrap_pyfunction!(aten_calls, m)?)?;
     m.add_class::<Engine>()?;
     m.add_class::<PySamplingParams>()?;
     m.add_class::<PyRequest>()?;

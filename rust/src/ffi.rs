@@ -4,6 +4,7 @@
 //! Only this module and `tensor` contain `unsafe`.
 
 use std::ffi::{CStr, c_char, c_int, c_void};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use pyo3::ffi::PyObject;
 
@@ -67,6 +68,16 @@ unsafe extern "C" {
     pub fn aten_log_softmax(a: T, dim: i64) -> T;
     pub fn aten_cumsum(a: T, dim: i64) -> T;
     pub fn aten_gather(t: T, dim: i64, index: T) -> T;
+    pub fn aten_add_alpha(a: T, b: T, alpha: f64) -> T;
+    pub fn aten_add_(a: T, b: T) -> c_int;
+    pub fn aten_addcmul(a: T, b: T, c: T) -> T;
+    pub fn aten_roll(a: T, shift: i64, dim: i64) -> T;
+    pub fn aten_split(t: T, sizes: *const i64, n: usize, dim: i64, out: *mut T) -> c_int;
+    pub fn aten_unbind(t: T, dim: i64, out: *mut T, n: usize) -> c_int;
+    pub fn aten_int4_pack(w: T, inner_k_tiles: i64, like: T) -> T;
+    pub fn aten_int4_mm(x: T, packed: T, group: i64, scales_zeros: T) -> T;
+    pub fn aten_nbytes(t: T) -> i64;
+    pub fn aten_scalar_type(t: T) -> c_int;
     pub fn aten_sort(a: T, descending: c_int, values: *mut T, indices: *mut T) -> c_int;
     pub fn aten_topk(a: T, k: i64, values: *mut T, indices: *mut T) -> c_int;
     pub fn aten_searchsorted_right(sorted: T, values: T) -> T;
@@ -77,7 +88,6 @@ unsafe extern "C" {
 
     pub fn aten_le(a: T, b: T) -> T;
     pub fn aten_gt(a: T, b: T) -> T;
-    pub fn aten_ge_scalar(a: T, v: f64) -> T;
     pub fn aten_gt_scalar(a: T, v: f64) -> T;
     pub fn aten_lt_scalar(a: T, v: f64) -> T;
     pub fn aten_lt(a: T, b: T) -> T;
@@ -112,10 +122,37 @@ pub fn take_error() -> Option<String> {
     }
 }
 
-/// Run one shim call and turn a pending shim error into `Error::Torch { op, .. }`.
+/// Shim calls that ran an ATen operator, on every thread, since the process started (`aten_calls`).
+static ATEN_CALLS: AtomicU64 = AtomicU64::new(0);
+
+/// Count one ATen operator call (the `ffi!` macro does this for every call it makes).
+pub fn count_call() {
+    ATEN_CALLS.fetch_add(1, Ordering::Relaxed);
+}
+
+/// ATen operator calls made through the shim so far: a device-independent measure of a step's
+/// host-side work, since every call pays the device's fixed per-op cost (a kernel launch on CUDA,
+/// a dispatch through torch_tpu on TPU). Handle copies and metadata reads (`ffi_handle!`) are not
+/// counted: they reach no operator.
+pub fn aten_calls() -> u64 {
+    ATEN_CALLS.load(Ordering::Relaxed)
+}
+
+/// Run one shim call that runs an ATen operator: count it, and turn a pending shim error into
+/// `Error::Torch { op, .. }`.
 ///
 /// `ffi!("linear", aten_linear(x, w))` evaluates to `Result<returned value>`.
 macro_rules! ffi {
+    ($op:expr, $call:expr) => {{
+        $crate::ffi::count_call();
+        $crate::ffi::ffi_handle!($op, $call)
+    }};
+}
+pub(crate) use ffi;
+
+/// `ffi!` for shim calls that reach no ATen operator (handle copies, sizes, the device name, the
+/// Python crossing): checked the same way, not counted.
+macro_rules! ffi_handle {
     ($op:expr, $call:expr) => {{
         // SAFETY: every shim function takes live handles (borrowed from `Tensor`s that outlive
         // the call) and catches all C++ exceptions (aten.cpp PROTECT).
@@ -127,4 +164,4 @@ macro_rules! ffi {
         }
     }};
 }
-pub(crate) use ffi;
+pub(crate) use ffi_handle;

@@ -10,7 +10,7 @@ use std::ptr::NonNull;
 use pyo3::prelude::*;
 
 use crate::error::{Error, Result};
-use crate::ffi::{self, CTensor, ffi};
+use crate::ffi::{self, CTensor, ffi, ffi_handle};
 
 /// c10::ScalarType codes for the dtypes the engine uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -137,28 +137,28 @@ impl Tensor {
 
     /// A Python `torch.Tensor` as a handle on the same storage.
     pub fn from_python(obj: &Bound<'_, PyAny>) -> Result<Tensor> {
-        wrap("from_python", ffi!("from_python", ffi::aten_from_python(obj.as_ptr())))
+        wrap("from_python", ffi_handle!("from_python", ffi::aten_from_python(obj.as_ptr())))
     }
 
     /// A `torch.Tensor` on the same storage as `self`.
     pub fn to_python<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let p = ffi!("to_python", ffi::aten_to_python(self.ptr())).map_err(PyErr::from)?;
+        let p = ffi_handle!("to_python", ffi::aten_to_python(self.ptr())).map_err(PyErr::from)?;
         // SAFETY: THPVariable_Wrap returns a new reference or NULL (with the error in our shim).
         unsafe { Bound::from_owned_ptr_or_err(py, p) }
     }
 
     /// Another handle on the same tensor (shares storage).
     pub fn shallow_clone(&self) -> Result<Tensor> {
-        wrap("shallow_clone", ffi!("shallow_clone", ffi::aten_shallow_clone(self.ptr())))
+        wrap("shallow_clone", ffi_handle!("shallow_clone", ffi::aten_shallow_clone(self.ptr())))
     }
 
     pub fn dim(&self) -> usize {
-        ffi!("dim", ffi::aten_dim(self.ptr())).unwrap_or(0) as usize
+        ffi_handle!("dim", ffi::aten_dim(self.ptr())).unwrap_or(0) as usize
     }
 
     pub fn size(&self) -> Result<Vec<i64>> {
         let mut out = vec![0i64; self.dim()];
-        status(ffi!("size", ffi::aten_shape(self.ptr(), out.as_mut_ptr(), out.len())))?;
+        status(ffi_handle!("size", ffi::aten_shape(self.ptr(), out.as_mut_ptr(), out.len())))?;
         Ok(out)
     }
 
@@ -169,7 +169,7 @@ impl Tensor {
     /// The device as ATen prints it ("cpu", "cuda:0", ...).
     pub fn device(&self) -> Result<String> {
         let mut buf = [0u8; 128];
-        let n = ffi!("device", ffi::aten_device(self.ptr(), buf.as_mut_ptr() as *mut _, buf.len()))?;
+        let n = ffi_handle!("device", ffi::aten_device(self.ptr(), buf.as_mut_ptr() as *mut _, buf.len()))?;
         Ok(String::from_utf8_lossy(&buf[..n]).into_owned())
     }
 
@@ -243,7 +243,6 @@ impl Tensor {
     scalar! {
         mul_scalar => aten_mul_scalar,
         div_scalar => aten_div_scalar,
-        ge_scalar => aten_ge_scalar,
         gt_scalar => aten_gt_scalar,
         lt_scalar => aten_lt_scalar,
     }
@@ -276,6 +275,64 @@ impl Tensor {
 
     pub fn gather(&self, dim: i64, index: &Tensor) -> Result<Tensor> {
         wrap("gather", ffi!("gather", ffi::aten_gather(self.ptr(), dim, index.ptr())))
+    }
+
+    /// `self + alpha * other`.
+    pub fn add_alpha(&self, other: &Tensor, alpha: f64) -> Result<Tensor> {
+        wrap("add", ffi!("add", ffi::aten_add_alpha(self.ptr(), other.ptr(), alpha)))
+    }
+
+    /// `self + b * c`.
+    pub fn addcmul(&self, b: &Tensor, c: &Tensor) -> Result<Tensor> {
+        wrap("addcmul", ffi!("addcmul", ffi::aten_addcmul(self.ptr(), b.ptr(), c.ptr())))
+    }
+
+    pub fn roll(&self, shift: i64, dim: i64) -> Result<Tensor> {
+        wrap("roll", ffi!("roll", ffi::aten_roll(self.ptr(), shift, dim)))
+    }
+
+    /// Views of consecutive pieces of `sizes` along `dim`, in one call.
+    pub fn split(&self, sizes: &[i64], dim: i64) -> Result<Vec<Tensor>> {
+        let mut out = vec![std::ptr::null_mut(); sizes.len()];
+        status(ffi!("split_with_sizes", ffi::aten_split(self.ptr(), sizes.as_ptr(), sizes.len(), dim, out.as_mut_ptr())))?;
+        out.into_iter().map(|p| wrap("split_with_sizes", Ok(p))).collect()
+    }
+
+    /// `self.select(dim, i)` for every i, in one call.
+    pub fn unbind(&self, dim: i64) -> Result<Vec<Tensor>> {
+        let n = self.size()?[dim as usize] as usize;
+        let mut out = vec![std::ptr::null_mut(); n];
+        status(ffi!("unbind", ffi::aten_unbind(self.ptr(), dim, out.as_mut_ptr(), n)))?;
+        out.into_iter().map(|p| wrap("unbind", Ok(p))).collect()
+    }
+
+    /// ATen's packed int4 layout of `self` (int32 values 0..15, `[out, in]`, on the host) for
+    /// `like`'s device.
+    pub fn int4_pack(&self, inner_k_tiles: i64, like: &Tensor) -> Result<Tensor> {
+        wrap("int4_pack", ffi!("int4_pack", ffi::aten_int4_pack(self.ptr(), inner_k_tiles, like.ptr())))
+    }
+
+    /// `self @ dequant(packed).T` by ATen's int4 matmul (`self` bfloat16 `[rows, in]`).
+    pub fn int4_mm(&self, packed: &Tensor, group: i64, scales_zeros: &Tensor) -> Result<Tensor> {
+        wrap("int4_mm", ffi!("int4_mm", ffi::aten_int4_mm(self.ptr(), packed.ptr(), group, scales_zeros.ptr())))
+    }
+
+    /// The element type (None for a type the engine does not use).
+    pub fn kind(&self) -> Result<Option<DType>> {
+        let code = ffi_handle!("scalar_type", ffi::aten_scalar_type(self.ptr()))?;
+        Ok([DType::U8, DType::I8, DType::I32, DType::I64, DType::F16, DType::F32, DType::Bool, DType::BF16]
+            .into_iter()
+            .find(|d| *d as i32 == code))
+    }
+
+    /// `self` in `dtype`: the same handle when it already is (no ATen call), else a converted copy.
+    pub fn as_dtype(&self, dtype: DType) -> Result<Tensor> {
+        if self.kind()? == Some(dtype) { self.shallow_clone() } else { self.to_dtype(dtype) }
+    }
+
+    /// Bytes of the elements (not a copy; views count their whole shape).
+    pub fn nbytes(&self) -> Result<i64> {
+        ffi_handle!("nbytes", ffi::aten_nbytes(self.ptr()))
     }
 
     /// Stable sort along the last dim: (values, int64 indices).
@@ -375,7 +432,7 @@ impl Tensor {
     pub fn to_vec_i64(&self) -> Result<Vec<i64>> {
         let n = self.numel()? as usize;
         let mut out = vec![0i64; n];
-        let t = self.to_dtype(DType::I64)?;
+        let t = self.as_dtype(DType::I64)?;
         status(ffi!("copy_to_host", ffi::aten_copy_to_host(t.ptr(), out.as_mut_ptr() as *mut c_void, n * 8)))?;
         Ok(out)
     }
@@ -384,7 +441,7 @@ impl Tensor {
     pub fn to_vec_f32(&self) -> Result<Vec<f32>> {
         let n = self.numel()? as usize;
         let mut out = vec![0f32; n];
-        let t = self.to_dtype(DType::F32)?;
+        let t = self.as_dtype(DType::F32)?;
         status(ffi!("copy_to_host", ffi::aten_copy_to_host(t.ptr(), out.as_mut_ptr() as *mut c_void, n * 4)))?;
         Ok(out)
     }
@@ -395,6 +452,11 @@ impl Tensor {
 
     pub fn add_scalar_(&self, v: f64) -> Result<()> {
         status(ffi!("add_", ffi::aten_add_scalar_(self.ptr(), v)))
+    }
+
+    /// `self += other` in place (broadcasting; a bool `other` adds 0 or 1).
+    pub fn add_(&self, other: &Tensor) -> Result<()> {
+        status(ffi!("add_", ffi::aten_add_(self.ptr(), other.ptr())))
     }
 
     /// In-place add of an integer (for int64 position counters).
@@ -408,7 +470,7 @@ pub struct NoGrad(*mut c_void);
 
 impl NoGrad {
     pub fn new() -> Result<NoGrad> {
-        ffi!("no_grad", ffi::aten_no_grad_enter()).map(NoGrad)
+        ffi_handle!("no_grad", ffi::aten_no_grad_enter()).map(NoGrad)
     }
 }
 

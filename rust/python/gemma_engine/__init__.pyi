@@ -61,6 +61,12 @@ def sample(
         ValueError: shapes that do not match, or a parameter out of range (named).
     """
 
+def aten_calls() -> int:
+    """ATen operator calls the engine has made in this process, on every thread. Each costs the
+    device a fixed amount (a kernel launch on CUDA, a dispatch on TPU) whatever its size, so the
+    calls a decode step makes are a device-independent measure of its host-side work; handle
+    copies and shape reads are not counted. `bench/engine.py` prints it per step and per layer."""
+
 def uniform(seeds: Sequence[int], steps: Sequence[int]) -> list[float]:
     """The uniform number in [0, 1) the sampler draws token `step` of a request seeded `seed` with:
     the (step + 1)-th output of splitmix64 started at `seed`, top 24 bits / 2**24."""
@@ -145,6 +151,7 @@ class Engine:
         dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16",
         prefill_chunk: int = 256,
         max_batch: int = 1,
+        packed_int4: bool | None = None,
     ) -> None:
         """Load a checkpoint directory (config.json + *.safetensors).
 
@@ -160,9 +167,19 @@ class Engine:
             prefill_chunk: prompt tokens read per forward.
             max_batch: sequence slots; each reserves a whole context of KV cache
                 (layout()["kv_bytes_per_slot"]).
+            packed_int4: True keeps a W4A16 checkpoint's int4 linears packed on the device and
+                multiplies them with ATen's int4 kernels (`_weight_int4pack_mm` on CUDA, the
+                `_for_cpu` variant on the CPU), which take bfloat16 activations: about a third
+                of the bytes of the bfloat16 weights. None or False (default) dequantizes them
+                at load in the compute dtype, as Transformers does: the kernels round
+                differently, enough to change greedy tokens of a small random model. A linear
+                whose shape the kernels cannot tile stays dequantized (weights()["int4"]
+                says "mixed"). Embedding tables are always dequantized.
         Raises:
             ValueError: bad config key, missing or misshapen tensor (named, with
                 the expected shape), bad dtype, context, prefill_chunk or max_batch < 1,
+                packed_int4=True with a dtype other than bfloat16 or on a device without
+                the int4 kernels,
                 or a KV cache of max_batch x kv_bytes_per_slot that does not fit in the
                 device's free memory after the weights (CPU: MemAvailable and the cgroup
                 limit; CUDA: torch.cuda.mem_get_info; other devices are not checked).
@@ -180,6 +197,14 @@ class Engine:
     def dtype(self) -> str: ...
     @property
     def device(self) -> str: ...
+    def weights(self) -> dict[str, int | str]:
+        """{"int4": "packed" | "dequantized" | "mixed" | "none", "bytes": int}: how the int4
+        linears reached the device ("none": the checkpoint has none), and the bytes of every
+        weight on the device (packed int4 linears at their packed size, scales included)."""
+
+    @property
+    def layer_calls(self) -> list[int]:
+        """ATen calls each decoder layer made in the engine's last forward."""
 
     def layout(self) -> dict[str, int]:
         """{"full_rings", "sliding_rings", "shared_layers", "context", "sliding_window",

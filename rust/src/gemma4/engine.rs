@@ -24,12 +24,12 @@ use std::path::Path;
 use std::time::Instant;
 
 use crate::error::{Error, Result};
-use crate::gemma4::attention::{Fill, Liveness};
+use crate::gemma4::attention::{Fill, Liveness, Positions};
 use crate::gemma4::cache::{CacheSize, KvCache, Rows};
 use crate::gemma4::config::{Config, LayerType};
 use crate::gemma4::model::{Model, Output};
 use crate::gemma4::sampling::{Chosen, Sampler, SamplingParams};
-use crate::gemma4::weights::{Checkpoint, Weights, emb_quant};
+use crate::gemma4::weights::{Checkpoint, Int4Path, Loaded, Weights, emb_quant};
 use crate::tensor::{DType, Tensor};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -168,6 +168,7 @@ struct Drawn {
 
 pub struct Engine {
     model: Model,
+    loaded: Loaded,
     cache: KvCache,
     sampler: Sampler,
     like: Tensor,
@@ -180,9 +181,34 @@ pub struct Engine {
     positions: Tensor,
     /// Which slots decode, bool `[max_batch]`.
     live: Tensor,
-    /// `0..max_batch` as int64 `[max_batch, 1]`.
-    row_index: Tensor,
     buckets: Vec<i64>,
+    /// Views of `next`, `positions` and `live` for each bucket, made once at load.
+    steps: Vec<StepViews>,
+}
+
+/// A decode step's inputs for slots `0..b`: views of the engine's per-slot tensors.
+struct StepViews {
+    next: Tensor,
+    positions: Tensor,
+    /// `positions` as a forward reads them.
+    pos: Positions,
+    live: Tensor,
+    /// `live` as `[b, 1]`.
+    live2: Tensor,
+}
+
+impl StepViews {
+    fn new(b: i64, next: &Tensor, positions: &Tensor, live: &Tensor) -> Result<StepViews> {
+        let positions = positions.narrow(0, 0, b)?;
+        let live = live.narrow(0, 0, b)?;
+        Ok(StepViews {
+            next: next.narrow(0, 0, b)?,
+            pos: Positions::new(&positions.unsqueeze(1)?)?,
+            positions,
+            live2: live.unsqueeze(1)?,
+            live,
+        })
+    }
 }
 
 /// Parse a compute dtype name.
@@ -209,6 +235,10 @@ pub struct Settings {
     pub dtype: DType,
     pub prefill_chunk: i64,
     pub max_batch: i64,
+    /// Keep int4 weights packed (`Int4Path::Packed`): Some(true) requires it; None and Some(false)
+    /// dequantize at load. Not the default: ATen's int4 kernels round differently from the
+    /// dequantized product Transformers computes, enough to change tokens of a small random model.
+    pub packed_int4: Option<bool>,
 }
 
 impl Settings {
@@ -220,6 +250,32 @@ impl Settings {
         }
         Ok(())
     }
+
+    /// How int4 weights reach `device` (ATen's device string).
+    fn int4_path(&self, device: &str) -> Result<Int4Path> {
+        let kernels = device.starts_with("cpu") || device.starts_with("cuda");
+        let bf16 = self.dtype == DType::BF16;
+        match self.packed_int4 {
+            None | Some(false) => Ok(Int4Path::Dequantized),
+            Some(true) if !bf16 => Err(Error::Input(format!(
+                "packed int4 weights compute in bfloat16 (ATen's int4 kernels take bfloat16 activations); dtype is {}",
+                self.dtype.name()
+            ))),
+            Some(true) if !kernels => {
+                Err(Error::Input(format!("packed int4 weights need ATen's int4 kernels (CPU or CUDA); the device is {device}")))
+            }
+            Some(true) => Ok(Int4Path::Packed),
+        }
+    }
+}
+
+/// What the loader put on the device (`Engine::weights`).
+#[derive(Clone, Debug)]
+pub struct WeightsInfo {
+    /// "packed", "dequantized", "mixed" (some int4 weights did not fit the kernels' layout) or
+    /// "none" (no int4 weights).
+    pub int4: &'static str,
+    pub bytes: i64,
 }
 
 impl Engine {
@@ -240,17 +296,24 @@ impl Engine {
             Some(d) => Some(Checkpoint::open(d, emb_quant(d, cfg.quant.clone())?)?),
             None => None,
         };
-        let weights = Weights::new(main, emb, like.shallow_clone()?, settings.dtype);
+        let int4 = settings.int4_path(&like.device()?)?;
+        let weights = Weights::new(main, emb, like.shallow_clone()?, settings.dtype, int4);
         let model = Model::load(cfg, &weights, settings.context)?;
+        let loaded = weights.loaded();
         let b = settings.max_batch;
         fits(&CacheSize::of(&model.cfg, settings.context, b, settings.dtype))?;
         let cache = KvCache::new(&model.cfg, settings.context, b, &like, settings.dtype)?;
         let sampler = Sampler::new(b, model.cfg.vocab_size, &like)?;
+        let next = Tensor::full(&[b], 0.0, DType::I64, &like)?;
+        let positions = Tensor::full(&[b], 0.0, DType::I64, &like)?;
+        let live = Tensor::full(&[b], 0.0, DType::Bool, &like)?;
+        let steps = buckets(b).iter().map(|n| StepViews::new(*n, &next, &positions, &live)).collect::<Result<Vec<_>>>()?;
         Ok(Engine {
-            next: Tensor::full(&[b], 0.0, DType::I64, &like)?,
-            positions: Tensor::full(&[b], 0.0, DType::I64, &like)?,
-            live: Tensor::full(&[b], 0.0, DType::Bool, &like)?,
-            row_index: Tensor::arange(0, b, DType::I64, &like)?.unsqueeze(1)?,
+            loaded,
+            next,
+            positions,
+            live,
+            steps,
             buckets: buckets(b),
             model,
             cache,
@@ -280,6 +343,22 @@ impl Engine {
 
     pub fn device(&self) -> Result<String> {
         self.like.device()
+    }
+
+    pub fn weights(&self) -> WeightsInfo {
+        let l = self.loaded;
+        let int4 = match (l.packed, l.dequantized) {
+            (0, 0) => "none",
+            (_, 0) => "packed",
+            (0, _) => "dequantized",
+            _ => "mixed",
+        };
+        WeightsInfo { int4, bytes: l.bytes }
+    }
+
+    /// ATen calls each layer made in the last forward (a decode step after `decode`).
+    pub fn layer_calls(&self) -> Vec<u64> {
+        self.model.layer_calls()
     }
 
     pub fn layout(&self) -> Layout {
@@ -348,14 +427,12 @@ impl Engine {
     fn prompt_chunk(&mut self, slot: i64, prompt: &Tensor, n: usize, done: usize) -> Result<(Option<Tensor>, usize)> {
         let end = (done + self.prefill_chunk as usize).min(n);
         let t = (end - done) as i64;
-        let ids = prompt.narrow(0, done as i64, t)?.unsqueeze(0)?;
-        let pos = Tensor::arange(done as i64, end as i64, DType::I64, &self.like)?.unsqueeze(0)?;
+        let ids = prompt.narrow(0, done as i64, t)?;
+        let pos = Positions::new(&Tensor::arange(done as i64, end as i64, DType::I64, &self.like)?.unsqueeze(0)?)?;
         let fill = if done == 0 { Fill::Empty } else { Fill::Partial };
         let output = if end == n { Output::Logits } else { Output::Nothing };
         let rows = Rows::one(slot);
-        let row_index = self.row_index.narrow(0, 0, 1)?;
-        let logits =
-            self.model.forward(&mut self.cache, rows, &ids, &pos, &row_index, &Liveness::AllLive, fill, output)?;
+        let logits = self.model.forward(&mut self.cache, rows, &ids, &pos, &Liveness::AllLive, fill, output)?;
         Ok((logits, end - done))
     }
 
@@ -517,26 +594,27 @@ impl Engine {
     /// One decode step of slots `0..b`; `rows[i]` is Some for the decoding ones.
     fn decode_step(&mut self, b: i64, rows: &[Option<usize>], drawn: &mut Vec<Drawn>) -> Result<()> {
         let all = Rows::first(b);
-        let ids = self.next.narrow(0, 0, b)?.unsqueeze(1)?;
-        let positions = self.positions.narrow(0, 0, b)?;
-        let pos = positions.unsqueeze(1)?;
-        let live_rows = self.live.narrow(0, 0, b)?;
+        let step = self
+            .buckets
+            .iter()
+            .position(|x| *x == b)
+            .map(|i| &self.steps[i])
+            .ok_or_else(|| Error::Internal(format!("{b} is not a decode bucket")))?;
         let padded = rows.iter().any(|r| r.is_none());
-        let live = if padded { Liveness::Padding(live_rows.unsqueeze(1)?) } else { Liveness::AllLive };
-        let row_index = self.row_index.narrow(0, 0, b)?;
+        let live = if padded { Liveness::Padding(step.live2.shallow_clone()?) } else { Liveness::AllLive };
         let logits = self
             .model
-            .forward(&mut self.cache, all, &ids, &pos, &row_index, &live, Fill::Partial, Output::Logits)?
+            .forward(&mut self.cache, all, &step.next, &step.pos, &live, Fill::Partial, Output::Logits)?
             .ok_or_else(|| Error::Internal("a decode step returned no logits".into()))?;
         let chosen = self.sampler.choose(&logits, 0, b)?;
-        self.next.narrow(0, 0, b)?.copy_(&chosen.tokens)?;
+        step.next.copy_(&chosen.tokens)?;
         // Only decoding rows move on; padding rows keep their position and sampling state.
         if padded {
-            self.sampler.advance(&chosen.tokens, 0, b, Some(&live_rows))?;
-            positions.copy_(&positions.add(&live_rows.to_dtype(DType::I64)?)?)?;
+            self.sampler.advance(&chosen.tokens, 0, b, Some(&step.live))?;
+            step.positions.add_(&step.live)?;
         } else {
             self.sampler.advance(&chosen.tokens, 0, b, None)?;
-            positions.add_int_(1)?;
+            step.positions.add_int_(1)?;
         }
         drawn.push(Drawn { chosen, rows: rows.to_vec() });
         Ok(())
@@ -549,7 +627,7 @@ impl Engine {
         }
         let batch: Vec<Drawn> = std::mem::take(drawn);
         let refs: Vec<&Tensor> = batch.iter().map(|d| &d.chosen.tokens).collect();
-        let tokens = Tensor::cat(&refs, 0)?.to_vec_i64()?;
+        let tokens = if refs.len() == 1 { refs[0].to_vec_i64()? } else { Tensor::cat(&refs, 0)?.to_vec_i64()? };
         let now = Instant::now();
         let mut events: Vec<Option<Event>> = (0..slots.len()).map(|_| None).collect();
         let mut at = 0;
@@ -698,7 +776,7 @@ mod tests {
 
     #[test]
     fn settings_below_one_name_the_setting() {
-        let s = Settings { context: 8, dtype: DType::F32, prefill_chunk: 4, max_batch: 0 };
+        let s = Settings { context: 8, dtype: DType::F32, prefill_chunk: 4, max_batch: 0, packed_int4: None };
         assert!(s.check().unwrap_err().to_string().contains("max_batch"));
         assert!(Settings { max_batch: 2, ..s }.check().is_ok());
     }

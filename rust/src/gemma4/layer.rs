@@ -1,10 +1,15 @@
 //! `DecoderLayer` (M:1355-1441): attention and MLP blocks with pre- and post-norms, the
 //! per-layer-embedding (PLE) gate, and `layer_scalar` on the whole residual stream.
+//!
+//! In float32 (`Weights::folds`) the layer's last step, `(x + norm(h)) * s` with `s = layer_scalar`,
+//! is one call, `add(norm'(h), x, alpha=s)`, where `norm'` is the last norm with its weight times `s`
+//! (read once at load): the same sum, rounded in another order.
 
 use crate::error::Result;
 use crate::gemma4::attention::{Attended, Attention, Plan};
 use crate::gemma4::cache::{KvCache, Rows};
 use crate::gemma4::config::{Config, LayerSpec};
+use crate::gemma4::linear::Linear;
 use crate::gemma4::mlp::Mlp;
 use crate::gemma4::norm::RmsNorm;
 use crate::gemma4::weights::Weights;
@@ -12,8 +17,8 @@ use crate::tensor::Tensor;
 
 /// The PLE trio of a layer.
 struct PerLayerInput {
-    per_layer_input_gate: Tensor,
-    per_layer_projection: Tensor,
+    per_layer_input_gate: Linear,
+    per_layer_projection: Linear,
     post_per_layer_input_norm: RmsNorm,
 }
 
@@ -27,7 +32,25 @@ pub struct DecoderLayer {
     mlp: Mlp,
     post_feedforward_layernorm: RmsNorm,
     per_layer: Option<PerLayerInput>,
-    layer_scalar: Tensor,
+    layer_scalar: Scalar,
+}
+
+/// How the layer applies `layer_scalar`.
+enum Scalar {
+    /// The last norm's weight carries it, and the last add scales the residual by it (module docs).
+    Folded(f64),
+    /// `(x + norm(h)) * s`, as the reference does.
+    Multiply(Tensor),
+}
+
+impl Scalar {
+    /// `(x + h) * s`, where `h` is the last norm's output.
+    fn finish(&self, x: &Tensor, h: &Tensor) -> Result<Tensor> {
+        match self {
+            Scalar::Folded(s) => h.add_alpha(x, *s),
+            Scalar::Multiply(s) => x.add(h)?.mul(s),
+        }
+    }
 }
 
 impl DecoderLayer {
@@ -36,31 +59,37 @@ impl DecoderLayer {
         let p = format!("layers.{i}");
         let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
         let norm = |n: &str| RmsNorm::load(w, &format!("{p}.{n}"), h, eps);
+        // A stored buffer (M:1509-1510), in the compute dtype as the reference multiplies.
+        let scalar = w.vector(&format!("{p}.layer_scalar"), &[1], w.dtype)?;
+        let s = if w.folds() { scalar.item_f64()? } else { 1.0 };
         let per_layer = if cfg.ple_dim > 0 {
             Some(PerLayerInput {
                 per_layer_input_gate: w.linear(&format!("{p}.per_layer_input_gate"), cfg.ple_dim, h)?,
                 per_layer_projection: w.linear(&format!("{p}.per_layer_projection"), h, cfg.ple_dim)?,
-                post_per_layer_input_norm: norm("post_per_layer_input_norm")?,
+                post_per_layer_input_norm: norm("post_per_layer_input_norm")?.rescaled(s, eps)?,
             })
         } else {
             None
         };
+        let post_feedforward_layernorm = norm("post_feedforward_layernorm")?;
         Ok(DecoderLayer {
             input_layernorm: norm("input_layernorm")?,
             self_attn: Attention::load(w, cfg, &spec, &format!("{p}.self_attn"))?,
             post_attention_layernorm: norm("post_attention_layernorm")?,
             pre_feedforward_layernorm: norm("pre_feedforward_layernorm")?,
             mlp: Mlp::load(w, &format!("{p}.mlp"), h, spec.intermediate_size)?,
-            post_feedforward_layernorm: norm("post_feedforward_layernorm")?,
+            post_feedforward_layernorm: match per_layer {
+                Some(_) => post_feedforward_layernorm,
+                None => post_feedforward_layernorm.rescaled(s, eps)?,
+            },
             per_layer,
-            // A stored buffer (M:1509-1510), in the compute dtype as the reference multiplies.
-            layer_scalar: w.vector(&format!("{p}.layer_scalar"), &[1], w.dtype)?,
+            layer_scalar: if w.folds() { Scalar::Folded(s) } else { Scalar::Multiply(scalar) },
             spec,
             index: i,
         })
     }
 
-    /// `xs` `[rows, T, hidden]`; `ple` this layer's per-layer input `[rows, T, P]`.
+    /// `xs` `[rows * T, hidden]`; `ple` this layer's per-layer input `[rows * T, P]`.
     pub fn forward(
         &self,
         xs: &Tensor,
@@ -74,15 +103,15 @@ impl DecoderLayer {
         let h = self.self_attn.forward(&self.input_layernorm.forward(xs)?, plan, self.index, rows, cache, attended)?;
         let xs = residual.add(&self.post_attention_layernorm.forward(&h)?)?;
 
-        let residual = &xs;
-        let h = self.mlp.forward(&self.pre_feedforward_layernorm.forward(&xs)?)?;
-        let mut xs = residual.add(&self.post_feedforward_layernorm.forward(&h)?)?;
-
-        if let (Some(pl), Some(ple)) = (&self.per_layer, ple) {
-            let g = xs.linear(&pl.per_layer_input_gate)?.gelu_tanh()?.mul(ple)?;
-            let h = pl.post_per_layer_input_norm.forward(&g.linear(&pl.per_layer_projection)?)?;
-            xs = xs.add(&h)?;
+        let h = self.post_feedforward_layernorm.forward(&self.mlp.forward(&self.pre_feedforward_layernorm.forward(&xs)?)?)?;
+        match (&self.per_layer, ple) {
+            (Some(pl), Some(ple)) => {
+                let xs = xs.add(&h)?;
+                let g = pl.per_layer_input_gate.forward(&xs)?.gelu_tanh()?.mul(ple)?;
+                self.layer_scalar.finish(&xs, &pl.post_per_layer_input_norm.forward(&pl.per_layer_projection.forward(&g)?)?)
+            }
+            (None, _) => self.layer_scalar.finish(&xs, &h),
+            (Some(_), None) => Err(crate::error::Error::Internal(format!("layer {} got no per-layer input", self.index))),
         }
-        xs.mul(&self.layer_scalar)
     }
 }

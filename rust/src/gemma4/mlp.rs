@@ -1,27 +1,32 @@
 //! `Mlp`: `down_proj(gelu_tanh(gate_proj(x)) * up_proj(x))` (M:1061-1077); KV-shared layers of a
-//! `use_double_wide_mlp` model are twice as wide (the width comes from `LayerSpec`).
+//! `use_double_wide_mlp` model are twice as wide (the width comes from `LayerSpec`). The gate and
+//! up projections are one matrix product (their weights stacked at load), split into views.
 
 use crate::error::Result;
+use crate::gemma4::linear::Linear;
 use crate::gemma4::weights::Weights;
 use crate::tensor::Tensor;
 
 pub struct Mlp {
-    gate_proj: Tensor,
-    up_proj: Tensor,
-    down_proj: Tensor,
+    gate_up_proj: Linear,
+    down_proj: Linear,
+    intermediate: i64,
 }
 
 impl Mlp {
     pub fn load(w: &Weights, prefix: &str, hidden: i64, intermediate: i64) -> Result<Mlp> {
+        let (gate, up) = (format!("{prefix}.gate_proj"), format!("{prefix}.up_proj"));
         Ok(Mlp {
-            gate_proj: w.linear(&format!("{prefix}.gate_proj"), intermediate, hidden)?,
-            up_proj: w.linear(&format!("{prefix}.up_proj"), intermediate, hidden)?,
+            gate_up_proj: w.fused(&[(&gate, intermediate), (&up, intermediate)], hidden)?,
             down_proj: w.linear(&format!("{prefix}.down_proj"), hidden, intermediate)?,
+            intermediate,
         })
     }
 
+    /// `x` `[rows, hidden]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let gate = x.linear(&self.gate_proj)?.gelu_tanh()?;
-        gate.mul(&x.linear(&self.up_proj)?)?.linear(&self.down_proj)
+        let [gate, up] = <[Tensor; 2]>::try_from(self.gate_up_proj.forward(x)?.split(&[self.intermediate; 2], -1)?)
+            .map_err(|_| crate::error::Error::Internal("split gave the wrong number of parts".into()))?;
+        self.down_proj.forward(&gate.gelu_tanh()?.mul(&up)?)
     }
 }

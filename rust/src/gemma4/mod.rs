@@ -13,6 +13,7 @@ pub mod cache;
 pub mod config;
 pub mod engine;
 pub mod layer;
+pub mod linear;
 pub mod mlp;
 pub mod model;
 pub mod norm;

@@ -3,13 +3,23 @@
 //! x0 = embed_tokens[ids] * sqrt(H) (the scale cast to the weight dtype, M:1455); per-layer
 //! inputs ple = (rms(proj(x0) * H^-0.5) + embed_tokens_per_layer[ids] * sqrt(P)) * 2^-0.5 split
 //! per layer (M:1755-1788); the decoder layers; the final norm; tied lm_head; final softcap
-//! `cap * tanh(logits / cap)` (M:1864-1867).
+//! `cap * tanh(logits / cap)` (M:1864-1867). Hidden states are 2-d, `[rows * T, hidden]`.
+//!
+//! The per-layer table is stored times sqrt(P) (the product the reference makes at run time, made
+//! once) and viewed `[V, L, P]`. In float32 (`Weights::folds`) three more constants are folded:
+//! the table and the norm's weight carry the 2^-0.5; `rms(c * y)` with eps `e` is `rms(y)` with eps
+//! `e / c^2`, so the H^-0.5 goes into the eps; and the final norm's weight carries the softcap's
+//! 1 / cap (lm_head is linear).
+
+use std::cell::RefCell;
 
 use crate::error::{Error, Result};
-use crate::gemma4::attention::{Attended, Fill, Liveness, Plan};
+use crate::ffi::aten_calls;
+use crate::gemma4::attention::{Attended, Fill, Liveness, Plan, Positions};
 use crate::gemma4::cache::{KvCache, Rows};
 use crate::gemma4::config::{Config, LayerType};
 use crate::gemma4::layer::DecoderLayer;
+use crate::gemma4::linear::Linear;
 use crate::gemma4::norm::RmsNorm;
 use crate::gemma4::rope::Rope;
 use crate::gemma4::weights::Weights;
@@ -26,10 +36,12 @@ pub enum Output {
 
 /// The per-layer-embedding front end (P > 0).
 struct PerLayerEmbeddings {
+    /// `embed_tokens_per_layer * sqrt(P)` (and `* 2^-0.5` when folded), `[V, L, P]` (module docs).
     embed_tokens_per_layer: Tensor,
-    embed_scale: Tensor,
-    per_layer_model_projection: Tensor,
+    per_layer_model_projection: Linear,
+    /// When folded: weight times 2^-0.5, eps times H (module docs).
     per_layer_projection_norm: RmsNorm,
+    folded: bool,
 }
 
 pub struct Model {
@@ -39,10 +51,14 @@ pub struct Model {
     per_layer: Option<PerLayerEmbeddings>,
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
-    lm_head: Tensor,
+    lm_head: Linear,
     /// Indexed by `LayerType::index`; None when no layer has that type.
     ropes: [Option<Rope>; 2],
     dtype: DType,
+    /// The final norm's weight carries the softcap's 1 / cap (module docs).
+    softcap_folded: bool,
+    /// ATen calls each layer made in the last forward (`Engine::layer_calls`).
+    layer_calls: RefCell<Vec<u64>>,
 }
 
 /// The head dim shared by every layer of `kind` (RoPE tables are per type).
@@ -63,17 +79,24 @@ impl Model {
         let scale = |x: f64| Tensor::full(&[], x, w.dtype, like);
         let embed_tokens = w.embedding("embed_tokens", v, h)?;
         let per_layer = if p > 0 {
+            let vp = cfg.vocab_size_per_layer_input;
+            let table = w.embedding("embed_tokens_per_layer", vp, l * p)?;
+            let eps = cfg.rms_norm_eps;
+            let table = table.mul(&scale((p as f64).sqrt())?)?;
+            let norm = RmsNorm::load(w, "per_layer_projection_norm", p, eps)?;
+            let half = 0.5f64.sqrt();
             Some(PerLayerEmbeddings {
-                embed_tokens_per_layer: w.embedding("embed_tokens_per_layer", cfg.vocab_size_per_layer_input, l * p)?,
-                embed_scale: scale((p as f64).sqrt())?,
+                embed_tokens_per_layer: if w.folds() { table.mul_scalar(half)? } else { table }.reshape(&[vp, l, p])?,
                 per_layer_model_projection: w.linear("per_layer_model_projection", l * p, h)?,
-                per_layer_projection_norm: RmsNorm::load(w, "per_layer_projection_norm", p, cfg.rms_norm_eps)?,
+                per_layer_projection_norm: if w.folds() { norm.rescaled(half, eps * h as f64)? } else { norm },
+                folded: w.folds(),
             })
         } else {
             None
         };
         let layers = (0..cfg.num_layers).map(|i| DecoderLayer::load(w, &cfg, i)).collect::<Result<Vec<_>>>()?;
-        let lm_head = if cfg.tie_word_embeddings { embed_tokens.shallow_clone()? } else { w.linear("lm_head", v, h)? };
+        let lm_head =
+            if cfg.tie_word_embeddings { Linear::Dense(embed_tokens.shallow_clone()?) } else { w.linear("lm_head", v, h)? };
         let mut ropes = [None, None];
         for kind in [LayerType::Sliding, LayerType::Full] {
             if let Some(d) = type_head_dim(&cfg, kind)? {
@@ -82,69 +105,80 @@ impl Model {
         }
         Ok(Model {
             embed_scale: scale((h as f64).sqrt())?,
-            norm: RmsNorm::load(w, "norm", h, cfg.rms_norm_eps)?,
+            // `cap * tanh(lm_head(norm(x)) / cap)`: the 1 / cap goes into the norm's weight, as lm_head
+            // is linear (the same value, rounded in another order).
+            norm: match cfg.final_logit_softcapping {
+                Some(cap) if w.folds() => RmsNorm::load(w, "norm", h, cfg.rms_norm_eps)?.rescaled(1.0 / cap, cfg.rms_norm_eps)?,
+                _ => RmsNorm::load(w, "norm", h, cfg.rms_norm_eps)?,
+            },
+            softcap_folded: w.folds(),
             embed_tokens,
             per_layer,
             layers,
             lm_head,
             ropes,
             dtype: w.dtype,
+            layer_calls: RefCell::new(vec![0; cfg.num_layers]),
             cfg,
         })
     }
 
-    /// Per-layer inputs `[rows, T, L, P]` for token `ids` (`[rows * T]`) with main embeddings `x0`.
-    fn per_layer_inputs(&self, pl: &PerLayerEmbeddings, ids: &Tensor, x0: &Tensor, n: i64, t: i64) -> Result<Tensor> {
-        let (h, l, p) = (self.cfg.hidden_size, self.cfg.num_layers as i64, self.cfg.ple_dim);
-        let tok = pl.embed_tokens_per_layer.index_select(0, ids)?.mul(&pl.embed_scale)?.reshape(&[n, t, l, p])?;
-        let ctx = x0.linear(&pl.per_layer_model_projection)?.mul_scalar((h as f64).powf(-0.5))?.reshape(&[n, t, l, p])?;
-        let ctx = pl.per_layer_projection_norm.forward(&ctx)?;
-        ctx.add(&tok)?.mul_scalar(0.5f64.sqrt())
+    /// Per-layer inputs, one `[rows * T, P]` per layer, for token `ids` (`[rows * T]`) with main
+    /// embeddings `x0`.
+    fn per_layer_inputs(&self, pl: &PerLayerEmbeddings, ids: &Tensor, x0: &Tensor) -> Result<Vec<Tensor>> {
+        let (l, p) = (self.cfg.num_layers as i64, self.cfg.ple_dim);
+        let nt = x0.size()?[0];
+        let tok = pl.embed_tokens_per_layer.index_select(0, ids)?;
+        let ctx = pl.per_layer_model_projection.forward(x0)?;
+        if pl.folded {
+            return pl.per_layer_projection_norm.forward(&ctx.reshape(&[nt, l, p])?)?.add(&tok)?.unbind(1);
+        }
+        let h = self.cfg.hidden_size as f64;
+        let ctx = pl.per_layer_projection_norm.forward(&ctx.mul_scalar(h.powf(-0.5))?.reshape(&[nt, l, p])?)?;
+        ctx.add(&tok)?.mul_scalar(0.5f64.sqrt())?.unbind(1)
     }
 
-    /// Run tokens `ids` at positions `pos` (both `[rows, T]` int64 on the device) of the slots
-    /// `rows` through the model, writing their keys into `cache`. `row_index` is `[rows, 1]`
-    /// int64 `0..rows`; `live` says which rows are real. Returns each row's next-token logits
-    /// `[rows, vocab]` (after softcap, compute dtype) for `Output::Logits`.
+    /// Run tokens `ids` at positions `pos` (`[rows, T]` int64 on the device, and `ids` flat,
+    /// `[rows * T]`) of the slots `rows` through the model, writing their keys into `cache`; `live`
+    /// says which rows are real. Returns each row's next-token logits `[rows, vocab]` (after
+    /// softcap, compute dtype) for `Output::Logits`.
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
         cache: &mut KvCache,
         rows: Rows,
         ids: &Tensor,
-        pos: &Tensor,
-        row_index: &Tensor,
+        pos: &Positions,
         live: &Liveness,
         fill: Fill,
         output: Output,
     ) -> Result<Option<Tensor>> {
-        let [n, t] = ids.size()?[..] else { return Err(Error::Internal("token ids must be [rows, T]".into())) };
-        let flat = ids.reshape(&[n * t])?;
-        let x0 = self.embed_tokens.index_select(0, &flat)?.mul(&self.embed_scale)?;
+        let n = rows.len;
+        let t = ids.size()?[0] / n;
+        cache.prepare(rows)?;
+        let x0 = self.embed_tokens.index_select(0, ids)?.mul(&self.embed_scale)?;
         let ple = match &self.per_layer {
-            Some(pl) => Some(self.per_layer_inputs(pl, &flat, &x0, n, t)?),
+            Some(pl) => Some(self.per_layer_inputs(pl, ids, &x0)?),
             None => None,
         };
         let mut plans: [Option<Plan>; 2] = [None, None];
         for kind in [LayerType::Sliding, LayerType::Full] {
             if let Some(rope) = &self.ropes[kind.index()] {
-                let held = cache.positions(kind, rows)?;
+                let (held, row_index) = (cache.positions(kind, rows)?, cache.row_index(rows)?);
                 let ring = cache.ring(kind);
                 let window = self.cfg.sliding_window;
-                plans[kind.index()] = Some(Plan::new(kind, pos, fill, &held, ring, row_index, live, rope, window)?);
+                plans[kind.index()] = Some(Plan::new(kind, pos, fill, held, ring, row_index, live, rope, window)?);
             }
         }
         let mut attended: Attended = (0..self.layers.len()).map(|_| None).collect();
-        let mut xs = x0.reshape(&[n, t, self.cfg.hidden_size])?;
+        let mut xs = x0;
         for (i, layer) in self.layers.iter().enumerate() {
             let plan = plans[layer.spec.kind.index()]
                 .as_ref()
                 .ok_or_else(|| Error::Internal("no RoPE table for a layer type".into()))?;
-            let ple_i = match &ple {
-                Some(p) => Some(p.narrow(2, i as i64, 1)?.reshape(&[n, t, self.cfg.ple_dim])?),
-                None => None,
-            };
-            xs = layer.forward(&xs, ple_i.as_ref(), plan, rows, cache, &mut attended)?;
+            let before = aten_calls();
+            xs = layer.forward(&xs, ple.as_ref().map(|p| &p[i]), plan, rows, cache, &mut attended)?;
+            self.layer_calls.borrow_mut()[i] = aten_calls() - before;
         }
         // Every layer has read the old positions: record the new ones.
         for kind in [LayerType::Sliding, LayerType::Full] {
@@ -155,12 +189,19 @@ impl Model {
         if output == Output::Nothing {
             return Ok(None);
         }
-        let last = self.norm.forward(&xs.narrow(1, t - 1, 1)?)?;
-        let mut logits = last.linear(&self.lm_head)?;
-        if let Some(cap) = self.cfg.final_logit_softcapping {
-            logits = logits.div_scalar(cap)?.tanh()?.mul_scalar(cap)?;
+        let last = if t == 1 { xs } else { xs.reshape(&[n, t, self.cfg.hidden_size])?.narrow(1, t - 1, 1)?.reshape(&[n, self.cfg.hidden_size])? };
+        let logits = self.lm_head.forward(&self.norm.forward(&last)?)?;
+        match self.cfg.final_logit_softcapping {
+            // Folded: the final norm's weight carries the 1 / cap (see `load`).
+            Some(cap) if self.softcap_folded => Ok(Some(logits.tanh()?.mul_scalar(cap)?)),
+            Some(cap) => Ok(Some(logits.div_scalar(cap)?.tanh()?.mul_scalar(cap)?)),
+            None => Ok(Some(logits)),
         }
-        Ok(Some(logits.reshape(&[n, self.cfg.vocab_size])?))
+    }
+
+    /// ATen calls each layer made in the last forward.
+    pub fn layer_calls(&self) -> Vec<u64> {
+        self.layer_calls.borrow().clone()
     }
 
     pub fn dtype(&self) -> DType {

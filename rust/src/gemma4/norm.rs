@@ -20,6 +20,14 @@ impl RmsNorm {
         Ok(RmsNorm { weight: Some(w.vector(&format!("{name}.weight"), &[dim], w.dtype)?), eps })
     }
 
+    /// The same norm with its weight (and eps) changed: `weight * s`, and `eps`. A norm of `c * x`
+    /// with eps `e` equals a norm of `x` with eps `e / c^2`, which lets a caller drop a scalar
+    /// multiply in front of a norm.
+    pub fn rescaled(&self, s: f64, eps: f64) -> Result<RmsNorm> {
+        let weight = self.weight.as_ref().map(|w| w.mul_scalar(s)).transpose()?;
+        Ok(RmsNorm { weight, eps })
+    }
+
     pub fn no_scale(eps: f64) -> RmsNorm {
         RmsNorm { weight: None, eps }
     }

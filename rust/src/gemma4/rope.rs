@@ -4,17 +4,25 @@
 //! "proportional" RoPE only the first `int(partial_rotary_factor * d // 2)` frequencies are non-zero
 //! (the exponent still divides by the full `d`), so the other dims pass through. Angles are float32;
 //! the tables are cast to the compute dtype, as the reference casts cos/sin to the activations'.
-//! `rotate_half` pairs dim `i` with dim `i + d/2`.
+//! `rotate_half` pairs dim `i` with dim `i + d/2`: `rotate_half(x) = cat(-x2, x1)` is
+//! `roll(x, d/2) * sign` with `sign = [-1] * d/2 + [1] * d/2`, so the sine table is stored with that
+//! sign folded in and a rotation is three ATen calls in float32, `addcmul(x * cos, roll(x), sin_signed)`,
+//! and four in 16-bit dtypes, `x * cos + roll(x) * sin_signed`, where `addcmul`'s single rounding of
+//! the sum would differ from the reference's.
 
 use crate::error::Result;
+use crate::gemma4::attention::Positions;
 use crate::gemma4::config::RopeSpec;
 use crate::tensor::{DType, Tensor};
 
 pub struct Rope {
-    /// `[positions, d]`
+    /// `[positions, 1, 1, d]`: one index_select gives a decode step's `[rows, 1, 1, d]`.
     cos: Tensor,
-    sin: Tensor,
+    /// `sin * sign` (see the module docs), `[positions, 1, 1, d]`.
+    sin_signed: Tensor,
     half: i64,
+    /// Whether `apply` may use `addcmul` (float32; module docs).
+    fused: bool,
 }
 
 /// The inverse frequencies of a layer type with head dim `d`, in float32.
@@ -43,41 +51,66 @@ impl Rope {
         let pos = Tensor::arange(0, positions, DType::F32, like)?.unsqueeze(1)?;
         let angles = pos.mul(&inv)?;
         let emb = Tensor::cat(&[&angles, &angles], 1)?;
-        Ok(Rope { cos: emb.cos()?.to_dtype(dtype)?, sin: emb.sin()?.to_dtype(dtype)?, half: d / 2 })
+        let sin = emb.sin()?;
+        let sin_signed = Tensor::cat(&[&sin.narrow(1, 0, d / 2)?.mul_scalar(-1.0)?, &sin.narrow(1, d / 2, d / 2)?], 1)?;
+        let table = |t: &Tensor| t.to_dtype(dtype)?.reshape(&[positions, 1, 1, d]);
+        let fused = dtype == DType::F32;
+        Ok(Rope { cos: table(&emb.cos()?)?, sin_signed: table(&sin_signed)?, half: d / 2, fused })
     }
 
-    /// cos and sin at `pos` (`[rows, T]` int64), shaped `[rows, T, 1, d]` to broadcast over heads.
-    pub fn at(&self, pos: &Tensor) -> Result<RopeAt> {
-        let [rows, t] = pos.size()?[..] else {
-            return Err(crate::error::Error::Internal("RoPE positions must be [rows, T]".into()));
+    /// cos and sin at `pos`, shaped `[rows, 1, T, d]` to broadcast over the heads of
+    /// `[rows, heads, T, d]`.
+    pub fn at(&self, pos: &Positions) -> Result<RopeAt> {
+        let (rows, t, d) = (pos.rows, pos.t, self.half * 2);
+        let pick = |table: &Tensor| {
+            let picked = table.index_select(0, &pos.flat)?; // [rows * T, 1, 1, d]
+            if t == 1 { Ok(picked) } else { picked.reshape(&[rows, 1, t, d]) }
         };
-        let flat = pos.reshape(&[rows * t])?;
-        let d = self.half * 2;
-        let pick = |table: &Tensor| table.index_select(0, &flat)?.reshape(&[rows, t, 1, d]);
-        Ok(RopeAt { cos: pick(&self.cos)?, sin: pick(&self.sin)?, half: self.half })
+        Ok(RopeAt { cos: pick(&self.cos)?, sin_signed: pick(&self.sin_signed)?, half: self.half, fused: self.fused })
     }
 }
 
 /// The rotation for one forward's positions.
 pub struct RopeAt {
     cos: Tensor,
-    sin: Tensor,
+    sin_signed: Tensor,
     half: i64,
+    fused: bool,
 }
 
 impl RopeAt {
-    /// `x * cos + rotate_half(x) * sin` for `x` `[rows, T, heads, d]`.
+    /// `x * cos + rotate_half(x) * sin` for `x` `[rows, heads, T, d]`.
     pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
-        let x1 = x.narrow(-1, 0, self.half)?;
-        let x2 = x.narrow(-1, self.half, self.half)?;
-        let rotated = Tensor::cat(&[&x2.mul_scalar(-1.0)?, &x1], -1)?;
-        x.mul(&self.cos)?.add(&rotated.mul(&self.sin)?)
+        let rolled = x.roll(self.half, -1)?;
+        if self.fused {
+            return x.mul(&self.cos)?.addcmul(&rolled, &self.sin_signed);
+        }
+        x.mul(&self.cos)?.add(&rolled.mul(&self.sin_signed)?)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_rotation_is_rotate_half_as_transformers_writes_it() {
+        // d = 4, positions 0..3: x * cos + cat(-x2, x1) * sin, spelled out on the host.
+        let spec = RopeSpec { theta: 10000.0, partial_rotary_factor: None, factor: 1.0 };
+        let like = Tensor::from_f32(&[0.0], &[1]).unwrap();
+        let rope = Rope::new(&spec, 4, 3, &like, DType::F32).unwrap();
+        let x: Vec<f32> = vec![0.5, -1.0, 2.0, 0.25];
+        let pos = Positions::new(&Tensor::from_i64(&[2]).unwrap().reshape(&[1, 1]).unwrap()).unwrap();
+        let xt = Tensor::from_f32(&x, &[1, 1, 1, 4]).unwrap();
+        let got = rope.at(&pos).unwrap().apply(&xt).unwrap().to_vec_f32().unwrap();
+        let f = inv_freq(&spec, 4);
+        let (c, s): (Vec<f32>, Vec<f32>) = (0..4).map(|i| ((2.0 * f[i % 2]).cos(), (2.0 * f[i % 2]).sin())).unzip();
+        let rot = [-x[2], -x[3], x[0], x[1]];
+        for i in 0..4 {
+            let want = x[i] * c[i] + rot[i] * s[i];
+            assert!((got[i] - want).abs() < 1e-6, "dim {i}: {} vs {want}", got[i]);
+        }
+    }
 
     #[test]
     fn default_rope_rotates_every_pair_with_theta_powers() {

@@ -275,7 +275,7 @@ impl Sampler {
     pub fn choose(&self, logits: &Tensor, start: i64, n: i64) -> Result<Chosen> {
         let stages = self.stages(start, n);
         let rows = |t: &Tensor| t.narrow(0, start, n);
-        let raw = logits.to_dtype(DType::F32)?;
+        let raw = logits.as_dtype(DType::F32)?;
         let x = self.process(&raw, start, n, stages)?;
         let greedy = x.argmax(-1, false)?;
         let tokens = if stages.draw {
@@ -303,7 +303,13 @@ impl Sampler {
 
     /// After a step: count the chosen tokens into the slots' output histories, and move the slots'
     /// draw index on; with `live` (bool `[n]`), only for the live rows (the others were padding).
+    /// Histories feed only the penalties and the draw index only draws, so a batch whose requests
+    /// use neither skips them (a request's stages are fixed at `assign`, and `assign` resets both).
     pub fn advance(&self, tokens: &Tensor, start: i64, n: i64, live: Option<&Tensor>) -> Result<()> {
+        let stages = self.stages(start, n);
+        if !(stages.draw || stages.repetition || stages.presence_frequency) {
+            return Ok(());
+        }
         let counts = self.counts.narrow(0, start, n)?;
         let step = self.step.narrow(0, start, n)?;
         match live {
@@ -325,14 +331,15 @@ impl Sampler {
         if stages.bias {
             x = x.add(&rows(&self.bias)?)?;
         }
-        let counts = rows(&self.counts)?;
         if stages.repetition {
+            let counts = rows(&self.counts)?;
             let seen = rows(&self.in_prompt)?.logical_or(&counts.gt_scalar(0.0)?)?;
             let p = rows(&self.repetition)?;
             let penalized = Tensor::where_(&x.lt_scalar(0.0)?, &x.mul(&p)?, &x.div(&p)?)?;
             x = Tensor::where_(&seen, &penalized, &x)?;
         }
         if stages.presence_frequency {
+            let counts = rows(&self.counts)?;
             let present = counts.gt_scalar(0.0)?.to_dtype(DType::F32)?;
             x = x.sub(&counts.mul(&rows(&self.frequency)?)?)?.sub(&present.mul(&rows(&self.presence)?)?)?;
         }

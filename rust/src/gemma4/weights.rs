@@ -1,6 +1,7 @@
 //! The loader: memory-mapped safetensors (one file or shards with an index), dense bf16/f16/f32
-//! tensors and compressed-tensors pack-quantized tensors, all returned dense in the compute
-//! dtype on the `like` device, so the model code never asks whether a weight was quantized.
+//! tensors and compressed-tensors pack-quantized tensors. Linear weights come back as a `Linear`:
+//! dense in the compute dtype, or (int4, `Int4Path::Packed`) kept packed for ATen's int4 matmul;
+//! everything else comes back dense in the compute dtype on the `like` device.
 //!
 //! Packing (compressed_tensors/compressors/pack_quantized/helpers.py, `pack_to_int32`): value i
 //! of a row sits at bits `i*B .. i*B+B` of the row's little-endian int32 words, stored with an
@@ -11,6 +12,7 @@
 //! Tensor names may carry `model.` (Gemma4ForCausalLM) or `model.language_model.`
 //! (Gemma4ForConditionalGeneration); each checkpoint's prefix is detected once.
 
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -21,6 +23,7 @@ use serde_json::Value;
 
 use crate::error::{Error, Result};
 use crate::gemma4::config::QuantSpec;
+use crate::gemma4::linear::Linear;
 use crate::tensor::{DType, Tensor};
 
 /// One safetensors file, mapped.
@@ -121,14 +124,14 @@ impl Checkpoint {
         Tensor::from_bytes(bytes, shape, dt)
     }
 
-    /// A `[rows, cols]` matrix named `name` (without `.weight`): dense `.weight`, or
-    /// `.weight_packed` + `.weight_scale` + `.weight_shape`, dequantized on `like`'s device.
-    fn matrix(&self, name: &str, rows: i64, cols: i64, like: &Tensor, dtype: DType) -> Result<Tensor> {
+    /// A `[rows, cols]` matrix named `name` (without `.weight`) as stored: dense `.weight`, or
+    /// `.weight_packed` + `.weight_scale` + `.weight_shape` unpacked on the host.
+    fn part(&self, name: &str, rows: i64, cols: i64) -> Result<Part> {
         let base = self.full_name(name);
         let dense = format!("{base}.weight");
         let packed = format!("{base}.weight_packed");
         if self.has(&dense) || !self.has(&packed) {
-            return self.dense(&dense, &[rows, cols])?.to_like(like, dtype);
+            return Ok(Part::Dense(self.dense(&dense, &[rows, cols])?));
         }
         let q = self
             .quant
@@ -158,13 +161,78 @@ impl Checkpoint {
             return Err(Error::weight(&scale_name, format!("has shape {sshape:?}, expected {scale_shape:?}")));
         }
         let sdtype = st_dtype(sdt).ok_or_else(|| Error::weight(&scale_name, format!("unsupported dtype {sdt:?}")))?;
-        let ints = unpack(pbytes, rows as usize, cols as usize, words as usize, q.num_bits);
-        // Dequantize on the device in the compute dtype: a float32 engine multiplies in float32
-        // (no bfloat16 rounding of the product), as Transformers' plain float32 load does.
-        let qt = Tensor::from_bytes(&ints, &[rows, cols / group, group], DType::I8)?.to_like(like, dtype)?;
-        let scale = Tensor::from_bytes(sbytes, &[rows, cols / group, 1], sdtype)?.to_like(like, dtype)?;
-        qt.mul(&scale)?.reshape(&[rows, cols])
+        Ok(Part::Quant {
+            values: unpack(pbytes, rows as usize, cols as usize, words as usize, q.num_bits),
+            scales: Tensor::from_bytes(sbytes, &scale_shape, sdtype)?,
+            bits: q.num_bits,
+            rows,
+            cols,
+            group,
+        })
     }
+
+    /// `part` dense in `dtype` on `like`'s device.
+    fn matrix(&self, name: &str, rows: i64, cols: i64, like: &Tensor, dtype: DType) -> Result<Tensor> {
+        self.part(name, rows, cols)?.dense(like, dtype)
+    }
+}
+
+/// A matrix as the checkpoint stores it, on the host.
+enum Part {
+    Dense(Tensor),
+    /// Signed values (`unpack`) and their per-group scales `[rows, cols / group]` in the stored dtype.
+    Quant { values: Vec<u8>, scales: Tensor, bits: u32, rows: i64, cols: i64, group: i64 },
+}
+
+impl Part {
+    /// Dense in `dtype` on `like`'s device. Quantized values are dequantized there in the compute
+    /// dtype: a float32 engine multiplies in float32 (no bfloat16 rounding of the product), as
+    /// Transformers' plain float32 load does.
+    fn dense(self, like: &Tensor, dtype: DType) -> Result<Tensor> {
+        match self {
+            Part::Dense(t) => t.to_like(like, dtype),
+            Part::Quant { values, scales, rows, cols, group, .. } => {
+                let qt = Tensor::from_bytes(&values, &[rows, cols / group, group], DType::I8)?.to_like(like, dtype)?;
+                let scale = scales.reshape(&[rows, cols / group, 1])?.to_like(like, dtype)?;
+                qt.mul(&scale)?.reshape(&[rows, cols])
+            }
+        }
+    }
+}
+
+/// The group sizes ATen's int4 matmul kernels take (`_weight_int4pack_mm`, `_weight_int4pack_mm_for_cpu`).
+const INT4_GROUPS: [i64; 4] = [32, 64, 128, 256];
+
+/// Several int4 parts stacked by rows, packed for ATen's int4 matmul on `like`'s device, or None
+/// when they do not fit its layout (another bit width or group size, a width it cannot tile).
+fn pack_int4(parts: &[Part], like: &Tensor) -> Result<Option<Linear>> {
+    let mut values: Vec<u8> = Vec::new();
+    let mut scales: Vec<&Tensor> = Vec::new();
+    let (mut rows, mut shape) = (0, None);
+    for p in parts {
+        let Part::Quant { values: v, scales: s, bits: 4, rows: r, cols, group } = p else { return Ok(None) };
+        if shape.is_some_and(|x| x != (*cols, *group)) || !INT4_GROUPS.contains(group) {
+            return Ok(None);
+        }
+        shape = Some((*cols, *group));
+        values.extend_from_slice(v);
+        scales.push(s);
+        rows += r;
+    }
+    let Some((cols, group)) = shape else { return Ok(None) };
+    // The kernels tile `in` by 16 * inner_k_tiles and `out` by 16 (the CPU packer's rule; CUDA's is 8).
+    let Some(tiles) = [8, 4, 2].into_iter().find(|k| cols % (16 * k) == 0) else { return Ok(None) };
+    if rows % 16 != 0 {
+        return Ok(None);
+    }
+    // The kernels store v + 8 in 0..15 and dequantize (u - 8) * scale + zero; the checkpoint's
+    // symmetric groups have zero 0.
+    let stored: Vec<u8> = values.iter().flat_map(|v| ((*v as i8 as i32) + 8).to_ne_bytes()).collect();
+    let packed = Tensor::from_bytes(&stored, &[rows, cols], DType::I32)?.int4_pack(tiles, like)?;
+    let s = Tensor::cat(&scales, 0)?.to_dtype(DType::BF16)?.transpose(0, 1)?.unsqueeze(2)?; // [in/group, out, 1]
+    let z = Tensor::full(&[cols / group, rows, 1], 0.0, DType::BF16, &s)?;
+    let scales_zeros = Tensor::cat(&[&s, &z], 2)?.to_like(like, DType::BF16)?;
+    Ok(Some(Linear::Int4 { packed, scales_zeros, group }))
 }
 
 /// Unpack `rows` rows of `words` little-endian u32 words into `cols` signed values each.
@@ -206,6 +274,25 @@ fn st_dtype(d: StDtype) -> Option<DType> {
     })
 }
 
+/// How W4A16 (int4) linear weights reach the device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Int4Path {
+    /// Kept packed and multiplied by ATen's int4 kernels (bfloat16 activations).
+    Packed,
+    /// Dequantized to the compute dtype at load (any device, any dtype).
+    Dequantized,
+}
+
+/// What the loader put on the device.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Loaded {
+    /// Bytes of every weight on the device (packed int4 weights at their packed size).
+    pub bytes: i64,
+    /// Quantized linears kept packed, and dequantized.
+    pub packed: usize,
+    pub dequantized: usize,
+}
+
 /// Everything a `load` function needs: the checkpoint(s), the device and the compute dtype.
 pub struct Weights {
     main: Checkpoint,
@@ -213,32 +300,86 @@ pub struct Weights {
     emb: Option<Checkpoint>,
     pub like: Tensor,
     pub dtype: DType,
+    int4: Int4Path,
+    loaded: Cell<Loaded>,
 }
 
 impl Weights {
-    pub fn new(main: Checkpoint, emb: Option<Checkpoint>, like: Tensor, dtype: DType) -> Weights {
-        Weights { main, emb, like, dtype }
+    pub fn new(main: Checkpoint, emb: Option<Checkpoint>, like: Tensor, dtype: DType, int4: Int4Path) -> Weights {
+        Weights { main, emb, like, dtype, int4, loaded: Cell::new(Loaded::default()) }
+    }
+
+    /// Whether the model may fold a constant into a neighbouring op (a norm's weight, an eps, a
+    /// table) where the reference multiplies separately: the same value rounded in another order.
+    /// Only in float32, where that moves the last bit; in 16-bit dtypes every op keeps the
+    /// reference's rounding.
+    pub fn folds(&self) -> bool {
+        self.dtype == DType::F32
+    }
+
+    pub fn loaded(&self) -> Loaded {
+        self.loaded.get()
+    }
+
+    fn count(&self, t: &Tensor) -> Result<()> {
+        let mut l = self.loaded.get();
+        l.bytes += t.nbytes()?;
+        self.loaded.set(l);
+        Ok(())
     }
 
     /// A linear layer's `[out, in]` weight (`name` without `.weight`).
-    pub fn linear(&self, name: &str, out: i64, inp: i64) -> Result<Tensor> {
-        self.main.matrix(name, out, inp, &self.like, self.dtype)
+    pub fn linear(&self, name: &str, out: i64, inp: i64) -> Result<Linear> {
+        self.fused(&[(name, out)], inp)
+    }
+
+    /// Several linears over the same input as one, their outputs side by side in the order given
+    /// (`(name, out)` pairs): one matrix product where the model has several.
+    pub fn fused(&self, parts: &[(&str, i64)], inp: i64) -> Result<Linear> {
+        let parts = parts.iter().map(|(n, out)| self.main.part(n, *out, inp)).collect::<Result<Vec<_>>>()?;
+        let quantized = parts.iter().any(|p| matches!(p, Part::Quant { .. }));
+        if quantized && self.int4 == Int4Path::Packed {
+            if let Some(linear) = pack_int4(&parts, &self.like)? {
+                if let Linear::Int4 { packed, scales_zeros, .. } = &linear {
+                    self.count(packed)?;
+                    self.count(scales_zeros)?;
+                }
+                let mut l = self.loaded.get();
+                l.packed += 1;
+                self.loaded.set(l);
+                return Ok(linear);
+            }
+        }
+        let dense = parts.into_iter().map(|p| p.dense(&self.like, self.dtype)).collect::<Result<Vec<_>>>()?;
+        let w = if dense.len() == 1 { dense.into_iter().next().expect("one part") } else { Tensor::cat(&dense.iter().collect::<Vec<_>>(), 0)? };
+        self.count(&w)?;
+        if quantized {
+            let mut l = self.loaded.get();
+            l.dequantized += 1;
+            self.loaded.set(l);
+        }
+        Ok(Linear::Dense(w))
     }
 
     /// A vocabulary table, from the embeddings directory when it has one.
     pub fn embedding(&self, name: &str, rows: i64, cols: i64) -> Result<Tensor> {
-        if let Some(emb) = &self.emb {
-            let base = emb.full_name(name);
-            if emb.has(&format!("{base}.weight")) || emb.has(&format!("{base}.weight_packed")) {
-                return emb.matrix(name, rows, cols, &self.like, self.dtype);
-            }
-        }
-        self.main.matrix(name, rows, cols, &self.like, self.dtype)
+        let from = match &self.emb {
+            Some(emb) if {
+                let base = emb.full_name(name);
+                emb.has(&format!("{base}.weight")) || emb.has(&format!("{base}.weight_packed"))
+            } => emb,
+            _ => &self.main,
+        };
+        let t = from.matrix(name, rows, cols, &self.like, self.dtype)?;
+        self.count(&t)?;
+        Ok(t)
     }
 
     /// A norm weight or other small vector, in `dtype`.
     pub fn vector(&self, name: &str, shape: &[i64], dtype: DType) -> Result<Tensor> {
-        self.main.dense(&self.main.full_name(name), shape)?.to_like(&self.like, dtype)
+        let t = self.main.dense(&self.main.full_name(name), shape)?.to_like(&self.like, dtype)?;
+        self.count(&t)?;
+        Ok(t)
     }
 }
 

@@ -1,0 +1,30 @@
+//! `Linear`: `x @ w.T` for a weight `[out, in]` (no bias: Gemma 4 has none), dense or int4.
+//!
+//! An int4 weight stays packed on the device and runs through ATen's int4 matmul
+//! (`_weight_int4pack_mm` on CUDA, `_weight_int4pack_mm_for_cpu` on the CPU), which dequantizes a
+//! tile at a time in its registers: a quarter of the bytes a bfloat16 weight reads per token. The
+//! kernels take bfloat16 activations `[rows, in]`, so the model keeps its hidden states 2-d.
+
+use crate::error::Result;
+use crate::tensor::Tensor;
+
+pub enum Linear {
+    Dense(Tensor),
+    Int4 {
+        /// ATen's packed layout for the device (`Tensor::int4_pack`).
+        packed: Tensor,
+        /// bfloat16 `[in / group, out, 2]`: each group's scale and zero.
+        scales_zeros: Tensor,
+        group: i64,
+    },
+}
+
+impl Linear {
+    /// `x` `[rows, in]` → `[rows, out]`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Linear::Dense(w) => x.linear(w),
+            Linear::Int4 { packed, scales_zeros, group } => x.int4_mm(packed, *group, scales_zeros),
+        }
+    }
+}

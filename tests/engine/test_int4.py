@@ -1,0 +1,57 @@
+"""int4 weights kept packed on the device (ATen's `_weight_int4pack_mm_for_cpu` here; the CUDA kernel on
+a GPU), against the same checkpoint dequantized at load.
+
+The packed kernels take bfloat16 activations, so these tests run the engine in bfloat16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gemma_engine
+from tests import checkpoints as ck
+
+CONTEXT = 64
+KINDS = ("w4a16", "emb4")
+
+
+def _engine(checkpoint_dirs, kind, **kwargs):
+    model_dir, emb_dir = checkpoint_dirs[kind]
+    kwargs = {"context": CONTEXT, "dtype": "bfloat16", **kwargs}
+    return gemma_engine.Engine(str(model_dir), str(emb_dir) if emb_dir else None, **kwargs)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_packed_int4_first_token_stays_close_to_the_dequantized_path(checkpoint_dirs, kind):
+    """Not equal: the kernels round differently from the dequantized bfloat16 product (measured here:
+    KL 0.016 on w4a16 and 0.13 on emb4, and greedy tokens that part after 2 and 4 tokens on these
+    small random models), which is why the packed path is not the default. A wrong packing or scale
+    layout gives a KL far above 1."""
+    packed = _engine(checkpoint_dirs, kind, packed_int4=True)
+    dequantized = _engine(checkpoint_dirs, kind, packed_int4=False)
+    assert packed.weights()["int4"] == "packed"
+    assert dequantized.weights()["int4"] == "dequantized"
+    got, want = packed.logits(ck.PARITY_PROMPT), dequantized.logits(ck.PARITY_PROMPT)
+    kl = torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True, reduction="sum")
+    assert got.argmax() == want.argmax()
+    assert kl <= 0.25, f"KL(dequantized || packed) = {kl:.3f}"
+
+
+def test_int4_weights_are_dequantized_unless_packing_is_asked_for(checkpoint_dirs):
+    assert _engine(checkpoint_dirs, "w4a16").weights()["int4"] == "dequantized"
+    assert _engine(checkpoint_dirs, "w4a16", dtype="float32").weights()["int4"] == "dequantized"
+    assert _engine(checkpoint_dirs, "dense").weights()["int4"] == "none"
+
+
+def test_packed_linears_take_at_most_35_percent_of_their_dense_bfloat16_bytes(checkpoint_dirs):
+    """The linears (every weight but the embedding tables and norms, which stay dense either way)."""
+    packed = _engine(checkpoint_dirs, "w4a16", packed_int4=True).weights()["bytes"]
+    dense = _engine(checkpoint_dirs, "w4a16", packed_int4=False).weights()["bytes"]
+    dense_rest = ck.dense_table_and_norm_bytes(checkpoint_dirs["w4a16"][0], torch.bfloat16)
+    assert (packed - dense_rest) <= 0.35 * (dense - dense_rest), (packed, dense, dense_rest)
+
+
+def test_packed_int4_in_float32_is_refused_and_names_the_dtype(checkpoint_dirs):
+    with pytest.raises(ValueError, match="bfloat16.*float32"):
+        _engine(checkpoint_dirs, "w4a16", dtype="float32", packed_int4=True)
