@@ -136,6 +136,7 @@ class EngineWorker:
         self.engine: Any = None
         self.max_batch = 0
         self.layout: dict[str, int] = {}
+        self.weights: dict[str, Any] = {}
         self.free = 0  # free slots at the last read point
         self.active: dict[int, Job] = {}
         self.served = 0  # requests it has taken
@@ -152,6 +153,7 @@ class EngineWorker:
         self.engine = engine
         self.max_batch = int(engine.max_batch)
         self.layout = dict(engine.layout())
+        self.weights = dict(engine.weights())
         self.free = self.max_batch
 
     def serve(self, read_every: int) -> None:
@@ -202,6 +204,7 @@ class EngineWorker:
             "index": self.index, "device": self.device, "max_batch": self.max_batch, "active": len(self.active),
             "served": self.served,
             "kv_bytes_per_slot": self.layout.get("kv_bytes_per_slot"), "kv_bytes": self.layout.get("kv_bytes"),
+            "weight_bytes": self.weights.get("bytes"), "int4_weights": self.weights.get("int4"),
             "serving": self.serving, "dead": self.dead,
         }
 

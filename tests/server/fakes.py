@@ -54,6 +54,9 @@ class FakeGatedEngine:
     def layout(self) -> dict[str, int]:
         return {"context": self.context, "max_batch": 1, "kv_bytes_per_slot": 0, "kv_bytes": 0}
 
+    def weights(self):
+        return {"int4": "none", "bytes": 0}
+
     def decode(self, ids, max_new, stop_ids=(), read_every=1, on_tokens=None, sampling=None):
         return [self.token] * max_new, "length", 0.0, 0.0
 

@@ -121,6 +121,9 @@ def test_metrics_show_slots_and_steps(server, client, model):
     info = httpx.get(server.base + "/v1/engine").json()
     assert [e["max_batch"] for e in info["engines"]] == [4]
     assert info["engines"][0]["kv_bytes"] == 4 * info["engines"][0]["kv_bytes_per_slot"] > 0
+    # A float32 engine dequantizes int4 weights (the packed kernels take bfloat16), or has none.
+    assert info["engines"][0]["int4_weights"] in ("none", "dequantized")
+    assert info["engines"][0]["weight_bytes"] > 0
 
 
 def test_two_engines_on_the_cpu_share_the_requests(chat_checkpoint, direct_engine, tokenizer):
