@@ -25,7 +25,7 @@ remains around them: it grows as the model shrinks. The last line prints that fl
 matrix-vector products alone, and how close each side comes to it.
 `--format w4a16` writes the same config as a compressed-tensors W4A16 checkpoint (int4 linears, as
 tests/checkpoints.py `save_w4a16` does) and runs both sides in bfloat16: the engine keeps the int4
-weights packed for ATen's int4 kernels, and Transformers loads the checkpoint with the plain
+weights packed for ATen's int4 kernels (`packed_int4=True`), and Transformers loads the checkpoint with the plain
 `from_pretrained(path, dtype=torch.bfloat16)` (compressed-tensors decompresses it to dense bfloat16).
 The engine's weight bytes on the device, the bytes a decode step reads per token (every weight but the
 per-layer embedding table, of which a step reads one row) and the effective GB/s are printed.
@@ -112,14 +112,16 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def rust_runner(model_dir: Path, device: str, dtype: str, prompt: list[int], new: int, read_every: int):
+def rust_runner(model_dir: Path, device: str, dtype: str, prompt: list[int], new: int, read_every: int,
+                packed_int4: bool | None = None):
     """Load the Rust engine; returns (load seconds, run, engine) where run() -> (read tok/s, decode tok/s,
     tokens)."""
     import gemma_engine
 
     t0 = time.perf_counter()
     engine = gemma_engine.Engine(
-        str(model_dir), like=torch.zeros(1, device=device), context=len(prompt) + new, dtype=dtype, prefill_chunk=256
+        str(model_dir), like=torch.zeros(1, device=device), context=len(prompt) + new, dtype=dtype, prefill_chunk=256,
+        packed_int4=packed_int4,
     )
     load_s = time.perf_counter() - t0
     engine.decode(prompt, min(new, 8), read_every=read_every)  # warm-up
@@ -236,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--e2b-config", type=Path, default=E2B_CONFIG, help="the E2B text config.json")
     parser.add_argument("--format", choices=("dense", "w4a16"), default="dense",
                         help="checkpoint format (w4a16: int4 linears, both sides in bfloat16)")
-    parser.add_argument("--group-size", type=int, default=128, help="int4 columns per scale group (w4a16)")
+    parser.add_argument("--group-size", type=int, default=64, help="int4 columns per scale group (w4a16; divides every linear's input width)")
     args = parser.parse_args(argv)
     if args.format == "w4a16" and args.dtype not in (None, "bfloat16"):
         parser.error("--format w4a16 runs in bfloat16 (ATen's int4 kernels take bfloat16 activations)")
@@ -269,7 +271,8 @@ def main(argv: list[str] | None = None) -> None:
             model = random_model(config, args.device)
             model.save_pretrained(tmp)
         print(f"random checkpoint written in {time.perf_counter() - t0:.1f} s", flush=True)
-        load_s, rust_run, engine = rust_runner(Path(tmp), args.device, dtype, prompt, new, args.read_every)
+        packed = True if args.format == "w4a16" else None
+        load_s, rust_run, engine = rust_runner(Path(tmp), args.device, dtype, prompt, new, args.read_every, packed)
     per_step, per_layer = aten_calls_per_step(engine, prompt)
     print(f"ATen calls per decode step: {per_step:.0f} ({sum(per_layer)} in the {len(per_layer)} layers: "
           f"{describe_layer_calls(config, per_layer)})", flush=True)

@@ -34,6 +34,27 @@ print("\x1f".join(ce.include_paths()))
 print(ce.library_paths()[0])
 print(sysconfig.get_paths()["include"])
 print("%d.%d.%d" % sys.version_info[:3])
+# The CUDA headers the CUDA graph code needs (ATen/cuda/CUDAGraph.h includes cuda_runtime_api.h, which
+# includes crt/host_config.h): from GEMMA_CUDA_INCLUDE (directories, os.pathsep-separated), the toolkit
+# torch found, or the nvidia-* wheels. PyPI's CUDA torch installs the runtime's headers but not crt/
+# (that comes with the compiler), so a plain .venv builds without CUDA graphs, as a torch without CUDA
+# (CPU, TPU) does; empty means none.
+cuda_include = []
+if torch.version.cuda:
+    import glob, os
+    roots = [d for d in os.environ.get("GEMMA_CUDA_INCLUDE", "").split(os.pathsep) if d]
+    if ce.CUDA_HOME:
+        roots.append(os.path.join(ce.CUDA_HOME, "include"))
+    try:
+        import nvidia
+        roots += [d for r in nvidia.__path__ for d in sorted(glob.glob(os.path.join(r, "*", "include")))]
+    except ImportError:
+        pass
+    need = ("cuda_runtime_api.h", os.path.join("crt", "host_config.h"))
+    found = [next((r for r in roots if os.path.exists(os.path.join(r, h))), None) for h in need]
+    if all(found):
+        cuda_include = list(dict.fromkeys(found))
+print("\x1f".join(cuda_include))
 "#;
 
 fn main() {
@@ -51,7 +72,7 @@ fn main() {
     }
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     let lines: Vec<&str> = text.lines().collect();
-    let [torch_version, cxx11_abi, includes, lib_dir, py_include, py_version] = lines[..] else {
+    let [torch_version, cxx11_abi, includes, lib_dir, py_include, py_version, cuda_include] = lines[..] else {
         panic!("unexpected answer from the torch probe:\n{text}");
     };
 
@@ -71,10 +92,19 @@ fn main() {
     for inc in includes.split('\x1f') {
         build.include(inc);
     }
+    let cuda_graphs = !cuda_include.is_empty();
+    if cuda_graphs {
+        build.define("GEMMA_CUDA_GRAPHS", None);
+        for inc in cuda_include.split('\x1f') {
+            build.include(inc);
+        }
+    }
+    println!("cargo:rustc-env=GEMMA_BUILD_CUDA_GRAPHS={cuda_graphs}");
     build.compile("gemma_aten_shim");
 
     println!("cargo:rustc-link-search=native={lib_dir}");
-    for lib in ["torch_python", "torch", "torch_cpu", "c10"] {
+    let cuda_libs: &[&str] = if cuda_graphs { &["torch_cuda", "c10_cuda"] } else { &[] };
+    for lib in ["torch_python", "torch", "torch_cpu", "c10"].iter().chain(cuda_libs) {
         println!("cargo:rustc-link-lib=dylib={lib}");
     }
     // The module is imported after `import torch`, which has already loaded these libraries;
@@ -99,6 +129,7 @@ fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-env-changed=PYO3_PYTHON");
     println!("cargo:rerun-if-env-changed=VIRTUAL_ENV");
+    println!("cargo:rerun-if-env-changed=GEMMA_CUDA_INCLUDE");
 }
 
 /// python/gemma_engine/_build.py tells the Python wrapper which torch this build needs before it

@@ -8,13 +8,30 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
+
+#ifdef GEMMA_CUDA_GRAPHS
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
 
 #include "aten.h"
 
 struct gt {
   at::Tensor t;
+};
+
+// A captured CUDA graph and, while capturing, the side stream it captures on (capture cannot use
+// the legacy default stream; PyTorch's torch/cuda/graphs.py `graph` does the same).
+struct gg {
+#ifdef GEMMA_CUDA_GRAPHS
+  at::cuda::CUDAGraph graph;
+  std::optional<c10::cuda::CUDAStreamGuard> stream;
+#endif
 };
 
 namespace {
@@ -55,9 +72,58 @@ at::IntArrayRef dims_of(const int64_t *dims, size_t ndim) { return at::IntArrayR
 
 at::ScalarType st(int dtype) { return static_cast<at::ScalarType>(dtype); }
 
+#ifdef GEMMA_CUDA_GRAPHS
+gg *graph_begin(const at::Tensor &like) {
+  if (!like.device().is_cuda()) throw std::invalid_argument("CUDA graphs need a CUDA device, not " + like.device().str());
+  c10::cuda::CUDAGuard device(like.device());
+  // Work queued on the default stream must not land in the capture.
+  c10::cuda::device_synchronize();
+  auto g = std::make_unique<gg>();
+  g->stream.emplace(c10::cuda::getStreamFromPool(false, like.device().index()));
+  // Thread-local capture: engines on other threads (other devices) keep working meanwhile.
+  g->graph.capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
+  return g.release();
+}
+void graph_end(gg *g) {
+  g->graph.capture_end();
+  g->stream.reset();
+}
+void graph_abort(gg *g) {
+  try { g->graph.capture_end(); } catch (...) {}
+  g->stream.reset();
+}
+void graph_replay(gg *g) { g->graph.replay(); }
+#else
+[[noreturn]] void no_graphs() {
+  throw std::runtime_error("this gemma_engine was built against a torch without CUDA: no CUDA graphs");
+}
+gg *graph_begin(const at::Tensor &) { no_graphs(); }
+void graph_end(gg *) { no_graphs(); }
+void graph_abort(gg *) {}
+void graph_replay(gg *) { no_graphs(); }
+#endif
+
 }  // namespace
 
 extern "C" {
+
+gg *aten_graph_begin(gt *like) {
+  PROTECT(return graph_begin(like->t);)
+  return nullptr;
+}
+int aten_graph_end(gg *g) { RET_INT(graph_end(g)) }
+void aten_graph_abort(gg *g) { graph_abort(g); }
+int aten_graph_replay(gg *g) { RET_INT(graph_replay(g)) }
+void aten_graph_free(gg *g) { delete g; }
+int aten_cuda_graphs_built(void) {
+#ifdef GEMMA_CUDA_GRAPHS
+  return 1;
+#else
+  return 0;
+#endif
+}
+gt *aten_clone(gt *t) { RET(t->t.clone()) }
+
 
 const char *aten_take_error(void) {
   if (!has_error) return nullptr;

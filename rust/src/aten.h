@@ -18,6 +18,7 @@ extern "C" {
 #endif
 
 typedef struct gt gt;
+typedef struct gg gg;
 typedef struct _object PyObject;
 
 /* Errors and guards. */
@@ -96,6 +97,18 @@ gt *aten_int4_pack(gt *w, int64_t inner_k_tiles, gt *like);
 gt *aten_int4_mm(gt *x, gt *packed, int64_t group, gt *scales_zeros);
 /* The c10::ScalarType code. */
 int aten_scalar_type(gt *t);
+/* CUDA graphs (at::cuda::CUDAGraph), when the shim was built against a torch with CUDA
+   (aten_cuda_graphs_built() == 1; otherwise begin and replay fail with a message). begin syncs the
+   device and starts capturing this thread's work on a side stream of `like`'s device; end stops and
+   instantiates; abort stops a capture that failed (no error); replay runs the graph on the current
+   stream; free releases it. */
+gg *aten_graph_begin(gt *like);
+int aten_graph_end(gg *g);
+void aten_graph_abort(gg *g);
+int aten_graph_replay(gg *g);
+void aten_graph_free(gg *g);
+int aten_cuda_graphs_built(void);
+gt *aten_clone(gt *t);
 /* Bytes of the tensor's elements. */
 int64_t aten_nbytes(gt *t);
 /* Sorted values and indices along the last dim; `stable` keeps equal values in index order. */

@@ -240,7 +240,7 @@ impl Engine {
     ///         shape), bad dtype, context/prefill_chunk/max_batch < 1, a KV cache that does not fit.
     #[new]
     #[pyo3(signature = (model_dir, emb_dir=None, like=None, context=8192, dtype="bfloat16", prefill_chunk=256,
-                        max_batch=1, packed_int4=None))]
+                        max_batch=1, packed_int4=None, cuda_graphs=true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -252,8 +252,9 @@ impl Engine {
         prefill_chunk: i64,
         max_batch: i64,
         packed_int4: Option<bool>,
+        cuda_graphs: bool,
     ) -> PyResult<Engine> {
-        let settings = Settings { context, dtype: parse_dtype(dtype)?, prefill_chunk, max_batch, packed_int4 };
+        let settings = Settings { context, dtype: parse_dtype(dtype)?, prefill_chunk, max_batch, packed_int4, cuda_graphs };
         let (like, like_py) = match like {
             Some(t) => (tensor_arg(t, "like")?, t.clone().unbind()),
             None => {
@@ -309,6 +310,12 @@ impl Engine {
         d.set_item("int4", w.int4)?;
         d.set_item("bytes", w.bytes)?;
         Ok(d)
+    }
+
+    /// CUDA graphs of decode steps captured so far (0 off CUDA).
+    #[getter]
+    fn captured_steps(&self) -> usize {
+        self.inner.captured_steps()
     }
 
     /// ATen calls each layer made in the last forward.
@@ -503,6 +510,7 @@ fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("rustc", env!("GEMMA_BUILD_RUSTC"))?;
     d.set_item("python", env!("GEMMA_BUILD_PYTHON"))?;
     d.set_item("crate", env!("CARGO_PKG_VERSION"))?;
+    d.set_item("cuda_graphs", env!("GEMMA_BUILD_CUDA_GRAPHS") == "true")?;
     Ok(d)
 }
 

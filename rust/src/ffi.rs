@@ -16,6 +16,12 @@ pub struct CTensor {
 
 pub type T = *mut CTensor;
 
+/// An `at::cuda::CUDAGraph` owned by a `tensor::CudaGraph`.
+#[repr(C)]
+pub struct CGraph {
+    _private: [u8; 0],
+}
+
 unsafe extern "C" {
     pub fn aten_take_error() -> *const c_char;
     pub fn aten_no_grad_enter() -> *mut c_void;
@@ -77,6 +83,13 @@ unsafe extern "C" {
     pub fn aten_int4_pack(w: T, inner_k_tiles: i64, like: T) -> T;
     pub fn aten_int4_mm(x: T, packed: T, group: i64, scales_zeros: T) -> T;
     pub fn aten_nbytes(t: T) -> i64;
+    pub fn aten_graph_begin(like: T) -> *mut CGraph;
+    pub fn aten_graph_end(g: *mut CGraph) -> c_int;
+    pub fn aten_graph_abort(g: *mut CGraph);
+    pub fn aten_graph_replay(g: *mut CGraph) -> c_int;
+    pub fn aten_graph_free(g: *mut CGraph);
+    pub fn aten_cuda_graphs_built() -> c_int;
+    pub fn aten_clone(t: T) -> T;
     pub fn aten_scalar_type(t: T) -> c_int;
     pub fn aten_sort(a: T, descending: c_int, values: *mut T, indices: *mut T) -> c_int;
     pub fn aten_topk(a: T, k: i64, values: *mut T, indices: *mut T) -> c_int;

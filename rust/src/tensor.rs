@@ -330,6 +330,11 @@ impl Tensor {
         if self.kind()? == Some(dtype) { self.shallow_clone() } else { self.to_dtype(dtype) }
     }
 
+    /// A copy with its own storage.
+    pub fn copy(&self) -> Result<Tensor> {
+        wrap("clone", ffi!("clone", ffi::aten_clone(self.ptr())))
+    }
+
     /// Bytes of the elements (not a copy; views count their whole shape).
     pub fn nbytes(&self) -> Result<i64> {
         ffi_handle!("nbytes", ffi::aten_nbytes(self.ptr()))
@@ -462,6 +467,50 @@ impl Tensor {
     /// In-place add of an integer (for int64 position counters).
     pub fn add_int_(&self, v: i64) -> Result<()> {
         status(ffi!("add_", ffi::aten_add_int_(self.ptr(), v)))
+    }
+}
+
+/// A CUDA graph of one fixed-shape piece of work (`CudaGraph::capture`), replayed with one call.
+pub struct CudaGraph(NonNull<ffi::CGraph>);
+
+// SAFETY: as for `Tensor`: the engine is `unsendable`; this only lets the handle move with it.
+unsafe impl Send for CudaGraph {}
+
+impl Drop for CudaGraph {
+    fn drop(&mut self) {
+        // SAFETY: we own the graph; it is freed exactly once.
+        unsafe { ffi::aten_graph_free(self.0.as_ptr()) }
+    }
+}
+
+impl CudaGraph {
+    /// Whether this build can capture (the shim was built against a torch with CUDA).
+    pub fn available() -> bool {
+        // SAFETY: takes nothing, touches nothing.
+        unsafe { ffi::aten_cuda_graphs_built() == 1 }
+    }
+
+    /// Capture the device work of `f` on `like`'s CUDA device (nothing runs: `replay` runs it).
+    /// Tensors `f` creates live in the graph's memory and hold its results after each replay.
+    pub fn capture<R>(like: &Tensor, f: impl FnOnce() -> Result<R>) -> Result<(CudaGraph, R)> {
+        let g = ffi_handle!("graph_begin", ffi::aten_graph_begin(like.ptr()))?;
+        let g = NonNull::new(g).map(CudaGraph).ok_or_else(|| Error::Internal("graph_begin returned nothing".into()))?;
+        match f() {
+            Ok(out) => {
+                status(ffi_handle!("graph_end", ffi::aten_graph_end(g.0.as_ptr())))?;
+                Ok((g, out))
+            }
+            Err(e) => {
+                // SAFETY: a live graph whose capture is under way; abort ends it and reports nothing.
+                unsafe { ffi::aten_graph_abort(g.0.as_ptr()) };
+                Err(e)
+            }
+        }
+    }
+
+    /// Run the captured work once: one call, however many ATen calls it captured.
+    pub fn replay(&self) -> Result<()> {
+        status(ffi!("graph_replay", ffi::aten_graph_replay(self.0.as_ptr())))
     }
 }
 

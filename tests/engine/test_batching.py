@@ -11,6 +11,7 @@ slots, cancels mid-decode and mid-prompt, a long prompt read in chunks while oth
 seeded sampling whatever the batch around it, refusals beside normal requests, and callback errors.
 """
 
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -63,8 +64,8 @@ def _one_thread():
 
 def _engine(checkpoint_dirs, kind, **kwargs) -> gemma_engine.Engine:
     model_dir, emb_dir = checkpoint_dirs[kind]
-    kwargs = {"context": CONTEXT, "dtype": "float32", **kwargs}
-    return gemma_engine.Engine(str(model_dir), str(emb_dir) if emb_dir else None, like=torch.zeros(1), **kwargs)
+    kwargs = {"context": CONTEXT, "dtype": "float32", "like": torch.zeros(1), **kwargs}
+    return gemma_engine.Engine(str(model_dir), str(emb_dir) if emb_dir else None, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -440,3 +441,43 @@ def test_exception_in_poll_or_on_events_propagates_and_the_engine_serves_on(chec
     assert after[9].tokens == alone
     for rid, name, n in [(0, "tiny", 30), (1, "tiny", 30), (2, "short", 30)]:
         assert (after[rid].tokens, after[rid].finish) == greedy("dense", name, n), rid
+
+
+@pytest.mark.gpu
+def test_captured_cuda_graph_steps_give_the_eager_tokens(checkpoint_dirs):
+    """On CUDA each decode-step shape is captured once and replayed; greedy, seeded and logprob
+    requests arriving at different steps get exactly the tokens (and log-probabilities) of the same
+    run without graphs."""
+
+    def run(cuda_graphs: bool):
+        engine = _engine(checkpoint_dirs, "dense", max_batch=4, prefill_chunk=5,
+                         like=torch.zeros(1, device="cuda"), cuda_graphs=cuda_graphs)
+        arrivals = {
+            0: [_request(0, "parity", 40), _sampled(1, "short", 24)],
+            2: [_request(2, "other", 32, sampling=gemma_engine.SamplingParams(logprobs=3))],
+            4: [_sampled(3, "repeat", 20, seed=7)],
+        }
+        return engine, Script(arrivals).run(engine, read_every=3)
+
+    eager_engine, eager = run(False)
+    graph_engine, graphs = run(True)
+    assert eager_engine.captured_steps == 0
+    assert graph_engine.captured_steps > 0
+    for rid, want in eager.items():
+        got = graphs[rid]
+        assert (got.tokens, got.finish, got.logprobs) == (want.tokens, want.finish, want.logprobs), rid
+
+
+def test_a_float32_decode_step_makes_at_most_34_aten_calls_a_layer_with_its_own_keys_and_26_a_shared_one(
+    checkpoint_dirs,
+):
+    """The decode step's ATen calls (README "The decode step's ATen calls"): a deterministic count,
+    453 a step of the small config (54 and 33 a layer) before the cuts."""
+    engine = _engine(checkpoint_dirs, "dense")
+    engine.decode(PROMPTS["parity"], 3)  # its last forward is a decode step
+    config = json.loads((checkpoint_dirs["dense"][0] / "config.json").read_text())
+    own = config["num_hidden_layers"] - config["num_kv_shared_layers"]
+    calls = engine.layer_calls
+    assert len(calls) == config["num_hidden_layers"] and 0 < own < len(calls)
+    assert max(calls[:own]) <= 34, calls
+    assert max(calls[own:]) <= 26, calls

@@ -35,11 +35,20 @@ def test_module_surface_and_build_record_versions():
     for name in ("Engine", "smoke", "matmul_sum", "add_", "BUILD", "__version__"):
         assert hasattr(gemma_engine, name), name
     build = gemma_engine.BUILD
-    assert set(build) == {"torch", "rustc", "python", "crate"}
+    assert set(build) == {"torch", "rustc", "python", "crate", "cuda_graphs"}
+    if torch.version.cuda is None:
+        assert build["cuda_graphs"] is False
     assert build["torch"] == torch.__version__
     assert build["python"] == platform.python_version()
     assert build["crate"] == gemma_engine.__version__
     assert build["rustc"].startswith("rustc ")
+
+
+def test_aten_calls_counts_each_operator_call_and_no_handle_copy():
+    a, b = torch.randn(3, 4), torch.randn(4, 5)
+    before = gemma_engine.aten_calls()
+    gemma_engine.matmul_sum(a, b)  # matmul, sum, item; taking the two tensors reaches no operator
+    assert gemma_engine.aten_calls() - before == 3
 
 
 def test_smoke_runs_an_aten_call_on_the_like_device():

@@ -15,8 +15,9 @@ import torch
 
 __version__: str
 
-BUILD: dict[str, str]
-"""What built this module: keys "torch", "rustc", "python", "crate".
+BUILD: dict[str, str | bool]
+"""What built this module: keys "torch", "rustc", "python", "crate" (versions), and "cuda_graphs":
+whether the shim was built with CUDA graph capture (a torch with CUDA and CUDA headers with crt/).
 
 Importing the module under a torch other than BUILD["torch"] raises ImportError
 naming both versions.
@@ -152,6 +153,7 @@ class Engine:
         prefill_chunk: int = 256,
         max_batch: int = 1,
         packed_int4: bool | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
         """Load a checkpoint directory (config.json + *.safetensors).
 
@@ -175,6 +177,11 @@ class Engine:
                 differently, enough to change greedy tokens of a small random model. A linear
                 whose shape the kernels cannot tile stays dequantized (weights()["int4"]
                 says "mixed"). Embedding tables are always dequantized.
+            cuda_graphs: on CUDA, capture each decode-step shape (bucket, padding rows or
+                not, the sampling stages its rows need) as a CUDA graph at its second step
+                and replay it from then on: one launch a step instead of one per ATen call.
+                Prompt chunks run eagerly. Ignored on other devices, and when the engine was
+                built against a torch without CUDA.
         Raises:
             ValueError: bad config key, missing or misshapen tensor (named, with
                 the expected shape), bad dtype, context, prefill_chunk or max_batch < 1,
@@ -202,6 +209,9 @@ class Engine:
         linears reached the device ("none": the checkpoint has none), and the bytes of every
         weight on the device (packed int4 linears at their packed size, scales included)."""
 
+    @property
+    def captured_steps(self) -> int:
+        """CUDA graphs of decode steps captured so far (0 off CUDA or with cuda_graphs=False)."""
     @property
     def layer_calls(self) -> list[int]:
         """ATen calls each decoder layer made in the engine's last forward."""

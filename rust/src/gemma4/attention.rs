@@ -150,7 +150,7 @@ impl Plan {
 fn visible(kind: LayerType, kpos: &Tensor, q: &Tensor, window: i64) -> Result<Tensor> {
     let [rows, keys] = dims2(kpos)?;
     let k = kpos.reshape(&[rows, 1, 1, keys])?;
-    let keep = k.le(&q)?;
+    let keep = k.le(q)?;
     if kind == LayerType::Sliding {
         return keep.logical_and(&k.gt(&q.add_int(-window)?)?);
     }

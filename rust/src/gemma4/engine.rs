@@ -28,9 +28,9 @@ use crate::gemma4::attention::{Fill, Liveness, Positions};
 use crate::gemma4::cache::{CacheSize, KvCache, Rows};
 use crate::gemma4::config::{Config, LayerType};
 use crate::gemma4::model::{Model, Output};
-use crate::gemma4::sampling::{Chosen, Sampler, SamplingParams};
+use crate::gemma4::sampling::{Chosen, Sampler, SamplingParams, Stages};
 use crate::gemma4::weights::{Checkpoint, Int4Path, Loaded, Weights, emb_quant};
-use crate::tensor::{DType, Tensor};
+use crate::tensor::{CudaGraph, DType, Tensor};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Finish {
@@ -184,6 +184,36 @@ pub struct Engine {
     buckets: Vec<i64>,
     /// Views of `next`, `positions` and `live` for each bucket, made once at load.
     steps: Vec<StepViews>,
+    /// Some on a CUDA device with `Settings::cuda_graphs`.
+    graphs: Option<Graphs>,
+}
+
+/// What decides the ATen calls of a decode step: its bucket, whether it has padding rows, and the
+/// sampling stages its rows need. Everything else a step reads is on the device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct StepKey {
+    b: i64,
+    padded: bool,
+    stages: Stages,
+}
+
+/// CUDA graphs of the decode step, one per `StepKey`: a key's first step runs eagerly (the warm-up
+/// that makes the cache's views and the libraries' workspaces), its second is captured and then
+/// replayed, and later ones replay it. A step reads only tensors that live as long as the engine
+/// (weights, the cache and its views, the step views, the sampler's tables) and host values fixed by
+/// its key, so replaying it is the same computation as running it (torch.cuda.graph's contract,
+/// PyTorch docs "CUDA Graphs"). Prompt chunks run eagerly.
+#[derive(Default)]
+struct Graphs {
+    seen: std::collections::HashSet<StepKey>,
+    captured: std::collections::HashMap<StepKey, (CudaGraph, Chosen)>,
+}
+
+/// How a decode step runs.
+enum Mode {
+    Eager,
+    Capture,
+    Replay,
 }
 
 /// A decode step's inputs for slots `0..b`: views of the engine's per-slot tensors.
@@ -235,6 +265,8 @@ pub struct Settings {
     pub dtype: DType,
     pub prefill_chunk: i64,
     pub max_batch: i64,
+    /// Capture each decode-step shape as a CUDA graph and replay it (CUDA only; see `Graphs`).
+    pub cuda_graphs: bool,
     /// Keep int4 weights packed (`Int4Path::Packed`): Some(true) requires it; None and Some(false)
     /// dequantize at load. Not the default: ATen's int4 kernels round differently from the
     /// dequantized product Transformers computes, enough to change tokens of a small random model.
@@ -308,7 +340,10 @@ impl Engine {
         let positions = Tensor::full(&[b], 0.0, DType::I64, &like)?;
         let live = Tensor::full(&[b], 0.0, DType::Bool, &like)?;
         let steps = buckets(b).iter().map(|n| StepViews::new(*n, &next, &positions, &live)).collect::<Result<Vec<_>>>()?;
+        let graphs = (settings.cuda_graphs && like.device()?.starts_with("cuda") && CudaGraph::available())
+            .then(Graphs::default);
         Ok(Engine {
+            graphs,
             loaded,
             next,
             positions,
@@ -593,6 +628,54 @@ impl Engine {
 
     /// One decode step of slots `0..b`; `rows[i]` is Some for the decoding ones.
     fn decode_step(&mut self, b: i64, rows: &[Option<usize>], drawn: &mut Vec<Drawn>) -> Result<()> {
+        let padded = rows.iter().any(|r| r.is_none());
+        let key = StepKey { b, padded, stages: self.sampler.stages(0, b) };
+        let mode = match self.graphs.as_mut() {
+            None => Mode::Eager,
+            Some(g) => {
+                if g.seen.insert(key) {
+                    Mode::Eager
+                } else if g.captured.contains_key(&key) {
+                    Mode::Replay
+                } else {
+                    Mode::Capture
+                }
+            }
+        };
+        let chosen = match mode {
+            Mode::Eager => self.step(b, padded)?,
+            Mode::Replay => {
+                let (graph, out) = self
+                    .graphs
+                    .as_ref()
+                    .and_then(|g| g.captured.get(&key))
+                    .ok_or_else(|| Error::Internal("a captured step vanished".into()))?;
+                graph.replay()?;
+                out.copy()?
+            }
+            Mode::Capture => {
+                let like = self.like.shallow_clone()?;
+                let (graph, out) = CudaGraph::capture(&like, || self.step(b, padded))?;
+                graph.replay()?;
+                let chosen = out.copy()?;
+                if let Some(g) = self.graphs.as_mut() {
+                    g.captured.insert(key, (graph, out));
+                }
+                chosen
+            }
+        };
+        drawn.push(Drawn { chosen, rows: rows.to_vec() });
+        Ok(())
+    }
+
+    /// The CUDA graphs captured so far (0 off CUDA).
+    pub fn captured_steps(&self) -> usize {
+        self.graphs.as_ref().map_or(0, |g| g.captured.len())
+    }
+
+    /// The device work of one decode step of slots `0..b`: the forward, the choice, and the moves of
+    /// each slot's next token, position and sampling state. Returns what it chose.
+    fn step(&mut self, b: i64, padded: bool) -> Result<Chosen> {
         let all = Rows::first(b);
         let step = self
             .buckets
@@ -600,7 +683,6 @@ impl Engine {
             .position(|x| *x == b)
             .map(|i| &self.steps[i])
             .ok_or_else(|| Error::Internal(format!("{b} is not a decode bucket")))?;
-        let padded = rows.iter().any(|r| r.is_none());
         let live = if padded { Liveness::Padding(step.live2.shallow_clone()?) } else { Liveness::AllLive };
         let logits = self
             .model
@@ -616,8 +698,7 @@ impl Engine {
             self.sampler.advance(&chosen.tokens, 0, b, None)?;
             step.positions.add_int_(1)?;
         }
-        drawn.push(Drawn { chosen, rows: rows.to_vec() });
-        Ok(())
+        Ok(chosen)
     }
 
     /// Bring the drawn tokens to the host, cut each request at its end, free finished slots.
@@ -776,7 +857,7 @@ mod tests {
 
     #[test]
     fn settings_below_one_name_the_setting() {
-        let s = Settings { context: 8, dtype: DType::F32, prefill_chunk: 4, max_batch: 0, packed_int4: None };
+        let s = Settings { context: 8, dtype: DType::F32, prefill_chunk: 4, max_batch: 0, packed_int4: None, cuda_graphs: true };
         assert!(s.check().unwrap_err().to_string().contains("max_batch"));
         assert!(Settings { max_batch: 2, ..s }.check().is_ok());
     }

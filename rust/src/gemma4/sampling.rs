@@ -120,7 +120,7 @@ impl SamplingParams {
 
 /// Which stages a step runs: the union over the rows it covers, known on the host, so a batch of
 /// greedy requests runs argmax alone.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct Stages {
     pub bias: bool,
     pub repetition: bool,
@@ -150,6 +150,17 @@ pub struct Chosen {
     pub tokens: Tensor,
     /// The chosen tokens' log-probabilities `[rows]` and the top `k` `([rows, k], [rows, k])`.
     pub logprobs: Option<(Tensor, Tensor, Tensor)>,
+}
+
+impl Chosen {
+    /// A copy with its own storage (a replayed CUDA graph overwrites its outputs at the next replay).
+    pub fn copy(&self) -> Result<Chosen> {
+        let logprobs = match &self.logprobs {
+            Some((a, b, c)) => Some((a.copy()?, b.copy()?, c.copy()?)),
+            None => None,
+        };
+        Ok(Chosen { tokens: self.tokens.copy()?, logprobs })
+    }
 }
 
 /// Per-slot sampling state on the device, one row per sequence slot.

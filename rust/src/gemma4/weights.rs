@@ -338,17 +338,16 @@ impl Weights {
     pub fn fused(&self, parts: &[(&str, i64)], inp: i64) -> Result<Linear> {
         let parts = parts.iter().map(|(n, out)| self.main.part(n, *out, inp)).collect::<Result<Vec<_>>>()?;
         let quantized = parts.iter().any(|p| matches!(p, Part::Quant { .. }));
-        if quantized && self.int4 == Int4Path::Packed {
-            if let Some(linear) = pack_int4(&parts, &self.like)? {
-                if let Linear::Int4 { packed, scales_zeros, .. } = &linear {
-                    self.count(packed)?;
-                    self.count(scales_zeros)?;
-                }
-                let mut l = self.loaded.get();
-                l.packed += 1;
-                self.loaded.set(l);
-                return Ok(linear);
+        let packed = if quantized && self.int4 == Int4Path::Packed { pack_int4(&parts, &self.like)? } else { None };
+        if let Some(linear) = packed {
+            if let Linear::Int4 { packed, scales_zeros, .. } = &linear {
+                self.count(packed)?;
+                self.count(scales_zeros)?;
             }
+            let mut l = self.loaded.get();
+            l.packed += 1;
+            self.loaded.set(l);
+            return Ok(linear);
         }
         let dense = parts.into_iter().map(|p| p.dense(&self.like, self.dtype)).collect::<Result<Vec<_>>>()?;
         let w = if dense.len() == 1 { dense.into_iter().next().expect("one part") } else { Tensor::cat(&dense.iter().collect::<Vec<_>>(), 0)? };
