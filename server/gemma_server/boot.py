@@ -263,6 +263,7 @@ class Boot:
             engine = self.gemma_engine.Engine(
                 str(model_dir), str(emb_dir) if emb_dir else None, torch.zeros(1, device=worker.device),
                 context=c.context, dtype=c.dtype, prefill_chunk=c.prefill_chunk, max_batch=c.max_num_seqs,
+                packed_int4=c.packed_int4 or None, cuda_graphs=c.cuda_graphs,
             )
             worker.set_engine(engine)
             return engine.context, engine.vocab_size

@@ -90,6 +90,12 @@ class Config:
     dtype: str = setting("bfloat16", "GEMMA_DTYPE", "compute dtype", choices=DTYPES)
     prefill_chunk: int = setting(256, "GEMMA_PREFILL_CHUNK", "prompt tokens read per forward (one chunk per "
                                  "step, between the running requests' decode steps)", minimum=1)
+    packed_int4: bool = setting(False, "GEMMA_PACKED_INT4", "keep a W4A16 checkpoint's int4 linears packed on "
+                                "the device for ATen's int4 kernels (a third of the bytes; needs --dtype "
+                                "bfloat16 on cpu or cuda; tokens differ slightly from the dequantized weights)")
+    cuda_graphs: bool = setting(True, "GEMMA_CUDA_GRAPHS", "on cuda: capture each decode-step shape as a CUDA "
+                                "graph and replay it, 1 or 0 (needs an engine built with CUDA headers)",
+                                flag_type=_switch)
     default_temperature: float = setting(1.0, "GEMMA_DEFAULT_TEMPERATURE", "temperature of a request that sets "
                                          "none (OpenAI's default is 1; 0 makes such requests greedy)", minimum=0)
     served_model_name: str | None = setting(None, "GEMMA_SERVED_MODEL_NAME", "the model id clients send "

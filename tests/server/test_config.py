@@ -183,3 +183,12 @@ def test_the_engine_builds_from_a_copy_of_the_crate_without_its_build_outputs(tm
 def test_token_count_buckets_are_vllms_1_2_5_series():
     assert build_1_2_5_buckets(1000) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000]
     assert build_1_2_5_buckets(8192)[-1] == 5000
+
+
+def test_packed_int4_is_off_and_cuda_graphs_on_by_default_and_each_can_be_switched():
+    c = parse_config(["--model", "m"], {})
+    assert (c.packed_int4, c.cuda_graphs) == (False, True)
+    c = parse_config(["--model", "m", "--packed-int4", "--cuda-graphs", "0"], {})
+    assert (c.packed_int4, c.cuda_graphs) == (True, False)
+    c = parse_config(["--model", "m"], {"GEMMA_PACKED_INT4": "1", "GEMMA_CUDA_GRAPHS": "off"})
+    assert (c.packed_int4, c.cuda_graphs) == (True, False)
