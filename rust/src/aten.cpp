@@ -73,15 +73,18 @@ at::IntArrayRef dims_of(const int64_t *dims, size_t ndim) { return at::IntArrayR
 at::ScalarType st(int dtype) { return static_cast<at::ScalarType>(dtype); }
 
 #ifdef GEMMA_CUDA_GRAPHS
-gg *graph_begin(const at::Tensor &like) {
+gg *graph_begin(const at::Tensor &like, gg *share) {
   if (!like.device().is_cuda()) throw std::invalid_argument("CUDA graphs need a CUDA device, not " + like.device().str());
   c10::cuda::CUDAGuard device(like.device());
   // Work queued on the default stream must not land in the capture.
   c10::cuda::device_synchronize();
   auto g = std::make_unique<gg>();
   g->stream.emplace(c10::cuda::getStreamFromPool(false, like.device().index()));
-  // Thread-local capture: engines on other threads (other devices) keep working meanwhile.
-  g->graph.capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
+  // Thread-local capture: engines on other threads (other devices) keep working meanwhile. With
+  // `share`, the graph allocates from that graph's private memory pool (capture_begin's
+  // pool=other_graph.pool()), so an engine's step graphs share one pool instead of holding one each.
+  at::cuda::MempoolId_t pool = share ? share->graph.pool() : at::cuda::MempoolId_t{0, 0};
+  g->graph.capture_begin(pool, cudaStreamCaptureModeThreadLocal);
   return g.release();
 }
 void graph_end(gg *g) {
@@ -97,7 +100,7 @@ void graph_replay(gg *g) { g->graph.replay(); }
 [[noreturn]] void no_graphs() {
   throw std::runtime_error("this gemma_engine was built against a torch without CUDA: no CUDA graphs");
 }
-gg *graph_begin(const at::Tensor &) { no_graphs(); }
+gg *graph_begin(const at::Tensor &, gg *) { no_graphs(); }
 void graph_end(gg *) { no_graphs(); }
 void graph_abort(gg *) {}
 void graph_replay(gg *) { no_graphs(); }
@@ -107,8 +110,8 @@ void graph_replay(gg *) { no_graphs(); }
 
 extern "C" {
 
-gg *aten_graph_begin(gt *like) {
-  PROTECT(return graph_begin(like->t);)
+gg *aten_graph_begin(gt *like, gg *share) {
+  PROTECT(return graph_begin(like->t, share);)
   return nullptr;
 }
 int aten_graph_end(gg *g) { RET_INT(graph_end(g)) }

@@ -101,8 +101,8 @@ int aten_scalar_type(gt *t);
    (aten_cuda_graphs_built() == 1; otherwise begin and replay fail with a message). begin syncs the
    device and starts capturing this thread's work on a side stream of `like`'s device; end stops and
    instantiates; abort stops a capture that failed (no error); replay runs the graph on the current
-   stream; free releases it. */
-gg *aten_graph_begin(gt *like);
+   stream; free releases it. `share` (or NULL) is a graph whose memory pool the new one allocates from. */
+gg *aten_graph_begin(gt *like, gg *share);
 int aten_graph_end(gg *g);
 void aten_graph_abort(gg *g);
 int aten_graph_replay(gg *g);

@@ -491,9 +491,13 @@ impl CudaGraph {
     }
 
     /// Capture the device work of `f` on `like`'s CUDA device (nothing runs: `replay` runs it).
-    /// Tensors `f` creates live in the graph's memory and hold its results after each replay.
-    pub fn capture<R>(like: &Tensor, f: impl FnOnce() -> Result<R>) -> Result<(CudaGraph, R)> {
-        let g = ffi_handle!("graph_begin", ffi::aten_graph_begin(like.ptr()))?;
+    /// Tensors `f` creates live in the graph's memory and hold its results after each replay, until
+    /// the next replay of a graph that shares its memory (`share`: allocate from that graph's pool;
+    /// safe for graphs that never run at the same time and whose outputs are copied out after each
+    /// replay).
+    pub fn capture<R>(like: &Tensor, share: Option<&CudaGraph>, f: impl FnOnce() -> Result<R>) -> Result<(CudaGraph, R)> {
+        let share = share.map_or(std::ptr::null_mut(), |g| g.0.as_ptr());
+        let g = ffi_handle!("graph_begin", ffi::aten_graph_begin(like.ptr(), share))?;
         let g = NonNull::new(g).map(CudaGraph).ok_or_else(|| Error::Internal("graph_begin returned nothing".into()))?;
         match f() {
             Ok(out) => {

@@ -644,28 +644,42 @@ impl Engine {
         };
         let chosen = match mode {
             Mode::Eager => self.step(b, padded)?,
-            Mode::Replay => {
-                let (graph, out) = self
-                    .graphs
-                    .as_ref()
-                    .and_then(|g| g.captured.get(&key))
-                    .ok_or_else(|| Error::Internal("a captured step vanished".into()))?;
-                graph.replay()?;
-                out.copy()?
-            }
             Mode::Capture => {
-                let like = self.like.shallow_clone()?;
-                let (graph, out) = CudaGraph::capture(&like, || self.step(b, padded))?;
-                graph.replay()?;
-                let chosen = out.copy()?;
-                if let Some(g) = self.graphs.as_mut() {
-                    g.captured.insert(key, (graph, out));
-                }
-                chosen
+                self.capture(key)?;
+                self.replay(key)?
             }
+            Mode::Replay => self.replay(key)?,
         };
         drawn.push(Drawn { chosen, rows: rows.to_vec() });
         Ok(())
+    }
+
+    /// Capture the decode step of `key` (nothing runs until `replay`). Every step graph allocates
+    /// from the first one's memory pool: they run one at a time, and each one's outputs are copied
+    /// out right after its replay.
+    fn capture(&mut self, key: StepKey) -> Result<()> {
+        let like = self.like.shallow_clone()?;
+        let mut graphs = self.graphs.take().ok_or_else(|| Error::Internal("no graphs to capture into".into()))?;
+        let captured = {
+            let share = graphs.captured.values().next().map(|(g, _)| g);
+            CudaGraph::capture(&like, share, || self.step(key.b, key.padded))
+        };
+        let result = captured.map(|graph_and_out| {
+            graphs.captured.insert(key, graph_and_out);
+        });
+        self.graphs = Some(graphs);
+        result
+    }
+
+    /// Replay the captured step of `key`; returns a copy of what it chose.
+    fn replay(&self, key: StepKey) -> Result<Chosen> {
+        let (graph, out) = self
+            .graphs
+            .as_ref()
+            .and_then(|g| g.captured.get(&key))
+            .ok_or_else(|| Error::Internal("a captured step vanished".into()))?;
+        graph.replay()?;
+        out.copy()
     }
 
     /// The CUDA graphs captured so far (0 off CUDA).
