@@ -27,6 +27,8 @@ pub enum DType {
 }
 
 impl DType {
+    const ALL: [DType; 8] = [DType::U8, DType::I8, DType::I32, DType::I64, DType::F16, DType::F32, DType::Bool, DType::BF16];
+
     /// Bytes per element.
     pub fn size(self) -> i64 {
         match self {
@@ -320,9 +322,7 @@ impl Tensor {
     /// The element type (None for a type the engine does not use).
     pub fn kind(&self) -> Result<Option<DType>> {
         let code = ffi_handle!("scalar_type", ffi::aten_scalar_type(self.ptr()))?;
-        Ok([DType::U8, DType::I8, DType::I32, DType::I64, DType::F16, DType::F32, DType::Bool, DType::BF16]
-            .into_iter()
-            .find(|d| *d as i32 == code))
+        Ok(DType::ALL.into_iter().find(|d| *d as i32 == code))
     }
 
     /// `self` in `dtype`: the same handle when it already is (no ATen call), else a converted copy.

@@ -147,49 +147,41 @@ UNREACHABLE = ("could not reach the API server", "Connection refused", "ServerDi
 # Control-plane faults (private control plane)
 
 
-def test_api_server_stopped_and_restarted_mid_reconcile_converges(private, private_ns):
+def _converges_across_an_outage(private, ns, component: str, names: list[str], down=None, what="") -> None:
+    """Let "before" converge, create `names`, and stop `component` while the operator works on them; wait
+    until `down()` holds (when given) and the operator has met the outage, then restart it. Everything
+    converges within kopf's default retry delay (60 s: the handlers that failed meanwhile retry in seconds),
+    "before" keeps its status and the operator lives."""
     c, kube, op = private
-    ns = private_ns
     create(kube, ns, "before", SPEC)
     before = wait_converged(kube, ns, ["before"], op)["before"]
-    names = [f"mid-{i}" for i in range(3)]
     for n in names:
         create(kube, ns, n, SPEC)
     mark = log_size(op)
-    c.cp.stop_component("kube-apiserver")  # while the operator works on the three just created
+    c.cp.stop_component(component)
     try:
-        wait_for(lambda: logged_since(op, mark, *UNREACHABLE), timeout=60,
-                 what="the operator to meet the stopped API server", diagnose=op.tail)
+        if down is not None:
+            wait_for(down, timeout=60, what=f"/readyz to report {component} down")
+        wait_for(lambda: logged_since(op, mark, *UNREACHABLE), timeout=60, what=f"the operator to meet {what}",
+                 diagnose=op.tail)
     finally:
-        c.cp.start_component("kube-apiserver")
+        c.cp.start_component(component)
         c.cp.wait_ready()
-    # Within kopf's default retry delay (60 s): the handlers that failed meanwhile retry in seconds.
     got = wait_converged(kube, ns, ["before", *names], op, timeout=45)
     assert_status_kept(before, got["before"])
     assert op.alive()
+
+
+def test_api_server_stopped_and_restarted_mid_reconcile_converges(private, private_ns):
+    _converges_across_an_outage(private, private_ns, "kube-apiserver", [f"mid-{i}" for i in range(3)],
+                                what="the stopped API server")
 
 
 def test_etcd_unavailable_for_a_few_seconds_converges(private, private_ns):
-    c, kube, op = private
-    ns = private_ns
-    create(kube, ns, "before", SPEC)
-    before = wait_converged(kube, ns, ["before"], op)["before"]
-    names = ["during-0", "during-1"]
-    for n in names:
-        create(kube, ns, n, SPEC)
-    mark = log_size(op)
-    c.cp.stop_component("etcd")
-    try:
-        # Down as the API server sees it (its etcd readiness check fails), and met by the operator.
-        wait_for(lambda: c.cp.readyz()[0] not in (0, 200), timeout=60, what="/readyz to report etcd down")
-        wait_for(lambda: logged_since(op, mark, *UNREACHABLE), timeout=60,
-                 what="the operator to meet the unavailable store", diagnose=op.tail)
-    finally:
-        c.cp.start_component("etcd")
-        c.cp.wait_ready()
-    got = wait_converged(kube, ns, ["before", *names], op, timeout=45)
-    assert_status_kept(before, got["before"])
-    assert op.alive()
+    # Down as the API server sees it (its etcd readiness check fails), and met by the operator.
+    c = private[0]
+    _converges_across_an_outage(private, private_ns, "etcd", ["during-0", "during-1"],
+                                down=lambda: c.cp.readyz()[0] not in (0, 200), what="the unavailable store")
 
 
 def test_operator_killed_mid_reconcile_and_restarted_converges_and_catches_up(private, private_ns):

@@ -181,8 +181,7 @@ pub struct Engine {
     positions: Tensor,
     /// Which slots decode, bool `[max_batch]`.
     live: Tensor,
-    buckets: Vec<i64>,
-    /// Views of `next`, `positions` and `live` for each bucket, made once at load.
+    /// Views of `next`, `positions` and `live` for each bucket (`buckets`), made once at load.
     steps: Vec<StepViews>,
     /// Some on a CUDA device with `Settings::cuda_graphs`.
     graphs: Option<Graphs>,
@@ -218,6 +217,8 @@ enum Mode {
 
 /// A decode step's inputs for slots `0..b`: views of the engine's per-slot tensors.
 struct StepViews {
+    /// The bucket: slots `0..b`.
+    b: i64,
     next: Tensor,
     positions: Tensor,
     /// `positions` as a forward reads them.
@@ -232,6 +233,7 @@ impl StepViews {
         let positions = positions.narrow(0, 0, b)?;
         let live = live.narrow(0, 0, b)?;
         Ok(StepViews {
+            b,
             next: next.narrow(0, 0, b)?,
             pos: Positions::new(&positions.unsqueeze(1)?)?,
             positions,
@@ -349,7 +351,6 @@ impl Engine {
             positions,
             live,
             steps,
-            buckets: buckets(b),
             model,
             cache,
             sampler,
@@ -576,7 +577,7 @@ impl Engine {
     fn turn(&mut self, slots: &mut [Option<Slot>], drawn: &mut Vec<Drawn>, stats: &mut StepStats) -> Result<bool> {
         let top = slots.iter().rposition(|s| s.as_ref().is_some_and(|s| s.live));
         if let Some(top) = top {
-            let b = *self.buckets.iter().find(|b| **b > top as i64).unwrap_or(&self.max_batch);
+            let b = self.steps.iter().map(|s| s.b).find(|b| *b > top as i64).unwrap_or(self.max_batch);
             let rows: Vec<Option<usize>> =
                 (0..b as usize).map(|i| slots[i].as_ref().filter(|s| s.live).map(|_| i)).collect();
             stats.batch_sizes.push(rows.iter().flatten().count());
@@ -692,10 +693,9 @@ impl Engine {
     fn step(&mut self, b: i64, padded: bool) -> Result<Chosen> {
         let all = Rows::first(b);
         let step = self
-            .buckets
+            .steps
             .iter()
-            .position(|x| *x == b)
-            .map(|i| &self.steps[i])
+            .find(|s| s.b == b)
             .ok_or_else(|| Error::Internal(format!("{b} is not a decode bucket")))?;
         let live = if padded { Liveness::Padding(step.live2.shallow_clone()?) } else { Liveness::AllLive };
         let logits = self

@@ -61,12 +61,17 @@ impl DecoderLayer {
         let norm = |n: &str| RmsNorm::load(w, &format!("{p}.{n}"), h, eps);
         // A stored buffer (M:1509-1510), in the compute dtype as the reference multiplies.
         let scalar = w.vector(&format!("{p}.layer_scalar"), &[1], w.dtype)?;
-        let s = if w.folds() { scalar.item_f64()? } else { 1.0 };
+        let folded = if w.folds() { Some(scalar.item_f64()?) } else { None };
+        // The layer's last norm carries the folded scalar (module docs).
+        let last = |n: RmsNorm| match folded {
+            Some(s) => n.rescaled(s, eps),
+            None => Ok(n),
+        };
         let per_layer = if cfg.ple_dim > 0 {
             Some(PerLayerInput {
                 per_layer_input_gate: w.linear(&format!("{p}.per_layer_input_gate"), cfg.ple_dim, h)?,
                 per_layer_projection: w.linear(&format!("{p}.per_layer_projection"), h, cfg.ple_dim)?,
-                post_per_layer_input_norm: norm("post_per_layer_input_norm")?.rescaled(s, eps)?,
+                post_per_layer_input_norm: last(norm("post_per_layer_input_norm")?)?,
             })
         } else {
             None
@@ -80,10 +85,13 @@ impl DecoderLayer {
             mlp: Mlp::load(w, &format!("{p}.mlp"), h, spec.intermediate_size)?,
             post_feedforward_layernorm: match per_layer {
                 Some(_) => post_feedforward_layernorm,
-                None => post_feedforward_layernorm.rescaled(s, eps)?,
+                None => last(post_feedforward_layernorm)?,
             },
             per_layer,
-            layer_scalar: if w.folds() { Scalar::Folded(s) } else { Scalar::Multiply(scalar) },
+            layer_scalar: match folded {
+                Some(s) => Scalar::Folded(s),
+                None => Scalar::Multiply(scalar),
+            },
             spec,
             index: i,
         })

@@ -27,4 +27,12 @@ impl Linear {
             Linear::Int4 { packed, scales_zeros, group } => x.int4_mm(packed, *group, scales_zeros),
         }
     }
+
+    /// The tensors it holds on the device.
+    pub fn tensors(&self) -> Vec<&Tensor> {
+        match self {
+            Linear::Dense(w) => vec![w],
+            Linear::Int4 { packed, scales_zeros, .. } => vec![packed, scales_zeros],
+        }
+    }
 }

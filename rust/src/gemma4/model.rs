@@ -107,9 +107,9 @@ impl Model {
             embed_scale: scale((h as f64).sqrt())?,
             // `cap * tanh(lm_head(norm(x)) / cap)`: the 1 / cap goes into the norm's weight, as lm_head
             // is linear (the same value, rounded in another order).
-            norm: match cfg.final_logit_softcapping {
-                Some(cap) if w.folds() => RmsNorm::load(w, "norm", h, cfg.rms_norm_eps)?.rescaled(1.0 / cap, cfg.rms_norm_eps)?,
-                _ => RmsNorm::load(w, "norm", h, cfg.rms_norm_eps)?,
+            norm: match (cfg.final_logit_softcapping, RmsNorm::load(w, "norm", h, cfg.rms_norm_eps)?) {
+                (Some(cap), norm) if w.folds() => norm.rescaled(1.0 / cap, cfg.rms_norm_eps)?,
+                (_, norm) => norm,
             },
             softcap_folded: w.folds(),
             embed_tokens,

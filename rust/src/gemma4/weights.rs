@@ -321,9 +321,13 @@ impl Weights {
         self.loaded.get()
     }
 
-    fn count(&self, t: &Tensor) -> Result<()> {
+    /// Count `tensors`' bytes as loaded, and what `also` adds.
+    fn count(&self, tensors: &[&Tensor], also: impl FnOnce(&mut Loaded)) -> Result<()> {
         let mut l = self.loaded.get();
-        l.bytes += t.nbytes()?;
+        for t in tensors {
+            l.bytes += t.nbytes()?;
+        }
+        also(&mut l);
         self.loaded.set(l);
         Ok(())
     }
@@ -339,45 +343,41 @@ impl Weights {
         let parts = parts.iter().map(|(n, out)| self.main.part(n, *out, inp)).collect::<Result<Vec<_>>>()?;
         let quantized = parts.iter().any(|p| matches!(p, Part::Quant { .. }));
         let packed = if quantized && self.int4 == Int4Path::Packed { pack_int4(&parts, &self.like)? } else { None };
-        if let Some(linear) = packed {
-            if let Linear::Int4 { packed, scales_zeros, .. } = &linear {
-                self.count(packed)?;
-                self.count(scales_zeros)?;
+        let linear = match packed {
+            Some(linear) => linear,
+            None => {
+                let dense = parts.into_iter().map(|p| p.dense(&self.like, self.dtype)).collect::<Result<Vec<_>>>()?;
+                Linear::Dense(match &dense[..] {
+                    [one] => one.shallow_clone()?,
+                    many => Tensor::cat(&many.iter().collect::<Vec<_>>(), 0)?,
+                })
             }
-            let mut l = self.loaded.get();
-            l.packed += 1;
-            self.loaded.set(l);
-            return Ok(linear);
-        }
-        let dense = parts.into_iter().map(|p| p.dense(&self.like, self.dtype)).collect::<Result<Vec<_>>>()?;
-        let w = if dense.len() == 1 { dense.into_iter().next().expect("one part") } else { Tensor::cat(&dense.iter().collect::<Vec<_>>(), 0)? };
-        self.count(&w)?;
-        if quantized {
-            let mut l = self.loaded.get();
-            l.dequantized += 1;
-            self.loaded.set(l);
-        }
-        Ok(Linear::Dense(w))
+        };
+        let packed = matches!(linear, Linear::Int4 { .. });
+        self.count(&linear.tensors(), |l| match (packed, quantized) {
+            (true, _) => l.packed += 1,
+            (false, true) => l.dequantized += 1,
+            (false, false) => {}
+        })?;
+        Ok(linear)
     }
 
     /// A vocabulary table, from the embeddings directory when it has one.
     pub fn embedding(&self, name: &str, rows: i64, cols: i64) -> Result<Tensor> {
-        let from = match &self.emb {
-            Some(emb) if {
-                let base = emb.full_name(name);
-                emb.has(&format!("{base}.weight")) || emb.has(&format!("{base}.weight_packed"))
-            } => emb,
-            _ => &self.main,
+        let in_emb = |emb: &Checkpoint| {
+            let base = emb.full_name(name);
+            emb.has(&format!("{base}.weight")) || emb.has(&format!("{base}.weight_packed"))
         };
+        let from = self.emb.as_ref().filter(|emb| in_emb(emb)).unwrap_or(&self.main);
         let t = from.matrix(name, rows, cols, &self.like, self.dtype)?;
-        self.count(&t)?;
+        self.count(&[&t], |_| {})?;
         Ok(t)
     }
 
     /// A norm weight or other small vector, in `dtype`.
     pub fn vector(&self, name: &str, shape: &[i64], dtype: DType) -> Result<Tensor> {
         let t = self.main.dense(&self.main.full_name(name), shape)?.to_like(&self.like, dtype)?;
-        self.count(&t)?;
+        self.count(&[&t], |_| {})?;
         Ok(t)
     }
 }
