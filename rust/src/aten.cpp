@@ -375,9 +375,6 @@ c10::List<std::optional<at::Tensor>> index_list(gt *const *indices, size_t n) {
 int aten_index_put_(gt *t, gt *const *indices, size_t n, gt *values) {
   RET_INT(t->t.index_put_(index_list(indices, n), values->t))
 }
-gt *aten_index_put(gt *t, gt *const *indices, size_t n, gt *values) {
-  RET(t->t.index_put(index_list(indices, n), values->t))
-}
 int aten_copy_(gt *dst, gt *src) { RET_INT(dst->t.copy_(src->t)) }
 int aten_scatter_add_(gt *t, int64_t dim, gt *index, gt *src) { RET_INT(t->t.scatter_add_(dim, index->t, src->t)) }
 

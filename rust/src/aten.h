@@ -134,7 +134,6 @@ gt *aten_sdpa(gt *q, gt *k, gt *v, gt *mask, double scale);
 
 /* In place. `indices` of aten_index_put_ may hold NULL for a full slice (`t[rows, :, slots]`). */
 int aten_index_put_(gt *t, gt *const *indices, size_t n, gt *values);
-gt *aten_index_put(gt *t, gt *const *indices, size_t n, gt *values);
 int aten_copy_(gt *dst, gt *src);
 int aten_scatter_add_(gt *t, int64_t dim, gt *index, gt *src);
 gt *aten_scatter(gt *t, int64_t dim, gt *index, gt *src);

@@ -109,7 +109,6 @@ unsafe extern "C" {
     pub fn aten_sdpa(q: T, k: T, v: T, mask: T, scale: f64) -> T;
 
     pub fn aten_index_put_(t: T, indices: *const T, n: usize, values: T) -> c_int;
-    pub fn aten_index_put(t: T, indices: *const T, n: usize, values: T) -> T;
     pub fn aten_copy_(dst: T, src: T) -> c_int;
     pub fn aten_scatter_add_(t: T, dim: i64, index: T, src: T) -> c_int;
     pub fn aten_scatter(t: T, dim: i64, index: T, src: T) -> T;

@@ -300,6 +300,12 @@ impl Tensor {
         out.into_iter().map(|p| wrap("split_with_sizes", Ok(p))).collect()
     }
 
+    /// `split` into exactly `N` parts.
+    pub fn split_array<const N: usize>(&self, sizes: &[i64; N], dim: i64) -> Result<[Tensor; N]> {
+        <[Tensor; N]>::try_from(self.split(sizes, dim)?)
+            .map_err(|_| crate::error::Error::Internal("split gave the wrong number of parts".into()))
+    }
+
     /// `self.select(dim, i)` for every i, in one call.
     pub fn unbind(&self, dim: i64) -> Result<Vec<Tensor>> {
         let n = self.size()?[dim as usize] as usize;
@@ -384,12 +390,6 @@ impl Tensor {
     pub fn index_put_(&self, indices: &[Option<&Tensor>], values: &Tensor) -> Result<()> {
         let ptrs: Vec<*mut CTensor> = indices.iter().map(|t| t.map_or(std::ptr::null_mut(), |t| t.ptr())).collect();
         status(ffi!("index_put_", ffi::aten_index_put_(self.ptr(), ptrs.as_ptr(), ptrs.len(), values.ptr())))
-    }
-
-    /// A copy of `self` with `self[indices] = values`.
-    pub fn index_put(&self, indices: &[Option<&Tensor>], values: &Tensor) -> Result<Tensor> {
-        let ptrs: Vec<*mut CTensor> = indices.iter().map(|t| t.map_or(std::ptr::null_mut(), |t| t.ptr())).collect();
-        wrap("index_put", ffi!("index_put", ffi::aten_index_put(self.ptr(), ptrs.as_ptr(), ptrs.len(), values.ptr())))
     }
 
     /// Copy `src` into `self` in place (broadcasting, casting).

@@ -57,6 +57,8 @@ pub struct Positions {
     pub grid: Tensor,
     /// `[rows * T]`.
     pub flat: Tensor,
+    /// `[rows, 1, T]`: the shape of a write's ring entries.
+    pub grid3: Tensor,
     /// `[rows, 1, T, 1]`: the query side of a mask.
     pub query: Tensor,
 }
@@ -69,55 +71,42 @@ impl Positions {
             rows,
             t,
             flat: grid.reshape(&[rows * t])?,
+            grid3: grid.reshape(&[rows, 1, t])?,
             query: grid.reshape(&[rows, 1, t, 1])?,
             grid: grid.shallow_clone()?,
         })
     }
 }
 
-/// How one layer type reads and writes the cache during one forward. Computing it writes nothing.
-pub struct Plan {
-    pub rope: RopeAt,
-    /// bool `[rows, 1, T, keys]`: true where the query may see the key.
-    pub mask: Tensor,
+/// What a forward writes into the rings of one layer type: the entries, and the positions they will
+/// hold. Computing it reads and writes nothing.
+pub struct Writes {
     pub source: Source,
     /// Ring entries to write, int64 `[rows, 1, tail]`, for the last `tail` tokens of the forward.
     pub entries: Tensor,
+    /// The positions those entries will hold, `[rows, 1, tail]` (`EMPTY` for padding rows).
+    pub written: Tensor,
     pub tail: i64,
-    /// The ring positions once this forward is done, `[rows, ring + 1]`.
-    pub positions_after: Tensor,
 }
 
-/// The rows of a forward whose tokens are real. `Padding(live)` (bool `[rows, 1]`) marks the rest,
-/// which write to the never-visible entry `ring` (see cache.rs) and record no position.
+/// The rows of a forward whose tokens are real. `Padding(live)` (bool `[rows, 1, 1]`) marks the
+/// rest, which write to the never-visible entry `ring` (see cache.rs) and record no position.
 pub enum Liveness {
     AllLive,
     Padding(Tensor),
 }
 
-impl Plan {
-    /// Plan a forward of `pos` for layers of `kind`, whose rings of `ring` entries hold
-    /// `ring_positions` (`[rows, ring + 1]`); `row_index` is `[rows, 1]` int64 `0..rows`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        kind: LayerType,
-        pos: &Positions,
-        fill: Fill,
-        ring_positions: &Tensor,
-        ring: i64,
-        row_index: &Tensor,
-        live: &Liveness,
-        rope: &Rope,
-        window: i64,
-    ) -> Result<Plan> {
-        let (rows, t) = (pos.rows, pos.t);
+impl Writes {
+    /// The writes of a forward of `pos` on layers of `kind`, whose rings hold `ring` entries.
+    pub fn new(kind: LayerType, pos: &Positions, fill: Fill, ring: i64, live: &Liveness) -> Result<Writes> {
+        let t = pos.t;
         let source = match fill {
             Fill::Empty => Source::Chunk,
             Fill::Partial if kind == LayerType::Sliding && t > 1 => Source::RingAndChunk,
             Fill::Partial => Source::Ring,
         };
         let tail = if source == Source::Ring { t } else { t.min(ring) };
-        let tail_pos = if tail == t { pos.grid.shallow_clone()? } else { pos.grid.narrow(1, t - tail, tail)? };
+        let tail_pos = if tail == t { pos.grid3.shallow_clone()? } else { pos.grid3.narrow(2, t - tail, tail)? };
         // A full ring holds the whole context, so a position is its own entry.
         let wrap = |p: &Tensor| if kind == LayerType::Full { p.shallow_clone() } else { p.remainder(ring) };
         let (entries, written) = match live {
@@ -127,34 +116,67 @@ impl Plan {
                 Tensor::where_int(live, &tail_pos, EMPTY)?,
             ),
         };
-        let positions_after = ring_positions.index_put(&[Some(row_index), Some(&entries)], &written)?;
-        let keys = match source {
-            Source::Ring => positions_after.shallow_clone()?,
-            Source::Chunk => pos.grid.shallow_clone()?,
-            Source::RingAndChunk => Tensor::cat(&[ring_positions, &pos.grid], 1)?,
-        };
-        Ok(Plan {
-            rope: rope.at(pos)?,
-            mask: visible(kind, &keys, &pos.query, window)?,
-            source,
-            entries: entries.reshape(&[rows, 1, tail])?,
-            tail,
-            positions_after,
-        })
+        Ok(Writes { source, entries, written, tail })
     }
 }
 
-/// bool `[rows, 1, T, keys]`: key position `kpos[r, j]` is visible to query position
-/// `q[r, 0, i, 0]`: `j <= i`, and on sliding layers `i - W < j`. Empty entries hold `EMPTY`, later
-/// than any query.
-fn visible(kind: LayerType, kpos: &Tensor, q: &Tensor, window: i64) -> Result<Tensor> {
-    let [rows, keys] = dims2(kpos)?;
-    let k = kpos.reshape(&[rows, 1, 1, keys])?;
-    let keep = k.le(q)?;
-    if kind == LayerType::Sliding {
-        return keep.logical_and(&k.gt(&q.add_int(-window)?)?);
+/// How one layer type reads and writes the cache during one forward.
+pub struct Plan {
+    pub rope: RopeAt,
+    /// bool `[rows, 1, T, keys]`: true where the query may see the key.
+    pub mask: Tensor,
+    pub writes: Writes,
+}
+
+impl Plan {
+    /// Plan a forward of `pos` on the slots `rows` for layers of `kind`, and record in `cache` the
+    /// positions it writes (before any layer runs: only masks read them, and they are made here).
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        kind: LayerType,
+        pos: &Positions,
+        fill: Fill,
+        rows: Rows,
+        cache: &mut KvCache,
+        live: &Liveness,
+        rope: &Rope,
+        window: i64,
+    ) -> Result<Plan> {
+        let ring = cache.ring(kind);
+        let writes = Writes::new(kind, pos, fill, ring, live)?;
+        // Keys a chunk sees besides the ring's, read before the ring takes the chunk.
+        let chunk_keys = match writes.source {
+            Source::Ring => None,
+            Source::Chunk => Some(pos.grid.shallow_clone()?),
+            Source::RingAndChunk => Some(Tensor::cat(&[cache.positions(kind, rows)?, &pos.grid], 1)?),
+        };
+        cache.record_positions(kind, rows, &writes.entries, &writes.written)?;
+        let mask = match chunk_keys {
+            // A decode step's sliding ring of at most `window` entries holds only positions in
+            // (q - window, q]: every entry was last written at the latest position <= q with its
+            // index mod ring (earlier ones empty), so the causal test is the whole mask.
+            None => {
+                let window = if kind == LayerType::Sliding && ring > window { Some(window) } else { None };
+                visible(cache.positions4(kind, rows)?, &pos.query, window)?
+            }
+            Some(keys) => {
+                let [r, n] = dims2(&keys)?;
+                visible(&keys.reshape(&[r, 1, 1, n])?, &pos.query, (kind == LayerType::Sliding).then_some(window))?
+            }
+        };
+        Ok(Plan { rope: rope.at(pos)?, mask, writes })
     }
-    Ok(keep)
+}
+
+/// bool `[rows, 1, T, keys]`: key position `k[r, 0, 0, j]` is visible to query position
+/// `q[r, 0, i, 0]`: `j <= i`, and with a window `W`, `i - W < j`. Empty entries hold `EMPTY`, later
+/// than any query.
+fn visible(k: &Tensor, q: &Tensor, window: Option<i64>) -> Result<Tensor> {
+    let keep = k.le(q)?;
+    match window {
+        Some(w) => keep.logical_and(&k.gt(&q.add_int(-w)?)?),
+        None => Ok(keep),
+    }
 }
 
 fn dims2(t: &Tensor) -> Result<[i64; 2]> {
@@ -164,10 +186,16 @@ fn dims2(t: &Tensor) -> Result<[i64; 2]> {
     }
 }
 
-/// The k/v half of a layer that computes its own keys.
-struct KvNorms {
-    k_norm: RmsNorm,
-    v_norm: RmsNorm,
+/// How a layer that computes its own keys normalizes q, k and v (its q/k/v heads are one tensor).
+enum QkvNorms {
+    /// q_norm, k_norm and v_norm, one call each: in 16-bit dtypes each rounds its product with the
+    /// weight once, as the reference does.
+    Separate { k_norm: RmsNorm, v_norm: RmsNorm },
+    /// float32 (`Weights::folds`): one weightless norm over every head, then q's and k's weights in
+    /// one multiply by `qk_weight` (`[heads + kv_heads, 1, d]`, q_norm's weight for the query heads,
+    /// k_norm's for the key heads). The norm kernel multiplies by its weight after normalizing, in
+    /// float32, so the values are the same.
+    Joint { qk_weight: Tensor, eps: f64 },
 }
 
 pub struct Attention {
@@ -175,7 +203,7 @@ pub struct Attention {
     proj: Linear,
     q_norm: RmsNorm,
     /// None on KV-shared layers.
-    kv: Option<KvNorms>,
+    kv: Option<QkvNorms>,
     /// The layer whose keys a KV-shared layer reads.
     donor: Option<usize>,
     o_proj: Linear,
@@ -206,14 +234,25 @@ impl Attention {
         // (modeling_gemma4.py, Gemma4TextAttention: `is_kv_shared_layer`).
         let (proj, kv) = match spec.kv_source {
             Some(_) => (w.linear(&q, nh * d, h)?, None),
-            None => (
-                w.fused(&[(&q, nh * d), (&k, nkv * d), (&v, nkv * d)], h)?,
-                Some(KvNorms { k_norm: RmsNorm::load(w, &name("k_norm"), d, eps)?, v_norm: RmsNorm::no_scale(eps) }),
-            ),
+            None => (w.fused(&[(&q, nh * d), (&k, nkv * d), (&v, nkv * d)], h)?, Some(())),
+        };
+        let q_norm = RmsNorm::load(w, &name("q_norm"), d, eps)?;
+        let kv = match kv {
+            None => None,
+            Some(()) if w.folds() => {
+                let (qw, kw) = (q_norm.weight(&name("q_norm"))?, w.vector(&name("k_norm.weight"), &[d], w.dtype)?);
+                let (qw, kw) = (qw.reshape(&[1, 1, d])?, kw.reshape(&[1, 1, d])?);
+                let heads: Vec<&Tensor> = (0..nh).map(|_| &qw).chain((0..nkv).map(|_| &kw)).collect();
+                Some(QkvNorms::Joint { qk_weight: Tensor::cat(&heads, 0)?, eps })
+            }
+            Some(()) => Some(QkvNorms::Separate {
+                k_norm: RmsNorm::load(w, &name("k_norm"), d, eps)?,
+                v_norm: RmsNorm::no_scale(eps),
+            }),
         };
         Ok(Attention {
             proj,
-            q_norm: RmsNorm::load(w, &name("q_norm"), d, eps)?,
+            q_norm,
             kv,
             donor: spec.kv_source,
             o_proj: w.linear(&name("o_proj"), h, nh * d)?,
@@ -237,12 +276,19 @@ impl Attention {
         let t = x.size()?[0] / n;
         let (nh, nkv) = (self.num_heads, self.num_kv_heads);
         let (q, k_all, v_all) = match (&self.kv, self.donor) {
-            (Some(kv), _) => {
+            (Some(norms), _) => {
                 let y = heads_first(&self.proj.forward(x)?, n, t, nh + 2 * nkv, d)?;
-                let [q, k, v] = <[Tensor; 3]>::try_from(y.split(&[nh, nkv, nkv], 1)?)
-                    .map_err(|_| Error::Internal("split gave the wrong number of parts".into()))?;
-                let k = plan.rope.apply(&kv.k_norm.forward(&k)?)?;
-                let v = kv.v_norm.forward(&v)?;
+                let [q, k, v] = match norms {
+                    QkvNorms::Separate { k_norm, v_norm } => {
+                        let [q, k, v] = y.split_array(&[nh, nkv, nkv], 1)?;
+                        [self.query(plan, &q)?, plan.rope.apply(&k_norm.forward(&k)?)?, v_norm.forward(&v)?]
+                    }
+                    QkvNorms::Joint { qk_weight, eps } => {
+                        let [qk, v] = y.rms_norm(None, *eps)?.split_array(&[nh + nkv, nkv], 1)?;
+                        let [q, k] = plan.rope.apply(&qk.mul(qk_weight)?)?.split_array(&[nh, nkv], 1)?;
+                        [q, k, v]
+                    }
+                };
                 let (k_all, v_all) = self.attend_to(plan, layer, rows, cache, &k, &v)?;
                 attended[layer] = Some((k_all.shallow_clone()?, v_all.shallow_clone()?));
                 (q, k_all, v_all)
@@ -251,14 +297,18 @@ impl Attention {
                 let (k, v) = attended.get(donor).and_then(|e| e.as_ref()).ok_or_else(|| {
                     Error::Internal(format!("KV-shared layer {layer} ran before its donor layer {donor}"))
                 })?;
-                (heads_first(&self.proj.forward(x)?, n, t, nh, d)?, k.shallow_clone()?, v.shallow_clone()?)
+                (self.query(plan, &heads_first(&self.proj.forward(x)?, n, t, nh, d)?)?, k.shallow_clone()?, v.shallow_clone()?)
             }
             (None, None) => return Err(Error::Internal(format!("layer {layer} has neither K/V nor a donor"))),
         };
-        let q = plan.rope.apply(&self.q_norm.forward(&q)?)?;
         let out = Tensor::sdpa(&q, &k_all, &v_all, &plan.mask, 1.0)?; // [rows, heads, T, d]
         let out = if t == 1 { out.reshape(&[n, nh * d])? } else { out.transpose(1, 2)?.reshape(&[n * t, nh * d])? };
         self.o_proj.forward(&out)
+    }
+
+    /// rope(q_norm(q)) for query heads `q` `[rows, heads, T, d]`.
+    fn query(&self, plan: &Plan, q: &Tensor) -> Result<Tensor> {
+        plan.rope.apply(&self.q_norm.forward(q)?)
     }
 
     /// Store this forward's keys (`[rows, kv_heads, T, d]`) in the cache as the plan says, and
@@ -273,23 +323,24 @@ impl Attention {
         v: &Tensor,
     ) -> Result<(Tensor, Tensor)> {
         let t = k.size()?[2];
-        let tail = |x: &Tensor| if plan.tail == t { x.shallow_clone() } else { x.narrow(2, t - plan.tail, plan.tail) };
+        let w = &plan.writes;
+        let tail = |x: &Tensor| if w.tail == t { x.shallow_clone() } else { x.narrow(2, t - w.tail, w.tail) };
         let missing = || Error::Internal(format!("layer {layer} has no ring"));
-        match plan.source {
+        match w.source {
             Source::Ring => {
-                cache.write(layer, rows, &plan.entries, k, v)?;
+                cache.write(layer, rows, &w.entries, k, v)?;
                 let (rk, rv) = cache.kv(layer, rows)?.ok_or_else(missing)?;
                 Ok((rk.shallow_clone()?, rv.shallow_clone()?))
             }
             Source::Chunk => {
-                cache.write(layer, rows, &plan.entries, &tail(k)?, &tail(v)?)?;
+                cache.write(layer, rows, &w.entries, &tail(k)?, &tail(v)?)?;
                 Ok((k.shallow_clone()?, v.shallow_clone()?))
             }
             Source::RingAndChunk => {
                 let (rk, rv) = cache.kv(layer, rows)?.ok_or_else(missing)?;
                 // cat copies, so the ring can take the chunk's tail right after.
                 let both = (Tensor::cat(&[rk, k], 2)?, Tensor::cat(&[rv, v], 2)?);
-                cache.write(layer, rows, &plan.entries, &tail(k)?, &tail(v)?)?;
+                cache.write(layer, rows, &w.entries, &tail(k)?, &tail(v)?)?;
                 Ok(both)
             }
         }
@@ -302,9 +353,10 @@ mod tests {
     use crate::tensor::DType;
 
     fn mask(kind: LayerType, held: &[i64], query: i64, window: i64) -> Vec<i64> {
-        let kpos = Tensor::from_i64(held).unwrap().reshape(&[1, held.len() as i64]).unwrap();
+        let kpos = Tensor::from_i64(held).unwrap().reshape(&[1, 1, 1, held.len() as i64]).unwrap();
         let qpos = Tensor::from_i64(&[query]).unwrap().reshape(&[1, 1, 1, 1]).unwrap();
-        visible(kind, &kpos, &qpos, window).unwrap().to_dtype(DType::I64).unwrap().to_vec_i64().unwrap()
+        let window = (kind == LayerType::Sliding).then_some(window);
+        visible(&kpos, &qpos, window).unwrap().to_dtype(DType::I64).unwrap().to_vec_i64().unwrap()
     }
 
     #[test]

@@ -63,10 +63,10 @@ struct LayerKv {
 struct RowsViews {
     /// Per layer (None for KV-shared layers).
     kv: Vec<Option<(Tensor, Tensor)>>,
-    /// Per layer type.
+    /// Per layer type, `[len, ring + 1]`, and the same as `[len, 1, 1, ring + 1]` (a mask's key side).
     positions: [Tensor; 2],
-    /// `0..len` as int64 `[len, 1]` and `[len, 1, 1]`: the row part of a write's index.
-    row_index: Tensor,
+    positions4: [Tensor; 2],
+    /// `0..len` as int64 `[len, 1, 1]`: the row part of a write's index.
     row_index3: Tensor,
 }
 
@@ -151,13 +151,10 @@ impl KvCache {
             .iter()
             .map(|l| l.as_ref().map(|l| Ok((narrow(&l.k)?, narrow(&l.v)?))).transpose())
             .collect::<Result<Vec<_>>>()?;
-        let row_index = Tensor::arange(0, rows.len, DType::I64, &self.positions[0])?.reshape(&[rows.len, 1])?;
-        let views = RowsViews {
-            kv,
-            positions: [narrow(&self.positions[0])?, narrow(&self.positions[1])?],
-            row_index3: row_index.reshape(&[rows.len, 1, 1])?,
-            row_index,
-        };
+        let row_index3 = Tensor::arange(0, rows.len, DType::I64, &self.positions[0])?.reshape(&[rows.len, 1, 1])?;
+        let positions = [narrow(&self.positions[0])?, narrow(&self.positions[1])?];
+        let as4 = |p: &Tensor, kind: usize| p.reshape(&[rows.len, 1, 1, self.ring[kind] + 1]);
+        let views = RowsViews { kv, positions4: [as4(&positions[0], 0)?, as4(&positions[1], 1)?], positions, row_index3 };
         self.views.insert(rows, views);
         Ok(())
     }
@@ -181,14 +178,16 @@ impl KvCache {
         Ok(&self.views(rows)?.positions[kind.index()])
     }
 
-    /// `0..rows.len` as int64 `[len, 1]`: the row index of writes into `positions` views.
-    pub fn row_index(&self, rows: Rows) -> Result<&Tensor> {
-        Ok(&self.views(rows)?.row_index)
+    /// The same positions as `[rows, 1, 1, ring + 1]` (a view).
+    pub fn positions4(&self, kind: LayerType, rows: Rows) -> Result<&Tensor> {
+        Ok(&self.views(rows)?.positions4[kind.index()])
     }
 
-    /// Replace the positions of `rows` for layers of `kind` (`[rows, ring + 1]`).
-    pub fn set_positions(&mut self, kind: LayerType, rows: Rows, positions: &Tensor) -> Result<()> {
-        self.views(rows)?.positions[kind.index()].copy_(positions)
+    /// Record that the ring entries `entries` (`[rows, 1, T]` int64) of the layers of `kind` hold
+    /// positions `written` (same shape) for `rows`.
+    pub fn record_positions(&mut self, kind: LayerType, rows: Rows, entries: &Tensor, written: &Tensor) -> Result<()> {
+        let views = self.views(rows)?;
+        views.positions[kind.index()].index_put_(&[Some(&views.row_index3), Some(entries)], written)
     }
 
     /// Keys and values of `layer` for `rows`, `[rows, kv_heads, ring + 1, head_dim]` (views).

@@ -224,8 +224,8 @@ struct StepViews {
     /// `positions` as a forward reads them.
     pos: Positions,
     live: Tensor,
-    /// `live` as `[b, 1]`.
-    live2: Tensor,
+    /// `live` as `[b, 1, 1]`.
+    live3: Tensor,
 }
 
 impl StepViews {
@@ -237,7 +237,7 @@ impl StepViews {
             next: next.narrow(0, 0, b)?,
             pos: Positions::new(&positions.unsqueeze(1)?)?,
             positions,
-            live2: live.unsqueeze(1)?,
+            live3: live.reshape(&[b, 1, 1])?,
             live,
         })
     }
@@ -697,7 +697,7 @@ impl Engine {
             .iter()
             .find(|s| s.b == b)
             .ok_or_else(|| Error::Internal(format!("{b} is not a decode bucket")))?;
-        let live = if padded { Liveness::Padding(step.live2.shallow_clone()?) } else { Liveness::AllLive };
+        let live = if padded { Liveness::Padding(step.live3.shallow_clone()?) } else { Liveness::AllLive };
         let logits = self
             .model
             .forward(&mut self.cache, all, &step.next, &step.pos, &live, Fill::Partial, Output::Logits)?

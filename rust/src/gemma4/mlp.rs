@@ -25,8 +25,7 @@ impl Mlp {
 
     /// `x` `[rows, hidden]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let [gate, up] = <[Tensor; 2]>::try_from(self.gate_up_proj.forward(x)?.split(&[self.intermediate; 2], -1)?)
-            .map_err(|_| crate::error::Error::Internal("split gave the wrong number of parts".into()))?;
+        let [gate, up] = self.gate_up_proj.forward(x)?.split_array(&[self.intermediate; 2], -1)?;
         self.down_proj.forward(&gate.gelu_tanh()?.mul(&up)?)
     }
 }

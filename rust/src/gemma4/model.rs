@@ -6,10 +6,11 @@
 //! `cap * tanh(logits / cap)` (M:1864-1867). Hidden states are 2-d, `[rows * T, hidden]`.
 //!
 //! The per-layer table is stored times sqrt(P) (the product the reference makes at run time, made
-//! once) and viewed `[V, L, P]`. In float32 (`Weights::folds`) three more constants are folded:
+//! once) and viewed `[V, L, P]`. In float32 (`Weights::folds`) more constants are folded:
 //! the table and the norm's weight carry the 2^-0.5; `rms(c * y)` with eps `e` is `rms(y)` with eps
-//! `e / c^2`, so the H^-0.5 goes into the eps; and the final norm's weight carries the softcap's
-//! 1 / cap (lm_head is linear).
+//! `e / c^2`, so the H^-0.5 goes into the eps; the embedding table is stored times sqrt(H) (the same
+//! products the reference makes per token), and as lm_head is linear, the final norm's weight
+//! carries the softcap's 1 / cap and, when lm_head is that (tied) table, 1 / sqrt(H).
 
 use std::cell::RefCell;
 
@@ -47,7 +48,8 @@ struct PerLayerEmbeddings {
 pub struct Model {
     pub cfg: Config,
     embed_tokens: Tensor,
-    embed_scale: Tensor,
+    /// None when the table carries it (module docs).
+    embed_scale: Option<Tensor>,
     per_layer: Option<PerLayerEmbeddings>,
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
@@ -77,7 +79,11 @@ impl Model {
         let like = &w.like;
         // The embedding scales are buffers cast to the weight dtype before the multiply (M:1455).
         let scale = |x: f64| Tensor::full(&[], x, w.dtype, like);
-        let embed_tokens = w.embedding("embed_tokens", v, h)?;
+        let embed_scale = scale((h as f64).sqrt())?;
+        let embed_tokens = match w.embedding("embed_tokens", v, h)? {
+            table if w.folds() => table.mul(&embed_scale)?,
+            table => table,
+        };
         let per_layer = if p > 0 {
             let vp = cfg.vocab_size_per_layer_input;
             let table = w.embedding("embed_tokens_per_layer", vp, l * p)?;
@@ -104,13 +110,15 @@ impl Model {
             }
         }
         Ok(Model {
-            embed_scale: scale((h as f64).sqrt())?,
-            // `cap * tanh(lm_head(norm(x)) / cap)`: the 1 / cap goes into the norm's weight, as lm_head
-            // is linear (the same value, rounded in another order).
-            norm: match (cfg.final_logit_softcapping, RmsNorm::load(w, "norm", h, cfg.rms_norm_eps)?) {
-                (Some(cap), norm) if w.folds() => norm.rescaled(1.0 / cap, cfg.rms_norm_eps)?,
-                (_, norm) => norm,
+            // `cap * tanh(lm_head(norm(x)) / cap)`: the 1 / cap (and the tied table's 1 / sqrt(H)) go
+            // into the norm's weight (module docs).
+            norm: {
+                let norm = RmsNorm::load(w, "norm", h, cfg.rms_norm_eps)?;
+                let unscale = if cfg.tie_word_embeddings { 1.0 / embed_scale.item_f64()? } else { 1.0 };
+                let factor = unscale / cfg.final_logit_softcapping.unwrap_or(1.0);
+                if w.folds() && factor != 1.0 { norm.rescaled(factor, cfg.rms_norm_eps)? } else { norm }
             },
+            embed_scale: if w.folds() { None } else { Some(embed_scale) },
             softcap_folded: w.folds(),
             embed_tokens,
             per_layer,
@@ -156,7 +164,10 @@ impl Model {
         let n = rows.len;
         let t = ids.size()?[0] / n;
         cache.prepare(rows)?;
-        let x0 = self.embed_tokens.index_select(0, ids)?.mul(&self.embed_scale)?;
+        let x0 = match &self.embed_scale {
+            Some(scale) => self.embed_tokens.index_select(0, ids)?.mul(scale)?,
+            None => self.embed_tokens.index_select(0, ids)?,
+        };
         let ple = match &self.per_layer {
             Some(pl) => Some(self.per_layer_inputs(pl, ids, &x0)?),
             None => None,
@@ -164,10 +175,8 @@ impl Model {
         let mut plans: [Option<Plan>; 2] = [None, None];
         for kind in [LayerType::Sliding, LayerType::Full] {
             if let Some(rope) = &self.ropes[kind.index()] {
-                let (held, row_index) = (cache.positions(kind, rows)?, cache.row_index(rows)?);
-                let ring = cache.ring(kind);
                 let window = self.cfg.sliding_window;
-                plans[kind.index()] = Some(Plan::new(kind, pos, fill, held, ring, row_index, live, rope, window)?);
+                plans[kind.index()] = Some(Plan::new(kind, pos, fill, rows, cache, live, rope, window)?);
             }
         }
         let mut attended: Attended = (0..self.layers.len()).map(|_| None).collect();
@@ -179,12 +188,6 @@ impl Model {
             let before = aten_calls();
             xs = layer.forward(&xs, ple.as_ref().map(|p| &p[i]), plan, rows, cache, &mut attended)?;
             self.layer_calls.borrow_mut()[i] = aten_calls() - before;
-        }
-        // Every layer has read the old positions: record the new ones.
-        for kind in [LayerType::Sliding, LayerType::Full] {
-            if let Some(plan) = &plans[kind.index()] {
-                cache.set_positions(kind, rows, &plan.positions_after)?;
-            }
         }
         if output == Output::Nothing {
             return Ok(None);

@@ -28,6 +28,14 @@ impl RmsNorm {
         Ok(RmsNorm { weight, eps })
     }
 
+    /// The weight (`name` is the norm's, for the error a weightless norm gives).
+    pub fn weight(&self, name: &str) -> Result<Tensor> {
+        match &self.weight {
+            Some(w) => w.shallow_clone(),
+            None => Err(crate::error::Error::Internal(format!("{name} has no weight"))),
+        }
+    }
+
     pub fn no_scale(eps: f64) -> RmsNorm {
         RmsNorm { weight: None, eps }
     }
