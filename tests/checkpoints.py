@@ -387,12 +387,26 @@ def load_hf_reference(
     return model
 
 
-def _quantize_in_place(model: torch.nn.Module, qconfig: QuantizationConfig) -> ModelCompressor:
+def round_up_to_bits(scale: torch.Tensor, bits: int) -> torch.Tensor:
+    """`scale` rounded up to `bits` significant bits (in its own dtype).
+
+    With 5 bits, every ``q * scale`` of an int4 ``q`` (|q| <= 8, 4 bits) has at most 8 significant
+    bits, so it is exact in bfloat16: the dequantized weight is the same number whoever computes it.
+    """
+    mantissa, exponent = torch.frexp(scale.float())  # mantissa in [0.5, 1)
+    rounded = torch.ldexp(torch.ceil(mantissa * 2**bits) / 2**bits, exponent.float())
+    return rounded.to(scale.dtype)
+
+
+def _quantize_in_place(
+    model: torch.nn.Module, qconfig: QuantizationConfig, scale_bits: int | None = None
+) -> ModelCompressor:
     """Quantize and pack the modules `qconfig` targets, the way llm-compressor's flow does it.
 
     compressed-tensors attaches the scheme and empty qparams; the group scales come from each
     group's min/max through compressed-tensors' own `calculate_qparams` (what llm-compressor's
-    default min-max observer feeds it); `compress_model` then quantizes and packs.
+    default min-max observer feeds it), rounded up to `scale_bits` significant bits when given
+    (`round_up_to_bits`); `compress_model` then quantizes and packs.
     """
     apply_quantization_config(model, qconfig, show_progress=False)
     for module in model.modules():
@@ -403,7 +417,7 @@ def _quantize_in_place(model: torch.nn.Module, qconfig: QuantizationConfig) -> M
         weight = module.weight.data
         groups = weight.unflatten(-1, (weight.shape[-1] // args.group_size, args.group_size))
         scale, zero_point = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
-        module.weight_scale.data.copy_(scale)
+        module.weight_scale.data.copy_(scale if scale_bits is None else round_up_to_bits(scale, scale_bits))
         if hasattr(module, "weight_zero_point"):
             module.weight_zero_point.data.copy_(zero_point)
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=PACK_FORMAT)
@@ -432,7 +446,11 @@ def w4a16_config(group_size: int = GROUP_SIZE, targets: tuple[str, ...] = ("Line
 
 
 def save_w4a16(
-    out_dir: str | Path, group_size: int = GROUP_SIZE, seed: int = SEED, config: Gemma4TextConfig | None = None
+    out_dir: str | Path,
+    group_size: int = GROUP_SIZE,
+    seed: int = SEED,
+    config: Gemma4TextConfig | None = None,
+    scale_bits: int | None = None,
 ) -> Path:
     """Write the W4A16 checkpoint: the dense model with every Linear int4 pack-quantized.
 
@@ -446,6 +464,7 @@ def save_w4a16(
         group_size: columns per scale group; must divide every Linear's input width.
         seed: weight seed (the same random model as ``save_dense``).
         config: text config; ``tiny_text_config()`` when None.
+        scale_bits: round every scale up to this many significant bits (``round_up_to_bits``).
 
     Returns:
         The directory.
@@ -453,7 +472,7 @@ def save_w4a16(
     out_dir = Path(out_dir)
     with one_thread():
         model = random_model(config, seed).to(torch.bfloat16)
-        compressor = _quantize_in_place(model, w4a16_config(group_size))
+        compressor = _quantize_in_place(model, w4a16_config(group_size), scale_bits)
         model.save_pretrained(out_dir)
     compressor.update_config(str(out_dir))
     return out_dir
@@ -480,6 +499,7 @@ def save_w4a16_emb4(
     group_size: int = GROUP_SIZE,
     seed: int = SEED,
     config: Gemma4TextConfig | None = None,
+    scale_bits: int | None = None,
 ) -> tuple[Path, Path]:
     """Write the W4A16 checkpoint and, beside it, the int4 vocabulary tables (layout in the module docstring).
 
@@ -489,18 +509,19 @@ def save_w4a16_emb4(
         group_size: columns per scale group, for the linears and the tables alike.
         seed: weight seed (the same random model as ``save_dense``).
         config: text config; ``tiny_text_config()`` when None.
+        scale_bits: round every scale up to this many significant bits (``round_up_to_bits``).
 
     Returns:
         (model_dir, emb_dir).
     """
-    model_dir = save_w4a16(model_dir, group_size, seed, config)
+    model_dir = save_w4a16(model_dir, group_size, seed, config, scale_bits)
     emb_dir = Path(emb_dir)
     emb_dir.mkdir(parents=True, exist_ok=True)
     with one_thread():
         model = random_model(config, seed).to(torch.bfloat16)
         model.lm_head = torch.nn.Linear(1, 1, bias=False)  # untie: only the two tables are quantized here
         qconfig = w4a16_config(group_size, targets=("Embedding",))
-        compressor = _quantize_in_place(model, qconfig)
+        compressor = _quantize_in_place(model, qconfig, scale_bits)
     tensors = {}
     for table in EMB_TABLES:
         module = getattr(model.model, table)
