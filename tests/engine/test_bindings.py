@@ -85,13 +85,11 @@ def test_properties_and_layout(engine, dense_checkpoint):
     assert engine.dtype == "float32"
     assert engine.device == "cpu"
     # tiny config: S S F S F own their K/V, S F S F share it. Each own-KV layer holds K and V of
-    # kv_heads x (ring + 1) x head_dim float32 (the extra entry takes padding rows' writes), plus
-    # one int64 position per entry and layer type.
+    # kv_heads x (ring + 1) x head_dim float32 (the extra entry takes padding rows' writes).
     cfg = json.loads((dense_checkpoint / "config.json").read_text())
     kv_heads, sliding_dim, full_dim = cfg["num_key_value_heads"], cfg["head_dim"], cfg["per_layer_config"]["2"]["head_dim"]
     sliding, full = 12, CONTEXT
     per_slot = 3 * 2 * kv_heads * (sliding + 1) * sliding_dim * 4 + 2 * 2 * kv_heads * (full + 1) * full_dim * 4
-    per_slot += 8 * (sliding + 1 + full + 1)
     assert engine.layout() == {
         "full_rings": 2,
         "sliding_rings": 3,

@@ -221,9 +221,9 @@ class Engine:
         "max_batch", "kv_bytes_per_slot", "kv_bytes"}.
 
         kv_bytes_per_slot = sum over the layers with their own K/V of
-        2 * kv_heads * (ring + 1) * head_dim * dtype bytes, plus 8 bytes per ring entry of
-        each layer type (ring = context for full layers, min(sliding_window, context) for
-        sliding ones; the extra entry takes padding rows' writes); kv_bytes = max_batch x that.
+        2 * kv_heads * (ring + 1) * head_dim * dtype bytes (ring = context for full layers,
+        min(sliding_window, context) for sliding ones; the extra entry takes padding rows'
+        writes); kv_bytes = max_batch x that.
         """
 
     def run(

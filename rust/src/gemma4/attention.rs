@@ -17,13 +17,13 @@
 //! right keys), and then leaves its last min(T, ring) keys in the ring.
 
 use crate::error::{Error, Result};
-use crate::gemma4::cache::{EMPTY, KvCache, Rows};
+use crate::gemma4::cache::{KvCache, Rows};
 use crate::gemma4::config::{Config, LayerSpec, LayerType};
 use crate::gemma4::norm::RmsNorm;
 use crate::gemma4::rope::{Rope, RopeAt};
 use crate::gemma4::linear::Linear;
 use crate::gemma4::weights::Weights;
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 
 /// What the slots of a forward held before it.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -61,6 +61,8 @@ pub struct Positions {
     pub grid3: Tensor,
     /// `[rows, 1, T, 1]`: the query side of a mask.
     pub query: Tensor,
+    /// The first position, when the host knows it (one row reading a prompt chunk).
+    pub first: Option<i64>,
 }
 
 impl Positions {
@@ -74,23 +76,27 @@ impl Positions {
             grid3: grid.reshape(&[rows, 1, t])?,
             query: grid.reshape(&[rows, 1, t, 1])?,
             grid: grid.shallow_clone()?,
+            first: None,
         })
+    }
+
+    /// Positions `start..end` of one row, on the device of `like`.
+    pub fn chunk(start: i64, end: i64, like: &Tensor) -> Result<Positions> {
+        let grid = Tensor::arange(start, end, DType::I64, like)?.unsqueeze(0)?;
+        Ok(Positions { first: Some(start), ..Positions::new(&grid)? })
     }
 }
 
-/// What a forward writes into the rings of one layer type: the entries, and the positions they will
-/// hold. Computing it reads and writes nothing.
+/// Where a forward writes its keys into the rings of one layer type.
 pub struct Writes {
     pub source: Source,
     /// Ring entries to write, int64 `[rows, 1, tail]`, for the last `tail` tokens of the forward.
     pub entries: Tensor,
-    /// The positions those entries will hold, `[rows, 1, tail]` (`EMPTY` for padding rows).
-    pub written: Tensor,
     pub tail: i64,
 }
 
 /// The rows of a forward whose tokens are real. `Padding(live)` (bool `[rows, 1, 1]`) marks the
-/// rest, which write to the never-visible entry `ring` (see cache.rs) and record no position.
+/// rest, which write to the never-visible entry `ring` (see cache.rs).
 pub enum Liveness {
     AllLive,
     Padding(Tensor),
@@ -109,14 +115,11 @@ impl Writes {
         let tail_pos = if tail == t { pos.grid3.shallow_clone()? } else { pos.grid3.narrow(2, t - tail, tail)? };
         // A full ring holds the whole context, so a position is its own entry.
         let wrap = |p: &Tensor| if kind == LayerType::Full { p.shallow_clone() } else { p.remainder(ring) };
-        let (entries, written) = match live {
-            Liveness::AllLive => (wrap(&tail_pos)?, tail_pos),
-            Liveness::Padding(live) => (
-                Tensor::where_int(live, &wrap(&tail_pos)?, ring)?,
-                Tensor::where_int(live, &tail_pos, EMPTY)?,
-            ),
+        let entries = match live {
+            Liveness::AllLive => wrap(&tail_pos)?,
+            Liveness::Padding(live) => Tensor::where_int(live, &wrap(&tail_pos)?, ring)?,
         };
-        Ok(Writes { source, entries, written, tail })
+        Ok(Writes { source, entries, tail })
     }
 }
 
@@ -129,39 +132,32 @@ pub struct Plan {
 }
 
 impl Plan {
-    /// Plan a forward of `pos` on the slots `rows` for layers of `kind`, and record in `cache` the
-    /// positions it writes (before any layer runs: only masks read them, and they are made here).
-    #[allow(clippy::too_many_arguments)]
+    /// Plan a forward of `pos` for layers of `kind`, whose rings are `cache`'s. Computing it writes
+    /// nothing.
     pub fn new(
         kind: LayerType,
         pos: &Positions,
         fill: Fill,
-        rows: Rows,
-        cache: &mut KvCache,
+        cache: &KvCache,
         live: &Liveness,
         rope: &Rope,
         window: i64,
     ) -> Result<Plan> {
-        let ring = cache.ring(kind);
-        let writes = Writes::new(kind, pos, fill, ring, live)?;
-        // Keys a chunk sees besides the ring's, read before the ring takes the chunk.
-        let chunk_keys = match writes.source {
-            Source::Ring => None,
-            Source::Chunk => Some(pos.grid.shallow_clone()?),
-            Source::RingAndChunk => Some(Tensor::cat(&[cache.positions(kind, rows)?, &pos.grid], 1)?),
+        let writes = Writes::new(kind, pos, fill, cache.ring(kind), live)?;
+        let sliding = (kind == LayerType::Sliding).then_some(window);
+        let keys = |keys: &Tensor| -> Result<Tensor> {
+            let [r, n] = dims2(keys)?;
+            keys.reshape(&[r, 1, 1, n])
         };
-        cache.record_positions(kind, rows, &writes.entries, &writes.written)?;
-        let mask = match chunk_keys {
-            // A decode step's sliding ring of at most `window` entries holds only positions in
-            // (q - window, q]: every entry was last written at the latest position <= q with its
-            // index mod ring (earlier ones empty), so the causal test is the whole mask.
-            None => {
-                let window = if kind == LayerType::Sliding && ring > window { Some(window) } else { None };
-                visible(cache.positions4(kind, rows)?, &pos.query, window)?
-            }
-            Some(keys) => {
-                let [r, n] = dims2(&keys)?;
-                visible(&keys.reshape(&[r, 1, 1, n])?, &pos.query, (kind == LayerType::Sliding).then_some(window))?
+        let mask = match writes.source {
+            // The ring after this forward's writes: a constant order (cache.rs module docs).
+            Source::Ring => visible(cache.ring_order(kind), &pos.query, None)?,
+            Source::Chunk => visible(&keys(&pos.grid)?, &pos.query, sliding)?,
+            Source::RingAndChunk => {
+                let first = pos.first.ok_or_else(|| Error::Internal("a later prompt chunk of unknown start".into()))?;
+                let held = Tensor::from_i64(&cache.held_before(kind, first))?.to_like(&pos.grid, DType::I64)?;
+                let held = held.reshape(&[1, cache.ring(kind) + 1])?;
+                visible(&keys(&Tensor::cat(&[&held, &pos.grid], 1)?)?, &pos.query, sliding)?
             }
         };
         Ok(Plan { rope: rope.at(pos)?, mask, writes })
@@ -350,7 +346,7 @@ impl Attention {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tensor::DType;
+    use crate::gemma4::cache::EMPTY;
 
     fn mask(kind: LayerType, held: &[i64], query: i64, window: i64) -> Vec<i64> {
         let kpos = Tensor::from_i64(held).unwrap().reshape(&[1, 1, 1, held.len() as i64]).unwrap();

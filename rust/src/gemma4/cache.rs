@@ -5,18 +5,26 @@
 //! `[max_batch, kv_heads, ring, head_dim]`, where `ring` is `context` for full-attention layers and
 //! `min(sliding_window, context)` for sliding ones; KV-shared layers hold nothing and read their
 //! donor's keys (Transformers 5.18 `models/gemma4/modeling_gemma4.py`, `Gemma4TextAttention.forward`,
-//! `kv_shared_layer_index`). Which position each ring entry holds is tracked per layer type in
-//! `positions` (`[max_batch, ring + 1]` int64, `EMPTY` = empty); the attention masks are computed from
-//! it, so a decode step runs the same shapes at every position. The extra entry at index `ring` is
-//! never visible: a decode step's padding rows (slots that are free or still reading their prompt)
-//! write their keys there, so a step can run every slot below the highest live one without
-//! touching the rings of slots that are not decoding.
+//! `kv_shared_layer_index`). The extra entry at index `ring` is never visible: a decode step's
+//! padding rows (slots that are free or still reading their prompt) write their keys there, so a step
+//! can run every slot below the highest live one without touching the rings of slots that are not
+//! decoding.
+//!
+//! Which position an entry holds is a function of the row's position, so nothing tracks it: a row
+//! at position `q` has written positions `0..=q` in order (a prompt chunk longer than the ring leaves
+//! its last `ring` positions), so full-ring entry `j` holds position `j`, and sliding-ring entry `j`
+//! the latest `p <= q` with `p = j (mod ring)`, which exists iff `j <= q` and then lies in
+//! `(q - ring, q]`, inside the window since `ring <= sliding_window`. In both rings a query at `q`
+//! that has just written its key may see entry `j` iff `j <= q`: the mask of a decode step (and of a
+//! later prompt chunk on a full ring) is one comparison with `ring_order` (`0..ring`, then `EMPTY`
+//! for the padding entry), a constant, whatever slot held before. `held_before` gives the positions a
+//! sliding ring holds before a later prompt chunk, which attends over the ring and the chunk.
 //!
 //! Memory: `bytes_per_slot = sum over own-KV layers of 2 * kv_heads * (ring(type) + 1) * head_dim *
-//! dtype bytes` (+ 8 bytes per ring entry of each type for the positions), and the whole cache is
-//! `max_batch * bytes_per_slot`. Per-slot rings (rather than one paged pool) keep every shape fixed
-//! and every slot's keys contiguous, which is what a compiled or captured step wants; the price is
-//! that a slot reserves a full context whether its request uses it or not.
+//! dtype bytes`, and the whole cache is `max_batch * bytes_per_slot`. Per-slot rings (rather than one
+//! paged pool) keep every shape fixed and every slot's keys contiguous, which is what a compiled or
+//! captured step wants; the price is that a slot reserves a full context whether its request uses it
+//! or not.
 //!
 //! A forward works on `Rows`: a contiguous range of slots. Views of the tensors are narrowed to the
 //! range once per range and kept, so writes through them land in the cache (ATen views share
@@ -30,8 +38,8 @@ use crate::error::{Error, Result};
 use crate::gemma4::config::{Config, LayerType};
 use crate::tensor::{DType, Tensor};
 
-/// The position an empty ring entry holds: later than any query, so the causal test `key <= query`
-/// alone hides it.
+/// The position of an entry that holds nothing: later than any query, so the causal test
+/// `key <= query` alone hides it.
 pub const EMPTY: i64 = 1 << 60;
 
 /// A contiguous range of sequence slots `[start, start + len)`.
@@ -63,17 +71,15 @@ struct LayerKv {
 struct RowsViews {
     /// Per layer (None for KV-shared layers).
     kv: Vec<Option<(Tensor, Tensor)>>,
-    /// Per layer type, `[len, ring + 1]`, and the same as `[len, 1, 1, ring + 1]` (a mask's key side).
-    positions: [Tensor; 2],
-    positions4: [Tensor; 2],
     /// `0..len` as int64 `[len, 1, 1]`: the row part of a write's index.
     row_index3: Tensor,
 }
 
 pub struct KvCache {
     layers: Vec<Option<LayerKv>>,
-    /// Ring positions per layer type (`LayerType::index`), int64 `[max_batch, ring + 1]`.
-    positions: [Tensor; 2],
+    /// Per layer type (`LayerType::index`): `0..ring`, then `EMPTY`, int64 `[1, 1, 1, ring + 1]`
+    /// (module docs).
+    ring_order: [Tensor; 2],
     ring: [i64; 2],
     views: HashMap<Rows, RowsViews>,
 }
@@ -93,7 +99,7 @@ impl CacheSize {
             .filter(|l| l.kv_source.is_none())
             .map(|l| 2 * l.num_kv_heads * (ring[l.kind.index()] + 1) * l.head_dim * dtype.size())
             .sum();
-        CacheSize { bytes_per_slot: kv + 8 * (ring[0] + ring[1] + 2), max_batch }
+        CacheSize { bytes_per_slot: kv, max_batch }
     }
 
     pub fn total(&self) -> i64 {
@@ -124,11 +130,11 @@ impl KvCache {
                 }))
             })
             .collect::<Result<Vec<_>>>()?;
-        let positions = [
-            Tensor::full(&[max_batch, ring[0] + 1], EMPTY as f64, DType::I64, like)?,
-            Tensor::full(&[max_batch, ring[1] + 1], EMPTY as f64, DType::I64, like)?,
-        ];
-        Ok(KvCache { layers, positions, ring, views: HashMap::new() })
+        let order = |ring: i64| -> Result<Tensor> {
+            let values: Vec<i64> = (0..ring).chain([EMPTY]).collect();
+            Tensor::from_i64(&values)?.to_like(like, DType::I64)?.reshape(&[1, 1, 1, ring + 1])
+        };
+        Ok(KvCache { layers, ring_order: [order(ring[0])?, order(ring[1])?], ring, views: HashMap::new() })
     }
 
     pub fn ring(&self, kind: LayerType) -> i64 {
@@ -151,10 +157,8 @@ impl KvCache {
             .iter()
             .map(|l| l.as_ref().map(|l| Ok((narrow(&l.k)?, narrow(&l.v)?))).transpose())
             .collect::<Result<Vec<_>>>()?;
-        let row_index3 = Tensor::arange(0, rows.len, DType::I64, &self.positions[0])?.reshape(&[rows.len, 1, 1])?;
-        let positions = [narrow(&self.positions[0])?, narrow(&self.positions[1])?];
-        let as4 = |p: &Tensor, kind: usize| p.reshape(&[rows.len, 1, 1, self.ring[kind] + 1]);
-        let views = RowsViews { kv, positions4: [as4(&positions[0], 0)?, as4(&positions[1], 1)?], positions, row_index3 };
+        let row_index3 = Tensor::arange(0, rows.len, DType::I64, &self.ring_order[0])?.reshape(&[rows.len, 1, 1])?;
+        let views = RowsViews { kv, row_index3 };
         self.views.insert(rows, views);
         Ok(())
     }
@@ -163,31 +167,16 @@ impl KvCache {
         self.views.get(&rows).ok_or_else(|| Error::Internal(format!("cache rows {rows:?} used before KvCache::prepare")))
     }
 
-    /// Forget everything `slot` held (its K/V values stay but are masked out).
-    pub fn clear(&mut self, slot: i64) -> Result<()> {
-        let rows = Rows::one(slot);
-        self.prepare(rows)?;
-        for p in &self.views(rows)?.positions {
-            p.fill_(EMPTY as f64)?;
-        }
-        Ok(())
+    /// `0..ring`, then `EMPTY`, as `[1, 1, 1, ring + 1]`: the key side of the mask of a forward that
+    /// has just written its keys into the ring (module docs).
+    pub fn ring_order(&self, kind: LayerType) -> &Tensor {
+        &self.ring_order[kind.index()]
     }
 
-    /// The positions `rows` hold for layers of `kind`, `[rows, ring + 1]` (a view).
-    pub fn positions(&self, kind: LayerType, rows: Rows) -> Result<&Tensor> {
-        Ok(&self.views(rows)?.positions[kind.index()])
-    }
-
-    /// The same positions as `[rows, 1, 1, ring + 1]` (a view).
-    pub fn positions4(&self, kind: LayerType, rows: Rows) -> Result<&Tensor> {
-        Ok(&self.views(rows)?.positions4[kind.index()])
-    }
-
-    /// Record that the ring entries `entries` (`[rows, 1, T]` int64) of the layers of `kind` hold
-    /// positions `written` (same shape) for `rows`.
-    pub fn record_positions(&mut self, kind: LayerType, rows: Rows, entries: &Tensor, written: &Tensor) -> Result<()> {
-        let views = self.views(rows)?;
-        views.positions[kind.index()].index_put_(&[Some(&views.row_index3), Some(entries)], written)
+    /// The positions the `ring` + 1 entries of a sliding ring hold before a row reads a prompt chunk
+    /// that starts at position `start` (module docs), on the host.
+    pub fn held_before(&self, kind: LayerType, start: i64) -> Vec<i64> {
+        held_before(self.ring[kind.index()], start)
     }
 
     /// Keys and values of `layer` for `rows`, `[rows, kv_heads, ring + 1, head_dim]` (views).
@@ -203,5 +192,53 @@ impl KvCache {
         let idx = [Some(&views.row_index3), Some(&l.heads), Some(entries)];
         kv_k.index_put_(&idx, k)?;
         kv_v.index_put_(&idx, v)
+    }
+}
+
+/// `KvCache::held_before` for a ring of `ring` entries: entry `j` holds the latest position before
+/// `start` equal to `j` mod `ring`, if there is one.
+fn held_before(ring: i64, start: i64) -> Vec<i64> {
+    let last = start - 1;
+    let held = |j: i64| match last - (last - j).rem_euclid(ring) {
+        p if p < 0 => EMPTY,
+        p => p,
+    };
+    (0..ring).map(held).chain([EMPTY]).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The positions a ring of `ring` entries holds after a row wrote positions `0..n` in order.
+    fn written(ring: i64, n: i64) -> Vec<i64> {
+        let mut held = vec![EMPTY; ring as usize + 1];
+        for p in 0..n {
+            held[p.rem_euclid(ring) as usize] = p;
+        }
+        held
+    }
+
+    #[test]
+    fn after_its_own_write_a_query_sees_exactly_the_entries_at_or_below_its_position() {
+        // Sliding ring of 4 entries (window 4) and a full ring of 12, queries at every position: the
+        // mask from what the ring holds (causal and window) equals the mask from the entry order.
+        for (ring, window) in [(4, 4), (12, i64::MAX)] {
+            for q in 0..12 {
+                let held = written(ring, q + 1);
+                let order: Vec<i64> = (0..ring).chain([EMPTY]).collect();
+                for j in 0..=ring as usize {
+                    let by_held = held[j] <= q && held[j] > q.saturating_sub(window);
+                    assert_eq!(by_held, order[j] <= q, "ring {ring}, query {q}, entry {j}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn held_before_a_chunk_is_what_the_earlier_positions_left() {
+        for start in 1..12 {
+            assert_eq!(held_before(4, start), written(4, start), "start {start}");
+        }
     }
 }

@@ -445,7 +445,6 @@ impl Engine {
     pub fn logits(&mut self, ids: &[i64]) -> Result<Tensor> {
         self.check_prompt(ids)?;
         let prompt = Tensor::from_i64(ids)?.to_like(&self.like, DType::I64)?;
-        self.cache.clear(0)?;
         let mut done = 0;
         loop {
             let (logits, read) = self.prompt_chunk(0, &prompt, ids.len(), done)?;
@@ -464,7 +463,7 @@ impl Engine {
         let end = (done + self.prefill_chunk as usize).min(n);
         let t = (end - done) as i64;
         let ids = prompt.narrow(0, done as i64, t)?;
-        let pos = Positions::new(&Tensor::arange(done as i64, end as i64, DType::I64, &self.like)?.unsqueeze(0)?)?;
+        let pos = Positions::chunk(done as i64, end as i64, &self.like)?;
         let fill = if done == 0 { Fill::Empty } else { Fill::Partial };
         let output = if end == n { Output::Logits } else { Output::Nothing };
         let rows = Rows::one(slot);
@@ -530,7 +529,6 @@ impl Engine {
             return refuse(&r, format!("all {} slots are busy", self.max_batch));
         };
         let prompt = Tensor::from_i64(&r.prompt)?.to_like(&self.like, DType::I64)?;
-        self.cache.clear(s as i64)?;
         self.sampler.assign(s as i64, &r.params, &prompt)?;
         let room = (self.context - r.prompt.len() as i64) as usize;
         *seq += 1;

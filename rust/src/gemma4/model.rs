@@ -176,7 +176,7 @@ impl Model {
         for kind in [LayerType::Sliding, LayerType::Full] {
             if let Some(rope) = &self.ropes[kind.index()] {
                 let window = self.cfg.sliding_window;
-                plans[kind.index()] = Some(Plan::new(kind, pos, fill, rows, cache, live, rope, window)?);
+                plans[kind.index()] = Some(Plan::new(kind, pos, fill, cache, live, rope, window)?);
             }
         }
         let mut attended: Attended = (0..self.layers.len()).map(|_| None).collect();
