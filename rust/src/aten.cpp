@@ -230,6 +230,9 @@ gt *aten_cat(gt *const *ts, size_t n, int64_t dim) {
 gt *aten_index_select(gt *t, int64_t dim, gt *index) { RET(t->t.index_select(dim, index->t)) }
 
 gt *aten_linear(gt *x, gt *w) { RET(at::linear(x->t, w->t)) }
+int aten_linear_out(gt *out, gt *x, gt *w) { RET_INT(at::linear_out(out->t, x->t, w->t)) }
+int aten_mul_out(gt *out, gt *a, gt *b) { RET_INT(at::mul_out(out->t, a->t, b->t)) }
+int aten_addcmul_out(gt *out, gt *a, gt *b, gt *c) { RET_INT(at::addcmul_out(out->t, a->t, b->t, c->t)) }
 gt *aten_matmul(gt *a, gt *b) { RET(at::matmul(a->t, b->t)) }
 gt *aten_add(gt *a, gt *b) { RET(a->t + b->t) }
 gt *aten_mul(gt *a, gt *b) { RET(a->t * b->t) }

@@ -55,6 +55,10 @@ gt *aten_index_select(gt *t, int64_t dim, gt *index);
 
 /* Arithmetic. */
 gt *aten_linear(gt *x, gt *w);
+/* The `_out` forms write into `out` (a buffer made once) and return 0, or -1 with an error. */
+int aten_linear_out(gt *out, gt *x, gt *w);
+int aten_mul_out(gt *out, gt *a, gt *b);
+int aten_addcmul_out(gt *out, gt *a, gt *b, gt *c);
 gt *aten_matmul(gt *a, gt *b);
 gt *aten_add(gt *a, gt *b);
 gt *aten_mul(gt *a, gt *b);

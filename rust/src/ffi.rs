@@ -51,6 +51,9 @@ unsafe extern "C" {
     pub fn aten_index_select(t: T, dim: i64, index: T) -> T;
 
     pub fn aten_linear(x: T, w: T) -> T;
+    pub fn aten_linear_out(out: T, x: T, w: T) -> c_int;
+    pub fn aten_mul_out(out: T, a: T, b: T) -> c_int;
+    pub fn aten_addcmul_out(out: T, a: T, b: T, c: T) -> c_int;
     pub fn aten_matmul(a: T, b: T) -> T;
     pub fn aten_add(a: T, b: T) -> T;
     pub fn aten_mul(a: T, b: T) -> T;

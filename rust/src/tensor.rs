@@ -289,6 +289,21 @@ impl Tensor {
         wrap("addcmul", ffi!("addcmul", ffi::aten_addcmul(self.ptr(), b.ptr(), c.ptr())))
     }
 
+    /// `out = self @ w.T`, written into `out` (same shape and dtype).
+    pub fn linear_into(&self, w: &Tensor, out: &Tensor) -> Result<()> {
+        status(ffi!("linear_out", ffi::aten_linear_out(out.ptr(), self.ptr(), w.ptr())))
+    }
+
+    /// `out = self * b`, written into `out`.
+    pub fn mul_into(&self, b: &Tensor, out: &Tensor) -> Result<()> {
+        status(ffi!("mul_out", ffi::aten_mul_out(out.ptr(), self.ptr(), b.ptr())))
+    }
+
+    /// `out = self + b * c`, written into `out`.
+    pub fn addcmul_into(&self, b: &Tensor, c: &Tensor, out: &Tensor) -> Result<()> {
+        status(ffi!("addcmul_out", ffi::aten_addcmul_out(out.ptr(), self.ptr(), b.ptr(), c.ptr())))
+    }
+
     pub fn roll(&self, shift: i64, dim: i64) -> Result<Tensor> {
         wrap("roll", ffi!("roll", ffi::aten_roll(self.ptr(), shift, dim)))
     }

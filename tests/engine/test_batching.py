@@ -468,7 +468,7 @@ def test_captured_cuda_graph_steps_give_the_eager_tokens(checkpoint_dirs):
         assert (got.tokens, got.finish, got.logprobs) == (want.tokens, want.finish, want.logprobs), rid
 
 
-def test_a_float32_decode_step_makes_at_most_31_aten_calls_a_layer_with_its_own_keys_26_a_shared_one_and_22_outside(
+def test_a_float32_decode_step_makes_at_most_26_aten_calls_a_layer_with_its_own_keys_24_a_shared_one_and_23_outside(
     checkpoint_dirs,
 ):
     """The decode step's ATen calls (README "The decode step's ATen calls"): a deterministic count,
@@ -480,12 +480,13 @@ def test_a_float32_decode_step_makes_at_most_31_aten_calls_a_layer_with_its_own_
         engine.decode(PROMPTS["parity"], new)
         return gemma_engine.aten_calls() - before
 
+    calls_of(2)  # the first decode step makes the step's buffers
     steps, prompt_only = 16, calls_of(1)
     per_step = (calls_of(1 + steps) - prompt_only) / steps
     calls = engine.layer_calls  # the last forward was a decode step
     config = json.loads((checkpoint_dirs["dense"][0] / "config.json").read_text())
     own = config["num_hidden_layers"] - config["num_kv_shared_layers"]
     assert len(calls) == config["num_hidden_layers"] and 0 < own < len(calls)
-    assert max(calls[:own]) <= 31, calls
-    assert max(calls[own:]) <= 26, calls
-    assert per_step - sum(calls) <= 22, (per_step, calls)
+    assert max(calls[:own]) <= 26, calls
+    assert max(calls[own:]) <= 24, calls
+    assert per_step - sum(calls) <= 23, (per_step, calls)

@@ -21,6 +21,7 @@ use crate::gemma4::cache::{KvCache, Rows};
 use crate::gemma4::config::{Config, LayerSpec, LayerType};
 use crate::gemma4::norm::RmsNorm;
 use crate::gemma4::rope::{Rope, RopeAt};
+use crate::gemma4::scratch::Scratch;
 use crate::gemma4::linear::Linear;
 use crate::gemma4::weights::Weights;
 use crate::tensor::{DType, Tensor};
@@ -187,11 +188,11 @@ enum QkvNorms {
     /// q_norm, k_norm and v_norm, one call each: in 16-bit dtypes each rounds its product with the
     /// weight once, as the reference does.
     Separate { k_norm: RmsNorm, v_norm: RmsNorm },
-    /// float32 (`Weights::folds`): one weightless norm over every head, then q's and k's weights in
-    /// one multiply by `qk_weight` (`[heads + kv_heads, 1, d]`, q_norm's weight for the query heads,
-    /// k_norm's for the key heads). The norm kernel multiplies by its weight after normalizing, in
-    /// float32, so the values are the same.
-    Joint { qk_weight: Tensor, eps: f64 },
+    /// float32 (`Weights::folds`): one weightless norm over every head, then every head's weight in
+    /// one multiply by `weight` (`[heads + 2 * kv_heads, 1, d]`: q_norm's weight for the query heads,
+    /// k_norm's for the key heads, ones for the value heads, which v_norm leaves unscaled). The norm
+    /// kernel multiplies by its weight after normalizing, in float32, so the values are the same.
+    Joint { weight: Tensor, eps: f64 },
 }
 
 pub struct Attention {
@@ -238,8 +239,10 @@ impl Attention {
             Some(()) if w.folds() => {
                 let (qw, kw) = (q_norm.weight(&name("q_norm"))?, w.vector(&name("k_norm.weight"), &[d], w.dtype)?);
                 let (qw, kw) = (qw.reshape(&[1, 1, d])?, kw.reshape(&[1, 1, d])?);
-                let heads: Vec<&Tensor> = (0..nh).map(|_| &qw).chain((0..nkv).map(|_| &kw)).collect();
-                Some(QkvNorms::Joint { qk_weight: Tensor::cat(&heads, 0)?, eps })
+                let ones = Tensor::full(&[1, 1, d], 1.0, w.dtype, &qw)?;
+                let per_head = [(&qw, nh), (&kw, nkv), (&ones, nkv)];
+                let heads: Vec<&Tensor> = per_head.iter().flat_map(|(t, n)| (0..*n).map(move |_| *t)).collect();
+                Some(QkvNorms::Joint { weight: Tensor::cat(&heads, 0)?, eps })
             }
             Some(()) => Some(QkvNorms::Separate {
                 k_norm: RmsNorm::load(w, &name("k_norm"), d, eps)?,
@@ -259,6 +262,8 @@ impl Attention {
     }
 
     /// `x` `[rows * T, hidden]` → `[rows * T, hidden]`, for layer `layer` over the slots `rows`.
+    /// `scratch` (one-token forwards) takes the projections' outputs (scratch.rs).
+    #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
         x: &Tensor,
@@ -267,21 +272,28 @@ impl Attention {
         rows: Rows,
         cache: &mut KvCache,
         attended: &mut Attended,
+        scratch: Option<&Scratch>,
     ) -> Result<Tensor> {
         let (n, d) = (rows.len, self.head_dim);
         let t = x.size()?[0] / n;
         let (nh, nkv) = (self.num_heads, self.num_kv_heads);
-        let (q, k_all, v_all) = match (&self.kv, self.donor) {
-            (Some(norms), _) => {
+        let (q, k_all, v_all) = match (&self.kv, self.donor, scratch) {
+            (Some(norms), _, Some(scratch)) if plan.writes.source == Source::Ring => {
+                let q = self.step_qkv(x, norms, plan, layer, rows, cache, scratch)?;
+                let (k, v) = cache.kv(layer, rows)?.ok_or_else(|| Error::Internal(format!("layer {layer} has no ring")))?;
+                attended[layer] = Some((k.shallow_clone()?, v.shallow_clone()?));
+                (q, k.shallow_clone()?, v.shallow_clone()?)
+            }
+            (Some(norms), _, _) => {
                 let y = heads_first(&self.proj.forward(x)?, n, t, nh + 2 * nkv, d)?;
                 let [q, k, v] = match norms {
                     QkvNorms::Separate { k_norm, v_norm } => {
                         let [q, k, v] = y.split_array(&[nh, nkv, nkv], 1)?;
                         [self.query(plan, &q)?, plan.rope.apply(&k_norm.forward(&k)?)?, v_norm.forward(&v)?]
                     }
-                    QkvNorms::Joint { qk_weight, eps } => {
-                        let [qk, v] = y.rms_norm(None, *eps)?.split_array(&[nh + nkv, nkv], 1)?;
-                        let [q, k] = plan.rope.apply(&qk.mul(qk_weight)?)?.split_array(&[nh, nkv], 1)?;
+                    QkvNorms::Joint { weight, eps } => {
+                        let [qk, v] = y.rms_norm(None, *eps)?.mul(weight)?.split_array(&[nh + nkv, nkv], 1)?;
+                        let [q, k] = plan.rope.apply(&qk)?.split_array(&[nh, nkv], 1)?;
                         [q, k, v]
                     }
                 };
@@ -289,17 +301,67 @@ impl Attention {
                 attended[layer] = Some((k_all.shallow_clone()?, v_all.shallow_clone()?));
                 (q, k_all, v_all)
             }
-            (None, Some(donor)) => {
+            (None, Some(donor), _) => {
                 let (k, v) = attended.get(donor).and_then(|e| e.as_ref()).ok_or_else(|| {
                     Error::Internal(format!("KV-shared layer {layer} ran before its donor layer {donor}"))
                 })?;
-                (self.query(plan, &heads_first(&self.proj.forward(x)?, n, t, nh, d)?)?, k.shallow_clone()?, v.shallow_clone()?)
+                let q = match scratch {
+                    Some(scratch) => {
+                        let b = scratch.get("attention.q", &[n, nh, d], &[n, nh * d], |w| Ok(vec![w.reshape(&[n, nh, 1, d])?]))?;
+                        self.proj.forward_into(x, &b.whole)?;
+                        b.views[0].shallow_clone()?
+                    }
+                    None => heads_first(&self.proj.forward(x)?, n, t, nh, d)?,
+                };
+                (self.query(plan, &q)?, k.shallow_clone()?, v.shallow_clone()?)
             }
-            (None, None) => return Err(Error::Internal(format!("layer {layer} has neither K/V nor a donor"))),
+            (None, None, _) => return Err(Error::Internal(format!("layer {layer} has neither K/V nor a donor"))),
         };
         let out = Tensor::sdpa(&q, &k_all, &v_all, &plan.mask, 1.0)?; // [rows, heads, T, d]
         let out = if t == 1 { out.reshape(&[n, nh * d])? } else { out.transpose(1, 2)?.reshape(&[n * t, nh * d])? };
         self.o_proj.forward(&out)
+    }
+
+    /// A one-token forward's q/k/v on a layer with its own keys, through `scratch`: writes the keys
+    /// and values into the ring and returns the queries, `[rows, heads, 1, d]`.
+    #[allow(clippy::too_many_arguments)]
+    fn step_qkv(
+        &self,
+        x: &Tensor,
+        norms: &QkvNorms,
+        plan: &Plan,
+        layer: usize,
+        rows: Rows,
+        cache: &mut KvCache,
+        scratch: &Scratch,
+    ) -> Result<Tensor> {
+        let (n, d, nh, nkv) = (rows.len, self.head_dim, self.num_heads, self.num_kv_heads);
+        let h = nh + 2 * nkv;
+        // Views: every head, then the query, key and value heads.
+        let proj = scratch.get("attention.qkv", &[n, nh, nkv, d], &[n, h * d], |w| {
+            let heads = w.reshape(&[n, h, 1, d])?;
+            let [q, k, v] = heads.split_array(&[nh, nkv, nkv], 1)?;
+            Ok(vec![heads, q, k, v])
+        })?;
+        self.proj.forward_into(x, &proj.whole)?;
+        let entries = &plan.writes.entries;
+        match norms {
+            QkvNorms::Separate { k_norm, v_norm } => {
+                let (k, v) = (plan.rope.apply(&k_norm.forward(&proj.views[2])?)?, v_norm.forward(&proj.views[3])?);
+                cache.write(layer, rows, entries, &k, &v)?;
+                self.query(plan, &proj.views[1])
+            }
+            QkvNorms::Joint { weight, eps } => {
+                // Views: the query and key heads (RoPE), the query heads, the key and value heads.
+                let heads = scratch.get("attention.heads", &[n, nh, nkv, d], &[n, h, 1, d], |w| {
+                    Ok(vec![w.narrow(1, 0, nh + nkv)?, w.narrow(1, 0, nh)?, w.narrow(1, nh, 2 * nkv)?])
+                })?;
+                proj.views[0].rms_norm(None, *eps)?.mul_into(weight, &heads.whole)?;
+                plan.rope.apply_into(&heads.views[0], &heads.views[0])?;
+                cache.write_both(layer, rows, entries, &heads.views[2])?;
+                heads.views[1].shallow_clone()
+            }
+        }
     }
 
     /// rope(q_norm(q)) for query heads `q` `[rows, heads, T, d]`.

@@ -1,8 +1,9 @@
 //! The KV cache: one fixed-shape ring per sequence slot and layer, written only through its own
 //! methods.
 //!
-//! Layout: every layer that computes its own keys holds `k` and `v` of shape
-//! `[max_batch, kv_heads, ring, head_dim]`, where `ring` is `context` for full-attention layers and
+//! Layout: every layer that computes its own keys holds its keys and values in one tensor
+//! `[max_batch, 2 * kv_heads, ring + 1, head_dim]` (the keys' heads, then the values'), so a step whose
+//! keys and values sit side by side writes both in one call; where `ring` is `context` for full-attention layers and
 //! `min(sliding_window, context)` for sliding ones; KV-shared layers hold nothing and read their
 //! donor's keys (Transformers 5.18 `models/gemma4/modeling_gemma4.py`, `Gemma4TextAttention.forward`,
 //! `kv_shared_layer_index`). The extra entry at index `ring` is never visible: a decode step's
@@ -58,19 +59,28 @@ impl Rows {
     }
 }
 
-/// One layer's keys and values, `[max_batch, kv_heads, ring + 1, head_dim]`, after k_norm/RoPE and
-/// v_norm, and `[1, kv_heads, 1]` int64 `0..kv_heads` (the head part of a write's index).
+/// One layer's keys and values, `[max_batch, 2 * kv_heads, ring + 1, head_dim]` (keys after
+/// k_norm/RoPE, then values after v_norm), and int64 `0..kv_heads` and `0..2 * kv_heads` as
+/// `[1, heads, 1]` (the head part of a write's index).
 struct LayerKv {
+    kv: Tensor,
+    kv_heads: i64,
+    heads: Tensor,
+    heads2: Tensor,
+}
+
+/// One layer's keys, values and both, narrowed to a `Rows`.
+struct RowsKv {
     k: Tensor,
     v: Tensor,
-    heads: Tensor,
+    kv: Tensor,
 }
 
 /// Views of the cache narrowed to one `Rows`, made once (`KvCache::prepare`), so a forward makes no
 /// ATen call to find its slots.
 struct RowsViews {
     /// Per layer (None for KV-shared layers).
-    kv: Vec<Option<(Tensor, Tensor)>>,
+    kv: Vec<Option<RowsKv>>,
     /// `0..len` as int64 `[len, 1, 1]`: the row part of a write's index.
     row_index3: Tensor,
 }
@@ -122,11 +132,13 @@ impl KvCache {
                 if l.kv_source.is_some() {
                     return Ok(None);
                 }
-                let shape = [max_batch, l.num_kv_heads, ring[l.kind.index()] + 1, l.head_dim];
+                let h = l.num_kv_heads;
+                let heads = |n: i64| Tensor::arange(0, n, DType::I64, like)?.reshape(&[1, n, 1]);
                 Ok(Some(LayerKv {
-                    k: Tensor::full(&shape, 0.0, dtype, like)?,
-                    v: Tensor::full(&shape, 0.0, dtype, like)?,
-                    heads: Tensor::arange(0, l.num_kv_heads, DType::I64, like)?.reshape(&[1, l.num_kv_heads, 1])?,
+                    kv: Tensor::full(&[max_batch, 2 * h, ring[l.kind.index()] + 1, l.head_dim], 0.0, dtype, like)?,
+                    kv_heads: h,
+                    heads: heads(h)?,
+                    heads2: heads(2 * h)?,
                 }))
             })
             .collect::<Result<Vec<_>>>()?;
@@ -155,7 +167,14 @@ impl KvCache {
         let kv = self
             .layers
             .iter()
-            .map(|l| l.as_ref().map(|l| Ok((narrow(&l.k)?, narrow(&l.v)?))).transpose())
+            .map(|l| {
+                l.as_ref()
+                    .map(|l| {
+                        let kv = narrow(&l.kv)?;
+                        Ok(RowsKv { k: kv.narrow(1, 0, l.kv_heads)?, v: kv.narrow(1, l.kv_heads, l.kv_heads)?, kv })
+                    })
+                    .transpose()
+            })
             .collect::<Result<Vec<_>>>()?;
         let row_index3 = Tensor::arange(0, rows.len, DType::I64, &self.ring_order[0])?.reshape(&[rows.len, 1, 1])?;
         let views = RowsViews { kv, row_index3 };
@@ -181,17 +200,24 @@ impl KvCache {
 
     /// Keys and values of `layer` for `rows`, `[rows, kv_heads, ring + 1, head_dim]` (views).
     pub fn kv(&self, layer: usize, rows: Rows) -> Result<Option<(&Tensor, &Tensor)>> {
-        Ok(self.views(rows)?.kv[layer].as_ref().map(|(k, v)| (k, v)))
+        Ok(self.views(rows)?.kv[layer].as_ref().map(|l| (&l.k, &l.v)))
     }
 
     /// Write `k`, `v` (`[rows, kv_heads, T, head_dim]`) of `layer` at ring entries `entries`
     /// (`[rows, 1, T]` int64): `cache[row, h, entries[row, 0, t]] = k[row, h, t]`.
     pub fn write(&mut self, layer: usize, rows: Rows, entries: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {
         let (Some(l), views) = (&self.layers[layer], self.views(rows)?) else { return Ok(()) };
-        let Some((kv_k, kv_v)) = &views.kv[layer] else { return Ok(()) };
+        let Some(ring) = &views.kv[layer] else { return Ok(()) };
         let idx = [Some(&views.row_index3), Some(&l.heads), Some(entries)];
-        kv_k.index_put_(&idx, k)?;
-        kv_v.index_put_(&idx, v)
+        ring.k.index_put_(&idx, k)?;
+        ring.v.index_put_(&idx, v)
+    }
+
+    /// `write` for keys and values side by side, `kv` `[rows, 2 * kv_heads, T, head_dim]`: one call.
+    pub fn write_both(&mut self, layer: usize, rows: Rows, entries: &Tensor, kv: &Tensor) -> Result<()> {
+        let (Some(l), views) = (&self.layers[layer], self.views(rows)?) else { return Ok(()) };
+        let Some(ring) = &views.kv[layer] else { return Ok(()) };
+        ring.kv.index_put_(&[Some(&views.row_index3), Some(&l.heads2), Some(entries)], kv)
     }
 }
 

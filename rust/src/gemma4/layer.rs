@@ -12,6 +12,7 @@ use crate::gemma4::config::{Config, LayerSpec};
 use crate::gemma4::linear::Linear;
 use crate::gemma4::mlp::Mlp;
 use crate::gemma4::norm::RmsNorm;
+use crate::gemma4::scratch::Scratch;
 use crate::gemma4::weights::Weights;
 use crate::tensor::Tensor;
 
@@ -97,7 +98,9 @@ impl DecoderLayer {
         })
     }
 
-    /// `xs` `[rows * T, hidden]`; `ple` this layer's per-layer input `[rows * T, P]`.
+    /// `xs` `[rows * T, hidden]`; `ple` this layer's per-layer input `[rows * T, P]`; `scratch` for
+    /// one-token forwards (scratch.rs).
+    #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
         xs: &Tensor,
@@ -106,12 +109,15 @@ impl DecoderLayer {
         rows: Rows,
         cache: &mut KvCache,
         attended: &mut Attended,
+        scratch: Option<&Scratch>,
     ) -> Result<Tensor> {
         let residual = xs;
-        let h = self.self_attn.forward(&self.input_layernorm.forward(xs)?, plan, self.index, rows, cache, attended)?;
+        let normed = self.input_layernorm.forward(xs)?;
+        let h = self.self_attn.forward(&normed, plan, self.index, rows, cache, attended, scratch)?;
         let xs = residual.add(&self.post_attention_layernorm.forward(&h)?)?;
 
-        let h = self.post_feedforward_layernorm.forward(&self.mlp.forward(&self.pre_feedforward_layernorm.forward(&xs)?)?)?;
+        let h = self.mlp.forward(&self.pre_feedforward_layernorm.forward(&xs)?, scratch)?;
+        let h = self.post_feedforward_layernorm.forward(&h)?;
         match (&self.per_layer, ple) {
             (Some(pl), Some(ple)) => {
                 let xs = xs.add(&h)?;

@@ -28,6 +28,15 @@ impl Linear {
         }
     }
 
+    /// `forward`, written into `out` `[rows, out]`.
+    pub fn forward_into(&self, x: &Tensor, out: &Tensor) -> Result<()> {
+        match self {
+            Linear::Dense(w) => x.linear_into(w, out),
+            // The int4 kernels have no `_out` form.
+            Linear::Int4 { .. } => out.copy_(&self.forward(x)?),
+        }
+    }
+
     /// The tensors it holds on the device.
     pub fn tensors(&self) -> Vec<&Tensor> {
         match self {

@@ -4,6 +4,7 @@
 
 use crate::error::Result;
 use crate::gemma4::linear::Linear;
+use crate::gemma4::scratch::Scratch;
 use crate::gemma4::weights::Weights;
 use crate::tensor::Tensor;
 
@@ -23,9 +24,18 @@ impl Mlp {
         })
     }
 
-    /// `x` `[rows, hidden]`.
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let [gate, up] = self.gate_up_proj.forward(x)?.split_array(&[self.intermediate; 2], -1)?;
+    /// `x` `[rows, hidden]`; `scratch` (one-token forwards) takes the gate and up projections.
+    pub fn forward(&self, x: &Tensor, scratch: Option<&Scratch>) -> Result<Tensor> {
+        let i = self.intermediate;
+        let [gate, up] = match scratch {
+            Some(scratch) => {
+                let n = x.size()?[0];
+                let b = scratch.get("mlp.gate_up", &[n, i], &[n, 2 * i], |w| w.split(&[i, i], -1))?;
+                self.gate_up_proj.forward_into(x, &b.whole)?;
+                [b.views[0].shallow_clone()?, b.views[1].shallow_clone()?]
+            }
+            None => self.gate_up_proj.forward(x)?.split_array(&[i, i], -1)?,
+        };
         self.down_proj.forward(&gate.gelu_tanh()?.mul(&up)?)
     }
 }

@@ -2,7 +2,8 @@
 //!
 //! `config` (config.json), `weights` (safetensors, W4A16 unpacking), `norm`, `rope`, `mlp`,
 //! `attention` (with the ring masks), `layer`, `model`, `cache` (per-slot fixed-shape rings),
-//! `sampling` (next-token choice on the device), `engine` (the continuous-batching loop).
+//! `sampling` (next-token choice on the device), `scratch` (a decode step's op outputs, made once),
+//! `engine` (the continuous-batching loop).
 //!
 //! The forward pass follows Transformers 5.18 `src/transformers/models/gemma4/modeling_gemma4.py`
 //! (`Gemma4ForCausalLM`) and its config `configuration_gemma4.py`. Comments cite line ranges of
@@ -19,4 +20,5 @@ pub mod model;
 pub mod norm;
 pub mod rope;
 pub mod sampling;
+pub mod scratch;
 pub mod weights;

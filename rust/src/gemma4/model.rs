@@ -23,6 +23,7 @@ use crate::gemma4::layer::DecoderLayer;
 use crate::gemma4::linear::Linear;
 use crate::gemma4::norm::RmsNorm;
 use crate::gemma4::rope::Rope;
+use crate::gemma4::scratch::Scratch;
 use crate::gemma4::weights::Weights;
 use crate::tensor::{DType, Tensor};
 
@@ -59,6 +60,8 @@ pub struct Model {
     dtype: DType,
     /// The final norm's weight carries the softcap's 1 / cap (module docs).
     softcap_folded: bool,
+    /// Where one-token forwards write their projections (scratch.rs).
+    scratch: Scratch,
     /// ATen calls each layer made in the last forward (`Engine::layer_calls`).
     layer_calls: RefCell<Vec<u64>>,
 }
@@ -127,6 +130,7 @@ impl Model {
             ropes,
             dtype: w.dtype,
             layer_calls: RefCell::new(vec![0; cfg.num_layers]),
+            scratch: Scratch::new(like, w.dtype)?,
             cfg,
         })
     }
@@ -180,13 +184,14 @@ impl Model {
             }
         }
         let mut attended: Attended = (0..self.layers.len()).map(|_| None).collect();
+        let scratch = (t == 1).then_some(&self.scratch);
         let mut xs = x0;
         for (i, layer) in self.layers.iter().enumerate() {
             let plan = plans[layer.spec.kind.index()]
                 .as_ref()
                 .ok_or_else(|| Error::Internal("no RoPE table for a layer type".into()))?;
             let before = aten_calls();
-            xs = layer.forward(&xs, ple.as_ref().map(|p| &p[i]), plan, rows, cache, &mut attended)?;
+            xs = layer.forward(&xs, ple.as_ref().map(|p| &p[i]), plan, rows, cache, &mut attended, scratch)?;
             self.layer_calls.borrow_mut()[i] = aten_calls() - before;
         }
         if output == Output::Nothing {

@@ -87,6 +87,14 @@ impl RopeAt {
         }
         x.mul(&self.cos)?.add(&rolled.mul(&self.sin_signed)?)
     }
+
+    /// `apply(x)` written into `out` (which may be `x`: the products are made before the write).
+    pub fn apply_into(&self, x: &Tensor, out: &Tensor) -> Result<()> {
+        if self.fused {
+            return x.mul(&self.cos)?.addcmul_into(&x.roll(self.half, -1)?, &self.sin_signed, out);
+        }
+        out.copy_(&self.apply(x)?)
+    }
 }
 
 #[cfg(test)]
