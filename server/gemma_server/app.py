@@ -330,10 +330,9 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
             ids = await asyncio.get_running_loop().run_in_executor(None, render, tok, body)
             loaded = state.boot.loaded
             params = body.engine_params(ids, loaded.context, loaded.vocab_size, state.config.default_temperature)
-            for i in range(n):
-                gen = Generation(params, i, tok, sched, state.metrics, arrival)
-                sched.submit(gen.job)
-                gens.append(gen)  # queued: from here on its admission is the queue's to give back
+            choices = [Generation(params, i, tok, sched, state.metrics, arrival) for i in range(n)]
+            sched.submit(*(gen.job for gen in choices))
+            gens = choices  # queued: from here on their admissions are the queue's to give back
         except BaseException:
             sched.release(n - len(gens))
             for gen in gens:

@@ -18,7 +18,9 @@ device, are summed). `gemma_num_requests_running` counts the engines' occupied s
 `gemma_kv_cache_usage_perc` is occupied / total slots (each slot reserves its whole KV ring, so a slot is
 the unit of KV capacity: rust/src/gemma4/cache.rs), and `gemma_iteration_tokens_total` observes the rows
 of every decode step, as vLLM's observes the tokens of every engine step. Ours besides vLLM's:
-`gemma_engine_step_seconds` (wall time of one decode turn), `gemma_boot_stage_seconds{stage}`,
+`gemma_engine_step_seconds` (wall time of one decode turn), `gemma_prompt_tokens_read` (the prompt tokens
+the engines read: below `gemma_prompt_tokens` when the `n` choices of a request share their prompt),
+`gemma_boot_stage_seconds{stage}`,
 `gemma_engine_ready`, `gemma_build_info`.
 `_created` series are off, as in vLLM.
 """
@@ -91,6 +93,10 @@ class Metrics:
         ).labels(m)
         self.prompt_tokens = Counter(
             "gemma_prompt_tokens", "Number of prefill tokens processed.", labels, registry=r
+        ).labels(m)
+        self.prompt_tokens_read = Counter(
+            "gemma_prompt_tokens_read", "Prompt tokens the engines read (a prompt several choices share is read once).",
+            labels, registry=r,
         ).labels(m)
         self.generation_tokens = Counter(
             "gemma_generation_tokens", "Number of generation tokens processed.", labels, registry=r
@@ -201,6 +207,7 @@ class Metrics:
     def observe_steps(self, stats: dict) -> None:
         """An engine's turns since its last read point: rows per decode step, prompt tokens, wall seconds."""
         sizes = stats.get("batch_sizes") or []
+        self.prompt_tokens_read.inc(stats.get("prompt_tokens", 0))
         for rows in sizes:
             self.iteration_tokens.observe(rows)
         turns = max(len(sizes), 1)

@@ -259,18 +259,19 @@ class Scheduler:
             self._admitted -= count
             self._gauges()
 
-    def submit(self, job: Job) -> None:
-        """Queue an admitted job.
+    def submit(self, *jobs: Job) -> None:
+        """Queue admitted jobs, all at once: the `n` choices of one request reach an engine in one
+        poll when it has the slots, so it reads their shared prompt once.
 
         Raises:
-            EngineDead, Draining: the caller releases its admission.
+            EngineDead, Draining: nothing was queued; the caller releases its admissions.
         """
         with self._cond:
             if self.dead:
                 raise EngineDead(f"No engine is running: {self.dead}")
             if self.draining:
                 raise Draining()
-            self._queue.append(job)
+            self._queue.extend(jobs)
             self._cond.notify_all()
 
     def withdraw(self, job: Job) -> bool:

@@ -237,6 +237,41 @@ def test_long_prompt_read_in_chunks_while_others_decode_leaves_their_tokens_exac
     assert all(s["batch_sizes"] == [2] for s in reading)
 
 
+def test_requests_with_one_prompt_read_it_once_and_each_draws_its_own_tokens(checkpoint_dirs, greedy):
+    """The n choices of one OpenAI request reach the engine as requests with the same prompt: the
+    first reads it, the others (one arriving while it is still read) copy its keys."""
+    def alone(request):
+        return Script({0: [request]}).run(_engine(checkpoint_dirs, "dense", max_batch=1))[request.id]
+
+    seeds = {1: 5, 2: 6, 4: 7}
+    engine = _engine(checkpoint_dirs, "dense", max_batch=5, prefill_chunk=5)
+    script = Script({
+        0: [_request(0, "parity", 30), _sampled(1, seed=5), _sampled(2, seed=6), _request(3, "other", 20)],
+        2: [_sampled(4, seed=7)],
+    })
+    outcomes = script.run(engine, read_every=1)
+    assert (outcomes[0].tokens, outcomes[0].finish) == greedy("dense", "parity", 30)
+    assert (outcomes[3].tokens, outcomes[3].finish) == greedy("dense", "other", 20)
+    for rid, seed in seeds.items():
+        assert outcomes[rid].tokens == alone(_sampled(rid, seed=seed)).tokens, rid
+    assert len({tuple(outcomes[rid].tokens) for rid in seeds}) == 3  # three seeds, three draws
+    # 28 + 41 tokens: each prompt read once, the late follower included (it came while 10 of 28
+    # tokens were read).
+    assert sum(s["prompt_tokens"] for s in script.stats) == len(PROMPTS["parity"]) + len(PROMPTS["other"])
+
+
+def test_a_follower_reads_the_prompt_when_its_leader_is_cancelled_first(checkpoint_dirs, greedy):
+    engine = _engine(checkpoint_dirs, "dense", max_batch=3, prefill_chunk=4)
+    requests = [_request(0, "parity", 20), _request(1, "parity", 20), _request(2, "parity", 12)]
+    script = Script({0: requests}, lambda call, script: [0] if call == 2 else [])
+    outcomes = script.run(engine, read_every=1)
+    assert outcomes[0].finish == "cancelled"
+    assert (outcomes[1].tokens, outcomes[1].finish) == greedy("dense", "parity", 20)
+    assert (outcomes[2].tokens, outcomes[2].finish) == greedy("dense", "parity", 12)
+    # Request 0 read 2 chunks before it went; request 1 read the whole prompt again, once for both.
+    assert sum(s["prompt_tokens"] for s in script.stats) == 8 + len(PROMPTS["parity"])
+
+
 # ----------------------------------------------------------------------------- seeded sampling
 
 

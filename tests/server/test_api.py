@@ -305,6 +305,7 @@ METRICS = {
     "gemma_request_prefill_time_seconds": "histogram",
     "gemma_request_decode_time_seconds": "histogram",
     "gemma_prompt_tokens": "counter",
+    "gemma_prompt_tokens_read": "counter",
     "gemma_generation_tokens": "counter",
     "gemma_request_success": "counter",
     "gemma_request_prompt_tokens": "histogram",

@@ -98,6 +98,14 @@ def test_n_choices_are_each_reproducible_by_seed(client, model):
         assert c.message.content == alone.choices[0].message.content
 
 
+def test_n_choices_read_their_prompt_once(server, client, model):
+    counters = server.state.metrics
+    before = counters.prompt_tokens_read._value.get(), counters.prompt_tokens._value.get()
+    r = ask(client, model, PROMPTS[1], max_tokens=5, n=3, temperature=1.0, seed=8)
+    read, counted = counters.prompt_tokens_read._value.get() - before[0], counters.prompt_tokens._value.get() - before[1]
+    assert (read, counted) == (r.usage.prompt_tokens, 3 * r.usage.prompt_tokens)
+
+
 def test_streamed_n_choices_each_finish(client, model):
     stream = ask(client, model, PROMPTS[3], max_tokens=6, n=2, temperature=0.9, seed=3, stream=True)
     text, finish = {0: "", 1: ""}, {}

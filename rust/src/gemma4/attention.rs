@@ -3,15 +3,17 @@
 //! `Gemma4TextAttention`).
 //!
 //! q = rope(q_norm(q_proj(x))), k = rope(k_norm(k_proj(x))), v = v_norm(v_proj(x)) (no scale), the
-//! three projections one matrix product whose output is split into heads-first views;
-//! scores use scaling 1.0 (the q/k norms replace 1/sqrt(d)), softmax in float32 inside SDPA, GQA
+//! three projections one matrix product whose output is split into heads-first views (in a
+//! one-token forward, views of a buffer made once: scratch.rs); in float32 the three norms are one
+//! weightless norm and one multiply by the heads' weights (`QkvNorms`); scores use scaling 1.0 (the q/k norms replace 1/sqrt(d)), softmax in float32 inside SDPA, GQA
 //! maps query head h to KV head h / (heads / kv_heads). KV-shared layers have no k/v projections:
 //! they read the keys and values their donor layer (`LayerSpec::kv_source`, computed from the
 //! config) attended to in the same forward.
 //!
 //! Masks (Transformers 5.18 `masking_utils.py`, `causal_mask_function` and
-//! `sliding_window_overlay`): full layers see key j iff j <= i; sliding layers iff i - W < j <= i,
-//! computed from the ring's positions, one row of positions per sequence slot. `Source` says which
+//! `sliding_window_overlay`): full layers see key j iff j <= i; sliding layers iff i - W < j <= i.
+//! Over a ring that holds the forward's own keys the mask is `entry <= query` (cache.rs module
+//! docs); over a chunk it compares positions. `Source` says which
 //! keys a forward reads: a later chunk of T > 1 prompt tokens on a sliding layer attends over the
 //! ring as it was plus the chunk itself (so a chunk longer than the window still sees exactly the
 //! right keys), and then leaves its last min(T, ring) keys in the ring.

@@ -213,6 +213,21 @@ impl KvCache {
         ring.v.index_put_(&idx, v)
     }
 
+    /// Copy the keys and values of a prompt of `n` tokens from the slot `from` to the slot `to`
+    /// (the entries positions `0..n` took: the first `min(n, ring)`).
+    pub fn copy_prompt(&mut self, from: Rows, to: Rows, n: i64) -> Result<()> {
+        self.prepare(from)?;
+        self.prepare(to)?;
+        let (src, dst) = (self.views(from)?, self.views(to)?);
+        for (a, b) in src.kv.iter().zip(&dst.kv) {
+            if let (Some(a), Some(b)) = (a, b) {
+                let m = n.min(a.kv.size()?[2] - 1); // the ring, without the padding entry
+                b.kv.narrow(2, 0, m)?.copy_(&a.kv.narrow(2, 0, m)?)?;
+            }
+        }
+        Ok(())
+    }
+
     /// `write` for keys and values side by side, `kv` `[rows, 2 * kv_heads, T, head_dim]`: one call.
     pub fn write_both(&mut self, layer: usize, rows: Rows, entries: &Tensor, kv: &Tensor) -> Result<()> {
         let (Some(l), views) = (&self.layers[layer], self.views(rows)?) else { return Ok(()) };

@@ -17,6 +17,12 @@
 //! decoding at once; one that hit a stop token runs on as padding until the read point and its
 //! extra tokens are dropped, so the result does not depend on `read_every`.
 //!
+//! A request admitted while another with the same prompt is still reading it follows that one
+//! instead of reading it again (the `n` choices of one OpenAI request, or identical prompts): when
+//! the leader's last chunk is read, the follower's rings get a copy of the prompt's keys and it
+//! draws its own first token from the same logits. Each slot reads its prompt alone, so the copy
+//! holds exactly the keys a second read would write.
+//!
 //! Design from vLLM's `v1/core/sched/scheduler.py` (continuous batching, chunked prefill
 //! interleaved with decodes).
 
@@ -137,6 +143,8 @@ pub struct Layout {
 enum Phase {
     /// Reading the prompt; `done` tokens read so far.
     Prompt { done: usize },
+    /// Waiting for slot `leader`, which reads the same prompt (module docs).
+    Follow { leader: usize },
     Decode,
 }
 
@@ -530,13 +538,20 @@ impl Engine {
         };
         let prompt = Tensor::from_i64(&r.prompt)?.to_like(&self.like, DType::I64)?;
         self.sampler.assign(s as i64, &r.params, &prompt)?;
+        let reading_it = |x: &Option<Slot>| {
+            x.as_ref().is_some_and(|x| matches!(x.phase, Phase::Prompt { .. }) && x.request.prompt == r.prompt)
+        };
+        let phase = match slots.iter().position(reading_it) {
+            Some(leader) => Phase::Follow { leader },
+            None => Phase::Prompt { done: 0 },
+        };
         let room = (self.context - r.prompt.len() as i64) as usize;
         *seq += 1;
         slots[s] = Some(Slot {
             limit: (r.max_new as usize).min(room),
             request: r,
             prompt,
-            phase: Phase::Prompt { done: 0 },
+            phase,
             drawn: 0,
             emitted: 0,
             live: false,
@@ -562,6 +577,16 @@ impl Engine {
 
     fn free(&mut self, slots: &mut [Option<Slot>], s: usize) -> Result<Slot> {
         let slot = slots[s].take().ok_or_else(|| Error::Internal(format!("slot {s} is already free")))?;
+        // A leader that goes before its prompt is read hands the reading to its oldest follower.
+        let followers = || slots.iter().enumerate().filter(|(_, x)| x.as_ref().is_some_and(|x| matches!(x.phase, Phase::Follow { leader } if leader == s)));
+        if let Some((_, heir)) = followers().filter_map(|(i, x)| x.as_ref().map(|x| (x.seq, i))).min() {
+            let others: Vec<usize> = followers().map(|(i, _)| i).filter(|i| *i != heir).collect();
+            for (i, phase) in std::iter::once((heir, Phase::Prompt { done: 0 })).chain(others.into_iter().map(|i| (i, Phase::Follow { leader: heir }))) {
+                if let Some(x) = slots[i].as_mut() {
+                    x.phase = phase;
+                }
+            }
+        }
         if slot.live {
             self.live.narrow(0, s as i64, 1)?.fill_(0.0)?;
         }
@@ -610,11 +635,26 @@ impl Engine {
         let (logits, read) = self.prompt_chunk(s as i64, &prompt, n, done)?;
         slot.phase = Phase::Prompt { done: done + read };
         let Some(logits) = logits else { return Ok(read) };
+        self.start_decoding(slots, s, &logits, drawn)?;
+        let followers: Vec<usize> = (0..slots.len())
+            .filter(|i| slots[*i].as_ref().is_some_and(|x| matches!(x.phase, Phase::Follow { leader } if leader == s)))
+            .collect();
+        for f in followers {
+            self.cache.copy_prompt(Rows::one(s as i64), Rows::one(f as i64), n as i64)?;
+            self.start_decoding(slots, f, &logits, drawn)?;
+        }
+        Ok(read)
+    }
+
+    /// Slot `s` has its prompt's keys in its rings and `logits` `[1, vocab]` after it: draw its first
+    /// token and start it decoding.
+    fn start_decoding(&mut self, slots: &mut [Option<Slot>], s: usize, logits: &Tensor, drawn: &mut Vec<Drawn>) -> Result<()> {
+        let slot = slots[s].as_mut().ok_or_else(|| Error::Internal(format!("slot {s} is free")))?;
         let si = s as i64;
-        let chosen = self.sampler.choose(&logits, si, 1)?;
+        let chosen = self.sampler.choose(logits, si, 1)?;
         self.sampler.advance(&chosen.tokens, si, 1, None)?;
         self.next.narrow(0, si, 1)?.copy_(&chosen.tokens)?;
-        self.positions.narrow(0, si, 1)?.fill_(n as f64)?;
+        self.positions.narrow(0, si, 1)?.fill_(slot.request.prompt.len() as f64)?;
         slot.phase = Phase::Decode;
         slot.drawn = 1;
         if slot.limit > 1 {
@@ -622,7 +662,7 @@ impl Engine {
             self.live.narrow(0, si, 1)?.fill_(1.0)?;
         }
         drawn.push(Drawn { chosen, rows: vec![Some(s)] });
-        Ok(read)
+        Ok(())
     }
 
     /// One decode step of slots `0..b`; `rows[i]` is Some for the decoding ones.
