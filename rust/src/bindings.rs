@@ -254,7 +254,8 @@ impl Engine {
         packed_int4: Option<bool>,
         cuda_graphs: bool,
     ) -> PyResult<Engine> {
-        let settings = Settings { context, dtype: parse_dtype(dtype)?, prefill_chunk, max_batch, packed_int4, cuda_graphs };
+        let settings =
+            Settings { context, dtype: parse_dtype(dtype)?, prefill_chunk, max_batch, packed_int4, cuda_graphs };
         let (like, like_py) = match like {
             Some(t) => (tensor_arg(t, "like")?, t.clone().unbind()),
             None => {

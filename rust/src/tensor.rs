@@ -27,7 +27,8 @@ pub enum DType {
 }
 
 impl DType {
-    const ALL: [DType; 8] = [DType::U8, DType::I8, DType::I32, DType::I64, DType::F16, DType::F32, DType::Bool, DType::BF16];
+    const ALL: [DType; 8] =
+        [DType::U8, DType::I8, DType::I32, DType::I64, DType::F16, DType::F32, DType::Bool, DType::BF16];
 
     /// Bytes per element.
     pub fn size(self) -> i64 {
@@ -71,7 +72,9 @@ impl Drop for Tensor {
 /// Wrap a handle returned by a shim call, after `ffi!` has checked the error.
 fn wrap(op: &'static str, r: Result<*mut CTensor>) -> Result<Tensor> {
     let p = r?;
-    NonNull::new(p).map(Tensor).ok_or_else(|| Error::Internal(format!("{op}: the shim returned no tensor and no error")))
+    NonNull::new(p)
+        .map(Tensor)
+        .ok_or_else(|| Error::Internal(format!("{op}: the shim returned no tensor and no error")))
 }
 
 /// Check an `int` status returned by an in-place shim call.
@@ -311,7 +314,10 @@ impl Tensor {
     /// Views of consecutive pieces of `sizes` along `dim`, in one call.
     pub fn split(&self, sizes: &[i64], dim: i64) -> Result<Vec<Tensor>> {
         let mut out = vec![std::ptr::null_mut(); sizes.len()];
-        status(ffi!("split_with_sizes", ffi::aten_split(self.ptr(), sizes.as_ptr(), sizes.len(), dim, out.as_mut_ptr())))?;
+        status(ffi!(
+            "split_with_sizes",
+            ffi::aten_split(self.ptr(), sizes.as_ptr(), sizes.len(), dim, out.as_mut_ptr())
+        ))?;
         out.into_iter().map(|p| wrap("split_with_sizes", Ok(p))).collect()
     }
 
@@ -510,7 +516,11 @@ impl CudaGraph {
     /// the next replay of a graph that shares its memory (`share`: allocate from that graph's pool;
     /// safe for graphs that never run at the same time and whose outputs are copied out after each
     /// replay).
-    pub fn capture<R>(like: &Tensor, share: Option<&CudaGraph>, f: impl FnOnce() -> Result<R>) -> Result<(CudaGraph, R)> {
+    pub fn capture<R>(
+        like: &Tensor,
+        share: Option<&CudaGraph>,
+        f: impl FnOnce() -> Result<R>,
+    ) -> Result<(CudaGraph, R)> {
         let share = share.map_or(std::ptr::null_mut(), |g| g.0.as_ptr());
         let g = ffi_handle!("graph_begin", ffi::aten_graph_begin(like.ptr(), share))?;
         let g = NonNull::new(g).map(CudaGraph).ok_or_else(|| Error::Internal("graph_begin returned nothing".into()))?;

@@ -21,10 +21,10 @@
 use crate::error::{Error, Result};
 use crate::gemma4::cache::{KvCache, Rows};
 use crate::gemma4::config::{Config, LayerSpec, LayerType};
+use crate::gemma4::linear::Linear;
 use crate::gemma4::norm::RmsNorm;
 use crate::gemma4::rope::{Rope, RopeAt};
 use crate::gemma4::scratch::Scratch;
-use crate::gemma4::linear::Linear;
 use crate::gemma4::weights::Weights;
 use crate::tensor::{DType, Tensor};
 
@@ -282,7 +282,8 @@ impl Attention {
         let (q, k_all, v_all) = match (&self.kv, self.donor, scratch) {
             (Some(norms), _, Some(scratch)) if plan.writes.source == Source::Ring => {
                 let q = self.step_qkv(x, norms, plan, layer, rows, cache, scratch)?;
-                let (k, v) = cache.kv(layer, rows)?.ok_or_else(|| Error::Internal(format!("layer {layer} has no ring")))?;
+                let (k, v) =
+                    cache.kv(layer, rows)?.ok_or_else(|| Error::Internal(format!("layer {layer} has no ring")))?;
                 attended[layer] = Some((k.shallow_clone()?, v.shallow_clone()?));
                 (q, k.shallow_clone()?, v.shallow_clone()?)
             }
@@ -309,7 +310,8 @@ impl Attention {
                 })?;
                 let q = match scratch {
                     Some(scratch) => {
-                        let b = scratch.get("attention.q", &[n, nh, d], &[n, nh * d], |w| Ok(vec![w.reshape(&[n, nh, 1, d])?]))?;
+                        let b = scratch
+                            .get("attention.q", &[n, nh, d], &[n, nh * d], |w| Ok(vec![w.reshape(&[n, nh, 1, d])?]))?;
                         self.proj.forward_into(x, &b.whole)?;
                         b.views[0].shallow_clone()?
                     }

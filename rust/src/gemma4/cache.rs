@@ -183,7 +183,9 @@ impl KvCache {
     }
 
     fn views(&self, rows: Rows) -> Result<&RowsViews> {
-        self.views.get(&rows).ok_or_else(|| Error::Internal(format!("cache rows {rows:?} used before KvCache::prepare")))
+        self.views
+            .get(&rows)
+            .ok_or_else(|| Error::Internal(format!("cache rows {rows:?} used before KvCache::prepare")))
     }
 
     /// `0..ring`, then `EMPTY`, as `[1, 1, 1, ring + 1]`: the key side of the mask of a forward that

@@ -405,7 +405,8 @@ fn head_geometry(
         Some(Some(o)) => {
             let k = format!("per_layer_config.{i}");
             if get(o, "head_dim").is_some() {
-                d = positive(o, "head_dim").map_err(|_| Error::config(format!("{k}.head_dim"), "must be an integer >= 1"))?;
+                d = positive(o, "head_dim")
+                    .map_err(|_| Error::config(format!("{k}.head_dim"), "must be an integer >= 1"))?;
             }
             if get(o, "num_key_value_heads").is_some() {
                 nkv = positive(o, "num_key_value_heads")
@@ -474,8 +475,8 @@ fn layer_types(m: &Map<String, Value>, num_layers: usize) -> Result<Vec<LayerTyp
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
     use LayerType::{Full, Sliding};
+    use serde_json::json;
 
     fn obj(v: Value) -> Map<String, Value> {
         v.as_object().unwrap().clone()
@@ -512,7 +513,9 @@ mod tests {
         let odd = obj(json!({"head_dim": 33}));
         assert!(head_geometry(Some(Some(&odd)), 2, Sliding, &h).unwrap_err().to_string().contains("layer 2"));
         let bad = obj(json!({"num_key_value_heads": 3}));
-        assert!(head_geometry(Some(Some(&bad)), 0, Sliding, &h).unwrap_err().to_string().contains("num_key_value_heads"));
+        assert!(
+            head_geometry(Some(Some(&bad)), 0, Sliding, &h).unwrap_err().to_string().contains("num_key_value_heads")
+        );
     }
 
     #[test]

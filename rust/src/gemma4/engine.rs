@@ -142,9 +142,13 @@ pub struct Layout {
 
 enum Phase {
     /// Reading the prompt; `done` tokens read so far.
-    Prompt { done: usize },
+    Prompt {
+        done: usize,
+    },
     /// Waiting for slot `leader`, which reads the same prompt (module docs).
-    Follow { leader: usize },
+    Follow {
+        leader: usize,
+    },
     Decode,
 }
 
@@ -285,7 +289,9 @@ pub struct Settings {
 
 impl Settings {
     fn check(&self) -> Result<()> {
-        for (name, v) in [("context", self.context), ("prefill_chunk", self.prefill_chunk), ("max_batch", self.max_batch)] {
+        for (name, v) in
+            [("context", self.context), ("prefill_chunk", self.prefill_chunk), ("max_batch", self.max_batch)]
+        {
             if v < 1 {
                 return Err(Error::Input(format!("{name} must be >= 1, got {v}")));
             }
@@ -303,9 +309,9 @@ impl Settings {
                 "packed int4 weights compute in bfloat16 (ATen's int4 kernels take bfloat16 activations); dtype is {}",
                 self.dtype.name()
             ))),
-            Some(true) if !kernels => {
-                Err(Error::Input(format!("packed int4 weights need ATen's int4 kernels (CPU or CUDA); the device is {device}")))
-            }
+            Some(true) if !kernels => Err(Error::Input(format!(
+                "packed int4 weights need ATen's int4 kernels (CPU or CUDA); the device is {device}"
+            ))),
             Some(true) => Ok(Int4Path::Packed),
         }
     }
@@ -349,7 +355,8 @@ impl Engine {
         let next = Tensor::full(&[b], 0.0, DType::I64, &like)?;
         let positions = Tensor::full(&[b], 0.0, DType::I64, &like)?;
         let live = Tensor::full(&[b], 0.0, DType::Bool, &like)?;
-        let steps = buckets(b).iter().map(|n| StepViews::new(*n, &next, &positions, &live)).collect::<Result<Vec<_>>>()?;
+        let steps =
+            buckets(b).iter().map(|n| StepViews::new(*n, &next, &positions, &live)).collect::<Result<Vec<_>>>()?;
         let graphs = (settings.cuda_graphs && like.device()?.starts_with("cuda") && CudaGraph::available())
             .then(Graphs::default);
         Ok(Engine {
@@ -578,10 +585,11 @@ impl Engine {
     fn free(&mut self, slots: &mut [Option<Slot>], s: usize) -> Result<Slot> {
         let slot = slots[s].take().ok_or_else(|| Error::Internal(format!("slot {s} is already free")))?;
         // A leader that goes before its prompt is read hands the reading to its oldest follower.
-        let followers = || slots.iter().enumerate().filter(|(_, x)| x.as_ref().is_some_and(|x| matches!(x.phase, Phase::Follow { leader } if leader == s)));
-        if let Some((_, heir)) = followers().filter_map(|(i, x)| x.as_ref().map(|x| (x.seq, i))).min() {
-            let others: Vec<usize> = followers().map(|(i, _)| i).filter(|i| *i != heir).collect();
-            for (i, phase) in std::iter::once((heir, Phase::Prompt { done: 0 })).chain(others.into_iter().map(|i| (i, Phase::Follow { leader: heir }))) {
+        if let Some((&heir, rest)) = followers(slots, s).split_first() {
+            for (i, phase) in [(heir, Phase::Prompt { done: 0 })]
+                .into_iter()
+                .chain(rest.iter().map(|i| (*i, Phase::Follow { leader: heir })))
+            {
                 if let Some(x) = slots[i].as_mut() {
                     x.phase = phase;
                 }
@@ -636,10 +644,7 @@ impl Engine {
         slot.phase = Phase::Prompt { done: done + read };
         let Some(logits) = logits else { return Ok(read) };
         self.start_decoding(slots, s, &logits, drawn)?;
-        let followers: Vec<usize> = (0..slots.len())
-            .filter(|i| slots[*i].as_ref().is_some_and(|x| matches!(x.phase, Phase::Follow { leader } if leader == s)))
-            .collect();
-        for f in followers {
+        for f in followers(slots, s) {
             self.cache.copy_prompt(Rows::one(s as i64), Rows::one(f as i64), n as i64)?;
             self.start_decoding(slots, f, &logits, drawn)?;
         }
@@ -648,7 +653,13 @@ impl Engine {
 
     /// Slot `s` has its prompt's keys in its rings and `logits` `[1, vocab]` after it: draw its first
     /// token and start it decoding.
-    fn start_decoding(&mut self, slots: &mut [Option<Slot>], s: usize, logits: &Tensor, drawn: &mut Vec<Drawn>) -> Result<()> {
+    fn start_decoding(
+        &mut self,
+        slots: &mut [Option<Slot>],
+        s: usize,
+        logits: &Tensor,
+        drawn: &mut Vec<Drawn>,
+    ) -> Result<()> {
         let slot = slots[s].as_mut().ok_or_else(|| Error::Internal(format!("slot {s} is free")))?;
         let si = s as i64;
         let chosen = self.sampler.choose(logits, si, 1)?;
@@ -812,13 +823,25 @@ impl Engine {
     }
 }
 
+/// The slots that follow slot `leader` (`Phase::Follow`), oldest first.
+fn followers(slots: &[Option<Slot>], leader: usize) -> Vec<usize> {
+    let mut found: Vec<(u64, usize)> = slots
+        .iter()
+        .enumerate()
+        .filter_map(|(i, x)| x.as_ref().map(|x| (x, i)))
+        .filter(|(x, _)| matches!(x.phase, Phase::Follow { leader: l } if l == leader))
+        .map(|(x, i)| (x.seq, i))
+        .collect();
+    found.sort();
+    found.into_iter().map(|(_, i)| i).collect()
+}
+
 fn timing(slot: &Slot) -> Timing {
     let now = Instant::now();
     match slot.first_token {
-        Some(first) => Timing {
-            prompt_s: (first - slot.admitted).as_secs_f64(),
-            decode_s: (now - first).as_secs_f64(),
-        },
+        Some(first) => {
+            Timing { prompt_s: (first - slot.admitted).as_secs_f64(), decode_s: (now - first).as_secs_f64() }
+        }
         None => Timing { prompt_s: (now - slot.admitted).as_secs_f64(), decode_s: 0.0 },
     }
 }
@@ -909,7 +932,14 @@ mod tests {
 
     #[test]
     fn settings_below_one_name_the_setting() {
-        let s = Settings { context: 8, dtype: DType::F32, prefill_chunk: 4, max_batch: 0, packed_int4: None, cuda_graphs: true };
+        let s = Settings {
+            context: 8,
+            dtype: DType::F32,
+            prefill_chunk: 4,
+            max_batch: 0,
+            packed_int4: None,
+            cuda_graphs: true,
+        };
         assert!(s.check().unwrap_err().to_string().contains("max_batch"));
         assert!(Settings { max_batch: 2, ..s }.check().is_ok());
     }

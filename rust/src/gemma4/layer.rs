@@ -122,10 +122,13 @@ impl DecoderLayer {
             (Some(pl), Some(ple)) => {
                 let xs = xs.add(&h)?;
                 let g = pl.per_layer_input_gate.forward(&xs)?.gelu_tanh()?.mul(ple)?;
-                self.layer_scalar.finish(&xs, &pl.post_per_layer_input_norm.forward(&pl.per_layer_projection.forward(&g)?)?)
+                self.layer_scalar
+                    .finish(&xs, &pl.post_per_layer_input_norm.forward(&pl.per_layer_projection.forward(&g)?)?)
             }
             (None, _) => self.layer_scalar.finish(&xs, &h),
-            (Some(_), None) => Err(crate::error::Error::Internal(format!("layer {} got no per-layer input", self.index))),
+            (Some(_), None) => {
+                Err(crate::error::Error::Internal(format!("layer {} got no per-layer input", self.index)))
+            }
         }
     }
 }

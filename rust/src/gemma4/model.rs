@@ -104,8 +104,11 @@ impl Model {
             None
         };
         let layers = (0..cfg.num_layers).map(|i| DecoderLayer::load(w, &cfg, i)).collect::<Result<Vec<_>>>()?;
-        let lm_head =
-            if cfg.tie_word_embeddings { Linear::Dense(embed_tokens.shallow_clone()?) } else { w.linear("lm_head", v, h)? };
+        let lm_head = if cfg.tie_word_embeddings {
+            Linear::Dense(embed_tokens.shallow_clone()?)
+        } else {
+            w.linear("lm_head", v, h)?
+        };
         let mut ropes = [None, None];
         for kind in [LayerType::Sliding, LayerType::Full] {
             if let Some(d) = type_head_dim(&cfg, kind)? {
@@ -197,7 +200,11 @@ impl Model {
         if output == Output::Nothing {
             return Ok(None);
         }
-        let last = if t == 1 { xs } else { xs.reshape(&[n, t, self.cfg.hidden_size])?.narrow(1, t - 1, 1)?.reshape(&[n, self.cfg.hidden_size])? };
+        let last = if t == 1 {
+            xs
+        } else {
+            xs.reshape(&[n, t, self.cfg.hidden_size])?.narrow(1, t - 1, 1)?.reshape(&[n, self.cfg.hidden_size])?
+        };
         let logits = self.lm_head.forward(&self.norm.forward(&last)?)?;
         match self.cfg.final_logit_softcapping {
             // Folded: the final norm's weight carries the 1 / cap (see `load`).

@@ -181,7 +181,14 @@ impl Checkpoint {
 enum Part {
     Dense(Tensor),
     /// Signed values (`unpack`) and their per-group scales `[rows, cols / group]` in the stored dtype.
-    Quant { values: Vec<u8>, scales: Tensor, bits: u32, rows: i64, cols: i64, group: i64 },
+    Quant {
+        values: Vec<u8>,
+        scales: Tensor,
+        bits: u32,
+        rows: i64,
+        cols: i64,
+        group: i64,
+    },
 }
 
 impl Part {
