@@ -5,8 +5,9 @@
 //! q = rope(q_norm(q_proj(x))), k = rope(k_norm(k_proj(x))), v = v_norm(v_proj(x)) (no scale), the
 //! three projections one matrix product whose output is split into heads-first views (in a
 //! one-token forward, views of a buffer made once: scratch.rs); in float32 the three norms are one
-//! weightless norm and one multiply by the heads' weights (`QkvNorms`); scores use scaling 1.0 (the q/k norms replace 1/sqrt(d)), softmax in float32 inside SDPA, GQA
-//! maps query head h to KV head h / (heads / kv_heads). KV-shared layers have no k/v projections:
+//! weightless norm and one multiply by the heads' weights (`QkvNorms`); scores use scaling 1.0 (the
+//! q/k norms replace 1/sqrt(d)), softmax in float32 inside SDPA, GQA maps query head h to KV head
+//! h / (heads / kv_heads). KV-shared layers have no k/v projections:
 //! they read the keys and values their donor layer (`LayerSpec::kv_source`, computed from the
 //! config) attended to in the same forward.
 //!
