@@ -36,9 +36,10 @@ PROMPTS = {
     "repeat": ck.PARITY_PROMPT + ck.PARITY_PROMPT[1:15],  # 42
     "tiny": [2, 5],
     "long": [2] + [(29 * i + 3) % 500 + 3 for i in range(99)],  # 100
+    "one": [7],
 }
 # Tokens of each Transformers greedy reference: enough for every request below.
-REFERENCE_TOKENS = {"parity": 60, "short": 48, "other": 40, "repeat": 40, "tiny": 48, "long": 20}
+REFERENCE_TOKENS = {"parity": 60, "short": 48, "other": 40, "repeat": 40, "tiny": 48, "long": 20, "one": 16}
 
 SAMPLED = dict(
     temperature=0.9,
@@ -191,6 +192,15 @@ def test_staggered_greedy_requests_in_one_batch_each_match_transformers_alone(ch
     assert max(sizes) == 4 and sum(s >= 3 for s in sizes) >= 10
     # Every prompt was read exactly once.
     assert sum(s["prompt_tokens"] for s in script.stats) == sum(len(PROMPTS[n]) for _, n, _, _ in STAGGERED)
+
+
+def test_a_one_token_prompt_beside_a_chunked_one_matches_transformers(checkpoint_dirs, greedy):
+    """A one-token forward of a first chunk (the prompt [7]) and of a later one (the 9-token prompt
+    in chunks of 4 ends with one token), both through the decode step's buffers."""
+    engine = _engine(checkpoint_dirs, "dense", max_batch=2, prefill_chunk=4)
+    outcomes = Script({0: [_request(0, "one", 16), _request(1, "short", 12)]}).run(engine)
+    assert (outcomes[0].tokens, outcomes[0].finish) == greedy("dense", "one", 16)
+    assert (outcomes[1].tokens, outcomes[1].finish) == greedy("dense", "short", 12)
 
 
 def test_cancelled_and_finished_slots_are_reused(checkpoint_dirs, greedy):
