@@ -249,6 +249,8 @@ def env(spec: GemmaRustServerSpec, main: ModelMount, twin: ModelMount | None) ->
         # One engine per chip of the slice; unset on CPU (the server's default, one engine).
         *([{"name": "GEMMA_DEVICES", "value": str(n_chips)}] if n_chips else []),
         {"name": "GEMMA_CONTEXT", "value": str(e.context)},
+        {"name": "GEMMA_MAX_NUM_SEQS", "value": str(e.max_num_seqs)},
+        {"name": "GEMMA_PREFILL_CHUNK", "value": str(e.prefill_chunk)},
         {"name": "GEMMA_READ_EVERY", "value": str(e.read_every)},
         {"name": "GEMMA_DTYPE", "value": e.dtype},
         *([{"name": "GEMMA_SERVED_MODEL_NAME", "value": srv.served_model_name}] if srv.served_model_name else []),

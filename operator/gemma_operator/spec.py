@@ -149,6 +149,13 @@ class AcceleratorSpec(_Model):
 class EngineSpec(_Model):
     context: int = Field(8192, description="Context length in tokens (prompt + generation).", ge=256,
                          le=131072)
+    max_num_seqs: int = Field(
+        8, description="Sequence slots per engine (one engine per chip): requests decoded together in one "
+        "batch. Each slot reserves a whole context of KV cache; the server refuses, at its weights stage, a "
+        "number whose cache does not fit the chip.", ge=1, le=1024)
+    prefill_chunk: int = Field(
+        256, description="Prompt tokens read per forward, one chunk per step between the running requests' "
+        "decode steps: smaller keeps their token gaps shorter while a long prompt is read.", ge=1, le=131072)
     read_every: int = Field(
         4, description="Tokens decoded between two host reads; 1 streams every token, more amortises the "
         "device sync.", ge=1, le=256)

@@ -60,6 +60,8 @@ def test_tpu_deployment_matches_golden():
                             {"name": "GEMMA_DEVICE", "value": "tpu"},
                             {"name": "GEMMA_DEVICES", "value": "4"},
                             {"name": "GEMMA_CONTEXT", "value": "4096"},
+                            {"name": "GEMMA_MAX_NUM_SEQS", "value": "8"},
+                            {"name": "GEMMA_PREFILL_CHUNK", "value": "256"},
                             {"name": "GEMMA_READ_EVERY", "value": "4"},
                             {"name": "GEMMA_DTYPE", "value": "bfloat16"},
                             {"name": "GEMMA_SERVED_MODEL_NAME", "value": "gemma-4"},
@@ -367,6 +369,16 @@ def test_tpu_compilation_cache_is_on_the_build_cache_volume():
     assert env["GEMMA_TPU_COMPILE_CACHE"] == cache_mount + "/tpu-compile"
     assert env["GEMMA_BUILD_CACHE"] == cache_mount + "/build"
     assert env["TORCH_TPU_DEFER_AND_FUSE"] == "1"  # spec.engine.deferAndFuse defaults to true
+
+
+def test_batch_slots_and_prefill_chunk_reach_the_server_and_out_of_range_values_are_refused():
+    spec = parse_spec({"model": {"source": "hf://o/m"}, "engine": {"maxNumSeqs": 32, "prefillChunk": 64}})
+    container = b.build_deployment(spec, META)["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert (env["GEMMA_MAX_NUM_SEQS"], env["GEMMA_PREFILL_CHUNK"]) == ("32", "64")
+    for field in ("maxNumSeqs", "prefillChunk"):
+        with pytest.raises(pydantic.ValidationError, match=field):
+            parse_spec({"model": {"source": "hf://o/m"}, "engine": {field: 0}})
 
 
 # ---------------------------------------------------------------------------------------------------------
