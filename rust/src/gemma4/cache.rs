@@ -2,9 +2,10 @@
 //! methods.
 //!
 //! Layout: every layer that computes its own keys holds its keys and values in one tensor
-//! `[max_batch, 2 * kv_heads, ring + 1, head_dim]` (the keys' heads, then the values'), so a step whose
-//! keys and values sit side by side writes both in one call; where `ring` is `context` for full-attention layers and
-//! `min(sliding_window, context)` for sliding ones; KV-shared layers hold nothing and read their
+//! `[max_batch, 2 * kv_heads, ring + 1, head_dim]` (the keys' heads, then the values'), so a step
+//! whose keys and values sit side by side writes both in one call. `ring` is `context` for
+//! full-attention layers and `min(sliding_window, context)` for sliding ones; KV-shared layers hold
+//! nothing and read their
 //! donor's keys (Transformers 5.18 `models/gemma4/modeling_gemma4.py`, `Gemma4TextAttention.forward`,
 //! `kv_shared_layer_index`). The extra entry at index `ring` is never visible: a decode step's
 //! padding rows (slots that are free or still reading their prompt) write their keys there, so a step
