@@ -179,6 +179,12 @@ fn visible(k: &Tensor, q: &Tensor, window: Option<i64>) -> Result<Tensor> {
     }
 }
 
+/// The keys and values in `layer`'s ring for `rows`, `[rows, kv_heads, ring + 1, d]` (views).
+fn ring(cache: &KvCache, layer: usize, rows: Rows) -> Result<(Tensor, Tensor)> {
+    let (k, v) = cache.kv(layer, rows)?.ok_or_else(|| Error::Internal(format!("layer {layer} has no ring")))?;
+    Ok((k.shallow_clone()?, v.shallow_clone()?))
+}
+
 fn dims2(t: &Tensor) -> Result<[i64; 2]> {
     match t.size()?[..] {
         [a, b] => Ok([a, b]),
@@ -236,12 +242,13 @@ impl Attention {
             Some(_) => (w.linear(&q, nh * d, h)?, None),
             None => (w.fused(&[(&q, nh * d), (&k, nkv * d), (&v, nkv * d)], h)?, Some(())),
         };
-        let q_norm = RmsNorm::load(w, &name("q_norm"), d, eps)?;
+        let q_weight = w.vector(&name("q_norm.weight"), &[d], w.dtype)?;
+        let q_norm = RmsNorm::new(q_weight.shallow_clone()?, eps);
         let kv = match kv {
             None => None,
             Some(()) if w.folds() => {
-                let (qw, kw) = (q_norm.weight(&name("q_norm"))?, w.vector(&name("k_norm.weight"), &[d], w.dtype)?);
-                let (qw, kw) = (qw.reshape(&[1, 1, d])?, kw.reshape(&[1, 1, d])?);
+                let kw = w.vector(&name("k_norm.weight"), &[d], w.dtype)?;
+                let (qw, kw) = (q_weight.reshape(&[1, 1, d])?, kw.reshape(&[1, 1, d])?);
                 let ones = Tensor::full(&[1, 1, d], 1.0, w.dtype, &qw)?;
                 let per_head = [(&qw, nh), (&kw, nkv), (&ones, nkv)];
                 let heads: Vec<&Tensor> = per_head.iter().flat_map(|(t, n)| (0..*n).map(move |_| *t)).collect();
@@ -283,17 +290,15 @@ impl Attention {
         let (q, k_all, v_all) = match (&self.kv, self.donor, scratch) {
             (Some(norms), _, Some(scratch)) if plan.writes.source == Source::Ring => {
                 let q = self.step_qkv(x, norms, plan, layer, rows, cache, scratch)?;
-                let (k, v) =
-                    cache.kv(layer, rows)?.ok_or_else(|| Error::Internal(format!("layer {layer} has no ring")))?;
+                let (k, v) = ring(cache, layer, rows)?;
                 attended[layer] = Some((k.shallow_clone()?, v.shallow_clone()?));
-                (q, k.shallow_clone()?, v.shallow_clone()?)
+                (q, k, v)
             }
             (Some(norms), _, _) => {
                 let y = heads_first(&self.proj.forward(x)?, n, t, nh + 2 * nkv, d)?;
                 let [q, k, v] = match norms {
                     QkvNorms::Separate { k_norm, v_norm } => {
-                        let [q, k, v] = y.split_array(&[nh, nkv, nkv], 1)?;
-                        [self.query(plan, &q)?, plan.rope.apply(&k_norm.forward(&k)?)?, v_norm.forward(&v)?]
+                        self.separate(plan, k_norm, v_norm, &y.split_array(&[nh, nkv, nkv], 1)?)?
                     }
                     QkvNorms::Joint { weight, eps } => {
                         let [qk, v] = y.rms_norm(None, *eps)?.mul(weight)?.split_array(&[nh + nkv, nkv], 1)?;
@@ -352,9 +357,10 @@ impl Attention {
         let entries = &plan.writes.entries;
         match norms {
             QkvNorms::Separate { k_norm, v_norm } => {
-                let (k, v) = (plan.rope.apply(&k_norm.forward(&proj.views[2])?)?, v_norm.forward(&proj.views[3])?);
+                let [q, k, v] =
+                    self.separate(plan, k_norm, v_norm, &[&proj.views[1], &proj.views[2], &proj.views[3]])?;
                 cache.write(layer, rows, entries, &k, &v)?;
-                self.query(plan, &proj.views[1])
+                Ok(q)
             }
             QkvNorms::Joint { weight, eps } => {
                 // Views: the query and key heads (RoPE), the query heads, the key and value heads.
@@ -367,6 +373,17 @@ impl Attention {
                 heads.views[1].shallow_clone()
             }
         }
+    }
+
+    /// `QkvNorms::Separate`: rope(q_norm(q)), rope(k_norm(k)), v_norm(v) for heads `[rows, heads, T, d]`.
+    fn separate<T: std::borrow::Borrow<Tensor>>(
+        &self,
+        plan: &Plan,
+        k_norm: &RmsNorm,
+        v_norm: &RmsNorm,
+        [q, k, v]: &[T; 3],
+    ) -> Result<[Tensor; 3]> {
+        Ok([self.query(plan, q.borrow())?, plan.rope.apply(&k_norm.forward(k.borrow())?)?, v_norm.forward(v.borrow())?])
     }
 
     /// rope(q_norm(q)) for query heads `q` `[rows, heads, T, d]`.
@@ -388,21 +405,19 @@ impl Attention {
         let t = k.size()?[2];
         let w = &plan.writes;
         let tail = |x: &Tensor| if w.tail == t { x.shallow_clone() } else { x.narrow(2, t - w.tail, w.tail) };
-        let missing = || Error::Internal(format!("layer {layer} has no ring"));
         match w.source {
             Source::Ring => {
                 cache.write(layer, rows, &w.entries, k, v)?;
-                let (rk, rv) = cache.kv(layer, rows)?.ok_or_else(missing)?;
-                Ok((rk.shallow_clone()?, rv.shallow_clone()?))
+                ring(cache, layer, rows)
             }
             Source::Chunk => {
                 cache.write(layer, rows, &w.entries, &tail(k)?, &tail(v)?)?;
                 Ok((k.shallow_clone()?, v.shallow_clone()?))
             }
             Source::RingAndChunk => {
-                let (rk, rv) = cache.kv(layer, rows)?.ok_or_else(missing)?;
+                let (rk, rv) = ring(cache, layer, rows)?;
                 // cat copies, so the ring can take the chunk's tail right after.
-                let both = (Tensor::cat(&[rk, k], 2)?, Tensor::cat(&[rv, v], 2)?);
+                let both = (Tensor::cat(&[&rk, k], 2)?, Tensor::cat(&[&rv, v], 2)?);
                 cache.write(layer, rows, &w.entries, &tail(k)?, &tail(v)?)?;
                 Ok(both)
             }

@@ -586,10 +586,8 @@ impl Engine {
         let slot = slots[s].take().ok_or_else(|| Error::Internal(format!("slot {s} is already free")))?;
         // A leader that goes before its prompt is read hands the reading to its oldest follower.
         if let Some((&heir, rest)) = followers(slots, s).split_first() {
-            for (i, phase) in [(heir, Phase::Prompt { done: 0 })]
-                .into_iter()
-                .chain(rest.iter().map(|i| (*i, Phase::Follow { leader: heir })))
-            {
+            let phases = rest.iter().map(|i| (*i, Phase::Follow { leader: heir }));
+            for (i, phase) in phases.chain([(heir, Phase::Prompt { done: 0 })]) {
                 if let Some(x) = slots[i].as_mut() {
                     x.phase = phase;
                 }

@@ -43,14 +43,12 @@ struct PerLayerEmbeddings {
     per_layer_model_projection: Linear,
     /// When folded: weight times 2^-0.5, eps times H (module docs).
     per_layer_projection_norm: RmsNorm,
-    folded: bool,
 }
 
 pub struct Model {
     pub cfg: Config,
     embed_tokens: Tensor,
-    /// None when the table carries it (module docs).
-    embed_scale: Option<Tensor>,
+    embed_scale: Tensor,
     per_layer: Option<PerLayerEmbeddings>,
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
@@ -58,8 +56,8 @@ pub struct Model {
     /// Indexed by `LayerType::index`; None when no layer has that type.
     ropes: [Option<Rope>; 2],
     dtype: DType,
-    /// The final norm's weight carries the softcap's 1 / cap (module docs).
-    softcap_folded: bool,
+    /// float32 (`Weights::folds`): the tables and the norms carry the constants the module docs list.
+    folded: bool,
     /// Where one-token forwards write their projections (scratch.rs).
     scratch: Scratch,
     /// ATen calls each layer made in the last forward (`Engine::layer_calls`).
@@ -98,7 +96,6 @@ impl Model {
                 embed_tokens_per_layer: if w.folds() { table.mul_scalar(half)? } else { table }.reshape(&[vp, l, p])?,
                 per_layer_model_projection: w.linear("per_layer_model_projection", l * p, h)?,
                 per_layer_projection_norm: if w.folds() { norm.rescaled(half, eps * h as f64)? } else { norm },
-                folded: w.folds(),
             })
         } else {
             None
@@ -124,8 +121,8 @@ impl Model {
                 let factor = unscale / cfg.final_logit_softcapping.unwrap_or(1.0);
                 if w.folds() && factor != 1.0 { norm.rescaled(factor, cfg.rms_norm_eps)? } else { norm }
             },
-            embed_scale: if w.folds() { None } else { Some(embed_scale) },
-            softcap_folded: w.folds(),
+            embed_scale,
+            folded: w.folds(),
             embed_tokens,
             per_layer,
             layers,
@@ -145,7 +142,7 @@ impl Model {
         let nt = x0.size()?[0];
         let tok = pl.embed_tokens_per_layer.index_select(0, ids)?;
         let ctx = pl.per_layer_model_projection.forward(x0)?;
-        if pl.folded {
+        if self.folded {
             return pl.per_layer_projection_norm.forward(&ctx.reshape(&[nt, l, p])?)?.add(&tok)?.unbind(1);
         }
         let h = self.cfg.hidden_size as f64;
@@ -171,10 +168,8 @@ impl Model {
         let n = rows.len;
         let t = ids.size()?[0] / n;
         cache.prepare(rows)?;
-        let x0 = match &self.embed_scale {
-            Some(scale) => self.embed_tokens.index_select(0, ids)?.mul(scale)?,
-            None => self.embed_tokens.index_select(0, ids)?,
-        };
+        let x0 = self.embed_tokens.index_select(0, ids)?;
+        let x0 = if self.folded { x0 } else { x0.mul(&self.embed_scale)? };
         let ple = match &self.per_layer {
             Some(pl) => Some(self.per_layer_inputs(pl, ids, &x0)?),
             None => None,
@@ -208,7 +203,7 @@ impl Model {
         let logits = self.lm_head.forward(&self.norm.forward(&last)?)?;
         match self.cfg.final_logit_softcapping {
             // Folded: the final norm's weight carries the 1 / cap (see `load`).
-            Some(cap) if self.softcap_folded => Ok(Some(logits.tanh()?.mul_scalar(cap)?)),
+            Some(cap) if self.folded => Ok(Some(logits.tanh()?.mul_scalar(cap)?)),
             Some(cap) => Ok(Some(logits.div_scalar(cap)?.tanh()?.mul_scalar(cap)?)),
             None => Ok(Some(logits)),
         }

@@ -17,7 +17,11 @@ pub struct RmsNorm {
 
 impl RmsNorm {
     pub fn load(w: &Weights, name: &str, dim: i64, eps: f64) -> Result<RmsNorm> {
-        Ok(RmsNorm { weight: Some(w.vector(&format!("{name}.weight"), &[dim], w.dtype)?), eps })
+        Ok(RmsNorm::new(w.vector(&format!("{name}.weight"), &[dim], w.dtype)?, eps))
+    }
+
+    pub fn new(weight: Tensor, eps: f64) -> RmsNorm {
+        RmsNorm { weight: Some(weight), eps }
     }
 
     /// The same norm with its weight (and eps) changed: `weight * s`, and `eps`. A norm of `c * x`
@@ -26,14 +30,6 @@ impl RmsNorm {
     pub fn rescaled(&self, s: f64, eps: f64) -> Result<RmsNorm> {
         let weight = self.weight.as_ref().map(|w| w.mul_scalar(s)).transpose()?;
         Ok(RmsNorm { weight, eps })
-    }
-
-    /// The weight (`name` is the norm's, for the error a weightless norm gives).
-    pub fn weight(&self, name: &str) -> Result<Tensor> {
-        match &self.weight {
-            Some(w) => w.shallow_clone(),
-            None => Err(crate::error::Error::Internal(format!("{name} has no weight"))),
-        }
     }
 
     pub fn no_scale(eps: f64) -> RmsNorm {
