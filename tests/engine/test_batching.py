@@ -343,9 +343,10 @@ def test_sampled_tokens_are_transformers_processors_with_the_engine_uniform_draw
 
 
 # Float32 tolerance of a log-probability on these random models: the engine's decode steps and
-# Transformers' step-by-step forwards differ by up to 3e-4 among the top 20 (measured on the dense
-# checkpoint); different attention kernels within Transformers differ by as much (`_forward_logits`).
-LOGPROB_TOLERANCE = 1e-3
+# Transformers' step-by-step forwards differ by up to 3e-4 among the top 20 on the dense checkpoint
+# and 1.1e-3 on the W4A16 one (measured on an AMD EPYC; the CPU's kernels move it); different
+# attention kernels within Transformers differ by as much (`_forward_logits`).
+LOGPROB_TOLERANCE = 2e-3
 
 
 @pytest.mark.parametrize("kind", KIND_PARAMS)

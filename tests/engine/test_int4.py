@@ -42,8 +42,10 @@ def test_packed_int4_gives_the_dequantized_tokens_when_the_weights_are_exact_in_
     assert packed.weights()["int4"] == "packed"
     got = packed.decode(ck.PARITY_PROMPT, ck.GENERATE_TOKENS)
     want = dequantized.decode(ck.PARITY_PROMPT, ck.GENERATE_TOKENS)
-    assert got[0] == want[0]
-    assert len(got[0]) == ck.GENERATE_TOKENS
+    assert (got[0], got[1]) == (want[0], want[1])
+    # Enough tokens to compare: the random model may draw an eos id before GENERATE_TOKENS (on some
+    # CPUs' bfloat16 kernels it does, at 49), and then both paths stop there.
+    assert len(got[0]) >= ck.GENERATE_TOKENS // 2
 
 
 @pytest.mark.parametrize("kind", KINDS)
