@@ -190,6 +190,7 @@ impl Io for PyIo {
             let s = PyDict::new(py);
             s.set_item("batch_sizes", stats.batch_sizes.clone())?;
             s.set_item("prompt_tokens", stats.prompt_tokens)?;
+            s.set_item("prompt_reads", stats.prompt_reads.clone())?;
             s.set_item("seconds", stats.seconds)?;
             self.on_events.call1(py, (list, s))?;
             Ok(())

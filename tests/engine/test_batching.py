@@ -194,6 +194,38 @@ def test_staggered_greedy_requests_in_one_batch_each_match_transformers_alone(ch
     assert sum(s["prompt_tokens"] for s in script.stats) == sum(len(PROMPTS[n]) for _, n, _, _ in STAGGERED)
 
 
+@pytest.mark.parametrize("kind", KIND_PARAMS)
+def test_a_burst_of_short_prompts_is_read_in_one_forward_and_each_gets_its_tokens_alone(
+        checkpoint_dirs, greedy, kind):
+    """Five prompts of 41, 28, 9, 2 and 1 tokens arrive at once: 5 rows x 41 fit the 256-token
+    budget, so one forward reads them all, left-padded. A seeded sampled request among them draws
+    what it draws alone."""
+    burst = [(0, "other", 20), (1, "parity", 30), (2, "short", 24), (3, "tiny", 16)]
+    alone = Script({0: [_sampled(4, "one", 16)]}).run(_engine(checkpoint_dirs, kind, max_batch=1))[4]
+    script = Script({0: [_request(rid, name, n) for rid, name, n in burst] + [_sampled(4, "one", 16)]})
+    outcomes = script.run(_engine(checkpoint_dirs, kind, max_batch=5, prefill_chunk=256))
+    for rid, name, max_new in burst:
+        assert (outcomes[rid].tokens, outcomes[rid].finish) == greedy(kind, name, max_new), f"request {rid} ({name})"
+    assert outcomes[4].tokens == alone.tokens and len(alone.tokens) == 16
+    assert [r for s in script.stats for r in s["prompt_reads"]] == [5]
+    assert sum(s["prompt_tokens"] for s in script.stats) == 41 + 28 + 9 + 2 + 1
+
+
+def test_prompts_read_together_across_a_decoding_slot_leave_its_tokens_exact(checkpoint_dirs, greedy):
+    """Three prompts fill the 3 x 28 budget and are read together; the two short requests end, and
+    two new ones take slots 0 and 2 while slot 1 decodes. They too are read in one forward, over
+    slots 0..2, where slot 1's row is padding that writes only its never-visible entry."""
+    engine = _engine(checkpoint_dirs, "dense", max_batch=3, prefill_chunk=84)
+    first = [(0, "tiny", 2), (1, "parity", 50), (2, "short", 2)]
+    later = [(3, "short", 30), (4, "tiny", 20)]
+    script = Script({0: [_request(*r) for r in first], 6: [_request(*r) for r in later]})
+    outcomes = script.run(engine, read_every=1)
+    for rid, name, max_new in first + later:
+        assert (outcomes[rid].tokens, outcomes[rid].finish) == greedy("dense", name, max_new), rid
+    assert [r for s in script.stats for r in s["prompt_reads"]] == [3, 2]
+    assert script.finished_at[0] <= 6 and script.finished_at[2] <= 6 and script.finished_at[1] > 6
+
+
 def test_a_one_token_prompt_beside_a_chunked_one_matches_transformers(checkpoint_dirs, greedy):
     """A one-token forward of a first chunk (the prompt [7]) and of a later one (the 9-token prompt
     in chunks of 4 ends with one token), both through the decode step's buffers."""

@@ -166,7 +166,8 @@ class Engine:
             context: ring size of full-attention layers = the most tokens
                 (prompt + generated) one request can hold.
             dtype: compute dtype.
-            prefill_chunk: prompt tokens read per forward.
+            prefill_chunk: the most prompt tokens one forward reads (one prompt's chunk, or
+                several short prompts together, padding included).
             max_batch: sequence slots; each reserves a whole context of KV cache
                 (layout()["kv_bytes_per_slot"]).
             packed_int4: True keeps a W4A16 checkpoint's int4 linears packed on the device and
@@ -234,11 +235,14 @@ class Engine:
     ) -> None:
         """The continuous-batching loop; returns when `poll` returns None.
 
-        Each turn runs one decode step of every decoding slot and then one prefill_chunk of
-        the oldest prompt still being read. Every `read_every` turns (a read point) the new
-        tokens come to the host: `on_events(events, stats)` gets them (stats:
-        {"batch_sizes": decoding rows per step, "prompt_tokens": prompt tokens read,
-        "seconds": wall time of those turns}), then `poll(free, idle)` returns the new
+        Each turn runs one decode step of every decoding slot and then one prompt forward of
+        at most prefill_chunk tokens: the next chunk of the oldest prompt still being read, or,
+        when it and the next unread prompts fit whole, those prompts together (their slots
+        from the lowest to the highest, times the longest prompt, within prefill_chunk). Every
+        `read_every` turns (a read point) the new tokens come to the host:
+        `on_events(events, stats)` gets them (stats: {"batch_sizes": decoding rows per step,
+        "prompt_tokens": prompt tokens read, "prompt_reads": prompts each prompt forward
+        read, "seconds": wall time of those turns}), then `poll(free, idle)` returns the new
         requests (at most `free`, each taking the lowest free slot) and the ids of requests
         to cancel, or None to end the loop (requests still running end "cancelled").
         `idle` is True when no request runs, so `poll` may block until there is work. A

@@ -99,8 +99,9 @@ pub struct Writes {
     pub tail: i64,
 }
 
-/// The rows of a forward whose tokens are real. `Padding(live)` (bool `[rows, 1, 1]`) marks the
-/// rest, which write to the never-visible entry `ring` (see cache.rs).
+/// The tokens of a forward that are real. `Padding(live)` (bool `[rows, 1, 1]` for whole rows, or
+/// `[rows, 1, T]` per token) marks the rest, which write to the never-visible entry `ring` (see
+/// cache.rs).
 pub enum Liveness {
     AllLive,
     Padding(Tensor),
@@ -121,7 +122,12 @@ impl Writes {
         let wrap = |p: &Tensor| if kind == LayerType::Full { p.shallow_clone() } else { p.remainder(ring) };
         let entries = match live {
             Liveness::AllLive => wrap(&tail_pos)?,
-            Liveness::Padding(live) => Tensor::where_int(live, &wrap(&tail_pos)?, ring)?,
+            Liveness::Padding(live) => {
+                let per_token = live.size()?[2];
+                let live =
+                    if per_token > tail { live.narrow(2, per_token - tail, tail)? } else { live.shallow_clone()? };
+                Tensor::where_int(&live, &wrap(&tail_pos)?, ring)?
+            }
         };
         Ok(Writes { source, entries, tail })
     }

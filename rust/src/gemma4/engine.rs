@@ -2,9 +2,17 @@
 //!
 //! Each slot holds one request: its rings in the KV cache (cache.rs), its sampling state
 //! (sampling.rs), and on the device its last token and next position. One turn of the loop runs
-//! one decode step for every slot that is decoding and then at most one `prefill_chunk` of one
-//! prompt (the oldest unread one), so a long prompt delays the running streams by one chunk a
-//! step, never by the whole prompt. A decode step runs the slots `0..b`, where `b` is the smallest
+//! one decode step for every slot that is decoding and then at most one prompt forward of at most
+//! `prefill_chunk` tokens (a token budget, as vLLM's scheduler has), so a long prompt delays the
+//! running streams by one chunk a step, never by the whole prompt. The prompt forward reads the
+//! next chunk of the oldest unread prompt; when that prompt starts and fits whole, the next unread
+//! prompts in admission order that also fit whole join it, as long as the forward's rectangle (the
+//! slots from the lowest to the highest, times the longest of those prompts) stays within the budget
+//! (`prompt_group`). A burst of short prompts is then read in one forward instead of one a turn.
+//! Its rows are left-padded (`padded_prompts`): every row's last token is its prompt's last, and
+//! the padding tokens sit at position `context - 1`, later than any prompt query, and write only the
+//! rings' never-visible entry, so each row's keys and logits are those of a read alone.
+//! A decode step runs the slots `0..b`, where `b` is the smallest
 //! bucket (1, 2, 4, ..., max_batch) above the highest decoding slot; new requests take the lowest
 //! free slot, so the bucket follows the number of requests. Rows of the bucket that are not
 //! decoding run as padding whose writes land in the ring's never-visible entry. So a device sees a
@@ -20,8 +28,8 @@
 //! A request admitted while another with the same prompt is still reading it follows that one
 //! instead of reading it again (the `n` choices of one OpenAI request, or identical prompts): when
 //! the leader's last chunk is read, the follower's rings get a copy of the prompt's keys and it
-//! draws its own first token from the same logits. Each slot reads its prompt alone, so the copy
-//! holds exactly the keys a second read would write.
+//! draws its own first token from the same logits. The copy holds exactly the keys a second read
+//! would write.
 //!
 //! Design from vLLM's `v1/core/sched/scheduler.py` (continuous batching, chunked prefill
 //! interleaved with decodes).
@@ -114,6 +122,8 @@ pub struct StepStats {
     pub batch_sizes: Vec<usize>,
     /// Prompt tokens read.
     pub prompt_tokens: usize,
+    /// Prompts each prompt forward read (more than one: several whole prompts in one forward).
+    pub prompt_reads: Vec<usize>,
     /// Wall seconds of those turns (the read point's host sync included).
     pub seconds: f64,
 }
@@ -620,15 +630,25 @@ impl Engine {
                 }
             }
         }
-        let reading = slots
+        let reading: Vec<Unread> = slots
             .iter()
             .enumerate()
-            .filter_map(|(i, s)| s.as_ref().filter(|s| matches!(s.phase, Phase::Prompt { .. })).map(|s| (s.seq, i)))
-            .min();
-        if let Some((_, s)) = reading {
-            stats.prompt_tokens += self.read_prompt(slots, s, drawn)?;
+            .filter_map(|(i, s)| {
+                let s = s.as_ref()?;
+                let Phase::Prompt { done } = s.phase else { return None };
+                Some(Unread { seq: s.seq, slot: i, done, len: s.request.prompt.len() })
+            })
+            .collect();
+        let group = prompt_group(reading, self.prefill_chunk as usize);
+        match group[..] {
+            [] => {}
+            [s] => stats.prompt_tokens += self.read_prompt(slots, s, drawn)?,
+            _ => stats.prompt_tokens += self.read_prompts(slots, &group, drawn)?,
         }
-        Ok(top.is_some() || reading.is_some())
+        if !group.is_empty() {
+            stats.prompt_reads.push(group.len());
+        }
+        Ok(top.is_some() || !group.is_empty())
     }
 
     /// Read one chunk of slot `s`'s prompt; after the last chunk, draw its first token and start
@@ -640,13 +660,58 @@ impl Engine {
         let prompt = slot.prompt.shallow_clone()?;
         let (logits, read) = self.prompt_chunk(s as i64, &prompt, n, done)?;
         slot.phase = Phase::Prompt { done: done + read };
-        let Some(logits) = logits else { return Ok(read) };
-        self.start_decoding(slots, s, &logits, drawn)?;
-        for f in followers(slots, s) {
-            self.cache.copy_prompt(Rows::one(s as i64), Rows::one(f as i64), n as i64)?;
-            self.start_decoding(slots, f, &logits, drawn)?;
+        if let Some(logits) = logits {
+            self.prompt_done(slots, s, &logits, drawn)?;
         }
         Ok(read)
+    }
+
+    /// Read the whole prompts of the slots `group` (`prompt_group`) in one forward over the slots
+    /// from the lowest to the highest, left-padded (`padded_prompts`, module docs), and start each
+    /// decoding. Returns the prompt tokens read.
+    fn read_prompts(&mut self, slots: &mut [Option<Slot>], group: &[usize], drawn: &mut Vec<Drawn>) -> Result<usize> {
+        let (lo, hi) = match (group.iter().min(), group.iter().max()) {
+            (Some(lo), Some(hi)) => (*lo, *hi),
+            _ => return Ok(0),
+        };
+        let prompts: Vec<Option<&[i64]>> = (lo..=hi)
+            .map(|i| slots[i].as_ref().filter(|_| group.contains(&i)).map(|s| s.request.prompt.as_slice()))
+            .collect();
+        let read = prompts.iter().flatten().map(|p| p.len()).sum();
+        let t = prompts.iter().flatten().map(|p| p.len()).max().unwrap_or(0) as i64;
+        let padded = padded_prompts(&prompts, t as usize, self.context - 1);
+        let rows = Rows { start: lo as i64, len: (hi - lo + 1) as i64 };
+        let device = |v: &[i64], dtype: DType| Tensor::from_i64(v)?.to_like(&self.like, dtype);
+        let ids = device(&padded.ids, DType::I64)?;
+        let pos = Positions::new(&device(&padded.positions, DType::I64)?.reshape(&[rows.len, t])?)?;
+        let live = Liveness::Padding(device(&padded.live, DType::Bool)?.reshape(&[rows.len, 1, t])?);
+        let logits = self
+            .model
+            .forward(&mut self.cache, rows, &ids, &pos, &live, Fill::Empty, Output::Logits)?
+            .ok_or_else(|| Error::Internal("a prompt forward returned no logits".into()))?;
+        for &s in group {
+            let row = logits.narrow(0, (s - lo) as i64, 1)?;
+            self.prompt_done(slots, s, &row, drawn)?;
+        }
+        Ok(read)
+    }
+
+    /// Slot `s` has read its whole prompt, and `logits` `[1, vocab]` follow it: start it and its
+    /// followers decoding.
+    fn prompt_done(
+        &mut self,
+        slots: &mut [Option<Slot>],
+        s: usize,
+        logits: &Tensor,
+        drawn: &mut Vec<Drawn>,
+    ) -> Result<()> {
+        let n = slots[s].as_ref().map_or(0, |slot| slot.request.prompt.len()) as i64;
+        self.start_decoding(slots, s, logits, drawn)?;
+        for f in followers(slots, s) {
+            self.cache.copy_prompt(Rows::one(s as i64), Rows::one(f as i64), n)?;
+            self.start_decoding(slots, f, logits, drawn)?;
+        }
+        Ok(())
     }
 
     /// Slot `s` has its prompt's keys in its rings and `logits` `[1, vocab]` after it: draw its first
@@ -821,6 +886,61 @@ impl Engine {
     }
 }
 
+/// A slot still reading its prompt: admission order, slot, tokens read, prompt length.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct Unread {
+    seq: u64,
+    slot: usize,
+    done: usize,
+    len: usize,
+}
+
+/// The slots the next prompt forward reads (module docs): the oldest unread prompt, and, when it
+/// starts and fits `budget` tokens whole, the next unread ones in admission order while each starts,
+/// and the forward's rectangle (the slots from the lowest to the highest, times the longest prompt)
+/// stays within `budget`. Several slots are read whole; one alone may be read in chunks.
+fn prompt_group(mut reading: Vec<Unread>, budget: usize) -> Vec<usize> {
+    reading.sort();
+    let Some(first) = reading.first().copied() else { return Vec::new() };
+    let mut group = vec![first.slot];
+    if first.done > 0 || first.len > budget {
+        return group;
+    }
+    let (mut lo, mut hi, mut longest) = (first.slot, first.slot, first.len);
+    for u in &reading[1..] {
+        let (l, h, t) = (lo.min(u.slot), hi.max(u.slot), longest.max(u.len));
+        if u.done > 0 || (h - l + 1) * t > budget {
+            break;
+        }
+        group.push(u.slot);
+        (lo, hi, longest) = (l, h, t);
+    }
+    group
+}
+
+/// A prompt forward's inputs on the host, `[rows, t]` flattened: token ids, positions, and 1 where
+/// a token is real.
+#[derive(Debug, PartialEq)]
+struct Padded {
+    ids: Vec<i64>,
+    positions: Vec<i64>,
+    live: Vec<i64>,
+}
+
+/// Each row's prompt (None: a slot in the range that reads nothing) at the right end of `t`
+/// columns; the columns before it hold token 0 at position `pad_pos`, not live (module docs).
+fn padded_prompts(prompts: &[Option<&[i64]>], t: usize, pad_pos: i64) -> Padded {
+    let mut out = Padded { ids: Vec::new(), positions: Vec::new(), live: Vec::new() };
+    for p in prompts {
+        let p = p.unwrap_or(&[]);
+        let pad = t - p.len();
+        out.ids.extend(std::iter::repeat_n(0, pad).chain(p.iter().copied()));
+        out.positions.extend(std::iter::repeat_n(pad_pos, pad).chain(0..p.len() as i64));
+        out.live.extend(std::iter::repeat_n(0, pad).chain(std::iter::repeat_n(1, p.len())));
+    }
+    out
+}
+
 /// The slots that follow slot `leader` (`Phase::Follow`), oldest first.
 fn followers(slots: &[Option<Slot>], leader: usize) -> Vec<usize> {
     let mut found: Vec<(u64, usize)> = slots
@@ -926,6 +1046,34 @@ mod tests {
         assert_eq!(buckets(1), vec![1]);
         assert_eq!(buckets(8), vec![1, 2, 4, 8]);
         assert_eq!(buckets(6), vec![1, 2, 4, 6]);
+    }
+
+    fn unread(seq: u64, slot: usize, done: usize, len: usize) -> Unread {
+        Unread { seq, slot, done, len }
+    }
+
+    #[test]
+    fn short_prompts_that_fit_the_budget_are_read_together_in_admission_order() {
+        // Slots 0..4 hold prompts of 10, 20, 5 and 30 tokens, admitted in order 3, 0, 1, 2.
+        let burst = vec![unread(2, 1, 0, 20), unread(1, 0, 0, 10), unread(4, 3, 0, 30), unread(3, 2, 0, 5)];
+        assert_eq!(prompt_group(burst.clone(), 256), vec![0, 1, 2, 3]);
+        // 3 rows x 20 = 60 fit; adding slot 3 makes 4 x 30 = 120.
+        assert_eq!(prompt_group(burst.clone(), 100), vec![0, 1, 2]);
+        // The oldest alone when it does not fit whole, or is already part read.
+        assert_eq!(prompt_group(burst, 9), vec![0]);
+        assert_eq!(prompt_group(vec![unread(1, 0, 8, 20), unread(2, 1, 0, 4)], 256), vec![0]);
+        // A gap in the slots counts as padding rows: slots 0 and 3 make a 4-row rectangle.
+        assert_eq!(prompt_group(vec![unread(1, 0, 0, 10), unread(2, 3, 0, 10)], 39), vec![0]);
+        assert_eq!(prompt_group(vec![unread(1, 0, 0, 10), unread(2, 3, 0, 10)], 40), vec![0, 3]);
+        assert_eq!(prompt_group(Vec::new(), 256), Vec::<usize>::new());
+    }
+
+    #[test]
+    fn padded_prompts_sit_at_the_right_end_of_their_rows() {
+        let p = padded_prompts(&[Some(&[5, 6][..]), None, Some(&[7, 8, 9][..])], 3, 99);
+        assert_eq!(p.ids, vec![0, 5, 6, 0, 0, 0, 7, 8, 9]);
+        assert_eq!(p.positions, vec![99, 0, 1, 99, 99, 99, 0, 1, 2]);
+        assert_eq!(p.live, vec![0, 1, 1, 0, 0, 0, 1, 1, 1]);
     }
 
     #[test]
