@@ -19,10 +19,11 @@ The Rust engine reads tokens back every `--read-every` steps (1 = streaming, as 
 `--config tiny` the test checkpoints' size (hidden 128), where per-op overhead dominates;
 `--config e2b` is bench/gemma4-e2b-text-config.json (Gemma 4 E2B's text config, as google/gemma-4-E2B's
 config.json gives it) with random weights (for a GPU).
-On CPU the decode step of a model this small is mostly matrix-vector products that both sides
-hand to the same ATen kernels, so the Rust/Transformers ratio measures the per-op overhead that
-remains around them: it grows as the model shrinks. The last line prints that floor, the step's
-matrix-vector products alone, and how close each side comes to it.
+On the CPU in float32 the engine multiplies dense weights with oneDNN (packed once at load; ATen's
+matmul elsewhere, or with `onednn=False`); the same engine on ATen's matmul runs beside it, so one run
+shows both what the kernels give and, on the same kernels as Transformers, the per-op overhead that
+remains around them (it grows as the model shrinks). The last lines print the floors, the step's
+matrix-vector products alone on each kernel, and how close each side comes to them.
 `--format w4a16` writes the same config as a compressed-tensors W4A16 checkpoint (int4 linears, as
 tests/checkpoints.py `save_w4a16` does) and runs both sides in bfloat16: the engine keeps the int4
 weights packed for ATen's int4 kernels (`packed_int4=True`), and Transformers loads the checkpoint with the plain
@@ -113,7 +114,7 @@ def sync(device: str) -> None:
 
 
 def rust_runner(model_dir: Path, device: str, dtype: str, prompt: list[int], new: int, read_every: int,
-                packed_int4: bool | None = None):
+                packed_int4: bool | None = None, onednn: bool | None = None):
     """Load the Rust engine; returns (load seconds, run, engine) where run() -> (read tok/s, decode tok/s,
     tokens)."""
     import gemma_engine
@@ -121,7 +122,7 @@ def rust_runner(model_dir: Path, device: str, dtype: str, prompt: list[int], new
     t0 = time.perf_counter()
     engine = gemma_engine.Engine(
         str(model_dir), like=torch.zeros(1, device=device), context=len(prompt) + new, dtype=dtype, prefill_chunk=256,
-        packed_int4=packed_int4,
+        packed_int4=packed_int4, onednn=onednn,
     )
     load_s = time.perf_counter() - t0
     engine.decode(prompt, min(new, 8), read_every=read_every)  # warm-up
@@ -198,23 +199,36 @@ def hf_runner(model, device: str, prompt: list[int], new: int, cache: str | None
     return run
 
 
-def matvec_floor_runner(model, device: str, steps: int = 20, rows: int = 1):
+def matvec_floor_runner(model, device: str, steps: int = 20, rows: int = 1, onednn: bool = False):
     """The decode floor: one step's matrix-vector products alone (every Linear, lm_head included), for
     `rows` sequences decoding together (bench/concurrency.py compares 1 and 8).
 
     Returns run() -> steps per second of just those products, in a bare Python loop. A decode step
     cannot be faster than this on the same kernels, so it bounds any ratio the two sides can reach.
+    The kernels: ATen's `linear` (what Transformers runs), or with `onednn` oneDNN's over weights
+    packed once (`torch.ops.mkldnn._reorder_linear_weight` / `_linear_pointwise`: what the engine runs
+    on the CPU in float32, rust/src/gemma4/linear.rs).
     """
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
     xs = {w.shape[1]: torch.randn(rows, w.shape[1], device=device, dtype=w.dtype) for w in weights}
+    if onednn:
+        packed = [(torch.ops.mkldnn._reorder_linear_weight(w, None), w.shape[1]) for w in weights]
+
+        def product(p):
+            return torch.ops.mkldnn._linear_pointwise(xs[p[1]], p[0], None, "none", [], "")
+    else:
+        packed = weights
+
+        def product(w):
+            return torch.nn.functional.linear(xs[w.shape[1]], w)
 
     @torch.no_grad()
     def run() -> float:
         sync(device)
         t0 = time.perf_counter()
         for _ in range(steps):
-            for w in weights:
-                torch.nn.functional.linear(xs[w.shape[1]], w)
+            for w in packed:
+                product(w)
         sync(device)
         return steps / (time.perf_counter() - t0)
 
@@ -273,25 +287,37 @@ def main(argv: list[str] | None = None) -> None:
         print(f"random checkpoint written in {time.perf_counter() - t0:.1f} s", flush=True)
         packed = True if args.format == "w4a16" else None
         load_s, rust_run, engine = rust_runner(Path(tmp), args.device, dtype, prompt, new, args.read_every, packed)
+        # Where the engine multiplies with oneDNN, the same engine on ATen's matmul runs beside it.
+        onednn = engine.weights()["linear"] == "onednn"
+        aten_run = rust_runner(Path(tmp), args.device, dtype, prompt, new, args.read_every, packed, False)[1] \
+            if onednn else None
     per_step, per_layer = aten_calls_per_step(engine, prompt)
     print(f"ATen calls per decode step: {per_step:.0f} ({sum(per_layer)} in the {len(per_layer)} layers: "
           f"{describe_layer_calls(config, per_layer)})", flush=True)
     weights = engine.weights()
+    # A step reads one row of the per-layer table, and of the embedding table when a tied lm_head has
+    # its own oneDNN copy (the bytes count both).
     read_bytes = weights["bytes"] - ple_table_bytes(config, dtype)
-    print(f"engine weights on the device: {weights['bytes'] / 1e6:.1f} MB (int4: {weights['int4']}); "
+    if onednn and config.tie_word_embeddings:
+        read_bytes -= config.vocab_size * config.hidden_size * getattr(torch, dtype).itemsize
+    print(f"engine weights on the device: {weights['bytes'] / 1e6:.1f} MB (int4: {weights['int4']}, "
+          f"dense linears: {weights['linear']}); "
           f"a decode step reads {read_bytes / 1e6:.1f} MB a token", flush=True)
     model = model.to(getattr(torch, dtype))
-    runners = {"rust": rust_run}
+    runners = {"rust": rust_run, **({"rust-aten": aten_run} if aten_run else {})}
     runners.update({f"hf-{c or 'dynamic'}": hf_runner(model, args.device, prompt, new, c, args.hf_compile) for c in (None, "static")})
-    floor_run = matvec_floor_runner(model, args.device)
+    floor_runs = {"aten": matvec_floor_runner(model, args.device)}
+    if onednn:
+        floor_runs["onednn"] = matvec_floor_runner(model, args.device, onednn=True)
     # Interleave the sides, so that a change in machine load hits them alike.
     samples = {k: [] for k in runners}
-    floor = []
+    floors = {k: [] for k in floor_runs}
     for _ in range(args.repeats):
         for k, run in runners.items():
             samples[k].append(run())
             print(f"  {k}: prompt read {samples[k][-1][0]:.1f} tok/s, decode {samples[k][-1][1]:.1f} tok/s", flush=True)
-        floor.append(floor_run())
+        for k, run in floor_runs.items():
+            floors[k].append(run())
     results = {
         k: {
             "read": statistics.median(s[0] for s in v),
@@ -301,22 +327,34 @@ def main(argv: list[str] | None = None) -> None:
         for k, v in samples.items()
     }
     rust = dict(results.pop("rust"), load_s=load_s)
+    rust_aten = results.pop("rust-aten", None)
     hf = {k.removeprefix("hf-"): v for k, v in results.items()}
     best = max(hf, key=lambda k: hf[k]["decode"])
 
     print(f"{'':28}{'prompt read tok/s':>20}{'decode tok/s':>16}")
     print(f"{'rust (gemma_engine)':28}{rust['read']:>20.1f}{rust['decode']:>16.1f}   (load {rust['load_s']:.1f} s)")
+    if rust_aten:
+        print(f"{'rust, ATen matmul':28}{rust_aten['read']:>20.1f}{rust_aten['decode']:>16.1f}")
     for k, r in hf.items():
         print(f"{'transformers, ' + k + ' cache':28}{r['read']:>20.1f}{r['decode']:>16.1f}")
     base = hf[best]
     agree = next((i for i, (a, b) in enumerate(zip(rust["tokens"], base["tokens"])) if a != b), len(base["tokens"]))
     print(f"rust/transformers ({best} cache, the faster HF decode): "
           f"decode {rust['decode'] / base['decode']:.2f}x, prompt read {rust['read'] / base['read']:.2f}x")
+    if rust_aten:
+        print(f"oneDNN/ATen matmul, same engine: decode {rust['decode'] / rust_aten['decode']:.2f}x, "
+              f"prompt read {rust['read'] / rust_aten['read']:.2f}x")
     print(f"first {agree} of {new} greedy tokens agree")
     print(f"rust decode reads weights at {read_bytes * rust['decode'] / 1e9:.2f} GB/s effective")
-    floor_tok_s = statistics.median(floor)
-    print(f"matrix-vector products alone: {floor_tok_s:.1f} steps/s; rust decode is {rust['decode'] / floor_tok_s:.0%} "
-          f"of that floor, transformers {base['decode'] / floor_tok_s:.0%}")
+    floor = {k: statistics.median(v) for k, v in floors.items()}
+    print(f"matrix-vector products alone, ATen's kernels: {floor['aten']:.1f} steps/s; transformers decode is "
+          f"{base['decode'] / floor['aten']:.0%} of that floor" + (
+              f", the engine on them {rust_aten['decode'] / floor['aten']:.0%}" if rust_aten else
+              f", rust {rust['decode'] / floor['aten']:.0%}"))
+    if "onednn" in floor:
+        print(f"matrix-vector products alone, oneDNN's kernels: {floor['onednn']:.1f} steps/s "
+              f"({floor['onednn'] / floor['aten']:.2f}x ATen's); rust decode is {rust['decode'] / floor['onednn']:.0%} "
+              "of that floor")
 
 
 if __name__ == "__main__":

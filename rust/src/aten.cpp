@@ -4,6 +4,7 @@
 #include <Python.h>
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -324,6 +325,28 @@ gt *aten_int4_mm(gt *x, gt *packed, int64_t group, gt *scales_zeros) {
 }
 
 int aten_scalar_type(gt *t) { return static_cast<int>(t->t.scalar_type()); }
+// The oneDNN ops are a library's (namespace mkldnn), with no at:: function: they are called boxed,
+// through the dispatcher, which checks the arguments against their schemas.
+namespace {
+at::Tensor call_boxed(const char *name, std::vector<c10::IValue> args) {
+  const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+  op.callBoxed(&args);
+  return args.at(0).toTensor();
+}
+}  // namespace
+
+int aten_has_onednn(void) { return at::hasMKLDNN() ? 1 : 0; }
+
+gt *aten_onednn_pack(gt *w) { RET(call_boxed("mkldnn::_reorder_linear_weight", {w->t, c10::IValue()})) }
+
+gt *aten_onednn_linear(gt *x, gt *packed) {
+  // mkldnn::_linear_pointwise(X, W, B?, attr, scalars, algorithm?): no bias, no fused activation.
+  RET(call_boxed("mkldnn::_linear_pointwise",
+                 {x->t, packed->t, c10::IValue(), c10::IValue(std::string("none")),
+                  c10::IValue(c10::impl::GenericList(c10::OptionalType::create(c10::NumberType::get()))),
+                  c10::IValue()}))
+}
+
 int64_t aten_nbytes(gt *t) { return static_cast<int64_t>(t->t.nbytes()); }
 
 int aten_sort(gt *a, int descending, gt **values, gt **indices) {

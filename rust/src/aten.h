@@ -99,6 +99,14 @@ int aten_unbind(gt *t, int64_t dim, gt **out, size_t n);
 gt *aten_int4_pack(gt *w, int64_t inner_k_tiles, gt *like);
 /* `x @ dequant(packed).T`, x bfloat16 `[rows, in]`; scales_zeros bfloat16 `[in / group, out, 2]`. */
 gt *aten_int4_mm(gt *x, gt *packed, int64_t group, gt *scales_zeros);
+/* oneDNN's linear on the CPU over a weight packed once: ATen's `mkldnn::_reorder_linear_weight` and
+   `mkldnn::_linear_pointwise` ops (registered in PyTorch's aten/src/ATen/native/mkldnn/Linear.cpp;
+   the kernels torch._inductor emits for a frozen CPU model). has_onednn is 1 when this torch was
+   built with oneDNN. pack takes a float32 `[out, in]` weight; linear computes `x @ w.T` for x
+   `[rows, in]`. */
+int aten_has_onednn(void);
+gt *aten_onednn_pack(gt *w);
+gt *aten_onednn_linear(gt *x, gt *packed);
 /* The c10::ScalarType code. */
 int aten_scalar_type(gt *t);
 /* CUDA graphs (at::cuda::CUDAGraph), when the shim was built against a torch with CUDA

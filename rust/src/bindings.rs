@@ -241,7 +241,7 @@ impl Engine {
     ///         shape), bad dtype, context/prefill_chunk/max_batch < 1, a KV cache that does not fit.
     #[new]
     #[pyo3(signature = (model_dir, emb_dir=None, like=None, context=8192, dtype="bfloat16", prefill_chunk=256,
-                        max_batch=1, packed_int4=None, cuda_graphs=true))]
+                        max_batch=1, packed_int4=None, cuda_graphs=true, onednn=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -254,9 +254,10 @@ impl Engine {
         max_batch: i64,
         packed_int4: Option<bool>,
         cuda_graphs: bool,
+        onednn: Option<bool>,
     ) -> PyResult<Engine> {
-        let settings =
-            Settings { context, dtype: parse_dtype(dtype)?, prefill_chunk, max_batch, packed_int4, cuda_graphs };
+        let dtype = parse_dtype(dtype)?;
+        let settings = Settings { context, dtype, prefill_chunk, max_batch, packed_int4, cuda_graphs, onednn };
         let (like, like_py) = match like {
             Some(t) => (tensor_arg(t, "like")?, t.clone().unbind()),
             None => {
@@ -311,6 +312,7 @@ impl Engine {
         let d = PyDict::new(py);
         d.set_item("int4", w.int4)?;
         d.set_item("bytes", w.bytes)?;
+        d.set_item("linear", w.linear)?;
         Ok(d)
     }
 

@@ -85,6 +85,9 @@ unsafe extern "C" {
     pub fn aten_unbind(t: T, dim: i64, out: *mut T, n: usize) -> c_int;
     pub fn aten_int4_pack(w: T, inner_k_tiles: i64, like: T) -> T;
     pub fn aten_int4_mm(x: T, packed: T, group: i64, scales_zeros: T) -> T;
+    pub fn aten_has_onednn() -> c_int;
+    pub fn aten_onednn_pack(w: T) -> T;
+    pub fn aten_onednn_linear(x: T, packed: T) -> T;
     pub fn aten_nbytes(t: T) -> i64;
     pub fn aten_graph_begin(like: T, share: *mut CGraph) -> *mut CGraph;
     pub fn aten_graph_end(g: *mut CGraph) -> c_int;

@@ -292,6 +292,22 @@ impl Tensor {
         wrap("addcmul", ffi!("addcmul", ffi::aten_addcmul(self.ptr(), b.ptr(), c.ptr())))
     }
 
+    /// Whether this torch has oneDNN (`onednn_pack`, `onednn_linear`).
+    pub fn has_onednn() -> bool {
+        // SAFETY: takes nothing, touches nothing.
+        unsafe { ffi::aten_has_onednn() == 1 }
+    }
+
+    /// A float32 `[out, in]` weight in oneDNN's packed layout, for `onednn_linear` (CPU).
+    pub fn onednn_pack(&self) -> Result<Tensor> {
+        wrap("onednn_pack", ffi!("onednn_pack", ffi::aten_onednn_pack(self.ptr())))
+    }
+
+    /// `self @ w.T` for a weight packed by `onednn_pack`.
+    pub fn onednn_linear(&self, packed: &Tensor) -> Result<Tensor> {
+        wrap("onednn_linear", ffi!("onednn_linear", ffi::aten_onednn_linear(self.ptr(), packed.ptr())))
+    }
+
     /// `out = self @ w.T`, written into `out` (same shape and dtype).
     pub fn linear_into(&self, w: &Tensor, out: &Tensor) -> Result<()> {
         status(ffi!("linear_out", ffi::aten_linear_out(out.ptr(), self.ptr(), w.ptr())))

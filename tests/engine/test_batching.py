@@ -550,21 +550,31 @@ def test_a_float32_decode_step_makes_at_most_26_aten_calls_a_layer_with_its_own_
     checkpoint_dirs,
 ):
     """The decode step's ATen calls (README "The decode step's ATen calls"): a deterministic count,
-    453 a step of the small config (54 and 33 a layer, 84 outside the layers) before the cuts."""
-    engine = _engine(checkpoint_dirs, "dense")
-
-    def calls_of(new: int) -> int:
-        before = gemma_engine.aten_calls()
-        engine.decode(PROMPTS["parity"], new)
-        return gemma_engine.aten_calls() - before
-
-    calls_of(2)  # the first decode step makes the step's buffers
-    steps, prompt_only = 16, calls_of(1)
-    per_step = (calls_of(1 + steps) - prompt_only) / steps
-    calls = engine.layer_calls  # the last forward was a decode step
+    453 a step of the small config (54 and 33 a layer, 84 outside the layers) before the cuts. Counted
+    with ATen's matmul, the path of every device but the CPU, where each call costs a launch; with
+    oneDNN (the CPU's float32 default) each layer adds the copies of its two projections that have
+    buffers (oneDNN's linear has no `_out` form)."""
     config = json.loads((checkpoint_dirs["dense"][0] / "config.json").read_text())
     own = config["num_hidden_layers"] - config["num_kv_shared_layers"]
+
+    def counts(onednn: bool) -> tuple[float, list[int]]:
+        engine = _engine(checkpoint_dirs, "dense", onednn=onednn)
+
+        def calls_of(new: int) -> int:
+            before = gemma_engine.aten_calls()
+            engine.decode(PROMPTS["parity"], new)
+            return gemma_engine.aten_calls() - before
+
+        calls_of(2)  # the first decode step makes the step's buffers
+        steps, prompt_only = 16, calls_of(1)
+        per_step = (calls_of(1 + steps) - prompt_only) / steps
+        return per_step, engine.layer_calls  # the last forward was a decode step
+
+    per_step, calls = counts(onednn=False)
     assert len(calls) == config["num_hidden_layers"] and 0 < own < len(calls)
     assert max(calls[:own]) <= 26, calls
     assert max(calls[own:]) <= 24, calls
     assert per_step - sum(calls) <= 23, (per_step, calls)
+    per_step_onednn, calls_onednn = counts(onednn=True)
+    assert [a - b for a, b in zip(calls_onednn, calls)] == [2] * len(calls)
+    assert per_step_onednn - sum(calls_onednn) == per_step - sum(calls)

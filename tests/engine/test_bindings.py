@@ -135,6 +135,22 @@ def test_bad_engine_argument_is_value_error(dense_checkpoint, kwargs, message):
         gemma_engine.Engine(str(dense_checkpoint), **kwargs)
 
 
+def test_onednn_is_the_cpu_float32_default_and_refused_where_it_cannot_run(dense_checkpoint):
+    def engine(**kwargs):
+        return gemma_engine.Engine(str(dense_checkpoint), context=32, **kwargs)
+
+    onednn, aten = engine(dtype="float32"), engine(dtype="float32", onednn=False)
+    assert (onednn.weights()["linear"], aten.weights()["linear"]) == ("onednn", "aten")
+    assert engine(dtype="bfloat16").weights()["linear"] == "aten"
+    # The tied lm_head keeps the embedding table and adds its packed copy.
+    config = json.loads((dense_checkpoint / "config.json").read_text())
+    assert config["tie_word_embeddings"] is not False
+    table = config["vocab_size"] * config["hidden_size"] * 4
+    assert onednn.weights()["bytes"] == aten.weights()["bytes"] + table
+    with pytest.raises(ValueError, match="oneDNN linears compute in float32; dtype is bfloat16"):
+        engine(dtype="bfloat16", onednn=True)
+
+
 def test_callback_exception_propagates_from_decode(engine):
     class Boom(Exception):
         pass

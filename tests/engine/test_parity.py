@@ -1,6 +1,7 @@
 """Parity of the Rust engine with Transformers on the three tiny checkpoints.
 
-Float32 compute: 64 of 64 greedy tokens identical to Transformers' greedy run, with the prompt (28
+Float32 compute (dense weights multiplied by oneDNN, the CPU default, and by ATen's matmul): 64 of 64
+greedy tokens identical to Transformers' greedy run, with the prompt (28
 tokens) and the generation running far past the 12-token sliding window; KL(hf || rust) of the
 first generated token's distribution <= 1e-5; the same tokens for prompt chunks smaller than, equal
 to and larger than the window and for several `read_every`. Bfloat16 compute: the first token's
@@ -33,20 +34,29 @@ def _engine(checkpoint_dirs, kind, **kwargs):
     return gemma_engine.Engine(str(model_dir), str(emb_dir) if emb_dir else None, like=torch.zeros(1), **kwargs)
 
 
+# What multiplies the dense weights: oneDNN (the CPU float32 default) and ATen's matmul (every other
+# device's path), both against the same reference.
+LINEARS = ("onednn", "aten")
+
+
+@pytest.mark.parametrize("linear", LINEARS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_float32_greedy_tokens_match_transformers(checkpoint_dirs, hf_runs, kind):
+def test_float32_greedy_tokens_match_transformers(checkpoint_dirs, hf_runs, kind, linear):
     hf_tokens, _ = hf_runs[kind]
-    engine = _engine(checkpoint_dirs, kind, context=CONTEXT, dtype="float32")
+    engine = _engine(checkpoint_dirs, kind, context=CONTEXT, dtype="float32", onednn=linear == "onednn")
+    assert engine.weights()["linear"] == linear
     tokens, finish, _, _ = engine.decode(ck.PARITY_PROMPT, ck.GENERATE_TOKENS)
     assert len(hf_tokens) == ck.GENERATE_TOKENS
     assert tokens == hf_tokens
     assert finish == "length"
 
 
+@pytest.mark.parametrize("linear", LINEARS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_float32_first_token_kl_below_1e5(checkpoint_dirs, hf_runs, kind):
+def test_float32_first_token_kl_below_1e5(checkpoint_dirs, hf_runs, kind, linear):
     _, hf_logits = hf_runs[kind]
-    engine = _engine(checkpoint_dirs, kind, context=CONTEXT, dtype="float32", prefill_chunk=5)
+    engine = _engine(checkpoint_dirs, kind, context=CONTEXT, dtype="float32", prefill_chunk=5,
+                     onednn=linear == "onednn")
     rust = engine.logits(ck.PARITY_PROMPT)
     assert rust.dtype == torch.float32 and rust.shape == (engine.vocab_size,)
     log_p = torch.log_softmax(hf_logits[0].double(), -1)

@@ -132,6 +132,8 @@ def test_metrics_show_slots_and_steps(server, client, model):
     # A float32 engine dequantizes int4 weights (the packed kernels take bfloat16), or has none.
     assert info["engines"][0]["int4_weights"] in ("none", "dequantized")
     assert info["engines"][0]["weight_bytes"] > 0
+    # On the CPU in float32 the dense weights go through oneDNN (rust/src/gemma4/linear.rs).
+    assert info["engines"][0]["linear"] == "onednn"
 
 
 def test_two_engines_on_the_cpu_share_the_requests(chat_checkpoint, direct_engine, tokenizer):

@@ -154,6 +154,7 @@ class Engine:
         max_batch: int = 1,
         packed_int4: bool | None = None,
         cuda_graphs: bool = True,
+        onednn: bool | None = None,
     ) -> None:
         """Load a checkpoint directory (config.json + *.safetensors).
 
@@ -183,11 +184,17 @@ class Engine:
                 and replay it from then on: one launch a step instead of one per ATen call.
                 Prompt chunks run eagerly. Ignored on other devices, and when the engine was
                 built against a torch without CUDA.
+            onednn: multiply dense weights with oneDNN (packed once at load into its layout,
+                as torch._inductor does for a frozen CPU model) instead of ATen's matmul:
+                much faster for the few rows of a decode step. None (default) uses it on the
+                CPU in float32 when this torch has oneDNN; True requires it; False never. A
+                tied lm_head keeps the embedding table and adds its packed copy.
         Raises:
             ValueError: bad config key, missing or misshapen tensor (named, with
                 the expected shape), bad dtype, context, prefill_chunk or max_batch < 1,
                 packed_int4=True with a dtype other than bfloat16 or on a device without
-                the int4 kernels,
+                the int4 kernels, onednn=True off the CPU, in another dtype or without
+                oneDNN,
                 or a KV cache of max_batch x kv_bytes_per_slot that does not fit in the
                 device's free memory after the weights (CPU: MemAvailable and the cgroup
                 limit; CUDA: torch.cuda.mem_get_info; other devices are not checked).
@@ -206,9 +213,11 @@ class Engine:
     @property
     def device(self) -> str: ...
     def weights(self) -> dict[str, int | str]:
-        """{"int4": "packed" | "dequantized" | "mixed" | "none", "bytes": int}: how the int4
-        linears reached the device ("none": the checkpoint has none), and the bytes of every
-        weight on the device (packed int4 linears at their packed size, scales included)."""
+        """{"int4": "packed" | "dequantized" | "mixed" | "none", "bytes": int,
+        "linear": "onednn" | "aten"}: how the int4 linears reached the device ("none": the
+        checkpoint has none), the bytes of every weight on the device (packed int4 linears at
+        their packed size, scales included; a tied lm_head's oneDNN copy too), and what
+        multiplies the dense weights (`onednn`)."""
 
     @property
     def captured_steps(self) -> int:

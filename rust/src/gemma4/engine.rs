@@ -295,6 +295,9 @@ pub struct Settings {
     /// dequantize at load. Not the default: ATen's int4 kernels round differently from the
     /// dequantized product Transformers computes, enough to change tokens of a small random model.
     pub packed_int4: Option<bool>,
+    /// Multiply dense weights with oneDNN (linear.rs): Some(true) requires it (CPU, float32, a
+    /// torch with oneDNN); None uses it where it can; Some(false) uses ATen's matmul.
+    pub onednn: Option<bool>,
 }
 
 impl Settings {
@@ -307,6 +310,24 @@ impl Settings {
             }
         }
         Ok(())
+    }
+
+    /// Whether dense weights go through oneDNN on `device` (ATen's device string).
+    fn onednn(&self, device: &str) -> Result<bool> {
+        let why_not = if !device.starts_with("cpu") {
+            Some(format!("oneDNN linears run on the CPU; the device is {device}"))
+        } else if self.dtype != DType::F32 {
+            Some(format!("oneDNN linears compute in float32; dtype is {}", self.dtype.name()))
+        } else if !Tensor::has_onednn() {
+            Some("this torch was built without oneDNN (torch.backends.mkldnn.is_available() is False)".into())
+        } else {
+            None
+        };
+        match (self.onednn, why_not) {
+            (Some(false), _) | (None, Some(_)) => Ok(false),
+            (_, None) => Ok(true),
+            (Some(true), Some(why)) => Err(Error::Input(why)),
+        }
     }
 
     /// How int4 weights reach `device` (ATen's device string).
@@ -334,6 +355,8 @@ pub struct WeightsInfo {
     /// "none" (no int4 weights).
     pub int4: &'static str,
     pub bytes: i64,
+    /// "onednn" or "aten": what multiplies the dense weights (`Settings::onednn`).
+    pub linear: &'static str,
 }
 
 impl Engine {
@@ -354,8 +377,9 @@ impl Engine {
             Some(d) => Some(Checkpoint::open(d, emb_quant(d, cfg.quant.clone())?)?),
             None => None,
         };
-        let int4 = settings.int4_path(&like.device()?)?;
-        let weights = Weights::new(main, emb, like.shallow_clone()?, settings.dtype, int4);
+        let device = like.device()?;
+        let (int4, onednn) = (settings.int4_path(&device)?, settings.onednn(&device)?);
+        let weights = Weights::new(main, emb, like.shallow_clone()?, settings.dtype, int4, onednn);
         let model = Model::load(cfg, &weights, settings.context)?;
         let loaded = weights.loaded();
         let b = settings.max_batch;
@@ -414,7 +438,7 @@ impl Engine {
             (0, _) => "dequantized",
             _ => "mixed",
         };
-        WeightsInfo { int4, bytes: l.bytes }
+        WeightsInfo { int4, bytes: l.bytes, linear: if l.onednn { "onednn" } else { "aten" } }
     }
 
     /// ATen calls each layer made in the last forward (a decode step after `decode`).
@@ -1085,6 +1109,7 @@ mod tests {
             max_batch: 0,
             packed_int4: None,
             cuda_graphs: true,
+            onednn: None,
         };
         assert!(s.check().unwrap_err().to_string().contains("max_batch"));
         assert!(Settings { max_batch: 2, ..s }.check().is_ok());

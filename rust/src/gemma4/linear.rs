@@ -4,6 +4,11 @@
 //! (`_weight_int4pack_mm` on CUDA, `_weight_int4pack_mm_for_cpu` on the CPU), which dequantizes a
 //! tile at a time in its registers: a quarter of the bytes a bfloat16 weight reads per token. The
 //! kernels take bfloat16 activations `[rows, in]`, so the model keeps its hidden states 2-d.
+//!
+//! On the CPU in float32, a dense weight is packed once into oneDNN's layout and multiplied by
+//! oneDNN (`Tensor::onednn_linear`), as PyTorch's own compiler does for a frozen CPU model
+//! (torch._inductor's mkldnn weight packing). For the few rows of a decode step that is much faster
+//! than ATen's default CPU matmul (bench/engine.py prints both).
 
 use crate::error::Result;
 use crate::tensor::Tensor;
@@ -17,6 +22,8 @@ pub enum Linear {
         scales_zeros: Tensor,
         group: i64,
     },
+    /// A float32 weight in oneDNN's packed layout (`Tensor::onednn_pack`).
+    OneDnn(Tensor),
 }
 
 impl Linear {
@@ -25,6 +32,7 @@ impl Linear {
         match self {
             Linear::Dense(w) => x.linear(w),
             Linear::Int4 { packed, scales_zeros, group } => x.int4_mm(packed, *group, scales_zeros),
+            Linear::OneDnn(packed) => x.onednn_linear(packed),
         }
     }
 
@@ -32,8 +40,8 @@ impl Linear {
     pub fn forward_into(&self, x: &Tensor, out: &Tensor) -> Result<()> {
         match self {
             Linear::Dense(w) => x.linear_into(w, out),
-            // The int4 kernels have no `_out` form.
-            Linear::Int4 { .. } => out.copy_(&self.forward(x)?),
+            // The int4 and oneDNN kernels have no `_out` form.
+            Linear::Int4 { .. } | Linear::OneDnn(_) => out.copy_(&self.forward(x)?),
         }
     }
 
@@ -42,6 +50,7 @@ impl Linear {
         match self {
             Linear::Dense(w) => vec![w],
             Linear::Int4 { packed, scales_zeros, .. } => vec![packed, scales_zeros],
+            Linear::OneDnn(packed) => vec![packed],
         }
     }
 }

@@ -101,11 +101,7 @@ impl Model {
             None
         };
         let layers = (0..cfg.num_layers).map(|i| DecoderLayer::load(w, &cfg, i)).collect::<Result<Vec<_>>>()?;
-        let lm_head = if cfg.tie_word_embeddings {
-            Linear::Dense(embed_tokens.shallow_clone()?)
-        } else {
-            w.linear("lm_head", v, h)?
-        };
+        let lm_head = if cfg.tie_word_embeddings { w.table_linear(&embed_tokens)? } else { w.linear("lm_head", v, h)? };
         let mut ropes = [None, None];
         for kind in [LayerType::Sliding, LayerType::Full] {
             if let Some(d) = type_head_dim(&cfg, kind)? {

@@ -298,6 +298,8 @@ pub struct Loaded {
     /// Quantized linears kept packed, and dequantized.
     pub packed: usize,
     pub dequantized: usize,
+    /// Dense linears go through oneDNN.
+    pub onednn: bool,
 }
 
 /// Everything a `load` function needs: the checkpoint(s), the device and the compute dtype.
@@ -308,12 +310,22 @@ pub struct Weights {
     pub like: Tensor,
     pub dtype: DType,
     int4: Int4Path,
+    /// Dense linears in oneDNN's packed layout (linear.rs).
+    onednn: bool,
     loaded: Cell<Loaded>,
 }
 
 impl Weights {
-    pub fn new(main: Checkpoint, emb: Option<Checkpoint>, like: Tensor, dtype: DType, int4: Int4Path) -> Weights {
-        Weights { main, emb, like, dtype, int4, loaded: Cell::new(Loaded::default()) }
+    pub fn new(
+        main: Checkpoint,
+        emb: Option<Checkpoint>,
+        like: Tensor,
+        dtype: DType,
+        int4: Int4Path,
+        onednn: bool,
+    ) -> Weights {
+        let loaded = Cell::new(Loaded { onednn, ..Loaded::default() });
+        Weights { main, emb, like, dtype, int4, onednn, loaded }
     }
 
     /// Whether the model may fold a constant into a neighbouring op (a norm's weight, an eps, a
@@ -354,10 +366,10 @@ impl Weights {
             Some(linear) => linear,
             None => {
                 let dense = parts.into_iter().map(|p| p.dense(&self.like, self.dtype)).collect::<Result<Vec<_>>>()?;
-                Linear::Dense(match &dense[..] {
+                self.dense_linear(match &dense[..] {
                     [one] => one.shallow_clone()?,
                     many => Tensor::cat(&many.iter().collect::<Vec<_>>(), 0)?,
-                })
+                })?
             }
         };
         let packed = matches!(linear, Linear::Int4 { .. });
@@ -366,6 +378,22 @@ impl Weights {
             (false, true) => l.dequantized += 1,
             (false, false) => {}
         })?;
+        Ok(linear)
+    }
+
+    /// The linear of a dense `[out, in]` weight on the device: packed for oneDNN when the engine
+    /// uses it (linear.rs). Not counted as loaded (`fused` counts what it makes).
+    fn dense_linear(&self, w: Tensor) -> Result<Linear> {
+        Ok(if self.onednn { Linear::OneDnn(w.onednn_pack()?) } else { Linear::Dense(w) })
+    }
+
+    /// A linear over a table already loaded (the tied lm_head over `embed_tokens`): the table itself,
+    /// or its oneDNN copy, which is counted as loaded.
+    pub fn table_linear(&self, table: &Tensor) -> Result<Linear> {
+        let linear = self.dense_linear(table.shallow_clone()?)?;
+        if self.onednn {
+            self.count(&linear.tensors(), |_| {})?;
+        }
         Ok(linear)
     }
 
