@@ -337,6 +337,8 @@ at::Tensor call_boxed(const char *name, std::vector<c10::IValue> args) {
 
 int aten_has_onednn(void) { return at::hasMKLDNN() ? 1 : 0; }
 
+gt *aten_pad_rows(gt *x, int64_t extra) { RET(at::constant_pad_nd(x->t, {0, 0, 0, extra})) }
+
 gt *aten_onednn_pack(gt *w) { RET(call_boxed("mkldnn::_reorder_linear_weight", {w->t, c10::IValue()})) }
 
 gt *aten_onednn_linear(gt *x, gt *packed) {

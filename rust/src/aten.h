@@ -105,6 +105,8 @@ gt *aten_int4_mm(gt *x, gt *packed, int64_t group, gt *scales_zeros);
    built with oneDNN. pack takes a float32 `[out, in]` weight; linear computes `x @ w.T` for x
    `[rows, in]`. */
 int aten_has_onednn(void);
+/* x `[rows, n]` followed by `extra` rows of zeros. */
+gt *aten_pad_rows(gt *x, int64_t extra);
 gt *aten_onednn_pack(gt *w);
 gt *aten_onednn_linear(gt *x, gt *packed);
 /* The c10::ScalarType code. */

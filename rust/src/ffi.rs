@@ -86,6 +86,7 @@ unsafe extern "C" {
     pub fn aten_int4_pack(w: T, inner_k_tiles: i64, like: T) -> T;
     pub fn aten_int4_mm(x: T, packed: T, group: i64, scales_zeros: T) -> T;
     pub fn aten_has_onednn() -> c_int;
+    pub fn aten_pad_rows(x: T, extra: i64) -> T;
     pub fn aten_onednn_pack(w: T) -> T;
     pub fn aten_onednn_linear(x: T, packed: T) -> T;
     pub fn aten_nbytes(t: T) -> i64;

@@ -264,6 +264,7 @@ class Boot:
                 str(model_dir), str(emb_dir) if emb_dir else None, torch.zeros(1, device=worker.device),
                 context=c.context, dtype=c.dtype, prefill_chunk=c.prefill_chunk, max_batch=c.max_num_seqs,
                 packed_int4=c.packed_int4 or None, cuda_graphs=c.cuda_graphs,
+                onednn={"auto": None, "on": True, "off": False}[c.onednn],
             )
             worker.set_engine(engine)
             return engine.context, engine.vocab_size

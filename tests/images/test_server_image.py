@@ -224,7 +224,10 @@ def test_sigterm_drains_the_running_request_and_the_container_exits_0(cold):
     docker("kill", "--signal", "TERM", cold.container.name)
     rest = list(events)
     assert rest[-1] == "data: [DONE]", rest[-3:]
-    assert '"finish_reason":"stop"' in rest[-2].replace(" ", ""), f"the drained request was cut short: {rest[-2]}"
+    # It ends as a request ends on its own, at an eos or at max_tokens (the sampled tokens decide which);
+    # a request the drain cuts gets an error event instead.
+    last = json.loads(rest[-2].removeprefix("data: "))
+    assert last["choices"][0]["finish_reason"] in ("stop", "length"), f"the drained request was cut short: {rest[-2]}"
     assert cold.container.wait(cold.grace) == 0, cold.container.tail()
 
 

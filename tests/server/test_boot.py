@@ -171,3 +171,19 @@ def test_a_restart_with_a_warm_build_cache_skips_the_compile(spawn, chat_checkpo
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     warm.sigterm()
     assert warm.wait_exit(60) == 0
+
+
+def test_onednn_setting_picks_what_multiplies_the_dense_weights(spawn, chat_checkpoint):
+    """On the CPU in float32, auto (the default) multiplies with oneDNN, off with ATen's matmul; both serve
+    the same greedy text (they round the products differently, not enough to move the tiny model's greedy
+    tokens)."""
+    texts = []
+    for onednn, linear in (("auto", "onednn"), ("off", "aten")):
+        s = spawn("--model", str(chat_checkpoint), "--use-installed-engine", *COMMON, env={"GEMMA_ONEDNN": onednn})
+        wait_for(lambda: get_status(s.base + "/health") == 200, 300, "/health 200")
+        assert [e["linear"] for e in engine_info(s.base)["engines"]] == [linear]
+        body = {"model": "chat", "prompt": "the ocean", "max_tokens": 12}
+        texts.append(httpx.post(s.base + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"])
+        s.proc.terminate()
+        s.proc.wait(60)
+    assert texts[0] == texts[1] and texts[0]

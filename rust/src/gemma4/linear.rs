@@ -8,7 +8,9 @@
 //! On the CPU in float32, a dense weight is packed once into oneDNN's layout and multiplied by
 //! oneDNN (`Tensor::onednn_linear`), as PyTorch's own compiler does for a frozen CPU model
 //! (torch._inductor's mkldnn weight packing). For the few rows of a decode step that is much faster
-//! than ATen's default CPU matmul (bench/engine.py prints both).
+//! than ATen's default CPU matmul (bench/engine.py prints both). oneDNN makes a kernel for each input
+//! shape it sees and keeps it (its primitive cache), with memory that adds up: a few hundred prompt
+//! lengths grew a server by 700 MB. So its inputs are padded to a few row counts (`onednn_rows`).
 
 use crate::error::Result;
 use crate::tensor::Tensor;
@@ -32,7 +34,13 @@ impl Linear {
         match self {
             Linear::Dense(w) => x.linear(w),
             Linear::Int4 { packed, scales_zeros, group } => x.int4_mm(packed, *group, scales_zeros),
-            Linear::OneDnn(packed) => x.onednn_linear(packed),
+            Linear::OneDnn(packed) => {
+                let rows = x.size()?[0];
+                match onednn_rows(rows) - rows {
+                    0 => x.onednn_linear(packed),
+                    extra => x.pad_rows(extra)?.onednn_linear(packed)?.narrow(0, 0, rows),
+                }
+            }
         }
     }
 
@@ -51,6 +59,31 @@ impl Linear {
             Linear::Dense(w) => vec![w],
             Linear::Int4 { packed, scales_zeros, .. } => vec![packed, scales_zeros],
             Linear::OneDnn(packed) => vec![packed],
+        }
+    }
+}
+
+/// The rows oneDNN multiplies for `rows` input rows: up to 16 as they are (every decode bucket of up to
+/// 16 slots, short prompts), then the next power of two up to 256, then the next multiple of 256. A
+/// prompt forward of up to 256 tokens so runs on one of 20 shapes, at most twice its rows.
+fn onednn_rows(rows: i64) -> i64 {
+    match rows {
+        ..=16 => rows,
+        17..=256 => (rows as u64).next_power_of_two() as i64,
+        _ => (rows + 255) / 256 * 256,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn onednn_sees_few_row_counts() {
+        let shapes: std::collections::BTreeSet<i64> = (1..=1024).map(onednn_rows).collect();
+        assert_eq!(shapes.len(), 16 + 4 + 3); // 1..=16, 32..=256 doubling, 512, 768, 1024
+        for rows in 1..=1024 {
+            assert!(onednn_rows(rows) >= rows && onednn_rows(rows) <= 2 * rows.max(128), "{rows}");
         }
     }
 }
