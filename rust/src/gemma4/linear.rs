@@ -64,13 +64,13 @@ impl Linear {
 }
 
 /// The rows oneDNN multiplies for `rows` input rows: up to 16 as they are (every decode bucket of up to
-/// 16 slots, short prompts), then the next power of two up to 256, then the next multiple of 256. A
-/// prompt forward of up to 256 tokens so runs on one of 20 shapes, at most twice its rows.
+/// 16 slots, short prompts), 32 or 64, then the next multiple of 64. A prompt forward of up to 256
+/// tokens so runs on one of 21 shapes, with at most 63 padding rows once past 64.
 fn onednn_rows(rows: i64) -> i64 {
     match rows {
         ..=16 => rows,
-        17..=256 => (rows as u64).next_power_of_two() as i64,
-        _ => (rows + 255) / 256 * 256,
+        17..=64 => (rows as u64).next_power_of_two() as i64,
+        _ => (rows + 63) / 64 * 64,
     }
 }
 
@@ -80,10 +80,11 @@ mod tests {
 
     #[test]
     fn onednn_sees_few_row_counts() {
-        let shapes: std::collections::BTreeSet<i64> = (1..=1024).map(onednn_rows).collect();
-        assert_eq!(shapes.len(), 16 + 4 + 3); // 1..=16, 32..=256 doubling, 512, 768, 1024
+        let shapes = |top: i64| (1..=top).map(onednn_rows).collect::<std::collections::BTreeSet<i64>>().len();
+        assert_eq!(shapes(256), 16 + 2 + 3); // 1..=16, 32, 64, then 128, 192, 256
         for rows in 1..=1024 {
-            assert!(onednn_rows(rows) >= rows && onednn_rows(rows) <= 2 * rows.max(128), "{rows}");
+            let r = onednn_rows(rows);
+            assert!(r >= rows && r < 2 * rows.max(16) && (rows <= 64 || r - rows < 64), "{rows} -> {r}");
         }
     }
 }
