@@ -211,6 +211,20 @@ def test_a_burst_of_short_prompts_is_read_in_one_forward_and_each_gets_its_token
     assert sum(s["prompt_tokens"] for s in script.stats) == 41 + 28 + 9 + 2 + 1
 
 
+def test_a_prompt_read_in_a_group_hands_its_keys_to_its_followers(checkpoint_dirs, greedy):
+    """The n choices of a request whose prompt is read with others in one forward: the follower copies
+    the leader's keys from the grouped read and draws its own tokens."""
+    alone = Script({0: [_sampled(1, seed=9)]}).run(_engine(checkpoint_dirs, "dense", max_batch=1))[1]
+    script = Script({0: [_request(0, "parity", 20), _sampled(1, seed=9), _request(2, "short", 12),
+                         _request(3, "tiny", 12)]})
+    outcomes = script.run(_engine(checkpoint_dirs, "dense", max_batch=4, prefill_chunk=256))
+    for rid, name in [(0, "parity"), (2, "short"), (3, "tiny")]:
+        assert (outcomes[rid].tokens, outcomes[rid].finish) == greedy("dense", name, 12 if rid else 20), rid
+    assert outcomes[1].tokens == alone.tokens and len(alone.tokens) == 40
+    assert [r for s in script.stats for r in s["prompt_reads"]] == [3]
+    assert sum(s["prompt_tokens"] for s in script.stats) == 28 + 9 + 2
+
+
 def test_prompts_read_together_across_a_decoding_slot_leave_its_tokens_exact(checkpoint_dirs, greedy):
     """Three prompts fill the 3 x 28 budget and are read together; the two short requests end, and
     two new ones take slots 0 and 2 while slot 1 decodes. They too are read in one forward, over
