@@ -381,7 +381,7 @@ def main(a) -> int:
 
 
 def report(a, levels, ours, direct, hf, hf_kind, why_not, floor, kernel, steps, gaps) -> None:
-    """`floor[(kernels, threads)][rows]`: seconds; `kernel`: what the engine multiplies with ("onednn" or
+    """`floor[(kernel, threads)][rows]`: seconds; `kernel`: what the engine multiplies with ("onednn" or
     "aten"), whose floor the goal lines use."""
     one, d_one = ours[levels[0]]["agg"], direct.get(levels[0])
     x = f"x C={levels[0]}"
