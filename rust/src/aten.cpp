@@ -326,10 +326,20 @@ gt *aten_int4_mm(gt *x, gt *packed, int64_t group, gt *scales_zeros) {
 
 int aten_scalar_type(gt *t) { return static_cast<int>(t->t.scalar_type()); }
 // The oneDNN ops are a library's (namespace mkldnn), with no at:: function: they are called boxed,
-// through the dispatcher, which checks the arguments against their schemas.
+// through the dispatcher, which checks the arguments against their schemas. Each op is looked up once
+// (the lookup takes the dispatcher's lock), not on every call of a decode step.
 namespace {
-at::Tensor call_boxed(const char *name, std::vector<c10::IValue> args) {
-  const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+const c10::OperatorHandle &reorder_linear_weight() {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_reorder_linear_weight", "");
+  return op;
+}
+
+const c10::OperatorHandle &linear_pointwise() {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  return op;
+}
+
+at::Tensor call_boxed(const c10::OperatorHandle &op, std::vector<c10::IValue> args) {
   op.callBoxed(&args);
   return args.at(0).toTensor();
 }
@@ -339,14 +349,14 @@ int aten_has_onednn(void) { return at::hasMKLDNN() ? 1 : 0; }
 
 gt *aten_pad_rows(gt *x, int64_t extra) { RET(at::constant_pad_nd(x->t, {0, 0, 0, extra})) }
 
-gt *aten_onednn_pack(gt *w) { RET(call_boxed("mkldnn::_reorder_linear_weight", {w->t, c10::IValue()})) }
+gt *aten_onednn_pack(gt *w) { RET(call_boxed(reorder_linear_weight(), {w->t, c10::IValue()})) }
 
 gt *aten_onednn_linear(gt *x, gt *packed) {
-  // mkldnn::_linear_pointwise(X, W, B?, attr, scalars, algorithm?): no bias, no fused activation.
-  RET(call_boxed("mkldnn::_linear_pointwise",
-                 {x->t, packed->t, c10::IValue(), c10::IValue(std::string("none")),
-                  c10::IValue(c10::impl::GenericList(c10::OptionalType::create(c10::NumberType::get()))),
-                  c10::IValue()}))
+  // mkldnn::_linear_pointwise(X, W, B?, attr, scalars, algorithm?): no bias, no fused activation, so
+  // no scalars (an empty Scalar?[], made once; the op only reads it).
+  static const c10::IValue no_scalars(c10::impl::GenericList(c10::OptionalType::create(c10::NumberType::get())));
+  RET(call_boxed(linear_pointwise(),
+                 {x->t, packed->t, c10::IValue(), c10::IValue(std::string("none")), no_scalars, c10::IValue()}))
 }
 
 int64_t aten_nbytes(gt *t) { return static_cast<int64_t>(t->t.nbytes()); }

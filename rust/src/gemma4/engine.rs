@@ -694,9 +694,8 @@ impl Engine {
     /// from the lowest to the highest, left-padded (`padded_prompts`, module docs), and start each
     /// decoding. Returns the prompt tokens read.
     fn read_prompts(&mut self, slots: &mut [Option<Slot>], group: &[usize], drawn: &mut Vec<Drawn>) -> Result<usize> {
-        let (lo, hi) = match (group.iter().min(), group.iter().max()) {
-            (Some(lo), Some(hi)) => (*lo, *hi),
-            _ => return Ok(0),
+        let (Some(&lo), Some(&hi)) = (group.iter().min(), group.iter().max()) else {
+            return Err(Error::Internal("an empty prompt group".into()));
         };
         let prompts: Vec<Option<&[i64]>> = (lo..=hi)
             .map(|i| slots[i].as_ref().filter(|_| group.contains(&i)).map(|s| s.request.prompt.as_slice()))

@@ -9,8 +9,8 @@
 //! oneDNN (`Tensor::onednn_linear`), as PyTorch's own compiler does for a frozen CPU model
 //! (torch._inductor's mkldnn weight packing). For the few rows of a decode step that is much faster
 //! than ATen's default CPU matmul (bench/engine.py prints both). oneDNN makes a kernel for each input
-//! shape it sees and keeps it (its primitive cache), with memory that adds up: a few hundred prompt
-//! lengths grew a server by 700 MB. So its inputs are padded to a few row counts (`onednn_rows`).
+//! shape it sees and keeps it (its primitive cache), with memory that adds up: 200 prompt lengths
+//! grew a process by 700 MB. So its inputs are padded to a few row counts (`onednn_rows`).
 
 use crate::error::Result;
 use crate::tensor::Tensor;
