@@ -419,6 +419,7 @@ int aten_scatter_add_(gt *t, int64_t dim, gt *index, gt *src) { RET_INT(t->t.sca
 gt *aten_scatter(gt *t, int64_t dim, gt *index, gt *src) { RET(t->t.scatter(dim, index->t, src->t)) }
 
 int aten_fill_(gt *t, double v) { RET_INT(t->t.fill_(v)) }
+int aten_fill_int_(gt *t, int64_t v) { RET_INT(t->t.fill_(v)) }
 int aten_add_scalar_(gt *t, double v) { RET_INT(t->t.add_(v)) }
 int aten_add_int_(gt *t, int64_t v) { RET_INT(t->t.add_(v)) }
 

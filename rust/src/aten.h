@@ -152,6 +152,8 @@ int aten_copy_(gt *dst, gt *src);
 int aten_scatter_add_(gt *t, int64_t dim, gt *index, gt *src);
 gt *aten_scatter(gt *t, int64_t dim, gt *index, gt *src);
 int aten_fill_(gt *t, double v);
+/* An integer fill: exact for every int64 (a double holds 53 bits and rounds 2^63 - 1 up to 2^63). */
+int aten_fill_int_(gt *t, int64_t v);
 int aten_add_scalar_(gt *t, double v);
 int aten_add_int_(gt *t, int64_t v);
 

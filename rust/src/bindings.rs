@@ -397,6 +397,22 @@ impl Engine {
         Ok(done?)
     }
 
+    /// Make the engine fail request `id` once, at "admit", "prompt" or "decode" (see gemma_engine.pyi):
+    /// for tests of what one failed request leaves behind.
+    ///
+    /// Raises:
+    ///     ValueError: `at` is none of those.
+    fn inject_fault_for_tests(&mut self, at: &str, id: u64) -> PyResult<()> {
+        let at = match at {
+            "admit" => engine::Fault::Admit,
+            "prompt" => engine::Fault::Prompt,
+            "decode" => engine::Fault::Decode,
+            other => return Err(PyValueError::new_err(format!("at must be admit, prompt or decode, got {other:?}"))),
+        };
+        self.inner.inject_fault_for_tests(at, id);
+        Ok(())
+    }
+
     /// float32 [vocab_size] logits (after softcap) for the token after `ids`, read into slot 0
     /// from empty, on the host. For parity checks.
     ///

@@ -120,6 +120,7 @@ unsafe extern "C" {
     pub fn aten_scatter_add_(t: T, dim: i64, index: T, src: T) -> c_int;
     pub fn aten_scatter(t: T, dim: i64, index: T, src: T) -> T;
     pub fn aten_fill_(t: T, v: f64) -> c_int;
+    pub fn aten_fill_int_(t: T, v: i64) -> c_int;
     pub fn aten_add_scalar_(t: T, v: f64) -> c_int;
     pub fn aten_add_int_(t: T, v: i64) -> c_int;
 }

@@ -497,6 +497,11 @@ impl Tensor {
         status(ffi!("fill_", ffi::aten_fill_(self.ptr(), v)))
     }
 
+    /// Fill with an integer, exactly: an int64 seed must not pass through a double on its way.
+    pub fn fill_int_(&self, v: i64) -> Result<()> {
+        status(ffi!("fill_", ffi::aten_fill_int_(self.ptr(), v)))
+    }
+
     pub fn add_scalar_(&self, v: f64) -> Result<()> {
         status(ffi!("add_", ffi::aten_add_scalar_(self.ptr(), v)))
     }

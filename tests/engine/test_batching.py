@@ -494,6 +494,39 @@ def test_kv_cache_that_cannot_fit_is_value_error_naming_max_batch_and_sizes(dens
         _engine({"dense": (dense_checkpoint, None)}, "dense", context=context, max_batch=max_batch)
 
 
+# ----------------------------------------------------------------------------- failed requests
+
+
+@pytest.mark.parametrize("at", ["admit", "prompt", "decode"])
+def test_an_engine_error_fails_its_requests_alone_and_the_loop_serves_on(checkpoint_dirs, greedy, at):
+    """A device error while admitting, reading or decoding one request (injected: the real engine makes
+    none on demand) ends that request "failed" with the error, frees its slot, leaves the other streams'
+    tokens exact, and the loop takes the next requests into the freed slot."""
+    engine = _engine(checkpoint_dirs, "dense", max_batch=3, prefill_chunk=16)
+    engine.inject_fault_for_tests(at, 5)
+    victim = _sampled(5, "other", 30) if at != "prompt" else _request(5, "other", 30)
+    # Greedy streams beside it (one reading its prompt in the same chunks, one already decoding), then
+    # a seeded request and a greedy one that arrive after it failed, in the slot it freed.
+    arrivals = {0: [_request(0, "parity", 40)], 2: [victim, _request(1, "short", 30)],
+                12: [_sampled(9, "long", 20), _request(2, "tiny", 24)]}
+    outcomes = Script(arrivals).run(engine, read_every=2)
+    assert outcomes[5].finish == "failed", outcomes[5]
+    assert f"a fault injected for tests ({at.capitalize()}, request 5)" in outcomes[5].error
+    alone = Script({0: [_sampled(9, "long", 20)]}).run(_engine(checkpoint_dirs, "dense", max_batch=1))[9].tokens
+    assert outcomes[9].tokens == alone and outcomes[9].finish == "length"
+    for rid, name, n in [(0, "parity", 40), (1, "short", 30), (2, "tiny", 24)]:
+        o = outcomes[rid]
+        if at == "decode" and rid in (0, 1) and o.finish == "failed":
+            continue  # a decode step is one forward of every decoding row: the rows it ran fail with it
+        assert (o.tokens, o.finish) == greedy("dense", name, n), rid
+
+
+def test_inject_fault_names_where_it_may_fail(dense_checkpoint):
+    engine = _engine({"dense": (dense_checkpoint, None)}, "dense")
+    with pytest.raises(ValueError, match="at must be admit, prompt or decode"):
+        engine.inject_fault_for_tests("weights", 1)
+
+
 # ----------------------------------------------------------------------------- callback errors
 
 

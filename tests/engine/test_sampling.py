@@ -271,6 +271,25 @@ def test_each_row_draws_the_inverse_cdf_of_its_own_uniform_number():
     assert tokens == [inverse_cdf_draw(logits, u) for u in us]
 
 
+# The int64 seeds a double cannot hold: the top of the range (2**63 - 512 and up round to 2**63, which is
+# not an int64), and neighbours above 2**53 that a double makes one number.
+EDGE_SEEDS = [2**63 - 1, 2**63 - 512, 2**63 - 513, -(2**63), -(2**63) + 1, 2**53 + 1, 2**53 + 2, 2**60, 2**60 + 1, -1]
+
+
+def test_a_slot_draws_with_its_seed_exactly_at_the_int64_edges():
+    logits = _logits(1, seed=8, std=1.0)[0]
+    steps = [0, 5, 17]
+    rows = [(gemma_engine.SamplingParams(temperature=1.0, seed=seed), [], [], step) for seed in EDGE_SEEDS for step in steps]
+    tokens, _ = gemma_engine.sample(logits.expand(len(rows), -1).contiguous(), rows)
+    # Each slot's seed reached the device whole: its draws are those of splitmix64 from that very seed.
+    expected = [inverse_cdf_draw(logits, (splitmix64(seed, step + 1)[-1] >> 40) / 2**24)
+                for seed in EDGE_SEEDS for step in steps]
+    assert tokens == expected
+    # And neighbouring seeds above 2**53 are different seeds: their uniform numbers differ.
+    first = {seed: gemma_engine.uniform([seed], [0])[0] for seed in EDGE_SEEDS}
+    assert first[2**53 + 1] != first[2**53 + 2] and first[2**60] != first[2**60 + 1]
+
+
 @pytest.mark.parametrize(
     "kwargs, field",
     [

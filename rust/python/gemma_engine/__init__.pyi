@@ -44,7 +44,7 @@ def matmul_sum(a: torch.Tensor, b: torch.Tensor) -> float:
 def add_(t: torch.Tensor, value: float) -> None:
     """Add `value` to `t` in place from Rust: proves tensors share storage."""
 
-Finish = Literal["stop", "length", "cancelled", "error"]
+Finish = Literal["stop", "length", "cancelled", "error", "failed"]
 
 def sample(
     logits: torch.Tensor, rows: Sequence[tuple[SamplingParams, Sequence[int], Sequence[int], int]]
@@ -129,7 +129,8 @@ class Event:
     logprobs: list[tuple[float, list[tuple[int, float]]]]
     """Per token, when the request asked: (its logprob, [(token id, logprob), ...] most likely first)."""
     finish: Finish | None
-    """None while the request runs; "error" when it was refused at admission (see `error`)."""
+    """None while the request runs; "error" when it was refused at admission for its own values, "failed"
+    when the engine failed while admitting or running it (`error` says why in both)."""
     error: str | None
     prompt_s: float
     """On the last event: seconds from admission to the read point that delivered the first token."""
@@ -256,7 +257,10 @@ class Engine:
         to cancel, or None to end the loop (requests still running end "cancelled").
         `idle` is True when no request runs, so `poll` may block until there is work. A
         request the engine refuses (prompt too long, id outside the vocabulary, a bad
-        parameter) ends at once with finish "error" and the reason in `Event.error`.
+        parameter) ends at once with finish "error" and the reason in `Event.error`. An
+        error while admitting or running requests (an upload, a prompt forward, a decode
+        step, a read point) ends those requests alone with finish "failed" and the error in
+        `Event.error`, frees their slots, and the loop goes on.
         The GIL is released while the device works and re-taken only for the callbacks.
 
         Raises:
@@ -291,6 +295,16 @@ class Engine:
                 `context` tokens or more, a token id outside [0, vocab_size), a
                 sampling parameter out of range.
             Exception: whatever `on_tokens` raised.
+            RuntimeError: the engine failed while running the request.
+        """
+
+    def inject_fault_for_tests(self, at: Literal["admit", "prompt", "decode"], id: int) -> None:
+        """Make the engine fail request `id` once: at its admission (after its checks passed), in the
+        prompt forward that reads it, or in a decode step that runs it, as a device error would. The
+        one way a test can show that such an error fails those requests alone.
+
+        Raises:
+            ValueError: `at` is none of the three.
         """
 
     def logits(self, ids: Sequence[int]) -> torch.Tensor:

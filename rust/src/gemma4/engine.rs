@@ -31,6 +31,12 @@
 //! draws its own first token from the same logits. The copy holds exactly the keys a second read
 //! would write.
 //!
+//! An error while admitting or running requests fails those requests alone, never the loop: a
+//! request whose upload or sampling state fails at admission, the slots of a prompt forward that
+//! fails, the rows of a decode step that fails, or the slots whose tokens a read point could not
+//! bring back end with `Finish::Failed` and the error's text, their slots are freed, and the loop
+//! serves the next requests. Only an error in freeing a slot, or from the caller's `Io`, ends it.
+//!
 //! Design from vLLM's `v1/core/sched/scheduler.py` (continuous batching, chunked prefill
 //! interleaved with decodes).
 
@@ -51,8 +57,10 @@ pub enum Finish {
     Stop,
     Length,
     Cancelled,
-    /// The request was refused at admission (`Event::error` says why).
+    /// The request was refused at admission by its own values (`Event::error` says why).
     Error,
+    /// The engine failed while admitting or running the request (`Event::error` has the error).
+    Failed,
 }
 
 impl Finish {
@@ -62,6 +70,7 @@ impl Finish {
             Finish::Length => "length",
             Finish::Cancelled => "cancelled",
             Finish::Error => "error",
+            Finish::Failed => "failed",
         }
     }
 }
@@ -138,6 +147,15 @@ pub trait Io {
     fn emit(&mut self, events: Vec<Event>, stats: &StepStats) -> Result<()>;
 }
 
+/// Where `Engine::inject_fault_for_tests` makes the engine fail one request: its admission (after
+/// its checks passed), the prompt forward that reads it, or a decode step that runs it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    Admit,
+    Prompt,
+    Decode,
+}
+
 /// What the binding reports from `layout()`.
 pub struct Layout {
     pub full_rings: i64,
@@ -207,6 +225,8 @@ pub struct Engine {
     steps: Vec<StepViews>,
     /// Some on a CUDA device with `Settings::cuda_graphs`.
     graphs: Option<Graphs>,
+    /// A failure a test asked for (`inject_fault_for_tests`): where, and which request.
+    fault: Option<(Fault, u64)>,
 }
 
 /// What decides the ATen calls of a decode step: its bucket, whether it has padding rows, and the
@@ -395,6 +415,7 @@ impl Engine {
             .then(Graphs::default);
         Ok(Engine {
             graphs,
+            fault: None,
             loaded,
             next,
             positions,
@@ -534,8 +555,16 @@ impl Engine {
         let mut seq = 0u64;
         let mut stats = StepStats::default();
         let mut since = Instant::now();
+        let mut failed: Vec<Event> = Vec::new();
         loop {
-            let events = self.read_point(&mut slots, &mut drawn)?;
+            let mut events = std::mem::take(&mut failed);
+            match self.read_point(&mut slots, &mut drawn) {
+                Ok(read) => events.extend(read),
+                Err(e) => {
+                    let busy: Vec<usize> = (0..slots.len()).filter(|s| slots[*s].is_some()).collect();
+                    events.extend(self.fail(&mut slots, busy, &e)?);
+                }
+            }
             stats.seconds = since.elapsed().as_secs_f64();
             if !events.is_empty() || !stats.batch_sizes.is_empty() || stats.prompt_tokens > 0 {
                 io.emit(events, &stats)?;
@@ -557,7 +586,7 @@ impl Engine {
             stats = StepStats::default();
             since = Instant::now();
             for _ in 0..read_every {
-                if !self.turn(&mut slots, &mut drawn, &mut stats)? {
+                if !self.turn(&mut slots, &mut drawn, &mut stats, &mut failed)? {
                     break;
                 }
             }
@@ -577,8 +606,14 @@ impl Engine {
         let Some(s) = slots.iter().position(|s| s.is_none()) else {
             return refuse(&r, format!("all {} slots are busy", self.max_batch));
         };
-        let prompt = Tensor::from_i64(&r.prompt)?.to_like(&self.like, DType::I64)?;
-        self.sampler.assign(s as i64, &r.params, &prompt)?;
+        let prompt = match self.place(s, &r) {
+            Ok(prompt) => prompt,
+            Err(e) => {
+                let mut failed = Event::end(r.id, Finish::Failed, Timing::default());
+                failed.error = Some(e.to_string());
+                return Ok(Some(failed));
+            }
+        };
         let reading_it = |x: &Option<Slot>| {
             x.as_ref().is_some_and(|x| matches!(x.phase, Phase::Prompt { .. }) && x.request.prompt == r.prompt)
         };
@@ -602,6 +637,50 @@ impl Engine {
             seq: *seq,
         });
         Ok(None)
+    }
+
+    /// Upload `r`'s prompt and give slot `s` its sampling state; the slot is still free, so an error
+    /// here leaves nothing to undo (the next `assign` rewrites the whole row).
+    fn place(&mut self, s: usize, r: &Request) -> Result<Tensor> {
+        self.injected(Fault::Admit, [r.id])?;
+        let prompt = Tensor::from_i64(&r.prompt)?.to_like(&self.like, DType::I64)?;
+        self.sampler.assign(s as i64, &r.params, &prompt)?;
+        Ok(prompt)
+    }
+
+    /// End the requests in the slots `which` as failed by `e`, and free their slots.
+    fn fail(
+        &mut self,
+        slots: &mut [Option<Slot>],
+        which: impl IntoIterator<Item = usize>,
+        e: &Error,
+    ) -> Result<Vec<Event>> {
+        let mut events = Vec::new();
+        for s in which {
+            if slots[s].is_some() {
+                let slot = self.free(slots, s)?;
+                let mut ev = Event::end(slot.request.id, Finish::Failed, timing(&slot));
+                ev.error = Some(e.to_string());
+                events.push(ev);
+            }
+        }
+        Ok(events)
+    }
+
+    /// Make the engine fail request `id` at `at` (once): the one way a test can produce a device
+    /// error on demand, to show that it fails that request alone.
+    pub fn inject_fault_for_tests(&mut self, at: Fault, id: u64) {
+        self.fault = Some((at, id));
+    }
+
+    /// The injected fault, when it is for `at` and one of `ids` (and then it is used up).
+    fn injected(&mut self, at: Fault, ids: impl IntoIterator<Item = u64>) -> Result<()> {
+        let Some((where_, id)) = self.fault else { return Ok(()) };
+        if where_ == at && ids.into_iter().any(|i| i == id) {
+            self.fault = None;
+            return Err(Error::Internal(format!("a fault injected for tests ({at:?}, request {id})")));
+        }
+        Ok(())
     }
 
     /// End the requests whose ids `which` picks as "cancelled" and free their slots.
@@ -636,15 +715,25 @@ impl Engine {
 
     /// One turn: a decode step of every decoding slot, then a chunk of the oldest unread prompt
     /// (a slot whose prompt ends here draws its first token now and decodes from the next turn).
-    /// Returns false when there was nothing to do.
-    fn turn(&mut self, slots: &mut [Option<Slot>], drawn: &mut Vec<Drawn>, stats: &mut StepStats) -> Result<bool> {
+    /// Returns false when there was nothing to do. Requests whose forward failed end in `failed`.
+    fn turn(
+        &mut self,
+        slots: &mut [Option<Slot>],
+        drawn: &mut Vec<Drawn>,
+        stats: &mut StepStats,
+        failed: &mut Vec<Event>,
+    ) -> Result<bool> {
         let top = slots.iter().rposition(|s| s.as_ref().is_some_and(|s| s.live));
         if let Some(top) = top {
             let b = self.steps.iter().map(|s| s.b).find(|b| *b > top as i64).unwrap_or(self.max_batch);
             let rows: Vec<Option<usize>> =
                 (0..b as usize).map(|i| slots[i].as_ref().filter(|s| s.live).map(|_| i)).collect();
             stats.batch_sizes.push(rows.iter().flatten().count());
-            self.decode_step(b, &rows, drawn)?;
+            let ids = self.ids(slots, rows.iter().flatten().copied());
+            if let Err(e) = self.injected(Fault::Decode, ids).and_then(|_| self.decode_step(b, &rows, drawn)) {
+                failed.extend(self.fail(slots, rows.iter().flatten().copied(), &e)?);
+                return Ok(true);
+            }
             for i in rows.iter().flatten() {
                 let slot = slots[*i].as_mut().ok_or_else(|| Error::Internal(format!("slot {i} vanished")))?;
                 slot.drawn += 1;
@@ -664,15 +753,27 @@ impl Engine {
             })
             .collect();
         let group = prompt_group(reading, self.prefill_chunk as usize);
-        match group[..] {
-            [] => {}
-            [s] => stats.prompt_tokens += self.read_prompt(slots, s, drawn)?,
-            _ => stats.prompt_tokens += self.read_prompts(slots, &group, drawn)?,
+        if group.is_empty() {
+            return Ok(top.is_some());
         }
-        if !group.is_empty() {
-            stats.prompt_reads.push(group.len());
+        let ids = self.ids(slots, group.iter().copied());
+        let read = self.injected(Fault::Prompt, ids).and_then(|_| match group[..] {
+            [s] => self.read_prompt(slots, s, drawn),
+            _ => self.read_prompts(slots, &group, drawn),
+        });
+        match read {
+            Ok(read) => {
+                stats.prompt_tokens += read;
+                stats.prompt_reads.push(group.len());
+            }
+            Err(e) => failed.extend(self.fail(slots, group, &e)?),
         }
-        Ok(top.is_some() || !group.is_empty())
+        Ok(true)
+    }
+
+    /// The request ids in the slots `which`.
+    fn ids(&self, slots: &[Option<Slot>], which: impl IntoIterator<Item = usize>) -> Vec<u64> {
+        which.into_iter().filter_map(|s| slots[s].as_ref().map(|slot| slot.request.id)).collect()
     }
 
     /// Read one chunk of slot `s`'s prompt; after the last chunk, draw its first token and start
@@ -1054,6 +1155,7 @@ impl Engine {
         self.run(&mut one, read_every)?;
         match (one.finish, one.error) {
             (Some(Finish::Error), Some(e)) => Err(Error::Input(e)),
+            (Some(Finish::Failed), e) => Err(Error::Internal(e.unwrap_or_default())),
             (Some(finish), _) => Ok(Decoded { tokens: one.tokens, finish, timing: one.timing }),
             (None, _) => Err(Error::Internal("the loop ended without finishing the request".into())),
         }

@@ -249,7 +249,7 @@ impl Sampler {
         row(&self.repetition)?.fill_(params.repetition_penalty)?;
         row(&self.presence)?.fill_(params.presence_penalty)?;
         row(&self.frequency)?.fill_(params.frequency_penalty)?;
-        row(&self.seed)?.fill_(params.seed as f64)?;
+        row(&self.seed)?.fill_int_(params.seed)?;
         row(&self.step)?.fill_(0.0)?;
         row(&self.counts)?.fill_(0.0)?;
         let bias = row(&self.bias)?;
