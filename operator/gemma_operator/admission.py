@@ -3,13 +3,24 @@ this operator passes on at all (its allowlists).
 
 Creating a GemmaRustServer makes the operator create pods, with the operator's rights. So a spec field that
 gives those pods a power (an image of the user's choosing, a ServiceAccount, a Secret in the environment,
-a volume claim, placement on tainted or chosen nodes, pod annotations) must not be settable by someone who
-could not create such a pod. `build_policy` is a ValidatingAdmissionPolicy (admissionregistration.k8s.io/v1,
+a volume claim, a bucket, placement on tainted or chosen nodes, pod annotations) must not be settable by
+someone who could not create such a pod. `build_policy` is a ValidatingAdmissionPolicy (admissionregistration.k8s.io/v1,
 GA in Kubernetes 1.30) whose CEL asks the API server's authorizer about the requesting user: each power
 is admitted when the user may create pods in the namespace, or, for a power that names one object, may use
 that object (`use` the ServiceAccount, `get` the Secret, `get` the PersistentVolumeClaim). On UPDATE only a
 power whose value changes is checked, so a user who may edit GemmaRustServers can still scale one that an
 administrator gave a ServiceAccount. The operator's own writes (metadata, status) change no power.
+
+Some powers are the pod fields the builders derive from other spec fields, checked as those fields:
+- a gs:// bucket (spec.model.source, spec.model.embeddingTwin): the GCS FUSE driver mounts it with the pods'
+  ServiceAccount, the namespace's default one when spec.serviceAccountName is unset, so whatever buckets that
+  account may read are a power of every GemmaRustServer author unless the bucket is checked;
+- the model source of a server that runs with spec.serviceAccountName or spec.model.tokenSecret: the pods
+  read it with those credentials, so on UPDATE a change of the source (or of the embedding twin) is checked
+  even when the credentials stay (on CREATE, the checks of the ServiceAccount and the Secret cover it);
+- spec.accelerator.provisioning spot or flex-start and spec.accelerator.computeClass: a node selector
+  (cloud.google.com/gke-spot, cloud.google.com/gke-flex-start, cloud.google.com/compute-class) and, for
+  spot, a toleration of the spot taint (builders.node_selector, builders.tolerations).
 
 `python -m gemma_operator.admission > crds/gemmarustservers.gemmarust.dev.admission.yaml` writes the policy
 and its binding (`make crds`); the chart ships the same file (files/, templates/admission-policy.yaml) and
@@ -19,8 +30,12 @@ spec.autoscaling and spec.gateway otherwise give no such power: the HPA, ScaledO
 for them act on this server's own pods in its namespace, and whoever may edit a GemmaRustServer may set
 its replicas anyway. Their one exception, a KEDA TriggerAuthentication named by the spec, is a power above.
 
-The operator also refuses, on its own side, pod annotations and tolerations outside the allowlists of its
-settings (`allowlist_problems`): an administrator decides which of those any GemmaRustServer may carry.
+The operator also refuses, on its own side, what falls outside the allowlists of its settings
+(`allowlist_problems`), so an administrator decides what any GemmaRustServer may carry: pod annotations;
+tolerations, judged on the pods the builders make (the spot toleration included; the TPU taint's, which the
+operator itself needs, excepted); extended resources the containers request (google.com/tpu by default;
+GKE adds a toleration for some, e.g. nvidia.com/gpu); and the Prometheus address KEDA queries, which
+otherwise may be any in-cluster URL.
 """
 
 from __future__ import annotations
@@ -31,8 +46,9 @@ from typing import Any, NamedTuple
 
 import yaml
 
+from . import builders
 from . import spec as grs_spec
-from .settings import Settings, allowed
+from .settings import Settings, allowed, allowed_address
 from .status import Problem
 
 POLICY_NAME = f"pod-powers.{grs_spec.API_GROUP}"
@@ -48,12 +64,22 @@ class Power(NamedTuple):
     grant: tuple[str, str] | None  # (resource, verb) on the object `value` names that also allows it
     why: str                # what the power does, for the message
     group: str = ""         # API group of the grant's resource
+    fix: str = ""           # what to do without the right (default: leave the field unset)
+    on_create: bool = True  # False: checked on UPDATE only (other powers cover it on CREATE)
 
 
 def _claim(field: str) -> str:
     return (f"has($s.model.{field}) && $s.model.{field}.startsWith('pvc://') ? "
             f"$s.model.{field}.substring(6).split('/')[0] : ''")
 
+
+def _bucket(field: str) -> str:
+    return (f"has($s.model.{field}) && $s.model.{field}.startsWith('gs://') ? "
+            f"$s.model.{field}.substring(5).split('/')[0] : ''")
+
+
+_CREDENTIALS = "has($s.serviceAccountName) || has($s.model.tokenSecret)"
+_PROVISIONING = "has($s.accelerator) && has($s.accelerator.provisioning) ? $s.accelerator.provisioning : 'standard'"
 
 POWERS = [
     Power("image", "spec.image", f"has($s.image) ? $s.image : {json.dumps(grs_spec.DEFAULT_IMAGE)}",
@@ -70,6 +96,25 @@ POWERS = [
           "the pods mount this PersistentVolumeClaim"),
     Power("embeddingTwinClaim", "spec.model.embeddingTwin", _claim("embeddingTwin"), "''",
           ("persistentvolumeclaims", "get"), "the pods mount this PersistentVolumeClaim"),
+    Power("sourceBucket", "spec.model.source", _bucket("source"), "''", None,
+          "the pods mount this gs:// bucket with their ServiceAccount's rights, the namespace's default "
+          "ServiceAccount's when spec.serviceAccountName is unset",
+          fix="keep the bucket as it is, or use an hf:// or pvc:// source"),
+    Power("embeddingTwinBucket", "spec.model.embeddingTwin", _bucket("embeddingTwin"), "''", None,
+          "the pods mount this gs:// bucket with their ServiceAccount's rights, the namespace's default "
+          "ServiceAccount's when spec.serviceAccountName is unset",
+          fix="keep the bucket as it is, or use an hf:// or pvc:// embedding twin"),
+    Power("credentialedSource", "a change of spec.model.source or spec.model.embeddingTwin",
+          f"{_CREDENTIALS} ? [$s.model.source, has($s.model.embeddingTwin) ? $s.model.embeddingTwin : ''] : []",
+          "[]", None, "the pods read the model with the credentials of spec.serviceAccountName or "
+          "spec.model.tokenSecret", fix="keep the model source as it is", on_create=False),
+    Power("provisioning", "spec.accelerator.provisioning",
+          _PROVISIONING, "'standard'", None,
+          f"spot selects nodes labelled {builders.SPOT_LABEL}=true and tolerates their taint, flex-start selects "
+          f"nodes labelled {builders.FLEX_START_LABEL}=true", fix="leave it at standard"),
+    Power("computeClass", "spec.accelerator.computeClass",
+          "has($s.accelerator) && has($s.accelerator.computeClass) ? $s.accelerator.computeClass : ''", "''", None,
+          f"the pods select nodes labelled {builders.COMPUTE_CLASS_LABEL} with this ComputeClass"),
     Power("tolerations", "spec.tolerations", "has($s.tolerations) ? $s.tolerations : []", "[]", None,
           "the pods tolerate these taints"),
     Power("nodeSelector", "spec.nodeSelector", "has($s.nodeSelector) ? $s.nodeSelector : {}", "{}", None,
@@ -96,6 +141,8 @@ def _old(p: Power) -> str:
 def _validation(p: Power) -> dict[str, Any]:
     new, old = f"variables.{p.name}", f"variables.{_old(p)}"
     ok = [f"{new} == {p.unset}", f"{new} == {old}", "variables.mayCreatePods"]
+    if not p.on_create:
+        ok.insert(0, "oldObject == null")
     pods = 'needs RBAC permission to create pods in namespace " + request.namespace'
     if p.grant:
         resource, verb = p.grant
@@ -104,7 +151,7 @@ def _validation(p: Power) -> dict[str, Any]:
         message = (f'"{p.field} naming " + {new} + " {pods} + ", or to {verb} {resource}/" + {new} + '
                    f'" there ({p.why})"')
     else:
-        message = f'"{p.field} {pods} + " ({p.why}); without it, leave {p.field} unset"'
+        message = f'"{p.field} {pods} + " ({p.why}); without it, {p.fix or f"leave {p.field} unset"}"'
     return {"expression": " || ".join(ok), "messageExpression": message, "reason": "Forbidden",
             "message": f"{p.field} needs RBAC permission to create pods in this namespace ({p.why})"}
 
@@ -150,8 +197,23 @@ def render() -> str:
 # The operator's own allowlists
 
 
+# Container resources that are not extended resources (Kubernetes pkg/apis/core/helper/helpers.go,
+# IsStandardContainerResourceName, v1.30): anything else is a device plugin's, and GKE adds a toleration
+# for some of them (its ExtendedResourceToleration admission, e.g. nvidia.com/gpu).
+STANDARD_RESOURCES = ("cpu", "memory", "ephemeral-storage", "hugepages-*")
+
+
+def _refused(what: str, setting: str, chart: str, entries: tuple[str, ...], fix: str) -> str:
+    return (f"{what} not allowed by this operator ({setting}, chart value operator.{chart}: "
+            f"{', '.join(entries) or 'none'}): {fix}, or ask its administrator to allow it")
+
+
 def allowlist_problems(spec: grs_spec.GemmaRustServerSpec, settings: Settings) -> list[Problem]:
-    """Pod annotations and tolerations of `spec` outside the operator's allowlists, as fatal problems (pure)."""
+    """What `spec` gives its pods (and KEDA) outside the operator's allowlists, as fatal problems (pure).
+
+    Tolerations and resources are judged as the builders produce them, so the spot toleration that
+    spec.accelerator.provisioning adds, and google.com/tpu, which spec.accelerator sets, are judged too.
+    """
     problems = []
     refused = [k for k in spec.pod_annotations if not allowed(k, settings.allowed_pod_annotations)]
     if refused:
@@ -161,16 +223,35 @@ def allowlist_problems(spec: grs_spec.GemmaRustServerSpec, settings: Settings) -
             f"(GEMMA_OPERATOR_ALLOWED_POD_ANNOTATIONS, chart value operator.allowedPodAnnotations: "
             f"{', '.join(settings.allowed_pod_annotations) or 'none'}): remove them, or ask its administrator "
             f"to allow them", fatal=True))
-    for i, toleration in enumerate(spec.tolerations):
+    for source, toleration in builders.sourced_tolerations(spec):
         key = toleration.get("key") or ""
+        if source == "spec.accelerator.type":
+            continue  # the TPU taint's, which every TPU pod needs
         if not allowed(key, settings.allowed_tolerations) or (not key and "*" not in settings.allowed_tolerations):
             what = f"key {key!r}" if key else "no key, so it tolerates every taint"
-            problems.append(Problem(
-                "TolerationNotAllowed",
-                f"spec.tolerations[{i}] ({what}) not allowed by this operator (GEMMA_OPERATOR_ALLOWED_TOLERATIONS, "
-                f"chart value operator.allowedTolerations: {', '.join(settings.allowed_tolerations) or 'none'}): "
-                f"remove it, or ask its administrator to allow that taint key", fatal=True))
+            if source == "spec.accelerator.provisioning":
+                what = f"spot, whose pods tolerate the taint {what}"
+            problems.append(Problem("TolerationNotAllowed", _refused(
+                f"{source} ({what})", "GEMMA_OPERATOR_ALLOWED_TOLERATIONS", "allowedTolerations",
+                settings.allowed_tolerations, "remove it" if source.startswith("spec.tolerations") else
+                "use provisioning standard"), fatal=True))
             break
+    resources = builders.container_resources(spec)
+    extended = {name: "spec.accelerator (TPU chips)" if name == builders.TPU_RESOURCE else f"spec.resources.{kind}"
+                for kind in ("limits", "requests") for name in resources.get(kind, {})
+                if not allowed(name, STANDARD_RESOURCES) and not allowed(name, settings.allowed_extended_resources)}
+    if extended:
+        problems.append(Problem("ExtendedResourceNotAllowed", _refused(
+            "extended resource " + ", ".join(f"{name!r} ({source})" for name, source in extended.items()),
+            "GEMMA_OPERATOR_ALLOWED_EXTENDED_RESOURCES", "allowedExtendedResources",
+            settings.allowed_extended_resources, "remove it"), fatal=True))
+    scaling = spec.autoscaling
+    address = scaling.prometheus.server_address if scaling and scaling.provider != "HPA" else None
+    if address and not allowed_address(address, settings.allowed_prometheus_addresses):
+        problems.append(Problem("PrometheusAddressNotAllowed", _refused(
+            f"spec.autoscaling.prometheus.serverAddress {address!r}", "GEMMA_OPERATOR_ALLOWED_PROMETHEUS_ADDRESSES",
+            "allowedPrometheusAddresses", settings.allowed_prometheus_addresses,
+            "use an allowed address, or spec.autoscaling.provider HPA"), fatal=True))
     return problems
 
 

@@ -73,10 +73,14 @@ GCSFUSE_MOUNT_OPTIONS = "implicit-dirs,file-cache:enable-parallel-downloads:true
 
 
 class Meta(NamedTuple):
-    """The parts of the custom resource's metadata the builders use."""
+    """The parts of the custom resource's metadata the builders use, and what the handlers found about them."""
 
     name: str
     namespace: str
+    uid: str = ""  # the build cache claim's name carries it (build_cache_claim_name)
+    # The build cache claim is the one an earlier version named <name>-build-cache, and this server is its
+    # controller (handlers read it before building): it is kept, so an upgrade does not lose the build.
+    legacy_build_cache: bool = False
 
 
 def selector_labels(meta: Meta) -> dict[str, str]:
@@ -105,8 +109,32 @@ def endpoint(spec: GemmaRustServerSpec, meta: Meta) -> str:
     return f"http://{meta.name}.{meta.namespace}.svc.cluster.local:{spec.server.port}/v1"
 
 
+BUILD_CACHE_SUFFIX = "-build-cache"
+UID_CHARS = 8
+NAME_LIMIT = 63  # a DNS label, so the claim's name fits wherever an object name must be one
+
+
+def legacy_build_cache_claim_name(meta: Meta) -> str:
+    """The build cache claim's name before it carried the uid: any GemmaRustServer's author could pick it, and
+    so name an existing claim of someone else's."""
+    return f"{meta.name}{BUILD_CACHE_SUFFIX}"
+
+
 def build_cache_claim_name(meta: Meta) -> str:
-    return f"{meta.name}-build-cache"
+    """The build cache claim: <name>-build-cache-<first 8 characters of the server's uid>, the name cut so the
+    whole fits 63 characters. The author of a GemmaRustServer chooses its name but not its uid, which the API
+    server assigns, so the name cannot be aimed at an existing claim (handlers also refuse to mount a claim of
+    this name that is not the server's own). The legacy name is kept where this server owns that claim.
+
+    Raises:
+        ValueError: `meta` has no uid.
+    """
+    if meta.legacy_build_cache:
+        return legacy_build_cache_claim_name(meta)
+    if not meta.uid:
+        raise ValueError(f"the build cache claim of {meta.name} is named after its uid: Meta.uid is empty")
+    suffix = f"{BUILD_CACHE_SUFFIX}-{meta.uid[:UID_CHARS]}"
+    return meta.name[:NAME_LIMIT - len(suffix)].rstrip(".-") + suffix
 
 
 def _object(api_version: str, kind: str, name: str, meta: Meta) -> dict[str, Any]:
@@ -210,14 +238,20 @@ def node_affinity(spec: GemmaRustServerSpec) -> dict[str, Any] | None:
         "nodeSelectorTerms": [{"matchExpressions": expressions}]}}}
 
 
-def tolerations(spec: GemmaRustServerSpec) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
+def sourced_tolerations(spec: GemmaRustServerSpec) -> list[tuple[str, dict[str, Any]]]:
+    """Each toleration the pods get, with the spec field it comes from (the operator's allowlist judges these)."""
+    out: list[tuple[str, dict[str, Any]]] = []
     if spec.accelerator.type == TPU_V5E:
-        out.append({"key": TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
+        out.append(("spec.accelerator.type", {"key": TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}))
     if spec.accelerator.provisioning == "spot":
         # Only needed where the spot pool is tainted; harmless elsewhere.
-        out.append({"key": SPOT_LABEL, "operator": "Equal", "value": "true", "effect": "NoSchedule"})
-    return out + [dict(t) for t in spec.tolerations]
+        out.append(("spec.accelerator.provisioning",
+                    {"key": SPOT_LABEL, "operator": "Equal", "value": "true", "effect": "NoSchedule"}))
+    return out + [(f"spec.tolerations[{i}]", dict(t)) for i, t in enumerate(spec.tolerations)]
+
+
+def tolerations(spec: GemmaRustServerSpec) -> list[dict[str, Any]]:
+    return [t for _, t in sourced_tolerations(spec)]
 
 
 def container_resources(spec: GemmaRustServerSpec) -> dict[str, Any]:
@@ -255,6 +289,7 @@ def env(spec: GemmaRustServerSpec, main: ModelMount, twin: ModelMount | None) ->
         {"name": "GEMMA_DTYPE", "value": e.dtype},
         *([{"name": "GEMMA_SERVED_MODEL_NAME", "value": srv.served_model_name}] if srv.served_model_name else []),
         {"name": "GEMMA_PORT", "value": str(srv.port)},
+        {"name": "GEMMA_PROBE_PORT", "value": str(srv.probe_port)},
         {"name": "GEMMA_QUEUE_LIMIT", "value": str(srv.queue_limit)},
         {"name": "GEMMA_SHUTDOWN_TIMEOUT", "value": str(shutdown_plan(spec).drain)},
         {"name": "GEMMA_BUILD_CACHE", "value": f"{CACHE_MOUNT}/build"},
@@ -278,9 +313,10 @@ def env(spec: GemmaRustServerSpec, main: ModelMount, twin: ModelMount | None) ->
 
 
 def probes(spec: GemmaRustServerSpec) -> dict[str, Any]:
-    """startup (covers build, smoke test, weights, warmup), readiness on /health, liveness on /live."""
+    """startup (covers build, smoke test, weights, warmup), readiness on /health, liveness on /live, all on
+    the server's probe listener (GEMMA_PROBE_PORT), where no client's load reaches them."""
     def get(path: str) -> dict[str, Any]:
-        return {"path": path, "port": "http"}
+        return {"path": path, "port": "probes"}
 
     return {
         "startupProbe": {"httpGet": get("/health"), "periodSeconds": STARTUP_PERIOD_SECONDS,
@@ -398,7 +434,8 @@ def build_deployment(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
         "image": spec.image,
         "command": ["python", "-m", "gemma_server"],
         "env": env(spec, main, twin),
-        "ports": [{"name": "http", "containerPort": spec.server.port, "protocol": "TCP"}],
+        "ports": [{"name": "http", "containerPort": spec.server.port, "protocol": "TCP"},
+                  {"name": "probes", "containerPort": spec.server.probe_port, "protocol": "TCP"}],
         **probes(spec),
         "lifecycle": {"preStop": {"sleep": {"seconds": plan.prestop}}},
         "resources": container_resources(spec),
@@ -757,6 +794,12 @@ def foreign(existing: dict[str, Any] | None, owner_uid: str) -> str | None:
     if controller.get("uid") != owner_uid:
         return f"its controller is {controller.get('kind', '?')} {controller.get('name', '?')}"
     return None
+
+
+def claims(deployment: dict[str, Any]) -> set[str]:
+    """The PersistentVolumeClaims a Deployment's pods mount."""
+    volumes = deployment.get("spec", {}).get("template", {}).get("spec", {}).get("volumes") or []
+    return {v["persistentVolumeClaim"].get("claimName") for v in volumes if v.get("persistentVolumeClaim")}
 
 
 def adopt(child: dict[str, Any], owner: dict[str, Any]) -> dict[str, Any]:

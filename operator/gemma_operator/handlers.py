@@ -171,8 +171,8 @@ def sync(body: dict[str, Any], logger: logging.Logger, *, apply: bool = True, pr
         kopf.TemporaryError: the API server failed in a way worth retrying.
     """
     meta_d = body["metadata"]
-    meta = builders.Meta(meta_d["name"], meta_d["namespace"])
     uid = meta_d.get("uid", "")
+    meta = builders.Meta(meta_d["name"], meta_d["namespace"], uid)
     k = kube()
     with _lock(uid):
         try:
@@ -207,6 +207,40 @@ def _foreign_child(k: Kube, obj: dict[str, Any], uid: str) -> status.Problem | N
                           fatal=False)
 
 
+def _build_cache_claim(k: Kube, meta: builders.Meta) -> tuple[builders.Meta, list[status.Problem]]:
+    """Which claim a pvc build cache is, read afresh on every sync (a claim can be replaced between two).
+
+    The claim an earlier version named <name>-build-cache stays the build cache where this server is its
+    controller (an upgrade keeps the build); otherwise it is the uid-named claim, and a claim of that name
+    that is not this server's is a fatal problem: a forced apply would take it over, and the pods would mount
+    someone else's volume read-write (and run the engine built on it).
+
+    Returns:
+        `meta`, marked when the legacy claim is kept, and the problem, if any.
+    """
+    legacy = k.get_if_present("v1", "PersistentVolumeClaim", meta.namespace,
+                              builders.legacy_build_cache_claim_name(meta))
+    if legacy is not None and builders.foreign(legacy, meta.uid) is None:
+        return meta._replace(legacy_build_cache=True), []
+    name = builders.build_cache_claim_name(meta)
+    why = builders.foreign(k.get_if_present("v1", "PersistentVolumeClaim", meta.namespace, name), meta.uid)
+    if why is None:
+        return meta, []
+    return meta, [status.Problem(
+        "BuildCacheClaimNotOwned", f"PersistentVolumeClaim {name} (spec.buildCache) already exists and is not this "
+        f"GemmaRustServer's ({why}): no pod of this server mounts it; delete that claim, or set "
+        f"spec.buildCache.type to emptyDir", fatal=True)]
+
+
+def _withdraw_deployment(k: Kube, meta: builders.Meta, claim: str, logger: logging.Logger) -> None:
+    """Delete this server's Deployment if its pods mount `claim`, a claim that is no longer the server's."""
+    dep = k.get_if_present("apps/v1", "Deployment", meta.namespace, meta.name)
+    if dep is not None and claim in builders.claims(dep) and \
+            _delete_own(k, "apps/v1", "Deployment", meta.namespace, meta.name, meta.uid):
+        logger.warning("deleted Deployment %s: its pods mount PersistentVolumeClaim %s, which is not this "
+                       "GemmaRustServer's", meta.name, claim)
+
+
 def _delete_own(k: Kube, api_version: str, kind: str, namespace: str, name: str, uid: str) -> bool:
     """Delete a child this server no longer asks for, if it is this server's; True when one was deleted."""
     existing = k.get_if_present(api_version, kind, namespace, name)
@@ -232,6 +266,11 @@ def _sync_locked(body: dict[str, Any], meta: builders.Meta, uid: str, k: Kube, l
     scaling = None
     if spec is not None:
         problems += find_problems(spec)
+        if spec.build_cache.type == "pvc":
+            meta, claim_problems = _build_cache_claim(k, meta)
+            problems += claim_problems
+            if apply and claim_problems:
+                _withdraw_deployment(k, meta, builders.build_cache_claim_name(meta), logger)
         children = builders.build_children(spec, meta, _available(k))
         skipped, optional = list(children.skipped), children.optional
         if apply and not any(p.fatal for p in problems):

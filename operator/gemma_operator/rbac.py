@@ -11,7 +11,9 @@ Why each verb:
 - children (Deployment, Service, PDB, PVC and the optional kinds of builders.OPTIONAL_KINDS: PodMonitoring,
   ServiceMonitor, ScaledObject, HorizontalPodAutoscaler, InferencePool): server-side apply is a PATCH
   that creates when absent (patch + create); Deployments and Services are also watched (list/watch)
-  so a deleted one is put back at once; PDB and optional objects are deleted when no longer asked for.
+  so a deleted one is put back at once; PDB and optional objects are deleted when no longer asked for, and
+  the Deployment when its pods mount a build cache claim that is no longer the server's
+  (handlers._build_cache_claim).
   get on each: before its first apply, and before a delete, the operator reads the object of that name
   and leaves it alone unless this GemmaRustServer is its controller (handlers._foreign_child).
 - horizontalpodautoscalers get: the ScalingActive condition reads the status conditions of the HPA that
@@ -35,7 +37,8 @@ RULES = [
     {"apiGroups": ["gemmarust.dev"], "resources": ["gemmarustservers"], "verbs": ["get", "list", "watch", "patch"]},
     {"apiGroups": ["gemmarust.dev"], "resources": ["gemmarustservers/status"], "verbs": ["patch"]},
     {"apiGroups": ["gemmarust.dev"], "resources": ["gemmarustservers/finalizers"], "verbs": ["update"]},
-    {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get", "list", "watch", "create", "patch"]},
+    {"apiGroups": ["apps"], "resources": ["deployments"],
+     "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
     {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "list", "watch", "create", "patch"]},
     {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["get", "create", "patch"]},
     {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": ["get", "create", "patch", "delete"]},

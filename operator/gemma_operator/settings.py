@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
+from urllib.parse import urlsplit
 
 
 def _setting(env: str, default: Any, help: str) -> Any:
@@ -35,8 +36,20 @@ class Settings:
         "(condition PodAnnotationNotAllowed).")
     allowed_tolerations: tuple[str, ...] = _setting(
         "GEMMA_OPERATOR_ALLOWED_TOLERATIONS", (),
-        "Taint keys that spec.tolerations may tolerate; any other toleration, and one without a key, is "
-        "refused (condition TolerationNotAllowed).")
+        "Taint keys the pods may tolerate: spec.tolerations, and the spot taint cloud.google.com/gke-spot that "
+        "spec.accelerator.provisioning spot adds; any other toleration, and one without a key, is refused "
+        "(condition TolerationNotAllowed). The TPU taint google.com/tpu needs no entry.")
+    allowed_extended_resources: tuple[str, ...] = _setting(
+        "GEMMA_OPERATOR_ALLOWED_EXTENDED_RESOURCES", ("google.com/tpu",),
+        "Extended resources the pods may request or be limited to (spec.resources, and google.com/tpu, which the "
+        "operator sets from spec.accelerator); any other resource than cpu, memory, ephemeral-storage and "
+        "hugepages-* is refused (condition ExtendedResourceNotAllowed).")
+    allowed_prometheus_addresses: tuple[str, ...] = _setting(
+        "GEMMA_OPERATOR_ALLOWED_PROMETHEUS_ADDRESSES", (),
+        "Prometheus HTTP API base URLs that spec.autoscaling.prometheus.serverAddress may name: an address is "
+        "allowed when its scheme, host and port equal an entry's and its path is the entry's or below it (`*`: "
+        "any). Empty: none, so KEDA's ScaledObject is refused (condition PrometheusAddressNotAllowed) until an "
+        "administrator names the cluster's Prometheus.")
     test_engine_urls: bool = _setting(
         "GEMMA_OPERATOR_TEST_ENGINE_URLS", False,
         "Tests only: honour the pod annotation gemmarust.dev/engine-url-for-tests (poll a loopback URL).")
@@ -74,6 +87,47 @@ def _parse(kind: type, raw: str) -> Any:
 def allowed(key: str, patterns: tuple[str, ...]) -> bool:
     """Whether `key` matches an allowlist: an exact entry, or an entry `prefix*` that it starts with."""
     return any(key == p or (p.endswith("*") and key.startswith(p[:-1])) for p in patterns)
+
+
+class _Address(NamedTuple):
+    scheme: str
+    host: str
+    port: int
+    path: str  # without a trailing slash
+
+
+def _address(url: str) -> _Address | None:
+    """`url` split for comparison, or None when it is not a plain http(s) URL: user info (`user@host`, which
+    would let `http://allowed@other` pass a text prefix), a query, a fragment, percent-escapes, backslashes,
+    or `.`/`..` path segments (which a server may resolve outside the allowed path) are refused."""
+    if any(c in url for c in "@?#%\\") or any(c.isspace() for c in url):
+        return None
+    try:
+        parts = urlsplit(url)
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    except ValueError:
+        return None
+    path = parts.path.rstrip("/")
+    if parts.scheme not in ("http", "https") or not parts.hostname or port is None or \
+            any(segment in (".", "..") for segment in path.split("/")):
+        return None
+    return _Address(parts.scheme, parts.hostname.lower(), port, path)
+
+
+def allowed_address(url: str, entries: tuple[str, ...]) -> bool:
+    """Whether `url` is under an allowlist of URL prefixes: the same scheme, host and port as an entry, and the
+    entry's path or one below it (`http://prom.monitoring.svc:9090` allows `http://prom.monitoring.svc:9090/x`,
+    not `http://prom.monitoring.svc:9091` nor `http://prom.monitoring.svc:9090.evil.example`); `*` allows any."""
+    if "*" in entries:
+        return True
+    got = _address(url)
+    if got is None:
+        return False
+    for entry in entries:
+        want = _address(entry)
+        if want and got[:3] == want[:3] and (got.path == want.path or got.path.startswith(want.path + "/")):
+            return True
+    return False
 
 
 def describe() -> list[tuple[str, str, str]]:

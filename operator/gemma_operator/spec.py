@@ -167,6 +167,9 @@ class EngineSpec(_Model):
 class ServerSpec(_Model):
     port: int = Field(8000, description="HTTP port of the OpenAI API, /health, /live, /v1/engine, /metrics.",
                       ge=1024, le=65535)
+    probe_port: int = Field(
+        8001, description="Port of the server's probe listener (/health, /live on a thread and event loop of "
+        "their own): the kubelet's probes go here, so no load on the API port reaches them.", ge=1024, le=65535)
     served_model_name: str | None = Field(
         None, description="Model id reported by /v1/models; the server derives one from the source if unset.",
         max_length=256)
@@ -279,6 +282,10 @@ class GatewaySpec(_Model):
 
 
 CEL_RULES: dict[type[_Model], list[dict[str, str]]] = {
+    ServerSpec: [
+        _cel("self.probePort != self.port", "spec.server.probePort must differ from spec.server.port",
+             ".probePort"),
+    ],
     ModelSpec: [
         _cel(f"self.source.matches(r'{MODEL_SOURCE_RE}')", MODEL_SOURCE_MESSAGE,
              ".source"),

@@ -49,6 +49,18 @@ BAD_WAITING = {"CrashLoopBackOff", "CreateContainerConfigError", "CreateContaine
                "ErrImagePull", "InvalidImageName", "RunContainerError"}
 
 MAX_PODS_IN_STATUS = 16
+# Copied error text (an HPA condition's message, which carries what KEDA's metrics server or a metrics
+# adapter got back, e.g. a Prometheus error body) is cut to this many characters in the status.
+MAX_COPIED_MESSAGE = 256
+
+
+def excerpt(text: str, limit: int = MAX_COPIED_MESSAGE) -> str:
+    """Another component's message as the status shows it: redacted (`redact`) and cut to `limit` characters,
+    its head kept (where such a message says what failed) and "…" marking the cut (pure)."""
+    # Redacted before the final cut, on a head 16 times `limit` long: a credential cut in half at its end lies
+    # far beyond the final cut.
+    out = redact(text[:16 * limit], max_bytes=64 * limit)
+    return out if len(out) <= limit else out[:limit - 1].rstrip() + "…"
 
 
 class Problem(NamedTuple):
@@ -260,7 +272,7 @@ def scaling_condition(kind: str, missing: list[tuple[str, str]], view: ScalingVi
         meaning = _METRIC_NOT_SERVED.get(reason, "the autoscaler is not scaling").format(metric=view.metric)
         return {"type": "ScalingActive", "status": "False", "reason": reason,
                 "message": f"{drives}, but {meaning}; replicas stay where they are. HorizontalPodAutoscaler "
-                           f"{view.hpa_name}: {active.get('message', '')}"}
+                           f"{view.hpa_name}: {excerpt(str(active.get('message', '')))}"}
     hpa_status = view.hpa.get("status") or {}
     return {"type": "ScalingActive", "status": "True", "reason": kind,
             "message": f"{drives}; desired {hpa_status.get('desiredReplicas', '?')}, "

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from gemma_operator.builders import SPOT_LABEL
 from gemma_operator.kube import ApiError, Kube
 from gemma_operator.poller import TEST_URL_ANNOTATION
 from gemma_operator.settings import Settings
@@ -24,6 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CRD_FILE = ROOT / "crds" / "gemmarustservers.gemmarust.dev.yaml"
 POLICY_FILE = ROOT / "crds" / "gemmarustservers.gemmarust.dev.admission.yaml"
 GRS_PATH = "/apis/gemmarust.dev/v1alpha1/namespaces/{ns}/gemmarustservers"
+# The Prometheus the operator under test lets KEDA's trigger query (GEMMA_OPERATOR_ALLOWED_PROMETHEUS_ADDRESSES).
+PROMETHEUS = "http://prometheus.monitoring.svc:9090"
 
 
 def wait_for(fn: Callable[[], Any], *, timeout: float = 45.0, what: str = "condition", interval: float = 0.2,
@@ -103,6 +106,9 @@ def start_operator(kubeconfig: Path, log: Path, *, resync: str = "2", extra_env:
            # The fake kubelet's boot annotations and the test-only poll URL, besides the defaults.
            "GEMMA_OPERATOR_ALLOWED_POD_ANNOTATIONS": ",".join(
                [*Settings().allowed_pod_annotations, "fake.gemmarust.dev/*", TEST_URL_ANNOTATION]),
+           # Spot servers (their toleration) and KEDA's trigger on the Prometheus the tests name.
+           "GEMMA_OPERATOR_ALLOWED_TOLERATIONS": SPOT_LABEL,
+           "GEMMA_OPERATOR_ALLOWED_PROMETHEUS_ADDRESSES": PROMETHEUS,
            **(extra_env or {})}
     log.write_text("")
     op = Operator(None, log, liveness, [sys.executable, "-m", "gemma_operator", f"--liveness={liveness}", *args], env)

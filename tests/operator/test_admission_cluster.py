@@ -3,7 +3,8 @@ CEL asks the real RBAC authorizer about the requesting user, who is impersonated
 certificate may impersonate any user; the authorizer then sees that user and system:authenticated).
 
 alice may only edit GemmaRustServers; bob may also create pods; carol may also use one ServiceAccount and
-get one Secret and one PersistentVolumeClaim by name. Creates are dry runs: admission runs in full, nothing
+get one Secret and one PersistentVolumeClaim by name. The servers an administrator made (with the admin's
+client) are what alice then tries to change. Creates are dry runs: admission runs in full, nothing
 is stored, so the operator never sees these objects.
 
 The policy is applied from crds/ as a user without the chart would, for this module only: the chart's
@@ -35,6 +36,11 @@ POWERS = {
     "pvc source": ({"model": {"source": "pvc://prod-data/x"}}, "or to get persistentvolumeclaims/prod-data there"),
     "pvc embeddingTwin": ({"model": {"source": "hf://o/m", "embeddingTwin": "pvc://prod-data/y"}},
                           "or to get persistentvolumeclaims/prod-data there"),
+    "gs source": ({"model": {"source": "gs://prod-weights/gemma"}}, None),
+    "gs embeddingTwin": ({"model": {"source": "hf://o/m", "embeddingTwin": "gs://prod-weights/emb"}}, None),
+    "spot": ({"accelerator": {"provisioning": "spot"}}, None),
+    "flex-start": ({"accelerator": {"provisioning": "flex-start"}}, None),
+    "computeClass": ({"accelerator": {"computeClass": "tpu-first"}}, None),
     "tolerations": ({"tolerations": [{"operator": "Exists"}]}, None),
     "nodeSelector": ({"nodeSelector": {"node-role.kubernetes.io/control-plane": ""}}, None),
     "podAnnotations": ({"podAnnotations": {"container.apparmor.security.beta.kubernetes.io/server": "unconfined"}},
@@ -162,3 +168,74 @@ def test_on_update_only_a_changed_power_is_checked(kube, users, ns):
         return (obj.get("status") or {}).get("observedGeneration") == 1 and \
             "gemmarust.dev/last-handled-configuration" in (obj["metadata"].get("annotations") or {})
     wait_for(handled, what="the operator's writes to a server under the policy")
+
+
+def patcher(kube: Kube, ns: str, name: str):
+    path = f"{GRS_PATH.format(ns=ns)}/{name}"
+
+    def patch(spec):
+        return kube.request("PATCH", path, {"spec": spec}, query={"dryRun": "All"},
+                            content_type="application/merge-patch+json")
+    return patch
+
+
+def refused_patch(patch, spec) -> str:
+    with pytest.raises(ApiError) as caught:
+        patch(spec)
+    assert caught.value.status == 403, caught.value
+    return caught.value.message
+
+
+GCS_NEEDS_PODS = "spec.model.source needs RBAC permission to create pods in namespace"
+CHANGE_NEEDS_PODS = ("a change of spec.model.source or spec.model.embeddingTwin needs RBAC permission to create pods "
+                     "in namespace")
+
+
+def test_a_tenant_may_not_switch_the_bucket_of_an_admins_server_that_keeps_its_service_account(kube, users, ns):
+    # The review's case: the administrator's server reads gs://team-weights as ns-admin; alice may edit it.
+    create(kube, ns, "gcs", spec_with(POWERS["serviceAccountName"][0], {"model": {"source": "gs://team-weights/g"}}))
+    alice, bob = patcher(users["alice"], ns, "gcs"), patcher(users["bob"], ns, "gcs")
+    assert alice({"replicas": 2})["spec"]["replicas"] == 2
+    message = refused_patch(alice, {"model": {"source": "gs://other-team/g"}})
+    assert GCS_NEEDS_PODS in message and "gs:// bucket" in message, message
+    # Even in the same bucket: the source is read with ns-admin's rights.
+    assert CHANGE_NEEDS_PODS in refused_patch(alice, {"model": {"source": "gs://team-weights/other"}})
+    assert bob({"model": {"source": "gs://other-team/g"}})["spec"]["model"]["source"] == "gs://other-team/g"
+
+
+def test_a_bucket_is_a_power_without_a_service_account_too(kube, users, ns):
+    # Pods without spec.serviceAccountName mount the bucket as the namespace's default ServiceAccount.
+    create(kube, ns, "plain-gcs", spec_with({"model": {"source": "gs://team-weights/g"}}))
+    alice = patcher(users["alice"], ns, "plain-gcs")
+    assert alice({"model": {"source": "gs://team-weights/g2"}})["spec"]["model"]["source"] == "gs://team-weights/g2"
+    assert GCS_NEEDS_PODS in refused_patch(alice, {"model": {"source": "gs://other-team/g"}})
+    message = refused_patch(alice, {"model": {"embeddingTwin": "gs://other-team/emb"}})
+    assert "spec.model.embeddingTwin needs RBAC permission to create pods" in message, message
+    assert alice({"model": {"source": "hf://o/m"}})["spec"]["model"]["source"] == "hf://o/m"  # giving it up is free
+
+
+def test_on_a_server_with_credentials_any_change_of_the_model_source_needs_the_pod_right(kube, users, ns):
+    create(kube, ns, "creds", spec_with({"model": {"source": "hf://o/m", "tokenSecret": {"name": "prod-db"}}}))
+    alice, carol = patcher(users["alice"], ns, "creds"), patcher(users["carol"], ns, "creds")
+    assert alice({"replicas": 3})["spec"]["replicas"] == 3
+    assert CHANGE_NEEDS_PODS in refused_patch(alice, {"model": {"source": "hf://o/private"}})
+    assert CHANGE_NEEDS_PODS in refused_patch(alice, {"model": {"embeddingTwin": "hf://o/emb"}})
+    # carol may get the Secret, so she may create a server with it and any source; changing this one's source
+    # is reading with the administrator's credentials, which takes the right to create pods.
+    assert CHANGE_NEEDS_PODS in refused_patch(carol, {"model": {"source": "hf://o/private"}})
+    assert patcher(users["bob"], ns, "creds")({"model": {"source": "hf://o/private"}})
+    # Without credentials the source is no power: alice changes that of her own server.
+    users["alice"].request("POST", GRS_PATH.format(ns=ns), grs("mine", PLAIN))
+    assert patcher(users["alice"], ns, "mine")({"model": {"source": "hf://o/other"}})["spec"]["model"]["source"] == \
+        "hf://o/other"
+
+
+def test_spot_and_a_compute_class_are_guarded_on_update_like_a_node_selector(kube, users, ns):
+    create(kube, ns, "spot", spec_with({"accelerator": {"provisioning": "spot"}}))
+    alice = patcher(users["alice"], ns, "spot")
+    assert alice({"replicas": 2})["spec"]["replicas"] == 2
+    message = refused_patch(alice, {"accelerator": {"provisioning": "flex-start"}})
+    assert "spec.accelerator.provisioning needs RBAC permission to create pods" in message, message
+    assert alice({"accelerator": {"provisioning": "standard"}})["spec"]["accelerator"]["provisioning"] == "standard"
+    message = refused_patch(alice, {"accelerator": {"provisioning": "standard", "computeClass": "tpu-first"}})
+    assert "spec.accelerator.computeClass needs RBAC permission to create pods" in message, message

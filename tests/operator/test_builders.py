@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import re
+
 import pydantic
 import pytest
 
 from gemma_operator import builders as b
 from gemma_operator.spec import parse_spec
 
-META = b.Meta("gemma", "serving")
+META = b.Meta("gemma", "serving", "0d9b6a3c-5f1e-4c2a-9b7e-2f4c1a8e6d10")
 LABELS = {
     "app.kubernetes.io/name": "gemma-rust-server",
     "app.kubernetes.io/instance": "gemma",
@@ -66,6 +68,7 @@ def test_tpu_deployment_matches_golden():
                             {"name": "GEMMA_DTYPE", "value": "bfloat16"},
                             {"name": "GEMMA_SERVED_MODEL_NAME", "value": "gemma-4"},
                             {"name": "GEMMA_PORT", "value": "8000"},
+                            {"name": "GEMMA_PROBE_PORT", "value": "8001"},
                             {"name": "GEMMA_QUEUE_LIMIT", "value": "64"},
                             {"name": "GEMMA_SHUTDOWN_TIMEOUT", "value": "20"},
                             {"name": "GEMMA_BUILD_CACHE", "value": "/var/cache/gemma/build"},
@@ -76,12 +79,13 @@ def test_tpu_deployment_matches_golden():
                             {"name": "PYTHONUNBUFFERED", "value": "1"},
                             {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}},
                         ],
-                        "ports": [{"name": "http", "containerPort": 8000, "protocol": "TCP"}],
-                        "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
+                        "ports": [{"name": "http", "containerPort": 8000, "protocol": "TCP"},
+                                  {"name": "probes", "containerPort": 8001, "protocol": "TCP"}],
+                        "startupProbe": {"httpGet": {"path": "/health", "port": "probes"}, "periodSeconds": 10,
                                          "timeoutSeconds": 5, "failureThreshold": 180},
-                        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5,
+                        "readinessProbe": {"httpGet": {"path": "/health", "port": "probes"}, "periodSeconds": 5,
                                            "timeoutSeconds": 3, "failureThreshold": 3},
-                        "livenessProbe": {"httpGet": {"path": "/live", "port": "http"}, "periodSeconds": 10,
+                        "livenessProbe": {"httpGet": {"path": "/live", "port": "probes"}, "periodSeconds": 10,
                                           "timeoutSeconds": 5, "failureThreshold": 6},
                         # Spot: a 2 s preStop, so that preStop + drain fit what a reclaimed node gives.
                         "lifecycle": {"preStop": {"sleep": {"seconds": 2}}},
@@ -188,7 +192,7 @@ def test_pvc_model_source_and_pvc_build_cache():
     dep = b.build_deployment(spec, META)
     pod = dep["spec"]["template"]["spec"]
     assert pod["volumes"] == [
-        {"name": "build-cache", "persistentVolumeClaim": {"claimName": "gemma-build-cache"}},
+        {"name": "build-cache", "persistentVolumeClaim": {"claimName": "gemma-build-cache-0d9b6a3c"}},
         {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
         {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}},
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
@@ -197,10 +201,45 @@ def test_pvc_model_source_and_pvc_build_cache():
     assert env["GEMMA_MODEL"] == "/models/pvc/models/gemma/e2b"
     assert b.build_build_cache_pvc(spec, META) == {
         "apiVersion": "v1", "kind": "PersistentVolumeClaim",
-        "metadata": {"name": "gemma-build-cache", "namespace": "serving", "labels": LABELS},
+        "metadata": {"name": "gemma-build-cache-0d9b6a3c", "namespace": "serving", "labels": LABELS},
         "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "50Gi"}},
                  "storageClassName": "premium-rwo"},
     }
+
+
+def test_the_build_cache_claim_is_named_after_the_uid_so_a_name_cannot_aim_at_an_existing_claim():
+    # Two servers named alike in turn (the second after the first was deleted) get different claims, and
+    # no spec names the claim: `ci` does not become `ci-build-cache`.
+    first, second = b.Meta("ci", "ns", "a1b2c3d4-0000"), b.Meta("ci", "ns", "e5f6a7b8-0000")
+    assert b.build_cache_claim_name(first) == "ci-build-cache-a1b2c3d4"
+    assert b.build_cache_claim_name(second) == "ci-build-cache-e5f6a7b8"
+    assert b.legacy_build_cache_claim_name(first) == "ci-build-cache"
+    with pytest.raises(ValueError, match="uid"):
+        b.build_cache_claim_name(b.Meta("ci", "ns"))
+
+
+@pytest.mark.parametrize("name", ["a" * 63, "a" * 41 + ".b" * 5, "a" * 41 + "-b" * 5])
+def test_a_long_name_is_cut_so_the_claim_name_stays_a_dns_label(name):
+    claim = b.build_cache_claim_name(b.Meta(name, "ns", "a1b2c3d4-0000"))
+    assert len(claim) <= 63 and claim.endswith("-build-cache-a1b2c3d4")
+    assert re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", claim) and ".-" not in claim
+
+
+def test_a_legacy_claim_this_server_owns_stays_its_build_cache():
+    spec = parse_spec({"model": {"source": "hf://o/m"}, "buildCache": {"type": "pvc"}})
+    legacy = META._replace(legacy_build_cache=True)
+    assert b.build_build_cache_pvc(spec, legacy)["metadata"]["name"] == "gemma-build-cache"
+    assert b.claims(b.build_deployment(spec, legacy)) == {"gemma-build-cache"}
+    assert b.claims(b.build_deployment(spec, META)) == {"gemma-build-cache-0d9b6a3c"}
+    pvc_source = parse_spec({"model": {"source": "pvc://weights/x"}, "buildCache": {"type": "pvc"}})
+    assert b.claims(b.build_deployment(pvc_source, META)) == {"weights", "gemma-build-cache-0d9b6a3c"}
+
+
+def test_sourced_tolerations_name_the_field_each_comes_from():
+    spec = tpu_spec(tolerations=[{"key": "dedicated", "operator": "Exists"}])
+    assert [source for source, _ in b.sourced_tolerations(spec)] == [
+        "spec.accelerator.type", "spec.accelerator.provisioning", "spec.tolerations[0]"]
+    assert [t for _, t in b.sourced_tolerations(spec)] == b.tolerations(spec)
 
 
 def test_service_matches_golden():

@@ -10,7 +10,7 @@ import pytest
 from gemma_operator.poller import TEST_URL_ANNOTATION
 from tests.cluster.controlplane import BOOT_ANNOTATION, TERMINATION_ANNOTATION
 
-from .harness import condition, create, dump, get, wait_for
+from .harness import PROMETHEUS, condition, create, dump, get, wait_for
 from .fakes import FakeEngineEndpoint
 
 pytestmark = pytest.mark.cluster
@@ -345,9 +345,18 @@ def test_child_the_api_server_rejects_is_a_degraded_condition_not_a_crash(kube, 
     ("tolerations", [{"operator": "Exists"}], "TolerationNotAllowed", "no key, so it tolerates every taint"),
     ("tolerations", [{"key": "node-role.kubernetes.io/control-plane", "operator": "Exists"}],
      "TolerationNotAllowed", "key 'node-role.kubernetes.io/control-plane'"),
+    # An extended resource GKE would add a toleration for.
+    ("resources", {"limits": {"nvidia.com/gpu": 1}}, "ExtendedResourceNotAllowed",
+     "extended resource 'nvidia.com/gpu' (spec.resources.limits) not allowed by this operator "
+     "(GEMMA_OPERATOR_ALLOWED_EXTENDED_RESOURCES"),
+    # KEDA would query the API server, or a host that merely starts with the allowed address's text.
+    ("autoscaling", {"maxReplicas": 2, "target": 1, "prometheus": {"serverAddress": "https://kubernetes.default.svc"}},
+     "PrometheusAddressNotAllowed", "'https://kubernetes.default.svc' not allowed by this operator "
+     "(GEMMA_OPERATOR_ALLOWED_PROMETHEUS_ADDRESSES"),
+    ("autoscaling", {"maxReplicas": 2, "target": 1, "prometheus": {"serverAddress": PROMETHEUS + "@evil.example"}},
+     "PrometheusAddressNotAllowed", "GEMMA_OPERATOR_ALLOWED_PROMETHEUS_ADDRESSES"),
 ])
-def test_annotation_or_toleration_outside_the_allowlist_fails_without_a_deployment(kube, ns, operator, field, value,
-                                                                                      reason, named):
+def test_what_falls_outside_the_allowlists_fails_without_a_deployment(kube, ns, operator, field, value, reason, named):
     create(kube, ns, "deny", {"model": model(), "accelerator": CPU, field: value})
     obj = wait_phase(kube, ns, "deny", "Failed", operator)
     deg = condition(obj, "Degraded")

@@ -13,12 +13,11 @@ from gemma_operator import builders
 from gemma_operator.spec import parse_spec
 from tests.cluster.crds import INFERENCE_POOLS, SCALED_OBJECTS, absent, crd_names, installed
 
-from .harness import GRS_PATH, condition, create, dump, get, wait_for
+from .harness import GRS_PATH, PROMETHEUS, condition, create, dump, get, wait_for
 
 pytestmark = pytest.mark.cluster
 
 BASE = {"model": {"source": "hf://google/gemma-4-e2b-it"}, "accelerator": {"type": "cpu"}}
-PROMETHEUS = "http://prometheus.monitoring.svc:9090"
 PICKER = {"name": "gemma-epp"}
 
 
@@ -107,6 +106,42 @@ def test_scaled_object_is_accepted_by_kedas_crd_updated_with_the_spec_and_delete
     cluster.kubectl("delete", "grs", "keda", "-n", ns, "--wait=true", "--timeout=60s")
     wait_for(gone(kube, "keda.sh/v1alpha1", "ScaledObject", ns, "keda"), timeout=60,
              what="the garbage collector to delete the ScaledObject")
+
+
+def test_an_autoscalers_long_message_reaches_the_status_redacted_and_cut(cluster, kube, ns, operator):
+    # What KEDA's metrics server got back (here a Prometheus error page with a credential in a URL) reaches the
+    # HPA's ScalingActive message, and from there the GemmaRustServer's status, readable by more people.
+    installed(cluster, SCALED_OBJECTS)
+    create(kube, ns, "loud", {**BASE, "autoscaling": {"maxReplicas": 2, "target": 4, "provider": "KEDA",
+                                                      "prometheus": {"serverAddress": PROMETHEUS}}})
+    wait_for(lambda: get_child(kube, "keda.sh/v1alpha1", "ScaledObject", ns, "loud"), what="the ScaledObject",
+             diagnose=operator.tail)
+    # The HPA KEDA would make; its scale target does not exist, so the HPA controller reports only that.
+    hpas = f"/apis/autoscaling/v2/namespaces/{ns}/horizontalpodautoscalers"
+    kube.request("POST", hpas, {
+        "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "metadata": {"name": "keda-hpa-loud"},
+        "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": "absent"},
+                 "minReplicas": 1, "maxReplicas": 2, "metrics": [{"type": "External", "external": {
+                     "metric": {"name": "s0-prometheus"}, "target": {"type": "AverageValue", "averageValue": "4"}}}]}})
+    body = ('unable to get external metric: Get "http://keda:hunter2secret@prometheus/api/v1/query": 502 '
+            + "<html><body>" + "bad gateway " * 400 + "</body></html>")
+    reported = {"type": "ScalingActive", "status": "False", "reason": "FailedGetExternalMetric", "message": body,
+                "lastTransitionTime": "2026-01-01T00:00:00Z"}
+
+    def shown():
+        hpa = get_child(kube, "autoscaling/v2", "HorizontalPodAutoscaler", ns, "keda-hpa-loud")
+        if reported["message"] not in [c.get("message") for c in (hpa.get("status") or {}).get("conditions") or []]:
+            # (Again after the HPA controller wrote its own status over it.)
+            kube.request("PATCH", f"{hpas}/keda-hpa-loud/status", {"status": {
+                "currentReplicas": 0, "desiredReplicas": 0, "conditions": [reported]}},
+                content_type="application/merge-patch+json")
+        c = condition(get(kube, ns, "loud"), "ScalingActive")
+        return c if c.get("reason") == "FailedGetExternalMetric" else None
+
+    message = wait_for(shown, what="the HPA's message in ScalingActive", diagnose=operator.tail)["message"]
+    copied = message.split("HorizontalPodAutoscaler keda-hpa-loud: ", 1)[1]
+    assert 200 < len(copied) <= 256 and copied.endswith("…"), copied
+    assert copied.startswith("unable to get external metric: Get") and "hunter2secret" not in message, message
 
 
 def test_keda_asked_for_without_its_crd_is_a_condition_naming_it_and_the_pod_still_runs(cluster, kube, ns, operator):

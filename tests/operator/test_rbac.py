@@ -17,7 +17,7 @@ def test_every_child_kind_can_be_server_side_applied():
     spec = parse_spec({"model": {"source": "hf://a/b"}, "replicas": 2, "buildCache": {"type": "pvc",
                        "accessMode": "ReadWriteMany"}, "monitoring": {"serviceMonitor": True}})
     everything = frozenset(row.api_version for row in b.OPTIONAL_KINDS)
-    kids = b.build_children(spec, b.Meta("g", "ns"), everything)
+    kids = b.build_children(spec, b.Meta("g", "ns", "uid"), everything)
     assert {o["kind"] for o in kids.apply} == {"PersistentVolumeClaim", "Deployment", "Service",
                                                "PodDisruptionBudget", "PodMonitoring", "ServiceMonitor"}
     for obj in kids.apply:
@@ -28,6 +28,10 @@ def test_every_child_kind_can_be_server_side_applied():
 def test_children_the_operator_prunes_can_be_deleted():
     for api_version, kind in [("policy/v1", "PodDisruptionBudget"), *((r.api_version, r.kind) for r in b.OPTIONAL_KINDS)]:
         assert "delete" in verbs(api_version.rpartition("/")[0], RESOURCES[(api_version, kind)]), kind
+
+
+def test_a_deployment_mounting_a_claim_that_is_not_the_servers_can_be_deleted():
+    assert "delete" in verbs("apps", "deployments")
 
 
 def test_no_rule_reads_secrets():

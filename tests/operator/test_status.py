@@ -300,6 +300,23 @@ def test_a_keda_hpa_that_cannot_get_its_external_metric_points_at_prometheus():
     assert "HorizontalPodAutoscaler keda-hpa-g: unable to get external metric" in message
 
 
+def test_a_long_copied_hpa_message_is_cut_with_an_ellipsis_and_redacted():
+    body = "error: " + "x" * 5000 + " tail"
+    *_, message = scaled(hpa("False", "FailedGetExternalMetric", body), kind="ScaledObject")
+    copied = message.split("HorizontalPodAutoscaler keda-hpa-g: ", 1)[1]
+    assert len(copied) == st.MAX_COPIED_MESSAGE and copied.endswith("…") and copied.startswith("error: xxx")
+    assert "tail" not in message
+    *_, message = scaled(hpa("False", "FailedGetExternalMetric",
+                             "Get http://u:hunter2secret@prom:9090/api/v1/query: 401"), kind="ScaledObject")
+    assert "hunter2secret" not in message and "[redacted]" in message and message.endswith(": 401")
+
+
+def test_excerpt_keeps_short_text_and_bounds_long_text():
+    assert st.excerpt("short") == "short"
+    cut = st.excerpt("y " * 1000, limit=20)
+    assert len(cut) <= 20 and cut.endswith("y…")  # the cut drops a trailing space before the mark
+
+
 def test_before_the_hpa_reports_scaling_is_unknown():
     assert scaled(None)[:2] == ("Unknown", "WaitingForAutoscaler")
     assert scaled({"status": {}})[:2] == ("Unknown", "WaitingForAutoscaler")
