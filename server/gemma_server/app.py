@@ -11,10 +11,18 @@ and /openapi.json is openapi.py's document of them.
 
 With `--api-key` the API routes (/v1/chat/completions, /v1/completions, /v1/models) need `Authorization:
 Bearer <key>` (compared in constant time), as vLLM's `--api-key`; /metrics needs it with
-`--metrics-need-key`. /health, /ping, /live, /version and / stay open for probes, and so does the boot
-report /v1/engine: the operator reads it for the custom resource's status, and the operator holds no
-Secrets. No route shows a filesystem path (the checkpoint directory, the engine module) unless
-`--expose-paths` says so.
+`--metrics-need-key`. The key is checked by ASGI middleware (`ApiKeyGate`) from the headers alone, before
+a byte of the body is read, parsed or logged: a client without it costs the server a header parse. /health,
+/ping, /live, /version and / stay open for probes, and so does the boot report /v1/engine: the operator
+reads it for the custom resource's status, and the operator holds no Secrets. No route shows a filesystem
+path (the checkpoint directory, the engine module) unless `--expose-paths` says so.
+
+What one client may hold: requests in flight are capped (`InFlightLimit`, --max-concurrent-requests; the
+probes are never counted), and so are the choices one client address has queued or running
+(--max-requests-per-client, scheduler.ClientShares), so one client cannot take every slot and the whole
+queue. The kubelet's probes have a listener of their own (--probe-port, `create_probe_app`) on its own
+thread and event loop, so no load on the API's connections or loop reaches them. Connections themselves
+are capped and timed in connections.py.
 
 Shutdown (vLLM's --shutdown-timeout): on SIGTERM /health turns 503
 and new requests get 503; queued and running requests get `--shutdown-timeout` seconds to finish;
@@ -36,13 +44,16 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Route
 
 from gemma_server import openapi
 from gemma_server.boot import Boot
 from gemma_server.config import Config
 from gemma_server.errors import ApiError, as_api_error, error_body, from_scheduler
-from gemma_server.scheduler import Scheduler, SchedulerError, StepObserver
+from gemma_server.scheduler import ClientShares, Scheduler, SchedulerError, StepObserver
 from gemma_server.metrics import Metrics
 from gemma_server.protocol import (
     ChatCompletionRequest,
@@ -78,7 +89,7 @@ class ServerState:
 
     def __init__(self, config: Config, boot_class: type[Boot] = Boot) -> None:
         self.config = config
-        # The paths that need the API key (none without --api-key): check_api_key and /openapi.json read it.
+        # The paths that need the API key (none without --api-key): key_refused and /openapi.json read it.
         self.keyed = frozenset(["/v1/chat/completions", "/v1/completions", "/v1/models",
                                 *(["/metrics"] if config.metrics_need_key else [])] if config.api_key else [])
         self.metrics = m = Metrics(config.model_name, config.context)
@@ -93,6 +104,8 @@ class ServerState:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.request_exit = lambda: None  # set by __main__ to stop uvicorn
         self._fingerprint: str | None = None
+        self._token_texts: dict[int, str] = {}
+        self.client_shares = ClientShares(config.max_requests_per_client)
 
     def _boot(self) -> None:
         try:
@@ -134,16 +147,23 @@ class ServerState:
             return f"Loading model (stage: {self.boot.state.stage})."
         return None
 
-    def check_api_key(self, request: Request) -> None:
-        """401 in OpenAI's shape unless the request's path is open (not in `keyed`) or it carries the key."""
-        if request.url.path not in self.keyed:
-            return
-        key = self.config.api_key
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), key.encode()):
-            raise ApiError(401, "Invalid or missing API key: send `Authorization: Bearer <key>`.",
-                           headers={"WWW-Authenticate": "Bearer"})
+    def key_refused(self, path: str, authorization: bytes | None) -> ApiError | None:
+        """The 401 for a request to `path` with this Authorization header, or None when the path is open
+        (not in `keyed`) or the header carries the key (compared in constant time)."""
+        if path not in self.keyed:
+            return None
+        scheme, _, token = (authorization or b"").partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token, self.config.api_key.encode()):
+            return ApiError(401, "Invalid or missing API key: send `Authorization: Bearer <key>`.",
+                            headers={"WWW-Authenticate": "Bearer"})
+        return None
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token as log-probabilities report it, decoded once per id."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     async def drain(self) -> None:
         """SIGTERM: refuse new work, let current work finish up to the timeout, abort the rest, exit."""
@@ -168,6 +188,46 @@ class ServerState:
         self.request_exit()
 
 
+async def released(stream, share) -> Any:
+    """`stream`'s chunks; the client's share is given back when it ends, however it ends."""
+    try:
+        async for chunk in stream:
+            yield chunk
+    finally:
+        share.close()
+
+
+def health_response(state: ServerState) -> Response:
+    """/health: 200 once serving, else 503 with the reason (boot stage, draining, engine error)."""
+    reason = state.not_ready_reason()
+    if reason is None:
+        return JSONResponse({"status": "ok"})
+    return JSONResponse(error_body(503, reason), status_code=503, headers={"Retry-After": "5"})
+
+
+def live_response(state: ServerState) -> Response:
+    """/live: 200 unless the boot failed or no engine is left running."""
+    s = state.scheduler
+    if s.dead or state.boot.state.failed:
+        return JSONResponse(error_body(503, f"No engine is running: {s.dead or state.boot.state.failed}"),
+                            status_code=503)
+    return JSONResponse({"status": "alive"})
+
+
+def create_probe_app(state: ServerState) -> Starlette:
+    """The probe listener's app (--probe-port): /live, /health and /ping alone, read from `state`. It runs
+    on its own thread and event loop (__main__), so the kubelet's probes never queue behind the API's
+    connections or wait for its loop."""
+
+    async def health(request: Request) -> Response:
+        return health_response(state)
+
+    async def live(request: Request) -> Response:
+        return live_response(state)
+
+    return Starlette(routes=[Route("/health", health), Route("/ping", health), Route("/live", live)])
+
+
 def _is_utf8(text: str) -> bool:
     """False for strings holding lone UTF-16 surrogates (valid JSON escapes, invalid text)."""
     try:
@@ -175,6 +235,63 @@ def _is_utf8(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+async def send_error(send, err: ApiError) -> None:
+    """Answer with `err` from ASGI middleware (no route, no body read)."""
+    body = json.dumps(err.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class ApiKeyGate:
+    """ASGI middleware: a request to a keyed path without the key is a 401 from its headers alone, before
+    its body is read (the body is never parsed, validated or logged)."""
+
+    def __init__(self, app, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            authorization = next((v for k, v in scope.get("headers") or () if k == b"authorization"), None)
+            refused = self.state.key_refused(scope["path"], authorization)
+            if refused is not None:
+                return await send_error(send, refused)
+        await self.app(scope, receive, send)
+
+
+# The probe routes: never counted against the in-flight cap (the probe listener serves them too).
+PROBE_PATHS = frozenset({"/health", "/ping", "/live"})
+
+
+class InFlightLimit:
+    """ASGI middleware: at `limit` requests in flight a new one is a 503 (Retry-After), probes excepted.
+
+    Requests, not connections: a connection still sending its headers has not reached the app, so a flood
+    of unfinished requests (which connections.py times out) cannot turn real requests away, as uvicorn's
+    `limit_concurrency` (which counts open connections) would.
+    """
+
+    def __init__(self, app, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+        self.in_flight = 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in PROBE_PATHS:
+            return await self.app(scope, receive, send)
+        if self.in_flight >= self.limit:
+            return await send_error(send, ApiError(
+                503, f"The server is at its limit of {self.limit} requests in flight. Retry later.",
+                headers={"Retry-After": "1"}))
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
 
 
 class BodyLimit:
@@ -214,10 +331,7 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
     async def _refuse(self, send) -> None:
-        body = json.dumps(error_body(413, f"The request body is larger than {self.max_bytes} bytes.")).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+        await send_error(send, ApiError(413, f"The request body is larger than {self.max_bytes} bytes."))
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
@@ -239,7 +353,9 @@ def _param_from_loc(loc: tuple) -> str | None:
 
 def _validation_error(exc: RequestValidationError) -> JSONResponse:
     errs = exc.errors()
-    first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
+    # A list past its cap fails every branch of a union (`stop`: a string, or a list of at most 16): the
+    # cap is the error that names what is wrong.
+    first = next((e for e in errs if e.get("type") == "too_long"), errs[0] if errs else {"loc": (), "msg": "invalid request"})
     if first.get("type") == "json_invalid":
         return JSONResponse(error_body(400, f"The body is not valid JSON: {first.get('msg')}"), status_code=400)
     param = _param_from_loc(tuple(first.get("loc", ())))
@@ -247,12 +363,6 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
     if len(errs) > 1:
         message += f" (and {len(errs) - 1} more problem{'s' if len(errs) > 2 else ''})"
     return JSONResponse(error_body(400, message, param), status_code=400)
-
-
-def shown_source(config: Config) -> str | None:
-    """The checkpoint source as /v1/models (`root`) and /v1/engine (`model`) show it: an hf:// or gs:// name
-    always, a local directory only with --expose-paths."""
-    return config.model if config.expose_paths or "://" in config.model else None
 
 
 def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
@@ -275,6 +385,9 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
 
     app = FastAPI(title="gemma-rust-operator server", lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.server = state
+    # No redirect from /v1/models/ to /v1/models: Starlette builds that Location from the Host header, which
+    # the client chooses (an open redirect); an unknown path is a 404.
+    app.router.redirect_slashes = False
 
     def document() -> dict[str, Any]:
         """openapi.py's document; kept once the model's limits are in it."""
@@ -288,7 +401,10 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
         return app.openapi_schema
 
     app.openapi = document
+    # Outermost last: the key is checked first, then the in-flight cap, then the body's size.
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(InFlightLimit, limit=config.max_concurrent_requests)
+    app.add_middleware(ApiKeyGate, state=state)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -315,12 +431,20 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
 
     async def generate(request: Request, body: ChatCompletionRequest | CompletionRequest, chat: bool) -> Response:
         arrival = time.monotonic()
-        state.check_api_key(request)
         state.check_model(body.model)
         body.check()
         body.check_size(config.context)
         sched = state.scheduler
         n = body.n or 1
+        client = request.client.host if request.client else "?"
+        share = state.client_shares.take(client, n, sched.capacity() + sched.queue_limit)  # 429: one client's share
+        try:
+            return await run_generation(request, body, chat, n, arrival, share)
+        finally:
+            share.close_unless_kept()
+
+    async def run_generation(request: Request, body, chat: bool, n: int, arrival: float, share) -> Response:
+        sched = state.scheduler
         sched.admit(n)  # 429 / 503 before any tokenizing
         gens = []
         try:
@@ -339,18 +463,22 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
                 gen.abandon()
             raise
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        fmt = Formatter(chat, state.config.model_name, state.fingerprint, tok, include_usage)
+        fmt = Formatter(chat, state.config.model_name, state.fingerprint, state.token_text, include_usage)
         try:
             if body.stream:
                 stream = await open_stream(gens, fmt, request.receive)
-                return StreamingResponse(stream, media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                share.keep()  # the stream gives the client's share back when it ends (or never starts)
+                return StreamingResponse(released(stream, share), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                                         background=BackgroundTask(share.close))
             outputs = await race_disconnect(request.receive, collect(gens))
         except ClientDisconnected:
             for gen in gens:
                 gen.abandon()
             return Response(status_code=499)  # nobody reads it
-        return JSONResponse(fmt.response(outputs, gens).model_dump())
+        # A large answer (n x tokens x top log-probabilities) is built and serialised off the event loop.
+        content = await asyncio.get_running_loop().run_in_executor(None, fmt.response_json, outputs, gens)
+        return Response(content, media_type="application/json")
 
     @app.post("/v1/chat/completions", response_model=None, responses=openapi.generation(ChatCompletionResponse))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -362,25 +490,17 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
 
     @app.get("/v1/models", response_model=ModelList)
     async def models(request: Request) -> dict[str, Any]:
-        state.check_api_key(request)
-        card = ModelCard(id=config.model_name, root=shown_source(config), max_model_len=config.context)
+        card = ModelCard(id=config.model_name, root=config.shown_source, max_model_len=config.context)
         return ModelList(data=[card]).model_dump()
 
     @app.get("/health", responses=openapi.PROBE)
     @app.get("/ping", responses=openapi.PROBE)
     async def health() -> Response:
-        reason = state.not_ready_reason()
-        if reason is None:
-            return JSONResponse({"status": "ok"})
-        return JSONResponse(error_body(503, reason), status_code=503, headers={"Retry-After": "5"})
+        return health_response(state)
 
     @app.get("/live", responses=openapi.PROBE)
     async def live() -> Response:
-        s = state.scheduler
-        if s.dead or state.boot.state.failed:
-            return JSONResponse(error_body(503, f"No engine is running: {s.dead or state.boot.state.failed}"),
-                                status_code=503)
-        return JSONResponse({"status": "alive"})
+        return live_response(state)
 
     @app.get("/v1/engine")
     async def engine_info() -> dict[str, Any]:
@@ -392,7 +512,7 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
         s = state.scheduler
         workers = state.boot.loaded.workers if state.boot.loaded else []
         info.update(
-            model=shown_source(config), served_model_name=config.model_name, read_every=config.read_every,
+            model=config.shown_source, served_model_name=config.model_name, read_every=config.read_every,
             queue_limit=config.queue_limit, max_num_seqs=config.max_num_seqs, ready=state.not_ready_reason() is None,
             draining=state.draining, engine_error=s.dead, engines=[w.describe() for w in workers],
             engine_class=type(workers[0].engine).__qualname__ if workers and workers[0].engine is not None else None,
@@ -409,7 +529,6 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
     async def metrics(request: Request) -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
 
-        state.check_api_key(request)
         return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/", response_class=HTMLResponse, responses=openapi.PAGE)

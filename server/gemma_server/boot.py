@@ -276,7 +276,7 @@ class Boot:
         self.state.layout = dict(workers[0].layout)
         self.state.device = ", ".join(w.device for w in workers)
         self.state.load_seconds = round(time.monotonic() - t0, 3)
-        return f"{model_dir} on {self.state.device}, {c.max_num_seqs} slots each"
+        return f"{c.shown_source or 'the model directory'} on {self.state.device}, {c.max_num_seqs} slots each"
 
     def _warmup(self) -> str:
         assert self.loaded is not None

@@ -105,13 +105,31 @@ class Config:
                                             "(default: from --model)", flag_type=str)
     host: str = setting("0.0.0.0", "GEMMA_HOST", "listen address")
     port: int = setting(8000, "GEMMA_PORT", "listen port", minimum=1)
+    probe_port: int | None = setting(None, "GEMMA_PROBE_PORT", "a second listen port that serves only /live, "
+                                     "/health and /ping, on a thread and event loop of its own, so no load on the "
+                                     "API reaches the kubelet's probes (the operator sets it; default: none)",
+                                     flag_type=int)
     max_body_bytes: int = setting(4 * 1024 * 1024, "GEMMA_MAX_BODY_BYTES", "largest request body; a larger one is "
                                   "a 413 before it is parsed", minimum=1)
+    header_read_timeout: float = setting(5.0, "GEMMA_HEADER_READ_TIMEOUT", "seconds a client has to send a "
+                                         "request's headers after it connects or its previous reply ends; then "
+                                         "the connection is closed (slowloris)", minimum=0.1)
     request_read_timeout: float = setting(20.0, "GEMMA_REQUEST_READ_TIMEOUT", "seconds a client has to send a "
                                           "whole request (headers and body) after it connects or its previous "
-                                          "reply ends; then the connection is closed (slowloris)", minimum=0.5)
-    max_connections: int = setting(512, "GEMMA_MAX_CONNECTIONS", "open connections, or requests in flight, at "
-                                   "which a new request gets uvicorn's 503", minimum=1)
+                                          "reply ends; then the connection is closed", minimum=0.5)
+    max_connections: int = setting(2048, "GEMMA_MAX_CONNECTIONS", "open connections in all; a new one past it is "
+                                   "closed as it opens", minimum=1)
+    max_connections_per_client: int = setting(64, "GEMMA_MAX_CONNECTIONS_PER_CLIENT", "open connections from one "
+                                              "client address; a new one past it is closed as it opens (behind a "
+                                              "proxy, raise it: every client has the proxy's address)", minimum=1)
+    max_concurrent_requests: int = setting(512, "GEMMA_MAX_CONCURRENT_REQUESTS", "requests in flight (probes "
+                                           "not counted) at which a new request gets a 503", minimum=1)
+    max_requests_per_client: int = setting(0, "GEMMA_MAX_REQUESTS_PER_CLIENT", "choices (a request's n) one "
+                                           "client address may have queued or running; more get 429 (0: half of "
+                                           "the engines' slots and the queue, at least 16)", minimum=0)
+    stream_stall_timeout: float = setting(30.0, "GEMMA_STREAM_STALL_TIMEOUT", "seconds a client may leave its "
+                                          "reply unread once 256 KiB of it wait; then the request is aborted and "
+                                          "its slot freed (gemma_stalled_replies_total)", minimum=0.1)
     queue_limit: int = setting(32, "GEMMA_QUEUE_LIMIT", "requests admitted but not yet in an engine's slot; more "
                                "get 429", minimum=1)
     shutdown_timeout: float = setting(30.0, "GEMMA_SHUTDOWN_TIMEOUT", "seconds queued and running requests get "
@@ -148,6 +166,12 @@ class Config:
                                             "compiling them again; 'off' leaves that variable as it is "
                                             "(default: <build-cache>/tpu-compile)", flag_type=str)
     log_level: str = setting("info", "GEMMA_LOG_LEVEL", "log level", choices=("debug", "info", "warning", "error"))
+
+    @property
+    def shown_source(self) -> str | None:
+        """The checkpoint source as /v1/models (`root`), /v1/engine (`model`) and the weights stage's message
+        show it: an hf:// or gs:// name always, a local directory only with --expose-paths."""
+        return self.model if self.expose_paths or "://" in self.model else None
 
     @property
     def model_name(self) -> str:

@@ -1,23 +1,37 @@
-"""What a connection may hold before its request is in: a deadline for receiving each whole request.
+"""What a connection may hold: deadlines for receiving a request, a cap per client address and in all, and a
+deadline for a client that stops reading its reply.
 
 uvicorn (0.54, `uvicorn/protocols/http/h11_impl.py`) has no timeout on receiving a request: its keep-alive
 timer runs only between requests and is cancelled by every byte that arrives, so a client that sends its
 headers or its body one byte at a time (slowloris) holds a connection, a file descriptor and a parser for as
 long as it likes; ASGI middleware cannot help, because the app is called only once the headers are in.
 (encode/uvicorn issue #157 lists `--timeout-request-start` and `--timeout-request-complete` as wanted.)
+Its `limit_concurrency` counts open connections, those still sending headers included, so a flood of
+unfinished requests turns every real request into a 503; the server caps requests in flight instead
+(app.InFlightLimit), and connections here.
 
-`ReceiptDeadlineProtocol` is uvicorn's h11 protocol with one timer more: armed when a connection opens and
-again when a reply ends (the next request may begin), disarmed once h11 has the whole request (headers and
-body), and never reset by a byte. When it fires the connection is closed; an app still reading that body
-sees `http.disconnect`. A request that is in gets all the time it needs: the deadline never cuts a reply,
-however long a stream runs. The number of open connections is capped apart from this (uvicorn's
-`limit_concurrency`, see __main__.py).
+`GuardedProtocol` is uvicorn's h11 protocol with, per connection:
+- a header deadline: the request's headers must be in `header_read_timeout` seconds after the connection
+  opened or the previous reply ended, and the whole request (headers and body) in `request_read_timeout`.
+  The timer is never reset by a byte, and is disarmed once h11 has the whole request; a request that is
+  in gets all the time it needs, however long its stream runs. When it fires the connection is closed (an
+  app still reading that body sees `http.disconnect`);
+- a cap on open connections per client address (`max_per_client`) and in all (`max_connections`): a
+  connection past either is closed as it opens, before a byte of it is parsed;
+- a stall deadline: once the client leaves `write_buffer_bytes` of reply unread (the transport pauses
+  writing; uvicorn's `send` then waits for it to drain), it has `stall_timeout` seconds to read again, or
+  the connection is aborted and its buffer dropped. The app sees `http.disconnect`, so the request is
+  cancelled and its sequence slot freed; `on_stall` counts it (a metric).
+The reply a client has not read is thus bounded by the write buffer plus what one stall allows.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -29,22 +43,53 @@ log = logging.getLogger(__name__)
 _RECEIVING = (h11.IDLE, h11.SEND_BODY)
 
 
-class ReceiptDeadlineProtocol(H11Protocol):
-    """uvicorn's `H11Protocol`, closing a connection whose request is not all in `request_read_timeout`
-    seconds after the connection opened or the previous reply ended. Set the class attribute with
-    `with_deadline` before handing the class to uvicorn (`uvicorn.Config(http=...)`)."""
+@dataclass(frozen=True)
+class Limits:
+    """One listener's connection limits (see the module docstring); from the server's Config."""
 
+    header_read_timeout: float = 5.0
     request_read_timeout: float = 20.0
+    max_connections: int = 2048
+    max_per_client: int = 64
+    stall_timeout: float = 30.0
+    write_buffer_bytes: int = 256 * 1024
+
+
+class GuardedProtocol(H11Protocol):
+    """uvicorn's `H11Protocol` with the module docstring's limits. Make a class per listener with `guarded`
+    and hand it to uvicorn (`uvicorn.Config(http=...)`): the counts of open connections are per class."""
+
+    limits: Limits = Limits()
+    on_stall: Callable[[], None] = staticmethod(lambda: None)
+    open_per_client: collections.Counter
+    open_total: list[int]
 
     _deadline: asyncio.TimerHandle | None = None
+    _deadline_for_body: bool = False
+    _started: float = 0.0
+    _stall: asyncio.TimerHandle | None = None
+    _counted: str | None = None
 
     @classmethod
-    def with_deadline(cls, seconds: float) -> type[ReceiptDeadlineProtocol]:
-        """A subclass with `request_read_timeout = seconds` (uvicorn builds the protocol from the class)."""
-        return type(cls.__name__, (cls,), {"request_read_timeout": seconds})
+    def guarded(cls, limits: Limits, on_stall: Callable[[], None] | None = None) -> type[GuardedProtocol]:
+        """A subclass with its own limits, stall counter and connection counts."""
+        return type(cls.__name__, (cls,), {"limits": limits, "on_stall": staticmethod(on_stall or (lambda: None)),
+                                           "open_per_client": collections.Counter(), "open_total": [0]})
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        host = self.client[0] if self.client else "?"
+        limits = self.limits
+        if self.open_total[0] >= limits.max_connections or self.open_per_client[host] >= limits.max_per_client:
+            log.debug("refusing a connection from %s: %d open from it, %d in all", host,
+                      self.open_per_client[host], self.open_total[0])
+            transport.abort()
+            return
+        self._counted = host
+        self.open_per_client[host] += 1
+        self.open_total[0] += 1
+        transport.set_write_buffer_limits(high=limits.write_buffer_bytes)
+        self._started = self.loop.time()
         self._follow_request()
 
     def data_received(self, data: bytes) -> None:
@@ -53,18 +98,39 @@ class ReceiptDeadlineProtocol(H11Protocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        self._started = self.loop.time()
         self._follow_request()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._calm()
+        if self._counted is not None:
+            self.open_per_client[self._counted] -= 1
+            if self.open_per_client[self._counted] <= 0:
+                del self.open_per_client[self._counted]
+            self.open_total[0] -= 1
+            self._counted = None
         super().connection_lost(exc)
 
+    # ---- receiving: the header and request deadlines ---------------------------------------------
+
     def _follow_request(self) -> None:
-        """Arm the timer while a request is arriving (once: bytes do not reset it), disarm it once it is in."""
-        if self.transport.is_closing() or self.conn.their_state not in _RECEIVING:
+        """Arm the header deadline while headers arrive, the request deadline while its body does, and
+        disarm once the request is in (bytes never move either deadline)."""
+        state = self.conn.their_state
+        if self.transport.is_closing() or state not in _RECEIVING:
             self._disarm()
-        elif self._deadline is None:
-            self._deadline = self.loop.call_later(self.request_read_timeout, self._expire)
+            return
+        for_body = state is h11.SEND_BODY
+        if self._deadline is not None and self._deadline_for_body == for_body:
+            return
+        self._disarm()
+        limits = self.limits
+        seconds = limits.request_read_timeout
+        if not for_body:
+            seconds = min(seconds, limits.header_read_timeout)
+        self._deadline = self.loop.call_at(self._started + seconds, self._expire)
+        self._deadline_for_body = for_body
 
     def _disarm(self) -> None:
         if self._deadline is not None:
@@ -74,5 +140,30 @@ class ReceiptDeadlineProtocol(H11Protocol):
     def _expire(self) -> None:
         self._deadline = None
         if not self.transport.is_closing():
-            log.debug("closing %s: no whole request within %gs", self.client, self.request_read_timeout)
+            what = "request" if self._deadline_for_body else "request headers"
+            log.debug("closing %s: no whole %s in time", self.client, what)
             self.transport.close()
+
+    # ---- sending: the stall deadline -------------------------------------------------------------
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._stall is None:
+            self._stall = self.loop.call_later(self.limits.stall_timeout, self._stalled)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._calm()
+
+    def _calm(self) -> None:
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+
+    def _stalled(self) -> None:
+        self._stall = None
+        if not self.transport.is_closing():
+            log.warning("aborting the reply to %s: the client read nothing for %gs", self.client,
+                        self.limits.stall_timeout)
+            self.on_stall()
+            self.transport.abort()

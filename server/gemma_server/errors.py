@@ -85,11 +85,13 @@ def bad_request(param: str | None, message: str) -> ApiError:
 # refusals become HTTP (vLLM's api_router maps its engine exceptions the same way).
 _SCHEDULER_STATUS: dict[type, tuple[int, dict[str, str]]] = {
     scheduler.QueueFull: (429, {"Retry-After": "1"}),
+    scheduler.OverShare: (429, {"Retry-After": "1"}),
     scheduler.Draining: (503, {}),
     scheduler.NotReady: (503, {"Retry-After": "5"}),
     scheduler.EngineDead: (503, {}),
     scheduler.Shutdown: (503, {}),
     scheduler.EngineRefused: (400, {}),
+    scheduler.EngineFailed: (500, {}),
 }
 
 

@@ -21,7 +21,8 @@ of every decode step, as vLLM's observes the tokens of every engine step. Ours b
 `gemma_engine_step_seconds` (wall time of one decode turn), `gemma_prompt_tokens_read` (the prompt tokens
 the engines read: below `gemma_prompt_tokens` when the `n` choices of a request share their prompt),
 `gemma_boot_stage_seconds{stage}`,
-`gemma_engine_ready`, `gemma_build_info`.
+`gemma_engine_ready`, `gemma_build_info`, `gemma_stalled_replies_total` (replies aborted because their client
+stopped reading: connections.py).
 `_created` series are off, as in vLLM.
 """
 
@@ -100,6 +101,10 @@ class Metrics:
         ).labels(m)
         self.generation_tokens = Counter(
             "gemma_generation_tokens", "Number of generation tokens processed.", labels, registry=r
+        ).labels(m)
+        self.stalled_replies = Counter(
+            "gemma_stalled_replies", "Replies aborted because the client stopped reading them "
+            "(--stream-stall-timeout); each freed its request's slot.", labels, registry=r,
         ).labels(m)
         success = Counter(
             "gemma_request_success", "Count of successfully processed requests.", labels + ["finished_reason"],

@@ -20,6 +20,7 @@ sampling.rs); a value outside its range is a 400 naming the field. Fields the en
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import re
@@ -74,8 +75,16 @@ class OpenAIModel(BaseModel):
     @model_validator(mode="after")
     def _log_ignored_fields(self) -> OpenAIModel:
         if self.model_extra:
-            log.warning("ignored unknown request fields: %s", ", ".join(sorted(self.model_extra)))
+            log.warning("ignored %s", ignored_fields(self.model_extra))
         return self
+
+
+def ignored_fields(extra: dict[str, Any], shown: int = 5, longest: int = 40) -> str:
+    """What the log says of a request's unknown fields: their count and the first few names, each cut and
+    escaped (repr), so a request cannot write a huge or forged line (a newline in a name) into the log."""
+    names = [repr(name[:longest]) + ("..." if len(name) > longest else "") for name in itertools.islice(extra, shown)]
+    more = f" and {len(extra) - shown} more" if len(extra) > shown else ""
+    return f"{len(extra)} unknown request field{'s' if len(extra) > 1 else ''}: {', '.join(names)}{more}"
 
 
 class StreamOptions(BaseModel):
@@ -92,10 +101,15 @@ class TextPart(BaseModel):
     text: str | None = Field(default=None, json_schema_extra={"type": "string"})
 
 
+# Caps on the lists of a body are schema bounds (pydantic's max_length), so validation stops at the first
+# item past a cap instead of building every item of a 4 MB list first.
+MAX_CONTENT_PARTS = 1024
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     name: str | None = None
 
 
@@ -113,6 +127,10 @@ MAX_MESSAGES = 1024
 # context x this cannot fit and is refused before it is tokenized.
 MAX_CHARS_PER_TOKEN = 32
 MAX_INT64 = 2**63 - 1
+# Most log-probabilities one response carries: n x max_tokens x (top_logprobs + 1). Each is a JSON object
+# of ~60 bytes built on the host, so this keeps an answer near 16 MB (n=16 x 600 tokens x 21 fits; the
+# default context x 16 x 21 would be 2.8 million, gigabytes of JSON).
+MAX_LOGPROB_ENTRIES = 16 * 800 * 21
 # Any integer is a seed: it is taken modulo 2**64 (choice i of n uses seed + i), so no bound can be missed by
 # a JSON number that a float rounds (9.2e18 is 2**63 to a JSON Schema validator).
 SEED = "Any integer, taken modulo 2**64 into the engine's signed 64-bit seed."
@@ -179,7 +197,7 @@ class GenerationRequest(OpenAIModel):
     """Fields and checks shared by chat and legacy completions."""
 
     # --- extensions both requests take (vLLM's names) ----------------------------------------------
-    stop_token_ids: list[Integer] | None = documented(**TOKEN_IDS)
+    stop_token_ids: Annotated[list[Integer], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = documented(**TOKEN_IDS)
     top_k: Integer | None = documented(minimum=-1)
     min_p: float | None = documented(minimum=0.0, maximum=1.0)
     repetition_penalty: float | None = documented(exclusiveMinimum=0.0, maximum=2.0)
@@ -329,11 +347,28 @@ class GenerationRequest(OpenAIModel):
         bad = [t for t in bias if not 0 <= t < vocab_size]
         if bad:
             raise bad_request("logit_bias", f"Token id {bad[0]} is outside the vocabulary [0, {vocab_size}).")
+        self._check_logprob_budget(max_new)
         return EngineParams(tuple(prompt_ids), max_new, stop_ids, self.stop_strings(), self.sampling_kwargs(default_temperature),
                             self.n or 1, self.logprobs_wanted())
 
     def _prompt_field(self) -> str:
         return "prompt"
+
+    def _logprobs_field(self) -> str:
+        return "logprobs"
+
+    def _check_logprob_budget(self, max_new: int) -> None:
+        """Refuse an answer of more than MAX_LOGPROB_ENTRIES log-probabilities, naming the product."""
+        top = self.logprobs_wanted()
+        if top is None:
+            return
+        n = self.n or 1
+        entries = n * max_new * (top + 1)
+        if entries > MAX_LOGPROB_ENTRIES:
+            raise bad_request(self._logprobs_field(), (
+                f"n x max_tokens x (top log-probabilities + 1) = {n} x {max_new} x {top + 1} = {entries} "
+                f"log-probabilities, more than the {MAX_LOGPROB_ENTRIES} one response may carry: lower n, "
+                f"max_tokens or the top log-probabilities."))
 
 
 
@@ -343,10 +378,10 @@ class ChatCompletionRequest(GenerationRequest):
     model_config = ConfigDict(json_schema_extra={"allOf": [
         STREAM_OPTIONS_RULE, _one_of_fields_null_or("top_logprobs", "logprobs", True)]})
 
-    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1, "maxItems": MAX_MESSAGES})
+    messages: Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)] = Field(json_schema_extra={"minItems": 1})
     model: str | None = None
     frequency_penalty: float | None = documented(**PENALTY)
-    logit_bias: dict[str, float] | None = documented(**LOGIT_BIAS)
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = documented(**LOGIT_BIAS)
     logprobs: bool | None = None
     top_logprobs: Integer | None = documented(minimum=0, maximum=MAX_TOP_LOGPROBS)
     max_tokens: Integer | None = documented(minimum=1, description="Deprecated by OpenAI; max_completion_tokens wins.")
@@ -355,7 +390,7 @@ class ChatCompletionRequest(GenerationRequest):
     presence_penalty: float | None = documented(**PENALTY)
     response_format: dict[str, Any] | None = documented(properties={"type": {"enum": ["text"]}})
     seed: Integer | None = Field(default=None, description=SEED)
-    stop: str | list[str] | None = documented(**STOP)
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = documented(**STOP)
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = documented(minimum=0.0, maximum=2.0)
@@ -417,6 +452,9 @@ class ChatCompletionRequest(GenerationRequest):
 
     def _prompt_field(self) -> str:
         return "messages"
+
+    def _logprobs_field(self) -> str:
+        return "top_logprobs" if self.top_logprobs else "logprobs"
 
 
 def prompt_schema(vocab_size: int | None = None, context: int | None = None) -> list[dict]:
@@ -482,13 +520,13 @@ class CompletionRequest(GenerationRequest):
     best_of: Integer | None = documented(description="Must be absent, 1, or equal to n.")
     echo: bool | None = documented(False, enum=[False, None], description="Not supported.")
     frequency_penalty: float | None = documented(**PENALTY)
-    logit_bias: dict[str, float] | None = documented(**LOGIT_BIAS)
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = documented(**LOGIT_BIAS)
     logprobs: Integer | None = documented(minimum=0, maximum=MAX_COMPLETION_LOGPROBS)
     max_tokens: Integer | None = documented(minimum=1)
     n: Integer | None = documented(1, minimum=1, maximum=MAX_N)
     presence_penalty: float | None = documented(**PENALTY)
     seed: Integer | None = Field(default=None, description=SEED)
-    stop: str | list[str] | None = documented(**STOP)
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = documented(**STOP)
     stream: bool = False
     stream_options: StreamOptions | None = None
     suffix: str | None = documented(maxLength=0, description="Not supported.")

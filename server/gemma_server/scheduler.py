@@ -62,11 +62,81 @@ class EngineDead(SchedulerError):
 
 
 class EngineRefused(SchedulerError):
-    """The engine refused one request at admission (its own checks; ours should have caught it first)."""
+    """The engine refused one request for its own values (its checks; ours should have caught it first)."""
+
+
+class EngineFailed(SchedulerError):
+    """The engine failed while admitting or running one request (it serves the next ones)."""
 
 
 class Shutdown(SchedulerError):
     """The shutdown timeout cut the request."""
+
+
+class OverShare(SchedulerError):
+    """One client already has its share of the server's slots and queue."""
+
+    def __init__(self, client: str, held: int, limit: int) -> None:
+        super().__init__(f"This client already has {held} choices queued or running, and one client may hold "
+                         f"{limit}. Retry when some have finished.")
+
+
+class ClientShares:
+    """How many choices (a request's n) each client address has queued or running, and the cap on them, so
+    one client cannot take every slot and the whole queue (say with n=16 requests).
+
+    Args:
+        limit: most choices per client; 0: half of the server's slots and queue, and at least one request of
+            the largest n (16).
+    """
+
+    MIN = 16
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held: collections.Counter[str] = collections.Counter()
+
+    def cap(self, total: int) -> int:
+        """The cap for a server of `total` slots and queue places."""
+        return self.limit or max(self.MIN, total // 2)
+
+    def take(self, client: str, n: int, total: int) -> Share:
+        """Count `n` choices against `client`'s share (given back when the Share closes).
+
+        Raises:
+            OverShare: the client would hold more than its cap.
+        """
+        cap = self.cap(total)
+        if self.held[client] + n > cap:
+            raise OverShare(client, self.held[client], cap)
+        self.held[client] += n
+        return Share(self, client, n)
+
+    def give_back(self, client: str, n: int) -> None:
+        self.held[client] -= n
+        if self.held[client] <= 0:
+            del self.held[client]
+
+
+class Share:
+    """`n` choices of one client's share; `close` gives them back, once. A route that hands its response to a
+    stream calls `keep`, and the stream closes it when it ends."""
+
+    def __init__(self, shares: ClientShares, client: str, n: int) -> None:
+        self._shares, self._client, self._n = shares, client, n
+        self._kept = self._closed = False
+
+    def keep(self) -> None:
+        self._kept = True
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._shares.give_back(self._client, self._n)
+
+    def close_unless_kept(self) -> None:
+        if not self._kept:
+            self.close()
 
 
 @dataclass
@@ -90,13 +160,11 @@ class Job:
     assignment is atomic under the GIL.
 
     Attributes:
-        sampling: keyword arguments of gemma_engine.SamplingParams.
+        request: the gemma_engine.Request the worker hands to its engine, built on the asyncio side
+            (`engine_request`) so that the engine's own checks of its values answer this request alone.
     """
 
-    prompt_ids: list[int]
-    max_new: int
-    stop_ids: list[int]
-    sampling: dict[str, Any]
+    request: Any
     loop: asyncio.AbstractEventLoop
     arrival: float
     id: int = field(default_factory=lambda: next(_ids))
@@ -107,6 +175,22 @@ class Job:
 
     def post(self, kind: str, payload: Any) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+
+
+def engine_request(job_id: int, prompt_ids: list[int], max_new: int, stop_ids: list[int],
+                   sampling: dict[str, Any]) -> Any:
+    """The gemma_engine.Request of one job, with its SamplingParams.
+
+    Raises:
+        EngineRefused: the engine's own checks refused a value (ValueError, which names it), or a value
+            does not fit the engine's integer types (OverflowError): this request's 400.
+    """
+    import gemma_engine
+
+    try:
+        return gemma_engine.Request(job_id, prompt_ids, max_new, stop_ids, gemma_engine.SamplingParams(**sampling))
+    except (ValueError, OverflowError) as e:
+        raise EngineRefused(f"The engine refused the request: {e}") from e
 
 
 @dataclass
@@ -169,17 +253,11 @@ class EngineWorker:
             log.critical("engine %d died", self.index, exc_info=True)
 
     def _poll(self, free: int, idle: bool):
-        import gemma_engine
-
         taken = self.scheduler.poll(self, free, idle)
         if taken is None:
             return None
         jobs, cancels = taken
-        requests = [
-            gemma_engine.Request(j.id, j.prompt_ids, j.max_new, j.stop_ids, gemma_engine.SamplingParams(**j.sampling))
-            for j in jobs
-        ]
-        return requests, cancels
+        return [j.request for j in jobs], cancels
 
     def _on_events(self, events, stats: dict) -> None:
         now = time.monotonic()
@@ -193,6 +271,9 @@ class EngineWorker:
                 self.scheduler.finished(self, job)
                 if e.finish == "error":
                     job.post("error", EngineRefused(e.error or "refused"))
+                elif e.finish == "failed":
+                    log.error("engine %d failed request %d: %s", self.index, job.id, e.error)
+                    job.post("error", EngineFailed(f"The engine failed this request: {e.error}"))
                 else:
                     job.post("done", Done(e.finish, e.prompt_s, e.decode_s))
         if stats.get("batch_sizes") or stats.get("prompt_tokens"):

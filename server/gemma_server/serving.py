@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import time
 import uuid
 import random
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,19 +33,15 @@ from gemma_server.protocol import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatLogprobs,
     CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     EngineParams,
     ResponseMessage,
     Timings,
-    TokenLogprob,
-    TopLogprob,
     Usage,
 )
-from gemma_server.scheduler import Done, Job, Scheduler, Shutdown
+from gemma_server.scheduler import Done, Job, Scheduler, Shutdown, engine_request
 from gemma_server.text import IncrementalDetokenizer, StopMatcher
 
 log = logging.getLogger(__name__)
@@ -190,8 +187,9 @@ class Generation:
         self.params = params
         self.index = index
         sampling = params.choice_sampling(index, lambda: random.getrandbits(63))
-        self.job = Job(list(params.prompt_ids), params.max_new, list(params.stop_ids), sampling,
-                       asyncio.get_running_loop(), arrival)
+        self.job = Job(None, asyncio.get_running_loop(), arrival)
+        self.job.request = engine_request(self.job.id, list(params.prompt_ids), params.max_new,
+                                          list(params.stop_ids), sampling)
         self._scheduler = scheduler
         self._metrics = metrics
         self._detok = IncrementalDetokenizer(tokenizer, params.prompt_ids)
@@ -354,17 +352,19 @@ class Formatter:
         chat: chat completion (True) or legacy completion.
         model: the served model name.
         fingerprint: system_fingerprint.
-        tokenizer: turns token ids into the strings log-probabilities are reported with.
+        token_text: a token id's text, as log-probabilities report it (ServerState.token_text: decoded
+            once per id, since a large answer names the same tokens many times).
         include_usage: stream_options.include_usage.
     """
 
-    def __init__(self, chat: bool, model: str, fingerprint: str, tokenizer, include_usage: bool = False) -> None:
+    def __init__(self, chat: bool, model: str, fingerprint: str, token_text: Callable[[int], str],
+                 include_usage: bool = False) -> None:
         self.chat = chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.model = model
         self.fingerprint = fingerprint
-        self.tokenizer = tokenizer
+        self._token = token_text
         self.include_usage = include_usage
         self._offsets: dict[int, int] = {}  # completions' text_offset, per choice
 
@@ -381,32 +381,29 @@ class Formatter:
             obj["usage"] = usage  # OpenAI: null on every chunk but the last when include_usage is set
         return sse_event(obj)
 
-    def _token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
-
-    def logprobs(self, index: int, entries: list) -> ChatLogprobs | CompletionLogprobs | None:
-        """OpenAI's logprobs object for `entries` [(token id, logprob, [(id, logprob), ...])], or None."""
+    def logprobs(self, index: int, entries: list) -> dict[str, Any] | None:
+        """OpenAI's logprobs object (protocol.ChatLogprobs or CompletionLogprobs, as plain JSON values: a
+        large answer holds hundreds of thousands of them) for `entries` [(token id, logprob, [(id, logprob),
+        ...])], or None."""
         if not entries:
             return None
+        text = self._token
         if self.chat:
-            def top(tid: int, lp: float) -> TopLogprob:
-                s = self._token(tid)
-                return TopLogprob(token=s, logprob=lp, bytes=list(s.encode()))
+            def top(tid: int, lp: float) -> dict[str, Any]:
+                s = text(tid)
+                return {"token": s, "logprob": lp, "bytes": list(s.encode())}
 
-            content = [TokenLogprob(**top(t, lp).model_dump(), top_logprobs=[top(i, v) for i, v in tops])
-                       for t, lp, tops in entries]
-            return ChatLogprobs(content=content)
-        tokens = [self._token(t) for t, _, _ in entries]
+            content = [{**top(t, lp), "top_logprobs": [top(i, v) for i, v in tops]} for t, lp, tops in entries]
+            return {"content": content, "refusal": None}
+        tokens = [text(t) for t, _, _ in entries]
         offsets = []
         at = self._offsets.get(index, 0)
         for s in tokens:
             offsets.append(at)
             at += len(s)
         self._offsets[index] = at
-        return CompletionLogprobs(
-            tokens=tokens, token_logprobs=[lp for _, lp, _ in entries],
-            top_logprobs=[{self._token(i): v for i, v in tops} for _, _, tops in entries], text_offset=offsets,
-        )
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": [{text(i): v for i, v in tops} for _, _, tops in entries], "text_offset": offsets}
 
     def role_event(self, index: int) -> bytes:
         """A chat choice's first event: the assistant role, empty content (OpenAI, vLLM)."""
@@ -415,7 +412,6 @@ class Formatter:
 
     def piece_event(self, index: int, piece: Piece) -> bytes:
         lp = self.logprobs(index, piece.logprobs)
-        lp = lp.model_dump() if lp is not None else None
         if self.chat:
             return self._chunk([{"index": index, "delta": {"content": piece.text}, "logprobs": lp,
                                  "finish_reason": None}])
@@ -429,20 +425,43 @@ class Formatter:
     def usage_event(self, u: Usage) -> bytes:
         return self._chunk([], u.model_dump(), with_usage=True)
 
+    def response_json(self, outputs: list[tuple[str, list]], gens: list[Generation]) -> bytes:
+        """The non-streamed response as the JSON bytes sent (Starlette's JSONResponse rendering), with each
+        choice's log-probabilities. The caller runs it off the event loop; it is built and serialised a
+        choice at a time, since one C call (json.dumps, pydantic's model_dump) holds the GIL, and with it the
+        event loop, until it returns."""
+        shell = self.response(outputs, gens).model_dump()
+        choices = []
+        for choice, (_, lps), g in zip(shell["choices"], outputs, gens):
+            choice["logprobs"] = self.logprobs(g.index, lps)
+            choices.append(_json(choice))
+        shell["choices"] = _SPLICE
+        head = _json(shell)
+        return head.replace(_json(_SPLICE), b"[" + b",".join(choices) + b"]", 1)
+
     def response(self, outputs: list[tuple[str, list]], gens: list[Generation]):
-        """The non-streamed response: `outputs[i]` is choice i's (text, logprob entries)."""
+        """The non-streamed response without log-probabilities (`response_json` adds them): `outputs[i]` is
+        choice i's (text, logprob entries)."""
         timings = gens[0].timings()
         common = dict(id=self.id, created=self.created, model=self.model, system_fingerprint=self.fingerprint,
                       usage=usage(gens), timings=timings)
         if self.chat:
             choices = [ChatChoice(index=g.index, message=ResponseMessage(content=text),
-                                  logprobs=self.logprobs(g.index, lps), finish_reason=g.finish_reason or "abort")
-                       for (text, lps), g in zip(outputs, gens)]
+                                  finish_reason=g.finish_reason or "abort")
+                       for (text, _), g in zip(outputs, gens)]
             return ChatCompletionResponse(choices=choices, **common)
-        choices = [CompletionChoice(index=g.index, text=text, logprobs=self.logprobs(g.index, lps),
-                                    finish_reason=g.finish_reason or "abort")
-                   for (text, lps), g in zip(outputs, gens)]
+        choices = [CompletionChoice(index=g.index, text=text, finish_reason=g.finish_reason or "abort")
+                   for (text, _), g in zip(outputs, gens)]
         return CompletionResponse(choices=choices, **common)
+
+
+# Where response_json puts the serialised choices: a string no JSON value of the shell can hold (json.dumps
+# escapes control characters).
+_SPLICE = "\x00choices\x00"
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
 async def collect(gens: list[Generation]) -> list[tuple[str, list]]:

@@ -4,7 +4,7 @@ The container gets exactly what gemma_operator.builders puts in the Deployment f
 whose model is a pvc:// checkpoint: its command, environment, user and groups, read-only root filesystem,
 dropped capabilities, the build cache volume at /var/cache/gemma (a Docker volume, empty at first: an
 emptyDir outlives a container restart, as the volume does here), a scratch /tmp, the checkpoint mounted
-read-only, and the termination message file. Only the port is picked free (spec.server.port), since the
+read-only, and the termination message file. Only the ports are picked free (spec.server.port and probePort), since the
 container shares the host's network.
 
 The first boot compiles the engine inside the container (minutes); the restart on the same volume reuses
@@ -45,11 +45,11 @@ WARM_BOOT_TIMEOUT = 300
 CLAIM = "checkpoints"  # the pvc:// claim; its directory on the host is mounted in its place
 
 
-def server_pod(model: str, port: int) -> dict:
+def server_pod(model: str, port: int, probe_port: int) -> dict:
     """The pod spec the operator builds for a CPU server of the pvc:// checkpoint `model`."""
     spec = parse_spec({"model": {"source": f"pvc://{CLAIM}/{model}"}, "accelerator": {"type": "cpu"},
                        "image": SERVER_TAG, "engine": {"context": 1024, "dtype": "float32"},
-                       "server": {"port": port, "servedModelName": "chat", "shutdownTimeoutSeconds": 30}})
+                       "server": {"port": port, "probePort": probe_port, "servedModelName": "chat", "shutdownTimeoutSeconds": 30}})
     return builders.build_deployment(spec, builders.Meta("gemma", "default"))["spec"]["template"]["spec"]
 
 
@@ -100,7 +100,7 @@ class Boots:
 
     def start(self, model: str) -> Server:
         port = free_port()
-        pod = server_pod(model, port)
+        pod = server_pod(model, port, free_port())
         n = len(self.containers)
         term = self.tmp / f"termination-log-{n}"
         term.write_text("")

@@ -271,8 +271,10 @@ def test_a_non_streamed_request_that_disconnects_mid_decode_is_aborted(server, m
     assert_engine_cancelled(job)
 
 
-def test_health_live_and_engine_report_after_boot(server):
+def test_health_live_and_engine_report_after_boot(server, chat_checkpoint):
     assert httpx.get(server.base + "/health").json() == {"status": "ok"}
+    # Nowhere in the report, the stages' messages included, is the checkpoint's directory.
+    assert str(chat_checkpoint) not in httpx.get(server.base + "/v1/engine").text
     assert httpx.get(server.base + "/live").status_code == 200
     info = httpx.get(server.base + "/v1/engine").json()
     assert info["stage"] == "serving"
@@ -354,3 +356,11 @@ def test_the_server_boots_and_answers_on_cuda(chat_checkpoint):
         assert 1 <= r.usage.completion_tokens <= 8 and r.system_fingerprint.endswith("-cuda")
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("path", ["/v1/models/", "/v1/chat/completions/", "/health/"])
+def test_a_trailing_slash_is_a_404_not_a_redirect_built_from_the_host_header(server, path):
+    r = httpx.request("POST" if "completions" in path else "GET", server.base + path,
+                      headers={"Host": "evil.example"}, follow_redirects=False)
+    assert r.status_code == 404 and "location" not in r.headers
+    assert r.json()["error"]["code"] == 404

@@ -110,11 +110,12 @@ def test_a_chunked_body_is_cut_at_the_limit(small_body_server):
 
 def open_slow_connections(base: str, partial: int, trickling: int) -> list[socket.socket]:
     """`partial` connections that send part of a request and stop, and `trickling` ones whose bytes the
-    caller keeps sending one at a time (slowloris)."""
+    caller keeps sending one at a time (slowloris), from five loopback addresses of their own (each under
+    the per-client connection cap)."""
     host, port = base.removeprefix("http://").split(":")
     socks = []
     for i in range(partial + trickling):
-        s = socket.create_connection((host, int(port)), timeout=10)
+        s = socket.create_connection((host, int(port)), timeout=10, source_address=(f"127.0.0.{40 + i % 5}", 0))
         if i % 2:  # headers whole, body short of its Content-Length
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                       b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
@@ -223,3 +224,75 @@ def test_chat_template_kwargs_reach_the_template_only_under_names_it_reads(token
     with pytest.raises(ApiError) as e:
         template_kwargs(tokenizer, {"chat_template": "{{ 1/0 }}"})
     assert e.value.param == "chat_template_kwargs"
+
+
+# The int64 edges of a JSON integer: past both ends, at the top that a double rounds to 2**63, just above
+# the 53 bits a double holds, and the top of uint64.
+EDGES = [2**63, -(2**63), 2**63 - 1, 2**63 - 512, -(2**63) - 1, 2**53 + 1, 2**64 - 1, 2**64, -(2**64)]
+# Every numeric field, as a request carries it.
+NUMERIC = {
+    "/v1/chat/completions": ["seed", "max_tokens", "max_completion_tokens", "n", "top_logprobs", "top_k",
+                             "min_tokens", "temperature", "top_p", "presence_penalty", "frequency_penalty",
+                             "min_p", "repetition_penalty", "stop_token_ids", "logit_bias"],
+    "/v1/completions": ["seed", "max_tokens", "n", "logprobs", "best_of", "top_k", "temperature", "top_p",
+                        "presence_penalty", "frequency_penalty", "stop_token_ids", "logit_bias", "prompt"],
+}
+
+
+def edge_body(path: str, name: str, value: int) -> dict:
+    base = {"messages": [MSG]} if path.endswith("chat/completions") else {"prompt": "Hello"}
+    base |= {"max_tokens": 2, "stream": True}
+    if name == "stop_token_ids":
+        return base | {name: [value]}
+    if name == "logit_bias":
+        return base | {name: {str(abs(value)): 1}} if value % 2 else base | {name: {"5": value}}
+    if name == "prompt":
+        return base | {name: [2, value]}
+    if name == "top_logprobs":
+        base["logprobs"] = True
+    return base | {name: value}
+
+
+@pytest.mark.slow
+def test_no_numeric_value_stops_the_engine_and_seeds_reach_it_exactly(small_body_server):
+    base = small_body_server.base
+    answered = {}
+    with httpx.Client(timeout=60) as c:
+        for path, names in NUMERIC.items():
+            for name in names:
+                for value in EDGES:
+                    # Streamed and closed after the first event: the engine admitted (or refused) it.
+                    with c.stream("POST", base + path, json=edge_body(path, name, value)) as r:
+                        answered[(path, name, value)] = r.status_code
+                        next(r.iter_bytes(), None)
+        bad = {k: v for k, v in answered.items() if v not in (200, 400)}
+        assert not bad, bad
+        # Every seed is a seed: taken modulo 2**64, admitted, drawn from.
+        assert all(answered[(p, "seed", v)] == 200 for p in NUMERIC for v in EDGES)
+        # The engine is alive and serves: probes and a normal request.
+        assert c.get(base + "/live").status_code == 200 and c.get(base + "/health").status_code == 200
+        r = c.post(base + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "seed": 2**63 - 1,
+                                                   "temperature": 1.0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        # n seeded choices at a seed past 2**53 are n seeds (s + i), so they differ.
+        r = c.post(base + "/v1/completions", json={"prompt": "Hello", "max_tokens": 16, "n": 4, "seed": 2**60,
+                                                   "temperature": 1.0})
+        texts = [choice["text"] for choice in r.json()["choices"]]
+        assert r.status_code == 200 and len(set(texts)) == 4, texts
+
+
+@pytest.mark.slow
+def test_a_large_logprob_answer_is_built_off_the_event_loop_and_one_past_the_budget_is_400(small_body_server, tokenizer):
+    base = small_body_server.base
+    eos = {str(i): -100 for i in {tokenizer.eos_token_id, *tokenizer.all_special_ids}}
+    body = {"messages": [MSG], "n": 16, "max_tokens": 600, "logprobs": True, "top_logprobs": 20,
+            "temperature": 1.0, "logit_bias": eos}
+    r, seconds, slowest_live = send_while_probing(base, "/v1/chat/completions", json.dumps(body).encode())
+    assert r.status_code == 200, r.text[:300]
+    choices = r.json()["choices"]
+    assert len(choices) == 16 and all(len(c["logprobs"]["content"]) == 600 for c in choices)
+    assert all(len(t["top_logprobs"]) == 20 for c in choices for t in c["logprobs"]["content"])
+    assert slowest_live < 1.0, f"/live took {slowest_live:.3f}s while a 16 x 600 x 21 answer was built"
+    over = httpx.post(base + "/v1/chat/completions", json={**body, "max_tokens": 1000}, timeout=30)
+    assert over.status_code == 400 and over.json()["error"]["param"] == "top_logprobs"
+    assert "16 x 1000 x 21 = 336000" in over.json()["error"]["message"]

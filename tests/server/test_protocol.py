@@ -68,7 +68,6 @@ def test_token_ids_outside_the_vocabulary_are_400():
         ("presence_penalty", -3.0),
         ("logit_bias", {"1": 200.0}),
         ("logit_bias", {"x": 1.0}),
-        ("logit_bias", {str(i): 1.0 for i in range(301)}),
         ("logit_bias", {"512": 1.0}),
         ("top_logprobs", 2),
         ("top_k", -2),
@@ -76,9 +75,7 @@ def test_token_ids_outside_the_vocabulary_are_400():
         ("min_p", 1.5),
         ("repetition_penalty", 0.0),
         ("repetition_penalty", 3.0),
-        ("stop", ["s"] * 17),
         ("stop", "x" * 257),
-        ("stop_token_ids", list(range(65))),
         ("ignore_eos", True),
         ("max_tokens", 0),
         ("max_completion_tokens", -1),
@@ -89,6 +86,18 @@ def test_token_ids_outside_the_vocabulary_are_400():
 )
 def test_unsupported_or_bad_chat_fields_are_400_naming_the_field(field, value):
     assert_400(lambda: params(chat(**{field: value})), field)
+
+
+@pytest.mark.parametrize("field,value", [("logit_bias", {str(i): 1.0 for i in range(301)}), ("stop", ["s"] * 17),
+                                         ("stop_token_ids", list(range(65))),
+                                         ("messages", [{"role": "user", "content": "hi"}] * 1025)])
+def test_list_caps_are_schema_bounds_that_stop_validation_at_the_first_excess(field, value):
+    # A cap is part of the schema (the server's 400 names the field: tests/server/test_limits.py), so
+    # pydantic refuses the list by its length instead of validating every item first.
+    body = {"messages": MSG, field: value}
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate(body)
+    assert any(err["type"] == "too_long" and err["loc"][0] == field for err in e.value.errors())
 
 
 @pytest.mark.parametrize("field,value", [("best_of", 2), ("echo", True), ("suffix", "x"), ("logprobs", 6)])
@@ -138,7 +147,7 @@ def test_unknown_fields_are_ignored_and_logged(caplog):
     with caplog.at_level(logging.WARNING, logger="gemma_server.protocol"):
         req = ChatCompletionRequest(messages=MSG, frobnicate=1, another={"x": 1})
     assert params(req).max_new == 90
-    assert "another, frobnicate" in caplog.text
+    assert "ignored 2 unknown request fields: 'frobnicate', 'another'" in caplog.text
 
 
 def test_text_content_parts_are_joined_and_image_parts_refused():
@@ -168,3 +177,31 @@ def test_seeds_and_top_k_past_64_bits_are_taken_in_range_not_refused():
     # A float rounds 2**63 - 1 to 2**63, which JSON Schema's maximum would pass: no such bound is kept.
     p = params(chat(seed=2**64 + 5, top_k=2**70))
     assert p.choice_sampling(0, lambda: 0)["seed"] == 5 and dict(p.sampling)["top_k"] == 2**63 - 1
+
+
+def test_ignored_fields_are_logged_as_a_count_and_a_few_escaped_names():
+    from gemma_server.protocol import ignored_fields
+
+    forged = "x\n2026-12-01 INFO gemma_server: forged line"
+    line = ignored_fields({forged: 1, **{f"f{i}": i for i in range(100_000)}, "y" * 5000: 0})
+    assert "\n" not in line and len(line) < 400
+    assert line.startswith("100002 unknown request fields: ") and "and 99997 more" in line
+    assert repr(forged[:40]) in line
+
+
+def test_a_logprob_answer_over_its_budget_is_400_naming_the_product():
+    from gemma_server.protocol import MAX_LOGPROB_ENTRIES, CompletionRequest
+
+    ok = chat(n=16, max_tokens=600, logprobs=True, top_logprobs=20).engine_params([1, 2], 1000, 512)
+    assert ok.logprobs == 20 and 16 * 600 * 21 <= MAX_LOGPROB_ENTRIES
+    with pytest.raises(ApiError) as e:
+        chat(n=16, max_tokens=1000, logprobs=True, top_logprobs=20).engine_params([1, 2], 8192, 512)
+    assert e.value.status == 400 and e.value.param == "top_logprobs"
+    assert "16 x 1000 x 21 = 336000" in e.value.message
+    # The tokens that can come (capped by the context) count, not the max_tokens asked for.
+    chat(n=16, max_tokens=10**6, logprobs=True, top_logprobs=20).engine_params([1, 2], 800, 512)
+    with pytest.raises(ApiError) as e:
+        CompletionRequest(prompt="hi", n=16, max_tokens=4000, logprobs=5).engine_params([1, 2], 8192, 512)
+    assert e.value.param == "logprobs"
+    # Without log-probabilities there is no such budget.
+    chat(n=16, max_tokens=8000).engine_params([1, 2], 8192, 512)

@@ -121,3 +121,34 @@ def test_choices_past_the_queue_limit_are_refused_together_and_hold_no_admission
     assert m.num_requests_waiting._value.get() == 0
     r = httpx.post(url, json={"messages": MESSAGES, "max_tokens": 2})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_one_client_holds_at_most_half_the_slots_and_queue_and_another_is_served(chat_checkpoint):
+    # One slot and a queue of 40: a client may hold max(16, 41 // 2) = 20 choices.
+    s = start_in_process(chat_checkpoint, "--queue-limit", "40", boot_class=fake_gated_boot(str(chat_checkpoint)))
+    engine = s.state.boot.loaded.workers[0].engine
+    try:
+        engine.gate.clear()
+        url = s.base + "/v1/chat/completions"
+        first, first_out = post_in_thread(url, {"messages": MESSAGES, "max_tokens": 1, "n": 16})
+        wait_for(lambda: s.state.client_shares.held.get("127.0.0.1") == 16, 30, "16 choices held")
+        over = httpx.post(url, json={"messages": MESSAGES, "max_tokens": 1, "n": 16}, timeout=30)
+        assert over.status_code == 429 and over.headers["retry-after"] == "1"
+        assert "one client may hold 20" in over.json()["error"]["message"]
+        # Within its share the same client is still admitted, and another address is served past it.
+        small, small_out = post_in_thread(url, {"messages": MESSAGES, "max_tokens": 1, "n": 4})
+        with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), timeout=60) as other:
+            other_thread = threading.Thread(target=lambda: other_out.update(
+                status=other.post(url, json={"messages": MESSAGES, "max_tokens": 1, "n": 16}).status_code))
+            other_out: dict = {}
+            other_thread.start()
+            wait_for(lambda: s.state.client_shares.held.get("127.0.0.2") == 16, 30, "the other client's 16")
+            engine.gate.set()
+            for t in (first, small, other_thread):
+                t.join(60)
+        assert (first_out["status"], small_out["status"], other_out["status"]) == (200, 200, 200)
+        # Every share was given back.
+        wait_for(lambda: not s.state.client_shares.held, 30, "the shares given back")
+    finally:
+        engine.gate.set()
+        s.stop()
