@@ -253,8 +253,10 @@ def test_dashboard_config_map_carries_the_dashboard_file_for_the_grafana_sidecar
 def server_pod():
     server = builders.build_deployment(grs_spec.parse_spec({"model": {"source": "hf://o/m"}}),
                                        builders.Meta("gemma", "models"))
-    (port,) = server["spec"]["template"]["spec"]["containers"][0]["ports"]
-    return server["spec"]["template"]["metadata"]["labels"], port["name"]
+    # The API port: the probe listener's port is the kubelet's, which a NetworkPolicy does not govern.
+    ports = server["spec"]["template"]["spec"]["containers"][0]["ports"]
+    assert [p["name"] for p in ports] == ["http", "probes"]
+    return server["spec"]["template"]["metadata"]["labels"], ports[0]["name"]
 
 
 def peers(policy: dict) -> list[tuple[dict, dict]]:

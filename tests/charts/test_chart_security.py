@@ -121,8 +121,10 @@ def test_operator_egress_reaches_the_api_server_and_server_pods_only(helm):
     server = builders.build_deployment(grs_spec.parse_spec({"model": {"source": "hf://o/m"}}),
                                        builders.Meta("any", "models"))
     assert peer["podSelector"]["matchLabels"].items() <= server["spec"]["template"]["metadata"]["labels"].items()
-    (port,) = server["spec"]["template"]["spec"]["containers"][0]["ports"]
-    assert pods["ports"] == [{"protocol": "TCP", "port": port["name"]}]
+    # The operator reads /v1/engine on the API port; the probe port is the kubelet's.
+    http, probe_port = server["spec"]["template"]["spec"]["containers"][0]["ports"]
+    assert probe_port["name"] == "probes"
+    assert pods["ports"] == [{"protocol": "TCP", "port": http["name"]}]
 
 
 def test_operator_egress_to_server_pods_follows_the_watched_namespaces(helm):
