@@ -283,8 +283,9 @@ class GatewaySpec(_Model):
 
 CEL_RULES: dict[type[_Model], list[dict[str, str]]] = {
     ServerSpec: [
-        _cel("self.probePort != self.port", "spec.server.probePort must differ from spec.server.port",
-             ".probePort"),
+        # has(): the API server also checks this rule against the field's default, {}, before defaulting.
+        _cel("!has(self.probePort) || !has(self.port) || self.probePort != self.port",
+             "spec.server.probePort must differ from spec.server.port", ".probePort"),
     ],
     ModelSpec: [
         _cel(f"self.source.matches(r'{MODEL_SOURCE_RE}')", MODEL_SOURCE_MESSAGE,
