@@ -10,6 +10,7 @@ as clients of a pod come from theirs; the probes and the keyed client come from 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import select
 import selectors
 import socket
@@ -79,25 +80,35 @@ def idle_probe_seconds(url: str, n: int = 20) -> float:
 class HalfOpenFlood:
     """`count` connections, spread over `sources` loopback addresses, each holding an unfinished request
     header; every one the server closes is opened again at once (the slowloris pattern: the connections
-    stay held, the server's deadline only recycles them). Runs on its own thread until `stop`."""
+    stay held, the server's deadline only recycles them). Runs in a process of its own (so its work does not
+    hold this process's GIL while the test times probes) until the `with` block ends."""
 
     HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
 
     def __init__(self, target: tuple[str, int], count: int, sources: list[str]) -> None:
         self.target, self.count, self.sources = target, count, sources
-        self.held = 0
-        self.reopened = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        ctx = multiprocessing.get_context("fork")
+        self._held, self._reopened, self._stop = ctx.Value("i", 0), ctx.Value("i", 0), ctx.Event()
+        self._process = ctx.Process(target=self._run, daemon=True)
+
+    @property
+    def held(self) -> int:
+        return self._held.value
+
+    @property
+    def reopened(self) -> int:
+        return self._reopened.value
 
     def __enter__(self) -> HalfOpenFlood:
-        self._thread.start()
+        self._process.start()
         wait_for(lambda: self.held >= self.count, 60, f"{self.count} half-open connections")
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self._thread.join(30)
+        self._process.join(30)
+        if self._process.is_alive():
+            self._process.kill()
 
     def _open(self, sel: selectors.BaseSelector, i: int) -> None:
         s = socket.socket()
@@ -111,7 +122,7 @@ class HalfOpenFlood:
             return
         s.setblocking(False)
         sel.register(s, selectors.EVENT_READ, i)
-        self.held += 1
+        self._held.value += 1
 
     def _run(self) -> None:
         sel = selectors.DefaultSelector()
@@ -132,10 +143,10 @@ class HalfOpenFlood:
                 for key in lost:
                     sel.unregister(key.fileobj)
                     key.fileobj.close()
-                    self.held -= 1
+                    self._held.value -= 1
                 for key in lost:
                     self._open(sel, key.data)
-                    self.reopened += 1
+                    self._reopened.value += 1
                 if len(sel.get_map()) < self.count:  # a connect that failed: try again
                     for i in range(self.count - len(sel.get_map())):
                         self._open(sel, i)
