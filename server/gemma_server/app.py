@@ -32,6 +32,7 @@ what remains is aborted (error event, then [DONE]); then uvicorn exits.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -45,7 +46,6 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.applications import Starlette
-from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
@@ -186,15 +186,6 @@ class ServerState:
                 await asyncio.sleep(0.02)
         await asyncio.sleep(0.05)  # let the last responses flush
         self.request_exit()
-
-
-async def released(stream, share) -> Any:
-    """`stream`'s chunks; the client's share is given back when it ends, however it ends."""
-    try:
-        async for chunk in stream:
-            yield chunk
-    finally:
-        share.close()
 
 
 def health_response(state: ServerState) -> Response:
@@ -436,16 +427,13 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
         body.check_size(config.context)
         sched = state.scheduler
         n = body.n or 1
-        client = request.client.host if request.client else "?"
-        share = state.client_shares.take(client, n, sched.capacity() + sched.queue_limit)  # 429: one client's share
+        client, shares = request.client.host if request.client else "?", state.client_shares
+        shares.take(client, n, sched.capacity() + sched.queue_limit)  # 429: past one client's share
         try:
-            return await run_generation(request, body, chat, n, arrival, share)
-        finally:
-            share.close_unless_kept()
-
-    async def run_generation(request: Request, body, chat: bool, n: int, arrival: float, share) -> Response:
-        sched = state.scheduler
-        sched.admit(n)  # 429 / 503 before any tokenizing
+            sched.admit(n)  # 429 / 503 before any tokenizing
+        except BaseException:
+            shares.give_back(client, n)
+            raise
         gens = []
         try:
             tok = state.tokenizer
@@ -454,11 +442,14 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
             ids = await asyncio.get_running_loop().run_in_executor(None, render, tok, body)
             loaded = state.boot.loaded
             params = body.engine_params(ids, loaded.context, loaded.vocab_size, state.config.default_temperature)
-            choices = [Generation(params, i, tok, sched, state.metrics, arrival) for i in range(n)]
+            # Each choice gives its place in the client's share back when it is recorded, however it ends.
+            ended = functools.partial(shares.give_back, client, 1)
+            choices = [Generation(params, i, tok, sched, state.metrics, arrival, ended) for i in range(n)]
             sched.submit(*(gen.job for gen in choices))
             gens = choices  # queued: from here on their admissions are the queue's to give back
         except BaseException:
             sched.release(n - len(gens))
+            shares.give_back(client, n - len(gens))
             for gen in gens:
                 gen.abandon()
             raise
@@ -467,10 +458,8 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
         try:
             if body.stream:
                 stream = await open_stream(gens, fmt, request.receive)
-                share.keep()  # the stream gives the client's share back when it ends (or never starts)
-                return StreamingResponse(released(stream, share), media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                                         background=BackgroundTask(share.close))
+                return StreamingResponse(stream, media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             outputs = await race_disconnect(request.receive, collect(gens))
         except ClientDisconnected:
             for gen in gens:

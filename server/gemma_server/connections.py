@@ -18,7 +18,7 @@ unfinished requests turns every real request into a 503; the server caps request
   app still reading that body sees `http.disconnect`);
 - a cap on open connections per client address (`max_per_client`) and in all (`max_connections`): a
   connection past either is closed as it opens, before a byte of it is parsed;
-- a stall deadline: once the client leaves `write_buffer_bytes` of reply unread (the transport pauses
+- a stall deadline: once the client leaves `WRITE_BUFFER_BYTES` of reply unread (the transport pauses
   writing; uvicorn's `send` then waits for it to drain), it has `stall_timeout` seconds to read again, or
   the connection is aborted and its buffer dropped. The app sees `http.disconnect`, so the request is
   cancelled and its sequence slot freed; `on_stall` counts it (a metric).
@@ -43,26 +43,29 @@ log = logging.getLogger(__name__)
 _RECEIVING = (h11.IDLE, h11.SEND_BODY)
 
 
+# The reply a client may leave unread before its stall deadline runs (the transport's high-water mark).
+WRITE_BUFFER_BYTES = 256 * 1024
+
+
 @dataclass(frozen=True)
 class Limits:
-    """One listener's connection limits (see the module docstring); from the server's Config."""
+    """One listener's connection limits (see the module docstring); the server's Config declares them
+    (`__main__.connection_limits`)."""
 
-    header_read_timeout: float = 5.0
-    request_read_timeout: float = 20.0
-    max_connections: int = 2048
-    max_per_client: int = 64
-    stall_timeout: float = 30.0
-    write_buffer_bytes: int = 256 * 1024
+    header_read_timeout: float
+    request_read_timeout: float
+    max_connections: int
+    max_per_client: int
+    stall_timeout: float
 
 
 class GuardedProtocol(H11Protocol):
     """uvicorn's `H11Protocol` with the module docstring's limits. Make a class per listener with `guarded`
     and hand it to uvicorn (`uvicorn.Config(http=...)`): the counts of open connections are per class."""
 
-    limits: Limits = Limits()
+    limits: Limits
     on_stall: Callable[[], None] = staticmethod(lambda: None)
     open_per_client: collections.Counter
-    open_total: list[int]
 
     _deadline: asyncio.TimerHandle | None = None
     _deadline_for_body: bool = False
@@ -72,23 +75,23 @@ class GuardedProtocol(H11Protocol):
 
     @classmethod
     def guarded(cls, limits: Limits, on_stall: Callable[[], None] | None = None) -> type[GuardedProtocol]:
-        """A subclass with its own limits, stall counter and connection counts."""
+        """A subclass with its own limits, stall counter and per-client connection counts (the total is
+        uvicorn's own set of the server's connections)."""
         return type(cls.__name__, (cls,), {"limits": limits, "on_stall": staticmethod(on_stall or (lambda: None)),
-                                           "open_per_client": collections.Counter(), "open_total": [0]})
+                                           "open_per_client": collections.Counter()})
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        super().connection_made(transport)  # adds this one to uvicorn's `connections`
         host = self.client[0] if self.client else "?"
         limits = self.limits
-        if self.open_total[0] >= limits.max_connections or self.open_per_client[host] >= limits.max_per_client:
+        if len(self.connections) > limits.max_connections or self.open_per_client[host] >= limits.max_per_client:
             log.debug("refusing a connection from %s: %d open from it, %d in all", host,
-                      self.open_per_client[host], self.open_total[0])
+                      self.open_per_client[host], len(self.connections) - 1)
             transport.abort()
             return
         self._counted = host
         self.open_per_client[host] += 1
-        self.open_total[0] += 1
-        transport.set_write_buffer_limits(high=limits.write_buffer_bytes)
+        transport.set_write_buffer_limits(high=WRITE_BUFFER_BYTES)
         self._started = self.loop.time()
         self._follow_request()
 
@@ -102,13 +105,12 @@ class GuardedProtocol(H11Protocol):
         self._follow_request()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
-        self._calm()
+        self._deadline = _cancelled(self._deadline)
+        self._stall = _cancelled(self._stall)
         if self._counted is not None:
             self.open_per_client[self._counted] -= 1
             if self.open_per_client[self._counted] <= 0:
                 del self.open_per_client[self._counted]
-            self.open_total[0] -= 1
             self._counted = None
         super().connection_lost(exc)
 
@@ -119,23 +121,18 @@ class GuardedProtocol(H11Protocol):
         disarm once the request is in (bytes never move either deadline)."""
         state = self.conn.their_state
         if self.transport.is_closing() or state not in _RECEIVING:
-            self._disarm()
+            self._deadline = _cancelled(self._deadline)
             return
         for_body = state is h11.SEND_BODY
         if self._deadline is not None and self._deadline_for_body == for_body:
             return
-        self._disarm()
+        self._deadline = _cancelled(self._deadline)
         limits = self.limits
         seconds = limits.request_read_timeout
         if not for_body:
             seconds = min(seconds, limits.header_read_timeout)
         self._deadline = self.loop.call_at(self._started + seconds, self._expire)
         self._deadline_for_body = for_body
-
-    def _disarm(self) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
 
     def _expire(self) -> None:
         self._deadline = None
@@ -153,12 +150,7 @@ class GuardedProtocol(H11Protocol):
 
     def resume_writing(self) -> None:
         super().resume_writing()
-        self._calm()
-
-    def _calm(self) -> None:
-        if self._stall is not None:
-            self._stall.cancel()
-            self._stall = None
+        self._stall = _cancelled(self._stall)
 
     def _stalled(self) -> None:
         self._stall = None
@@ -167,3 +159,9 @@ class GuardedProtocol(H11Protocol):
                         self.limits.stall_timeout)
             self.on_stall()
             self.transport.abort()
+
+
+def _cancelled(timer: asyncio.TimerHandle | None) -> None:
+    """Cancel `timer` if there is one; None, for the attribute that held it."""
+    if timer is not None:
+        timer.cancel()

@@ -100,8 +100,8 @@ class ClientShares:
         """The cap for a server of `total` slots and queue places."""
         return self.limit or max(self.MIN, total // 2)
 
-    def take(self, client: str, n: int, total: int) -> Share:
-        """Count `n` choices against `client`'s share (given back when the Share closes).
+    def take(self, client: str, n: int, total: int) -> None:
+        """Count `n` choices against `client`'s share (each given back by `give_back` when it ends).
 
         Raises:
             OverShare: the client would hold more than its cap.
@@ -110,33 +110,12 @@ class ClientShares:
         if self.held[client] + n > cap:
             raise OverShare(client, self.held[client], cap)
         self.held[client] += n
-        return Share(self, client, n)
 
     def give_back(self, client: str, n: int) -> None:
-        self.held[client] -= n
-        if self.held[client] <= 0:
-            del self.held[client]
-
-
-class Share:
-    """`n` choices of one client's share; `close` gives them back, once. A route that hands its response to a
-    stream calls `keep`, and the stream closes it when it ends."""
-
-    def __init__(self, shares: ClientShares, client: str, n: int) -> None:
-        self._shares, self._client, self._n = shares, client, n
-        self._kept = self._closed = False
-
-    def keep(self) -> None:
-        self._kept = True
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._shares.give_back(self._client, self._n)
-
-    def close_unless_kept(self) -> None:
-        if not self._kept:
-            self.close()
+        if n:
+            self.held[client] -= n
+            if self.held[client] <= 0:
+                del self.held[client]
 
 
 @dataclass
@@ -161,7 +140,7 @@ class Job:
 
     Attributes:
         request: the gemma_engine.Request the worker hands to its engine, built on the asyncio side
-            (`engine_request`) so that the engine's own checks of its values answer this request alone.
+            (`Job.create`) so that the engine's own checks of its values answer this request alone.
     """
 
     request: Any
@@ -173,24 +152,26 @@ class Job:
     cancel_sent: bool = False
     started: float | None = None
 
+    @classmethod
+    def create(cls, prompt_ids: list[int], max_new: int, stop_ids: list[int], sampling: dict[str, Any],
+               loop: asyncio.AbstractEventLoop, arrival: float) -> Job:
+        """A job and its gemma_engine.Request (with its SamplingParams, keyword arguments `sampling`).
+
+        Raises:
+            EngineRefused: the engine's own checks refused a value (ValueError, which names it), or a value
+                does not fit the engine's integer types (OverflowError): this request's 400.
+        """
+        import gemma_engine
+
+        job_id = next(_ids)
+        try:
+            request = gemma_engine.Request(job_id, prompt_ids, max_new, stop_ids, gemma_engine.SamplingParams(**sampling))
+        except (ValueError, OverflowError) as e:
+            raise EngineRefused(f"The engine refused the request: {e}") from e
+        return cls(request, loop, arrival, id=job_id)
+
     def post(self, kind: str, payload: Any) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
-
-
-def engine_request(job_id: int, prompt_ids: list[int], max_new: int, stop_ids: list[int],
-                   sampling: dict[str, Any]) -> Any:
-    """The gemma_engine.Request of one job, with its SamplingParams.
-
-    Raises:
-        EngineRefused: the engine's own checks refused a value (ValueError, which names it), or a value
-            does not fit the engine's integer types (OverflowError): this request's 400.
-    """
-    import gemma_engine
-
-    try:
-        return gemma_engine.Request(job_id, prompt_ids, max_new, stop_ids, gemma_engine.SamplingParams(**sampling))
-    except (ValueError, OverflowError) as e:
-        raise EngineRefused(f"The engine refused the request: {e}") from e
 
 
 @dataclass

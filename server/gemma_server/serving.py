@@ -41,7 +41,7 @@ from gemma_server.protocol import (
     Timings,
     Usage,
 )
-from gemma_server.scheduler import Done, Job, Scheduler, Shutdown, engine_request
+from gemma_server.scheduler import Done, Job, Scheduler, Shutdown
 from gemma_server.text import IncrementalDetokenizer, StopMatcher
 
 log = logging.getLogger(__name__)
@@ -180,16 +180,17 @@ class Generation:
         scheduler: where the job goes.
         metrics: where the request is recorded when it ends.
         arrival: time.monotonic() when the request arrived.
+        on_end: called once, when the choice is recorded (the client's share of the server is given back).
     """
 
     def __init__(self, params: EngineParams, index: int, tokenizer, scheduler: Scheduler, metrics: Metrics,
-                 arrival: float) -> None:
+                 arrival: float, on_end: Callable[[], None] = lambda: None) -> None:
         self.params = params
         self.index = index
         sampling = params.choice_sampling(index, lambda: random.getrandbits(63))
-        self.job = Job(None, asyncio.get_running_loop(), arrival)
-        self.job.request = engine_request(self.job.id, list(params.prompt_ids), params.max_new,
-                                          list(params.stop_ids), sampling)
+        self.job = Job.create(list(params.prompt_ids), params.max_new, list(params.stop_ids), sampling,
+                              asyncio.get_running_loop(), arrival)
+        self._on_end = on_end
         self._scheduler = scheduler
         self._metrics = metrics
         self._detok = IncrementalDetokenizer(tokenizer, params.prompt_ids)
@@ -292,6 +293,7 @@ class Generation:
         if self._recorded:
             return
         self._recorded = True
+        self._on_end()
         self._metrics.record_request(
             finished_reason=reason, prompt_tokens=len(self.params.prompt_ids),
             generation_tokens=self.completion_tokens, arrival=self.job.arrival, started=self.job.started,
@@ -432,12 +434,10 @@ class Formatter:
         event loop, until it returns."""
         shell = self.response(outputs, gens).model_dump()
         choices = []
-        for choice, (_, lps), g in zip(shell["choices"], outputs, gens):
+        for choice, (_, lps), g in zip(shell.pop("choices"), outputs, gens):
             choice["logprobs"] = self.logprobs(g.index, lps)
             choices.append(_json(choice))
-        shell["choices"] = _SPLICE
-        head = _json(shell)
-        return head.replace(_json(_SPLICE), b"[" + b",".join(choices) + b"]", 1)
+        return _json(shell)[:-1] + b',"choices":[' + b",".join(choices) + b"]}"
 
     def response(self, outputs: list[tuple[str, list]], gens: list[Generation]):
         """The non-streamed response without log-probabilities (`response_json` adds them): `outputs[i]` is
@@ -453,11 +453,6 @@ class Formatter:
         choices = [CompletionChoice(index=g.index, text=text, finish_reason=g.finish_reason or "abort")
                    for (text, _), g in zip(outputs, gens)]
         return CompletionResponse(choices=choices, **common)
-
-
-# Where response_json puts the serialised choices: a string no JSON value of the shell can hold (json.dumps
-# escapes control characters).
-_SPLICE = "\x00choices\x00"
 
 
 def _json(value: Any) -> bytes:

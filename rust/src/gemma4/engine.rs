@@ -122,6 +122,11 @@ impl Event {
     fn end(id: u64, finish: Finish, timing: Timing) -> Event {
         Event { finish: Some(finish), timing, ..Event::new(id) }
     }
+
+    /// Ended with `Finish::Error` or `Finish::Failed`, and why.
+    fn end_with_error(id: u64, finish: Finish, timing: Timing, error: String) -> Event {
+        Event { error: Some(error), ..Event::end(id, finish, timing) }
+    }
 }
 
 /// What ran since the last read point.
@@ -595,11 +600,8 @@ impl Engine {
 
     /// Put `r` in the lowest free slot, or say why it cannot run.
     fn admit(&mut self, slots: &mut [Option<Slot>], r: Request, seq: &mut u64) -> Result<Option<Event>> {
-        let refuse = |r: &Request, msg: String| {
-            let mut e = Event::end(r.id, Finish::Error, Timing::default());
-            e.error = Some(msg);
-            Ok(Some(e))
-        };
+        let refuse =
+            |r: &Request, msg: String| Ok(Some(Event::end_with_error(r.id, Finish::Error, Timing::default(), msg)));
         if let Err(e) = self.check_request(&r) {
             return refuse(&r, e.to_string());
         }
@@ -608,11 +610,7 @@ impl Engine {
         };
         let prompt = match self.place(s, &r) {
             Ok(prompt) => prompt,
-            Err(e) => {
-                let mut failed = Event::end(r.id, Finish::Failed, Timing::default());
-                failed.error = Some(e.to_string());
-                return Ok(Some(failed));
-            }
+            Err(e) => return Ok(Some(Event::end_with_error(r.id, Finish::Failed, Timing::default(), e.to_string()))),
         };
         let reading_it = |x: &Option<Slot>| {
             x.as_ref().is_some_and(|x| matches!(x.phase, Phase::Prompt { .. }) && x.request.prompt == r.prompt)
@@ -642,7 +640,9 @@ impl Engine {
     /// Upload `r`'s prompt and give slot `s` its sampling state; the slot is still free, so an error
     /// here leaves nothing to undo (the next `assign` rewrites the whole row).
     fn place(&mut self, s: usize, r: &Request) -> Result<Tensor> {
-        self.injected(Fault::Admit, [r.id])?;
+        if self.fault == Some((Fault::Admit, r.id)) {
+            return Err(self.take_fault());
+        }
         let prompt = Tensor::from_i64(&r.prompt)?.to_like(&self.like, DType::I64)?;
         self.sampler.assign(s as i64, &r.params, &prompt)?;
         Ok(prompt)
@@ -659,9 +659,7 @@ impl Engine {
         for s in which {
             if slots[s].is_some() {
                 let slot = self.free(slots, s)?;
-                let mut ev = Event::end(slot.request.id, Finish::Failed, timing(&slot));
-                ev.error = Some(e.to_string());
-                events.push(ev);
+                events.push(Event::end_with_error(slot.request.id, Finish::Failed, timing(&slot), e.to_string()));
             }
         }
         Ok(events)
@@ -673,14 +671,22 @@ impl Engine {
         self.fault = Some((at, id));
     }
 
-    /// The injected fault, when it is for `at` and one of `ids` (and then it is used up).
-    fn injected(&mut self, at: Fault, ids: impl IntoIterator<Item = u64>) -> Result<()> {
+    /// An error when a fault is injected at `at` for a request in one of the slots `which` (the fault is
+    /// then used up). Without an injected fault it looks at nothing.
+    fn injected(&mut self, at: Fault, slots: &[Option<Slot>], which: impl IntoIterator<Item = usize>) -> Result<()> {
         let Some((where_, id)) = self.fault else { return Ok(()) };
-        if where_ == at && ids.into_iter().any(|i| i == id) {
-            self.fault = None;
-            return Err(Error::Internal(format!("a fault injected for tests ({at:?}, request {id})")));
+        if where_ == at && which.into_iter().any(|s| slots[s].as_ref().is_some_and(|slot| slot.request.id == id)) {
+            return Err(self.take_fault());
         }
         Ok(())
+    }
+
+    /// The injected fault as the error it stands for, used up.
+    fn take_fault(&mut self) -> Error {
+        match self.fault.take() {
+            Some((at, id)) => Error::Internal(format!("a fault injected for tests ({at:?}, request {id})")),
+            None => Error::Internal("no fault was injected".into()),
+        }
     }
 
     /// End the requests whose ids `which` picks as "cancelled" and free their slots.
@@ -729,8 +735,8 @@ impl Engine {
             let rows: Vec<Option<usize>> =
                 (0..b as usize).map(|i| slots[i].as_ref().filter(|s| s.live).map(|_| i)).collect();
             stats.batch_sizes.push(rows.iter().flatten().count());
-            let ids = self.ids(slots, rows.iter().flatten().copied());
-            if let Err(e) = self.injected(Fault::Decode, ids).and_then(|_| self.decode_step(b, &rows, drawn)) {
+            let step = self.injected(Fault::Decode, slots, rows.iter().flatten().copied());
+            if let Err(e) = step.and_then(|_| self.decode_step(b, &rows, drawn)) {
                 failed.extend(self.fail(slots, rows.iter().flatten().copied(), &e)?);
                 return Ok(true);
             }
@@ -756,8 +762,7 @@ impl Engine {
         if group.is_empty() {
             return Ok(top.is_some());
         }
-        let ids = self.ids(slots, group.iter().copied());
-        let read = self.injected(Fault::Prompt, ids).and_then(|_| match group[..] {
+        let read = self.injected(Fault::Prompt, slots, group.iter().copied()).and_then(|_| match group[..] {
             [s] => self.read_prompt(slots, s, drawn),
             _ => self.read_prompts(slots, &group, drawn),
         });
@@ -769,11 +774,6 @@ impl Engine {
             Err(e) => failed.extend(self.fail(slots, group, &e)?),
         }
         Ok(true)
-    }
-
-    /// The request ids in the slots `which`.
-    fn ids(&self, slots: &[Option<Slot>], which: impl IntoIterator<Item = usize>) -> Vec<u64> {
-        which.into_iter().filter_map(|s| slots[s].as_ref().map(|slot| slot.request.id)).collect()
     }
 
     /// Read one chunk of slot `s`'s prompt; after the last chunk, draw its first token and start
