@@ -5,6 +5,10 @@
 //! MCP"): no tch, no libtorch download. The installed torch is asked for its headers, library
 //! directory, C++ ABI flag and version; the shim is built with C++20 (PyTorch 2.14's headers
 //! need it) and the versions are recorded for `gemma_engine.BUILD`.
+//!
+//! The shim's functions are listed once, in src/aten_ops.h (an X-macro list that aten.h expands into
+//! the C prototypes); `write_extern_block` turns the same lines into the Rust `extern "C"` block that
+//! src/ffi.rs includes from OUT_DIR.
 
 use std::env;
 use std::path::PathBuf;
@@ -123,9 +127,11 @@ fn main() {
     println!("cargo:rustc-env=GEMMA_BUILD_PYTHON={py_version}");
 
     write_build_py(torch_version);
+    write_extern_block();
 
     println!("cargo:rerun-if-changed=src/aten.cpp");
     println!("cargo:rerun-if-changed=src/aten.h");
+    println!("cargo:rerun-if-changed=src/aten_ops.h");
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-env-changed=PYO3_PYTHON");
     println!("cargo:rerun-if-env-changed=VIRTUAL_ENV");
@@ -144,4 +150,84 @@ fn write_build_py(torch_version: &str) {
     if std::fs::read_to_string(&path).ok().as_deref() != Some(text.as_str()) {
         std::fs::write(&path, text).unwrap_or_else(|e| panic!("cannot write {}: {e}", path.display()));
     }
+}
+
+/// The Rust type of a C type in src/aten_ops.h (spaces removed), or None for one it does not know.
+fn rust_type(c: &str) -> Option<&'static str> {
+    Some(match c {
+        "gt*" => "T",
+        "gt**" => "*mut T",
+        "gt*const*" => "*const T",
+        "gg*" => "*mut CGraph",
+        "PyObject*" => "*mut PyObject",
+        "void*" => "*mut c_void",
+        "constvoid*" => "*const c_void",
+        "constchar*" => "*const c_char",
+        "char*" => "*mut c_char",
+        "int" => "c_int",
+        "int64_t" => "i64",
+        "int64_t*" => "*mut i64",
+        "constint64_t*" => "*const i64",
+        "size_t" => "usize",
+        "double" => "f64",
+        _ => return None,
+    })
+}
+
+/// `X(ret, name, (params))` lines of src/aten_ops.h as Rust declarations, in the list's order.
+fn extern_block(list: &str) -> Result<String, String> {
+    // Comments out first: they may mention X( too.
+    let mut text = String::new();
+    let mut rest = list;
+    while let Some(start) = rest.find("/*") {
+        text.push_str(&rest[..start]);
+        let end = rest[start..].find("*/").ok_or("an unclosed comment")?;
+        rest = &rest[start + end + 2..];
+    }
+    text.push_str(rest);
+    let mut out = String::from("unsafe extern \"C\" {\n");
+    for line in text.lines().map(str::trim).filter(|l| !l.is_empty()) {
+        let inner = line
+            .strip_prefix("X(")
+            .and_then(|l| l.strip_suffix(')'))
+            .ok_or_else(|| format!("not an X(ret, name, (params)) line: {line}"))?;
+        let (ret, inner) = inner.split_once(',').ok_or_else(|| format!("no name: {line}"))?;
+        let (name, params) = inner.split_once(',').ok_or_else(|| format!("no parameters: {line}"))?;
+        let params = params
+            .trim()
+            .strip_prefix('(')
+            .and_then(|p| p.strip_suffix(')'))
+            .ok_or_else(|| format!("parameters not in parentheses: {line}"))?;
+        let ty = |c: &str| {
+            let key: String = c.chars().filter(|ch| !ch.is_whitespace()).collect();
+            rust_type(&key).ok_or_else(|| format!("{}: a C type build.rs does not know: {c:?}", name.trim()))
+        };
+        let mut args = Vec::new();
+        if params.trim() != "void" {
+            for p in params.split(',') {
+                let p = p.trim();
+                let at = p.rfind(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).map_or(0, |i| i + 1);
+                let (c, arg) = p.split_at(at);
+                if arg.is_empty() || c.trim().is_empty() {
+                    return Err(format!("{}: a parameter needs a type and a name: {p:?}", name.trim()));
+                }
+                args.push(format!("{arg}: {}", ty(c)?));
+            }
+        }
+        let ret = match ret.trim() {
+            "void" => String::new(),
+            r => format!(" -> {}", ty(r)?),
+        };
+        out.push_str(&format!("    pub fn {}({}){ret};\n", name.trim(), args.join(", ")));
+    }
+    out.push_str("}\n");
+    Ok(out)
+}
+
+/// OUT_DIR/aten_ops.rs: the Rust declarations of src/aten_ops.h (`include!`d by src/ffi.rs).
+fn write_extern_block() {
+    let list = std::fs::read_to_string("src/aten_ops.h").unwrap_or_else(|e| panic!("cannot read src/aten_ops.h: {e}"));
+    let block = extern_block(&list).unwrap_or_else(|e| panic!("src/aten_ops.h: {e}"));
+    let out = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR")).join("aten_ops.rs");
+    std::fs::write(&out, block).unwrap_or_else(|e| panic!("cannot write {}: {e}", out.display()));
 }

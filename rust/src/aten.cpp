@@ -1,6 +1,7 @@
 // The C++ half of the FFI fence: each extern "C" body runs inside PROTECT, so a C++ exception
 // becomes an error string for Rust and never unwinds across the ABI (tch-rs torch_api.cpp).
-// See aten.h for the contract.
+// See aten.h for the contract. Each function is declared once, in aten_ops.h (aten.h expands it with C
+// linkage), so a body here whose signature differs from its line there does not compile.
 #include <Python.h>
 
 #include <ATen/ATen.h>

@@ -12,10 +12,11 @@ use pyo3::exceptions::{PyOSError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
+use crate::engine::request::{Event, Io, LIMITS, Request, StepStats};
+use crate::engine::sampling::{self, Sampler, SamplingParams};
+use crate::engine::{self, Settings, parse_dtype};
 use crate::error::Error;
 use crate::gemma4::cache::CacheSize;
-use crate::gemma4::engine::{self, Event, Io, Request, Settings, StepStats, parse_dtype};
-use crate::gemma4::sampling::{self, Sampler, SamplingParams};
 use crate::tensor::{DType, Tensor, no_grad};
 
 impl From<Error> for PyErr {
@@ -517,13 +518,22 @@ fn add_(t: &Bound<'_, PyAny>, value: f64) -> PyResult<()> {
     Ok(())
 }
 
-/// What built this module.
 /// ATen operator calls the engine has made in this process, on every thread.
 #[pyfunction]
 fn aten_calls() -> u64 {
     crate::ffi::aten_calls()
 }
 
+/// `request::LIMITS` as {name: int}, for the server's schema and the tests.
+fn limits(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    for (name, value) in LIMITS.entries() {
+        d.set_item(name, value)?;
+    }
+    Ok(d)
+}
+
+/// What built this module.
 fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("torch", env!("GEMMA_BUILD_TORCH"))?;
@@ -539,6 +549,7 @@ fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 fn gemma_engine_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("BUILD", build_info(m.py())?)?;
+    m.add("LIMITS", limits(m.py())?)?;
     m.add_function(wrap_pyfunction!(smoke, m)?)?;
     m.add_function(wrap_pyfunction!(matmul_sum, m)?)?;
     m.add_function(wrap_pyfunction!(add_, m)?)?;

@@ -1,5 +1,5 @@
 """Continuous batching through the real `Engine.run(poll, on_events, read_every)` loop
-(rust/src/gemma4/engine.rs) with several sequence slots, on the three tiny float32 checkpoints.
+(rust/src/engine/) with several sequence slots, on the three tiny float32 checkpoints.
 
 Every token is checked against Transformers: greedy requests against `generate` on their prompt
 alone (tests/checkpoints.py `greedy_reference`), log-probabilities against `log_softmax` of

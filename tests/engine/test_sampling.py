@@ -1,4 +1,4 @@
-"""The engine's sampler (rust/src/gemma4/sampling.rs, through `gemma_engine.sample` and
+"""The engine's sampler (rust/src/engine/sampling.rs, through `gemma_engine.sample` and
 `gemma_engine.uniform`) against Transformers 5.18's own logits processors
 (`transformers/generation/logits_process.py`) on random logits.
 

@@ -19,6 +19,7 @@ if torch.__version__ != _BUILT_TORCH:
 
 from ._native import (  # noqa: E402
     BUILD,
+    LIMITS,
     Engine,
     Event,
     Request,
@@ -34,6 +35,7 @@ from ._native import (  # noqa: E402
 
 __all__ = [
     "BUILD",
+    "LIMITS",
     "Engine",
     "Event",
     "Request",

@@ -1,7 +1,8 @@
 """Type stub for `gemma_engine`, the Rust Gemma 4 engine over PyTorch's ATen.
 
 This file is the contract between the engine (rust/) and its callers (the
-server, the tests, the benchmarks). Change it together with rust/src/bindings.rs.
+server, the tests, the benchmarks). Change it together with rust/src/bindings.rs:
+tests/engine/test_stub.py fails when their names, methods or parameters differ.
 It lives beside the package's __init__.py (maturin's mixed Rust/Python layout:
 gemma_engine/__init__.py checks the torch version, then loads gemma_engine._native).
 
@@ -21,6 +22,13 @@ whether the shim was built with CUDA graph capture (a torch with CUDA and CUDA h
 
 Importing the module under a torch other than BUILD["torch"] raises ImportError
 naming both versions.
+"""
+
+LIMITS: dict[str, int]
+"""The bounds every request is checked against, declared once in the engine (rust/src/engine/request.rs
+`LIMITS`): "max_top_logprobs" (20: `SamplingParams(logprobs=)` is at most this), "max_logit_bias" (300:
+entries of `SamplingParams(logit_bias=)`) and "max_stop_token_ids" (64: ids of `Request(stop_ids=)` and
+`Engine.decode(stop_ids=)`). A value past its limit is a ValueError naming the field and the limit.
 """
 
 def smoke(like: torch.Tensor) -> dict[str, float | str]:
@@ -81,8 +89,9 @@ class SamplingParams:
     order: logit_bias, repetition penalty (prompt and output tokens), presence and frequency
     penalties (output tokens), temperature, top-k, top-p, min-p. With a given `seed` a request
     draws the same tokens whatever else is in the batch, and whatever read_every or
-    prefill_chunk are. `logprobs`: None for none, k in 0..20 for the chosen token's
-    log-probability and the k most likely tokens' (of the model's raw distribution).
+    prefill_chunk are. `logprobs`: None for none, k in 0..LIMITS["max_top_logprobs"] (20) for the
+    chosen token's log-probability and the k most likely tokens' (of the model's raw distribution).
+    `logit_bias` holds at most LIMITS["max_logit_bias"] (300) entries.
     """
 
     def __init__(
@@ -104,7 +113,8 @@ class SamplingParams:
         """
 
 class Request:
-    """One request for `Engine.run`: prompt ids, at most `max_new` new tokens, extra stop ids."""
+    """One request for `Engine.run`: prompt ids, at most `max_new` new tokens, extra stop ids (at most
+    LIMITS["max_stop_token_ids"], 64; more end the request "error" at admission)."""
 
     def __init__(
         self,
@@ -292,8 +302,8 @@ class Engine:
             "cancelled", seconds to the first token, seconds generating after it.
         Raises:
             ValueError: empty prompt, max_new < 1, read_every < 1, a prompt of
-                `context` tokens or more, a token id outside [0, vocab_size), a
-                sampling parameter out of range.
+                `context` tokens or more, a token id outside [0, vocab_size), more
+                stop ids than LIMITS["max_stop_token_ids"], a sampling parameter out of range.
             Exception: whatever `on_tokens` raised.
             RuntimeError: the engine failed while running the request.
         """

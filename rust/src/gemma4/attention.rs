@@ -288,7 +288,7 @@ impl Attention {
         rows: Rows,
         cache: &mut KvCache,
         attended: &mut Attended,
-        scratch: Option<&Scratch>,
+        scratch: Option<&mut Scratch>,
     ) -> Result<Tensor> {
         let (n, d) = (rows.len, self.head_dim);
         let t = x.size()?[0] / n;
@@ -316,7 +316,7 @@ impl Attention {
                 attended[layer] = Some((k_all.shallow_clone()?, v_all.shallow_clone()?));
                 (q, k_all, v_all)
             }
-            (None, Some(donor), _) => {
+            (None, Some(donor), scratch) => {
                 let (k, v) = attended.get(donor).and_then(|e| e.as_ref()).ok_or_else(|| {
                     Error::Internal(format!("KV-shared layer {layer} ran before its donor layer {donor}"))
                 })?;
@@ -349,7 +349,7 @@ impl Attention {
         layer: usize,
         rows: Rows,
         cache: &mut KvCache,
-        scratch: &Scratch,
+        scratch: &mut Scratch,
     ) -> Result<Tensor> {
         let (n, d, nh, nkv) = (rows.len, self.head_dim, self.num_heads, self.num_kv_heads);
         let h = nh + 2 * nkv;

@@ -109,11 +109,11 @@ impl DecoderLayer {
         rows: Rows,
         cache: &mut KvCache,
         attended: &mut Attended,
-        scratch: Option<&Scratch>,
+        mut scratch: Option<&mut Scratch>,
     ) -> Result<Tensor> {
         let residual = xs;
         let normed = self.input_layernorm.forward(xs)?;
-        let h = self.self_attn.forward(&normed, plan, self.index, rows, cache, attended, scratch)?;
+        let h = self.self_attn.forward(&normed, plan, self.index, rows, cache, attended, scratch.as_deref_mut())?;
         let xs = residual.add(&self.post_attention_layernorm.forward(&h)?)?;
 
         let h = self.mlp.forward(&self.pre_feedforward_layernorm.forward(&xs)?, scratch)?;

@@ -25,7 +25,7 @@ impl Mlp {
     }
 
     /// `x` `[rows, hidden]`; `scratch` (one-token forwards) takes the gate and up projections.
-    pub fn forward(&self, x: &Tensor, scratch: Option<&Scratch>) -> Result<Tensor> {
+    pub fn forward(&self, x: &Tensor, scratch: Option<&mut Scratch>) -> Result<Tensor> {
         let i = self.intermediate;
         let [gate, up] = match scratch {
             Some(scratch) => {

@@ -12,8 +12,6 @@
 //! products the reference makes per token), and as lm_head is linear, the final norm's weight
 //! carries the softcap's 1 / cap and, when lm_head is that (tied) table, 1 / sqrt(H).
 
-use std::cell::RefCell;
-
 use crate::error::{Error, Result};
 use crate::ffi::aten_calls;
 use crate::gemma4::attention::{Attended, Fill, Liveness, Plan, Positions};
@@ -58,10 +56,11 @@ pub struct Model {
     dtype: DType,
     /// float32 (`Weights::folds`): the tables and the norms carry the constants the module docs list.
     folded: bool,
-    /// Where one-token forwards write their projections (scratch.rs).
+    /// Where one-token forwards write their projections (scratch.rs); made on first use, so a
+    /// forward takes `&mut self`.
     scratch: Scratch,
-    /// ATen calls each layer made in the last forward (`Engine::layer_calls`).
-    layer_calls: RefCell<Vec<u64>>,
+    /// ATen calls each layer made in the last forward (`Engine::layer_calls`), written by `forward`.
+    layer_calls: Vec<u64>,
 }
 
 /// The head dim shared by every layer of `kind` (RoPE tables are per type).
@@ -125,7 +124,7 @@ impl Model {
             lm_head,
             ropes,
             dtype: w.dtype,
-            layer_calls: RefCell::new(vec![0; cfg.num_layers]),
+            layer_calls: vec![0; cfg.num_layers],
             scratch: Scratch::new(like, w.dtype)?,
             cfg,
         })
@@ -152,7 +151,7 @@ impl Model {
     /// softcap, compute dtype) for `Output::Logits`.
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
-        &self,
+        &mut self,
         cache: &mut KvCache,
         rows: Rows,
         ids: &Tensor,
@@ -178,15 +177,16 @@ impl Model {
             }
         }
         let mut attended: Attended = (0..self.layers.len()).map(|_| None).collect();
-        let scratch = (t == 1).then_some(&self.scratch);
+        let mut scratch = (t == 1).then_some(&mut self.scratch);
         let mut xs = x0;
         for (i, layer) in self.layers.iter().enumerate() {
             let plan = plans[layer.spec.kind.index()]
                 .as_ref()
                 .ok_or_else(|| Error::Internal("no RoPE table for a layer type".into()))?;
             let before = aten_calls();
+            let scratch = scratch.as_deref_mut();
             xs = layer.forward(&xs, ple.as_ref().map(|p| &p[i]), plan, rows, cache, &mut attended, scratch)?;
-            self.layer_calls.borrow_mut()[i] = aten_calls() - before;
+            self.layer_calls[i] = aten_calls() - before;
         }
         if output == Output::Nothing {
             return Ok(None);
@@ -206,8 +206,8 @@ impl Model {
     }
 
     /// ATen calls each layer made in the last forward.
-    pub fn layer_calls(&self) -> Vec<u64> {
-        self.layer_calls.borrow().clone()
+    pub fn layer_calls(&self) -> &[u64] {
+        &self.layer_calls
     }
 
     pub fn dtype(&self) -> DType {

@@ -7,7 +7,6 @@
 //! writes it (one stream, in order), and nothing that outlives a layer (the cache, the keys a
 //! KV-shared layer reads) points into one.
 
-use std::cell::RefCell;
 use std::collections::HashMap;
 
 use crate::error::Result;
@@ -23,31 +22,31 @@ pub struct Scratch {
     like: Tensor,
     dtype: DType,
     /// By role and the dimensions that fix the buffer's shape and its views.
-    buffers: RefCell<HashMap<(&'static str, Vec<i64>), Buffer>>,
+    buffers: HashMap<(&'static str, Vec<i64>), Buffer>,
 }
 
 impl Scratch {
     /// Buffers in `dtype` on `like`'s device.
     pub fn new(like: &Tensor, dtype: DType) -> Result<Scratch> {
-        Ok(Scratch { like: like.shallow_clone()?, dtype, buffers: RefCell::new(HashMap::new()) })
+        Ok(Scratch { like: like.shallow_clone()?, dtype, buffers: HashMap::new() })
     }
 
     /// The buffer for `role` with dimensions `dims`: on first use, `shape` zeros and `views(whole)`.
     pub fn get(
-        &self,
+        &mut self,
         role: &'static str,
         dims: &[i64],
         shape: &[i64],
         views: impl FnOnce(&Tensor) -> Result<Vec<Tensor>>,
     ) -> Result<Buffer> {
         let key = (role, dims.to_vec());
-        if let Some(b) = self.buffers.borrow().get(&key) {
+        if let Some(b) = self.buffers.get(&key) {
             return b.handles();
         }
         let whole = Tensor::full(shape, 0.0, self.dtype, &self.like)?;
         let buffer = Buffer { views: views(&whole)?, whole };
         let handles = buffer.handles();
-        self.buffers.borrow_mut().insert(key, buffer);
+        self.buffers.insert(key, buffer);
         handles
     }
 }

@@ -290,6 +290,55 @@ pub enum Int4Path {
     Dequantized,
 }
 
+/// The kernels a caller asks for (`gemma_engine.Engine(packed_int4=, onednn=)`): Some(true) requires
+/// one, Some(false) refuses it, None lets the loader choose where it can run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Kernels {
+    /// Keep int4 weights packed (`Int4Path::Packed`): Some(true) requires it; None and Some(false)
+    /// dequantize at load. Not the default: ATen's int4 kernels round differently from the
+    /// dequantized product Transformers computes, enough to change tokens of a small random model.
+    pub packed_int4: Option<bool>,
+    /// Multiply dense weights with oneDNN (linear.rs): Some(true) requires it (CPU, float32, a
+    /// torch with oneDNN); None uses it where it can; Some(false) uses ATen's matmul.
+    pub onednn: Option<bool>,
+}
+
+impl Kernels {
+    /// Whether dense weights go through oneDNN in `dtype` on `device` (ATen's device string).
+    pub fn onednn(&self, dtype: DType, device: &str) -> Result<bool> {
+        let why_not = if !device.starts_with("cpu") {
+            Some(format!("oneDNN linears run on the CPU; the device is {device}"))
+        } else if dtype != DType::F32 {
+            Some(format!("oneDNN linears compute in float32; dtype is {}", dtype.name()))
+        } else if !Tensor::has_onednn() {
+            Some("this torch was built without oneDNN (torch.backends.mkldnn.is_available() is False)".into())
+        } else {
+            None
+        };
+        match (self.onednn, why_not) {
+            (Some(false), _) | (None, Some(_)) => Ok(false),
+            (_, None) => Ok(true),
+            (Some(true), Some(why)) => Err(Error::Input(why)),
+        }
+    }
+
+    /// How int4 weights reach `device` (ATen's device string) in `dtype`.
+    pub fn int4_path(&self, dtype: DType, device: &str) -> Result<Int4Path> {
+        let kernels = device.starts_with("cpu") || device.starts_with("cuda");
+        match self.packed_int4 {
+            None | Some(false) => Ok(Int4Path::Dequantized),
+            Some(true) if dtype != DType::BF16 => Err(Error::Input(format!(
+                "packed int4 weights compute in bfloat16 (ATen's int4 kernels take bfloat16 activations); dtype is {}",
+                dtype.name()
+            ))),
+            Some(true) if !kernels => Err(Error::Input(format!(
+                "packed int4 weights need ATen's int4 kernels (CPU or CUDA); the device is {device}"
+            ))),
+            Some(true) => Ok(Int4Path::Packed),
+        }
+    }
+}
+
 /// What the loader put on the device.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Loaded {
@@ -316,7 +365,27 @@ pub struct Weights {
 }
 
 impl Weights {
-    pub fn new(
+    /// Open `model_dir` (and the int4 tables of `emb_dir`) for loading onto `like`'s device in
+    /// `dtype`, with the kernels `kernels` asks for where they can run.
+    pub fn open(
+        model_dir: &Path,
+        emb_dir: Option<&Path>,
+        quant: Option<QuantSpec>,
+        like: Tensor,
+        dtype: DType,
+        kernels: Kernels,
+    ) -> Result<Weights> {
+        let main = Checkpoint::open(model_dir, quant.clone())?;
+        let emb = match emb_dir {
+            Some(d) => Some(Checkpoint::open(d, emb_quant(d, quant)?)?),
+            None => None,
+        };
+        let device = like.device()?;
+        let (int4, onednn) = (kernels.int4_path(dtype, &device)?, kernels.onednn(dtype, &device)?);
+        Ok(Weights::new(main, emb, like, dtype, int4, onednn))
+    }
+
+    fn new(
         main: Checkpoint,
         emb: Option<Checkpoint>,
         like: Tensor,

@@ -1,0 +1,615 @@
+//! The runtime: `Engine` runs one model (`crate::gemma4`) over `max_batch` sequence slots in a
+//! continuous-batching loop. The model says how one forward is computed; this module says which
+//! requests run and when (as mistral.rs keeps `mistralrs-core/src/engine/`, `scheduler/` and
+//! `sampler.rs` apart from `models/`).
+//!
+//! Files: `request` (the API types, `LIMITS`), `slots` (the slots, host and device), `schedule`
+//! (which prompts a forward reads), `step` (the decode step and its CUDA graphs), `read_point`,
+//! `sampling` (the next-token choice on the device), `one_request` (`Engine::decode`).
+//!
+//! Each slot holds one request: its rings in the KV cache (gemma4/cache.rs), its sampling state
+//! (sampling.rs), and on the device its last token and next position (slots.rs). One turn of the
+//! loop runs one decode step for every slot that is decoding and then at most one prompt forward of
+//! at most `prefill_chunk` tokens (a token budget, as vLLM's scheduler has), so a long prompt
+//! delays the running streams by one chunk a step, never by the whole prompt. The prompt forward
+//! reads the next chunk of the oldest unread prompt; when that prompt starts and fits whole, the
+//! next unread prompts in admission order that also fit whole join it, as long as the forward's
+//! rectangle (the slots from the lowest to the highest, times the longest of those prompts) stays
+//! within the budget (`schedule::prompt_group`). A burst of short prompts is then read in one
+//! forward instead of one a turn. Its rows are left-padded (`schedule::padded_prompts`): every
+//! row's last token is its prompt's last, and the padding tokens sit at position `context - 1`,
+//! later than any prompt query, and write only the rings' never-visible entry, so each row's keys
+//! and logits are those of a read alone. A decode step runs the slots `0..b`, where `b` is the
+//! smallest bucket (1, 2, 4, ..., max_batch) above the highest decoding slot; new requests take the
+//! lowest free slot, so the bucket follows the number of requests. Rows of the bucket that are not
+//! decoding run as padding whose writes land in the ring's never-visible entry. So a device sees a
+//! few fixed shapes, whatever the positions or the mix of requests.
+//!
+//! Tokens stay on the device and come back to the host every `read_every` turns (a "read point").
+//! There the host cuts each request at its first stop token or its length limit, hands the new
+//! tokens to the caller, frees finished slots, and asks the caller for new requests and
+//! cancellations (`Io::poll`). A slot that reached its length limit between read points stops
+//! decoding at once; one that hit a stop token runs on as padding until the read point and its
+//! extra tokens are dropped, so the result does not depend on `read_every`.
+//!
+//! A request admitted while another with the same prompt is still reading it follows that one
+//! instead of reading it again (the `n` choices of one OpenAI request, or identical prompts): when
+//! the leader's last chunk is read, the follower's rings get a copy of the prompt's keys and it
+//! draws its own first token from the same logits. The copy holds exactly the keys a second read
+//! would write.
+//!
+//! An error while admitting or running requests fails those requests alone, never the loop: a
+//! request whose upload or sampling state fails at admission, the slots of a prompt forward that
+//! fails, the rows of a decode step that fails, or the slots whose tokens a read point could not
+//! bring back end with `Finish::Failed` and the error's text, their slots are freed, and the loop
+//! serves the next requests. Only an error in freeing a slot, or from the caller's `Io`, ends it.
+//!
+//! Design from vLLM's `v1/core/sched/scheduler.py` (continuous batching, chunked prefill
+//! interleaved with decodes).
+
+pub mod one_request;
+mod read_point;
+pub mod request;
+pub mod sampling;
+mod schedule;
+mod slots;
+mod step;
+
+use std::path::Path;
+use std::time::Instant;
+
+use crate::engine::read_point::Drawn;
+use crate::engine::request::{Event, Finish, Io, Request, StepStats, Timing};
+use crate::engine::sampling::Sampler;
+use crate::engine::schedule::{followers, padded_prompts, prompt_group, unread};
+use crate::engine::slots::{End, Phase, Slot, Slots};
+use crate::engine::step::{Graphs, StepKey, step};
+use crate::error::{Error, Result};
+use crate::gemma4::attention::{Fill, Liveness, Positions};
+use crate::gemma4::cache::{CacheSize, KvCache, Rows};
+use crate::gemma4::config::{Config, LayerType};
+use crate::gemma4::model::{Model, Output};
+use crate::gemma4::weights::{Kernels, Loaded, Weights};
+use crate::tensor::{CudaGraph, DType, Tensor};
+
+/// Where `Engine::inject_fault_for_tests` makes the engine fail one request: its admission (after
+/// its checks passed), the prompt forward that reads it, or a decode step that runs it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    Admit,
+    Prompt,
+    Decode,
+}
+
+/// What the binding reports from `layout()`.
+pub struct Layout {
+    pub full_rings: i64,
+    pub sliding_rings: i64,
+    pub shared_layers: i64,
+    pub context: i64,
+    pub sliding_window: i64,
+    pub max_batch: i64,
+    pub kv_bytes_per_slot: i64,
+    pub kv_bytes: i64,
+}
+
+/// Parse a compute dtype name.
+pub fn parse_dtype(name: &str) -> Result<DType> {
+    match name {
+        "float32" => Ok(DType::F32),
+        "bfloat16" => Ok(DType::BF16),
+        "float16" => Ok(DType::F16),
+        other => Err(Error::Input(format!("dtype must be float32, bfloat16 or float16, got {other:?}"))),
+    }
+}
+
+/// The engine's settings besides the checkpoint.
+#[derive(Clone, Copy, Debug)]
+pub struct Settings {
+    pub context: i64,
+    pub dtype: DType,
+    pub prefill_chunk: i64,
+    pub max_batch: i64,
+    /// Capture each decode-step shape as a CUDA graph and replay it (CUDA only; see `step::Graphs`).
+    pub cuda_graphs: bool,
+    /// `Kernels::packed_int4` (the loader decides, gemma4/weights.rs).
+    pub packed_int4: Option<bool>,
+    /// `Kernels::onednn` (the loader decides, gemma4/weights.rs).
+    pub onednn: Option<bool>,
+}
+
+impl Settings {
+    fn check(&self) -> Result<()> {
+        for (name, v) in
+            [("context", self.context), ("prefill_chunk", self.prefill_chunk), ("max_batch", self.max_batch)]
+        {
+            if v < 1 {
+                return Err(Error::Input(format!("{name} must be >= 1, got {v}")));
+            }
+        }
+        Ok(())
+    }
+
+    fn kernels(&self) -> Kernels {
+        Kernels { packed_int4: self.packed_int4, onednn: self.onednn }
+    }
+}
+
+/// What the loader put on the device (`Engine::weights`).
+#[derive(Clone, Debug)]
+pub struct WeightsInfo {
+    /// "packed", "dequantized", "mixed" (some int4 weights did not fit the kernels' layout) or
+    /// "none" (no int4 weights).
+    pub int4: &'static str,
+    pub bytes: i64,
+    /// "onednn" or "aten": what multiplies the dense weights (`Settings::onednn`).
+    pub linear: &'static str,
+}
+
+pub struct Engine {
+    model: Model,
+    loaded: Loaded,
+    cache: KvCache,
+    sampler: Sampler,
+    like: Tensor,
+    context: i64,
+    prefill_chunk: i64,
+    max_batch: i64,
+    /// The sequence slots, on the host and the device.
+    slots: Slots,
+    /// Tokens drawn since the last read point.
+    drawn: Vec<Drawn>,
+    /// What ran since the last read point.
+    stats: StepStats,
+    /// Ends of requests whose forward failed in a turn, emitted at the next read point.
+    failed: Vec<Event>,
+    /// Some on a CUDA device with `Settings::cuda_graphs`.
+    graphs: Option<Graphs>,
+    /// A failure a test asked for (`inject_fault_for_tests`): where, and which request.
+    fault: Option<(Fault, u64)>,
+}
+
+impl Engine {
+    /// Load `model_dir` (and the vocabulary tables of `emb_dir`) onto `like`'s device. `fits` sees
+    /// the KV cache's size once the weights are on the device and before the cache is allocated;
+    /// it refuses a cache that cannot fit.
+    pub fn load(
+        model_dir: &Path,
+        emb_dir: Option<&Path>,
+        like: Tensor,
+        settings: Settings,
+        fits: impl FnOnce(&CacheSize) -> Result<()>,
+    ) -> Result<Engine> {
+        settings.check()?;
+        let cfg = Config::load(model_dir)?;
+        let quant = cfg.quant.clone();
+        let weights =
+            Weights::open(model_dir, emb_dir, quant, like.shallow_clone()?, settings.dtype, settings.kernels())?;
+        let model = Model::load(cfg, &weights, settings.context)?;
+        let loaded = weights.loaded();
+        let b = settings.max_batch;
+        fits(&CacheSize::of(&model.cfg, settings.context, b, settings.dtype))?;
+        let cache = KvCache::new(&model.cfg, settings.context, b, &like, settings.dtype)?;
+        let sampler = Sampler::new(b, model.cfg.vocab_size, &like)?;
+        let slots = Slots::new(b, &like)?;
+        let graphs = (settings.cuda_graphs && like.device()?.starts_with("cuda") && CudaGraph::available())
+            .then(Graphs::default);
+        Ok(Engine {
+            graphs,
+            fault: None,
+            loaded,
+            slots,
+            drawn: Vec::new(),
+            stats: StepStats::default(),
+            failed: Vec::new(),
+            model,
+            cache,
+            sampler,
+            like,
+            context: settings.context,
+            prefill_chunk: settings.prefill_chunk,
+            max_batch: b,
+        })
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.model.cfg
+    }
+
+    pub fn context(&self) -> i64 {
+        self.context
+    }
+
+    pub fn max_batch(&self) -> i64 {
+        self.max_batch
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.model.dtype()
+    }
+
+    pub fn device(&self) -> Result<String> {
+        self.like.device()
+    }
+
+    pub fn weights(&self) -> WeightsInfo {
+        let l = self.loaded;
+        let int4 = match (l.packed, l.dequantized) {
+            (0, 0) => "none",
+            (_, 0) => "packed",
+            (0, _) => "dequantized",
+            _ => "mixed",
+        };
+        WeightsInfo { int4, bytes: l.bytes, linear: if l.onednn { "onednn" } else { "aten" } }
+    }
+
+    /// ATen calls each layer made in the last forward (a decode step after `decode`).
+    pub fn layer_calls(&self) -> Vec<u64> {
+        self.model.layer_calls().to_vec()
+    }
+
+    /// The CUDA graphs captured so far (0 off CUDA).
+    pub fn captured_steps(&self) -> usize {
+        self.graphs.as_ref().map_or(0, |g| g.captured())
+    }
+
+    pub fn layout(&self) -> Layout {
+        let cfg = &self.model.cfg;
+        let size = CacheSize::of(cfg, self.context, self.max_batch, self.model.dtype());
+        Layout {
+            full_rings: self.cache.own_rings(LayerType::Full, cfg),
+            sliding_rings: self.cache.own_rings(LayerType::Sliding, cfg),
+            shared_layers: cfg.layers.iter().filter(|l| l.kv_source.is_some()).count() as i64,
+            context: self.context,
+            sliding_window: cfg.sliding_window,
+            max_batch: self.max_batch,
+            kv_bytes_per_slot: size.bytes_per_slot,
+            kv_bytes: size.total(),
+        }
+    }
+
+    /// The checks on a prompt that a caller can fail, before any model code runs.
+    pub fn check_prompt(&self, ids: &[i64]) -> Result<()> {
+        if ids.is_empty() {
+            return Err(Error::Input("the prompt is empty".into()));
+        }
+        if ids.len() as i64 >= self.context {
+            return Err(Error::Input(format!(
+                "the prompt has {} tokens; the context holds {} (prompt and generated tokens together), so at most {}",
+                ids.len(),
+                self.context,
+                self.context - 1
+            )));
+        }
+        let v = self.model.cfg.vocab_size;
+        if let Some((i, id)) = ids.iter().enumerate().find(|(_, id)| **id < 0 || **id >= v) {
+            return Err(Error::Input(format!("token id {id} at position {i} is outside the vocabulary [0, {v})")));
+        }
+        Ok(())
+    }
+
+    /// Every check on a request, before it takes a slot: its own values and limits
+    /// (`Request::check`, `request::LIMITS`), then its prompt against this model.
+    pub fn check_request(&self, r: &Request) -> Result<()> {
+        r.check(self.model.cfg.vocab_size)?;
+        self.check_prompt(&r.prompt)
+    }
+
+    /// float32 next-token logits after `ids`, read into slot 0 from empty, on the host as a tensor.
+    pub fn logits(&mut self, ids: &[i64]) -> Result<Tensor> {
+        self.check_prompt(ids)?;
+        let prompt = Tensor::from_i64(ids)?.to_like(&self.like, DType::I64)?;
+        let mut done = 0;
+        loop {
+            let (logits, read) = self.prompt_chunk(0, &prompt, ids.len(), done)?;
+            done += read;
+            if let Some(l) = logits {
+                // A tensor built from host bytes lives on the host: it names where the logits go.
+                let host = Tensor::from_i64(&[0])?;
+                return l.reshape(&[self.model.cfg.vocab_size])?.to_like(&host, DType::F32);
+            }
+        }
+    }
+
+    /// Read the next chunk of `slot`'s prompt (`prompt`, `n` tokens, `done` read). Returns the
+    /// last position's logits `[1, vocab]` once the whole prompt is read, and the tokens read.
+    fn prompt_chunk(&mut self, slot: i64, prompt: &Tensor, n: usize, done: usize) -> Result<(Option<Tensor>, usize)> {
+        let end = (done + self.prefill_chunk as usize).min(n);
+        let t = (end - done) as i64;
+        let ids = prompt.narrow(0, done as i64, t)?;
+        let pos = Positions::chunk(done as i64, end as i64, &self.like)?;
+        let fill = if done == 0 { Fill::Empty } else { Fill::Partial };
+        let output = if end == n { Output::Logits } else { Output::Nothing };
+        let rows = Rows::one(slot);
+        let logits = self.model.forward(&mut self.cache, rows, &ids, &pos, &Liveness::AllLive, fill, output)?;
+        Ok((logits, end - done))
+    }
+
+    /// Run the continuous-batching loop until `io.poll` returns None. See the module docs.
+    pub fn run(&mut self, io: &mut impl Io, read_every: i64) -> Result<()> {
+        if read_every < 1 {
+            return Err(Error::Input(format!("read_every must be >= 1, got {read_every}")));
+        }
+        self.slots.reset()?;
+        self.drawn.clear();
+        self.failed.clear();
+        self.stats = StepStats::default();
+        let mut since = Instant::now();
+        loop {
+            let mut events = std::mem::take(&mut self.failed);
+            match self.read_point() {
+                Ok(read) => events.extend(read),
+                Err(e) => events.extend(self.fail(self.slots.busy(), &e)?),
+            }
+            self.stats.seconds = since.elapsed().as_secs_f64();
+            if !events.is_empty() || !self.stats.batch_sizes.is_empty() || self.stats.prompt_tokens > 0 {
+                io.emit(events, &self.stats)?;
+            }
+            let free = self.slots.free_count();
+            let Some((new, cancels)) = io.poll(free, free == self.slots.len())? else {
+                let ends = self.cancel(|_| true)?;
+                return io.emit(ends, &StepStats::default());
+            };
+            let mut events = self.cancel(|id| cancels.contains(&id))?;
+            for request in new {
+                if let Some(refused) = self.admit(request)? {
+                    events.push(refused);
+                }
+            }
+            if !events.is_empty() {
+                io.emit(events, &StepStats::default())?;
+            }
+            self.stats = StepStats::default();
+            since = Instant::now();
+            for _ in 0..read_every {
+                if !self.turn()? {
+                    break;
+                }
+            }
+        }
+    }
+
+    /// Put `r` in the lowest free slot, or say why it cannot run.
+    fn admit(&mut self, r: Request) -> Result<Option<Event>> {
+        let refuse =
+            |r: &Request, msg: String| Ok(Some(Event::end_with_error(r.id, Finish::Error, Timing::default(), msg)));
+        if let Err(e) = self.check_request(&r) {
+            return refuse(&r, e.to_string());
+        }
+        let Some(s) = self.slots.lowest_free() else {
+            return refuse(&r, format!("all {} slots are busy", self.max_batch));
+        };
+        let prompt = match self.place(s, &r) {
+            Ok(prompt) => prompt,
+            Err(e) => return Ok(Some(Event::end_with_error(r.id, Finish::Failed, Timing::default(), e.to_string()))),
+        };
+        let reading_it = |x: &Option<Slot>| {
+            x.as_ref().is_some_and(|x| matches!(x.phase, Phase::Prompt { .. }) && x.request.prompt == r.prompt)
+        };
+        let phase = match self.slots.all().iter().position(reading_it) {
+            Some(leader) => Phase::Follow { leader },
+            None => Phase::Prompt { done: 0 },
+        };
+        let room = (self.context - r.prompt.len() as i64) as usize;
+        let limit = (r.max_new as usize).min(room);
+        self.slots.admit(s, r, prompt, phase, limit);
+        Ok(None)
+    }
+
+    /// Upload `r`'s prompt and give slot `s` its sampling state; the slot is still free, so an error
+    /// here leaves nothing to undo (the next `assign` rewrites the whole row).
+    fn place(&mut self, s: usize, r: &Request) -> Result<Tensor> {
+        if self.fault == Some((Fault::Admit, r.id)) {
+            return Err(self.take_fault());
+        }
+        let prompt = Tensor::from_i64(&r.prompt)?.to_like(&self.like, DType::I64)?;
+        self.sampler.assign(s as i64, &r.params, &prompt)?;
+        Ok(prompt)
+    }
+
+    /// Free slot `s` and its sampling state; returns what it held.
+    fn free(&mut self, s: usize) -> Result<Slot> {
+        let slot = self.slots.free(s)?;
+        self.sampler.release(s as i64);
+        Ok(slot)
+    }
+
+    /// End the request in busy slot `s` by `end` (cancelled, or failed by `error`) and free its slot.
+    fn end(&mut self, s: usize, end: End, error: Option<&Error>) -> Result<Event> {
+        let slot = self.free(s)?;
+        Ok(Event {
+            finish: slot.finish(end, &self.model.cfg.eos_ids),
+            error: error.map(|e| e.to_string()),
+            timing: slot.timing(),
+            ..Event::new(slot.request.id)
+        })
+    }
+
+    /// End the requests in the slots `which` as failed by `e`, and free their slots.
+    fn fail(&mut self, which: impl IntoIterator<Item = usize>, e: &Error) -> Result<Vec<Event>> {
+        let mut events = Vec::new();
+        for s in which {
+            if self.slots.get(s).is_some() {
+                events.push(self.end(s, End::Fail, Some(e))?);
+            }
+        }
+        Ok(events)
+    }
+
+    /// End the requests whose ids `which` picks as "cancelled" and free their slots.
+    fn cancel(&mut self, which: impl Fn(u64) -> bool) -> Result<Vec<Event>> {
+        let mut events = Vec::new();
+        for s in 0..self.slots.len() {
+            if self.slots.get(s).is_some_and(|slot| which(slot.request.id)) {
+                events.push(self.end(s, End::Cancel, None)?);
+            }
+        }
+        Ok(events)
+    }
+
+    /// Make the engine fail request `id` at `at` (once): the one way a test can produce a device
+    /// error on demand, to show that it fails that request alone.
+    pub fn inject_fault_for_tests(&mut self, at: Fault, id: u64) {
+        self.fault = Some((at, id));
+    }
+
+    /// An error when a fault is injected at `at` for a request in one of the slots `which` (the fault is
+    /// then used up). Without an injected fault it looks at nothing.
+    fn injected(&mut self, at: Fault, which: &[usize]) -> Result<()> {
+        let Some((where_, id)) = self.fault else { return Ok(()) };
+        if where_ == at && which.iter().any(|s| self.slots.get(*s).is_some_and(|slot| slot.request.id == id)) {
+            return Err(self.take_fault());
+        }
+        Ok(())
+    }
+
+    /// The injected fault as the error it stands for, used up.
+    fn take_fault(&mut self) -> Error {
+        match self.fault.take() {
+            Some((at, id)) => Error::Internal(format!("a fault injected for tests ({at:?}, request {id})")),
+            None => Error::Internal("no fault was injected".into()),
+        }
+    }
+
+    /// One turn: a decode step of every decoding slot, then a chunk of the oldest unread prompt
+    /// (a slot whose prompt ends here draws its first token now and decodes from the next turn).
+    /// Returns false when there was nothing to do. Requests whose forward failed end in `failed`.
+    fn turn(&mut self) -> Result<bool> {
+        let top = self.slots.top_live();
+        if let Some(top) = top {
+            let b = self.slots.bucket(top);
+            let rows = self.slots.rows(b);
+            let decoding: Vec<usize> = rows.iter().flatten().copied().collect();
+            self.stats.batch_sizes.push(decoding.len());
+            let step = self.injected(Fault::Decode, &decoding);
+            if let Err(e) = step.and_then(|_| self.decode_step(b, &rows)) {
+                let ends = self.fail(decoding, &e)?;
+                self.failed.extend(ends);
+                return Ok(true);
+            }
+            self.slots.count_step(&decoding)?;
+        }
+        let group = prompt_group(unread(self.slots.all()), self.prefill_chunk as usize);
+        if group.is_empty() {
+            return Ok(top.is_some());
+        }
+        let read = self.injected(Fault::Prompt, &group).and_then(|_| match group[..] {
+            [s] => self.read_prompt(s),
+            _ => self.read_prompts(&group),
+        });
+        match read {
+            Ok(read) => {
+                self.stats.prompt_tokens += read;
+                self.stats.prompt_reads.push(group.len());
+            }
+            Err(e) => {
+                let ends = self.fail(group, &e)?;
+                self.failed.extend(ends);
+            }
+        }
+        Ok(true)
+    }
+
+    /// One decode step of slots `0..b`; `rows[i]` is Some for the decoding ones.
+    fn decode_step(&mut self, b: i64, rows: &[Option<usize>]) -> Result<()> {
+        let padded = rows.iter().any(|r| r.is_none());
+        let key = StepKey { b, padded, stages: self.sampler.stages(0, b) };
+        let Engine { model, cache, sampler, slots, graphs, like, .. } = self;
+        let chosen = match graphs {
+            None => step(model, cache, sampler, slots, key)?,
+            Some(g) => g.step(key, like, || step(model, cache, sampler, slots, key))?,
+        };
+        self.drawn.push(Drawn { chosen, rows: rows.to_vec() });
+        Ok(())
+    }
+
+    /// Read one chunk of slot `s`'s prompt; after the last chunk, draw its first token and start
+    /// it decoding. Returns the prompt tokens read.
+    fn read_prompt(&mut self, s: usize) -> Result<usize> {
+        let slot = self.slots.get_mut(s)?;
+        let Phase::Prompt { done } = slot.phase else { return Err(Error::Internal("slot is not reading".into())) };
+        let n = slot.request.prompt.len();
+        let prompt = slot.prompt.shallow_clone()?;
+        let (logits, read) = self.prompt_chunk(s as i64, &prompt, n, done)?;
+        self.slots.get_mut(s)?.phase = Phase::Prompt { done: done + read };
+        if let Some(logits) = logits {
+            self.prompt_done(s, &logits)?;
+        }
+        Ok(read)
+    }
+
+    /// Read the whole prompts of the slots `group` (`schedule::prompt_group`) in one forward over the
+    /// slots from the lowest to the highest, left-padded (`schedule::padded_prompts`, module docs),
+    /// and start each decoding. Returns the prompt tokens read.
+    fn read_prompts(&mut self, group: &[usize]) -> Result<usize> {
+        let (Some(&lo), Some(&hi)) = (group.iter().min(), group.iter().max()) else {
+            return Err(Error::Internal("an empty prompt group".into()));
+        };
+        let prompts: Vec<Option<&[i64]>> = (lo..=hi)
+            .map(|i| self.slots.get(i).filter(|_| group.contains(&i)).map(|s| s.request.prompt.as_slice()))
+            .collect();
+        let read = prompts.iter().flatten().map(|p| p.len()).sum();
+        let t = prompts.iter().flatten().map(|p| p.len()).max().unwrap_or(0) as i64;
+        let padded = padded_prompts(&prompts, t as usize, self.context - 1);
+        let rows = Rows { start: lo as i64, len: (hi - lo + 1) as i64 };
+        let device = |v: &[i64], dtype: DType| Tensor::from_i64(v)?.to_like(&self.like, dtype);
+        let ids = device(&padded.ids, DType::I64)?;
+        let pos = Positions::new(&device(&padded.positions, DType::I64)?.reshape(&[rows.len, t])?)?;
+        let live = Liveness::Padding(device(&padded.live, DType::Bool)?.reshape(&[rows.len, 1, t])?);
+        let logits = self
+            .model
+            .forward(&mut self.cache, rows, &ids, &pos, &live, Fill::Empty, Output::Logits)?
+            .ok_or_else(|| Error::Internal("a prompt forward returned no logits".into()))?;
+        for &s in group {
+            let row = logits.narrow(0, (s - lo) as i64, 1)?;
+            self.prompt_done(s, &row)?;
+        }
+        Ok(read)
+    }
+
+    /// Slot `s` has read its whole prompt, and `logits` `[1, vocab]` follow it: start it and its
+    /// followers decoding.
+    fn prompt_done(&mut self, s: usize, logits: &Tensor) -> Result<()> {
+        let n = self.slots.get(s).map_or(0, |slot| slot.request.prompt.len()) as i64;
+        self.start_decoding(s, logits)?;
+        for f in followers(self.slots.all(), s) {
+            self.cache.copy_prompt(Rows::one(s as i64), Rows::one(f as i64), n)?;
+            self.start_decoding(f, logits)?;
+        }
+        Ok(())
+    }
+
+    /// Slot `s` has its prompt's keys in its rings and `logits` `[1, vocab]` after it: draw its first
+    /// token and start it decoding.
+    fn start_decoding(&mut self, s: usize, logits: &Tensor) -> Result<()> {
+        if self.slots.get(s).is_none() {
+            return Err(Error::Internal(format!("slot {s} is free")));
+        }
+        let si = s as i64;
+        let chosen = self.sampler.choose(logits, si, 1)?;
+        self.sampler.advance(&chosen.tokens, si, 1, None)?;
+        self.slots.start(s, &chosen.tokens)?;
+        self.drawn.push(Drawn { chosen, rows: vec![Some(s)] });
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settings_below_one_name_the_setting() {
+        let s = Settings {
+            context: 8,
+            dtype: DType::F32,
+            prefill_chunk: 4,
+            max_batch: 0,
+            packed_int4: None,
+            cuda_graphs: true,
+            onednn: None,
+        };
+        assert!(s.check().unwrap_err().to_string().contains("max_batch"));
+        assert!(Settings { max_batch: 2, ..s }.check().is_ok());
+    }
+}

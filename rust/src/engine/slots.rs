@@ -1,0 +1,253 @@
+//! `Slots`: the engine's sequence slots, on the host (which request each holds, how far it got) and
+//! on the device (each slot's next token, next position, and whether it decodes). Every flag has one
+//! writer: a slot starts decoding (`start`), stops at its length limit (`count_step`), and is freed
+//! (`free`) only here, each method writing the host and the device side together.
+//!
+//! As vLLM's scheduler keeps its requests as fields (`vllm/v1/core/sched/scheduler.py`,
+//! `self.waiting`, `self.running`) rather than locals threaded through calls.
+
+use std::time::Instant;
+
+use crate::engine::request::{Finish, Request, Timing};
+use crate::engine::schedule::followers;
+use crate::engine::step::{StepViews, buckets};
+use crate::error::{Error, Result};
+use crate::tensor::{DType, Tensor};
+
+/// Where a slot's request is.
+pub(super) enum Phase {
+    /// Reading the prompt; `done` tokens read so far.
+    Prompt {
+        done: usize,
+    },
+    /// Waiting for slot `leader`, which reads the same prompt (engine module docs).
+    Follow {
+        leader: usize,
+    },
+    Decode,
+}
+
+/// One busy slot.
+pub(super) struct Slot {
+    pub(super) request: Request,
+    /// The prompt on the device.
+    pub(super) prompt: Tensor,
+    /// The most tokens this request may generate (max_new, and the context's room).
+    pub(super) limit: usize,
+    pub(super) phase: Phase,
+    /// Tokens drawn on the device (including those not read yet).
+    drawn: usize,
+    /// Tokens handed to the caller.
+    pub(super) emitted: usize,
+    /// Decoding on the device: the host side of `Slots::live`, written with it.
+    live: bool,
+    /// Decided by `Slot::finish` at a read point; the slot is freed there.
+    pub(super) finished: Option<Finish>,
+    admitted: Instant,
+    pub(super) first_token: Option<Instant>,
+    /// Admission order, for first-come-first-served prompt reading.
+    pub(super) seq: u64,
+}
+
+/// What ends a request now, if anything (`Slot::finish`).
+pub(super) enum End {
+    /// A token came back to the host at a read point.
+    Token(i64),
+    /// The caller cancelled it, or the loop ended.
+    Cancel,
+    /// A forward, an upload or a read point failed it.
+    Fail,
+}
+
+impl Slot {
+    /// Whether the request ends with `end`, and why: the one place a running request's `Finish` is
+    /// decided. A stop token (the model's eos ids or the request's stop ids) ends it "stop" and is
+    /// not returned; the token that reaches `limit` (max_new, or the context full) ends it "length".
+    pub(super) fn finish(&self, end: End, eos_ids: &[i64]) -> Option<Finish> {
+        match end {
+            End::Cancel => Some(Finish::Cancelled),
+            End::Fail => Some(Finish::Failed),
+            End::Token(t) if eos_ids.contains(&t) || self.request.stop_ids.contains(&t) => Some(Finish::Stop),
+            End::Token(_) if self.emitted + 1 >= self.limit => Some(Finish::Length),
+            End::Token(_) => None,
+        }
+    }
+
+    /// Seconds from admission to the first token, and from then to now.
+    pub(super) fn timing(&self) -> Timing {
+        let now = Instant::now();
+        match self.first_token {
+            Some(first) => {
+                Timing { prompt_s: (first - self.admitted).as_secs_f64(), decode_s: (now - first).as_secs_f64() }
+            }
+            None => Timing { prompt_s: (now - self.admitted).as_secs_f64(), decode_s: 0.0 },
+        }
+    }
+}
+
+pub(super) struct Slots {
+    host: Vec<Option<Slot>>,
+    /// Each slot's last drawn token, int64 `[max_batch]`: the next decode step's input.
+    next: Tensor,
+    /// Each slot's next position, int64 `[max_batch]`.
+    positions: Tensor,
+    /// Which slots decode, bool `[max_batch]`.
+    live: Tensor,
+    /// Views of `next`, `positions` and `live` for each bucket (`buckets`), made once.
+    views: Vec<StepViews>,
+    /// The last admission's number.
+    seq: u64,
+}
+
+impl Slots {
+    /// `max_batch` free slots on `like`'s device.
+    pub(super) fn new(max_batch: i64, like: &Tensor) -> Result<Slots> {
+        let next = Tensor::full(&[max_batch], 0.0, DType::I64, like)?;
+        let positions = Tensor::full(&[max_batch], 0.0, DType::I64, like)?;
+        let live = Tensor::full(&[max_batch], 0.0, DType::Bool, like)?;
+        let views = buckets(max_batch)
+            .iter()
+            .map(|b| StepViews::new(*b, &next, &positions, &live))
+            .collect::<Result<Vec<_>>>()?;
+        let host = (0..max_batch).map(|_| None).collect();
+        Ok(Slots { host, next, positions, live, views, seq: 0 })
+    }
+
+    /// Every slot free, on the device too: a run that ended on an error (a callback's exception)
+    /// leaves its slots marked live, and a decode step would run such a row as live (writing its
+    /// cache and moving its draw index) while a new request reads its prompt there.
+    pub(super) fn reset(&mut self) -> Result<()> {
+        self.live.fill_(0.0)?;
+        self.host.iter_mut().for_each(|s| *s = None);
+        self.seq = 0;
+        Ok(())
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.host.len()
+    }
+
+    pub(super) fn free_count(&self) -> usize {
+        self.host.iter().filter(|s| s.is_none()).count()
+    }
+
+    pub(super) fn lowest_free(&self) -> Option<usize> {
+        self.host.iter().position(|s| s.is_none())
+    }
+
+    pub(super) fn get(&self, s: usize) -> Option<&Slot> {
+        self.host.get(s).and_then(|x| x.as_ref())
+    }
+
+    pub(super) fn get_mut(&mut self, s: usize) -> Result<&mut Slot> {
+        busy_mut(&mut self.host, s)
+    }
+
+    /// The host slots, free ones as None, for the pure functions of schedule.rs.
+    pub(super) fn all(&self) -> &[Option<Slot>] {
+        &self.host
+    }
+
+    /// The busy slots.
+    pub(super) fn busy(&self) -> Vec<usize> {
+        (0..self.host.len()).filter(|s| self.host[*s].is_some()).collect()
+    }
+
+    /// Put `request` (its prompt uploaded to `prompt`) in the free slot `s`, in `phase`.
+    pub(super) fn admit(&mut self, s: usize, request: Request, prompt: Tensor, phase: Phase, limit: usize) {
+        self.seq += 1;
+        self.host[s] = Some(Slot {
+            limit,
+            request,
+            prompt,
+            phase,
+            drawn: 0,
+            emitted: 0,
+            live: false,
+            finished: None,
+            admitted: Instant::now(),
+            first_token: None,
+            seq: self.seq,
+        });
+    }
+
+    /// Slot `s` drew its first token `token` (int64 `[1]` on the device) after its prompt: it decodes
+    /// from the next step, unless that token already reached its limit.
+    pub(super) fn start(&mut self, s: usize, token: &Tensor) -> Result<()> {
+        let si = s as i64;
+        let slot = busy_mut(&mut self.host, s)?;
+        self.next.narrow(0, si, 1)?.copy_(token)?;
+        self.positions.narrow(0, si, 1)?.fill_(slot.request.prompt.len() as f64)?;
+        slot.phase = Phase::Decode;
+        slot.drawn = 1;
+        if slot.limit > 1 {
+            slot.live = true;
+            self.live.narrow(0, si, 1)?.fill_(1.0)?;
+        }
+        Ok(())
+    }
+
+    /// The decoding slots `rows` each drew one more token: a slot that reached its limit stops
+    /// decoding at once (its tokens are read at the next read point).
+    pub(super) fn count_step(&mut self, rows: &[usize]) -> Result<()> {
+        for &s in rows {
+            let slot = busy_mut(&mut self.host, s)?;
+            slot.drawn += 1;
+            if slot.drawn >= slot.limit {
+                slot.live = false;
+                self.live.narrow(0, s as i64, 1)?.fill_(0.0)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Free slot `s` and return what it held. A leader that goes before its prompt is read hands
+    /// the reading to its oldest follower.
+    pub(super) fn free(&mut self, s: usize) -> Result<Slot> {
+        let slot = self.host[s].take().ok_or_else(|| Error::Internal(format!("slot {s} is already free")))?;
+        if let Some((&heir, rest)) = followers(&self.host, s).split_first() {
+            let phases = rest.iter().map(|i| (*i, Phase::Follow { leader: heir }));
+            for (i, phase) in phases.chain([(heir, Phase::Prompt { done: 0 })]) {
+                if let Some(x) = self.host[i].as_mut() {
+                    x.phase = phase;
+                }
+            }
+        }
+        if slot.live {
+            self.live.narrow(0, s as i64, 1)?.fill_(0.0)?;
+        }
+        Ok(slot)
+    }
+
+    /// The highest decoding slot, if any.
+    pub(super) fn top_live(&self) -> Option<usize> {
+        self.host.iter().rposition(|s| s.as_ref().is_some_and(|s| s.live))
+    }
+
+    /// The bucket of a decode step whose highest decoding slot is `top`: the smallest above it.
+    pub(super) fn bucket(&self, top: usize) -> i64 {
+        self.views.iter().map(|v| v.b).find(|b| *b > top as i64).unwrap_or(self.host.len() as i64)
+    }
+
+    /// For each of the slots `0..b`, Some(slot) when it decodes (None: a padding row).
+    pub(super) fn rows(&self, b: i64) -> Vec<Option<usize>> {
+        (0..b as usize).map(|i| self.host[i].as_ref().filter(|s| s.live).map(|_| i)).collect()
+    }
+
+    /// A decode step's inputs for the bucket `b`.
+    pub(super) fn views(&self, b: i64) -> Result<&StepViews> {
+        self.views.iter().find(|v| v.b == b).ok_or_else(|| Error::Internal(format!("{b} is not a decode bucket")))
+    }
+
+    /// After a decode step of slots `0..b` drew `tokens`: they are the next step's input, and the
+    /// decoding rows move one position on (padding rows keep theirs).
+    pub(super) fn advance(&mut self, b: i64, tokens: &Tensor, padded: bool) -> Result<()> {
+        let v = self.views(b)?;
+        v.next.copy_(tokens)?;
+        if padded { v.positions.add_(&v.live) } else { v.positions.add_int_(1) }
+    }
+}
+
+fn busy_mut(host: &mut [Option<Slot>], s: usize) -> Result<&mut Slot> {
+    host.get_mut(s).and_then(|x| x.as_mut()).ok_or_else(|| Error::Internal(format!("slot {s} is free")))
+}
