@@ -22,7 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from gemma_operator import builders as b
+from gemma_operator.builders.deployment import build_deployment
+from gemma_operator.builders.ownership import Meta
+from gemma_operator.builders.service import build_service
 from gemma_operator.kube import ApiError, Kube
 from gemma_operator.spec import parse_spec
 from tests.cluster.controlplane import ControlPlane
@@ -99,9 +101,9 @@ def floor(kube: Kube, n: int) -> float:
     spec = parse_spec(SPEC)
     t0 = time.perf_counter()
     for i in range(n):
-        meta = b.Meta(f"floor-{i}", ns)
-        kube.apply(b.build_deployment(spec, meta))
-        kube.apply(b.build_service(spec, meta))
+        meta = Meta(f"floor-{i}", ns)
+        kube.apply(build_deployment(spec, meta))
+        kube.apply(build_service(spec, meta))
     return time.perf_counter() - t0
 
 

@@ -20,7 +20,7 @@ Some powers are the pod fields the builders derive from other spec fields, check
   even when the credentials stay (on CREATE, the checks of the ServiceAccount and the Secret cover it);
 - spec.accelerator.provisioning spot or flex-start and spec.accelerator.computeClass: a node selector
   (cloud.google.com/gke-spot, cloud.google.com/gke-flex-start, cloud.google.com/compute-class) and, for
-  spot, a toleration of the spot taint (builders.node_selector, builders.tolerations).
+  spot, a toleration of the spot taint (builders.deployment.node_selector, builders.deployment.tolerations).
 
 `python -m gemma_operator.admission > crds/gemmarustservers.gemmarust.dev.admission.yaml` writes the policy
 and its binding (`make crds`); the chart ships the same file (files/, templates/admission-policy.yaml) and
@@ -46,7 +46,7 @@ from typing import Any, NamedTuple
 
 import yaml
 
-from . import builders
+from .builders import deployment
 from . import spec as grs_spec
 from .settings import Settings, allowed, allowed_address
 from .status import Problem
@@ -110,11 +110,11 @@ POWERS = [
           "spec.model.tokenSecret", fix="keep the model source as it is", on_create=False),
     Power("provisioning", "spec.accelerator.provisioning",
           _PROVISIONING, "'standard'", None,
-          f"spot selects nodes labelled {builders.SPOT_LABEL}=true and tolerates their taint, flex-start selects "
-          f"nodes labelled {builders.FLEX_START_LABEL}=true", fix="leave it at standard"),
+          f"spot selects nodes labelled {deployment.SPOT_LABEL}=true and tolerates their taint, flex-start selects "
+          f"nodes labelled {deployment.FLEX_START_LABEL}=true", fix="leave it at standard"),
     Power("computeClass", "spec.accelerator.computeClass",
           "has($s.accelerator) && has($s.accelerator.computeClass) ? $s.accelerator.computeClass : ''", "''", None,
-          f"the pods select nodes labelled {builders.COMPUTE_CLASS_LABEL} with this ComputeClass"),
+          f"the pods select nodes labelled {deployment.COMPUTE_CLASS_LABEL} with this ComputeClass"),
     Power("tolerations", "spec.tolerations", "has($s.tolerations) ? $s.tolerations : []", "[]", None,
           "the pods tolerate these taints"),
     Power("nodeSelector", "spec.nodeSelector", "has($s.nodeSelector) ? $s.nodeSelector : {}", "{}", None,
@@ -223,7 +223,7 @@ def allowlist_problems(spec: grs_spec.GemmaRustServerSpec, settings: Settings) -
             f"(GEMMA_OPERATOR_ALLOWED_POD_ANNOTATIONS, chart value operator.allowedPodAnnotations: "
             f"{', '.join(settings.allowed_pod_annotations) or 'none'}): remove them, or ask its administrator "
             f"to allow them", fatal=True))
-    for source, toleration in builders.sourced_tolerations(spec):
+    for source, toleration in deployment.sourced_tolerations(spec):
         key = toleration.get("key") or ""
         if source == "spec.accelerator.type":
             continue  # the TPU taint's, which every TPU pod needs
@@ -236,8 +236,8 @@ def allowlist_problems(spec: grs_spec.GemmaRustServerSpec, settings: Settings) -
                 settings.allowed_tolerations, "remove it" if source.startswith("spec.tolerations") else
                 "use provisioning standard"), fatal=True))
             break
-    resources = builders.container_resources(spec)
-    extended = {name: "spec.accelerator (TPU chips)" if name == builders.TPU_RESOURCE else f"spec.resources.{kind}"
+    resources = deployment.container_resources(spec)
+    extended = {name: "spec.accelerator (TPU chips)" if name == deployment.TPU_RESOURCE else f"spec.resources.{kind}"
                 for kind in ("limits", "requests") for name in resources.get(kind, {})
                 if not allowed(name, STANDARD_RESOURCES) and not allowed(name, settings.allowed_extended_resources)}
     if extended:

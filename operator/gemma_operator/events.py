@@ -28,8 +28,10 @@ from __future__ import annotations
 import re
 from typing import Any, NamedTuple
 
-from .builders import CONTAINER as SERVER
-from .builders import FLEX_START_LABEL, SPOT_LABEL
+from .builders.deployment import CONTAINER as SERVER
+from .builders.deployment import FLEX_START_LABEL, SPOT_LABEL
+from .pods import (container_status, container_statuses, deleting, meta, pod_status, ready, server_running,
+                   server_status, terminal)
 from .status import MAX_PODS_IN_STATUS as MAX_PODS_EXPLAINED  # a pod that is not shown is not explained
 
 GCSFUSE_SIDECAR = "gke-gcsfuse-sidecar"  # the container the GCS FUSE CSI driver injects
@@ -46,40 +48,6 @@ class Blocker(NamedTuple):
     message: str  # what happened, and what to do where that is known
 
 
-def _meta(pod: dict[str, Any]) -> dict[str, Any]:
-    return pod.get("metadata") or {}
-
-
-def _status(pod: dict[str, Any]) -> dict[str, Any]:
-    return pod.get("status") or {}
-
-
-def _terminal(pod: dict[str, Any]) -> bool:
-    return _status(pod).get("phase") in ("Failed", "Succeeded")
-
-
-def _ready(pod: dict[str, Any]) -> bool:
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in _status(pod).get("conditions") or [])
-
-
-def _running(pod: dict[str, Any]) -> bool:
-    cs = _container_status(pod, SERVER)
-    return bool(cs) and "running" in (cs.get("state") or {})
-
-
-def _container_status(pod: dict[str, Any], name: str) -> dict[str, Any] | None:
-    st = _status(pod)
-    for cs in (st.get("containerStatuses") or []) + (st.get("initContainerStatuses") or []):
-        if cs.get("name") == name:
-            return cs
-    return None
-
-
-def _all_container_statuses(pod: dict[str, Any]) -> list[dict[str, Any]]:
-    st = _status(pod)
-    return (st.get("initContainerStatuses") or []) + (st.get("containerStatuses") or [])
-
-
 def _clip(text: str) -> str:
     text = " ".join(text.split())
     return text if len(text) <= MAX_MESSAGE else text[:MAX_MESSAGE - 3] + "..."
@@ -87,21 +55,21 @@ def _clip(text: str) -> str:
 
 def service_account(pod: dict[str, Any]) -> str:
     """The pod's ServiceAccount as NAMESPACE/NAME (Kubernetes' default when the spec names none)."""
-    return f"{_meta(pod).get('namespace', '')}/{(pod.get('spec') or {}).get('serviceAccountName') or 'default'}"
+    return f"{meta(pod).get('namespace', '')}/{(pod.get('spec') or {}).get('serviceAccountName') or 'default'}"
 
 
 def _pulling(pod: dict[str, Any]) -> bool:
     return any(((cs.get("state") or {}).get("waiting") or {}).get("reason") in IMAGE_PULL_REASONS
-               for cs in _all_container_statuses(pod))
+               for cs in container_statuses(pod))
 
 
 def pods_to_explain(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The pods whose Events `pod_blocker` reads, at most MAX_PODS_EXPLAINED of them: alive, not ready, and
     not started or failing an image pull. (A server that started and boots reads none, so a pod that
     compiles its engine for minutes costs no Events request per sync.)"""
-    alive = [p for p in pods if not _meta(p).get("deletionTimestamp") and not _terminal(p) and not _ready(p)
-             and (not _running(p) or _pulling(p))]
-    return sorted(alive, key=lambda p: _meta(p).get("name", ""))[:MAX_PODS_EXPLAINED]
+    alive = [p for p in pods if not deleting(p) and not terminal(p) and not ready(p)
+             and (not server_running(p) or _pulling(p))]
+    return sorted(alive, key=lambda p: meta(p).get("name", ""))[:MAX_PODS_EXPLAINED]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -113,12 +81,12 @@ def _when(event: dict[str, Any]) -> str:
     for key in ("lastTimestamp", "eventTime", "firstTimestamp"):
         if event.get(key):
             return str(event[key])[:19]
-    return str(_meta(event).get("creationTimestamp") or "")[:19]
+    return str((event.get("metadata") or {}).get("creationTimestamp") or "")[:19]
 
 
 def _events_of(pod: dict[str, Any], events: list[dict[str, Any]], reason: str) -> list[dict[str, Any]]:
     """Warning Events of `reason` about this pod (matched by uid), oldest first."""
-    uid = _meta(pod).get("uid")
+    uid = meta(pod).get("uid")
     mine = [e for e in events if (e.get("involvedObject") or {}).get("uid") == uid
             and e.get("reason") == reason and e.get("type", "Warning") == "Warning"]
     return sorted(mine, key=_when)
@@ -149,7 +117,7 @@ def _mount_blocker(pod: dict[str, Any], event: dict[str, Any]) -> Blocker:
 
 
 def _sidecar_blocker(pod: dict[str, Any]) -> Blocker | None:
-    cs = _container_status(pod, GCSFUSE_SIDECAR)
+    cs = container_status(pod, GCSFUSE_SIDECAR)
     if not cs:
         return None
     state = cs.get("state") or {}
@@ -168,7 +136,7 @@ def _sidecar_blocker(pod: dict[str, Any]) -> Blocker | None:
 
 
 def _oom_blocker(pod: dict[str, Any]) -> Blocker | None:
-    cs = _container_status(pod, SERVER)
+    cs = server_status(pod)
     if not cs:
         return None
     state = cs.get("state") or {}
@@ -186,12 +154,12 @@ def _oom_blocker(pod: dict[str, Any]) -> Blocker | None:
 
 
 def _config_blocker(pod: dict[str, Any]) -> Blocker | None:
-    for cs in _all_container_statuses(pod):
+    for cs in container_statuses(pod):
         waiting = (cs.get("state") or {}).get("waiting") or {}
         if waiting.get("reason") != "CreateContainerConfigError":
             continue
         msg = waiting.get("message") or ""
-        ns = _meta(pod).get("namespace", "")
+        ns = meta(pod).get("namespace", "")
         missing = re.search(r'secret "([^"]+)" not found', msg)
         no_key = re.search(r"couldn't find key (\S+) in Secret (\S+)", msg)
         if missing:
@@ -207,7 +175,7 @@ def _config_blocker(pod: dict[str, Any]) -> Blocker | None:
 
 
 def _image_blocker(pod: dict[str, Any], events: list[dict[str, Any]]) -> Blocker | None:
-    for cs in _all_container_statuses(pod):
+    for cs in container_statuses(pod):
         waiting = (cs.get("state") or {}).get("waiting") or {}
         if waiting.get("reason") not in IMAGE_PULL_REASONS:
             continue
@@ -221,12 +189,12 @@ def _image_blocker(pod: dict[str, Any], events: list[dict[str, Any]]) -> Blocker
 def pod_blocker(pod: dict[str, Any], events: list[dict[str, Any]]) -> Blocker | None:
     """Why this pod cannot start or keeps crashing, or None (it is booting, serving, or only waiting for
     the scheduler, whose message status.py shows already). The first that applies, most specific first."""
-    if _meta(pod).get("deletionTimestamp") or _terminal(pod) or _ready(pod):
+    if deleting(pod) or terminal(pod) or ready(pod):
         return None
     for found in (_oom_blocker(pod), _sidecar_blocker(pod), _config_blocker(pod), _image_blocker(pod, events)):
         if found:
             return found
-    if _running(pod):
+    if server_running(pod):
         return None  # started: a mount or sandbox Event is from before and no longer blocks
     mounts = _events_of(pod, events, "FailedMount")
     if mounts:
@@ -243,7 +211,7 @@ def blockers(pods: list[dict[str, Any]], events: list[dict[str, Any]]) -> dict[s
     for pod in pods:
         found = pod_blocker(pod, events)
         if found:
-            out[_meta(pod).get("name", "")] = found
+            out[meta(pod).get("name", "")] = found
     return out
 
 
@@ -253,11 +221,11 @@ def blockers(pods: list[dict[str, Any]], events: list[dict[str, Any]]) -> dict[s
 
 def _disruption_of(pod: dict[str, Any]) -> tuple[str, Blocker] | None:
     """(when, Blocker) for an evicted or node-lost pod, else None."""
-    st = _status(pod)
-    name, node = _meta(pod).get("name", ""), (pod.get("spec") or {}).get("nodeName") or "its node"
+    st = pod_status(pod)
+    name, node = meta(pod).get("name", ""), (pod.get("spec") or {}).get("nodeName") or "its node"
     cond = next((c for c in st.get("conditions") or [] if c.get("type") == "DisruptionTarget"
                  and c.get("status") == "True"), None)
-    when = str((cond or {}).get("lastTransitionTime") or _meta(pod).get("deletionTimestamp")
+    when = str((cond or {}).get("lastTransitionTime") or meta(pod).get("deletionTimestamp")
                or st.get("startTime") or "")[:19]
     selector = (pod.get("spec") or {}).get("nodeSelector") or {}
     capacity = "spot" if selector.get(SPOT_LABEL) == "true" else (
@@ -283,10 +251,10 @@ def disruption(pods: list[dict[str, Any]]) -> Blocker | None:
     if not found:
         return None
     when, blocker = found[-1]
-    live = [p for p in pods if not _meta(p).get("deletionTimestamp") and not _terminal(p)]
+    live = [p for p in pods if not deleting(p) and not terminal(p)]
     for p in live:
         started = any({"running", "terminated"} & set(cs.get("state") or {})
-                      for cs in _status(p).get("containerStatuses") or [])
-        if _ready(p) or started or str(_meta(p).get("creationTimestamp") or "")[:19] < when:
+                      for cs in pod_status(p).get("containerStatuses") or [])
+        if ready(p) or started or str(meta(p).get("creationTimestamp") or "")[:19] < when:
             return None
     return blocker

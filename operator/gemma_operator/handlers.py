@@ -9,9 +9,14 @@ dask-kubernetes' controller):
     and the Events of those still starting -> read the cached /v1/engine reports
     -> compute status (pure) -> patch status -> post transition Events
 
+A stored spec that no longer parses takes a path of its own (`_unparsable_spec_status`): nothing is built,
+applied or deleted, and the status says why while still showing the pods. What the operator holds between
+syncs (the last status written, the children known to be the server's, a lock per server) lives in
+`registry.Registry`, which forgets a server whole when the watch sees it deleted.
+
 Triggers:
 - create / update / resume of a GemmaRustServer: full sync, and children the spec no longer asks for
-  (PodDisruptionBudget at one replica, an optional object of builders.OPTIONAL_KINDS turned off) are
+  (PodDisruptionBudget at one replica, an optional object of builders.optional.OPTIONAL_KINDS turned off) are
   deleted;
 - a resync pass every GEMMA_OPERATOR_RESYNC_SECONDS (default 15) over every GemmaRustServer: full sync,
   which also puts back a child deleted or edited by hand (server-side apply with forced conflicts) and
@@ -32,52 +37,42 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, NamedTuple
 
 import kopf
 import pydantic
 
-from . import builders, events, status
+from . import events, status
 from .admission import allowlist_problems
+from .builders.autoscaling import hpa_metric_name, metric_query, scaling_hpa_name
+from .builders.build_cache import build_cache_claim_name, legacy_build_cache_claim_name
+from .builders.children import Children, build_children
+from .builders.deployment import claims, replicas, spec_warnings
+from .builders.event import build_event
+from .builders.optional import OPTIONAL_BY_KIND, OPTIONAL_KINDS, SCALING
+from .builders.ownership import LABEL_MANAGED_BY, LABEL_SERVER, MANAGED_BY, Meta, adopt, foreign, selector_string
+from .builders.service import endpoint
 from .kube import ApiError, Kube
-from .poller import PodPoller
+from .poller import Reports
+from .registry import Registry, ServerState
 from .settings import Settings
 from .spec import API_GROUP, API_VERSION, AUTOSCALING_METRICS, KNOWN_ACCELERATORS, PLURAL, GemmaRustServerSpec, \
-    accelerator_text, parse_spec
+    ServerSpec, accelerator_text, parse_spec
 
 GRS = (API_GROUP, API_VERSION, PLURAL)
-CHILD_LABELS = {builders.LABEL_MANAGED_BY: builders.MANAGED_BY}
-
-_state: dict[str, Any] = {}
-_locks: dict[str, threading.Lock] = {}
-_locks_guard = threading.Lock()
-_written: dict[str, dict[str, Any]] = {}  # uid -> last status written (we are its only writer)
-_known: dict[str, tuple[str, str]] = {}  # uid -> (namespace, name) of every GemmaRustServer seen
+CHILD_LABELS = {LABEL_MANAGED_BY: MANAGED_BY}
 
 
-def settings() -> Settings:
-    if "settings" not in _state:
-        _state["settings"] = Settings.from_env()
-    return _state["settings"]
+def _report_changed(server: str) -> None:
+    """The poller saw a pod of `server` ("namespace/name") change stage: refresh its status (on the resync
+    pool, not on the poller's thread)."""
+    namespace, name = server.split("/", 1)
+    REGISTRY.pool.submit(resync_one, namespace, name, REGISTRY.logger, apply=False)
 
 
-def kube() -> Kube:
-    if "kube" not in _state:
-        _state["kube"] = Kube(discovery_ttl=settings().discovery_ttl_seconds)
-    return _state["kube"]
-
-
-def poller() -> PodPoller:
-    if "poller" not in _state:
-        _state["poller"] = PodPoller(on_change=_report_changed, allow_test_urls=settings().test_engine_urls)
-    return _state["poller"]
-
-
-def _lock(uid: str) -> threading.Lock:
-    with _locks_guard:
-        return _locks.setdefault(uid, threading.Lock())
+# The operator's state: settings, API client, poller, resync pool, and what is held for each server.
+REGISTRY = Registry(on_report_changed=_report_changed)
 
 
 def _now() -> str:
@@ -87,7 +82,7 @@ def _now() -> str:
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any) -> None:
     """Operator settings: our own finalizer and annotation names, no CRD scanning (less RBAC)."""
-    ours = _state["settings"] = Settings.from_env()
+    ours = Settings.from_env()
     # No handler needs a finalizer (no timers/daemons, no blocking delete handler); should one ever be
     # added, it gets our name.
     settings.persistence.finalizer = "gemmarust.dev/finalizer"
@@ -101,13 +96,10 @@ def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any)
     settings.execution.max_workers = ours.workers
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
-    _state["logger"] = logger
-    kube()
-    poller()
+    REGISTRY.start(ours, logger)
     # Level-based resync in a plain thread rather than a kopf timer: kopf timers need a finalizer on every
     # object, which would leave GemmaRustServers undeletable whenever the operator is not running.
-    stop = _state["stop"] = threading.Event()
-    threading.Thread(target=_resync_loop, args=(stop, ours.resync_seconds, logger), name="resync",
+    threading.Thread(target=_resync_loop, args=(REGISTRY.stop, ours.resync_seconds, logger), name="resync",
                      daemon=True).start()
 
 
@@ -125,28 +117,32 @@ def find_problems(spec: GemmaRustServerSpec) -> list[status.Problem]:
             "UnknownAccelerator",
             f"spec.accelerator.type {spec.accelerator.type!r} is not supported; set one of: "
             + ", ".join(KNOWN_ACCELERATORS), fatal=True))
-    problems += allowlist_problems(spec, settings())
+    problems += allowlist_problems(spec, REGISTRY.settings)
     return problems
+
+
+def invalid_spec(error: pydantic.ValidationError) -> status.Problem:
+    """The InvalidSpec problem of a stored spec that does not fit the schema."""
+    return status.Problem("InvalidSpec", "spec does not fit the schema: " + "; ".join(
+        f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in error.errors()), fatal=True)
 
 
 def _available(k: Kube) -> frozenset[str]:
     """The optional kinds' apiVersions the cluster serves (discovery, cached): those asked for, to create
     them, and those switched off, to delete what an earlier spec created."""
-    return frozenset(row.api_version for row in builders.OPTIONAL_KINDS if k.serves(row.api_version))
+    return frozenset(row.api_version for row in OPTIONAL_KINDS if k.serves(row.api_version))
 
 
-def _scaling(spec: GemmaRustServerSpec, meta: builders.Meta, children: builders.Children,
-             k: Kube) -> status.ScalingView | None:
+def _scaling(spec: GemmaRustServerSpec, meta: Meta, children: Children, k: Kube) -> status.ScalingView | None:
     """The autoscaler's side for the ScalingActive condition: the HPA that acts for the autoscaling object
     created (ours, or the one KEDA made), read afresh."""
     skipped = {kind for kind, _ in children.skipped}
-    kind = next((kind for kind in children.optional.get(builders.SCALING, []) if kind not in skipped), None)
+    kind = next((kind for kind in children.optional.get(SCALING, []) if kind not in skipped), None)
     if kind is None or spec.autoscaling is None:
         return None
     scaling = spec.autoscaling
-    metric = builders.hpa_metric_name(spec) if kind == "HorizontalPodAutoscaler" else \
-        builders.metric_query(spec, meta)
-    hpa_name = builders.scaling_hpa_name(kind, meta)
+    metric = hpa_metric_name(spec) if kind == "HorizontalPodAutoscaler" else metric_query(spec, meta)
+    hpa_name = scaling_hpa_name(kind, meta)
     hpa = k.get_if_present("autoscaling/v2", "HorizontalPodAutoscaler", meta.namespace, hpa_name)
     summary = (f"{scaling.min_replicas}..{scaling.max_replicas} replicas, "
                f"{AUTOSCALING_METRICS[scaling.metric]} {scaling.target:g} per pod")
@@ -171,12 +167,19 @@ def sync(body: dict[str, Any], logger: logging.Logger, *, apply: bool = True, pr
         kopf.TemporaryError: the API server failed in a way worth retrying.
     """
     meta_d = body["metadata"]
-    uid = meta_d.get("uid", "")
-    meta = builders.Meta(meta_d["name"], meta_d["namespace"], uid)
-    k = kube()
-    with _lock(uid):
+    meta = Meta(meta_d["name"], meta_d["namespace"], meta_d.get("uid", ""))
+    k = REGISTRY.kube
+    server = REGISTRY.server(meta.uid, meta.namespace, meta.name)
+    with server.lock:
         try:
-            return _sync_locked(body, meta, uid, k, logger, apply=apply, prune=prune)
+            try:
+                spec = parse_spec(body.get("spec") or {})
+            except pydantic.ValidationError as e:
+                # Only reachable for objects stored before a schema change: admission applies the same schema.
+                new = _unparsable_spec_status(body, meta, k, invalid_spec(e))
+            else:
+                new = _reconcile(body, spec, meta, server, k, logger, apply=apply, prune=prune)
+            return _write_status(k, body, meta, server, new, logger)
         except ServerGone:
             return {}  # garbage collection takes the children
         except ApiError as e:
@@ -187,128 +190,97 @@ class ServerGone(Exception):
     """The custom resource was deleted while it was being synced (its status subresource answered 404)."""
 
 
-# (server uid, kind, name) of children seen to be this server's: checked once per process, not every sync.
-_own_children: set[tuple[str, str, str]] = set()
+def _reconcile(body: dict[str, Any], spec: GemmaRustServerSpec, meta: Meta, server: ServerState, k: Kube,
+               logger: logging.Logger, *, apply: bool, prune: bool) -> dict[str, Any]:
+    """Build the children of a parsed spec, adopt and apply them (unless a fatal problem forbids it), delete
+    those no longer asked for, observe the pods; returns the status computed (not yet stamped or written)."""
+    problems = find_problems(spec)
+    if spec.build_cache.type == "pvc":
+        meta, claim_problems = _build_cache_claim(k, meta)
+        problems += claim_problems
+        if apply and claim_problems:
+            _withdraw_deployment(k, meta, server, build_cache_claim_name(meta), logger)
+    children = build_children(spec, meta, _available(k))
+    skipped = list(children.skipped)
+    if apply and not any(p.fatal for p in problems):
+        applied = _apply_children(k, body, meta, server, children, logger, prune=prune)
+        problems += applied.problems
+        skipped += applied.skipped
+    pods, pod_events, reports = _observe(k, meta, spec.server.port)
+    obs = _observed(body, pods, pod_events, reports, replicas=replicas(spec), problems=problems,
+                    optional=children.optional, skipped=skipped, scaling=_scaling(spec, meta, children, k),
+                    warnings=spec_warnings(spec))
+    return status.compute_status(obs, accelerator=accelerator_text(spec.accelerator),
+                                 endpoint=endpoint(spec, meta), selector=selector_string(meta))
 
 
-def _foreign_child(k: Kube, obj: dict[str, Any], uid: str) -> status.Problem | None:
-    """A ChildConflict problem when an object that is not this server's child already has `obj`'s name (a
-    forced apply would take it over), else None."""
-    meta = obj["metadata"]
-    key = (uid, obj["kind"], meta["name"])
-    if key in _own_children:
-        return None
-    why = builders.foreign(k.get_if_present(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"]), uid)
-    if why is None:
-        _own_children.add(key)
-        return None
-    return status.Problem("ChildConflict", f"{obj['kind']} {meta['name']} already exists and is not this "
-                          f"GemmaRustServer's ({why}): rename the GemmaRustServer, or delete that object",
-                          fatal=False)
+def _unparsable_spec_status(body: dict[str, Any], meta: Meta, k: Kube, problem: status.Problem) -> dict[str, Any]:
+    """The status of a server whose stored spec does not parse: no child is built, applied or deleted (the
+    spec says nothing the operator could act on), and the status names the problem and still shows the pods,
+    polled on the server's default port."""
+    pods, pod_events, reports = _observe(k, meta, ServerSpec().port)
+    obs = _observed(body, pods, pod_events, reports, replicas=0, problems=[problem], optional={}, skipped=[],
+                    scaling=None, warnings=[])
+    return status.compute_status(obs, accelerator="", endpoint="", selector=selector_string(meta))
 
 
-def _build_cache_claim(k: Kube, meta: builders.Meta) -> tuple[builders.Meta, list[status.Problem]]:
-    """Which claim a pvc build cache is, read afresh on every sync (a claim can be replaced between two).
-
-    The claim an earlier version named <name>-build-cache stays the build cache where this server is its
-    controller (an upgrade keeps the build); otherwise it is the uid-named claim, and a claim of that name
-    that is not this server's is a fatal problem: a forced apply would take it over, and the pods would mount
-    someone else's volume read-write (and run the engine built on it).
-
-    Returns:
-        `meta`, marked when the legacy claim is kept, and the problem, if any.
-    """
-    legacy = k.get_if_present("v1", "PersistentVolumeClaim", meta.namespace,
-                              builders.legacy_build_cache_claim_name(meta))
-    if legacy is not None and builders.foreign(legacy, meta.uid) is None:
-        return meta._replace(legacy_build_cache=True), []
-    name = builders.build_cache_claim_name(meta)
-    why = builders.foreign(k.get_if_present("v1", "PersistentVolumeClaim", meta.namespace, name), meta.uid)
-    if why is None:
-        return meta, []
-    return meta, [status.Problem(
-        "BuildCacheClaimNotOwned", f"PersistentVolumeClaim {name} (spec.buildCache) already exists and is not this "
-        f"GemmaRustServer's ({why}): no pod of this server mounts it; delete that claim, or set "
-        f"spec.buildCache.type to emptyDir", fatal=True)]
+class Applied(NamedTuple):
+    problems: list[status.Problem]  # objects the API server refused, names taken by someone else's objects
+    skipped: list[tuple[str, str]]  # (kind, why): optional kinds whose API went away since discovery
 
 
-def _withdraw_deployment(k: Kube, meta: builders.Meta, claim: str, logger: logging.Logger) -> None:
-    """Delete this server's Deployment if its pods mount `claim`, a claim that is no longer the server's."""
-    dep = k.get_if_present("apps/v1", "Deployment", meta.namespace, meta.name)
-    if dep is not None and claim in builders.claims(dep) and \
-            _delete_own(k, "apps/v1", "Deployment", meta.namespace, meta.name, meta.uid):
-        logger.warning("deleted Deployment %s: its pods mount PersistentVolumeClaim %s, which is not this "
-                       "GemmaRustServer's", meta.name, claim)
-
-
-def _delete_own(k: Kube, api_version: str, kind: str, namespace: str, name: str, uid: str) -> bool:
-    """Delete a child this server no longer asks for, if it is this server's; True when one was deleted."""
-    existing = k.get_if_present(api_version, kind, namespace, name)
-    if existing is None or builders.foreign(existing, uid):
-        return False
-    _own_children.discard((uid, kind, name))
-    return k.delete_if_present(api_version, kind, namespace, name, uid=existing["metadata"]["uid"])
-
-
-def _sync_locked(body: dict[str, Any], meta: builders.Meta, uid: str, k: Kube, logger: logging.Logger, *,
-                 apply: bool, prune: bool) -> dict[str, Any]:
-    generation = int(body["metadata"].get("generation") or 0)
+def _apply_children(k: Kube, body: dict[str, Any], meta: Meta, server: ServerState, children: Children,
+                    logger: logging.Logger, *, prune: bool) -> Applied:
+    """Adopt and server-side apply each child, then delete the replaced ones (and, with `prune`, the absent)."""
     problems: list[status.Problem] = []
-    try:
-        spec = parse_spec(body.get("spec") or {})
-    except pydantic.ValidationError as e:
-        # Only reachable for objects stored before a schema change: admission applies the same schema.
-        spec = None
-        problems.append(status.Problem("InvalidSpec", "spec does not fit the schema: " + "; ".join(
-            f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()), fatal=True))
     skipped: list[tuple[str, str]] = []
-    optional: dict[str, list[str]] = {}
-    scaling = None
-    if spec is not None:
-        problems += find_problems(spec)
-        if spec.build_cache.type == "pvc":
-            meta, claim_problems = _build_cache_claim(k, meta)
-            problems += claim_problems
-            if apply and claim_problems:
-                _withdraw_deployment(k, meta, builders.build_cache_claim_name(meta), logger)
-        children = builders.build_children(spec, meta, _available(k))
-        skipped, optional = list(children.skipped), children.optional
-        if apply and not any(p.fatal for p in problems):
-            for obj in children.apply:
-                if conflict := _foreign_child(k, obj, uid):
-                    problems.append(conflict)
-                    continue
-                try:
-                    k.apply(builders.adopt(obj, body))
-                except ApiError as e:
-                    row = builders.OPTIONAL_BY_KIND.get(obj["kind"])
-                    failure = status.classify_apply_error(obj, e.status, e.message,
-                                                          missing=row.missing() if row else None)
-                    if failure.skipped:
-                        k.forget(obj["apiVersion"])
-                        skipped.append(failure.skipped)
-                    elif failure.problem:
-                        problems.append(failure.problem)
-                    else:
-                        raise
-            for api_version, kind, name in children.replaced + (children.absent if prune else []):
-                if _delete_own(k, api_version, kind, meta.namespace, name, uid):
-                    logger.info("deleted %s %s: no longer asked for", kind, name)
-    pods = k.list_pods(meta.namespace, builders.selector_string(meta))
+    for obj in children.apply:
+        if conflict := _foreign_child(k, obj, server, meta.uid):
+            problems.append(conflict)
+            continue
+        try:
+            k.apply(adopt(obj, body))
+        except ApiError as e:
+            row = OPTIONAL_BY_KIND.get(obj["kind"])
+            failure = status.classify_apply_error(obj, e.status, e.message, missing=row.missing() if row else None)
+            if failure.skipped:
+                k.forget(obj["apiVersion"])
+                skipped.append(failure.skipped)
+            elif failure.problem:
+                problems.append(failure.problem)
+            else:
+                raise
+    for api_version, kind, name in children.replaced + (children.absent if prune else []):
+        if _delete_own(k, server, api_version, kind, meta.namespace, name, meta.uid):
+            logger.info("deleted %s %s: no longer asked for", kind, name)
+    return Applied(problems, skipped)
+
+
+def _observe(k: Kube, meta: Meta, port: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]], Reports]:
+    """The server's pods, the Events of those still starting (events.pods_to_explain), and their cached
+    /v1/engine reports (the poller fetches apart; this never waits for a pod)."""
+    pods = k.list_pods(meta.namespace, selector_string(meta))
     pod_events = [e for p in events.pods_to_explain(pods) for e in k.pod_events(meta.namespace, p["metadata"]["uid"])]
-    port = spec.server.port if spec else 8000
-    reports = poller().observe(f"{meta.namespace}/{meta.name}", pods, port)
-    if spec is not None:
-        scaling = _scaling(spec, meta, children, k)
-    obs = status.Observed(generation=generation, replicas=builders.replicas(spec) if spec else 0, pods=pods,
-                          engine=reports.engine, served_models=reports.served_models, problems=problems,
-                          optional=optional, skipped=skipped, scaling=scaling, poll_errors=reports.errors,
-                          blockers=events.blockers(pods, pod_events), disruption=events.disruption(pods),
-                          warnings=builders.spec_warnings(spec) if spec else [])
-    new = status.compute_status(
-        obs, accelerator=accelerator_text(spec.accelerator) if spec else "",
-        endpoint=builders.endpoint(spec, meta) if spec else "", selector=builders.selector_string(meta))
-    old = _written.get(uid) or body.get("status") or {}
+    return pods, pod_events, REGISTRY.poller.observe(f"{meta.namespace}/{meta.name}", pods, port)
+
+
+def _observed(body: dict[str, Any], pods: list[dict[str, Any]], pod_events: list[dict[str, Any]], reports: Reports,
+              **spec_side: Any) -> status.Observed:
+    return status.Observed(generation=int(body["metadata"].get("generation") or 0), pods=pods,
+                           engine=reports.engine, served_models=reports.served_models, poll_errors=reports.errors,
+                           blockers=events.blockers(pods, pod_events), disruption=events.disruption(pods),
+                           **spec_side)
+
+
+def _write_status(k: Kube, body: dict[str, Any], meta: Meta, server: ServerState, new: dict[str, Any],
+                  logger: logging.Logger) -> dict[str, Any]:
+    """Stamp the transitions, patch the status if it changed (remembered in `server.written`), and post an
+    Event per transition.
+
+    Raises:
+        ServerGone: the custom resource was deleted meanwhile.
+    """
+    old = server.written or body.get("status") or {}
     new = status.with_transitions(new, old, _now())
     if status.status_changed(new, old):
         try:
@@ -320,14 +292,72 @@ def _sync_locked(body: dict[str, Any], meta: builders.Meta, uid: str, k: Kube, l
         for type_, reason, message in status.transition_events(new, old):
             post_event(k, body, type_, reason, message)
             logger.info("%s: %s", reason, message)
-    _written[uid] = new
+    server.written = new
     return new
+
+
+def _foreign_child(k: Kube, obj: dict[str, Any], server: ServerState, uid: str) -> status.Problem | None:
+    """A ChildConflict problem when an object that is not this server's child already has `obj`'s name (a
+    forced apply would take it over), else None (and `server` remembers the child as its own)."""
+    meta = obj["metadata"]
+    if (obj["kind"], meta["name"]) in server.own_children:
+        return None
+    why = foreign(k.get_if_present(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"]), uid)
+    if why is None:
+        server.own_children.add((obj["kind"], meta["name"]))
+        return None
+    return status.Problem("ChildConflict", f"{obj['kind']} {meta['name']} already exists and is not this "
+                          f"GemmaRustServer's ({why}): rename the GemmaRustServer, or delete that object",
+                          fatal=False)
+
+
+def _build_cache_claim(k: Kube, meta: Meta) -> tuple[Meta, list[status.Problem]]:
+    """Which claim a pvc build cache is, read afresh on every sync (a claim can be replaced between two).
+
+    The claim an earlier version named <name>-build-cache stays the build cache where this server is its
+    controller (an upgrade keeps the build); otherwise it is the uid-named claim, and a claim of that name
+    that is not this server's is a fatal problem: a forced apply would take it over, and the pods would mount
+    someone else's volume read-write (and run the engine built on it).
+
+    Returns:
+        `meta`, marked when the legacy claim is kept, and the problem, if any.
+    """
+    legacy = k.get_if_present("v1", "PersistentVolumeClaim", meta.namespace, legacy_build_cache_claim_name(meta))
+    if legacy is not None and foreign(legacy, meta.uid) is None:
+        return meta._replace(legacy_build_cache=True), []
+    name = build_cache_claim_name(meta)
+    why = foreign(k.get_if_present("v1", "PersistentVolumeClaim", meta.namespace, name), meta.uid)
+    if why is None:
+        return meta, []
+    return meta, [status.Problem(
+        "BuildCacheClaimNotOwned", f"PersistentVolumeClaim {name} (spec.buildCache) already exists and is not this "
+        f"GemmaRustServer's ({why}): no pod of this server mounts it; delete that claim, or set "
+        f"spec.buildCache.type to emptyDir", fatal=True)]
+
+
+def _withdraw_deployment(k: Kube, meta: Meta, server: ServerState, claim: str, logger: logging.Logger) -> None:
+    """Delete this server's Deployment if its pods mount `claim`, a claim that is no longer the server's."""
+    dep = k.get_if_present("apps/v1", "Deployment", meta.namespace, meta.name)
+    if dep is not None and claim in claims(dep) and \
+            _delete_own(k, server, "apps/v1", "Deployment", meta.namespace, meta.name, meta.uid):
+        logger.warning("deleted Deployment %s: its pods mount PersistentVolumeClaim %s, which is not this "
+                       "GemmaRustServer's", meta.name, claim)
+
+
+def _delete_own(k: Kube, server: ServerState, api_version: str, kind: str, namespace: str, name: str,
+                uid: str) -> bool:
+    """Delete a child this server no longer asks for, if it is this server's; True when one was deleted."""
+    existing = k.get_if_present(api_version, kind, namespace, name)
+    if existing is None or foreign(existing, uid):
+        return False
+    server.own_children.discard((kind, name))
+    return k.delete_if_present(api_version, kind, namespace, name, uid=existing["metadata"]["uid"])
 
 
 def post_event(k: Kube, body: dict[str, Any], type_: str, reason: str, message: str) -> None:
     """Post a core/v1 Event on the custom resource (best effort: an Event is never worth a retry)."""
-    event = builders.build_event(body, type_, reason, message, datetime.now(timezone.utc),
-                                 os.environ.get("HOSTNAME", "gemma-rust-operator"))
+    event = build_event(body, type_, reason, message, datetime.now(timezone.utc),
+                        os.environ.get("HOSTNAME", "gemma-rust-operator"))
     try:
         k.request("POST", f"/api/v1/namespaces/{body['metadata']['namespace']}/events", event)
     except ApiError as e:
@@ -351,20 +381,15 @@ def track(event: dict[str, Any], body: kopf.Body, **_: Any) -> None:
     """Remember which GemmaRustServers exist, for the resync loop; forget deleted ones."""
     uid = body.metadata.uid or ""
     if event.get("type") == "DELETED":
-        _known.pop(uid, None)
-        _written.pop(uid, None)
-        _own_children.difference_update({key for key in _own_children if key[0] == uid})
-        poller().forget(f"{body.metadata.namespace}/{body.metadata.name}")
-        with _locks_guard:
-            _locks.pop(uid, None)
+        REGISTRY.forget(uid)
     else:
-        _known[uid] = (body.metadata.namespace, body.metadata.name)
+        REGISTRY.track(uid, body.metadata.namespace, body.metadata.name)
 
 
 def resync_one(namespace: str, name: str, logger: logging.Logger, *, apply: bool = True) -> None:
     """Sync one GemmaRustServer read afresh; errors are logged (the next pass retries), never raised."""
     try:
-        body = kube().get_server(namespace, name)
+        body = REGISTRY.kube.get_server(namespace, name)
         if body and not body["metadata"].get("deletionTimestamp"):
             sync(body, logger, apply=apply)
     except Exception as e:  # noqa: BLE001 - never let one object stop a resync pass or the poller
@@ -374,21 +399,7 @@ def resync_one(namespace: str, name: str, logger: logging.Logger, *, apply: bool
 def resync_all(logger: logging.Logger) -> None:
     """One level-based pass over every known GemmaRustServer: put back children edited or deleted by
     hand, refresh status. Errors of one object are logged and do not stop the pass."""
-    list(_resync_pool().map(lambda ref: resync_one(*ref, logger), list(_known.values())))
-
-
-def _report_changed(server: str) -> None:
-    """The poller saw a pod of `server` ("namespace/name") change stage: refresh its status (on the resync
-    pool, not on the poller's thread)."""
-    namespace, name = server.split("/", 1)
-    logger = _state.get("logger") or logging.getLogger(__name__)
-    _resync_pool().submit(resync_one, namespace, name, logger, apply=False)
-
-
-def _resync_pool() -> ThreadPoolExecutor:
-    if "pool" not in _state:
-        _state["pool"] = ThreadPoolExecutor(max_workers=4, thread_name_prefix="resync")
-    return _state["pool"]
+    list(REGISTRY.pool.map(lambda ref: resync_one(*ref, logger), REGISTRY.known()))
 
 
 def _resync_loop(stop: threading.Event, period: float, logger: logging.Logger) -> None:
@@ -398,16 +409,12 @@ def _resync_loop(stop: threading.Event, period: float, logger: logging.Logger) -
 
 @kopf.on.cleanup()
 def stop_resync(**_: Any) -> None:
-    stop = _state.get("stop")
-    if stop:
-        stop.set()
-    if "poller" in _state:
-        _state.pop("poller").close()
+    REGISTRY.close()
 
 
 def _owner(labels: dict[str, str], namespace: str) -> dict[str, Any] | None:
-    name = labels.get(builders.LABEL_SERVER)
-    return kube().get_server(namespace, name) if name else None
+    name = labels.get(LABEL_SERVER)
+    return REGISTRY.kube.get_server(namespace, name) if name else None
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=CHILD_LABELS)

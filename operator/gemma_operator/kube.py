@@ -2,8 +2,8 @@
 
 Everything the operator reads or writes outside kopf's own watch goes through `Kube`: server-side apply of
 children (one field manager, conflicts forced so a hand edit is put back), reading pods and their Events,
-API discovery for the optional kinds' CRDs (builders.OPTIONAL_KINDS), reading the HPA that scales a server, and merge patches of the custom resource's status. It never
-reads Secrets.
+API discovery for the optional kinds' CRDs (builders.optional.OPTIONAL_KINDS), reading the HPA that scales a
+server, and merge patches of the custom resource's status. It never reads Secrets.
 
 It talks raw JSON through the generated client's configured connection (auth, TLS, proxy) instead of the
 typed models, because the builders produce plain dicts for any kind, custom ones included.
@@ -20,7 +20,8 @@ import kubernetes
 import urllib3
 from kubernetes.client import ApiClient
 
-from .builders import FIELD_MANAGER, OPTIONAL_KINDS
+from .builders.optional import OPTIONAL_KINDS
+from .builders.ownership import FIELD_MANAGER
 from .spec import API_GROUP, API_VERSION, KIND, PLURAL
 
 GRS_API_VERSION = f"{API_GROUP}/{API_VERSION}"

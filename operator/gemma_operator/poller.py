@@ -43,6 +43,7 @@ from typing import Any, Awaitable, Callable, NamedTuple
 
 import aiohttp
 
+from .pods import deleting, meta, ready, running_phase
 from .redact import redact
 
 TEST_URL_ANNOTATION = "gemmarust.dev/engine-url-for-tests"
@@ -295,12 +296,10 @@ class PodPoller:
     # -- under the lock ---------------------------------------------------------------------------------
 
     def _target(self, pod: dict[str, Any], port: int) -> _Target | None:
-        meta, status = pod.get("metadata", {}), pod.get("status") or {}
-        if meta.get("deletionTimestamp") or status.get("phase") != "Running":
+        if deleting(pod) or not running_phase(pod):
             return None
         url = base_url(pod, port, self.allow_test_urls)
-        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
-        return _Target(meta.get("uid", ""), url, ready) if url else None
+        return _Target(meta(pod).get("uid", ""), url, ready(pod)) if url else None
 
     def _due(self, targets: list[_Target], now: float) -> list[_Job]:
         """The fetches to start now for `targets`, marked in flight."""
@@ -323,13 +322,12 @@ class PodPoller:
 
     def _reports(self, pods: list[dict[str, Any]], now: float) -> Reports:
         for pod in pods:
-            uid = pod.get("metadata", {}).get("uid", "")
+            uid = meta(pod).get("uid", "")
             if uid in self._pods:
                 self._pods[uid] = self._pods[uid]._replace(last_seen=now)
         engine, served, errors = {}, {}, {}
         for pod in pods:
-            meta = pod.get("metadata", {})
-            seen, name = self._pods.get(meta.get("uid", "")), meta.get("name", "")
+            seen, name = self._pods.get(meta(pod).get("uid", "")), meta(pod).get("name", "")
             if seen and seen.engine is not None:
                 engine[name] = seen.engine
             if seen and seen.served_model is not None:

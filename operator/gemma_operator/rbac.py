@@ -8,8 +8,8 @@ Why each verb:
 - gemmarustservers: kopf lists/watches them and patches metadata (finalizer, progress annotations);
   /status: the operator merge-patches the status; /finalizers update: owner references with
   blockOwnerDeletion need it where the OwnerReferencesPermissionEnforcement admission plugin is on.
-- children (Deployment, Service, PDB, PVC and the optional kinds of builders.OPTIONAL_KINDS: PodMonitoring,
-  ServiceMonitor, ScaledObject, HorizontalPodAutoscaler, InferencePool): server-side apply is a PATCH
+- children (Deployment, Service, PDB, PVC and the optional kinds of builders.optional.OPTIONAL_KINDS:
+  PodMonitoring, ServiceMonitor, ScaledObject, HorizontalPodAutoscaler, InferencePool): server-side apply is a PATCH
   that creates when absent (patch + create); Deployments and Services are also watched (list/watch)
   so a deleted one is put back at once; PDB and optional objects are deleted when no longer asked for, and
   the Deployment when its pods mount a build cache claim that is no longer the server's

@@ -173,9 +173,9 @@ class ServerSpec(_Model):
     served_model_name: str | None = Field(
         None, description="Model id reported by /v1/models; the server derives one from the source if unset.",
         max_length=256)
-    # 64, not the bare server's 32: a pod the operator runs on a TPU slice serves one engine per chip, so
-    # it drains a deeper queue in the same time.
-    queue_limit: int = Field(64, description="Requests waiting beyond this get 429.", ge=1, le=100000)
+    queue_limit: int | None = Field(
+        None, description="Requests waiting beyond this get 429. Unset: the server's own default (64).",
+        ge=1, le=100000)
     shutdown_timeout_seconds: int | None = Field(
         None, description="Drain time after SIGTERM before in-flight requests are ended. Unset: 30 on standard "
         "capacity, 10 on spot and flex-start, where GKE gives a reclaimed node's pods about 15 s.", ge=1, le=3600)

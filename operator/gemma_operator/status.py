@@ -10,16 +10,18 @@ Phases (one per custom resource, the least advanced of its booting pods):
 `Scheduling` covers a pod waiting for a node (the scheduler's own message is shown, e.g.
 "0/4 nodes are available: 2 Insufficient google.com/tpu") and a scheduled pod whose container is not
 running yet. The boot stages come from the server's `GET /v1/engine` (`stage`: build, import, smoke,
-weights, warmup, serving).
+weights, warmup, serving), as the poller kept each report (poller.keep_engine_fields bounds and redacts it
+once, where it is read; nothing here normalises it again).
 
 Conditions follow the Kubernetes API conventions and KServe's LLMInferenceService: `Ready` (False carries
 the blocking reason), `Progressing`, `Degraded`, and `Monitoring` when scraping was asked for; each has
-reason, message, lastTransitionTime and observedGeneration. The optional kinds (builders.OPTIONAL_KINDS) report
-through the condition their row names: `Monitoring`, `Gateway` (True when created, False naming the CRD
-that is missing) and `ScalingActive`, which says which object drives the replicas and, from the status
-conditions of the HPA that acts (ours, or the one KEDA makes), whether it can read its metric. The last crash's termination message reaches
-`status.lastFailure` (KServe's lastFailureInfo), like a boot stage's failure reason only after
-`gemma_operator.redact` (the pod writes that text, and anyone who may read the custom resource reads it).
+reason, message, lastTransitionTime and observedGeneration. The optional kinds
+(builders.optional.OPTIONAL_KINDS) report through the condition their row names: `Monitoring`, `Gateway`
+(True when created, False naming the CRD that is missing) and `ScalingActive`, which says which object drives
+the replicas and, from the status conditions of the HPA that acts (ours, or the one KEDA makes), whether it
+can read its metric. The last crash's termination message reaches `status.lastFailure` (KServe's
+lastFailureInfo), like a boot stage's failure reason only after `gemma_operator.redact` (the pod writes that
+text, and anyone who may read the custom resource reads it).
 
 Why a pod cannot start (a failed mount, a missing Secret, an image pull, an OOM kill) comes from its Events
 and container statuses, read by gemma_operator.events: such a pod is Failed with that reason. An evicted or
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from . import pods
 from .redact import redact
 
 PENDING, SCHEDULING, BUILDING, SMOKE_TESTING, LOADING_WEIGHTS, WARMING_UP, READY = (
@@ -87,7 +90,7 @@ def classify_apply_error(obj: dict[str, Any], http_status: int, message: str, *,
         obj: the object that was applied.
         http_status: the API server's status code.
         message: its message.
-        missing: for an optional kind (builders.OPTIONAL_KINDS), why it is skipped when its API is not
+        missing: for an optional kind (builders.optional.OPTIONAL_KINDS), why it is skipped when its API is not
             served (OptionalKind.missing()); None for the kinds every cluster serves.
     """
     if http_status in (404, 405) and missing:
@@ -116,12 +119,10 @@ class PodView(NamedTuple):
 
 def pod_view(pod: dict[str, Any]) -> PodView:
     """Extract what the status needs from a Pod object (as returned by the API)."""
-    meta, spec, pod_status = pod.get("metadata", {}), pod.get("spec", {}), pod.get("status", {}) or {}
-    conds = {c.get("type"): c for c in pod_status.get("conditions") or []}
-    sched = conds.get("PodScheduled", {})
+    spec = pod.get("spec") or {}
+    sched = next((c for c in pods.pod_status(pod).get("conditions") or [] if c.get("type") == "PodScheduled"), {})
     scheduled = bool(spec.get("nodeName")) or sched.get("status") == "True"
-    cs = next((c for c in pod_status.get("containerStatuses") or [] if c.get("name") == "server"),
-              (pod_status.get("containerStatuses") or [{}])[0])
+    cs = pods.server_status(pod) or {}
     state = cs.get("state") or {}
     waiting = state.get("waiting") or {}
     last = None
@@ -130,18 +131,18 @@ def pod_view(pod: dict[str, Any]) -> PodView:
             last = {"reason": term.get("reason") or "Error", "exitCode": term.get("exitCode"),
                     "message": redact(term.get("message") or "")}
     return PodView(
-        name=meta.get("name", ""),
+        name=pods.meta(pod).get("name", ""),
         node=spec.get("nodeName") or "",
-        deleting=bool(meta.get("deletionTimestamp")),
+        deleting=pods.deleting(pod),
         scheduled=scheduled,
         schedule_message=sched.get("message", "") if sched.get("status") == "False" else "",
-        running=bool(state.get("running")),
-        ready=conds.get("Ready", {}).get("status") == "True" and bool(state.get("running", True)),
+        running=pods.server_running(pod),
+        ready=pods.ready(pod),
         waiting_reason=waiting.get("reason", ""),
         waiting_message=waiting.get("message", ""),
         restarts=int(cs.get("restartCount") or 0),
         last_failure=last,
-        terminal=pod_status.get("phase") in ("Failed", "Succeeded"),
+        terminal=pods.terminal(pod),
     )
 
 
@@ -168,8 +169,9 @@ def pod_stage(view: PodView, engine: dict[str, Any] | None, poll_error: str = ""
         return PodStage(SCHEDULING, view.waiting_reason or "ContainerCreating", view.waiting_message)
     stage = (engine or {}).get("stage")
     if (engine or {}).get("failed"):
-        # gemma_server reports the failing stage's reason here just before it exits non-zero.
-        return PodStage(FAILED, "BootStageFailed", f"stage {stage}: {redact(str(engine['failed']))}")
+        # gemma_server reports the failing stage's reason here just before it exits non-zero (the poller
+        # redacted it when it kept the report).
+        return PodStage(FAILED, "BootStageFailed", f"stage {stage}: {engine['failed']}")
     if stage in ENGINE_STAGE_PHASE:
         phase = ENGINE_STAGE_PHASE[stage]
         return PodStage(phase, phase, f"engine stage {stage}")
@@ -178,33 +180,21 @@ def pod_stage(view: PodView, engine: dict[str, Any] | None, poll_error: str = ""
     return PodStage(BUILDING, BUILDING, f"waiting for the server's /v1/engine report{why}")
 
 
-def engine_stages(engine: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """The /v1/engine stage history, reduced to {stage, status, seconds}."""
-    out = []
-    for item in (engine or {}).get("stages") or []:
-        if isinstance(item, dict) and "stage" in item:
-            entry = {"stage": str(item["stage"]), "status": str(item.get("status", ""))}
-            if isinstance(item.get("seconds"), (int, float)):
-                entry["seconds"] = round(float(item["seconds"]), 3)
-            out.append(entry)
-    return out
-
-
 class Observed(NamedTuple):
     """Everything the handlers observed for one custom resource."""
 
     generation: int
     replicas: int                         # spec.replicas
     pods: list[dict[str, Any]]            # Pod objects selected by the server's labels
-    engine: dict[str, dict[str, Any]]     # pod name -> /v1/engine JSON (booting pods that answered)
+    engine: dict[str, dict[str, Any]]     # pod name -> its /v1/engine report as poller.keep_engine_fields kept it
     served_models: dict[str, str]         # pod name -> the model id its /v1/engine names (ready pods)
     problems: list[Problem]               # spec problems found by the handlers
-    optional: dict[str, list[str]]        # condition -> optional kinds asked for (builders.Children.optional)
+    optional: dict[str, list[str]]        # condition -> optional kinds asked for (builders.children.Children.optional)
     skipped: list[tuple[str, str]]        # (kind, why) optional kinds asked for but not created
     poll_errors: dict[str, str] = {}      # pod name -> why its last poll got no report
     blockers: dict[str, tuple[str, str]] = {}  # pod name -> (reason, message): why it cannot start (events.py)
     disruption: tuple[str, str] | None = None  # (reason, message) of the pod evicted or reclaimed (events.py)
-    warnings: list[tuple[str, str]] = []       # (reason, message) of spec advice (builders.spec_warnings)
+    warnings: list[tuple[str, str]] = []       # (reason, message) of spec advice (builders.deployment.spec_warnings)
     scaling: "ScalingView | None" = None       # the autoscaler's side, when spec.autoscaling is set
 
 
@@ -284,7 +274,7 @@ def compute_status(obs: Observed, *, accelerator: str, endpoint: str, selector: 
 
     Args:
         obs: the observation.
-        accelerator: text for the Accelerator column (builders/spec.accelerator_text).
+        accelerator: text for the Accelerator column (spec.accelerator_text).
         endpoint: the in-cluster OpenAI base URL.
         selector: the pod label selector string (scale subresource).
     Returns:
@@ -342,7 +332,7 @@ def compute_status(obs: Observed, *, accelerator: str, endpoint: str, selector: 
     if obs.warnings:
         conditions.append(_cond("Warning", True, obs.warnings[0][0], "; ".join(m for _, m in obs.warnings)))
 
-    pods = []
+    entries = []
     for v in sorted(active, key=lambda v: v.name)[:MAX_PODS_IN_STATUS]:
         stage = stages[v.name]
         entry: dict[str, Any] = {"name": v.name, "node": v.node, "ready": v.ready, "stage": stage.phase,
@@ -353,16 +343,16 @@ def compute_status(obs: Observed, *, accelerator: str, endpoint: str, selector: 
             entry["message"] = stage.message
         engine = obs.engine.get(v.name)
         if engine:
-            entry["engineStage"] = str(engine.get("stage", ""))
-            entry["stages"] = engine_stages(engine)
-            if isinstance(engine.get("engines"), list):
+            entry["engineStage"] = engine.get("stage", "")
+            entry["stages"] = engine.get("stages", [])
+            if "engines" in engine:
                 entry["engines"] = len(engine["engines"])  # engines in the pod, one per chip
         model = obs.served_models.get(v.name, "")
         if model:
             entry["servedModel"] = model
-        pods.append(entry)
+        entries.append(entry)
 
-    models = [p["servedModel"] for p in pods if p.get("servedModel")]
+    models = [p["servedModel"] for p in entries if p.get("servedModel")]
     return {
         "phase": phase,
         "reason": reason,  # the phase's reason (Degraded shows why it is degraded)
@@ -376,7 +366,7 @@ def compute_status(obs: Observed, *, accelerator: str, endpoint: str, selector: 
         "endpoint": endpoint,
         "servedModel": models[0] if models else "",
         "conditions": conditions,
-        "pods": pods,
+        "pods": entries,
         "lastFailure": last_failure,
     }
 

@@ -15,7 +15,9 @@ import kopf.cli
 import pytest
 import yaml
 
-from gemma_operator import builders, rbac
+from gemma_operator import rbac
+from gemma_operator.builders.deployment import build_deployment
+from gemma_operator.builders.ownership import Meta, labels
 from gemma_operator import spec as grs_spec
 from gemma_operator.__main__ import kopf_argv
 
@@ -251,8 +253,8 @@ def test_dashboard_config_map_carries_the_dashboard_file_for_the_grafana_sidecar
 
 
 def server_pod():
-    server = builders.build_deployment(grs_spec.parse_spec({"model": {"source": "hf://o/m"}}),
-                                       builders.Meta("gemma", "models"))
+    server = build_deployment(grs_spec.parse_spec({"model": {"source": "hf://o/m"}}),
+                              Meta("gemma", "models"))
     # The API port: the probe listener's port is the kubelet's, which a NetworkPolicy does not govern.
     ports = server["spec"]["template"]["spec"]["containers"][0]["ports"]
     assert [p["name"] for p in ports] == ["http", "probes"]
@@ -284,7 +286,7 @@ def test_network_policy_denies_all_ingress_to_server_pods_but_the_operator_and_m
         # GKE Managed Prometheus's collectors, any pod of gmp-system.
         assert prometheus == ({"matchLabels": {"kubernetes.io/metadata.name": "gmp-system"}}, {})
     # Another GemmaRustServer's pods carry the same selected labels, whatever their name.
-    other = builders.labels(builders.Meta("other", "staging"))
+    other = labels(Meta("other", "staging"))
     assert policies[0]["spec"]["podSelector"]["matchLabels"].items() <= other.items()
 
 

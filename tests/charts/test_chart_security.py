@@ -10,7 +10,9 @@ import kopf.cli
 import pytest
 import yaml
 
-from gemma_operator import admission, builders, rbac
+from gemma_operator import admission, rbac
+from gemma_operator.builders.deployment import build_deployment
+from gemma_operator.builders.ownership import Meta
 from gemma_operator import spec as grs_spec
 from gemma_operator.__main__ import kopf_argv
 from gemma_operator.settings import Settings
@@ -118,8 +120,8 @@ def test_operator_egress_reaches_the_api_server_and_server_pods_only(helm):
                    "ports": [{"protocol": "TCP", "port": 443}, {"protocol": "TCP", "port": 6443}]}
     (peer,) = pods["to"]
     assert peer["namespaceSelector"] == {}
-    server = builders.build_deployment(grs_spec.parse_spec({"model": {"source": "hf://o/m"}}),
-                                       builders.Meta("any", "models"))
+    server = build_deployment(grs_spec.parse_spec({"model": {"source": "hf://o/m"}}),
+                              Meta("any", "models"))
     assert peer["podSelector"]["matchLabels"].items() <= server["spec"]["template"]["metadata"]["labels"].items()
     # The operator reads /v1/engine on the API port; the probe port is the kubelet's.
     http, probe_port = server["spec"]["template"]["spec"]["containers"][0]["ports"]

@@ -11,7 +11,9 @@ import re
 import pytest
 import yaml
 
-from gemma_operator import builders, spec
+from gemma_operator import spec
+from gemma_operator.builders.deployment import build_deployment, node_affinity, shutdown_plan
+from gemma_operator.builders.ownership import Meta
 
 from .conftest import CHART
 
@@ -19,7 +21,7 @@ README = (CHART / "README.md").read_text()
 
 
 def pod_fields(grs_spec: dict) -> dict:
-    dep = builders.build_deployment(spec.parse_spec(grs_spec), builders.Meta("gemma", "default"))
+    dep = build_deployment(spec.parse_spec(grs_spec), Meta("gemma", "default"))
     pod = dep["spec"]["template"]["spec"]
     return {"nodeSelector": pod["nodeSelector"], "tolerations": pod["tolerations"],
             "resources": pod["containers"][0]["resources"], "strategy": dep["spec"]["strategy"]}
@@ -65,8 +67,8 @@ def test_readme_capacity_table_is_the_builders(provisioning):
     row = re.search(rf"^\| `{provisioning}` \| (.*) \| (\d+) s \+ (\d+) s, (\d+) s \|$", README, re.M)
     assert row, f"README's capacity table has no row for {provisioning}"
     s = spec.parse_spec({"model": {"source": "hf://o/m"}, "accelerator": {"provisioning": provisioning}})
-    assert tuple(int(x) for x in row.groups()[1:]) == tuple(builders.shutdown_plan(s))
+    assert tuple(int(x) for x in row.groups()[1:]) == tuple(shutdown_plan(s))
     if provisioning == "standard":
-        affinity = builders.node_affinity(s)["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        affinity = node_affinity(s)["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
         for expr in affinity["nodeSelectorTerms"][0]["matchExpressions"]:
             assert f"`{expr['key']}`" in row.group(1) and expr["operator"] == "NotIn" and expr["values"] == ["true"]

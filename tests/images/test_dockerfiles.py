@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gemma_operator import builders
+from gemma_operator.builders.deployment import build_deployment
+from gemma_operator.builders.ownership import Meta
 from gemma_operator import spec as grs_spec
 from tests.images.dockerfile import parse_dockerfile
 
@@ -53,7 +54,7 @@ def makefile_python() -> str:
 def server_pod() -> dict:
     """The pod spec the operator builds for a GemmaRustServer with the defaults."""
     spec = grs_spec.parse_spec({"model": {"source": "hf://org/model"}})
-    return builders.build_deployment(spec, builders.Meta("gemma", "default"))["spec"]["template"]["spec"]
+    return build_deployment(spec, Meta("gemma", "default"))["spec"]["template"]["spec"]
 
 
 def server_container() -> dict:

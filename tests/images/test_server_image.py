@@ -29,7 +29,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file, save_file
 
-from gemma_operator import builders
+from gemma_operator.builders.deployment import CACHE_MOUNT, build_deployment
+from gemma_operator.builders.ownership import Meta
 from gemma_operator.spec import parse_spec
 from tests.checkpoints import chat_checkpoint  # noqa: F401 - the session fixture, used below
 from tests.images.conftest import BUILD_TIMEOUT, SERVER_TAG, record
@@ -50,7 +51,7 @@ def server_pod(model: str, port: int, probe_port: int) -> dict:
     spec = parse_spec({"model": {"source": f"pvc://{CLAIM}/{model}"}, "accelerator": {"type": "cpu"},
                        "image": SERVER_TAG, "engine": {"context": 1024, "dtype": "float32"},
                        "server": {"port": port, "probePort": probe_port, "servedModelName": "chat", "shutdownTimeoutSeconds": 30}})
-    return builders.build_deployment(spec, builders.Meta("gemma", "default"))["spec"]["template"]["spec"]
+    return build_deployment(spec, Meta("gemma", "default"))["spec"]["template"]["spec"]
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +179,7 @@ def test_first_boot_runs_every_stage_and_health_turns_200_only_when_serving(cold
     assert cold.info["stages"][0]["message"].startswith("compiled ")
     # The build landed in the build-cache volume (the server shows no module path without --expose-paths).
     key = cold.info["stages"][0]["message"].split()[1]
-    marker = f"{builders.CACHE_MOUNT}/build/{key}/BUILD.json"
+    marker = f"{CACHE_MOUNT}/build/{key}/BUILD.json"
     assert docker("exec", cold.container.name, "ls", marker, check=False).returncode == 0, "not in the volume"
     assert "module" not in cold.info["build"] and "model_dir" not in cold.info
     # /health answered 503 while the engine compiled, and 200 only once the stage was `serving`.

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from gemma_operator.builders import SPOT_LABEL
+from gemma_operator.builders.deployment import SPOT_LABEL
 from gemma_operator.kube import ApiError, Kube
 from gemma_operator.poller import TEST_URL_ANNOTATION
 from gemma_operator.settings import Settings

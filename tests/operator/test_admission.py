@@ -8,7 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from gemma_operator import admission, builders
+from gemma_operator import admission
+from gemma_operator.builders import deployment
+from gemma_operator.builders.autoscaling import build_scaled_object
+from gemma_operator.builders.ownership import Meta
 from gemma_operator.settings import Settings, allowed, allowed_address, describe
 from gemma_operator.spec import DEFAULT_IMAGE, parse_spec
 
@@ -55,7 +58,7 @@ KEDA = {"maxReplicas": 2, "target": 1, "prometheus": {"serverAddress": "http://p
 OTHER_POWER = {
     "prometheusAuthentication": (
         {"autoscaling": KEDA}, {"autoscaling": {**KEDA, "prometheus": {**KEDA["prometheus"], "authenticationRef": "a"}}},
-        builders.build_scaled_object),
+        build_scaled_object),
 }
 
 
@@ -66,10 +69,10 @@ def test_every_power_is_covered_here():
 @pytest.mark.parametrize("power", ONE_POWER)
 def test_each_guarded_power_reaches_the_pod(power):
     without, with_power = ONE_POWER[power]
-    meta = builders.Meta("g", "ns", "uid")
+    meta = Meta("g", "ns", "uid")
 
     def template(fragment):
-        return builders.build_deployment(parse_spec({"model": {"source": "hf://o/m"}, **fragment}), meta)["spec"]["template"]
+        return deployment.build_deployment(parse_spec({"model": {"source": "hf://o/m"}, **fragment}), meta)["spec"]["template"]
 
     assert template(with_power) != template(without)
     assert DEFAULT_IMAGE in admission.render()  # the one image that needs no pod rights
@@ -80,12 +83,12 @@ def test_spot_and_compute_class_powers_are_the_node_selector_and_toleration_the_
     flex = parse_spec({"model": {"source": "hf://o/m"}, "accelerator": {"provisioning": "flex-start"}})
     cc = parse_spec({"model": {"source": "hf://o/m"}, "accelerator": {"computeClass": "tpu-first"}})
     powers = {p.name: p for p in admission.POWERS}
-    assert builders.node_selector(spot)[builders.SPOT_LABEL] == "true"
-    assert any(t["key"] == builders.SPOT_LABEL for t in builders.tolerations(spot))
-    assert builders.node_selector(flex)[builders.FLEX_START_LABEL] == "true"
-    assert builders.node_selector(cc)[builders.COMPUTE_CLASS_LABEL] == "tpu-first"
-    assert builders.SPOT_LABEL in powers["provisioning"].why and builders.FLEX_START_LABEL in powers["provisioning"].why
-    assert builders.COMPUTE_CLASS_LABEL in powers["computeClass"].why
+    assert deployment.node_selector(spot)[deployment.SPOT_LABEL] == "true"
+    assert any(t["key"] == deployment.SPOT_LABEL for t in deployment.tolerations(spot))
+    assert deployment.node_selector(flex)[deployment.FLEX_START_LABEL] == "true"
+    assert deployment.node_selector(cc)[deployment.COMPUTE_CLASS_LABEL] == "tpu-first"
+    assert deployment.SPOT_LABEL in powers["provisioning"].why and deployment.FLEX_START_LABEL in powers["provisioning"].why
+    assert deployment.COMPUTE_CLASS_LABEL in powers["computeClass"].why
 
 
 def test_a_change_of_a_credentialed_source_is_checked_on_update_only():
@@ -100,7 +103,7 @@ def test_a_change_of_a_credentialed_source_is_checked_on_update_only():
 @pytest.mark.parametrize("power", OTHER_POWER)
 def test_each_guarded_power_beyond_the_pod_reaches_the_object_it_names(power):
     without, with_power, builder = OTHER_POWER[power]
-    meta = builders.Meta("g", "ns")
+    meta = Meta("g", "ns")
     assert builder(parse_spec({"model": {"source": "hf://o/m"}, **with_power}), meta) != \
         builder(parse_spec({"model": {"source": "hf://o/m"}, **without}), meta)
 

@@ -57,7 +57,7 @@ def test_defaults_reach_nested_objects():
     assert "default" not in spec["model"]["properties"]["tokenSecret"]  # optional: stays absent
     gcs = spec["model"]["properties"]["gcsFuse"]
     assert gcs["default"] == {} and gcs["properties"]["fileCacheSize"]["default"] == "16Gi"
-    # Follows the capacity class (builders.shutdown_plan), so the API server must not fill it in.
+    # Follows the capacity class (builders.deployment.shutdown_plan), so the API server must not fill it in.
     assert "default" not in spec["server"]["properties"]["shutdownTimeoutSeconds"]
 
 

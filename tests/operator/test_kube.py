@@ -12,6 +12,7 @@ from kubernetes.client import ApiClient, Configuration
 
 from gemma_operator import handlers
 from gemma_operator.kube import UNREACHABLE, ApiError, Kube
+from gemma_operator.registry import Registry
 
 
 @pytest.fixture
@@ -33,7 +34,7 @@ def test_an_unreachable_api_server_is_an_api_error_that_says_so(unreachable):
 
 
 def test_sync_against_an_unreachable_api_server_asks_kopf_to_retry_in_seconds(unreachable, monkeypatch):
-    monkeypatch.setitem(handlers._state, "kube", unreachable)
+    monkeypatch.setattr(handlers, "REGISTRY", Registry(kube=unreachable))
     body = {"apiVersion": "gemmarust.dev/v1alpha1", "kind": "GemmaRustServer",
             "metadata": {"name": "g", "namespace": "ns", "uid": "u-1", "generation": 1},
             "spec": {"model": {"source": "hf://google/gemma-4-e2b-it"}, "accelerator": {"type": "cpu"}}}

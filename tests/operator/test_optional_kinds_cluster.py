@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from gemma_operator import builders
+from gemma_operator.builders.autoscaling import build_hpa, build_scaled_object
+from gemma_operator.builders.inference_pool import build_inference_pool
+from gemma_operator.builders.optional import OPTIONAL_KINDS
+from gemma_operator.builders.ownership import Meta
 from gemma_operator.spec import parse_spec
 from tests.cluster.crds import INFERENCE_POOLS, SCALED_OBJECTS, absent, crd_names, installed
 
@@ -52,7 +55,7 @@ def gone(kube, api_version, kind, ns, name):
 
 def test_the_table_agrees_with_the_upstream_crds():
     for crd in (SCALED_OBJECTS, INFERENCE_POOLS):
-        row = next(r for r in builders.OPTIONAL_KINDS if r.crd == crd.name)
+        row = next(r for r in OPTIONAL_KINDS if r.crd == crd.name)
         names = crd_names(crd)
         assert (names["kind"], names["plural"], row.api_version) == (row.kind, row.plural, crd.group_version)
 
@@ -64,7 +67,7 @@ def test_hpa_on_the_scale_subresource_is_accepted_and_says_when_no_adapter_serve
     hpa = wait_for(lambda: get_child(kube, "autoscaling/v2", "HorizontalPodAutoscaler", ns, "hpa"),
                    what="the HPA", diagnose=operator.tail)
     # Accepted by the real API server, as built.
-    assert hpa["spec"] == builders.build_hpa(parse_spec(spec), builders.Meta("hpa", ns))["spec"]
+    assert hpa["spec"] == build_hpa(parse_spec(spec), Meta("hpa", ns))["spec"]
     # Before the HPA acts, the Deployment already runs minReplicas (spec.replicas is 1).
     assert kube.request("GET", f"/apis/apps/v1/namespaces/{ns}/deployments/hpa")["spec"]["replicas"] == 2
     # kube-controller-manager's HPA controller reads the GemmaRustServer's scale subresource (two pods) and
@@ -91,7 +94,7 @@ def test_scaled_object_is_accepted_by_kedas_crd_updated_with_the_spec_and_delete
     create(kube, ns, "keda", spec)
     so = wait_for(lambda: get_child(kube, "keda.sh/v1alpha1", "ScaledObject", ns, "keda"),
                   what="the ScaledObject", diagnose=operator.tail)
-    assert so["spec"] == builders.build_scaled_object(parse_spec(spec), builders.Meta("keda", ns))["spec"]
+    assert so["spec"] == build_scaled_object(parse_spec(spec), Meta("keda", ns))["spec"]
     # An HPA made while discovery had not yet seen KEDA's CRD goes once the ScaledObject is made.
     wait_for(gone(kube, "autoscaling/v2", "HorizontalPodAutoscaler", ns, "keda"), what="no HPA of our own beside KEDA",
              diagnose=operator.tail)
@@ -161,7 +164,7 @@ def test_inference_pool_is_accepted_by_its_crd_follows_the_port_and_goes_with_th
     create(kube, ns, "pool", spec)
     pool = wait_for(lambda: get_child(kube, "inference.networking.k8s.io/v1", "InferencePool", ns, "pool"),
                     what="the InferencePool", diagnose=operator.tail)
-    assert pool["spec"] == builders.build_inference_pool(parse_spec(spec), builders.Meta("pool", ns))["spec"]
+    assert pool["spec"] == build_inference_pool(parse_spec(spec), Meta("pool", ns))["spec"]
     wait_cond(kube, ns, "pool", "Gateway", "True", operator, reason="Configured")
     patch_spec(kube, ns, "pool", {"server": {"port": 9000}})
     wait_for(lambda: get_child(kube, "inference.networking.k8s.io/v1", "InferencePool", ns, "pool")

@@ -15,7 +15,8 @@ import uuid
 
 import pytest
 
-from gemma_operator import builders
+from gemma_operator.builders.deployment import CONTAINER, build_deployment
+from gemma_operator.builders.ownership import Meta
 from gemma_operator.kube import ApiError
 from gemma_operator.spec import parse_spec
 
@@ -46,7 +47,7 @@ def test_server_pods_of_every_shape_are_admitted_in_a_restricted_namespace(kube,
         (pod,) = wait_for(lambda: pods(kube, ns, name), what=f"the pod of {name} admitted",
                           diagnose=lambda: f"refused: {refused_pods(kube, ns)}\n{operator.tail(20)}")
         sc = pod["spec"]["securityContext"]
-        (container,) = [c for c in pod["spec"]["containers"] if c["name"] == builders.CONTAINER]
+        (container,) = [c for c in pod["spec"]["containers"] if c["name"] == CONTAINER]
         assert sc["runAsNonRoot"] is True and sc["seccompProfile"] == {"type": "RuntimeDefault"}
         assert container["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                                                 "capabilities": {"drop": ["ALL"]}}
@@ -63,8 +64,8 @@ def restricted_ns(kube):
 
 def test_the_server_pod_without_its_security_context_is_refused_in_a_restricted_namespace(kube, restricted_ns):
     ns = restricted_ns
-    dep = builders.build_deployment(parse_spec({"model": {"source": "hf://google/gemma-4-e2b-it"},
-                                                "accelerator": {"type": "cpu"}}), builders.Meta("bare", ns))
+    dep = build_deployment(parse_spec({"model": {"source": "hf://google/gemma-4-e2b-it"},
+                                                "accelerator": {"type": "cpu"}}), Meta("bare", ns))
     pod_spec = dep["spec"]["template"]["spec"]
     del pod_spec["securityContext"]
     del pod_spec["containers"][0]["securityContext"]

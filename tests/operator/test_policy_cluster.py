@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import pytest
 
-from gemma_operator import builders
+from gemma_operator.builders.build_cache import build_build_cache_pvc, build_cache_claim_name
+from gemma_operator.builders.deployment import claims
+from gemma_operator.builders.ownership import Meta, adopt
 from gemma_operator.kube import ApiError
 from gemma_operator.spec import parse_spec
 
@@ -56,7 +58,7 @@ def remove_claim(kube, ns, name):
 
 def mounted_claims(kube, ns, name):
     dep = deployment(kube, ns, name)
-    return builders.claims(dep) if dep else set()
+    return claims(dep) if dep else set()
 
 
 def failed_with(kube, ns, name, reason, operator, timeout=45):
@@ -111,14 +113,14 @@ def test_a_foreign_claim_under_the_servers_claim_name_is_fatal_and_no_deployment
 def test_a_server_keeps_the_build_cache_claim_an_earlier_version_named_and_it_owns(kube, ns, operator):
     # An earlier operator named the claim <name>-build-cache and made this server its controller.
     obj = create(kube, ns, "old", {**PVC_CACHE, "buildCache": {"type": "emptyDir"}})
-    meta = builders.Meta("old", ns, obj["metadata"]["uid"], legacy_build_cache=True)
-    legacy = builders.adopt(builders.build_build_cache_pvc(parse_spec(PVC_CACHE), meta), obj)
+    meta = Meta("old", ns, obj["metadata"]["uid"], legacy_build_cache=True)
+    legacy = adopt(build_build_cache_pvc(parse_spec(PVC_CACHE), meta), obj)
     kube.request("POST", CLAIMS.format(ns=ns), legacy)
     kube.request("PATCH", f"{GRS_PATH.format(ns=ns)}/old", {"spec": {"buildCache": {"type": "pvc"}}},
                  content_type="application/merge-patch+json")
     wait_for(lambda: mounted_claims(kube, ns, "old") == {"old-build-cache"}, what="the legacy claim mounted",
              diagnose=operator.tail)
-    assert claim(kube, ns, builders.build_cache_claim_name(meta._replace(legacy_build_cache=False))) is None
+    assert claim(kube, ns, build_cache_claim_name(meta._replace(legacy_build_cache=False))) is None
     assert (get(kube, ns, "old").get("status") or {}).get("phase") != "Failed"
 
 

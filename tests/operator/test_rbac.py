@@ -3,7 +3,9 @@ with exactly these rules, which checks the verbs against real API calls)."""
 
 from __future__ import annotations
 
-from gemma_operator import builders as b
+from gemma_operator.builders.children import build_children
+from gemma_operator.builders.optional import OPTIONAL_KINDS
+from gemma_operator.builders.ownership import Meta
 from gemma_operator import rbac
 from gemma_operator.kube import RESOURCES
 from gemma_operator.spec import parse_spec
@@ -16,8 +18,8 @@ def verbs(group: str, resource: str) -> set[str]:
 def test_every_child_kind_can_be_server_side_applied():
     spec = parse_spec({"model": {"source": "hf://a/b"}, "replicas": 2, "buildCache": {"type": "pvc",
                        "accessMode": "ReadWriteMany"}, "monitoring": {"serviceMonitor": True}})
-    everything = frozenset(row.api_version for row in b.OPTIONAL_KINDS)
-    kids = b.build_children(spec, b.Meta("g", "ns", "uid"), everything)
+    everything = frozenset(row.api_version for row in OPTIONAL_KINDS)
+    kids = build_children(spec, Meta("g", "ns", "uid"), everything)
     assert {o["kind"] for o in kids.apply} == {"PersistentVolumeClaim", "Deployment", "Service",
                                                "PodDisruptionBudget", "PodMonitoring", "ServiceMonitor"}
     for obj in kids.apply:
@@ -26,7 +28,7 @@ def test_every_child_kind_can_be_server_side_applied():
 
 
 def test_children_the_operator_prunes_can_be_deleted():
-    for api_version, kind in [("policy/v1", "PodDisruptionBudget"), *((r.api_version, r.kind) for r in b.OPTIONAL_KINDS)]:
+    for api_version, kind in [("policy/v1", "PodDisruptionBudget"), *((r.api_version, r.kind) for r in OPTIONAL_KINDS)]:
         assert "delete" in verbs(api_version.rpartition("/")[0], RESOURCES[(api_version, kind)]), kind
 
 

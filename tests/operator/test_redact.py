@@ -7,6 +7,7 @@ import json
 import pytest
 
 from gemma_operator import status
+from gemma_operator.poller import keep_engine_fields
 from gemma_operator.redact import MAX_BYTES, REDACTED, redact
 
 HF_TOKEN = "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"
@@ -70,8 +71,8 @@ def test_termination_message_and_boot_failure_reach_the_status_redacted():
                "status": {"phase": "Running", "conditions": [{"type": "PodScheduled", "status": "True"}],
                           "containerStatuses": [{"name": "server", "state": {"running": {"startedAt": "t"}}}]}}
     obs = status.Observed(generation=1, replicas=2, pods=[crashed, booting],
-                          engine={"g-2": {"stage": "smoke", "failed": f"env: HF_TOKEN={HF_TOKEN}"}}, served_models={},
-                          problems=[], optional={}, skipped=[])
+                          engine={"g-2": keep_engine_fields({"stage": "smoke", "failed": f"env: HF_TOKEN={HF_TOKEN}"})},
+                          served_models={}, problems=[], optional={}, skipped=[])
     out = status.compute_status(obs, accelerator="cpu", endpoint="", selector="")
     assert HF_TOKEN not in json.dumps(out)
     assert len(out["lastFailure"]["message"].encode()) <= MAX_BYTES

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gemma_operator import status as st
+from gemma_operator.poller import keep_engine_fields
 
 ACCEL, ENDPOINT, SELECTOR = "v5e 2x2", "http://g.ns.svc.cluster.local:8000/v1", "a=b"
 
@@ -35,7 +36,9 @@ def pod(name="g-1", *, node="v5e-2x2-a", scheduled=True, schedule_message="", ru
 
 def observe(pods=(), *, replicas=1, engine=None, served_models=None, problems=(), requested=(), skipped=(),
             blockers=None, disruption=None, warnings=(), poll_errors=None):
-    return st.Observed(generation=3, replicas=replicas, pods=list(pods), engine=engine or {},
+    # Each report as the poller keeps it (status.py reads the kept report as it is).
+    engine = {name: keep_engine_fields(doc) for name, doc in (engine or {}).items()}
+    return st.Observed(generation=3, replicas=replicas, pods=list(pods), engine=engine,
                        served_models=served_models or {}, problems=list(problems),
                        optional={"Monitoring": list(requested)} if requested else {},
                        skipped=list(skipped), blockers=blockers or {}, disruption=disruption,

@@ -1,0 +1,80 @@
+"""What a GemmaRustServer owns, given what the cluster serves
+(gemma_operator/builders/children.py): golden dicts, no cluster involved."""
+
+from __future__ import annotations
+
+from gemma_operator.builders.children import build_children
+
+from .specs import EVERYTHING, META, scaling, tpu_spec
+
+
+def test_children_skip_monitoring_kinds_the_cluster_does_not_serve():
+    spec = tpu_spec(monitoring={"serviceMonitor": True}, replicas=1)
+    kids = build_children(spec, META, frozenset({"monitoring.coreos.com/v1"}))
+    assert [o["kind"] for o in kids.apply] == ["Deployment", "Service", "ServiceMonitor"]
+    assert kids.absent == [("policy/v1", "PodDisruptionBudget", "gemma")]
+    assert kids.skipped == [("PodMonitoring", "monitoring.googleapis.com/v1 is not served by this cluster: CRD "
+                                              "podmonitorings.monitoring.googleapis.com is not installed (install "
+                                              "GKE managed Prometheus)")]
+    assert kids.optional == {"Monitoring": ["PodMonitoring", "ServiceMonitor"]}
+
+
+def test_children_mark_switched_off_monitoring_for_deletion():
+    spec = tpu_spec(monitoring={"podMonitoring": False}, replicas=2)
+    kids = build_children(spec, META, frozenset({"monitoring.googleapis.com/v1", "monitoring.coreos.com/v1"}))
+    assert [o["kind"] for o in kids.apply] == ["Deployment", "Service", "PodDisruptionBudget"]
+    assert kids.absent == [("monitoring.googleapis.com/v1", "PodMonitoring", "gemma"),
+                           ("monitoring.coreos.com/v1", "ServiceMonitor", "gemma")]
+    assert kids.skipped == []
+
+
+def kinds(children):
+    return [o["kind"] for o in children.apply]
+
+
+def test_keda_is_chosen_when_served_and_given_an_address_and_our_hpa_is_pruned():
+    spec = scaling(prometheus={"serverAddress": "http://p:9090"})
+    kids = build_children(spec, META, EVERYTHING)
+    assert kinds(kids)[-1] == "ScaledObject"
+    # Replaced, not merely absent: deleted on every sync, since an HPA left from before KEDA's CRD appeared
+    # would drive the replicas beside KEDA's own.
+    assert kids.replaced == [("autoscaling/v2", "HorizontalPodAutoscaler", "gemma")]
+    assert ("autoscaling/v2", "HorizontalPodAutoscaler", "gemma") not in kids.absent
+    assert kids.optional == {"ScalingActive": ["ScaledObject"]} and kids.skipped == []
+
+
+def test_without_kedas_crd_auto_falls_back_to_an_hpa_and_skips_nothing():
+    spec = scaling(prometheus={"serverAddress": "http://p:9090"})
+    kids = build_children(spec, META, frozenset({"autoscaling/v2"}))
+    assert kinds(kids)[-1] == "HorizontalPodAutoscaler"
+    assert kids.optional == {"ScalingActive": ["HorizontalPodAutoscaler"]} and kids.skipped == []
+
+
+def test_auto_without_a_prometheus_address_uses_an_hpa_even_with_keda():
+    kids = build_children(scaling(), META, EVERYTHING)
+    assert kinds(kids)[-1] == "HorizontalPodAutoscaler"
+    assert ("keda.sh/v1alpha1", "ScaledObject", "gemma") in kids.absent
+
+
+def test_provider_keda_without_its_crd_is_skipped_naming_the_crd():
+    spec = scaling(provider="KEDA", prometheus={"serverAddress": "http://p:9090"})
+    kids = build_children(spec, META, frozenset({"autoscaling/v2"}))
+    assert "HorizontalPodAutoscaler" not in kinds(kids) and "ScaledObject" not in kinds(kids)
+    assert kids.skipped == [("ScaledObject", "keda.sh/v1alpha1 is not served by this cluster: CRD "
+                                             "scaledobjects.keda.sh is not installed (install KEDA)")]
+    assert ("autoscaling/v2", "HorizontalPodAutoscaler", "gemma") in kids.absent
+
+
+def test_removing_autoscaling_and_the_pool_prunes_their_objects():
+    kids = build_children(tpu_spec(monitoring={"podMonitoring": False}), META, EVERYTHING)
+    assert {("keda.sh/v1alpha1", "ScaledObject", "gemma"), ("autoscaling/v2", "HorizontalPodAutoscaler", "gemma"),
+            ("inference.networking.k8s.io/v1", "InferencePool", "gemma")} <= set(kids.absent)
+    assert kids.optional == {}
+
+
+def test_inference_pool_without_its_crd_is_skipped_naming_the_crd():
+    spec = tpu_spec(gateway={"inferencePool": True, "endpointPicker": {"name": "epp"}})
+    kids = build_children(spec, META, frozenset())
+    assert ("InferencePool", "inference.networking.k8s.io/v1 is not served by this cluster: CRD "
+            "inferencepools.inference.networking.k8s.io is not installed (install the Gateway API inference "
+            "extension)") in kids.skipped
