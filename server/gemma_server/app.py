@@ -3,7 +3,8 @@
 Routes (vLLM's `entrypoints/openai/api_server.py` set): POST /v1/chat/completions, POST /v1/completions,
 GET /v1/models, GET /health (+ /ping), GET /live, GET /v1/engine, GET /version, GET /metrics, GET / (chat
 page). Route bodies only parse, check, admit and hand over; the work is in protocol.py (what a request
-means), serving.py (tokens -> responses) and scheduler.py (the queue and the engines).
+means), chat_template.py (a request's prompt ids), serving.py (tokens -> responses) and scheduler.py (the
+queue and the engines).
 
 Every error is `{"error": {...}}` (errors.py); FastAPI's 422 for a malformed body becomes 400 naming
 the field, as vLLM's `validation_exception_handler` does. Each route declares the statuses it answers,
@@ -51,9 +52,10 @@ from starlette.routing import Route
 
 from gemma_server import openapi
 from gemma_server.boot import Boot
+from gemma_server.chat_template import render_chat, tokenize_completion
 from gemma_server.config import Config
+from gemma_server.connections import STALLED
 from gemma_server.errors import ApiError, as_api_error, error_body, from_scheduler
-from gemma_server.scheduler import ClientShares, Scheduler, SchedulerError, StepObserver
 from gemma_server.metrics import Metrics
 from gemma_server.protocol import (
     ChatCompletionRequest,
@@ -62,7 +64,9 @@ from gemma_server.protocol import (
     CompletionResponse,
     ModelCard,
     ModelList,
+    max_prompt_chars,
 )
+from gemma_server.scheduler import Cause, ClientShares, Scheduler, SchedulerError, StepObserver
 from gemma_server.serving import (
     ClientDisconnected,
     Formatter,
@@ -70,8 +74,6 @@ from gemma_server.serving import (
     collect,
     open_stream,
     race_disconnect,
-    render_chat,
-    tokenize_completion,
 )
 
 log = logging.getLogger(__name__)
@@ -384,7 +386,8 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
         """openapi.py's document; kept once the model's limits are in it."""
         if app.openapi_schema is None:
             loaded = state.boot.loaded
-            limits = openapi.ModelLimits(loaded.vocab_size, loaded.context) if loaded else None
+            limits = (openapi.ModelLimits(loaded.vocab_size, loaded.context, max_prompt_chars(loaded.context))
+                      if loaded else None)
             doc = openapi.document(app, state.keyed, limits)
             if limits is None:
                 return doc
@@ -444,14 +447,17 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
             params = body.engine_params(ids, loaded.context, loaded.vocab_size, state.config.default_temperature)
             # Each choice gives its place in the client's share back when it is recorded, however it ends.
             ended = functools.partial(shares.give_back, client, 1)
-            choices = [Generation(params, i, tok, sched, state.metrics, arrival, ended) for i in range(n)]
+
+            def gone() -> Cause:  # connections.py marks a reply it aborted for stalling
+                return Cause.STALLED if request.scope.get(STALLED) else Cause.CLIENT_GONE
+
+            choices = [Generation.create(params, i, arrival, tok, sched, state.metrics, on_end=ended, gone=gone)
+                       for i in range(n)]
             sched.submit(*(gen.job for gen in choices))
             gens = choices  # queued: from here on their admissions are the queue's to give back
-        except BaseException:
-            sched.release(n - len(gens))
-            shares.give_back(client, n - len(gens))
-            for gen in gens:
-                gen.abandon()
+        except BaseException:  # nothing was queued: every admission and share goes back
+            sched.release(n)
+            shares.give_back(client, n)
             raise
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         fmt = Formatter(chat, state.config.model_name, state.fingerprint, state.token_text, include_usage)
@@ -463,7 +469,7 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
             outputs = await race_disconnect(request.receive, collect(gens))
         except ClientDisconnected:
             for gen in gens:
-                gen.abandon()
+                gen.leave()
             return Response(status_code=499)  # nobody reads it
         # A large answer (n x tokens x top log-probabilities) is built and serialised off the event loop.
         content = await asyncio.get_running_loop().run_in_executor(None, fmt.response_json, outputs, gens)

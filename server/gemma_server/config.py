@@ -55,14 +55,21 @@ def _cache_default(leaf: str) -> Callable[[Mapping[str, str]], str]:
     return lambda environ: str(default_cache_root(environ) / leaf)
 
 
-def _switch(text: str) -> bool:
-    """The text of an on/off setting whose flag takes a value (so a default of on can be turned off)."""
-    word = text.strip().lower()
-    if word in ("1", "true", "yes", "on"):
-        return True
-    if word in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"must be 1 or 0 (true/false, yes/no, on/off), got {text!r}")
+# The words an on/off setting takes, in its flag or its variable; anything else is a usage error naming both.
+SWITCH_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+def parse_switch(text: str) -> bool:
+    """The text of an on/off setting: the one parser of every boolean flag's value and variable.
+
+    Raises:
+        argparse.ArgumentTypeError: the text is none of SWITCH_WORDS (so `GEMMA_PACKED_INT4=maybe` stops the
+            start instead of reading as off).
+    """
+    value = SWITCH_WORDS.get(text.strip().lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"must be 1 or 0 (true/false, yes/no, on/off), got {text!r}")
+    return value
 
 
 def _devices(text: str) -> str:
@@ -95,7 +102,7 @@ class Config:
                                 "bfloat16 on cpu or cuda; tokens differ slightly from the dequantized weights)")
     cuda_graphs: bool = setting(True, "GEMMA_CUDA_GRAPHS", "on cuda: capture each decode-step shape as a CUDA "
                                 "graph and replay it, 1 or 0 (needs an engine built with CUDA headers)",
-                                flag_type=_switch)
+                                flag_type=parse_switch)
     onednn: str = setting("auto", "GEMMA_ONEDNN", "multiply dense weights with oneDNN, packed once at load (auto: "
                           "on the cpu in float32, where it is much faster than ATen's matmul for a decode step's "
                           "few rows; on: require it; off: ATen's matmul)", choices=("auto", "on", "off"))
@@ -130,7 +137,7 @@ class Config:
     stream_stall_timeout: float = setting(30.0, "GEMMA_STREAM_STALL_TIMEOUT", "seconds a client may leave its "
                                           "reply unread once 256 KiB of it wait; then the request is aborted and "
                                           "its slot freed (gemma_stalled_replies_total)", minimum=0.1)
-    queue_limit: int = setting(32, "GEMMA_QUEUE_LIMIT", "requests admitted but not yet in an engine's slot; more "
+    queue_limit: int = setting(64, "GEMMA_QUEUE_LIMIT", "requests admitted but not yet in an engine's slot; more "
                                "get 429", minimum=1)
     shutdown_timeout: float = setting(30.0, "GEMMA_SHUTDOWN_TIMEOUT", "seconds queued and running requests get "
                                       "to finish after SIGTERM", minimum=0)
@@ -158,7 +165,7 @@ class Config:
                                        "eager mode (queued ATen ops compiled into fused XLA programs), 1 or 0; "
                                        "the boot writes exactly 1 or 0 to the variable, since torch_tpu turns "
                                        "the mode on only for '1' (torch_tpu csrc/eager/eager_mode.cc)",
-                                       flag_type=_switch)
+                                       flag_type=parse_switch)
     tpu_compile_cache: str | None = setting(None, "GEMMA_TPU_COMPILE_CACHE", "on tpu: directory of torch_tpu's "
                                             "persistent compilation cache, written to "
                                             "TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT (torch_tpu csrc/common/"
@@ -184,12 +191,6 @@ class Config:
         return src.rsplit("/", 1)[-1] or src
 
 
-def _bool(text: str | bool) -> bool:
-    if isinstance(text, bool):
-        return text
-    return text.strip().lower() in ("1", "true", "yes", "on")
-
-
 def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     """The flag parser, generated from Config's declarations; defaults come from `environ`."""
     p = argparse.ArgumentParser(
@@ -204,10 +205,11 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         default = computed(environ) if computed else f.default
         kind = meta["type"] or type(default)
         help_text = f"{meta['help']} [{meta['env']}]"
-        if kind is bool:
-            p.add_argument(flag, action="store_true", default=_bool(environ.get(meta["env"], default)), help=help_text)
-            continue
         text = environ.get(meta["env"])
+        if kind is bool:  # a switch that is off by default: the bare flag turns it on
+            on = _from_environment(p, meta["env"], text, parse_switch) if text is not None else default
+            p.add_argument(flag, action="store_true", default=on, help=help_text)
+            continue
         p.add_argument(flag, type=kind, choices=meta["choices"], help=help_text,
                        default=_from_environment(p, meta["env"], text, kind) if text is not None else default)
     return p

@@ -21,7 +21,8 @@ unfinished requests turns every real request into a 503; the server caps request
 - a stall deadline: once the client leaves `WRITE_BUFFER_BYTES` of reply unread (the transport pauses
   writing; uvicorn's `send` then waits for it to drain), it has `stall_timeout` seconds to read again, or
   the connection is aborted and its buffer dropped. The app sees `http.disconnect`, so the request is
-  cancelled and its sequence slot freed; `on_stall` counts it (a metric).
+  cancelled and its sequence slot freed; `on_stall` counts it (a metric), and the request's ASGI scope
+  says so under `STALLED` (app.py reads it, so the request's end names the stall, not a plain disconnect).
 The reply a client has not read is thus bounded by the write buffer plus what one stall allows.
 """
 
@@ -45,6 +46,8 @@ _RECEIVING = (h11.IDLE, h11.SEND_BODY)
 
 # The reply a client may leave unread before its stall deadline runs (the transport's high-water mark).
 WRITE_BUFFER_BYTES = 256 * 1024
+# The ASGI scope key that is True once the connection was aborted because its reply stalled.
+STALLED = "gemma_server.stalled"
 
 
 @dataclass(frozen=True)
@@ -158,6 +161,8 @@ class GuardedProtocol(H11Protocol):
             log.warning("aborting the reply to %s: the client read nothing for %gs", self.client,
                         self.limits.stall_timeout)
             self.on_stall()
+            if self.cycle is not None:  # uvicorn's current request: its scope is the one the app holds
+                self.cycle.scope[STALLED] = True
             self.transport.abort()
 
 

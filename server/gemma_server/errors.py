@@ -13,6 +13,8 @@ import json
 import logging
 import uuid
 
+from pydantic import BaseModel
+
 from gemma_server import scheduler
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,20 @@ class ApiError(Exception):
     def body(self) -> dict:
         """The JSON body: `{"error": {"message", "type", "param", "code"}}`."""
         return error_body(self.status, self.message, self.param)
+
+
+class ErrorInfo(BaseModel):
+    """The one error shape, as the OpenAPI document shows it: `code` is the HTTP status, `param` the request
+    field at fault."""
+
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:

@@ -12,7 +12,9 @@ below, each error with `ErrorResponse`), and `document` builds the rest with Fas
   size, a token-id prompt shorter than the context, prompt text within the length `check_size` allows.
 
 The request constraints themselves (ranges, enums, non-empty messages, rules tying two fields together)
-come from protocol.py's models, where `check()` enforces them.
+come from protocol.py's models, where `check()` enforces them; the JSON Schema helpers those fields are
+declared with (`documented`, the rules and the prompt and token-id schemas) are the first part of this
+module, so what the document says of a request is written in one place.
 
 What no JSON Schema can say, the 400's description does: the chat template's own rules (Gemma's templates
 want user and assistant turns to alternate) and a prompt's length in tokens.
@@ -20,13 +22,86 @@ want user and assistant turns to alternate) and a prompt's length in tokens.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from pydantic import Field
 
-from gemma_server.protocol import ErrorResponse, prompt_schema, token_id_key_pattern, token_id_schema
+from gemma_server.errors import ErrorResponse
+
+# ---- JSON Schema of the request models (protocol.py's fields use these) -----------------------------
+
+# logit_bias keys: token ids written in ASCII digits.
+TOKEN_ID_KEY = re.compile(r"[0-9]+")
+
+
+def documented(default: Any = None, **schema: Any) -> Any:
+    """A pydantic field whose bounds its model's `check()` enforces (so the 400 names the field in
+    protocol.py's words), shown in the document as the JSON Schema keywords `schema`."""
+    return Field(default=default, json_schema_extra=schema)
+
+
+def one_of_fields_null_or(field: str, other: str, value: Any) -> dict:
+    """JSON Schema: `field` is absent or null unless `other` is `value`."""
+    return {"anyOf": [{"properties": {field: {"type": "null"}}},
+                      {"properties": {other: {"const": value}}, "required": [other]}]}
+
+
+def best_of_rule(max_n: int) -> dict:
+    """JSON Schema: best_of is absent, null or 1, or equals n (at most `max_n`)."""
+    same = [{"properties": {"n": {"const": k}, "best_of": {"const": k}}, "required": ["n", "best_of"]}
+            for k in range(2, max_n + 1)]
+    return {"anyOf": [{"properties": {"best_of": {"enum": [None, 1]}}}, *same]}
+
+
+def prompt_schema(vocab_size: int | None = None, context: int | None = None,
+                  max_chars: int | None = None) -> list[dict]:
+    """JSON Schema branches of `prompt` as protocol.py's `single_prompt` and `engine_params` take it: a
+    string, a list of one string, a non-empty list of token ids, or a list of one such list (an empty prompt
+    is refused); with the served model's limits when given (ids below the vocabulary size, fewer ids than
+    the context, text of at most `max_chars`, as `check_size` allows)."""
+    text: dict[str, Any] = {"type": "string", "minLength": 1}
+    ids: dict[str, Any] = {"type": "array", "items": token_id_schema(vocab_size), "minItems": 1}
+    if max_chars is not None:
+        text["maxLength"] = max_chars
+    if context is not None:
+        ids["maxItems"] = context - 1
+    return [text, {"type": "array", "items": text, "minItems": 1, "maxItems": 1},
+            ids, {"type": "array", "items": ids, "minItems": 1, "maxItems": 1}]
+
+
+def token_id_schema(vocab_size: int | None = None) -> dict[str, Any]:
+    """JSON Schema of one token id: [0, vocab_size) when the vocabulary size is known."""
+    return {"type": "integer", "minimum": 0, **({"maximum": vocab_size - 1} if vocab_size else {})}
+
+
+def token_id_key_pattern(vocab_size: int | None = None) -> str:
+    """A regex of the logit_bias keys accepted: ASCII decimal token ids, below `vocab_size` when known."""
+    if not vocab_size:
+        return f"^{TOKEN_ID_KEY.pattern}$"
+    return f"^0*(?:{_below(vocab_size - 1)})$"
+
+
+def _below(top: int) -> str:
+    """A regex of the decimal numbers 0..top without leading zeros."""
+    digits = str(top)
+    alternatives = ["[0-9]"] + [f"[1-9][0-9]{{{n - 1}}}" for n in range(2, len(digits))]
+    if len(digits) > 1:
+        for i, d in enumerate(digits):
+            low = 1 if i == 0 else 0
+            if int(d) > low:
+                rest = len(digits) - i - 1
+                alternatives.append(f"{digits[:i]}[{low}-{int(d) - 1}]" + (f"[0-9]{{{rest}}}" if rest else ""))
+        alternatives.append(digits)
+    else:
+        alternatives = [f"[0-{top}]"]
+    return "|".join(alternatives)
+
+
+# ---- the document ----------------------------------------------------------------------------------
 
 _DESCRIPTIONS = {
     400: "A request field is malformed or out of range (`param` names it), or the chat template refused the "
@@ -67,10 +142,12 @@ _REQUESTS = ("ChatCompletionRequest", "CompletionRequest")
 
 @dataclass(frozen=True)
 class ModelLimits:
-    """What the loaded model accepts: token ids in [0, vocab_size), at most `context` tokens."""
+    """What the loaded model accepts: token ids in [0, vocab_size), at most `context` tokens, prompt text of
+    at most `prompt_chars` characters (protocol.max_prompt_chars)."""
 
     vocab_size: int
     context: int
+    prompt_chars: int
 
 
 def document(app: FastAPI, keyed: frozenset[str], limits: ModelLimits | None) -> dict[str, Any]:
@@ -105,6 +182,6 @@ def document(app: FastAPI, keyed: frozenset[str], limits: ModelLimits | None) ->
 def _write_limits(properties: dict[str, Any], limits: ModelLimits) -> None:
     """The loaded model's limits, into one request schema's properties."""
     if "prompt" in properties:
-        properties["prompt"]["anyOf"] = prompt_schema(limits.vocab_size, limits.context)
+        properties["prompt"]["anyOf"] = prompt_schema(limits.vocab_size, limits.context, limits.prompt_chars)
     properties["logit_bias"]["propertyNames"] = {"pattern": token_id_key_pattern(limits.vocab_size)}
     properties["stop_token_ids"]["items"] = token_id_schema(limits.vocab_size)

@@ -7,8 +7,9 @@ use) are fenced below the standard fields. Unknown fields are accepted and logge
 (`GenerationRequest.engine_params`), so it is unit-tested without a socket or an engine.
 
 The OpenAPI document shows every bound `check()` enforces: a field checked here carries the same bound as
-JSON Schema keywords (`documented`), and rules that tie two fields together are the models' `allOf`
-(server/gemma_server/openapi.py adds the served model's own limits: vocabulary size and context). Requests
+JSON Schema keywords (`documented`), and rules that tie two fields together are the models' `allOf`; those
+JSON Schema helpers live in openapi.py, beside the code that adds the served model's own limits (vocabulary
+size and context) to the document. Requests
 are validated strictly, as JSON Schema reads them: "0.5" is not a number and 1 is not a boolean.
 
 Sampling follows OpenAI's meanings and ranges: temperature (0 is greedy), top_p, presence and frequency
@@ -23,7 +24,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +32,13 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from gemma_server.errors import bad_request
+from gemma_server.openapi import (
+    TOKEN_ID_KEY,
+    best_of_rule,
+    documented,
+    one_of_fields_null_or,
+    prompt_schema,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,20 +57,8 @@ def _json_integer(value: Any) -> Any:
 Integer = Annotated[int, BeforeValidator(_json_integer)]
 
 
-def documented(default: Any = None, **schema: Any) -> Any:
-    """A field whose bounds `check()` enforces (so the 400 names the field in this module's words), shown
-    in the OpenAPI document as the JSON Schema keywords `schema`."""
-    return Field(default=default, json_schema_extra=schema)
-
-
-def _one_of_fields_null_or(field: str, other: str, value: Any) -> dict:
-    """JSON Schema: `field` is absent or null unless `other` is `value`."""
-    return {"anyOf": [{"properties": {field: {"type": "null"}}},
-                      {"properties": {other: {"const": value}}, "required": [other]}]}
-
-
 # stream_options is only allowed with stream true (OpenAI and vLLM refuse it otherwise).
-STREAM_OPTIONS_RULE = _one_of_fields_null_or("stream_options", "stream", True)
+STREAM_OPTIONS_RULE = one_of_fields_null_or("stream_options", "stream", True)
 
 
 class OpenAIModel(BaseModel):
@@ -117,9 +112,12 @@ class ChatMessage(BaseModel):
 # would make stop matching the cost of a step).
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
+MAX_N = 16
+# The engine's own bounds (rust/src/engine/request.rs `LIMITS`, checked there again). They are written here,
+# not read from gemma_engine: this module is imported before the boot has built the engine, to serve
+# /health while it builds. tests/server/test_protocol.py holds them equal to `gemma_engine.LIMITS`.
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300
-MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's own limit
 MAX_MESSAGES = 1024
@@ -134,8 +132,11 @@ MAX_LOGPROB_ENTRIES = 16 * 800 * 21
 # Any integer is a seed: it is taken modulo 2**64 (choice i of n uses seed + i), so no bound can be missed by
 # a JSON number that a float rounds (9.2e18 is 2**63 to a JSON Schema validator).
 SEED = "Any integer, taken modulo 2**64 into the engine's signed 64-bit seed."
-# logit_bias keys: token ids written in ASCII digits.
-TOKEN_ID_KEY = re.compile(r"[0-9]+")
+
+
+def max_prompt_chars(context: int) -> int:
+    """The longest prompt text (`check_size`) that can fit `context` tokens."""
+    return context * MAX_CHARS_PER_TOKEN
 
 
 @dataclass(frozen=True)
@@ -280,7 +281,7 @@ class GenerationRequest(OpenAIModel):
 
     def check_size(self, context: int) -> None:
         """Refuse prompts that cannot fit `context` tokens, before they are rendered or tokenized."""
-        limit = context * MAX_CHARS_PER_TOKEN
+        limit = max_prompt_chars(context)
         if self._prompt_chars() > limit:
             raise bad_request(self._prompt_field(), f"The prompt is longer than {limit} characters; it cannot fit "
                                                     f"the model's context of {context} tokens.")
@@ -308,7 +309,8 @@ class GenerationRequest(OpenAIModel):
     def engine_params(
         self, prompt_ids: list[int], context: int, vocab_size: int, default_temperature: float = 1.0
     ) -> EngineParams:
-        """Turn this request and its tokenized prompt into one engine decode.
+        """Turn this request and its tokenized prompt into one engine decode. The caller ran `check()` first
+        (app.py does, before it admits the request): the checks that need the prompt's ids are here.
 
         Args:
             prompt_ids: the prompt, tokenized (chat template applied for chat).
@@ -318,10 +320,9 @@ class GenerationRequest(OpenAIModel):
         Returns:
             EngineParams with max_new capped at context - len(prompt) (vLLM's `get_max_tokens`).
         Raises:
-            ApiError: 400 naming the field: a bad sampling field, an empty or too long prompt, a token id
-                out of range.
+            ApiError: 400 naming the field: an empty or too long prompt, a token id out of range, more
+                log-probabilities than one response may carry.
         """
-        self.check()
         prompt_field = self._prompt_field()
         if not prompt_ids:
             raise bad_request(prompt_field, "The prompt is empty.")
@@ -376,7 +377,7 @@ class ChatCompletionRequest(GenerationRequest):
     """POST /v1/chat/completions. Field order: OpenAI API reference (as vLLM's ChatCompletionRequest)."""
 
     model_config = ConfigDict(json_schema_extra={"allOf": [
-        STREAM_OPTIONS_RULE, _one_of_fields_null_or("top_logprobs", "logprobs", True)]})
+        STREAM_OPTIONS_RULE, one_of_fields_null_or("top_logprobs", "logprobs", True)]})
 
     messages: Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)] = Field(json_schema_extra={"minItems": 1})
     model: str | None = None
@@ -457,63 +458,15 @@ class ChatCompletionRequest(GenerationRequest):
         return "top_logprobs" if self.top_logprobs else "logprobs"
 
 
-def prompt_schema(vocab_size: int | None = None, context: int | None = None) -> list[dict]:
-    """JSON Schema branches of `prompt` as `single_prompt` and `engine_params` take it: a string, a list of
-    one string, a non-empty list of token ids, or a list of one such list (an empty prompt is refused); with
-    the served model's limits when given (ids below the vocabulary size, fewer ids than the context, text
-    within `check_size`)."""
-    text: dict[str, Any] = {"type": "string", "minLength": 1}
-    ids: dict[str, Any] = {"type": "array", "items": token_id_schema(vocab_size), "minItems": 1}
-    if context is not None:
-        text["maxLength"] = context * MAX_CHARS_PER_TOKEN
-        ids["maxItems"] = context - 1
-    return [text, {"type": "array", "items": text, "minItems": 1, "maxItems": 1},
-            ids, {"type": "array", "items": ids, "minItems": 1, "maxItems": 1}]
-
-
-def token_id_schema(vocab_size: int | None = None) -> dict[str, Any]:
-    """JSON Schema of one token id: [0, vocab_size) when the vocabulary size is known."""
-    return {"type": "integer", "minimum": 0, **({"maximum": vocab_size - 1} if vocab_size else {})}
-
-
-def token_id_key_pattern(vocab_size: int | None = None) -> str:
-    """A regex of the logit_bias keys accepted: ASCII decimal token ids, below `vocab_size` when known."""
-    if not vocab_size:
-        return f"^{TOKEN_ID_KEY.pattern}$"
-    return f"^0*(?:{_below(vocab_size - 1)})$"
-
-
-def _below(top: int) -> str:
-    """A regex of the decimal numbers 0..top without leading zeros."""
-    digits = str(top)
-    alternatives = ["[0-9]"] + [f"[1-9][0-9]{{{n - 1}}}" for n in range(2, len(digits))]
-    if len(digits) > 1:
-        for i, d in enumerate(digits):
-            low = 1 if i == 0 else 0
-            if int(d) > low:
-                rest = len(digits) - i - 1
-                alternatives.append(f"{digits[:i]}[{low}-{int(d) - 1}]" + (f"[0-9]{{{rest}}}" if rest else ""))
-        alternatives.append(digits)
-    else:
-        alternatives = [f"[0-{top}]"]
-    return "|".join(alternatives)
-
-
 def _one_prompt(schema: dict) -> None:
     schema["anyOf"] = prompt_schema()
 
-
-def _best_of_rule() -> dict:
-    """JSON Schema: best_of is absent, null or 1, or equals n."""
-    same = [{"properties": {"n": {"const": k}, "best_of": {"const": k}}, "required": ["n", "best_of"]}
-            for k in range(2, MAX_N + 1)]
-    return {"anyOf": [{"properties": {"best_of": {"enum": [None, 1]}}}, *same]}
 
 
 class CompletionRequest(GenerationRequest):
     """POST /v1/completions (legacy). Field order: OpenAI API reference."""
 
-    model_config = ConfigDict(json_schema_extra={"allOf": [STREAM_OPTIONS_RULE, _best_of_rule()]})
+    model_config = ConfigDict(json_schema_extra={"allOf": [STREAM_OPTIONS_RULE, best_of_rule(MAX_N)]})
 
     model: str | None = None
     prompt: str | list[str] | list[Integer] | list[list[Integer]] = Field(json_schema_extra=_one_prompt)
@@ -668,19 +621,6 @@ class CompletionResponse(BaseModel):
     usage: Usage
     system_fingerprint: str
     timings: Timings  # extension
-
-
-class ErrorInfo(BaseModel):
-    """The one error shape (errors.py): `code` is the HTTP status, `param` the request field at fault."""
-
-    message: str
-    type: str
-    param: str | None
-    code: int
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
 
 
 class ModelCard(BaseModel):

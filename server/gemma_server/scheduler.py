@@ -13,8 +13,13 @@ calls back at every read point:
   `loop.call_soon_threadsafe`; step statistics go to the metrics.
 
 Admission (`admit`) counts a request against `--queue-limit` before it is tokenized (TGI takes its
-semaphore before validation; vLLM issue #58192 is the bug of counting only after rendering). A client that
-leaves sets `job.cancel`; a queued job leaves the queue at once, a running one is cancelled at the engine's
+semaphore before validation; vLLM issue #58192 is the bug of counting only after rendering).
+
+A request's end is decided once, by `Job.end`: the first cause wins (a stop string matched, the client left,
+its reply stalled, the engine finished or failed it, the shutdown timeout cut it), and the `End` it holds is
+what the stream, the response and the metrics all read (vLLM's output processor decides an abort once in the
+same way: `reqs_to_abort` in vllm/v1/engine/output_processor.py). An end decided while the engine still runs
+the request is its cancel: a queued job leaves the queue at once, a running one is cancelled at the engine's
 next read point, which frees its slot for the next step.
 
 This layer knows nothing of HTTP: it raises the plain exceptions below, and `errors.py` maps them to
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import enum
 import itertools
 import logging
 import threading
@@ -120,11 +126,71 @@ class ClientShares:
 
 @dataclass
 class Done:
-    """A request's end: finish is "stop" | "length" | "cancelled"; the engine's own clocks."""
+    """The engine's end of a request: finish is "stop" | "length" | "cancelled"; the engine's own clocks."""
 
     finish: str
     prompt_s: float
     decode_s: float
+
+
+class Cause(enum.Enum):
+    """Why a request ended (`Job.end`)."""
+
+    STOP_STRING = "a stop string matched"
+    CLIENT_GONE = "the client left"
+    STALLED = "the client stopped reading its reply"
+    ENGINE = "the engine finished it"
+    FAILED = "the engine refused or failed it"
+    SHUTDOWN = "the shutdown timeout cut it"
+
+
+# Cause -> (OpenAI's finish_reason, gemma_request_success's finished_reason label). A request that failed has
+# no finish_reason: its client gets the error instead.
+_ENDS: dict[Cause, tuple[str | None, str]] = {
+    Cause.STOP_STRING: ("stop", "stop"),
+    Cause.CLIENT_GONE: ("abort", "abort"),
+    Cause.STALLED: ("abort", "abort"),
+    Cause.FAILED: (None, "error"),
+    Cause.SHUTDOWN: (None, "abort"),
+}
+# The engine's finish (gemma_engine.Event.finish) -> the same pair; "cancelled" without our asking is the
+# engine loop ending under it (Scheduler.stop).
+_ENGINE_FINISHES: dict[str, tuple[str, str]] = {
+    "stop": ("stop", "stop"), "length": ("length", "length"), "cancelled": ("abort", "abort")}
+
+
+@dataclass(frozen=True)
+class End:
+    """How a request ended, as decided once.
+
+    Attributes:
+        cause: what ended it.
+        finish_reason: OpenAI's finish_reason ("stop", "length", "abort"); None when the request failed.
+        label: the `finished_reason` it is counted under in gemma_request_success (stop, length, abort, error).
+        error: what its client is answered instead of a finish_reason (a SchedulerError), or None.
+    """
+
+    cause: Cause
+    finish_reason: str | None
+    label: str
+    error: SchedulerError | None = None
+
+    @classmethod
+    def of(cls, cause: Cause, engine_finish: str | None = None, error: SchedulerError | None = None) -> End:
+        """The end `cause` makes (with the engine's own finish for Cause.ENGINE, the error for FAILED and
+        SHUTDOWN).
+
+        Raises:
+            ValueError: a cause without what it needs (an engine finish, an error) or with what it has not.
+        """
+        if cause is Cause.ENGINE:
+            if engine_finish not in _ENGINE_FINISHES:
+                raise ValueError(f"the engine's finish must be one of {sorted(_ENGINE_FINISHES)}, "
+                                 f"got {engine_finish!r}")
+            return cls(cause, *_ENGINE_FINISHES[engine_finish])
+        if (error is not None) != (cause in (Cause.FAILED, Cause.SHUTDOWN)):
+            raise ValueError(f"{cause.name} {'needs' if error is None else 'takes no'} error")
+        return cls(cause, *_ENDS[cause], error=error)
 
 
 _ids = itertools.count(1)
@@ -135,8 +201,8 @@ class Job:
     """One request's decode, shared between the asyncio side and an engine worker.
 
     Events on `events` (asyncio side): ("tokens", (ids, logprobs, t_monotonic)), ("done", Done), ("error",
-    exception). `cancel` is written by the asyncio side and read by the worker at read points; a str
-    assignment is atomic under the GIL.
+    exception). `ended` is written once, by `end`, and read by the worker at read points: a job that has ended
+    while the engine still runs it is cancelled there.
 
     Attributes:
         request: the gemma_engine.Request the worker hands to its engine, built on the asyncio side
@@ -148,9 +214,10 @@ class Job:
     arrival: float
     id: int = field(default_factory=lambda: next(_ids))
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    cancel: str | None = None  # "abort" (client left), "stop" (stop string), "shutdown"
+    ended: End | None = None
     cancel_sent: bool = False
     started: float | None = None
+    _deciding: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
     def create(cls, prompt_ids: list[int], max_new: int, stop_ids: list[int], sampling: dict[str, Any],
@@ -169,6 +236,18 @@ class Job:
         except (ValueError, OverflowError) as e:
             raise EngineRefused(f"The engine refused the request: {e}") from e
         return cls(request, loop, arrival, id=job_id)
+
+    def end(self, cause: Cause, engine_finish: str | None = None, error: SchedulerError | None = None) -> End:
+        """Decide this request's end, unless it is decided already: the first decision wins, from any thread.
+
+        Args: as `End.of`.
+        Returns:
+            the end that holds (this one, or the one decided before).
+        """
+        with self._deciding:
+            if self.ended is None:
+                self.ended = End.of(cause, engine_finish, error)
+            return self.ended
 
     def post(self, kind: str, payload: Any) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
@@ -242,6 +321,9 @@ class EngineWorker:
 
     def _on_events(self, events, stats: dict) -> None:
         now = time.monotonic()
+        # The steps are counted before their tokens are posted: a scrape after a reply sees every step of it.
+        if stats.get("batch_sizes") or stats.get("prompt_tokens"):
+            self.scheduler.observer.on_steps(stats)
         for e in events:
             job = self.active.get(e.id)
             if job is None:
@@ -257,8 +339,6 @@ class EngineWorker:
                     job.post("error", EngineFailed(f"The engine failed this request: {e.error}"))
                 else:
                     job.post("done", Done(e.finish, e.prompt_s, e.decode_s))
-        if stats.get("batch_sizes") or stats.get("prompt_tokens"):
-            self.scheduler.observer.on_steps(stats)
 
     def describe(self) -> dict[str, Any]:
         """What /v1/engine shows of this engine."""
@@ -324,16 +404,16 @@ class Scheduler:
 
     def submit(self, *jobs: Job) -> None:
         """Queue admitted jobs, all at once: the `n` choices of one request reach an engine in one
-        poll when it has the slots, so it reads their shared prompt once.
+        poll when it has the slots, so it reads their shared prompt once. A drain that began after their
+        admission does not refuse them: an admitted request counts as waiting (gemma_num_requests_waiting),
+        and the drain lets waiting requests finish.
 
         Raises:
-            EngineDead, Draining: nothing was queued; the caller releases its admissions.
+            EngineDead: nothing was queued; the caller releases its admissions.
         """
         with self._cond:
             if self.dead:
                 raise EngineDead(f"No engine is running: {self.dead}")
-            if self.draining:
-                raise Draining()
             self._queue.extend(jobs)
             self._cond.notify_all()
 
@@ -358,17 +438,18 @@ class Scheduler:
         self.draining = True
 
     def abort_all(self) -> None:
-        """Shutdown timeout reached: cancel running jobs and fail every queued one."""
+        """Shutdown timeout reached: end every running and queued job (the engine cancels the running ones)."""
         with self._cond:
             queued, self._queue = list(self._queue), collections.deque()
             self._admitted -= len(queued)
-            for w in self.workers:
-                for job in w.active.values():
-                    job.cancel = "shutdown"
+            running = [job for w in self.workers for job in w.active.values()]
             self._gauges()
+        for job in running:
+            job.end(Cause.SHUTDOWN, error=Shutdown(
+                "The server shut down before this request finished (--shutdown-timeout reached)."))
         for job in queued:
-            job.cancel = "shutdown"
-            job.post("error", Shutdown("The server shut down before this request started."))
+            end = job.end(Cause.SHUTDOWN, error=Shutdown("The server shut down before this request started."))
+            job.post("error", end.error)
 
     def stop(self) -> None:
         """End the engines' loops (requests still running end cancelled)."""
@@ -401,14 +482,14 @@ class Scheduler:
                     return None
                 cancels = []
                 for job in worker.active.values():
-                    if job.cancel is not None and not job.cancel_sent:
+                    if job.ended is not None and not job.cancel_sent:
                         job.cancel_sent = True
                         cancels.append(job.id)
                 jobs = []
                 while self._queue and worker.free > 0 and self._most_free(worker):
                     job = self._queue.popleft()
                     self._admitted -= 1
-                    if job.cancel is not None:  # left while queued, but reached here first
+                    if job.ended is not None:  # ended while queued, but reached here first
                         job.post("done", Done("cancelled", 0.0, 0.0))
                         continue
                     job.started = time.monotonic()

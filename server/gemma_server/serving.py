@@ -8,8 +8,8 @@ ending with `data: [DONE]`, the non-streaming path joins them. Differences, each
   shutdown while queued) is a JSON error with its status, not a broken stream;
 - while a request waits for the engine, a task watches for `http.disconnect` (vLLM's
   `with_cancellation`) and cancels it; once the stream is open, Starlette's own disconnect listener
-  cancels the generator. Either way the job's cancel flag stops the decode within one token batch and
-  the request is recorded with finished_reason="abort";
+  cancels the generator. Either way that is the request's end (`Job.end`, decided once), which stops the
+  decode within one token batch, and the request is recorded with finished_reason="abort";
 - an error after the stream opened is sent as `data: {"error": {...}}` then `data: [DONE]` (vLLM,
   llama.cpp), which the openai SDK raises as APIError.
 """
@@ -17,31 +17,28 @@ ending with `data: [DONE]`, the non-streaming path joins them. Differences, each
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
+import random
 import time
 import uuid
-import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gemma_server.errors import ApiError, as_api_error, bad_request, sse_error, sse_event
+from gemma_server.errors import as_api_error, sse_error, sse_event
 from gemma_server.metrics import Metrics
 from gemma_server.protocol import (
     ChatChoice,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionChoice,
-    CompletionRequest,
     CompletionResponse,
     EngineParams,
     ResponseMessage,
     Timings,
     Usage,
 )
-from gemma_server.scheduler import Done, Job, Scheduler, Shutdown
+from gemma_server.scheduler import Cause, Done, Job, Scheduler
 from gemma_server.text import IncrementalDetokenizer, StopMatcher
 
 log = logging.getLogger(__name__)
@@ -51,115 +48,6 @@ DONE_EVENT = b"data: [DONE]\n\n"
 
 class ClientDisconnected(Exception):
     """The client went away before the response started."""
-
-
-def render_chat(tokenizer, request: ChatCompletionRequest) -> list[int]:
-    """Apply the checkpoint's chat template and tokenize (the template adds BOS itself).
-
-    Message content is the client's text: a control token typed into it (`<start_of_turn>`, `<eos>`) is
-    encoded as the characters it is made of, never as the control token, so a message cannot forge a
-    turn. Only the template's own markup becomes control tokens.
-
-    Raises:
-        ApiError: 400 naming `messages` when the template rejects the conversation (e.g. roles that do
-            not alternate) or `chat_template_kwargs` when those do not fit.
-    """
-    import jinja2
-
-    kwargs = template_kwargs(tokenizer, request.chat_template_kwargs or {})
-    messages = request.template_messages()
-    try:
-        text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=request.add_generation_prompt, **kwargs,
-        )
-    except TypeError as e:
-        raise bad_request("chat_template_kwargs", f"Bad chat_template_kwargs: {e}") from e
-    except (jinja2.TemplateError, ValueError, ArithmeticError, LookupError) as e:
-        raise bad_request("messages", f"The chat template rejected the messages: {e}") from e
-    contents = [m["content"] for m in messages]
-    controls = control_tokens(tokenizer)
-    if not any(c in content for content in contents for c in controls):
-        return encode(tokenizer, text, "messages", add_special_tokens=False)
-    return encode_with_literal_contents(tokenizer, text, contents)
-
-
-# Variables the server (or Transformers' apply_chat_template) sets itself: not a request's to set.
-_TEMPLATE_OWN = frozenset({"messages", "add_generation_prompt", "continue_final_message", "tools", "documents",
-                           "raise_exception", "strftime_now", "bos_token", "eos_token", "unk_token", "pad_token",
-                           "sep_token", "cls_token", "mask_token", "additional_special_tokens"})
-
-
-def template_kwargs(tokenizer, given: dict[str, Any]) -> dict[str, Any]:
-    """The request's chat_template_kwargs that the checkpoint's template reads; the others are ignored
-    (logged), as vLLM's `resolve_chat_template_kwargs` (vllm/entrypoints/chat_utils.py) keeps only
-    the template's own variables.
-
-    Raises:
-        ApiError: 400 when the request names `chat_template`: a template from the request would run
-            arbitrary Jinja (loops that hold the event loop, errors of any type); only the checkpoint's
-            own is used, as vLLM does by default.
-    """
-    if "chat_template" in given:
-        raise bad_request("chat_template_kwargs", "chat_template cannot be set by a request; the checkpoint's own is used.")
-    template = tokenizer.chat_template
-    readable = (template_variables(template) if isinstance(template, str) else frozenset()) - _TEMPLATE_OWN
-    ignored = sorted(set(given) - readable)
-    if ignored:
-        log.warning("ignored chat_template_kwargs the chat template does not read: %s", ", ".join(ignored))
-    return {k: v for k, v in given.items() if k in readable}
-
-
-@functools.lru_cache(maxsize=8)
-def template_variables(template: str) -> frozenset[str]:
-    """The variables a Jinja chat template reads (jinja2.meta)."""
-    import jinja2
-    import jinja2.meta
-
-    return frozenset(jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(template)))
-
-
-def control_tokens(tokenizer) -> list[str]:
-    """The strings the tokenizer turns into special (control) tokens."""
-    return [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
-
-
-def encode_with_literal_contents(tokenizer, text: str, contents: list[str]) -> list[int]:
-    """Tokenize rendered chat `text` with the template's markup as control tokens and each message's
-    content (found in order in `text`) with special tokens split into plain text."""
-    ids: list[int] = []
-    at = 0
-    for i, content in enumerate(contents):
-        body = content.strip()  # templates trim content (Gemma's `| trim`)
-        if not body:
-            continue
-        found = text.find(body, at)
-        if found < 0:
-            raise bad_request(f"messages[{i}].content",
-                              "This message holds control-token text that the chat template changed; remove it.")
-        ids += encode(tokenizer, text[at:found], "messages", add_special_tokens=False)
-        ids += encode(tokenizer, body, f"messages[{i}].content", add_special_tokens=False, split_special=True)
-        at = found + len(body)
-    return ids + encode(tokenizer, text[at:], "messages", add_special_tokens=False)
-
-
-def encode(tokenizer, text: str, param: str, add_special_tokens: bool, split_special: bool = False) -> list[int]:
-    """tokenizer.encode, with text it cannot take (lone UTF-16 surrogates from a JSON escape) as a 400.
-    `split_special`: control-token strings in `text` are encoded as plain text."""
-    if not text:
-        return []
-    try:
-        return tokenizer.encode(text, add_special_tokens=add_special_tokens, split_special_tokens=split_special)
-    except (TypeError, ValueError, UnicodeError) as e:
-        raise bad_request(param, f"The text cannot be tokenized (is it valid Unicode?): {e}") from e
-
-
-def tokenize_completion(tokenizer, request: CompletionRequest) -> list[int]:
-    """A text prompt is tokenized with the tokenizer's special tokens (BOS), as vLLM does; ids pass as they are.
-    (A raw completion prompt is the client's own formatting: control tokens in it stay control tokens.)"""
-    prompt = request.single_prompt()
-    if isinstance(prompt, str):
-        return encode(tokenizer, prompt, "prompt", add_special_tokens=True)
-    return list(prompt)
 
 
 @dataclass
@@ -173,24 +61,29 @@ class Piece:
 class Generation:
     """One choice's decode seen from the asyncio side: token batches in, text pieces out, metrics at the end.
 
+    Its end is its job's (`Job.end`, decided once): `finish_reason` for the stream and the response, the
+    label for the metrics.
+
     Args:
         params: from the request's `engine_params`.
         index: which of the request's n choices this is.
+        job: its engine job (`Generation.create` makes one from `params`).
         tokenizer: for incremental detokenization.
         scheduler: where the job goes.
         metrics: where the request is recorded when it ends.
-        arrival: time.monotonic() when the request arrived.
         on_end: called once, when the choice is recorded (the client's share of the server is given back).
+        gone: why the client went, asked when it has (Cause.CLIENT_GONE, or Cause.STALLED when its reply
+            stalled: connections.py).
     """
 
-    def __init__(self, params: EngineParams, index: int, tokenizer, scheduler: Scheduler, metrics: Metrics,
-                 arrival: float, on_end: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, params: EngineParams, index: int, job: Job, tokenizer, scheduler: Scheduler,
+                 metrics: Metrics, on_end: Callable[[], None] = lambda: None,
+                 gone: Callable[[], Cause] = lambda: Cause.CLIENT_GONE) -> None:
         self.params = params
         self.index = index
-        sampling = params.choice_sampling(index, lambda: random.getrandbits(63))
-        self.job = Job.create(list(params.prompt_ids), params.max_new, list(params.stop_ids), sampling,
-                              asyncio.get_running_loop(), arrival)
+        self.job = job
         self._on_end = on_end
+        self._gone = gone
         self._scheduler = scheduler
         self._metrics = metrics
         self._detok = IncrementalDetokenizer(tokenizer, params.prompt_ids)
@@ -198,9 +91,27 @@ class Generation:
         self.completion_tokens = 0  # tokens that made it into the output
         self.first_token: float | None = None
         self.last_token: float | None = None
-        self.finish_reason: str | None = None
         self.done: Done | None = None
         self._recorded = False
+
+    @classmethod
+    def create(cls, params: EngineParams, index: int, arrival: float, tokenizer, scheduler: Scheduler,
+               metrics: Metrics, **kw: Any) -> Generation:
+        """Choice `index` of a request, with its engine job (its own seed: `EngineParams.choice_sampling`).
+
+        Raises:
+            EngineRefused: the engine's own checks refused a value (`Job.create`).
+        """
+        sampling = params.choice_sampling(index, lambda: random.getrandbits(63))
+        job = Job.create(list(params.prompt_ids), params.max_new, list(params.stop_ids), sampling,
+                         asyncio.get_running_loop(), arrival)
+        return cls(params, index, job, tokenizer, scheduler, metrics, **kw)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's finish_reason once the choice has ended ("stop", "length", "abort"); None before, or when
+        it failed."""
+        return self.job.ended.finish_reason if self.job.ended else None
 
     def _consume(self, ids: list[int], logprobs: list) -> Piece:
         out = Piece("")
@@ -214,17 +125,17 @@ class Generation:
                 chosen, top = logprobs[i]
                 out.logprobs.append((t, chosen, list(top)))
             if self._stops.stopped:
-                self.job.cancel = self.job.cancel or "stop"  # the engine stops at its next read point
+                self.job.end(Cause.STOP_STRING)  # the engine stops at its next read point
         out.text = "".join(texts)
         return out
 
     async def pieces(self) -> AsyncIterator[Piece]:
-        """Pieces as they are decoded (possibly empty); sets `finish_reason` and `done` at the end.
+        """Pieces as they are decoded (possibly empty), until the choice's end.
 
         Raises:
-            ApiError: 503 when the shutdown timeout cut the request, 400/500/503 when the engine refused or failed.
+            ApiError: the choice failed (the engine refused or failed it: 400/500/503; the shutdown timeout
+                cut it: 503).
         """
-        reason = "abort"
         events = self.job.events
         pending = None  # an event taken while coalescing, handled next
         try:
@@ -244,35 +155,24 @@ class Generation:
                         piece.text += more.text
                         piece.logprobs += more.logprobs
                     yield piece
-                elif kind == "done":
-                    self.done = done = payload
-                    text = ""
-                    if not self._stops.stopped:
-                        text += self._stops.feed(self._detok.flush())
-                    text += self._stops.flush()
-                    if self.job.cancel == "shutdown":
-                        raise Shutdown("The server shut down before this request finished (--shutdown-timeout reached).")
-                    if self._stops.stopped or done.finish == "stop":
-                        reason = "stop"
-                    elif done.finish == "length":
-                        reason = "length"
-                    else:
-                        reason = "abort"
-                    self.finish_reason = reason
-                    yield Piece(text)
-                    return
+                    continue
+                if kind == "done":
+                    self.done = payload
+                    end = self.job.end(Cause.ENGINE, engine_finish=payload.finish)
                 else:  # "error"
-                    reason = "error"
-                    raise as_api_error(payload)
-        except Shutdown:
-            reason = "abort"
-            raise
+                    end = self.job.end(Cause.FAILED, error=payload)
+                if end.error is not None:
+                    raise as_api_error(end.error)
+                yield Piece(self._tail())
+                return
         finally:
-            if self.finish_reason is None and reason != "error":
-                # Left early (disconnect, cancellation): stop the decode or leave the queue.
-                self.job.cancel = self.job.cancel or "abort"
-                self._scheduler.withdraw(self.job)
-            self.record(reason)
+            # Nothing is decided when the client left (a disconnect, a cancelled task): that is the end.
+            self.leave()
+
+    def _tail(self) -> str:
+        """The text held back until the decode ended."""
+        text = "" if self._stops.stopped else self._stops.feed(self._detok.flush())
+        return text + self._stops.flush()
 
     def _tokens(self, ids: list[int], logprobs: list, t: float) -> Piece:
         if self.last_token is not None:
@@ -281,21 +181,24 @@ class Generation:
         self.last_token = t
         return self._consume(ids, logprobs)
 
-    def abandon(self) -> None:
-        """The client left before the generator ran: cancel the job and record the abort."""
-        if not self._recorded:
-            self.job.cancel = self.job.cancel or "abort"
+    def leave(self) -> None:
+        """The client went away (or the request could not be queued): unless the choice has already ended,
+        that is its end (`gone`), which takes the job out of the queue or cancels its decode; then the choice
+        is recorded."""
+        if self.job.ended is None:
+            cause = self.job.end(self._gone()).cause
             self._scheduler.withdraw(self.job)
-            self.record("abort")
+            log.info("request %d aborted: %s", self.job.id, cause.value)
+        self._record()
 
-    def record(self, reason: str) -> None:
-        """Record the request's metrics once."""
+    def _record(self) -> None:
+        """Record the choice's metrics once, under its end's label."""
         if self._recorded:
             return
         self._recorded = True
         self._on_end()
         self._metrics.record_request(
-            finished_reason=reason, prompt_tokens=len(self.params.prompt_ids),
+            finished_reason=self.job.ended.label, prompt_tokens=len(self.params.prompt_ids),
             generation_tokens=self.completion_tokens, arrival=self.job.arrival, started=self.job.started,
             first_token=self.first_token, last_token=self.last_token, finished=time.monotonic(),
         )
@@ -447,10 +350,10 @@ class Formatter:
                       usage=usage(gens), timings=timings)
         if self.chat:
             choices = [ChatChoice(index=g.index, message=ResponseMessage(content=text),
-                                  finish_reason=g.finish_reason or "abort")
+                                  finish_reason=g.finish_reason)
                        for (text, _), g in zip(outputs, gens)]
             return ChatCompletionResponse(choices=choices, **common)
-        choices = [CompletionChoice(index=g.index, text=text, finish_reason=g.finish_reason or "abort")
+        choices = [CompletionChoice(index=g.index, text=text, finish_reason=g.finish_reason)
                    for (text, _), g in zip(outputs, gens)]
         return CompletionResponse(choices=choices, **common)
 
@@ -531,7 +434,7 @@ async def _sse_body(gens: list[Generation], fmt: Formatter, items: AsyncIterator
         while True:
             for index, piece in pending:
                 if piece is None:
-                    head += fmt.finish_event(index, gens[index].finish_reason or "abort")
+                    head += fmt.finish_event(index, gens[index].finish_reason)
                 elif piece.text or piece.logprobs:
                     head += fmt.piece_event(index, piece)
             if head:

@@ -54,6 +54,16 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str, interva
         time.sleep(interval)
 
 
+def sample(server: "InProcessServer", name: str, **labels: str) -> float:
+    """One sample of an in-process server's own registry, read with prometheus_client's public
+    `get_sample_value` (every series carries the served model's name). Fails on a series that does not exist,
+    so a misspelt name cannot read as 0."""
+    value = server.state.metrics.registry.get_sample_value(name, {"model_name": server.state.config.model_name,
+                                                                  **labels})
+    assert value is not None, f"no sample {name} {labels}"
+    return value
+
+
 def get_status(url: str) -> int | None:
     try:
         return httpx.get(url, timeout=5).status_code

@@ -22,7 +22,7 @@ import schemathesis
 from prometheus_client.parser import text_string_to_metric_families
 
 # (param, message prefix) of the 400s a schema-valid request may get; the messages are the server's own
-# (serving.render_chat, GenerationRequest.engine_params and check_size).
+# (chat_template.render_chat, GenerationRequest.engine_params and check_size).
 REFUSALS_BEYOND_THE_SCHEMA = (
     ("messages", "The chat template rejected the messages:"),
     ("messages", "Input length ("),

@@ -3,6 +3,7 @@ tiny chat checkpoint (server running in-process, see conftest.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 
@@ -11,8 +12,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gemma_server.protocol import ChatCompletionRequest
 from tests.checkpoints import CHAT_PROMPT
-from tests.server.conftest import CONTEXT, LONG_PROMPT, wait_for
+from tests.server.conftest import CONTEXT, LONG_PROMPT, sample, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -231,17 +233,21 @@ def test_unknown_fields_seed_and_user_are_accepted(client, model):
 
 def test_a_request_that_disconnects_mid_stream_is_aborted_and_the_engine_goes_idle(server, model, long_prompt):
     state = server.state
-    aborts = state.metrics.request_success["abort"]._value.get()
+    aborts = aborted(server)
     with httpx.stream("POST", server.base + "/v1/completions", timeout=60,
                       json={"model": model, "prompt": long_prompt, "max_tokens": CONTEXT, "stream": True}) as r:
         it = r.iter_bytes()
         assert next(it).startswith(b"data: ")
         job = wait_for(lambda: running_job(state), 30, "decode running")
     # The server notices the closed connection; the decode stops at the engine's next read point.
-    wait_for(lambda: state.metrics.request_success["abort"]._value.get() == aborts + 1, 30, "abort counted")
+    wait_for(lambda: aborted(server) == aborts + 1, 30, "abort counted")
     wait_for(lambda: not state.scheduler.busy(), 30, "engine idle")
-    assert state.metrics.num_requests_running._value.get() == 0
+    assert sample(server, "gemma_num_requests_running") == 0
     assert_engine_cancelled(job)
+
+
+def aborted(server) -> float:
+    return sample(server, "gemma_request_success_total", finished_reason="abort")
 
 
 def running_job(state):
@@ -259,14 +265,14 @@ def assert_engine_cancelled(job):
 
 def test_a_non_streamed_request_that_disconnects_mid_decode_is_aborted(server, model, long_prompt):
     state = server.state
-    aborts = state.metrics.request_success["abort"]._value.get()
+    aborts = aborted(server)
     body = json.dumps({"model": model, "prompt": long_prompt, "max_tokens": CONTEXT}).encode()
     host, port = server.base.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as conn:  # a client that hangs up mid-decode
         conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         job = wait_for(lambda: running_job(state), 30, "decode running")
-    wait_for(lambda: state.metrics.request_success["abort"]._value.get() == aborts + 1, 30, "abort counted")
+    wait_for(lambda: aborted(server) == aborts + 1, 30, "abort counted")
     wait_for(lambda: not state.scheduler.busy(), 30, "engine idle")
     assert_engine_cancelled(job)
 
@@ -364,3 +370,33 @@ def test_a_trailing_slash_is_a_404_not_a_redirect_built_from_the_host_header(ser
                       headers={"Host": "evil.example"}, follow_redirects=False)
     assert r.status_code == 404 and "location" not in r.headers
     assert r.json()["error"]["code"] == 404
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_request_the_protocol_lets_through_but_the_engine_refuses_is_a_400_and_the_next_is_served(
+        server, model, monkeypatch, stream):
+    loaded = server.state.boot.loaded
+    # The server's vocabulary bound loosened past the engine's, so the protocol lets an id the engine does
+    # not have through, and the engine's own admission check (finish "error") is what refuses it.
+    monkeypatch.setattr(server.state.boot, "loaded", dataclasses.replace(loaded, vocab_size=loaded.vocab_size + 10))
+    errors = sample(server, "gemma_request_success_total", finished_reason="error")
+    body = {"model": model, "prompt": [2, loaded.vocab_size + 5], "max_tokens": 2, "stream": stream}
+    r = httpx.post(server.base + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.headers["content-type"] == "application/json"  # an error before the first token opens no stream
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert (err["type"], err["code"]) == ("invalid_request_error", 400)
+    assert str(loaded.vocab_size + 5) in err["message"]
+    assert sample(server, "gemma_request_success_total", finished_reason="error") == errors + 1
+    monkeypatch.undo()
+    r = httpx.post(server.base + "/v1/completions", json={**body, "prompt": [2, 3], "stream": False}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_a_request_is_checked_once(server, client, model, monkeypatch):
+    calls = []
+    check = ChatCompletionRequest.check
+    monkeypatch.setattr(ChatCompletionRequest, "check", lambda self: (calls.append(self), check(self))[1])
+    client.chat.completions.create(model=model, messages=CHAT_PROMPT, max_tokens=2)
+    assert len(calls) == 1

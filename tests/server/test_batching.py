@@ -10,7 +10,7 @@ import openai
 import pytest
 import torch
 
-from tests.server.conftest import start_in_process
+from tests.server.conftest import LONG_PROMPT, sample, start_in_process, wait_for
 
 PROMPTS = [
     "Write a short paragraph about the ocean.",
@@ -20,6 +20,11 @@ PROMPTS = [
     "Hello",
     "Name three colours.",
 ]
+
+
+@pytest.fixture(scope="module")
+def long_prompt(tokenizer) -> list[int]:
+    return tokenizer.encode(LONG_PROMPT)
 
 
 def chat_ids(tokenizer, content: str) -> list[int]:
@@ -45,8 +50,8 @@ def test_concurrent_greedy_requests_each_get_the_engines_reply_alone(client, mod
 
 def batched_steps(server) -> float:
     """Decode steps so far that held two or more requests (gemma_iteration_tokens_total above its 1 bucket)."""
-    buckets = server.state.metrics.iteration_tokens._buckets
-    return sum(b.get() for b in buckets) - buckets[0].get()
+    return (sample(server, "gemma_iteration_tokens_total_count")
+            - sample(server, "gemma_iteration_tokens_total_bucket", le="1.0"))
 
 
 def test_a_seeded_sampled_reply_is_the_same_alone_and_under_load(client, model):
@@ -99,10 +104,10 @@ def test_n_choices_are_each_reproducible_by_seed(client, model):
 
 
 def test_n_choices_read_their_prompt_once(server, client, model):
-    counters = server.state.metrics
-    before = counters.prompt_tokens_read._value.get(), counters.prompt_tokens._value.get()
+    before = sample(server, "gemma_prompt_tokens_read_total"), sample(server, "gemma_prompt_tokens_total")
     r = ask(client, model, PROMPTS[1], max_tokens=5, n=3, temperature=1.0, seed=8)
-    read, counted = counters.prompt_tokens_read._value.get() - before[0], counters.prompt_tokens._value.get() - before[1]
+    read = sample(server, "gemma_prompt_tokens_read_total") - before[0]
+    counted = sample(server, "gemma_prompt_tokens_total") - before[1]
     assert (read, counted) == (r.usage.prompt_tokens, 3 * r.usage.prompt_tokens)
 
 
@@ -120,12 +125,50 @@ def test_streamed_n_choices_each_finish(client, model):
         assert text[i] == alone
 
 
-def test_metrics_show_slots_and_steps(server, client, model):
-    ask(client, model, PROMPTS[4], max_tokens=4)
-    text = httpx.get(server.base + "/metrics").text
-    for name in ("gemma_kv_cache_usage_perc", "gemma_iteration_tokens_total_bucket", "gemma_engine_step_seconds_bucket",
-                 "gemma_num_requests_running"):
-        assert name in text, name
+STEP_SERIES = ("gemma_iteration_tokens_total_count", "gemma_iteration_tokens_total_sum",
+               "gemma_engine_step_seconds_count", "gemma_prompt_tokens_read_total", "gemma_prompt_tokens_total",
+               "gemma_generation_tokens_total", "gemma_request_generation_tokens_count",
+               "gemma_request_generation_tokens_sum", "gemma_time_to_first_token_seconds_count",
+               "gemma_inter_token_latency_seconds_count", "gemma_e2e_request_latency_seconds_count")
+
+
+def test_step_and_token_metrics_grow_by_what_one_request_did(server, model, tokenizer):
+    ids = tokenizer.encode("Hello")
+    before = {name: sample(server, name) for name in STEP_SERIES}
+    lengths = sample(server, "gemma_request_success_total", finished_reason="length")
+    r = httpx.post(server.base + "/v1/completions", timeout=60, json={"model": model, "prompt": ids, "max_tokens": 8})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+    grew = {name: sample(server, name) - before[name] for name in STEP_SERIES}
+    # The first token comes out of the prompt's forward, the other 7 out of one decode step each, and the
+    # request ran alone: one row per step.
+    assert (grew["gemma_iteration_tokens_total_count"], grew["gemma_iteration_tokens_total_sum"]) == (7, 7)
+    assert grew["gemma_engine_step_seconds_count"] >= 7  # the decode turns and the prompt's
+    assert (grew["gemma_prompt_tokens_read_total"], grew["gemma_prompt_tokens_total"]) == (len(ids), len(ids))
+    assert (grew["gemma_generation_tokens_total"], grew["gemma_request_generation_tokens_sum"]) == (8, 8)
+    assert grew["gemma_request_generation_tokens_count"] == grew["gemma_time_to_first_token_seconds_count"] == 1
+    assert grew["gemma_e2e_request_latency_seconds_count"] == 1
+    assert grew["gemma_inter_token_latency_seconds_count"] == 7  # one per token after the first
+    assert sample(server, "gemma_request_success_total", finished_reason="length") == lengths + 1
+    # Its slot is free again.
+    assert slots(server) == (0, 0)
+
+
+def test_a_running_request_holds_one_of_the_four_slots_until_it_ends(server, model, long_prompt):
+    with httpx.stream("POST", server.base + "/v1/completions", timeout=60,
+                      json={"model": model, "prompt": long_prompt, "max_tokens": 200, "stream": True}) as r:
+        events = r.iter_bytes()
+        assert next(events).startswith(b"data: ")
+        wait_for(lambda: slots(server) == (1, 0.25), 30, "the request in one of the four slots")
+        assert b"".join(events).endswith(b"data: [DONE]\n\n")
+    wait_for(lambda: slots(server) == (0, 0), 30, "the slot freed")
+
+
+def slots(server) -> tuple[float, float]:
+    """(gemma_num_requests_running, gemma_kv_cache_usage_perc)."""
+    return sample(server, "gemma_num_requests_running"), sample(server, "gemma_kv_cache_usage_perc")
+
+
+def test_the_engine_report_shows_the_slots_and_weights(server):
     info = httpx.get(server.base + "/v1/engine").json()
     assert [e["max_batch"] for e in info["engines"]] == [4]
     assert info["engines"][0]["kv_bytes"] == 4 * info["engines"][0]["kv_bytes_per_slot"] > 0

@@ -192,3 +192,30 @@ def test_packed_int4_is_off_and_cuda_graphs_on_by_default_and_each_can_be_switch
     assert (c.packed_int4, c.cuda_graphs) == (True, False)
     c = parse_config(["--model", "m"], {"GEMMA_PACKED_INT4": "1", "GEMMA_CUDA_GRAPHS": "off"})
     assert (c.packed_int4, c.cuda_graphs) == (True, False)
+
+
+SWITCHES = ("GEMMA_PACKED_INT4", "GEMMA_CUDA_GRAPHS", "GEMMA_METRICS_NEED_KEY", "GEMMA_EXPOSE_PATHS",
+            "GEMMA_USE_INSTALLED_ENGINE", "TORCH_TPU_DEFER_AND_FUSE")
+
+
+@pytest.mark.parametrize("env", SWITCHES)
+def test_an_unknown_word_in_a_switch_variable_stops_the_start_naming_it_and_the_accepted_words(env, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_config(["--model", "/m"], {env: "maybe"})
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{env}='maybe'" in err and "must be 1 or 0 (true/false, yes/no, on/off)" in err
+
+
+@pytest.mark.parametrize("env", SWITCHES)
+def test_every_switch_variable_reads_the_same_words(env):
+    name = next(f for f in ("packed_int4", "cuda_graphs", "metrics_need_key", "expose_paths", "use_installed_engine",
+                            "tpu_defer_and_fuse") if env.endswith(f.upper()))
+    for word, value in (("1", True), ("TRUE", True), (" yes", True), ("on", True), ("0", False), ("false", False),
+                        ("No", False), ("off ", False)):
+        assert getattr(parse_config(["--model", "/m"], {env: word}), name) is value, word
+
+
+def test_the_queue_limit_is_64_unless_set():
+    assert parse_config(["--model", "/m"], {}).queue_limit == 64
+    assert parse_config(["--model", "/m"], {"GEMMA_QUEUE_LIMIT": "5"}).queue_limit == 5

@@ -274,6 +274,7 @@ def test_a_client_that_stops_reading_its_stream_is_aborted_and_its_slots_freed(g
     before_stalled = metric(server.base, "gemma_stalled_replies_total")
     before_aborts = metric(server.base, "gemma_request_success_total", finished_reason="abort")
     before_generated = metric(server.base, "gemma_request_generation_tokens_sum")
+    stalled_ends = server.logs().count("aborted: the client stopped reading its reply")
     eos = {str(i): -100 for i in {tokenizer.eos_token_id, *tokenizer.all_special_ids}}
     n, max_tokens = 4, 900
     request = json.dumps({"messages": [{"role": "user", "content": "Tell me everything."}], "stream": True,
@@ -294,6 +295,8 @@ def test_a_client_that_stops_reading_its_stream_is_aborted_and_its_slots_freed(g
     # Its choices ended as aborts, long before their 900 tokens.
     wait_for(lambda: metric(server.base, "gemma_request_success_total", finished_reason="abort")
              == before_aborts + n, 30, "the aborts counted")
+    # Each choice's end names the stall (connections.py marks the request), not a plain disconnect.
+    assert server.logs().count("aborted: the client stopped reading its reply") == stalled_ends + n
     generated = metric(server.base, "gemma_request_generation_tokens_sum") - before_generated
     assert generated < 0.8 * n * max_tokens, generated  # cut well before the end (kernel buffers hold ~half)
     served = httpx.post(server.base + "/v1/completions", headers=keyed(), timeout=60,

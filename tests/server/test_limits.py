@@ -18,7 +18,7 @@ import pytest
 from gemma_server.errors import ApiError
 from bench.soak import rss_mb
 from gemma_server.protocol import ChatCompletionRequest
-from gemma_server.serving import control_tokens, render_chat, template_kwargs
+from gemma_server.chat_template import control_tokens, render_chat, template_kwargs
 from tests.server.conftest import CONTEXT, Spawned, get_status, spawn_server, wait_for
 
 MB = 1024 * 1024

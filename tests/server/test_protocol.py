@@ -7,7 +7,8 @@ import pytest
 from pydantic import ValidationError
 
 from gemma_server.errors import ApiError
-from gemma_server.protocol import ChatCompletionRequest, CompletionRequest, token_id_key_pattern
+from gemma_server.openapi import token_id_key_pattern
+from gemma_server.protocol import ChatCompletionRequest, CompletionRequest
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -17,6 +18,8 @@ def chat(**kw):
 
 
 def params(req, n_prompt=10, context=100, vocab=512):
+    """The request's engine parameters, checked first as the server checks it (once, before admission)."""
+    req.check()
     return req.engine_params(list(range(1, n_prompt + 1)), context, vocab)
 
 
@@ -205,3 +208,31 @@ def test_a_logprob_answer_over_its_budget_is_400_naming_the_product():
     assert e.value.param == "logprobs"
     # Without log-probabilities there is no such budget.
     chat(n=16, max_tokens=8000).engine_params([1, 2], 8192, 512)
+
+
+def test_the_protocols_copies_of_the_engines_limits_are_the_engines():
+    """protocol.py cannot import gemma_engine (it is imported before the boot builds the engine), so it writes
+    the engine's bounds out; here they are held to the engine's own declaration."""
+    import gemma_engine
+
+    from gemma_server import protocol
+
+    assert {"max_top_logprobs": protocol.MAX_TOP_LOGPROBS, "max_logit_bias": protocol.MAX_LOGIT_BIAS,
+            "max_stop_token_ids": protocol.MAX_STOP_TOKEN_IDS} == gemma_engine.LIMITS
+
+
+@pytest.mark.parametrize("field, at_limit", [
+    ("top_logprobs", lambda n: {"logprobs": True, "top_logprobs": n}),
+    ("logit_bias", lambda n: {"logit_bias": {str(i): 1.0 for i in range(n)}}),
+    ("stop_token_ids", lambda n: {"stop_token_ids": list(range(n))}),
+])
+def test_the_engines_limits_pass_at_the_limit_and_are_400_past_it(field, at_limit):
+    import gemma_engine
+
+    limit = gemma_engine.LIMITS[{"top_logprobs": "max_top_logprobs", "logit_bias": "max_logit_bias",
+                                 "stop_token_ids": "max_stop_token_ids"}[field]]
+    params(chat(**at_limit(limit)), vocab=1024)
+    with pytest.raises((ApiError, ValidationError)) as e:
+        req = chat(**at_limit(limit + 1))
+        req.check()
+    assert field in str(e.value.param if isinstance(e.value, ApiError) else e.value)

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import start_in_process, wait_for
+from tests.server.conftest import sample, start_in_process, wait_for
 from tests.server.fakes import fake_gated_boot
 
 MESSAGES = [{"role": "user", "content": "Hello"}]
@@ -51,13 +51,12 @@ def raw_request(base: str, path: str, body: dict) -> socket.socket:
 
 def test_overflowing_queue_returns_429_with_retry_after(gated):
     server, engine = gated
-    m = server.state.metrics
     engine.gate.clear()
     url = server.base + "/v1/chat/completions"
     running, running_out = post_in_thread(url, {"messages": MESSAGES, "max_tokens": 3})
     wait_for(engine.decoding.is_set, 30, "the first request to start decoding")
     queued, queued_out = post_in_thread(url, {"messages": MESSAGES, "max_tokens": 3})
-    wait_for(lambda: m.num_requests_waiting._value.get() == 1, 30, "one request waiting")
+    wait_for(lambda: sample(server, "gemma_num_requests_waiting") == 1, 30, "one request waiting")
 
     r = httpx.post(url, json={"messages": MESSAGES, "max_tokens": 3})
     assert r.status_code == 429
@@ -77,16 +76,15 @@ def test_overflowing_queue_returns_429_with_retry_after(gated):
 
 def test_a_queued_request_that_disconnects_leaves_the_queue_without_decoding(gated):
     server, engine = gated
-    m = server.state.metrics
-    aborts = m.request_success["abort"]._value.get()
+    aborts = sample(server, "gemma_request_success_total", finished_reason="abort")
     engine.gate.clear()
     running, running_out = post_in_thread(server.base + "/v1/completions", {"prompt": "Hello", "max_tokens": 2})
     wait_for(engine.decoding.is_set, 30, "the first request to start decoding")
     sock = raw_request(server.base, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3})
-    wait_for(lambda: m.num_requests_waiting._value.get() == 1, 30, "one request waiting")
+    wait_for(lambda: sample(server, "gemma_num_requests_waiting") == 1, 30, "one request waiting")
     sock.close()
-    wait_for(lambda: m.num_requests_waiting._value.get() == 0, 30, "the queue to empty")
-    wait_for(lambda: m.request_success["abort"]._value.get() == aborts + 1, 30, "the abort to be counted")
+    wait_for(lambda: sample(server, "gemma_num_requests_waiting") == 0, 30, "the queue to empty")
+    wait_for(lambda: sample(server, "gemma_request_success_total", finished_reason="abort") == aborts + 1, 30, "the abort to be counted")
     engine.gate.set()
     running.join(30)
     assert running_out["status"] == 200
@@ -95,16 +93,15 @@ def test_a_queued_request_that_disconnects_leaves_the_queue_without_decoding(gat
 
 def test_a_streamed_request_that_disconnects_while_queued_is_aborted(gated):
     server, engine = gated
-    m = server.state.metrics
-    aborts = m.request_success["abort"]._value.get()
+    aborts = sample(server, "gemma_request_success_total", finished_reason="abort")
     engine.gate.clear()
     running, _ = post_in_thread(server.base + "/v1/completions", {"prompt": "Hello", "max_tokens": 2})
     wait_for(engine.decoding.is_set, 30, "the first request to start decoding")
     sock = raw_request(server.base, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3, "stream": True})
-    wait_for(lambda: m.num_requests_waiting._value.get() == 1, 30, "one request waiting")
+    wait_for(lambda: sample(server, "gemma_num_requests_waiting") == 1, 30, "one request waiting")
     sock.close()
-    wait_for(lambda: m.request_success["abort"]._value.get() == aborts + 1, 30, "the abort to be counted")
-    assert m.num_requests_waiting._value.get() == 0
+    wait_for(lambda: sample(server, "gemma_request_success_total", finished_reason="abort") == aborts + 1, 30, "the abort to be counted")
+    assert sample(server, "gemma_num_requests_waiting") == 0
     engine.gate.set()
     running.join(30)
     assert engine.decodes == 1
@@ -112,13 +109,12 @@ def test_a_streamed_request_that_disconnects_while_queued_is_aborted(gated):
 
 def test_choices_past_the_queue_limit_are_refused_together_and_hold_no_admission(gated):
     server, engine = gated
-    m = server.state.metrics
     url = server.base + "/v1/chat/completions"
     # n = 2 jobs against a queue limit of 1: refused as a whole, before tokenizing...
     r = httpx.post(url, json={"messages": MESSAGES, "max_tokens": 2, "n": 2})
     assert r.status_code == 429
     # ...and nothing of it stays admitted: the gauge is back at 0 and the next request is served.
-    assert m.num_requests_waiting._value.get() == 0
+    assert sample(server, "gemma_num_requests_waiting") == 0
     r = httpx.post(url, json={"messages": MESSAGES, "max_tokens": 2})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
