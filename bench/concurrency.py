@@ -299,7 +299,8 @@ def main(a) -> int:
     t_start = time.perf_counter()
     levels = sorted({int(c) for c in a.concurrency.split(",")})
     compare = sorted({int(c) for c in a.compare_at.split(",") if c})
-    gap_chunks = [int(c) for c in a.gap_chunks.split(",") if c]
+    # --gap-rounds 0 (or an empty --gap-chunks) skips the gap measurement (part 4).
+    gap_chunks = [int(c) for c in a.gap_chunks.split(",") if c] if a.gap_rounds > 0 else []
     context = a.prompt_tokens + a.max_tokens
     torch.set_num_threads(a.threads)
     config = make_config("small")

@@ -122,7 +122,8 @@ def main() -> int:
     batching.add_argument("--gap-chunks", default="4096,256,64",
                           help="--prefill-chunk values for the long-prompt gap; empty to skip it")
     batching.add_argument("--gap-context", type=int, default=4096)
-    batching.add_argument("--gap-rounds", type=int, default=3)
+    batching.add_argument("--gap-rounds", type=int, default=3,
+                          help="rounds of the gap measurement for each --gap-chunks value (0 skips it)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
                    help="torch threads for both engines (default: cores - 1, leaving a core for the server's "
