@@ -179,6 +179,18 @@ int aten_copy_to_host(gt *t, void *dst, size_t nbytes) {
       std::memcpy(dst, h.data_ptr(), nbytes))
 }
 
+// from_blob wraps the caller's bytes without copying; copy_ is then the one copy (to the device, or
+// within the host), finished before this returns (not non_blocking), so the bytes may go away after.
+int aten_write_bytes_(gt *t, const void *data, size_t nbytes) {
+  RET_INT(
+      if (!t->t.is_contiguous() || static_cast<size_t>(t->t.nbytes()) != nbytes) {
+        throw std::invalid_argument("write_bytes_: " + std::to_string(nbytes) + " bytes for a tensor of " +
+                                    std::to_string(t->t.nbytes()) + (t->t.is_contiguous() ? "" : ", not contiguous"));
+      }
+      at::Tensor src = at::from_blob(const_cast<void *>(data), t->t.sizes(), at::TensorOptions().dtype(t->t.scalar_type()));
+      t->t.copy_(src))
+}
+
 gt *aten_shallow_clone(gt *t) { RET(t->t) }
 
 int64_t aten_dim(gt *t) { return t->t.dim(); }

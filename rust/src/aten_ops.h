@@ -24,6 +24,8 @@ X(gt *, aten_from_python, (PyObject *obj))
 X(PyObject *, aten_to_python, (gt *t))
 X(gt *, aten_from_bytes, (const void *data, size_t nbytes, const int64_t *dims, size_t ndim, int dtype))
 X(int, aten_copy_to_host, (gt *t, void *dst, size_t nbytes))
+/* Copy `nbytes` host bytes into `t` (contiguous, exactly `nbytes` long, on any device): one copy. */
+X(int, aten_write_bytes_, (gt *t, const void *data, size_t nbytes))
 X(gt *, aten_shallow_clone, (gt *t))
 
 /* Metadata. */

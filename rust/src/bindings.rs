@@ -7,12 +7,14 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use crate::engine::request::{Event, Io, LIMITS, Request, StepStats};
+use crate::engine::grammar::Grammars;
+use crate::engine::request::{Event, Io, LIMITS, Request, StepStats, TokenLogprobs};
 use crate::engine::sampling::{self, Sampler, SamplingParams};
 use crate::engine::{self, Settings, parse_dtype};
 use crate::error::Error;
@@ -89,6 +91,43 @@ impl PySamplingParams {
     }
 }
 
+/// The token environment of one tokenizer for grammar-constrained sampling (see gemma_engine.pyi).
+#[pyclass(frozen, module = "gemma_engine", name = "Grammars")]
+pub struct PyGrammars {
+    inner: Arc<Grammars>,
+}
+
+#[pymethods]
+impl PyGrammars {
+    /// Raises:
+    ///     ValueError: an unsupported tokenizer, eos ids outside the vocabulary, a tokenizer larger
+    ///         than vocab_size. OSError: an unreadable file.
+    #[new]
+    fn new(py: Python<'_>, tokenizer_json: PathBuf, eos_ids: Vec<i64>, vocab_size: i64) -> PyResult<Self> {
+        let inner = py.detach(|| Grammars::load(&tokenizer_json, &eos_ids, vocab_size))?;
+        Ok(PyGrammars { inner: Arc::new(inner) })
+    }
+
+    /// Raises:
+    ///     ValueError: the grammar does not compile, or exceeds a limit (llguidance's message).
+    fn check(&self, py: Python<'_>, grammar: &str) -> PyResult<()> {
+        py.detach(|| self.inner.compile(grammar).map(|_| ()))?;
+        Ok(())
+    }
+
+    /// Raises:
+    ///     ValueError: the grammar does not compile.
+    fn accepts(&self, py: Python<'_>, grammar: &str, ids: Vec<i64>) -> PyResult<bool> {
+        Ok(py.detach(|| self.inner.accepts(grammar, &ids))?)
+    }
+
+    /// Raises:
+    ///     ValueError: the grammar does not compile or refuses one of `ids`.
+    fn allowed(&self, py: Python<'_>, grammar: &str, ids: Vec<i64>) -> PyResult<Vec<i64>> {
+        Ok(py.detach(|| self.inner.allowed(grammar, &ids))?)
+    }
+}
+
 /// One request for `Engine.run`.
 #[pyclass(frozen, module = "gemma_engine", name = "Request")]
 pub struct PyRequest {
@@ -98,10 +137,18 @@ pub struct PyRequest {
 #[pymethods]
 impl PyRequest {
     #[new]
-    #[pyo3(signature = (id, ids, max_new, stop_ids=Vec::new(), sampling=None))]
-    fn new(id: u64, ids: Vec<i64>, max_new: i64, stop_ids: Vec<i64>, sampling: Option<Py<PySamplingParams>>) -> Self {
+    #[pyo3(signature = (id, ids, max_new, stop_ids=Vec::new(), sampling=None, grammar=None, prompt_logprobs=None))]
+    fn new(
+        id: u64,
+        ids: Vec<i64>,
+        max_new: i64,
+        stop_ids: Vec<i64>,
+        sampling: Option<Py<PySamplingParams>>,
+        grammar: Option<String>,
+        prompt_logprobs: Option<i64>,
+    ) -> Self {
         let params = sampling.map(|s| s.get().inner.clone()).unwrap_or_default();
-        PyRequest { inner: Request { id, prompt: ids, max_new, stop_ids, params } }
+        PyRequest { inner: Request { id, prompt: ids, max_new, stop_ids, params, grammar, prompt_logprobs } }
     }
 
     #[getter]
@@ -120,17 +167,26 @@ impl PyRequest {
     }
 }
 
+/// Log-probabilities as Python sees them: per token, (logprob, [(token id, logprob), ...]).
+type PyLogprobs = Vec<(f32, Vec<(i64, f32)>)>;
+
 /// New tokens of one request, and its end once it ended (see gemma_engine.pyi).
 #[pyclass(frozen, get_all, module = "gemma_engine", name = "Event")]
 pub struct PyEvent {
     id: u64,
     tokens: Vec<i64>,
     /// Per token: (logprob, [(token id, logprob), ...]); empty unless the request asked.
-    logprobs: Vec<(f32, Vec<(i64, f32)>)>,
+    logprobs: PyLogprobs,
+    /// Per prompt position 1..n, when the request asked: (logprob, [(token id, logprob), ...]).
+    prompt_logprobs: Option<PyLogprobs>,
     finish: Option<&'static str>,
     error: Option<String>,
     prompt_s: f64,
     decode_s: f64,
+}
+
+fn logprob_pairs(l: Vec<TokenLogprobs>) -> PyLogprobs {
+    l.into_iter().map(|l| (l.logprob, l.top)).collect()
 }
 
 impl From<Event> for PyEvent {
@@ -138,7 +194,8 @@ impl From<Event> for PyEvent {
         PyEvent {
             id: e.id,
             tokens: e.tokens,
-            logprobs: e.logprobs.into_iter().map(|l| (l.logprob, l.top)).collect(),
+            logprobs: logprob_pairs(e.logprobs),
+            prompt_logprobs: e.prompt_logprobs.map(logprob_pairs),
             finish: e.finish.map(|f| f.as_str()),
             error: e.error,
             prompt_s: e.timing.prompt_s,
@@ -193,6 +250,7 @@ impl Io for PyIo {
             s.set_item("prompt_tokens", stats.prompt_tokens)?;
             s.set_item("prompt_reads", stats.prompt_reads.clone())?;
             s.set_item("seconds", stats.seconds)?;
+            s.set_item("mask_seconds", stats.mask_seconds)?;
             self.on_events.call1(py, (list, s))?;
             Ok(())
         });
@@ -242,7 +300,7 @@ impl Engine {
     ///         shape), bad dtype, context/prefill_chunk/max_batch < 1, a KV cache that does not fit.
     #[new]
     #[pyo3(signature = (model_dir, emb_dir=None, like=None, context=8192, dtype="bfloat16", prefill_chunk=256,
-                        max_batch=1, packed_int4=None, cuda_graphs=true, onednn=None))]
+                        max_batch=1, packed_int4=None, cuda_graphs=true, onednn=None, grammars=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -256,7 +314,9 @@ impl Engine {
         packed_int4: Option<bool>,
         cuda_graphs: bool,
         onednn: Option<bool>,
+        grammars: Option<Py<PyGrammars>>,
     ) -> PyResult<Engine> {
+        let grammars = grammars.map(|g| g.get().inner.clone());
         let dtype = parse_dtype(dtype)?;
         let settings = Settings { context, dtype, prefill_chunk, max_batch, packed_int4, cuda_graphs, onednn };
         let (like, like_py) = match like {
@@ -271,7 +331,8 @@ impl Engine {
             no_grad(|| {
                 engine::Engine::load(&model_dir, emb_dir.as_deref(), like, settings, |size| {
                     check_fits(size, context, free_bytes(&like_py)?)
-                })
+                })?
+                .with_grammars(grammars)
             })
         })?;
         Ok(Engine { inner })
@@ -359,7 +420,7 @@ impl Engine {
         sampling: Option<Py<PySamplingParams>>,
     ) -> PyResult<(Vec<i64>, &'static str, f64, f64)> {
         let params = sampling.map(|s| s.get().inner.clone()).unwrap_or_default();
-        let request = Request { id: 0, prompt: ids, max_new, stop_ids, params };
+        let request = Request { id: 0, prompt: ids, max_new, stop_ids, params, grammar: None, prompt_logprobs: None };
         let mut failed: Option<PyErr> = None;
         let inner = &mut self.inner;
         let done = py.detach(|| {
@@ -451,7 +512,7 @@ fn sample<'py>(
             let params = params.get();
             params.inner.check(vocab)?;
             let p = Tensor::from_i64(prompt)?.to_like(&logits, DType::I64)?;
-            sampler.assign(i as i64, &params.inner, &p)?;
+            sampler.assign(i as i64, &params.inner, &p, false)?;
             if !output.is_empty() {
                 sampler.record(i as i64, &Tensor::from_i64(output)?.to_like(&logits, DType::I64)?)?;
             }
@@ -559,6 +620,7 @@ fn gemma_engine_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Engine>()?;
     m.add_class::<PySamplingParams>()?;
     m.add_class::<PyRequest>()?;
+    m.add_class::<PyGrammars>()?;
     m.add_class::<PyEvent>()?;
     Ok(())
 }

@@ -484,6 +484,11 @@ impl Tensor {
         Ok(out)
     }
 
+    /// Overwrite `self` (contiguous, `data.len()` bytes, on any device) with `data`: one copy.
+    pub fn write_bytes_(&self, data: &[u8]) -> Result<()> {
+        status(ffi!("write_bytes_", ffi::aten_write_bytes_(self.ptr(), data.as_ptr() as *const c_void, data.len())))
+    }
+
     /// Copy a tensor to the host as f32 values (a host sync).
     pub fn to_vec_f32(&self) -> Result<Vec<f32>> {
         let n = self.numel()? as usize;

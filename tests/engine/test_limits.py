@@ -16,7 +16,9 @@ def engine(dense_checkpoint):
 
 
 def test_limits_are_a_dict_of_the_request_bounds():
-    assert gemma_engine.LIMITS == {"max_top_logprobs": 20, "max_logit_bias": 300, "max_stop_token_ids": 64}
+    assert gemma_engine.LIMITS == {
+        "max_top_logprobs": 20, "max_logit_bias": 300, "max_stop_token_ids": 64, "max_grammar_bytes": 65536
+    }
 
 
 def test_top_logprobs_at_the_limit_passes_and_one_more_names_logprobs_and_the_limit(engine):

@@ -28,7 +28,9 @@ LIMITS: dict[str, int]
 """The bounds every request is checked against, declared once in the engine (rust/src/engine/request.rs
 `LIMITS`): "max_top_logprobs" (20: `SamplingParams(logprobs=)` is at most this), "max_logit_bias" (300:
 entries of `SamplingParams(logit_bias=)`) and "max_stop_token_ids" (64: ids of `Request(stop_ids=)` and
-`Engine.decode(stop_ids=)`). A value past its limit is a ValueError naming the field and the limit.
+`Engine.decode(stop_ids=)`) and "max_grammar_bytes" (65536: bytes of `Request(grammar=)`; a grammar past it,
+or past llguidance's compile limits, ends the request "error"). A value past its limit is a ValueError
+naming the field and the limit.
 """
 
 def smoke(like: torch.Tensor) -> dict[str, float | str]:
@@ -112,9 +114,66 @@ class SamplingParams:
             vocabulary when the request is admitted).
         """
 
+class Grammars:
+    """The token environment of one tokenizer for grammar-constrained sampling (llguidance 1.9.1 over
+    toktrie 1.9.1; rust/src/engine/grammar.rs). Built once; thread-safe (a frozen pyclass, Send + Sync);
+    every method releases the GIL.
+
+    Grammars are llguidance Lark (its docs/syntax.md): they may embed `%json{...}` JSON Schemas and name
+    special tokens as `<|"|>` (by text) or `<[52]>` (by id). When a grammar is accepting, the eos ids are
+    allowed; once it has stopped (nothing more can follow), only they are.
+    """
+
+    def __init__(self, tokenizer_json: str, eos_ids: Sequence[int], vocab_size: int) -> None:
+        """Args:
+            tokenizer_json: path of a tokenizer.json: byte-level BPE, or SentencePiece byte fallback
+                (`<0xNN>` tokens; a Metaspace or Replace decoder).
+            eos_ids: the checkpoint's eos ids.
+            vocab_size: the model's vocabulary; ids past the tokenizer's are never allowed.
+        Raises:
+            ValueError: an unsupported tokenizer, an eos id outside [0, vocab_size), no eos id, or a
+                tokenizer with more tokens than vocab_size.
+            OSError: the file cannot be read.
+        """
+    def check(self, grammar: str) -> None:
+        """Compile `grammar`.
+
+        Raises:
+            ValueError: it does not compile (llguidance's message), it exceeds
+                LIMITS["max_grammar_bytes"], or it exceeds llguidance's compile limits (lexer fuel,
+                grammar size, nesting), so a schema built to be expensive is refused in milliseconds.
+        """
+    def accepts(self, grammar: str, ids: Sequence[int]) -> bool:
+        """True when the grammar consumes every id and is then accepting.
+
+        Raises:
+            ValueError: the grammar does not compile.
+        """
+    def allowed(self, grammar: str, ids: Sequence[int]) -> list[int]:
+        """The token ids allowed after `ids` (the eos ids alone once the grammar has stopped).
+
+        Raises:
+            ValueError: the grammar does not compile or refuses one of `ids`.
+        """
+
 class Request:
     """One request for `Engine.run`: prompt ids, at most `max_new` new tokens, extra stop ids (at most
-    LIMITS["max_stop_token_ids"], 64; more end the request "error" at admission)."""
+    LIMITS["max_stop_token_ids"], 64; more end the request "error" at admission).
+
+    `grammar`: an llguidance Lark grammar (see `Grammars`) every generated token follows: the tokens it
+    does not allow are masked to -inf on the device before logit bias, penalties, temperature, top-k,
+    top-p, min-p, the draw and the log-probabilities. When the grammar stops (nothing more can follow)
+    the request ends "stop" with that last token returned. A grammar that does not compile, or one sent
+    to an Engine built without `grammars=`, ends the request "error" at admission with the reason; a
+    token the grammar refuses (it cannot happen under the mask) ends it "failed". While a constrained
+    request decodes, tokens come back to the host every turn, whatever `read_every` is.
+
+    `prompt_logprobs`: k in 0..LIMITS["max_top_logprobs"]: the log-probability of each prompt token
+    given the ones before it and the k most likely tokens there (of the model's own distribution),
+    computed on the device while the prompt is read and delivered on the request's first Event as
+    `Event.prompt_logprobs`. With it `max_new` may be 0: the request then ends "length" right after its
+    prompt is read, with no tokens.
+    """
 
     def __init__(
         self,
@@ -123,6 +182,8 @@ class Request:
         max_new: int,
         stop_ids: Sequence[int] = (),
         sampling: SamplingParams | None = None,
+        grammar: str | None = None,
+        prompt_logprobs: int | None = None,
     ) -> None: ...
     @property
     def id(self) -> int: ...
@@ -138,6 +199,10 @@ class Event:
     tokens: list[int]
     logprobs: list[tuple[float, list[tuple[int, float]]]]
     """Per token, when the request asked: (its logprob, [(token id, logprob), ...] most likely first)."""
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None
+    """On the request's first event when it asked for `prompt_logprobs`: one entry for each prompt
+    position 1..n-1 (position 0 has none), (the prompt token's logprob, [(token id, logprob), ...] most
+    likely first); None otherwise."""
     finish: Finish | None
     """None while the request runs; "error" when it was refused at admission for its own values, "failed"
     when the engine failed while admitting or running it (`error` says why in both)."""
@@ -166,6 +231,7 @@ class Engine:
         packed_int4: bool | None = None,
         cuda_graphs: bool = True,
         onednn: bool | None = None,
+        grammars: Grammars | None = None,
     ) -> None:
         """Load a checkpoint directory (config.json + *.safetensors).
 
@@ -200,12 +266,14 @@ class Engine:
                 much faster for the few rows of a decode step. None (default) uses it on the
                 CPU in float32 when this torch has oneDNN; True requires it; False never. A
                 tied lm_head keeps the embedding table and adds its packed copy.
+            grammars: the token environment of the checkpoint's tokenizer, needed by any Request with
+                a grammar (its vocab_size must be the model's).
         Raises:
             ValueError: bad config key, missing or misshapen tensor (named, with
                 the expected shape), bad dtype, context, prefill_chunk or max_batch < 1,
                 packed_int4=True with a dtype other than bfloat16 or on a device without
                 the int4 kernels, onednn=True off the CPU, in another dtype or without
-                oneDNN,
+                oneDNN, grammars of another vocab_size,
                 or a KV cache of max_batch x kv_bytes_per_slot that does not fit in the
                 device's free memory after the weights (CPU: MemAvailable and the cgroup
                 limit; CUDA: torch.cuda.mem_get_info; other devices are not checked).
@@ -262,7 +330,8 @@ class Engine:
         `read_every` turns (a read point) the new tokens come to the host:
         `on_events(events, stats)` gets them (stats: {"batch_sizes": decoding rows per step,
         "prompt_tokens": prompt tokens read, "prompt_reads": prompts each prompt forward
-        read, "seconds": wall time of those turns}), then `poll(free, idle)` returns the new
+        read, "seconds": wall time of those turns, "mask_seconds": the part of it spent computing
+        grammar masks on the host}), then `poll(free, idle)` returns the new
         requests (at most `free`, each taking the lowest free slot) and the ids of requests
         to cancel, or None to end the loop (requests still running end "cancelled").
         `idle` is True when no request runs, so `poll` may block until there is work. A

@@ -5,7 +5,8 @@
 //!
 //! Files: `request` (the API types, `LIMITS`), `slots` (the slots, host and device), `schedule`
 //! (which prompts a forward reads), `step` (the decode step and its CUDA graphs), `read_point`,
-//! `sampling` (the next-token choice on the device), `one_request` (`Engine::decode`).
+//! `sampling` (the next-token choice on the device), `grammar` (grammar-constrained requests),
+//! `prompt_logprobs` (scoring the prompt while it is read), `one_request` (`Engine::decode`).
 //!
 //! Each slot holds one request: its rings in the KV cache (gemma4/cache.rs), its sampling state
 //! (sampling.rs), and on the device its last token and next position (slots.rs). One turn of the
@@ -32,6 +33,12 @@
 //! decoding at once; one that hit a stop token runs on as padding until the read point and its
 //! extra tokens are dropped, so the result does not depend on `read_every`.
 //!
+//! A grammar-constrained request (`grammar.rs`) has its own matcher; before each decode step the
+//! host writes the allowed sets of the constrained slots into the sampler's mask rows
+//! (`Engine::constrain`) and uploads them in one copy, and the sampler masks those rows first
+//! (`sampling.rs`). A mask needs the slot's previous token on the host, so while a constrained slot
+//! decodes every turn ends in a read point, whatever `read_every` is.
+//!
 //! A request admitted while another with the same prompt is still reading it follows that one
 //! instead of reading it again (the `n` choices of one OpenAI request, or identical prompts): when
 //! the leader's last chunk is read, the follower's rings get a copy of the prompt's keys and it
@@ -47,7 +54,9 @@
 //! Design from vLLM's `v1/core/sched/scheduler.py` (continuous batching, chunked prefill
 //! interleaved with decodes).
 
+pub mod grammar;
 pub mod one_request;
+mod prompt_logprobs;
 mod read_point;
 pub mod request;
 pub mod sampling;
@@ -56,8 +65,13 @@ mod slots;
 mod step;
 
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Instant;
 
+use rayon::prelude::*;
+
+use crate::engine::grammar::{Constraint, Grammars};
+use crate::engine::prompt_logprobs::Piece;
 use crate::engine::read_point::Drawn;
 use crate::engine::request::{Event, Finish, Io, Request, StepStats, Timing};
 use crate::engine::sampling::Sampler;
@@ -161,12 +175,15 @@ pub struct Engine {
     drawn: Vec<Drawn>,
     /// What ran since the last read point.
     stats: StepStats,
-    /// Ends of requests whose forward failed in a turn, emitted at the next read point.
-    failed: Vec<Event>,
+    /// Ends of requests decided in a turn (their forward or grammar failed, or their prompt was
+    /// read with max_new 0), emitted at the next read point.
+    ended: Vec<Event>,
     /// Some on a CUDA device with `Settings::cuda_graphs`.
     graphs: Option<Graphs>,
     /// A failure a test asked for (`inject_fault_for_tests`): where, and which request.
     fault: Option<(Fault, u64)>,
+    /// The token environment grammar-constrained requests compile against (`with_grammars`).
+    grammars: Option<Arc<Grammars>>,
 }
 
 impl Engine {
@@ -197,11 +214,12 @@ impl Engine {
         Ok(Engine {
             graphs,
             fault: None,
+            grammars: None,
             loaded,
             slots,
             drawn: Vec::new(),
             stats: StepStats::default(),
-            failed: Vec::new(),
+            ended: Vec::new(),
             model,
             cache,
             sampler,
@@ -210,6 +228,21 @@ impl Engine {
             prefill_chunk: settings.prefill_chunk,
             max_batch: b,
         })
+    }
+
+    /// Serve grammar-constrained requests over `grammars`, whose vocabulary must be the model's.
+    pub fn with_grammars(mut self, grammars: Option<Arc<Grammars>>) -> Result<Engine> {
+        if let Some(g) = &grammars {
+            let v = self.model.cfg.vocab_size;
+            if g.vocab_size() as i64 != v {
+                return Err(Error::Input(format!(
+                    "grammars cover {} tokens, the model's vocab_size is {v}",
+                    g.vocab_size()
+                )));
+            }
+        }
+        self.grammars = grammars;
+        Ok(self)
     }
 
     pub fn config(&self) -> &Config {
@@ -292,7 +325,18 @@ impl Engine {
     /// (`Request::check`, `request::LIMITS`), then its prompt against this model.
     pub fn check_request(&self, r: &Request) -> Result<()> {
         r.check(self.model.cfg.vocab_size)?;
+        if r.grammar.is_some() && self.grammars.is_none() {
+            return Err(Error::Input("grammar: this engine was built without grammars (Engine(grammars=...))".into()));
+        }
         self.check_prompt(&r.prompt)
+    }
+
+    /// `r`'s grammar compiled, when it has one (`check_request` has seen that there are grammars).
+    fn compile(&self, r: &Request) -> Result<Option<Constraint>> {
+        match (&r.grammar, &self.grammars) {
+            (Some(text), Some(g)) => g.compile(text).map(Some),
+            _ => Ok(None),
+        }
     }
 
     /// float32 next-token logits after `ids`, read into slot 0 from empty, on the host as a tensor.
@@ -301,7 +345,7 @@ impl Engine {
         let prompt = Tensor::from_i64(ids)?.to_like(&self.like, DType::I64)?;
         let mut done = 0;
         loop {
-            let (logits, read) = self.prompt_chunk(0, &prompt, ids.len(), done)?;
+            let (logits, read, _) = self.prompt_chunk(0, &prompt, ids, done, None)?;
             done += read;
             if let Some(l) = logits {
                 // A tensor built from host bytes lives on the host: it names where the logits go.
@@ -311,18 +355,43 @@ impl Engine {
         }
     }
 
-    /// Read the next chunk of `slot`'s prompt (`prompt`, `n` tokens, `done` read). Returns the
-    /// last position's logits `[1, vocab]` once the whole prompt is read, and the tokens read.
-    fn prompt_chunk(&mut self, slot: i64, prompt: &Tensor, n: usize, done: usize) -> Result<(Option<Tensor>, usize)> {
+    /// Read the next chunk of `slot`'s prompt (`prompt` on the device, `ids_host` on the host, `done`
+    /// tokens read). Returns the
+    /// last position's logits `[1, vocab]` once the whole prompt is read, the tokens read, and the
+    /// chunk's scored rows when `prompt_k` is Some (`prompt_logprobs`).
+    fn prompt_chunk(
+        &mut self,
+        slot: i64,
+        prompt: &Tensor,
+        ids_host: &[i64],
+        done: usize,
+        prompt_k: Option<i64>,
+    ) -> Result<(Option<Tensor>, usize, Option<Piece>)> {
+        let n = ids_host.len();
         let end = (done + self.prefill_chunk as usize).min(n);
         let t = (end - done) as i64;
         let ids = prompt.narrow(0, done as i64, t)?;
         let pos = Positions::chunk(done as i64, end as i64, &self.like)?;
         let fill = if done == 0 { Fill::Empty } else { Fill::Partial };
-        let output = if end == n { Output::Logits } else { Output::Nothing };
         let rows = Rows::one(slot);
-        let logits = self.model.forward(&mut self.cache, rows, &ids, &pos, &Liveness::AllLive, fill, output)?;
-        Ok((logits, end - done))
+        let Some(k) = prompt_k else {
+            let output = if end == n { Output::Logits } else { Output::Nothing };
+            let logits = self.model.forward(&mut self.cache, rows, &ids, &pos, &Liveness::AllLive, fill, output)?;
+            return Ok((logits, end - done, None));
+        };
+        let hidden = self
+            .model
+            .forward(&mut self.cache, rows, &ids, &pos, &Liveness::AllLive, fill, Output::Hidden)?
+            .ok_or_else(|| Error::Internal("a prompt forward returned no hidden states".into()))?;
+        let piece = prompt_logprobs::compute(&self.model, &hidden, &prompt_logprobs::chunk(ids_host, done, end), k)?;
+        let logits = if end == n { Some(self.model.head(&self.model.last_rows(&hidden, 1, t)?)?) } else { None };
+        Ok((logits, end - done, piece))
+    }
+
+    /// The most prompt log-probabilities asked for by slot `s` or the slots that follow it.
+    fn prompt_k(&self, s: usize) -> Option<i64> {
+        let all = self.slots.all();
+        std::iter::once(s).chain(followers(all, s)).filter_map(|i| self.slots.get(i)?.request.prompt_logprobs).max()
     }
 
     /// Run the continuous-batching loop until `io.poll` returns None. See the module docs.
@@ -332,11 +401,11 @@ impl Engine {
         }
         self.slots.reset()?;
         self.drawn.clear();
-        self.failed.clear();
+        self.ended.clear();
         self.stats = StepStats::default();
         let mut since = Instant::now();
         loop {
-            let mut events = std::mem::take(&mut self.failed);
+            let mut events = std::mem::take(&mut self.ended);
             match self.read_point() {
                 Ok(read) => events.extend(read),
                 Err(e) => events.extend(self.fail(self.slots.busy(), &e)?),
@@ -362,7 +431,8 @@ impl Engine {
             self.stats = StepStats::default();
             since = Instant::now();
             for _ in 0..read_every {
-                if !self.turn()? {
+                // A constrained slot's next mask needs the token it just drew (module docs).
+                if !self.turn()? || self.slots.constrained_decoding() {
                     break;
                 }
             }
@@ -379,6 +449,10 @@ impl Engine {
         let Some(s) = self.slots.lowest_free() else {
             return refuse(&r, format!("all {} slots are busy", self.max_batch));
         };
+        let grammar = match self.compile(&r) {
+            Ok(g) => g,
+            Err(e) => return refuse(&r, e.to_string()),
+        };
         let prompt = match self.place(s, &r) {
             Ok(prompt) => prompt,
             Err(e) => return Ok(Some(Event::end_with_error(r.id, Finish::Failed, Timing::default(), e.to_string()))),
@@ -392,7 +466,7 @@ impl Engine {
         };
         let room = (self.context - r.prompt.len() as i64) as usize;
         let limit = (r.max_new as usize).min(room);
-        self.slots.admit(s, r, prompt, phase, limit);
+        self.slots.admit(s, r, prompt, phase, limit, grammar);
         Ok(None)
     }
 
@@ -403,7 +477,7 @@ impl Engine {
             return Err(self.take_fault());
         }
         let prompt = Tensor::from_i64(&r.prompt)?.to_like(&self.like, DType::I64)?;
-        self.sampler.assign(s as i64, &r.params, &prompt)?;
+        self.sampler.assign(s as i64, &r.params, &prompt, r.grammar.is_some())?;
         Ok(prompt)
     }
 
@@ -475,6 +549,10 @@ impl Engine {
     /// (a slot whose prompt ends here draws its first token now and decodes from the next turn).
     /// Returns false when there was nothing to do. Requests whose forward failed end in `failed`.
     fn turn(&mut self) -> Result<bool> {
+        if let Some(top) = self.slots.top_live() {
+            let rows = self.slots.rows(self.slots.bucket(top));
+            self.constrain(&rows.into_iter().flatten().collect::<Vec<_>>())?;
+        }
         let top = self.slots.top_live();
         if let Some(top) = top {
             let b = self.slots.bucket(top);
@@ -484,7 +562,7 @@ impl Engine {
             let step = self.injected(Fault::Decode, &decoding);
             if let Err(e) = step.and_then(|_| self.decode_step(b, &rows)) {
                 let ends = self.fail(decoding, &e)?;
-                self.failed.extend(ends);
+                self.ended.extend(ends);
                 return Ok(true);
             }
             self.slots.count_step(&decoding)?;
@@ -504,7 +582,7 @@ impl Engine {
             }
             Err(e) => {
                 let ends = self.fail(group, &e)?;
-                self.failed.extend(ends);
+                self.ended.extend(ends);
             }
         }
         Ok(true)
@@ -514,6 +592,10 @@ impl Engine {
     fn decode_step(&mut self, b: i64, rows: &[Option<usize>]) -> Result<()> {
         let padded = rows.iter().any(|r| r.is_none());
         let key = StepKey { b, padded, stages: self.sampler.stages(0, b) };
+        if key.stages.grammar {
+            // Outside the step (and its CUDA graph): the graph reads the device buffer this fills.
+            self.sampler.upload_masks(0, b)?;
+        }
         let Engine { model, cache, sampler, slots, graphs, like, .. } = self;
         let chosen = match graphs {
             None => step(model, cache, sampler, slots, key)?,
@@ -523,15 +605,46 @@ impl Engine {
         Ok(())
     }
 
+    /// Write the allowed sets of the grammar-constrained slots among `which` into the sampler's host
+    /// mask rows, one slot a rayon task (each slot's matcher and row are its own). A slot whose
+    /// grammar fails ends "failed" with the grammar's message, alone.
+    fn constrain(&mut self, which: &[usize]) -> Result<()> {
+        let started = Instant::now();
+        let failed: Vec<(usize, Error)> = {
+            let Engine { slots, sampler, .. } = self;
+            let m = sampler.mask_bytes();
+            let n = slots.len() as i64;
+            let mut rows: Vec<Option<&mut [u8]>> = sampler.mask_rows_mut(0, n).chunks_mut(m).map(Some).collect();
+            let mut work: Vec<(usize, &mut Constraint, &mut [u8])> = Vec::new();
+            for (s, g) in slots.constraints_mut(which) {
+                let row = rows[s].take().ok_or_else(|| Error::Internal(format!("no mask row for slot {s}")))?;
+                work.push((s, g, row));
+            }
+            if work.is_empty() {
+                return Ok(());
+            }
+            work.into_par_iter().filter_map(|(s, g, row)| g.mask_into(row).err().map(|e| (s, e))).collect()
+        };
+        self.stats.mask_seconds += started.elapsed().as_secs_f64();
+        for (s, e) in failed {
+            let ends = self.fail([s], &e)?;
+            self.ended.extend(ends);
+        }
+        Ok(())
+    }
+
     /// Read one chunk of slot `s`'s prompt; after the last chunk, draw its first token and start
     /// it decoding. Returns the prompt tokens read.
     fn read_prompt(&mut self, s: usize) -> Result<usize> {
+        let k = self.prompt_k(s);
         let slot = self.slots.get_mut(s)?;
         let Phase::Prompt { done } = slot.phase else { return Err(Error::Internal("slot is not reading".into())) };
-        let n = slot.request.prompt.len();
         let prompt = slot.prompt.shallow_clone()?;
-        let (logits, read) = self.prompt_chunk(s as i64, &prompt, n, done)?;
-        self.slots.get_mut(s)?.phase = Phase::Prompt { done: done + read };
+        let ids = slot.request.prompt.clone();
+        let (logits, read, piece) = self.prompt_chunk(s as i64, &prompt, &ids, done, k)?;
+        let slot = self.slots.get_mut(s)?;
+        slot.phase = Phase::Prompt { done: done + read };
+        slot.prompt_pieces.extend(piece);
         if let Some(logits) = logits {
             self.prompt_done(s, &logits)?;
         }
@@ -556,10 +669,23 @@ impl Engine {
         let ids = device(&padded.ids, DType::I64)?;
         let pos = Positions::new(&device(&padded.positions, DType::I64)?.reshape(&[rows.len, t])?)?;
         let live = Liveness::Padding(device(&padded.live, DType::Bool)?.reshape(&[rows.len, 1, t])?);
-        let logits = self
+        let wants: Vec<(usize, i64)> = group.iter().filter_map(|&s| self.prompt_k(s).map(|k| (s, k))).collect();
+        let output = if wants.is_empty() { Output::Logits } else { Output::Hidden };
+        let out = self
             .model
-            .forward(&mut self.cache, rows, &ids, &pos, &live, Fill::Empty, Output::Logits)?
+            .forward(&mut self.cache, rows, &ids, &pos, &live, Fill::Empty, output)?
             .ok_or_else(|| Error::Internal("a prompt forward returned no logits".into()))?;
+        let logits = if wants.is_empty() {
+            out.shallow_clone()?
+        } else {
+            self.model.head(&self.model.last_rows(&out, rows.len, t)?)?
+        };
+        for (s, k) in wants {
+            let prompt = self.slots.get(s).map(|slot| slot.request.prompt.as_slice()).unwrap_or_default();
+            let scored = prompt_logprobs::padded(prompt, s - lo, t as usize);
+            let piece = prompt_logprobs::compute(&self.model, &out, &scored, k)?;
+            self.slots.get_mut(s)?.prompt_pieces.extend(piece);
+        }
         for &s in group {
             let row = logits.narrow(0, (s - lo) as i64, 1)?;
             self.prompt_done(s, &row)?;
@@ -567,14 +693,29 @@ impl Engine {
         Ok(read)
     }
 
-    /// Slot `s` has read its whole prompt, and `logits` `[1, vocab]` follow it: start it and its
-    /// followers decoding.
+    /// Slot `s` has read its whole prompt, and `logits` `[1, vocab]` follow it: hand its prompt
+    /// log-probabilities to it and its followers, and start them decoding (the followers first: a
+    /// leader with max_new 0 ends here, and a leader freed first would hand its followers the reading).
     fn prompt_done(&mut self, s: usize, logits: &Tensor) -> Result<()> {
         let n = self.slots.get(s).map_or(0, |slot| slot.request.prompt.len()) as i64;
-        self.start_decoding(s, logits)?;
-        for f in followers(self.slots.all(), s) {
+        let pieces = std::mem::take(&mut self.slots.get_mut(s)?.prompt_pieces);
+        let scored = prompt_logprobs::to_host(&pieces)?;
+        let fs = followers(self.slots.all(), s);
+        for &f in &fs {
             self.cache.copy_prompt(Rows::one(s as i64), Rows::one(f as i64), n)?;
-            self.start_decoding(f, logits)?;
+        }
+        for x in fs.into_iter().chain([s]) {
+            let slot = self.slots.get_mut(x)?;
+            if let Some(k) = slot.request.prompt_logprobs {
+                slot.prompt_lp = Some(prompt_logprobs::trimmed(&scored, k));
+            }
+            if slot.limit == 0 {
+                let slot = self.free(x)?;
+                let end = Event::end(slot.request.id, Finish::Length, slot.timing());
+                self.ended.push(Event { prompt_logprobs: slot.prompt_lp, ..end });
+            } else {
+                self.start_decoding(x, logits)?;
+            }
         }
         Ok(())
     }
@@ -586,6 +727,13 @@ impl Engine {
             return Err(Error::Internal(format!("slot {s} is free")));
         }
         let si = s as i64;
+        if self.slots.get(s).is_some_and(|slot| slot.grammar.is_some()) {
+            self.constrain(&[s])?;
+            if self.slots.get(s).is_none() {
+                return Ok(());
+            }
+            self.sampler.upload_masks(si, 1)?;
+        }
         let chosen = self.sampler.choose(logits, si, 1)?;
         self.sampler.advance(&chosen.tokens, si, 1, None)?;
         self.slots.start(s, &chosen.tokens)?;

@@ -1,6 +1,7 @@
-//! The read point: every `read_every` turns the tokens drawn on the device come to the host in one
-//! copy, each request is cut at its end (`Slot::finish`), the new tokens and their
-//! log-probabilities become events, and finished slots are freed. A slot that hit a stop token
+//! The read point: every `read_every` turns (every turn while a grammar-constrained slot decodes)
+//! the tokens drawn on the device come to the host in one copy, each constrained request's grammar
+//! takes its new tokens (`Slot::feed`), each request is cut at its end (`Slot::finish`), the new
+//! tokens and their log-probabilities become events, and finished slots are freed. A slot that hit a stop token
 //! between read points ran on as padding; its extra tokens are dropped here, so the result does not
 //! depend on `read_every`.
 
@@ -49,8 +50,13 @@ impl Engine {
                     continue;
                 }
                 let ev = events[s].get_or_insert_with(|| Event::new(slot.request.id));
+                if let Some(lp) = slot.prompt_lp.take() {
+                    ev.prompt_logprobs = Some(lp);
+                }
+                slot.feed(token, eos);
                 let end = slot.finish(End::Token(token), eos);
-                if end == Some(Finish::Stop) {
+                if slot.stops_at(token, eos) || end == Some(Finish::Failed) {
+                    ev.error = slot.grammar_error();
                     slot.finished = end;
                     continue;
                 }

@@ -20,17 +20,21 @@ pub struct Limits {
     pub max_logit_bias: usize,
     /// `Request::stop_ids`: ids.
     pub max_stop_token_ids: usize,
+    /// `Request::grammar`: bytes of its text (grammar.rs adds llguidance's compile limits).
+    pub max_grammar_bytes: usize,
 }
 
-pub const LIMITS: Limits = Limits { max_top_logprobs: 20, max_logit_bias: 300, max_stop_token_ids: 64 };
+pub const LIMITS: Limits =
+    Limits { max_top_logprobs: 20, max_logit_bias: 300, max_stop_token_ids: 64, max_grammar_bytes: 64 * 1024 };
 
 impl Limits {
     /// (name, value) of every limit, as `gemma_engine.LIMITS` lists them.
-    pub fn entries(&self) -> [(&'static str, i64); 3] {
+    pub fn entries(&self) -> [(&'static str, i64); 4] {
         [
             ("max_top_logprobs", self.max_top_logprobs),
             ("max_logit_bias", self.max_logit_bias as i64),
             ("max_stop_token_ids", self.max_stop_token_ids as i64),
+            ("max_grammar_bytes", self.max_grammar_bytes as i64),
         ]
     }
 }
@@ -68,14 +72,26 @@ pub struct Request {
     /// Stop tokens besides the model's eos ids (a stop token is not returned).
     pub stop_ids: Vec<i64>,
     pub params: SamplingParams,
+    /// An llguidance Lark grammar every generated token must follow (engine/grammar.rs).
+    pub grammar: Option<String>,
+    /// Some(k): the log-probability of each prompt token and the k most likely there
+    /// (`Event::prompt_logprobs`).
+    pub prompt_logprobs: Option<i64>,
 }
 
 impl Request {
-    /// The checks that need no model: max_new, the stop ids' count, the sampling parameters
-    /// against a vocabulary of `vocab` ids. The error names the field.
+    /// The checks that need no model: max_new (0 only with prompt_logprobs), the stop ids' count,
+    /// prompt_logprobs, the sampling parameters against a vocabulary of `vocab` ids. The error names
+    /// the field.
     pub fn check(&self, vocab: i64) -> Result<()> {
-        if self.max_new < 1 {
-            return Err(Error::Input(format!("max_new must be >= 1, got {}", self.max_new)));
+        let least = if self.prompt_logprobs.is_some() { 0 } else { 1 };
+        if self.max_new < least {
+            let why = if least == 0 { "" } else { " (0 only with prompt_logprobs)" };
+            return Err(Error::Input(format!("max_new must be >= {least}{why}, got {}", self.max_new)));
+        }
+        let max_top = LIMITS.max_top_logprobs;
+        if let Some(k) = self.prompt_logprobs.filter(|k| !(0..=max_top).contains(k)) {
+            return Err(Error::Input(format!("prompt_logprobs must be in [0, {max_top}] (max_top_logprobs), got {k}")));
         }
         let max = LIMITS.max_stop_token_ids;
         if self.stop_ids.len() > max {
@@ -110,6 +126,9 @@ pub struct Event {
     pub tokens: Vec<i64>,
     /// One entry per token when the request asked for log-probabilities.
     pub logprobs: Vec<TokenLogprobs>,
+    /// On the request's first event when it asked for prompt_logprobs: one entry for each prompt
+    /// position 1..n (the token there given the ones before).
+    pub prompt_logprobs: Option<Vec<TokenLogprobs>>,
     pub finish: Option<Finish>,
     pub error: Option<String>,
     pub timing: Timing,
@@ -118,7 +137,15 @@ pub struct Event {
 impl Event {
     /// No tokens yet, not ended.
     pub(crate) fn new(id: u64) -> Event {
-        Event { id, tokens: Vec::new(), logprobs: Vec::new(), finish: None, error: None, timing: Timing::default() }
+        Event {
+            id,
+            tokens: Vec::new(),
+            logprobs: Vec::new(),
+            prompt_logprobs: None,
+            finish: None,
+            error: None,
+            timing: Timing::default(),
+        }
     }
 
     pub(crate) fn end(id: u64, finish: Finish, timing: Timing) -> Event {
@@ -142,6 +169,8 @@ pub struct StepStats {
     pub prompt_reads: Vec<usize>,
     /// Wall seconds of those turns (the read point's host sync included).
     pub seconds: f64,
+    /// Wall seconds of those spent computing grammar masks on the host (engine/grammar.rs).
+    pub mask_seconds: f64,
 }
 
 /// The caller's side of `Engine::run`.
@@ -166,6 +195,8 @@ mod tests {
             max_new: 1,
             stop_ids: vec![1; stop],
             params: SamplingParams::default(),
+            grammar: None,
+            prompt_logprobs: None,
         };
         assert!(r(LIMITS.max_stop_token_ids).check(100).is_ok());
         let e = r(LIMITS.max_stop_token_ids + 1).check(100).unwrap_err().to_string();

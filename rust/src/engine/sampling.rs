@@ -17,6 +17,20 @@
 //! in the batch, in whatever order requests arrived, and whatever `read_every` or `prefill_chunk`
 //! are: there is no shared generator whose state other requests advance.
 //!
+//! A grammar-constrained row (engine/grammar.rs) first has every token its grammar does not allow
+//! set to -inf, before every other stage, so the bias, the penalties, the filters, the draw, the
+//! argmax and the log-probabilities all see the constrained distribution. The host writes the
+//! allowed sets bit-packed into `mask_host` (`[slots, ceil(vocab / 8)]` bytes, bit `i % 8` of byte
+//! `i / 8`: llguidance's own layout) and `upload_masks` copies the rows of one step to the device
+//! buffer of the same shape in one copy; the device unpacks them by looking each byte up in a
+//! constant float32 `[256, 8]` table whose entry (b, k) is -0.0 where bit k of b is set and -inf where
+//! it is not, and adds the result to the logits (`allowed`). Adding -0.0 returns every float as it
+//! is (IEEE 754: x + -0 = x, zeros' signs included), so an unconstrained row, whose bytes are all ones,
+//! keeps its logits bit for bit; a step with no constrained row skips the stage (`Stages::grammar`).
+//! An add, not `where(allowed, logits, -inf)`: the same result, and on the CPU ATen's `where` with a
+//! bool mask took 8-9 ms over `[8, 262144]` on one thread against 2.4 ms for the lookup and the add.
+//! The buffer is 1/8 byte a token a slot: 32 KiB a slot at Gemma 4's 262,144 tokens.
+//!
 //! Rows with temperature 0 take the argmax of the processed logits (greedy). Log-probabilities are
 //! those of the model's own distribution (`log_softmax` of the raw logits), as vLLM reports them by
 //! default.
@@ -121,6 +135,7 @@ impl SamplingParams {
             presence_frequency: self.presence_penalty != 0.0 || self.frequency_penalty != 0.0,
             draw: self.temperature > 0.0,
             logprobs: self.logprobs,
+            grammar: false,
         }
     }
 }
@@ -134,6 +149,8 @@ pub struct Stages {
     pub presence_frequency: bool,
     pub draw: bool,
     pub logprobs: Option<i64>,
+    /// A row is grammar-constrained (its mask applies).
+    pub grammar: bool,
 }
 
 impl Stages {
@@ -143,6 +160,7 @@ impl Stages {
             repetition: self.repetition || o.repetition,
             presence_frequency: self.presence_frequency || o.presence_frequency,
             draw: self.draw || o.draw,
+            grammar: self.grammar || o.grammar,
             logprobs: match (self.logprobs, o.logprobs) {
                 (Some(a), Some(b)) => Some(a.max(b)),
                 (a, b) => a.or(b),
@@ -195,6 +213,13 @@ pub struct Sampler {
     not_last: Tensor,
     /// Per slot, the stages its request needs (host).
     flags: Vec<Stages>,
+    /// The allowed sets of the grammar-constrained slots, bit-packed (module docs): on the host
+    /// `[slots * mask_bytes]`, written by the engine; on the device uint8 `[slots, mask_bytes]`, written
+    /// only by `upload_masks`. Unconstrained rows hold all ones.
+    mask_host: Vec<u8>,
+    mask_bits: Tensor,
+    /// float32 `[256, 8]`: entry (b, k) is -0.0 when bit k of byte b is set, else -inf (module docs).
+    mask_table: Tensor,
 }
 
 /// splitmix64's increment (the golden ratio in 64 bits), as i64.
@@ -217,7 +242,14 @@ impl Sampler {
     pub fn new(slots: i64, vocab: i64, like: &Tensor) -> Result<Sampler> {
         let col = |v: f64, dt: DType| Tensor::full(&[slots, 1], v, dt, like);
         let table = |v: f64, dt: DType| Tensor::full(&[slots, vocab], v, dt, like);
+        let mask_bytes = (vocab as usize).div_ceil(8);
+        let lookup: Vec<f32> = (0..256)
+            .flat_map(|b| (0..8).map(move |k| if b >> k & 1 == 1 { -0.0 } else { f32::NEG_INFINITY }))
+            .collect();
         Ok(Sampler {
+            mask_host: vec![0xff; slots as usize * mask_bytes],
+            mask_bits: Tensor::full(&[slots, mask_bytes as i64], 255.0, DType::U8, like)?,
+            mask_table: Tensor::from_f32(&lookup, &[256, 8])?.to_like(like, DType::F32)?,
             vocab,
             temperature: col(1.0, DType::F32)?,
             greedy: Tensor::full(&[slots], 1.0, DType::Bool, like)?,
@@ -239,9 +271,10 @@ impl Sampler {
         })
     }
 
-    /// Give `slot` to a request with `params` whose prompt is `prompt` (int64 `[T]` on the device):
-    /// its first drawn token is token 0 of its stream. `params` must have passed `check`.
-    pub fn assign(&mut self, slot: i64, params: &SamplingParams, prompt: &Tensor) -> Result<()> {
+    /// Give `slot` to a request with `params` whose prompt is `prompt` (int64 `[T]` on the device),
+    /// grammar-constrained or not: its first drawn token is token 0 of its stream. `params` must have
+    /// passed `check`.
+    pub fn assign(&mut self, slot: i64, params: &SamplingParams, prompt: &Tensor, constrained: bool) -> Result<()> {
         let row = |t: &Tensor| t.narrow(0, slot, 1);
         let greedy = params.temperature == 0.0;
         row(&self.temperature)?.fill_(if greedy { 1.0 } else { params.temperature })?;
@@ -274,8 +307,36 @@ impl Sampler {
             let yes = Tensor::full(&[1], 1.0, DType::Bool, prompt)?;
             in_prompt.reshape(&[self.vocab])?.index_put_(&[Some(prompt)], &yes)?;
         }
-        self.flags[slot as usize] = params.flags();
+        self.flags[slot as usize] = Stages { grammar: constrained, ..params.flags() };
+        self.mask_rows_mut(slot, 1).fill(0xff);
         Ok(())
+    }
+
+    /// Bytes of one slot's mask: ceil(vocab / 8).
+    pub fn mask_bytes(&self) -> usize {
+        (self.vocab as usize).div_ceil(8)
+    }
+
+    /// The host mask rows of the slots `start..start + n`, for the engine to write allowed sets into.
+    pub fn mask_rows_mut(&mut self, start: i64, n: i64) -> &mut [u8] {
+        let m = self.mask_bytes();
+        &mut self.mask_host[start as usize * m..(start + n) as usize * m]
+    }
+
+    /// Copy the host mask rows of the slots `start..start + n` to the device, in one copy.
+    pub fn upload_masks(&self, start: i64, n: i64) -> Result<()> {
+        let m = self.mask_bytes();
+        let rows = &self.mask_host[start as usize * m..(start + n) as usize * m];
+        self.mask_bits.narrow(0, start, n)?.write_bytes_(rows)
+    }
+
+    /// `raw` `[n, vocab]` with every token the device masks of the slots `start..start + n` do not
+    /// allow at -inf (module docs).
+    fn allowed(&self, raw: &Tensor, start: i64, n: i64) -> Result<Tensor> {
+        let m = self.mask_bytes() as i64;
+        let bytes = self.mask_bits.narrow(0, start, n)?.to_dtype(DType::I64)?.reshape(&[n * m])?;
+        let add = self.mask_table.index_select(0, &bytes)?.reshape(&[n, m * 8])?.narrow(1, 0, self.vocab)?;
+        raw.add(&add)
     }
 
     /// The stages the slots `start..start + len` need.
@@ -286,6 +347,7 @@ impl Sampler {
     /// The slot's stages as a free slot: nothing (its rows may still run as padding).
     pub fn release(&mut self, slot: i64) {
         self.flags[slot as usize] = Stages::default();
+        self.mask_rows_mut(slot, 1).fill(0xff);
     }
 
     /// Choose the next token of the slots `start..start + n` from their `logits` `[n, vocab]`, and
@@ -294,6 +356,7 @@ impl Sampler {
         let stages = self.stages(start, n);
         let rows = |t: &Tensor| t.narrow(0, start, n);
         let raw = logits.as_dtype(DType::F32)?;
+        let raw = if stages.grammar { self.allowed(&raw, start, n)? } else { raw };
         let x = self.process(&raw, start, n, stages)?;
         let greedy = x.argmax(-1, false)?;
         let tokens = if stages.draw {

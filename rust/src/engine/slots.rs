@@ -8,7 +8,9 @@
 
 use std::time::Instant;
 
-use crate::engine::request::{Finish, Request, Timing};
+use crate::engine::grammar::Constraint;
+use crate::engine::prompt_logprobs::Piece;
+use crate::engine::request::{Finish, Request, Timing, TokenLogprobs};
 use crate::engine::schedule::followers;
 use crate::engine::step::{StepViews, buckets};
 use crate::error::{Error, Result};
@@ -47,6 +49,12 @@ pub(super) struct Slot {
     pub(super) first_token: Option<Instant>,
     /// Admission order, for first-come-first-served prompt reading.
     pub(super) seq: u64,
+    /// The request's grammar state (Some for a constrained request), fed each token at read points.
+    pub(super) grammar: Option<Constraint>,
+    /// Prompt log-probabilities scored so far, on the device (engine/prompt_logprobs.rs).
+    pub(super) prompt_pieces: Vec<Piece>,
+    /// The prompt log-probabilities on the host, for the request's first event.
+    pub(super) prompt_lp: Option<Vec<TokenLogprobs>>,
 }
 
 /// What ends a request now, if anything (`Slot::finish`).
@@ -61,16 +69,41 @@ pub(super) enum End {
 
 impl Slot {
     /// Whether the request ends with `end`, and why: the one place a running request's `Finish` is
-    /// decided. A stop token (the model's eos ids or the request's stop ids) ends it "stop" and is
-    /// not returned; the token that reaches `limit` (max_new, or the context full) ends it "length".
+    /// decided. A stop token (`stops_at`) ends it "stop" and is not returned; a token its grammar
+    /// refused (`feed`) ends it "failed" and is not returned; a token after which its grammar can take
+    /// nothing more ends it "stop", and the token that reaches `limit` (max_new, or the context full)
+    /// "length", both returned.
     pub(super) fn finish(&self, end: End, eos_ids: &[i64]) -> Option<Finish> {
         match end {
             End::Cancel => Some(Finish::Cancelled),
             End::Fail => Some(Finish::Failed),
-            End::Token(t) if eos_ids.contains(&t) || self.request.stop_ids.contains(&t) => Some(Finish::Stop),
+            End::Token(t) if self.stops_at(t, eos_ids) => Some(Finish::Stop),
+            End::Token(_) if self.grammar_error().is_some() => Some(Finish::Failed),
+            End::Token(_) if self.grammar.as_ref().is_some_and(|g| g.stopped()) => Some(Finish::Stop),
             End::Token(_) if self.emitted + 1 >= self.limit => Some(Finish::Length),
             End::Token(_) => None,
         }
+    }
+
+    /// A stop token: one of the model's eos ids or the request's stop ids (never returned).
+    pub(super) fn stops_at(&self, t: i64, eos_ids: &[i64]) -> bool {
+        eos_ids.contains(&t) || self.request.stop_ids.contains(&t)
+    }
+
+    /// Hand token `t`, just back on the host, to the request's grammar (a stop token ends the request
+    /// and is not fed). A refusal is kept in the grammar state (`grammar_error`) for `finish`.
+    pub(super) fn feed(&mut self, t: i64, eos_ids: &[i64]) {
+        if self.stops_at(t, eos_ids) {
+            return;
+        }
+        if let Some(g) = self.grammar.as_mut() {
+            let _refused = g.consume(t);
+        }
+    }
+
+    /// Why the request's grammar failed, if it did.
+    pub(super) fn grammar_error(&self) -> Option<String> {
+        self.grammar.as_ref().and_then(|g| g.error())
     }
 
     /// Seconds from admission to the first token, and from then to now.
@@ -153,10 +186,22 @@ impl Slots {
         (0..self.host.len()).filter(|s| self.host[*s].is_some()).collect()
     }
 
-    /// Put `request` (its prompt uploaded to `prompt`) in the free slot `s`, in `phase`.
-    pub(super) fn admit(&mut self, s: usize, request: Request, prompt: Tensor, phase: Phase, limit: usize) {
+    /// Put `request` (its prompt uploaded to `prompt`, its grammar compiled into `grammar`) in the free
+    /// slot `s`, in `phase`.
+    pub(super) fn admit(
+        &mut self,
+        s: usize,
+        request: Request,
+        prompt: Tensor,
+        phase: Phase,
+        limit: usize,
+        grammar: Option<Constraint>,
+    ) {
         self.seq += 1;
         self.host[s] = Some(Slot {
+            grammar,
+            prompt_pieces: Vec::new(),
+            prompt_lp: None,
             limit,
             request,
             prompt,
@@ -217,6 +262,22 @@ impl Slots {
             self.live.narrow(0, s as i64, 1)?.fill_(0.0)?;
         }
         Ok(slot)
+    }
+
+    /// Some grammar-constrained slot decodes: its next mask needs its last token on the host, so the
+    /// loop reads tokens back after every turn (engine module docs).
+    pub(super) fn constrained_decoding(&self) -> bool {
+        self.host.iter().flatten().any(|s| s.grammar.is_some() && matches!(s.phase, Phase::Decode))
+    }
+
+    /// The grammar states of the busy, constrained slots among `which`.
+    pub(super) fn constraints_mut(&mut self, which: &[usize]) -> Vec<(usize, &mut Constraint)> {
+        self.host
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| which.contains(i))
+            .filter_map(|(i, s)| s.as_mut().and_then(|s| s.grammar.as_mut()).map(|g| (i, g)))
+            .collect()
     }
 
     /// The highest decoding slot, if any.

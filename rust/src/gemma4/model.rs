@@ -32,6 +32,9 @@ pub enum Output {
     Logits,
     /// Nothing (prompt chunks before the last).
     Nothing,
+    /// The final hidden states of every position, `[rows * T, hidden]` (before the final norm), for
+    /// `last_rows` and `head` (prompt log-probabilities need every position's logits).
+    Hidden,
 }
 
 /// The per-layer-embedding front end (P > 0).
@@ -148,7 +151,7 @@ impl Model {
     /// Run tokens `ids` at positions `pos` (`[rows, T]` int64 on the device, and `ids` flat,
     /// `[rows * T]`) of the slots `rows` through the model, writing their keys into `cache`; `live`
     /// says which rows are real. Returns each row's next-token logits `[rows, vocab]` (after
-    /// softcap, compute dtype) for `Output::Logits`.
+    /// softcap, compute dtype) for `Output::Logits`, or the hidden states for `Output::Hidden`.
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &mut self,
@@ -188,20 +191,31 @@ impl Model {
             xs = layer.forward(&xs, ple.as_ref().map(|p| &p[i]), plan, rows, cache, &mut attended, scratch)?;
             self.layer_calls[i] = aten_calls() - before;
         }
-        if output == Output::Nothing {
-            return Ok(None);
+        match output {
+            Output::Nothing => Ok(None),
+            Output::Hidden => Ok(Some(xs)),
+            Output::Logits => Ok(Some(self.head(&self.last_rows(&xs, n, t)?)?)),
         }
-        let last = if t == 1 {
-            xs
-        } else {
-            xs.reshape(&[n, t, self.cfg.hidden_size])?.narrow(1, t - 1, 1)?.reshape(&[n, self.cfg.hidden_size])?
-        };
-        let logits = self.lm_head.forward(&self.norm.forward(&last)?)?;
+    }
+
+    /// Each row's last position of hidden states `xs` (`[rows * t, hidden]`): `[rows, hidden]`.
+    pub fn last_rows(&self, xs: &Tensor, rows: i64, t: i64) -> Result<Tensor> {
+        if t == 1 {
+            return xs.shallow_clone();
+        }
+        let h = self.cfg.hidden_size;
+        xs.reshape(&[rows, t, h])?.narrow(1, t - 1, 1)?.reshape(&[rows, h])
+    }
+
+    /// Next-token logits `[m, vocab]` (after softcap, compute dtype) of final hidden states `[m, hidden]`:
+    /// the final norm, lm_head and the softcap (M:1864-1867).
+    pub fn head(&self, xs: &Tensor) -> Result<Tensor> {
+        let logits = self.lm_head.forward(&self.norm.forward(xs)?)?;
         match self.cfg.final_logit_softcapping {
             // Folded: the final norm's weight carries the 1 / cap (see `load`).
-            Some(cap) if self.folded => Ok(Some(logits.tanh()?.mul_scalar(cap)?)),
-            Some(cap) => Ok(Some(logits.div_scalar(cap)?.tanh()?.mul_scalar(cap)?)),
-            None => Ok(Some(logits)),
+            Some(cap) if self.folded => logits.tanh()?.mul_scalar(cap),
+            Some(cap) => logits.div_scalar(cap)?.tanh()?.mul_scalar(cap),
+            None => Ok(logits),
         }
     }
 
