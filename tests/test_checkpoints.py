@@ -97,7 +97,8 @@ def test_builders_are_deterministic(tmp_path):
         ck.save_dense(tmp_path / run / "dense")
         ck.save_w4a16_emb4(tmp_path / run / "w4a16", tmp_path / run / "emb4")
         ck.save_chat(tmp_path / run / "chat")
-    for kind in ("dense", "w4a16", "emb4", "chat"):
+        ck.save_agent_chat(tmp_path / run / "agent")
+    for kind in ("dense", "w4a16", "emb4", "chat", "agent"):
         assert _files(tmp_path / "a" / kind) == _files(tmp_path / "b" / kind), kind
     # The W4A16 checkpoint of the emb4 pair is the plain W4A16 checkpoint.
     ck.save_w4a16(tmp_path / "w4a16_alone")
