@@ -301,6 +301,9 @@ def test_a_slot_draws_with_its_seed_exactly_at_the_int64_edges():
         ({"min_p": 2.0}, "min_p"),
         ({"min_p": math.nan}, "min_p"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        # Positive, but a divisor that takes a logit past float32's range (5e-324 is 0 in float32).
+        ({"repetition_penalty": 5e-324}, "repetition_penalty"),
+        ({"temperature": 1e-31}, "temperature"),
         ({"presence_penalty": math.inf}, "presence_penalty"),
         ({"frequency_penalty": math.nan}, "frequency_penalty"),
         ({"logit_bias": {-1: 1.0}}, "logit_bias"),

@@ -80,6 +80,11 @@ fn finite(name: &str, v: f64) -> Result<()> {
     if v.is_finite() { Ok(()) } else { Err(Error::Input(format!("{name} must be a finite number, got {v}"))) }
 }
 
+/// The smallest positive temperature and repetition penalty: the sampler divides float32 logits by
+/// them, and a smaller divisor takes a logit (at most the softcap, 30 for Gemma 4) past float32's range:
+/// inf, then NaN probabilities, which a grammar's mask cannot survive (5e-324 is even 0 in float32).
+pub const MIN_DIVISOR: f64 = 1e-30;
+
 impl SamplingParams {
     /// Check every field; the error names the field.
     pub fn check(&self, vocab: i64) -> Result<()> {
@@ -93,8 +98,11 @@ impl SamplingParams {
         ] {
             finite(name, v)?;
         }
-        if self.temperature < 0.0 {
-            return Err(Error::Input(format!("temperature must be >= 0, got {}", self.temperature)));
+        if self.temperature < 0.0 || (self.temperature > 0.0 && self.temperature < MIN_DIVISOR) {
+            return Err(Error::Input(format!(
+                "temperature must be 0 or at least {MIN_DIVISOR:e}, got {}",
+                self.temperature
+            )));
         }
         if self.top_k < 0 {
             return Err(Error::Input(format!("top_k must be >= 0 (0 keeps every token), got {}", self.top_k)));
@@ -105,8 +113,11 @@ impl SamplingParams {
         if !(0.0..=1.0).contains(&self.min_p) {
             return Err(Error::Input(format!("min_p must be in [0, 1], got {}", self.min_p)));
         }
-        if self.repetition_penalty <= 0.0 {
-            return Err(Error::Input(format!("repetition_penalty must be > 0, got {}", self.repetition_penalty)));
+        if self.repetition_penalty < MIN_DIVISOR {
+            return Err(Error::Input(format!(
+                "repetition_penalty must be at least {MIN_DIVISOR:e}, got {}",
+                self.repetition_penalty
+            )));
         }
         let max_bias = LIMITS.max_logit_bias;
         if self.logit_bias.len() > max_bias {
