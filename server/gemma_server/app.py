@@ -1,10 +1,15 @@
 """The FastAPI app: thin routes over the engine thread, the error handlers, and the drain on SIGTERM.
 
 Routes (vLLM's `entrypoints/openai/api_server.py` set): POST /v1/chat/completions, POST /v1/completions,
-GET /v1/models, GET /health (+ /ping), GET /live, GET /v1/engine, GET /version, GET /metrics, GET / (chat
+POST /tokenize, POST /detokenize (vLLM's shapes), GET /v1/models, GET /health (+ /ping), GET /live, GET /v1/engine, GET /version, GET /metrics, GET / (chat
 page). Route bodies only parse, check, admit and hand over; the work is in protocol.py (what a request
 means), chat_template.py (a request's prompt ids), serving.py (tokens -> responses) and scheduler.py (the
 queue and the engines).
+
+A request's constraint (response_format, a forced tool_choice, vLLM's structured_outputs) becomes a
+grammar that the checkpoint's `gemma_engine.Grammars` compiles before the request is queued, on a worker
+thread (a schema built to be expensive is refused by llguidance's limits without holding the event loop);
+one that does not compile is a 400 naming the field.
 
 Every error is `{"error": {...}}` (errors.py); FastAPI's 422 for a malformed body becomes 400 naming
 the field, as vLLM's `validation_exception_handler` does. Each route declares the statuses it answers,
@@ -52,25 +57,32 @@ from starlette.routing import Route
 
 from gemma_server import openapi
 from gemma_server.boot import Boot
-from gemma_server.chat_template import render_chat, tokenize_completion
+from gemma_server.chat_template import encode, render_chat, tokenize_completion
 from gemma_server.config import Config
 from gemma_server.connections import STALLED
-from gemma_server.errors import ApiError, as_api_error, error_body, from_scheduler
+from gemma_server.errors import ApiError, as_api_error, bad_request, error_body, from_scheduler
 from gemma_server.metrics import Metrics
 from gemma_server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
+    MAX_GRAMMAR_BYTES,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    grammar_text,
     max_prompt_chars,
 )
-from gemma_server.scheduler import Cause, ClientShares, Scheduler, SchedulerError, StepObserver
+from gemma_server.scheduler import Cause, ClientShares, NotReady, Scheduler, SchedulerError, StepObserver
 from gemma_server.serving import (
     ClientDisconnected,
     Formatter,
     Generation,
+    ReplyFormat,
     collect,
     open_stream,
     race_disconnect,
@@ -92,7 +104,7 @@ class ServerState:
     def __init__(self, config: Config, boot_class: type[Boot] = Boot) -> None:
         self.config = config
         # The paths that need the API key (none without --api-key): key_refused and /openapi.json read it.
-        self.keyed = frozenset(["/v1/chat/completions", "/v1/completions", "/v1/models",
+        self.keyed = frozenset(["/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize",
                                 *(["/metrics"] if config.metrics_need_key else [])] if config.api_key else [])
         self.metrics = m = Metrics(config.model_name, config.context)
         self.scheduler = Scheduler(config.queue_limit, StepObserver(
@@ -107,6 +119,8 @@ class ServerState:
         self.request_exit = lambda: None  # set by __main__ to stop uvicorn
         self._fingerprint: str | None = None
         self._token_texts: dict[int, str] = {}
+        self._reply_format: ReplyFormat | None = None
+        self._reply_lock = threading.Lock()
         self.client_shares = ClientShares(config.max_requests_per_client)
 
     def _boot(self) -> None:
@@ -123,6 +137,66 @@ class ServerState:
     @property
     def tokenizer(self):
         return self.boot.loaded.tokenizer
+
+    @property
+    def loaded(self):
+        """The boot's Loaded (tokenizer, engines, grammars).
+
+        Raises:
+            NotReady: the weights are not loaded yet.
+        """
+        if self.boot.loaded is None:
+            raise NotReady("The model is loading.")
+        return self.boot.loaded
+
+    def reply_format(self) -> ReplyFormat:
+        """The tokenizer's reply markers and token bytes, read once (off the event loop: the first request
+        reads the whole vocabulary)."""
+        with self._reply_lock:
+            if self._reply_format is None:
+                self._reply_format = ReplyFormat.of(self.tokenizer)
+            return self._reply_format
+
+    def constrain(self, body: ChatCompletionRequest | CompletionRequest, chat: bool) -> tuple[str | None, dict | None]:
+        """The request's grammar, compiled once to check it, and the server's own logit bias (tool_choice
+        none forbids `<|tool_call>`). Runs on a worker thread (it reads the vocabulary once and compiles).
+
+        Raises:
+            ApiError: 400 naming the field: tools for a tokenizer without Gemma 4's tool tokens, a constraint
+                on a checkpoint without grammars, a grammar too large or that does not compile.
+        """
+        from gemma_server.grammars import forbid_calls
+
+        reply = self.reply_format()
+        bias = None
+        if chat and body.tools:
+            if reply.fmt is None:
+                raise bad_request("tools", "This checkpoint's tokenizer lacks Gemma 4's tool-call tokens "
+                                           "(<|tool_call>, <tool_call|>, <|\"|>, <|tool_response>): it cannot "
+                                           "answer tools.")
+            if body.tool_choice_mode() == "none":
+                bias = forbid_calls(reply.fmt)
+        c = body.constraint()
+        if c is None:
+            return None, bias
+        loaded = self.loaded
+        if loaded.grammars is None:
+            raise bad_request(c.param, f"Structured outputs are not available: {loaded.grammars_missing}.")
+        thinking = reply.thinking if chat and body.enable_thinking() else None
+        tools = body.template_tools() if chat else None
+        parallel = chat and body.parallel_tool_calls is not False and body.tool_choice_mode() != "named"
+        grammar = grammar_text(c, tools or [], reply.fmt, thinking, parallel)
+        if len(grammar.encode()) > MAX_GRAMMAR_BYTES:
+            raise bad_request(c.param, f"The constraint's grammar is {len(grammar.encode())} bytes; at most "
+                                       f"{MAX_GRAMMAR_BYTES} are compiled.")
+        t0 = time.monotonic()
+        try:
+            loaded.grammars.check(grammar)
+        except ValueError as e:
+            raise bad_request(c.param, f"The constraint cannot be compiled: {' '.join(str(e).split())[:1000]}") from e
+        finally:
+            self.metrics.grammar_compile_seconds.observe(time.monotonic() - t0)
+        return grammar, bias
 
     @property
     def fingerprint(self) -> str:
@@ -386,7 +460,8 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
         """openapi.py's document; kept once the model's limits are in it."""
         if app.openapi_schema is None:
             loaded = state.boot.loaded
-            limits = (openapi.ModelLimits(loaded.vocab_size, loaded.context, max_prompt_chars(loaded.context))
+            limits = (openapi.ModelLimits(loaded.vocab_size, loaded.context, max_prompt_chars(loaded.context),
+                                          tools=state.reply_format().fmt is not None)
                       if loaded else None)
             doc = openapi.document(app, state.keyed, limits)
             if limits is None:
@@ -443,15 +518,19 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
             # Rendering and tokenizing run off the event loop: a long prompt must not stall /live.
             render = render_chat if chat else tokenize_completion
             ids = await asyncio.get_running_loop().run_in_executor(None, render, tok, body)
+            grammar, bias = await asyncio.to_thread(state.constrain, body, chat)
             loaded = state.boot.loaded
-            params = body.engine_params(ids, loaded.context, loaded.vocab_size, state.config.default_temperature)
+            params = body.engine_params(ids, loaded.context, loaded.vocab_size, state.config.default_temperature,
+                                        grammar=grammar, internal_bias=bias)
             # Each choice gives its place in the client's share back when it is recorded, however it ends.
             ended = functools.partial(shares.give_back, client, 1)
 
             def gone() -> Cause:  # connections.py marks a reply it aborted for stalling
                 return Cause.STALLED if request.scope.get(STALLED) else Cause.CLIENT_GONE
 
-            choices = [Generation.create(params, i, arrival, tok, sched, state.metrics, on_end=ended, gone=gone)
+            reply = state.reply_format()
+            choices = [Generation.create(params, i, arrival, tok, sched, state.metrics, on_end=ended, gone=gone,
+                                         **({"splitter": reply.splitter(params)} if chat else {}))
                        for i in range(n)]
             sched.submit(*(gen.job for gen in choices))
             gens = choices  # queued: from here on their admissions are the queue's to give back
@@ -460,7 +539,11 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
             shares.give_back(client, n)
             raise
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        fmt = Formatter(chat, state.config.model_name, state.fingerprint, state.token_text, include_usage)
+        echo = None
+        if not chat and body.echo:
+            prompt = body.single_prompt()
+            echo = (prompt if isinstance(prompt, str) else tok.decode(params.prompt_ids), params.prompt_ids)
+        fmt = Formatter(chat, state.config.model_name, state.fingerprint, state.token_text, include_usage, echo)
         try:
             if body.stream:
                 stream = await open_stream(gens, fmt, request.receive)
@@ -482,6 +565,33 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
     @app.post("/v1/completions", response_model=None, responses=openapi.generation(CompletionResponse))
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await generate(request, body, chat=False)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=openapi.errors(400, 404, 413, 503))
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        state.check_model(body.model)
+        body.check()
+        loaded = state.loaded
+        if body.messages is not None:
+            chat = body.as_chat()
+            chat.check()
+            chat.check_size(loaded.context)
+            ids = await asyncio.get_running_loop().run_in_executor(None, render_chat, loaded.tokenizer, chat)
+        else:
+            if len(body.prompt) > max_prompt_chars(loaded.context):
+                raise bad_request("prompt", f"The prompt is longer than {max_prompt_chars(loaded.context)} characters.")
+            ids = await asyncio.get_running_loop().run_in_executor(
+                None, encode, loaded.tokenizer, body.prompt, "prompt", body.add_special_tokens)
+        return TokenizeResponse(count=len(ids), max_model_len=loaded.context, tokens=ids).model_dump()
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=openapi.errors(400, 404, 413, 503))
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        state.check_model(body.model)
+        loaded = state.loaded
+        bad = [t for t in body.tokens if not 0 <= t < loaded.vocab_size]
+        if bad:
+            raise bad_request("tokens", f"Token id {bad[0]} is outside the vocabulary [0, {loaded.vocab_size}).")
+        text = await asyncio.get_running_loop().run_in_executor(None, loaded.tokenizer.decode, body.tokens)
+        return DetokenizeResponse(prompt=text).model_dump()
 
     @app.get("/v1/models", response_model=ModelList)
     async def models(request: Request) -> dict[str, Any]:

@@ -5,7 +5,9 @@ warmup ends, like llama.cpp's "Loading model" (vLLM's /health answers the same w
 One engine runs per device (`--devices`); each is loaded, warmed up and then run on its own worker thread
 (scheduler.EngineWorker: the engine is `unsendable`, so the thread that loads it must be the one that serves
 it); the weights and warmup stages hand those tasks to the workers and wait for all of them. Each stage's start, seconds and outcome
-are logged, exported as `gemma_boot_stage_seconds` and reported by GET /v1/engine. A failed stage writes
+are logged, exported as `gemma_boot_stage_seconds` and reported by GET /v1/engine. The weights stage also
+builds the checkpoint's `gemma_engine.Grammars` (its tokenizer.json, eos ids and vocabulary) once: every
+engine and every request's grammar check share it. A failed stage writes
 a one-line reason to the termination-message file (Kubernetes shows it as the container's last state, and
 the operator as a condition) and asks the process to exit non-zero, so the pod restarts with back-off.
 """
@@ -13,6 +15,7 @@ the operator as a condition) and asks the process to exit non-zero, so the pod r
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import os
 import platform
@@ -80,6 +83,8 @@ class Loaded:
     workers: list[EngineWorker]
     context: int = 0
     vocab_size: int = 0
+    grammars: Any = None  # gemma_engine.Grammars, or None (then grammars_missing says why)
+    grammars_missing: str = "the engine was built without grammars"
 
 
 class StageFailed(Exception):
@@ -255,6 +260,7 @@ class Boot:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        grammars, missing = build_grammars(self.gemma_engine, Path(model_dir))
         workers = [EngineWorker(i, d, self.scheduler) for i, d in enumerate(self.devices)]
 
         def load(worker: EngineWorker) -> tuple[int, int]:
@@ -264,14 +270,14 @@ class Boot:
                 str(model_dir), str(emb_dir) if emb_dir else None, torch.zeros(1, device=worker.device),
                 context=c.context, dtype=c.dtype, prefill_chunk=c.prefill_chunk, max_batch=c.max_num_seqs,
                 packed_int4=c.packed_int4 or None, cuda_graphs=c.cuda_graphs,
-                onednn={"auto": None, "on": True, "off": False}[c.onednn],
+                onednn={"auto": None, "on": True, "off": False}[c.onednn], grammars=grammars,
             )
             worker.set_engine(engine)
             return engine.context, engine.vocab_size
 
         sizes = run_on_workers(workers, load)
         context, vocab_size = sizes[0]
-        self.loaded = Loaded(tokenizer, workers, context, vocab_size)
+        self.loaded = Loaded(tokenizer, workers, context, vocab_size, grammars, missing)
         self.state.model_dir = str(model_dir)
         self.state.layout = dict(workers[0].layout)
         self.state.device = ", ".join(w.device for w in workers)
@@ -286,6 +292,43 @@ class Boot:
         outs = run_on_workers(self.loaded.workers, lambda w: w.engine.decode(ids, WARMUP_TOKENS))
         self.state.warmup_seconds = round(time.monotonic() - t0, 3)
         return ", ".join(f"{len(tokens)} tokens ({finish})" for tokens, finish, _, _ in outs)
+
+
+def model_vocabulary(model_dir: Path) -> tuple[int, list[int]]:
+    """(vocab_size, eos ids) of a checkpoint as the engine reads them (rust/src/gemma4/config.rs
+    `Config::from_dir`): config.json's own keys or its `text_config`'s, and generation_config.json's eos ids.
+
+    Raises:
+        ValueError, OSError: config.json is missing or lacks vocab_size.
+    """
+    root = json.loads((model_dir / "config.json").read_text())
+    text = root.get("text_config") or root
+    vocab_size = int(text["vocab_size"])
+    eos: list[int] = []
+    sources = [text.get("eos_token_id", root.get("eos_token_id"))]
+    generation = model_dir / "generation_config.json"
+    if generation.exists():
+        sources.append(json.loads(generation.read_text()).get("eos_token_id"))
+    for value in sources:
+        for i in value if isinstance(value, list) else [] if value is None else [value]:
+            if int(i) not in eos:
+                eos.append(int(i))
+    return vocab_size, eos
+
+
+def build_grammars(gemma_engine, model_dir: Path) -> tuple[Any, str]:
+    """The checkpoint's `gemma_engine.Grammars`, or (None, why not): a checkpoint whose tokenizer llguidance
+    cannot read still serves, and its requests for structured outputs or forced tool calls get a 400 that
+    says why."""
+    path = model_dir / "tokenizer.json"
+    if not path.exists():
+        return None, "the checkpoint has no tokenizer.json"
+    try:
+        vocab_size, eos = model_vocabulary(model_dir)
+        return gemma_engine.Grammars(str(path), eos, vocab_size), ""
+    except (ValueError, OSError, KeyError) as e:
+        log.warning("no grammar-constrained sampling for this checkpoint: %s", e)
+        return None, f"its tokenizer cannot constrain sampling ({' '.join(str(e).split())[:200]})"
 
 
 def tpu_environment(config: Config) -> dict[str, str]:

@@ -4,8 +4,15 @@ prompt tokenized (legacy completions).
 The template is the checkpoint's own (Transformers' `apply_chat_template`), never one from a request, and a
 request's chat_template_kwargs reach it only under the names it reads (vLLM's `resolve_chat_template_kwargs`
 in vllm/entrypoints/chat_utils.py). A control token typed into a message stays text: only the template's own
-markup becomes control tokens, so a message cannot forge a turn. Text the tokenizer cannot take (a lone
-UTF-16 surrogate from a JSON escape) is a 400 naming the field, not a 500.
+markup becomes control tokens, so a message cannot forge a turn. The same holds for every other text of the
+client's that the template copies: tool descriptions, the string arguments of an assistant's tool calls and
+tool results (a `<|tool_call>` typed into a tool result stays text, so a tool's output cannot forge a call).
+Text the tokenizer cannot take (a lone UTF-16 surrogate from a JSON escape) is a 400 naming the field, not a
+500.
+
+Tools reach the template as Transformers' `apply_chat_template(tools=...)` passes them (OpenAI's shape), and
+an assistant's tool-call arguments as objects: Gemma 4's templates render a mapping in its own call syntax
+(vLLM's `vllm/entrypoints/chat_utils.py` decodes them the same way for such templates).
 """
 
 from __future__ import annotations
@@ -35,6 +42,9 @@ def render_chat(tokenizer, request: ChatCompletionRequest) -> list[int]:
 
     kwargs = template_kwargs(tokenizer, request.chat_template_kwargs or {})
     messages = request.template_messages()
+    tools = request.template_tools()
+    if tools is not None:
+        kwargs["tools"] = tools
     try:
         text = tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=request.add_generation_prompt, **kwargs,
@@ -43,11 +53,54 @@ def render_chat(tokenizer, request: ChatCompletionRequest) -> list[int]:
         raise bad_request("chat_template_kwargs", f"Bad chat_template_kwargs: {e}") from e
     except (jinja2.TemplateError, ValueError, ArithmeticError, LookupError) as e:
         raise bad_request("messages", f"The chat template rejected the messages: {e}") from e
-    contents = [m["content"] for m in messages]
     controls = control_tokens(tokenizer)
-    if not any(c in content for content in contents for c in controls):
+    refuse_control_text(tools or [], controls)
+    literals = client_texts(messages, tools or [])
+    if not any(c in body for _, body in literals for c in controls):
         return encode(tokenizer, text, "messages", add_special_tokens=False)
-    return encode_with_literal_contents(tokenizer, text, contents)
+    return encode_with_literal_contents(tokenizer, text, literals)
+
+
+def client_texts(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(field, text) of every client text the template copies, in the order a Gemma template renders them:
+    a leading system message, the tools' descriptions (the system turn declares them), then each message's
+    content, its tool calls' argument keys and strings (keys sorted as Jinja's `dictsort` sorts them)."""
+    out: list[tuple[str, str]] = []
+    rest = list(enumerate(messages))
+    if rest and rest[0][1]["role"] in ("system", "developer"):
+        out.append(("messages[0].content", rest.pop(0)[1]["content"].strip()))
+    for i, tool in enumerate(tools):
+        description = tool.get("function", {}).get("description")
+        if description:
+            out.append((f"tools[{i}].function.description", description))
+    for i, m in rest:
+        out.append((f"messages[{i}].content", (m.get("content") or "").strip()))
+        for j, call in enumerate(m.get("tool_calls") or ()):
+            out += [(f"messages[{i}].tool_calls[{j}].function.arguments", s)
+                    for s in _strings(call["function"]["arguments"])]
+    return [(field, body) for field, body in out if body]
+
+
+def _strings(value: Any) -> list[str]:
+    """The keys and strings of a JSON value in render order (mappings by case-insensitive key)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for k in sorted(value, key=lambda k: str(k).lower()) for s in [str(k), *_strings(value[k])]]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    return []
+
+
+def refuse_control_text(tools: list[dict[str, Any]], controls: list[str]) -> None:
+    """A tool's name or parameter schema holding a control token's text is a 400: the template writes
+    them into the system turn as they are, and they have no place that needs one."""
+    for i, tool in enumerate(tools):
+        function = tool.get("function", {})
+        for field, value in (("name", function.get("name", "")), ("parameters", function.get("parameters"))):
+            if any(c in s for s in _strings(value) for c in controls):
+                raise bad_request(f"tools[{i}].function.{field}",
+                                  f"tools[{i}].function.{field} holds a control token's text.")
 
 
 # Variables the server (or Transformers' apply_chat_template) sets itself: not a request's to set.
@@ -90,21 +143,22 @@ def control_tokens(tokenizer) -> list[str]:
     return [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
 
 
-def encode_with_literal_contents(tokenizer, text: str, contents: list[str]) -> list[int]:
-    """Tokenize rendered chat `text` with the template's markup as control tokens and each message's
-    content (found in order in `text`) with special tokens split into plain text."""
+def encode_with_literal_contents(tokenizer, text: str, literals: list[tuple[str, str]]) -> list[int]:
+    """Tokenize rendered chat `text` with the template's markup as control tokens and each client text
+    (`client_texts`: (field, text), found in order in `text`) with special tokens split into plain text.
+
+    Raises:
+        ApiError: 400 naming the field whose text the template changed or moved (it cannot be told from
+            the markup then, so it is refused rather than read as control tokens).
+    """
     ids: list[int] = []
     at = 0
-    for i, content in enumerate(contents):
-        body = content.strip()  # templates trim content (Gemma's `| trim`)
-        if not body:
-            continue
+    for field, body in literals:
         found = text.find(body, at)
         if found < 0:
-            raise bad_request(f"messages[{i}].content",
-                              "This message holds control-token text that the chat template changed; remove it.")
+            raise bad_request(field, "This text holds control-token text that the chat template changed; remove it.")
         ids += encode(tokenizer, text[at:found], "messages", add_special_tokens=False)
-        ids += encode(tokenizer, body, f"messages[{i}].content", add_special_tokens=False, split_special=True)
+        ids += encode(tokenizer, body, field, add_special_tokens=False, split_special=True)
         at = found + len(body)
     return ids + encode(tokenizer, text[at:], "messages", add_special_tokens=False)
 

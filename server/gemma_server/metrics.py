@@ -22,7 +22,9 @@ of every decode step, as vLLM's observes the tokens of every engine step. Ours b
 the engines read: below `gemma_prompt_tokens` when the `n` choices of a request share their prompt),
 `gemma_boot_stage_seconds{stage}`,
 `gemma_engine_ready`, `gemma_build_info`, `gemma_stalled_replies_total` (replies aborted because their client
-stopped reading: connections.py).
+stopped reading: connections.py), `gemma_tool_call_parse_failures_total` (tool calls of an unconstrained
+reply that did not parse and came back as content), `gemma_grammar_compile_seconds` (the check of a
+request's grammar before it is queued).
 `_created` series are off, as in vLLM.
 """
 
@@ -105,6 +107,15 @@ class Metrics:
         self.stalled_replies = Counter(
             "gemma_stalled_replies", "Replies aborted because the client stopped reading them "
             "(--stream-stall-timeout); each freed its request's slot.", labels, registry=r,
+        ).labels(m)
+        self.tool_call_parse_failures = Counter(
+            "gemma_tool_call_parse_failures", "Tool calls (tool_choice auto) that did not parse as Gemma 4's call "
+            "syntax; their text came back as content.", labels, registry=r,
+        ).labels(m)
+        self.grammar_compile_seconds = Histogram(
+            "gemma_grammar_compile_seconds", "Seconds to compile a request's grammar (structured outputs, forced "
+            "tool calls) before it is queued.", labels,
+            buckets=[0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0], registry=r,
         ).labels(m)
         success = Counter(
             "gemma_request_success", "Count of successfully processed requests.", labels + ["finished_reason"],

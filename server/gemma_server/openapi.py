@@ -148,6 +148,7 @@ class ModelLimits:
     vocab_size: int
     context: int
     prompt_chars: int
+    tools: bool = True  # the tokenizer has Gemma 4's tool-call tokens
 
 
 def document(app: FastAPI, keyed: frozenset[str], limits: ModelLimits | None) -> dict[str, Any]:
@@ -185,3 +186,7 @@ def _write_limits(properties: dict[str, Any], limits: ModelLimits) -> None:
         properties["prompt"]["anyOf"] = prompt_schema(limits.vocab_size, limits.context, limits.prompt_chars)
     properties["logit_bias"]["propertyNames"] = {"pattern": token_id_key_pattern(limits.vocab_size)}
     properties["stop_token_ids"]["items"] = token_id_schema(limits.vocab_size)
+    if "tools" in properties and not limits.tools:
+        # Without the tool-call tokens a request with tools is refused (app.py `ServerState.constrain`).
+        properties["tools"] = {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}],
+                               "description": "This checkpoint's tokenizer has no tool-call tokens."}

@@ -16,14 +16,25 @@ Sampling follows OpenAI's meanings and ranges: temperature (0 is greedy), top_p,
 penalties, logit_bias, seed, logprobs / top_logprobs, n; and vLLM's extensions top_k, min_p,
 repetition_penalty. The engine samples on the device in Transformers' processor order (rust/src/gemma4/
 sampling.rs); a value outside its range is a 400 naming the field. Fields the engine cannot honour
-(tools, best_of > 1, echo, suffix, ignore_eos, min_tokens) are refused the same way rather than ignored.
+(best_of > 1, suffix, ignore_eos, min_tokens, structured_outputs.regex) are refused the same way rather than
+ignored.
+
+Tools follow OpenAI's reference: `tools`, `tool_choice` ("none", "auto", "required" or a named function),
+`parallel_tool_calls`, assistant messages with `tool_calls` (content null) and `tool` messages. The output
+constraints (`Constraint`: a forced tool_choice, `response_format` json_object / json_schema, vLLM's
+`structured_outputs` and `guided_json`) become llguidance grammars (`grammar_text`, with
+gemma_server/grammars.py); auto leaves the reply free and the server parses its calls. Completions take
+`echo` (with `logprobs`, the prompt's log-probabilities; `max_tokens` 0 then returns only the prompt), as
+vLLM does for the lm-evaluation-harness.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import math
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,6 +70,10 @@ Integer = Annotated[int, BeforeValidator(_json_integer)]
 
 # stream_options is only allowed with stream true (OpenAI and vLLM refuse it otherwise).
 STREAM_OPTIONS_RULE = one_of_fields_null_or("stream_options", "stream", True)
+# tool_choice required or named needs at least one tool.
+FORCED_TOOL_RULE = {"anyOf": [
+    {"properties": {"tool_choice": {"not": {"anyOf": [{"const": "required"}, {"type": "object"}]}}}},
+    {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]}]}
 
 
 class OpenAIModel(BaseModel):
@@ -101,11 +116,97 @@ class TextPart(BaseModel):
 MAX_CONTENT_PARTS = 1024
 
 
+# OpenAI's rule for function names (the API reference's `function.name`: "a-z, A-Z, 0-9, underscores and
+# dashes, with a maximum length of 64").
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+MAX_TOOLS = 128
+MAX_TOOL_CALLS = 128
+
+
+class FunctionCall(BaseModel):
+    """An assistant message's call: `arguments` is a JSON object's text (OpenAI's shape)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str = Field(json_schema_extra={"pattern": f"^{FUNCTION_NAME.pattern}$"})
+    arguments: str
+
+
+class MessageToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
+    """One message. An assistant message may carry `tool_calls` (its content then may be null); a `tool`
+    message answers one of them by `tool_call_id`."""
+
     model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     name: str | None = None
+    tool_calls: Annotated[list[MessageToolCall], Field(max_length=MAX_TOOL_CALLS)] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str = Field(json_schema_extra={"pattern": f"^{FUNCTION_NAME.pattern}$"})
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    """A function the model may call (OpenAI's `tools[]`)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(strict=True)
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """`tool_choice: {"type": "function", "function": {"name": ...}}`: exactly that function is called."""
+
+    model_config = ConfigDict(strict=True)
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema` (OpenAI): the schema is `schema`."""
+
+    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` (vllm/sampling_params.py `StructuredOutputsParams`): one constraint.
+    `json` (a schema, or its text) and `choice` and `grammar` (llguidance Lark, llguidance's
+    docs/syntax.md) are supported; the other kinds are refused naming them."""
+
+    # Unknown keys are kept to be refused by name (`_structured`), so the document allows none.
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={"additionalProperties": False})
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = documented(enum=[None], description="Not supported.")
+    choice: Annotated[list[str], Field(max_length=256)] | None = documented(minItems=1)
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 # Bounds that keep one request's work small (OpenAI allows 4 stop strings; a few more do no harm, many
@@ -117,6 +218,7 @@ MAX_N = 16
 # not read from gemma_engine: this module is imported before the boot has built the engine, to serve
 # /health while it builds. tests/server/test_protocol.py holds them equal to `gemma_engine.LIMITS`.
 MAX_STOP_TOKEN_IDS = 64
+MAX_GRAMMAR_BYTES = 65536
 MAX_LOGIT_BIAS = 300
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's own limit
@@ -125,6 +227,12 @@ MAX_MESSAGES = 1024
 # context x this cannot fit and is refused before it is tokenized.
 MAX_CHARS_PER_TOKEN = 32
 MAX_INT64 = 2**63 - 1
+# The engine samples in float32 and divides logits (|x| <= 30 after Gemma's softcap) by the temperature and
+# the repetition penalty: below this a quotient leaves float32's range (inf, then NaN probabilities, which
+# a grammar's mask cannot survive), and 5e-324 is 0 in float32. Every value below it already acts as its
+# limit (greedy; a repeated token's logit as far as float32 goes), so it is taken at this bound: the
+# engine's own `MIN_DIVISOR` (rust/src/engine/sampling.rs), below which it refuses both.
+MIN_DIVISOR = 1e-30
 # Most log-probabilities one response carries: n x max_tokens x (top_logprobs + 1). Each is a JSON object
 # of ~60 bytes built on the host, so this keeps an answer near 16 MB (n=16 x 600 tokens x 21 fits; the
 # default context x 16 x 21 would be 2.8 million, gigabytes of JSON).
@@ -152,6 +260,11 @@ class EngineParams:
             gives each of the n choices its own seed).
         n: how many choices.
         logprobs: None, or how many top log-probabilities per token (0 for the chosen token's only).
+        grammar: the llguidance Lark grammar every generated token follows, or None.
+        prompt_logprobs: None, or how many top log-probabilities each prompt token carries (echo).
+        tools: the request declared tools (the reply is read for calls).
+        forced_calls: the calls are constrained by the grammar (tool_choice required or named), so they
+            stream as they come.
     """
 
     prompt_ids: tuple[int, ...]
@@ -161,6 +274,10 @@ class EngineParams:
     sampling: tuple[tuple[str, Any], ...] = ()
     n: int = 1
     logprobs: int | None = None
+    grammar: str | None = None
+    prompt_logprobs: int | None = None
+    tools: bool = False
+    forced_calls: bool = False
 
     def choice_sampling(self, index: int, fresh_seed: Callable[[], int]) -> dict[str, Any]:
         """SamplingParams keywords for choice `index`: a given seed s gives choice i the seed s + i (so
@@ -175,6 +292,83 @@ class EngineParams:
 
 def _wrap64(v: int) -> int:
     return (v + 2**63) % 2**64 - 2**63
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a request's output must follow, as the request says it (the grammar is built from it with the
+    tokenizer's markers: `grammar_text`).
+
+    Attributes:
+        kind: "json" (a JSON value of `schema`; None: any object), "tools" (calls of the request's tools,
+            `name` alone when named), "choice" (one of `choices`) or "grammar" (llguidance Lark `grammar`).
+        param: the request field it came from (a 400 about it names this field).
+    """
+
+    kind: Literal["json", "tools", "choice", "grammar"]
+    param: str
+    schema: dict[str, Any] | None = None
+    name: str | None = None
+    choices: tuple[str, ...] = ()
+    grammar: str | None = None
+
+
+def _schema_of(value: dict[str, Any] | str | None, param: str) -> dict[str, Any] | None:
+    """A JSON Schema given as an object or as its text (vLLM takes both)."""
+    if value is None or isinstance(value, dict):
+        return value
+    try:
+        schema = json.loads(value)
+    except ValueError as e:
+        raise bad_request(param, f"{param} is not a JSON Schema: {e}") from e
+    if not isinstance(schema, (dict, bool)):
+        raise bad_request(param, f"{param} must be a JSON Schema object.")
+    return schema if isinstance(schema, dict) else ({} if schema else {"not": {}})
+
+
+def _lark_string(text: str) -> str:
+    """A Lark string literal of `text` (llguidance reads JSON string escapes)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def compact(schema: dict[str, Any] | None) -> dict[str, Any]:
+    """`schema` (None: any object) with llguidance's `x-guidance` option for JSON without free whitespace
+    (llguidance 1.9.1 src/json/compiler.rs `JsonCompileOptions.whitespace_flexible`, true by default), unless
+    the schema sets its own: a model could otherwise spend every token on whitespace the grammar allows
+    (vLLM's `disable_any_whitespace` for the same reason)."""
+    schema = {"type": "object"} if schema is None else schema
+    if "x-guidance" in schema:
+        return schema
+    return {**schema, "x-guidance": {"whitespace_flexible": False}}
+
+
+def grammar_text(c: Constraint, tools: list[dict[str, Any]], fmt, thinking: tuple[str, str] | None,
+                 parallel: bool) -> str:
+    """The llguidance grammar of constraint `c` (gemma_server.grammars builds the JSON and tool-call ones).
+
+    Args:
+        c: the request's constraint.
+        tools: the request's tools as dicts (for "tools").
+        fmt: toolcalls.GemmaFormat of the tokenizer (for "tools").
+        thinking: the thought channel's marker texts when the reply may think first, else None.
+        parallel: several calls may follow one another (parallel_tool_calls).
+    Raises:
+        ApiError: 400 naming the field (and the schema path) of a schema the grammars cannot take.
+    """
+    from gemma_server import grammars
+
+    try:
+        if c.kind == "json":
+            return grammars.json_grammar(compact(c.schema), thinking=thinking)
+        if c.kind == "tools":
+            return grammars.tool_grammar(tools, fmt, name=c.name, parallel=parallel, thinking=thinking)
+    except grammars.SchemaError as e:
+        path = getattr(e, "path", "") or ""
+        param = path if path.startswith("tools") else c.param + (f".{path}" if path else "")
+        raise bad_request(param, f"The schema cannot be enforced: {e}") from e
+    if c.kind == "choice":
+        return "start: " + " | ".join(_lark_string(x) for x in c.choices)
+    return c.grammar or ""
 
 
 def _in_range(name: str, value: float | None, lo: float, hi: float, lo_open: bool = False) -> None:
@@ -204,6 +398,44 @@ class GenerationRequest(OpenAIModel):
     repetition_penalty: float | None = documented(exclusiveMinimum=0.0, maximum=2.0)
     ignore_eos: bool = documented(False, enum=[False], description="Not supported.")
     min_tokens: Integer = documented(0, enum=[0], description="Not supported.")
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = documented(description="vLLM's older name of structured_outputs.json.")
+
+    def _structured(self) -> Constraint | None:
+        """The constraint of vLLM's `structured_outputs` or `guided_json`, or None.
+
+        Raises:
+            ApiError: 400 naming the unsupported kind, or more than one kind.
+        """
+        so = self.structured_outputs
+        given = []
+        if so is not None:
+            if so.regex is not None:
+                raise bad_request("structured_outputs.regex", "structured_outputs.regex is not supported; use "
+                                                              "json, choice or grammar.")
+            for key in so.model_extra or {}:
+                raise bad_request(f"structured_outputs.{key}", f"structured_outputs.{key} is not supported.")
+            if so.json_ is not None:
+                given.append(Constraint("json", "structured_outputs.json",
+                                        _schema_of(so.json_, "structured_outputs.json")))
+            if so.json_object:
+                given.append(Constraint("json", "structured_outputs.json_object"))
+            if so.choice is not None:
+                if not so.choice:
+                    raise bad_request("structured_outputs.choice", "structured_outputs.choice must not be empty.")
+                given.append(Constraint("choice", "structured_outputs.choice", choices=tuple(so.choice)))
+            if so.grammar is not None:
+                given.append(Constraint("grammar", "structured_outputs.grammar", grammar=so.grammar))
+        if self.guided_json is not None:
+            given.append(Constraint("json", "guided_json", _schema_of(self.guided_json, "guided_json")))
+        if len(given) > 1:
+            raise bad_request(given[1].param, f"Only one structured output constraint per request; "
+                                              f"{given[0].param} and {given[1].param} were both given.")
+        return given[0] if given else None
+
+    def constraint(self) -> Constraint | None:
+        """What the output must follow, or None (unconstrained)."""
+        return self._structured()
 
     def _check_sampling(self) -> None:
         """Raise 400 naming the first field whose value is out of range or cannot be honoured."""
@@ -242,15 +474,18 @@ class GenerationRequest(OpenAIModel):
         an absent temperature: the server's default, OpenAI's 1.0 unless configured)."""
         g = lambda name: getattr(self, name, None)  # noqa: E731
         top_k = g("top_k")
+        temperature = default_temperature if g("temperature") is None else g("temperature")
+        repetition = 1.0 if g("repetition_penalty") is None else g("repetition_penalty")
         kwargs = {
-            "temperature": default_temperature if g("temperature") is None else g("temperature"),
+            # A temperature this small is greedy already (and would divide a logit past float32's range).
+            "temperature": 0.0 if temperature < MIN_DIVISOR else temperature,
             # Past the vocabulary every top_k keeps every token: clamped to the engine's i64.
             "top_k": 0 if top_k in (None, -1) else min(top_k, MAX_INT64),
             "top_p": 1.0 if g("top_p") is None else g("top_p"),
             "min_p": g("min_p") or 0.0,
             "presence_penalty": g("presence_penalty") or 0.0,
             "frequency_penalty": g("frequency_penalty") or 0.0,
-            "repetition_penalty": 1.0 if g("repetition_penalty") is None else g("repetition_penalty"),
+            "repetition_penalty": max(repetition, MIN_DIVISOR),
             "logit_bias": {int(k): float(v) for k, v in (g("logit_bias") or {}).items()} or None,
             "seed": g("seed"),
         }
@@ -303,11 +538,12 @@ class GenerationRequest(OpenAIModel):
             raise bad_request("stream_options", "stream_options is only allowed when stream is true.")
         for name in ("max_tokens", "max_completion_tokens"):
             value = getattr(self, name, None)
-            if value is not None and value < 1:
+            if value is not None and value < (0 if getattr(self, "echo", False) else 1):
                 raise bad_request(name, f"{name} must be at least 1.")
 
     def engine_params(
-        self, prompt_ids: list[int], context: int, vocab_size: int, default_temperature: float = 1.0
+        self, prompt_ids: list[int], context: int, vocab_size: int, default_temperature: float = 1.0,
+        grammar: str | None = None, internal_bias: dict[int, float] | None = None,
     ) -> EngineParams:
         """Turn this request and its tokenized prompt into one engine decode. The caller ran `check()` first
         (app.py does, before it admits the request): the checks that need the prompt's ids are here.
@@ -317,6 +553,9 @@ class GenerationRequest(OpenAIModel):
             context: the engine's context (most tokens, prompt + generated).
             vocab_size: ids must lie in [0, vocab_size).
             default_temperature: the temperature of a request that sets none.
+            grammar: the grammar of the request's constraint (`grammar_text`), checked by the caller.
+            internal_bias: the server's own logit bias (tool_choice none forbids `<|tool_call>`); it wins
+                over the request's for its ids and does not count against the request's logit_bias cap.
         Returns:
             EngineParams with max_new capped at context - len(prompt) (vLLM's `get_max_tokens`).
         Raises:
@@ -349,8 +588,19 @@ class GenerationRequest(OpenAIModel):
         if bad:
             raise bad_request("logit_bias", f"Token id {bad[0]} is outside the vocabulary [0, {vocab_size}).")
         self._check_logprob_budget(max_new)
-        return EngineParams(tuple(prompt_ids), max_new, stop_ids, self.stop_strings(), self.sampling_kwargs(default_temperature),
-                            self.n or 1, self.logprobs_wanted())
+        sampling = self.sampling_kwargs(default_temperature)
+        if internal_bias:
+            sampling = tuple((k, {**(v or {}), **internal_bias} if k == "logit_bias" else v) for k, v in sampling)
+        return EngineParams(tuple(prompt_ids), max_new, stop_ids, self.stop_strings(), sampling,
+                            self.n or 1, self.logprobs_wanted(), grammar=grammar,
+                            prompt_logprobs=self.prompt_logprobs_wanted(), **self._reply_kind())
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        """None, or how many top log-probabilities each prompt token carries (completions' echo)."""
+        return None
+
+    def _reply_kind(self) -> dict[str, bool]:
+        return {}
 
     def _prompt_field(self) -> str:
         return "prompt"
@@ -377,7 +627,7 @@ class ChatCompletionRequest(GenerationRequest):
     """POST /v1/chat/completions. Field order: OpenAI API reference (as vLLM's ChatCompletionRequest)."""
 
     model_config = ConfigDict(json_schema_extra={"allOf": [
-        STREAM_OPTIONS_RULE, one_of_fields_null_or("top_logprobs", "logprobs", True)]})
+        STREAM_OPTIONS_RULE, one_of_fields_null_or("top_logprobs", "logprobs", True), FORCED_TOOL_RULE]})
 
     messages: Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)] = Field(json_schema_extra={"minItems": 1})
     model: str | None = None
@@ -389,15 +639,15 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: Integer | None = documented(minimum=1)
     n: Integer | None = documented(1, minimum=1, maximum=MAX_N)
     presence_penalty: float | None = documented(**PENALTY)
-    response_format: dict[str, Any] | None = documented(properties={"type": {"enum": ["text"]}})
+    response_format: ResponseFormat | None = None
     seed: Integer | None = Field(default=None, description=SEED)
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = documented(**STOP)
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = documented(minimum=0.0, maximum=2.0)
     top_p: float | None = documented(exclusiveMinimum=0.0, maximum=1.0)
-    tools: list[dict[str, Any]] | None = documented(maxItems=0, description="Tool calling is not supported.")
-    tool_choice: str | dict[str, Any] | None = documented(enum=["none", None])
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     user: str | None = None
 
@@ -414,7 +664,88 @@ class ChatCompletionRequest(GenerationRequest):
         return self.top_logprobs or 0
 
     def _prompt_chars(self) -> int:
-        return sum(len(m["content"]) for m in self.template_messages())
+        """Message text, tool calls, tools and schemas: all of it is rendered into the prompt or a grammar."""
+        chars = sum(len(m.get("content") or "") for m in self.template_messages())
+        for m in self.messages:
+            chars += sum(len(c.function.name) + len(c.function.arguments) for c in m.tool_calls or ())
+        chars += sum(len(json.dumps(t.model_dump(exclude_none=True))) for t in self.tools or ())
+        schema = self.response_format.json_schema if self.response_format else None
+        if schema is not None and schema.schema_ is not None:
+            chars += len(json.dumps(schema.schema_))
+        return chars + _structured_chars(self)
+
+    def tool_choice_mode(self) -> str:
+        """"none", "auto", "required" or "named": OpenAI's default is auto with tools, none without."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or ("auto" if self.tools else "none")
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template and the grammars read them (OpenAI's shape, unset fields out)."""
+        if not self.tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def constraint(self) -> Constraint | None:
+        """tool_choice required or named: the calls (a grammar of them); else response_format json_object or
+        json_schema, or vLLM's structured_outputs / guided_json; None for auto, none and text."""
+        mode = self.tool_choice_mode()
+        if mode in ("required", "named"):
+            name = self.tool_choice.function.name if mode == "named" else None
+            return Constraint("tools", "tool_choice", name=name)
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            return Constraint("json", "response_format")
+        if rf is not None and rf.type == "json_schema":
+            return Constraint("json", "response_format.json_schema.schema", rf.json_schema.schema_ or {})
+        return self._structured()
+
+    def _reply_kind(self) -> dict[str, bool]:
+        mode = self.tool_choice_mode()
+        return {"tools": bool(self.tools) and mode != "none", "forced_calls": mode in ("required", "named")}
+
+    def _check_tools(self) -> None:
+        """Tools, tool_choice and the tool calls of the messages, as OpenAI checks them."""
+        names = []
+        for i, tool in enumerate(self.tools or ()):
+            name = tool.function.name
+            if not FUNCTION_NAME.fullmatch(name):
+                raise bad_request(f"tools[{i}].function.name", f"Function names are 1 to 64 of a-z, A-Z, 0-9, "
+                                                               f"_ and -; got {name[:80]!r}.")
+            if name in names:
+                raise bad_request(f"tools[{i}].function.name", f"Two tools are named {name!r}.")
+            names.append(name)
+        mode = self.tool_choice_mode()
+        if mode == "required" and not self.tools:
+            raise bad_request("tool_choice", "tool_choice required needs tools.")
+        if mode == "named":
+            name = self.tool_choice.function.name
+            if name not in names:
+                raise bad_request("tool_choice", f"tool_choice names {name[:80]!r}, which is not in tools.")
+        if mode in ("required", "named") and self.response_format and self.response_format.type != "text":
+            raise bad_request("response_format", "response_format cannot be json while tool_choice forces a call.")
+        if mode in ("required", "named") and self._structured() is not None:
+            raise bad_request(self._structured().param, "A structured output constraint cannot be combined with a "
+                                                        "tool_choice that forces a call.")
+        rf = self.response_format
+        if rf is not None and rf.type == "json_schema" and rf.json_schema is None:
+            raise bad_request("response_format.json_schema", "response_format json_schema needs json_schema.")
+        for i, m in enumerate(self.messages):
+            if m.tool_calls and m.role != "assistant":
+                raise bad_request(f"messages[{i}].tool_calls", "Only assistant messages carry tool_calls.")
+            for j, call in enumerate(m.tool_calls or ()):
+                try:
+                    args = json.loads(call.function.arguments)
+                except ValueError:
+                    args = None
+                if not isinstance(args, dict):
+                    raise bad_request(f"messages[{i}].tool_calls[{j}].function.arguments",
+                                      "Tool call arguments must be a JSON object's text.")
+                if not FUNCTION_NAME.fullmatch(call.function.name):
+                    raise bad_request(f"messages[{i}].tool_calls[{j}].function.name",
+                                      "Function names are 1 to 64 of a-z, A-Z, 0-9, _ and -.")
+            if m.role == "tool" and m.tool_call_id is None:
+                raise bad_request(f"messages[{i}].tool_call_id", "A tool message needs tool_call_id.")
 
     def check(self) -> None:
         super().check()
@@ -427,12 +758,8 @@ class ChatCompletionRequest(GenerationRequest):
                 raise bad_request("top_logprobs", f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}.")
             if not self.logprobs:
                 raise bad_request("top_logprobs", "top_logprobs needs logprobs set to true.")
-        if self.tools:
-            raise bad_request("tools", "Tool calling is not supported.")
-        if self.tool_choice not in (None, "none"):
-            raise bad_request("tool_choice", "Tool calling is not supported: tool_choice must be none or absent.")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request("response_format", "Only response_format type text is supported.")
+        self._check_tools()
+        self.constraint()
         for i, m in enumerate(self.messages):
             if isinstance(m.content, list):
                 for part in m.content:
@@ -441,21 +768,46 @@ class ChatCompletionRequest(GenerationRequest):
                             f"messages[{i}].content", f"Only text content parts are supported, not {part.type!r}."
                         )
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """Messages as the chat template wants them: text content parts joined into one string."""
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as the chat template wants them: text content parts joined into one string; an
+        assistant's tool calls with their arguments as objects (Gemma 4's templates render a mapping, as
+        vLLM's chat_utils does for them); a tool message with its tool_call_id and name."""
         out = []
         for m in self.messages:
             content = m.content
             if isinstance(content, list):
                 content = "".join(p.text or "" for p in content)
-            out.append({"role": m.role, "content": content or ""})
+            message: dict[str, Any] = {"role": m.role, "content": content or ""}
+            if m.tool_calls:
+                message["tool_calls"] = [
+                    {"id": c.id, "type": "function",
+                     "function": {"name": c.function.name, "arguments": json.loads(c.function.arguments)}}
+                    for c in m.tool_calls]
+            if m.role == "tool":
+                message["tool_call_id"] = m.tool_call_id
+                if m.name is not None:
+                    message["name"] = m.name
+            out.append(message)
         return out
+
+    def enable_thinking(self) -> bool:
+        return bool((self.chat_template_kwargs or {}).get("enable_thinking"))
 
     def _prompt_field(self) -> str:
         return "messages"
 
     def _logprobs_field(self) -> str:
         return "top_logprobs" if self.top_logprobs else "logprobs"
+
+
+def _structured_chars(request: GenerationRequest) -> int:
+    """The characters of a request's structured-output constraint (it becomes a grammar to compile)."""
+    so, chars = request.structured_outputs, 0
+    if so is not None:
+        chars += len(json.dumps(so.model_dump(by_alias=True, exclude_none=True)))
+    if request.guided_json is not None:
+        chars += len(json.dumps(request.guided_json))
+    return chars
 
 
 def _one_prompt(schema: dict) -> None:
@@ -471,11 +823,12 @@ class CompletionRequest(GenerationRequest):
     model: str | None = None
     prompt: str | list[str] | list[Integer] | list[list[Integer]] = Field(json_schema_extra=_one_prompt)
     best_of: Integer | None = documented(description="Must be absent, 1, or equal to n.")
-    echo: bool | None = documented(False, enum=[False, None], description="Not supported.")
+    echo: bool | None = documented(False, description="The prompt comes back before the completion (with "
+                                                     "its log-probabilities when logprobs is set).")
     frequency_penalty: float | None = documented(**PENALTY)
     logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = documented(**LOGIT_BIAS)
     logprobs: Integer | None = documented(minimum=0, maximum=MAX_COMPLETION_LOGPROBS)
-    max_tokens: Integer | None = documented(minimum=1)
+    max_tokens: Integer | None = documented(minimum=0, description="0 only with echo: just the prompt.")
     n: Integer | None = documented(1, minimum=1, maximum=MAX_N)
     presence_penalty: float | None = documented(**PENALTY)
     seed: Integer | None = Field(default=None, description=SEED)
@@ -494,11 +847,14 @@ class CompletionRequest(GenerationRequest):
     def logprobs_wanted(self) -> int | None:
         return self.logprobs
 
+    def prompt_logprobs_wanted(self) -> int | None:
+        return self.logprobs if self.echo else None
+
     def _prompt_chars(self) -> int:
         p = self.prompt
         if isinstance(p, str):
-            return len(p)
-        return sum(len(x) for x in p if isinstance(x, str))
+            return len(p) + _structured_chars(self)
+        return sum(len(x) for x in p if isinstance(x, str)) + _structured_chars(self)
 
     def _prompt_ids_count(self) -> int:
         p = self.prompt
@@ -512,8 +868,11 @@ class CompletionRequest(GenerationRequest):
             raise bad_request("logprobs", f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}.")
         if self.best_of not in (None, 1, self.n):
             raise bad_request("best_of", "best_of must be absent or equal to n.")
-        if self.echo:
-            raise bad_request("echo", "echo is not supported.")
+        if self.max_tokens == 0 and not self.echo:
+            raise bad_request("max_tokens", "max_tokens must be at least 1 (0 only with echo).")
+        if self.max_tokens == 0 and self.logprobs is None:
+            raise bad_request("max_tokens", "max_tokens 0 needs logprobs: echo alone then has nothing to compute.")
+        self.constraint()
         if self.suffix:
             raise bad_request("suffix", "suffix is not supported.")
         self.single_prompt()
@@ -552,13 +911,26 @@ class Timings(BaseModel):
     decode_seconds: float
 
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
+
+
+class ResponseFunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
 
 
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     refusal: None = None
+    tool_calls: list[ResponseToolCall] = Field(default_factory=list)
+    reasoning_content: str | None = None  # vLLM's extension: the thought channel's text
 
 
 class TopLogprob(BaseModel):
@@ -582,8 +954,8 @@ class CompletionLogprobs(BaseModel):
     """The legacy completions API's `choices[].logprobs`."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]  # echo: the prompt's first token has none
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
 
 
@@ -621,6 +993,46 @@ class CompletionResponse(BaseModel):
     usage: Usage
     system_fingerprint: str
     timings: Timings  # extension
+
+
+class TokenizeRequest(OpenAIModel):
+    """POST /tokenize (vLLM's `TokenizeCompletionRequest` / `TokenizeChatRequest`): a prompt, or messages
+    rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("prompt", "Send exactly one of prompt and messages.")
+        if self.messages is not None and not self.messages:
+            raise bad_request("messages", "messages must hold at least one message.")
+
+    def as_chat(self) -> ChatCompletionRequest:
+        """The messages as a chat request, to render them as /v1/chat/completions does."""
+        return ChatCompletionRequest(messages=self.messages, tools=self.tools,
+                                     add_generation_prompt=self.add_generation_prompt,
+                                     chat_template_kwargs=self.chat_template_kwargs)
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: Annotated[list[Integer], Field(max_length=1 << 20)]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelCard(BaseModel):

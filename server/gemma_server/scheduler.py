@@ -200,8 +200,8 @@ _ids = itertools.count(1)
 class Job:
     """One request's decode, shared between the asyncio side and an engine worker.
 
-    Events on `events` (asyncio side): ("tokens", (ids, logprobs, t_monotonic)), ("done", Done), ("error",
-    exception). `ended` is written once, by `end`, and read by the worker at read points: a job that has ended
+    Events on `events` (asyncio side): ("prompt_logprobs", entries) first when the request asked for them,
+    ("tokens", (ids, logprobs, t_monotonic)), ("done", Done), ("error", exception). `ended` is written once, by `end`, and read by the worker at read points: a job that has ended
     while the engine still runs it is cancelled there.
 
     Attributes:
@@ -221,8 +221,10 @@ class Job:
 
     @classmethod
     def create(cls, prompt_ids: list[int], max_new: int, stop_ids: list[int], sampling: dict[str, Any],
-               loop: asyncio.AbstractEventLoop, arrival: float) -> Job:
-        """A job and its gemma_engine.Request (with its SamplingParams, keyword arguments `sampling`).
+               loop: asyncio.AbstractEventLoop, arrival: float, grammar: str | None = None,
+               prompt_logprobs: int | None = None) -> Job:
+        """A job and its gemma_engine.Request (with its SamplingParams, keyword arguments `sampling`; its
+        grammar and prompt log-probabilities, when asked for).
 
         Raises:
             EngineRefused: the engine's own checks refused a value (ValueError, which names it), or a value
@@ -232,7 +234,8 @@ class Job:
 
         job_id = next(_ids)
         try:
-            request = gemma_engine.Request(job_id, prompt_ids, max_new, stop_ids, gemma_engine.SamplingParams(**sampling))
+            request = gemma_engine.Request(job_id, prompt_ids, max_new, stop_ids, gemma_engine.SamplingParams(**sampling),
+                                           grammar=grammar, prompt_logprobs=prompt_logprobs)
         except (ValueError, OverflowError) as e:
             raise EngineRefused(f"The engine refused the request: {e}") from e
         return cls(request, loop, arrival, id=job_id)
@@ -328,6 +331,9 @@ class EngineWorker:
             job = self.active.get(e.id)
             if job is None:
                 continue
+            prompt_logprobs = getattr(e, "prompt_logprobs", None)
+            if prompt_logprobs is not None:
+                job.post("prompt_logprobs", list(prompt_logprobs))
             if e.tokens:
                 job.post("tokens", (list(e.tokens), list(e.logprobs), now))
             if e.finish is not None:

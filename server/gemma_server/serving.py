@@ -12,6 +12,16 @@ ending with `data: [DONE]`, the non-streaming path joins them. Differences, each
   decode within one token batch, and the request is recorded with finished_reason="abort";
 - an error after the stream opened is sent as `data: {"error": {...}}` then `data: [DONE]` (vLLM,
   llama.cpp), which the openai SDK raises as APIError.
+
+Each choice's ids go through a `toolcalls.ReplySplitter` before any detokenizing: content ids to the
+detokenizer and the stop strings, thought ids to a detokenizer of their own (`reasoning_content`, vLLM's
+field), tool calls to `message.tool_calls` and to stream deltas in OpenAI's shape (a call's first delta has
+its index, id, type and name with empty arguments; then argument fragments), with finish_reason
+"tool_calls" when the reply called. A call that does not parse (tool_choice auto) comes back as content and
+is counted (`gemma_tool_call_parse_failures_total`).
+
+Completions' `echo` prepends the prompt's text, and with `logprobs` its tokens' log-probabilities (the first
+token has none), from the engine's `prompt_logprobs`, as vLLM's completion serving does.
 """
 
 from __future__ import annotations
@@ -34,12 +44,25 @@ from gemma_server.protocol import (
     CompletionChoice,
     CompletionResponse,
     EngineParams,
+    ResponseFunctionCall,
     ResponseMessage,
+    ResponseToolCall,
     Timings,
     Usage,
 )
 from gemma_server.scheduler import Cause, Done, Job, Scheduler
 from gemma_server.text import IncrementalDetokenizer, StopMatcher
+from gemma_server.toolcalls import (
+    CallArguments,
+    CallStart,
+    Content,
+    GemmaFormat,
+    Reasoning,
+    ReplySplitter,
+    ToolCall,
+    thinking_markers,
+    token_bytes_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +75,50 @@ class ClientDisconnected(Exception):
 
 @dataclass
 class Piece:
-    """New output text of one choice, and the log-probabilities of the tokens behind it."""
+    """New output of one choice: content text, reasoning text, tool-call events, the log-probabilities of
+    the tokens behind them, and (on a choice's first piece, when asked for) the prompt's."""
 
     text: str
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+    reasoning: str = ""
+    calls: list[CallStart | CallArguments] = field(default_factory=list)
+    prompt_logprobs: list | None = None
+
+    def add(self, other: Piece) -> None:
+        self.text += other.text
+        self.reasoning += other.reasoning
+        self.calls += other.calls
+        self.logprobs += other.logprobs
+        if other.prompt_logprobs is not None:
+            self.prompt_logprobs = other.prompt_logprobs
+
+    def empty(self) -> bool:
+        return not (self.text or self.reasoning or self.calls or self.logprobs or self.prompt_logprobs)
+
+
+@dataclass(frozen=True)
+class ReplyFormat:
+    """What a tokenizer's replies are read with: its Gemma 4 markers (None: it has no tool tokens), its
+    thought-channel markers, and each id's bytes. Built once per tokenizer (`of`)."""
+
+    fmt: GemmaFormat | None
+    thinking: tuple[int, int] | None
+    token_bytes: Callable[[int], bytes]
+
+    @classmethod
+    def of(cls, tokenizer) -> ReplyFormat:
+        return cls(GemmaFormat.detect(tokenizer), thinking_markers(tokenizer), token_bytes_of(tokenizer))
+
+    def splitter(self, params: EngineParams) -> ReplySplitter:
+        """A chat choice's splitter: calls are read when the request declared tools (streamed as they come
+        when a grammar forces them); thoughts whenever the tokenizer has the markers."""
+        return ReplySplitter(self.fmt, self.thinking, self.token_bytes, tools=params.tools,
+                             stream_calls=params.forced_calls)
+
+
+def plain_splitter() -> ReplySplitter:
+    """A splitter that reads every id as content (no tools, no thinking markers)."""
+    return ReplySplitter(None, None, lambda i: b"", tools=False, stream_calls=False)
 
 
 class Generation:
@@ -74,11 +137,13 @@ class Generation:
         on_end: called once, when the choice is recorded (the client's share of the server is given back).
         gone: why the client went, asked when it has (Cause.CLIENT_GONE, or Cause.STALLED when its reply
             stalled: connections.py).
+        splitter: this choice's ReplySplitter (`plain_splitter` when the reply holds only content).
     """
 
     def __init__(self, params: EngineParams, index: int, job: Job, tokenizer, scheduler: Scheduler,
                  metrics: Metrics, on_end: Callable[[], None] = lambda: None,
-                 gone: Callable[[], Cause] = lambda: Cause.CLIENT_GONE) -> None:
+                 gone: Callable[[], Cause] = lambda: Cause.CLIENT_GONE,
+                 splitter: ReplySplitter | None = None) -> None:
         self.params = params
         self.index = index
         self.job = job
@@ -87,6 +152,10 @@ class Generation:
         self._scheduler = scheduler
         self._metrics = metrics
         self._detok = IncrementalDetokenizer(tokenizer, params.prompt_ids)
+        self._thought = IncrementalDetokenizer(tokenizer, ())
+        self._splitter = splitter or plain_splitter()
+        self._prompt_logprobs: list | None = None
+        self._calls: dict[int, tuple[str, str, list[str]]] = {}  # index -> id, name, argument fragments
         self._stops = StopMatcher(params.stop)
         self.completion_tokens = 0  # tokens that made it into the output
         self.first_token: float | None = None
@@ -104,30 +173,50 @@ class Generation:
         """
         sampling = params.choice_sampling(index, lambda: random.getrandbits(63))
         job = Job.create(list(params.prompt_ids), params.max_new, list(params.stop_ids), sampling,
-                         asyncio.get_running_loop(), arrival)
+                         asyncio.get_running_loop(), arrival, params.grammar, params.prompt_logprobs)
         return cls(params, index, job, tokenizer, scheduler, metrics, **kw)
 
     @property
     def finish_reason(self) -> str | None:
-        """OpenAI's finish_reason once the choice has ended ("stop", "length", "abort"); None before, or when
-        it failed."""
-        return self.job.ended.finish_reason if self.job.ended else None
+        """OpenAI's finish_reason once the choice has ended ("stop", "length", "abort", or "tool_calls" for
+        a reply that stopped after calling); None before, or when it failed."""
+        reason = self.job.ended.finish_reason if self.job.ended else None
+        return "tool_calls" if reason == "stop" and self.calls else reason
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        """The tool calls so far, as their events went out: a forced call cut by max_tokens is there with
+        the arguments written before the cut (as the stream sent them)."""
+        return [ToolCall(c[0], c[1], "".join(c[2])) for c in self._calls.values()]
 
     def _consume(self, ids: list[int], logprobs: list) -> Piece:
         out = Piece("")
-        texts = []
         for i, t in enumerate(ids):
             if self._stops.stopped:
                 break
             self.completion_tokens += 1
-            texts.append(self._stops.feed(self._detok.add(t)))
+            self._split(self._splitter.feed([t]), out)
             if logprobs:
                 chosen, top = logprobs[i]
                 out.logprobs.append((t, chosen, list(top)))
             if self._stops.stopped:
                 self.job.end(Cause.STOP_STRING)  # the engine stops at its next read point
-        out.text = "".join(texts)
         return out
+
+    def _split(self, events: list, out: Piece) -> None:
+        """The splitter's events into `out`: content through the detokenizer and the stop strings, thought
+        text through its own detokenizer, calls as they are."""
+        for e in events:
+            if isinstance(e, Content):
+                out.text += "".join(self._stops.feed(self._detok.add(t)) for t in e.ids)
+            elif isinstance(e, Reasoning):
+                out.reasoning += "".join(self._thought.add(t) for t in e.ids)
+            elif isinstance(e, CallStart):
+                self._calls[e.index] = (e.id, e.name, [])
+                out.calls.append(e)
+            else:
+                self._calls[e.index][2].append(e.text)
+                out.calls.append(e)
 
     async def pieces(self) -> AsyncIterator[Piece]:
         """Pieces as they are decoded (possibly empty), until the choice's end.
@@ -142,6 +231,9 @@ class Generation:
             while True:
                 kind, payload = pending or await events.get()
                 pending = None
+                if kind == "prompt_logprobs":
+                    self._prompt_logprobs = payload
+                    continue
                 if kind == "tokens":
                     piece = self._tokens(*payload)
                     # When the client side fell behind, every batch already waiting becomes one piece:
@@ -151,10 +243,8 @@ class Generation:
                         if kind != "tokens":
                             pending = (kind, payload)
                             break
-                        more = self._tokens(*payload)
-                        piece.text += more.text
-                        piece.logprobs += more.logprobs
-                    yield piece
+                        piece.add(self._tokens(*payload))
+                    yield self._with_prompt(piece)
                     continue
                 if kind == "done":
                     self.done = payload
@@ -163,16 +253,29 @@ class Generation:
                     end = self.job.end(Cause.FAILED, error=payload)
                 if end.error is not None:
                     raise as_api_error(end.error)
-                yield Piece(self._tail())
+                yield self._with_prompt(self._tail())
                 return
         finally:
             # Nothing is decided when the client left (a disconnect, a cancelled task): that is the end.
             self.leave()
 
-    def _tail(self) -> str:
-        """The text held back until the decode ended."""
-        text = "" if self._stops.stopped else self._stops.feed(self._detok.flush())
-        return text + self._stops.flush()
+    def _with_prompt(self, piece: Piece) -> Piece:
+        """`piece`, carrying the prompt's log-probabilities if they have not gone out yet."""
+        piece.prompt_logprobs, self._prompt_logprobs = self._prompt_logprobs, None
+        return piece
+
+    def _tail(self) -> Piece:
+        """What was held back until the decode ended: an unterminated call (as content), the text still in
+        the detokenizers and the stop matcher. A call that did not parse is counted here."""
+        out = Piece("")
+        if not self._stops.stopped:
+            self._split(self._splitter.close(), out)
+            out.text += self._stops.feed(self._detok.flush())
+        out.text += self._stops.flush()
+        out.reasoning += self._thought.flush()
+        if self._splitter.malformed:
+            self._metrics.tool_call_parse_failures.inc(self._splitter.malformed)
+        return out
 
     def _tokens(self, ids: list[int], logprobs: list, t: float) -> Piece:
         if self.last_token is not None:
@@ -250,6 +353,17 @@ async def race_disconnect(receive, awaitable: Awaitable[Any]) -> Any:
     raise ClientDisconnected()
 
 
+@dataclass
+class Output:
+    """One choice's whole output (a non-streamed request): content and reasoning text, the log-probability
+    entries of its tokens, and the prompt's when asked for."""
+
+    text: str = ""
+    reasoning: str = ""
+    logprobs: list = field(default_factory=list)
+    prompt_logprobs: list | None = None
+
+
 class Formatter:
     """Builds the response objects and SSE events of one request.
 
@@ -260,10 +374,11 @@ class Formatter:
         token_text: a token id's text, as log-probabilities report it (ServerState.token_text: decoded
             once per id, since a large answer names the same tokens many times).
         include_usage: stream_options.include_usage.
+        echo: completions' echo: the prompt's text (and ids), put before each choice's text.
     """
 
     def __init__(self, chat: bool, model: str, fingerprint: str, token_text: Callable[[int], str],
-                 include_usage: bool = False) -> None:
+                 include_usage: bool = False, echo: tuple[str, tuple[int, ...]] | None = None) -> None:
         self.chat = chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -271,7 +386,9 @@ class Formatter:
         self.fingerprint = fingerprint
         self._token = token_text
         self.include_usage = include_usage
+        self.echo = echo
         self._offsets: dict[int, int] = {}  # completions' text_offset, per choice
+        self._echoed: set[int] = set()
 
     def _chunk(self, choices: list[dict], usage: dict | None = None, with_usage: bool = False) -> bytes:
         obj = {
@@ -286,10 +403,19 @@ class Formatter:
             obj["usage"] = usage  # OpenAI: null on every chunk but the last when include_usage is set
         return sse_event(obj)
 
+    def prompt_entries(self, prompt_logprobs: list | None) -> list:
+        """The echoed prompt's log-probability entries: its first token has none (None, None); each later
+        one (id, logprob, top) from the engine's `prompt_logprobs`."""
+        if prompt_logprobs is None or self.echo is None:
+            return []
+        ids = self.echo[1]
+        head = [(ids[0], None, None)] if ids else []
+        return head + [(t, lp, list(top)) for t, (lp, top) in zip(ids[1:], prompt_logprobs)]
+
     def logprobs(self, index: int, entries: list) -> dict[str, Any] | None:
         """OpenAI's logprobs object (protocol.ChatLogprobs or CompletionLogprobs, as plain JSON values: a
         large answer holds hundreds of thousands of them) for `entries` [(token id, logprob, [(id, logprob),
-        ...])], or None."""
+        ...])], or None. An echoed prompt's first entry has logprob and top None."""
         if not entries:
             return None
         text = self._token
@@ -308,19 +434,37 @@ class Formatter:
             at += len(s)
         self._offsets[index] = at
         return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
-                "top_logprobs": [{text(i): v for i, v in tops} for _, _, tops in entries], "text_offset": offsets}
+                "top_logprobs": [None if tops is None else {text(i): v for i, v in tops} for _, _, tops in entries],
+                "text_offset": offsets}
 
     def role_event(self, index: int) -> bytes:
         """A chat choice's first event: the assistant role, empty content (OpenAI, vLLM)."""
         return self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}])
 
+    def wants_event(self, index: int, piece: Piece) -> bool:
+        """Whether `piece` is worth an event (a completion's echo goes out with its first piece)."""
+        return not piece.empty() or (self.echo is not None and index not in self._echoed)
+
     def piece_event(self, index: int, piece: Piece) -> bytes:
-        lp = self.logprobs(index, piece.logprobs)
         if self.chat:
-            return self._chunk([{"index": index, "delta": {"content": piece.text}, "logprobs": lp,
-                                 "finish_reason": None}])
-        return self._chunk([{"index": index, "text": piece.text, "logprobs": lp, "finish_reason": None}])
+            lp = self.logprobs(index, piece.logprobs)
+            delta: dict[str, Any] = {}
+            if piece.reasoning:
+                delta["reasoning_content"] = piece.reasoning
+            if piece.text or not (piece.reasoning or piece.calls):
+                delta["content"] = piece.text
+            out = b""
+            if delta or lp:
+                out = self._chunk([{"index": index, "delta": delta, "logprobs": lp, "finish_reason": None}])
+            return out + b"".join(self._chunk([{"index": index, "delta": {"tool_calls": [call_delta(c)]},
+                                                "logprobs": None, "finish_reason": None}]) for c in piece.calls)
+        text, entries = piece.text, piece.logprobs
+        if self.echo is not None and index not in self._echoed:
+            self._echoed.add(index)
+            text, entries = self.echo[0] + text, self.prompt_entries(piece.prompt_logprobs) + entries
+        return self._chunk([{"index": index, "text": text, "logprobs": self.logprobs(index, entries),
+                             "finish_reason": None}])
 
     def finish_event(self, index: int, reason: str) -> bytes:
         if self.chat:
@@ -330,47 +474,73 @@ class Formatter:
     def usage_event(self, u: Usage) -> bytes:
         return self._chunk([], u.model_dump(), with_usage=True)
 
-    def response_json(self, outputs: list[tuple[str, list]], gens: list[Generation]) -> bytes:
+    def _entries(self, out: Output) -> list:
+        return (self.prompt_entries(out.prompt_logprobs) if not self.chat else []) + out.logprobs
+
+    def response_json(self, outputs: list[Output], gens: list[Generation]) -> bytes:
         """The non-streamed response as the JSON bytes sent (Starlette's JSONResponse rendering), with each
         choice's log-probabilities. The caller runs it off the event loop; it is built and serialised a
         choice at a time, since one C call (json.dumps, pydantic's model_dump) holds the GIL, and with it the
         event loop, until it returns."""
-        shell = self.response(outputs, gens).model_dump()
+        shell = self.response(outputs, gens).model_dump(exclude_none=False)
         choices = []
-        for choice, (_, lps), g in zip(shell.pop("choices"), outputs, gens):
-            choice["logprobs"] = self.logprobs(g.index, lps)
+        for choice, out, g in zip(shell.pop("choices"), outputs, gens):
+            choice["logprobs"] = self.logprobs(g.index, self._entries(out))
+            if self.chat and choice["message"]["reasoning_content"] is None:
+                del choice["message"]["reasoning_content"]
             choices.append(_json(choice))
         return _json(shell)[:-1] + b',"choices":[' + b",".join(choices) + b"]}"
 
-    def response(self, outputs: list[tuple[str, list]], gens: list[Generation]):
-        """The non-streamed response without log-probabilities (`response_json` adds them): `outputs[i]` is
-        choice i's (text, logprob entries)."""
+    def response(self, outputs: list[Output], gens: list[Generation]):
+        """The non-streamed response without log-probabilities (`response_json` adds them)."""
         timings = gens[0].timings()
         common = dict(id=self.id, created=self.created, model=self.model, system_fingerprint=self.fingerprint,
                       usage=usage(gens), timings=timings)
         if self.chat:
-            choices = [ChatChoice(index=g.index, message=ResponseMessage(content=text),
-                                  finish_reason=g.finish_reason)
-                       for (text, _), g in zip(outputs, gens)]
+            choices = [ChatChoice(index=g.index, message=message(out, g), finish_reason=g.finish_reason)
+                       for out, g in zip(outputs, gens)]
             return ChatCompletionResponse(choices=choices, **common)
-        choices = [CompletionChoice(index=g.index, text=text, finish_reason=g.finish_reason)
-                   for (text, _), g in zip(outputs, gens)]
+        echo = self.echo[0] if self.echo else ""
+        choices = [CompletionChoice(index=g.index, text=echo + out.text, finish_reason=g.finish_reason)
+                   for out, g in zip(outputs, gens)]
         return CompletionResponse(choices=choices, **common)
+
+
+def message(out: Output, gen: Generation) -> ResponseMessage:
+    """A chat choice's message: content (null when the reply only called), its calls, its reasoning."""
+    calls = [ResponseToolCall(id=c.id, function=ResponseFunctionCall(name=c.name, arguments=c.arguments))
+             for c in gen.calls]
+    content = None if calls and not out.text.strip() else out.text
+    return ResponseMessage(content=content, tool_calls=calls, reasoning_content=out.reasoning or None)
+
+
+def call_delta(event: CallStart | CallArguments) -> dict[str, Any]:
+    """One tool-call stream delta in OpenAI's shape: a call's first names it (arguments empty), the next
+    ones carry argument fragments."""
+    if isinstance(event, CallStart):
+        return {"index": event.index, "id": event.id, "type": "function",
+                "function": {"name": event.name, "arguments": ""}}
+    return {"index": event.index, "function": {"arguments": event.text}}
 
 
 def _json(value: Any) -> bytes:
     return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
-async def collect(gens: list[Generation]) -> list[tuple[str, list]]:
-    """The whole output of a non-streamed request: per choice, its text and log-probability entries."""
+async def collect(gens: list[Generation]) -> list[Output]:
+    """The whole output of a non-streamed request, per choice."""
 
-    async def one(gen: Generation) -> tuple[str, list]:
-        text, lps = [], []
+    async def one(gen: Generation) -> Output:
+        out = Output()
+        text, reasoning = [], []
         async for piece in gen.pieces():
             text.append(piece.text)
-            lps += piece.logprobs
-        return "".join(text), lps
+            reasoning.append(piece.reasoning)
+            out.logprobs += piece.logprobs
+            if piece.prompt_logprobs is not None:
+                out.prompt_logprobs = piece.prompt_logprobs
+        out.text, out.reasoning = "".join(text), "".join(reasoning)
+        return out
 
     tasks = [asyncio.ensure_future(one(g)) for g in gens]
     try:
@@ -435,7 +605,7 @@ async def _sse_body(gens: list[Generation], fmt: Formatter, items: AsyncIterator
             for index, piece in pending:
                 if piece is None:
                     head += fmt.finish_event(index, gens[index].finish_reason)
-                elif piece.text or piece.logprobs:
+                elif fmt.wants_event(index, piece):
                     head += fmt.piece_event(index, piece)
             if head:
                 yield head

@@ -27,7 +27,7 @@ import uvicorn
 
 from gemma_server.app import create_app
 from gemma_server.config import parse_config
-from tests.checkpoints import chat_checkpoint  # noqa: F401 - the session fixture, used below
+from tests.checkpoints import agent_checkpoint, chat_checkpoint  # noqa: F401 - the session fixtures, used below
 
 REPO = Path(__file__).resolve().parents[2]
 CONTEXT = 1024  # the tiny checkpoint's max_position_embeddings
@@ -109,6 +109,15 @@ def server(chat_checkpoint) -> Iterator[InProcessServer]:  # noqa: F811
     temperature are greedy here (`--default-temperature 0`), so replies can be compared with the engine's
     greedy decode; the sampling tests set their temperature."""
     s = start_in_process(chat_checkpoint, "--queue-limit", "8", "--max-num-seqs", "4", "--default-temperature", "0")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def agent_server(agent_checkpoint) -> Iterator[InProcessServer]:  # noqa: F811
+    """The real engine on the agent checkpoint (Gemma 4's tool and thinking markers), served in-process,
+    greedy by default, as `server` is."""
+    s = start_in_process(agent_checkpoint, "--queue-limit", "16", "--max-num-seqs", "4", "--default-temperature", "0")
     yield s
     s.stop()
 

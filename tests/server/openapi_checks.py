@@ -22,12 +22,41 @@ import schemathesis
 from prometheus_client.parser import text_string_to_metric_families
 
 # (param, message prefix) of the 400s a schema-valid request may get; the messages are the server's own
-# (chat_template.render_chat, GenerationRequest.engine_params and check_size).
+# (chat_template.render_chat, GenerationRequest.engine_params and check_size). A param ending in "[" or "."
+# stands for every field under it (messages[3].tool_calls[0]...).
 REFUSALS_BEYOND_THE_SCHEMA = (
     ("messages", "The chat template rejected the messages:"),
     ("messages", "Input length ("),
     ("messages", "The prompt is longer than"),
     ("prompt", "Input length ("),
+    ("prompt", "The prompt is longer than"),
+    # Rules between fields and in strings that JSON Schema does not reach: a named tool that tools lacks,
+    # tool names given twice, arguments that are not a JSON object's text, a tool message's place.
+    ("tool_choice", "tool_choice names"),
+    ("tools[", "Two tools are named"),
+    ("messages[", "Tool call arguments must be"),
+    ("messages[", "A tool message needs"),
+    ("messages[", "Only assistant messages"),
+    ("response_format", "response_format cannot be json"),
+    # What a grammar can enforce and what llguidance compiles are llguidance's to say.
+    ("response_format", "The constraint cannot be compiled"),
+    ("response_format", "The schema cannot be enforced"),
+    ("tools[", "The schema cannot be enforced"),
+    ("tool_choice", "The schema cannot be enforced"),
+    ("tool_choice", "The constraint cannot be compiled"),
+    ("structured_outputs", "The constraint cannot be compiled"),
+    ("structured_outputs", "The schema cannot be enforced"),
+    ("structured_outputs", "Only one structured output"),
+    ("guided_json", "The constraint cannot be compiled"),
+    ("guided_json", "guided_json is not a JSON Schema"),
+    ("guided_json", "guided_json must be"),
+    ("guided_json", "Only one structured output"),
+    ("tools[", "tools["),  # a control token's text in a tool's name or parameters
+    ("tools", "This checkpoint's tokenizer lacks"),
+    ("max_tokens", "max_tokens"),  # 0 only with echo and logprobs
+    ("prompt", "Send exactly one of"),
+    ("messages", "messages must hold"),
+    ("tokens", "Token id"),
 )
 
 
@@ -36,8 +65,9 @@ def refused_beyond_the_schema(body: object) -> bool:
     error = body.get("error") if isinstance(body, dict) else None
     if not isinstance(error, dict):
         return False
-    return any(error.get("param") == param and str(error.get("message", "")).startswith(prefix)
-               for param, prefix in REFUSALS_BEYOND_THE_SCHEMA)
+    got = str(error.get("param"))
+    return any((got == param or (param[-1] in "[." and got.startswith(param)) or got.startswith(param + "."))
+               and str(error.get("message", "")).startswith(prefix) for param, prefix in REFUSALS_BEYOND_THE_SCHEMA)
 
 
 @schemathesis.check

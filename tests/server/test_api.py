@@ -193,7 +193,8 @@ def test_each_bad_chat_input_is_400_naming_the_parameter(server, model, change, 
 
 
 @pytest.mark.parametrize("change,param", [({"prompt": [1, 2, 100000]}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"),
-                                          ({"echo": True}, "echo"), ({"prompt": None}, "prompt")])
+                                          ({"echo": True, "max_tokens": 0}, "max_tokens"),
+                                          ({"max_tokens": 0}, "max_tokens"), ({"prompt": None}, "prompt")])
 def test_each_bad_completion_input_is_400_naming_the_parameter(server, model, change, param):
     r = httpx.post(server.base + "/v1/completions", json={"model": model, "prompt": "x"} | change, timeout=60)
     assert r.status_code == 400, r.text

@@ -82,8 +82,6 @@ def test_token_ids_outside_the_vocabulary_are_400():
         ("ignore_eos", True),
         ("max_tokens", 0),
         ("max_completion_tokens", -1),
-        ("tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("response_format", {"type": "json_object"}),
         ("stop", ["ok", ""]),
     ],
 )
@@ -103,7 +101,7 @@ def test_list_caps_are_schema_bounds_that_stop_validation_at_the_first_excess(fi
     assert any(err["type"] == "too_long" and err["loc"][0] == field for err in e.value.errors())
 
 
-@pytest.mark.parametrize("field,value", [("best_of", 2), ("echo", True), ("suffix", "x"), ("logprobs", 6)])
+@pytest.mark.parametrize("field,value", [("best_of", 2), ("max_tokens", 0), ("suffix", "x"), ("logprobs", 6)])
 def test_unsupported_completion_fields_are_400_naming_the_field(field, value):
     assert_400(lambda: params(CompletionRequest(prompt="x", **{field: value})), field)
 
@@ -218,7 +216,8 @@ def test_the_protocols_copies_of_the_engines_limits_are_the_engines():
     from gemma_server import protocol
 
     assert {"max_top_logprobs": protocol.MAX_TOP_LOGPROBS, "max_logit_bias": protocol.MAX_LOGIT_BIAS,
-            "max_stop_token_ids": protocol.MAX_STOP_TOKEN_IDS} == gemma_engine.LIMITS
+            "max_stop_token_ids": protocol.MAX_STOP_TOKEN_IDS,
+            "max_grammar_bytes": protocol.MAX_GRAMMAR_BYTES} == gemma_engine.LIMITS
 
 
 @pytest.mark.parametrize("field, at_limit", [
@@ -236,3 +235,62 @@ def test_the_engines_limits_pass_at_the_limit_and_are_400_past_it(field, at_limi
         req = chat(**at_limit(limit + 1))
         req.check()
     assert field in str(e.value.param if isinstance(e.value, ApiError) else e.value)
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "a.b"}}]}, "tools[0].function.name"),
+    ({"tools": [TOOL, TOOL]}, "tools[1].function.name"),
+    ({"messages": MSG + [{"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "1"}}]}]},
+     "messages[1].tool_calls[0].function.arguments"),
+    ({"messages": MSG + [{"role": "tool", "content": "x"}]}, "messages[1].tool_call_id"),
+    ({"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"structured_outputs": {"regex": "a"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"whitespace_pattern": "a"}}, "structured_outputs.whitespace_pattern"),
+    ({"structured_outputs": {"json": {}, "choice": ["a"]}}, "structured_outputs.choice"),
+    ({"guided_json": "{not json"}, "guided_json"),
+])
+def test_bad_tool_and_structured_output_fields_are_400_naming_the_field(body, param):
+    assert_400(lambda: ChatCompletionRequest(**{"messages": MSG, **body}).check(), param)
+
+
+def test_constraints_follow_tool_choice_then_response_format_then_structured_outputs():
+    assert chat(tools=[TOOL]).tool_choice_mode() == "auto" and chat().tool_choice_mode() == "none"
+    assert chat(tools=[TOOL]).constraint() is None
+    named = chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "f"}}).constraint()
+    assert (named.kind, named.name) == ("tools", "f")
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}}
+    c = chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}).constraint()
+    assert (c.kind, c.schema, c.param) == ("json", schema, "response_format.json_schema.schema")
+    assert chat(guided_json='{"type": "object"}').constraint().schema == {"type": "object"}
+    assert CompletionRequest(prompt="x", structured_outputs={"choice": ["a", "b"]}).constraint().choices == ("a", "b")
+    p = params(chat(tools=[TOOL], tool_choice="required"))
+    assert (p.tools, p.forced_calls) == (True, True)
+    p = params(chat(tools=[TOOL], tool_choice="none"))
+    assert (p.tools, p.forced_calls) == (False, False)
+
+
+def test_assistant_tool_calls_reach_the_template_with_arguments_as_objects():
+    req = ChatCompletionRequest(messages=MSG + [
+        {"role": "assistant", "content": None, "tool_calls": [{**CALL, "function": {"name": "f", "arguments": '{"x": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "done"}], tools=[TOOL])
+    req.check()
+    assert req.template_messages()[1:] == [
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
+                                                             "function": {"name": "f", "arguments": {"x": 1}}}]},
+        {"role": "tool", "content": "done", "tool_call_id": "c1"}]
+
+
+def test_the_server_bias_wins_and_echo_allows_max_tokens_0():
+    p = chat(logit_bias={"7": 5.0}).engine_params([1, 2], 100, 512, internal_bias={7: -1e9, 8: -1e9})
+    assert dict(p.sampling)["logit_bias"] == {7: -1e9, 8: -1e9}
+    echo = CompletionRequest(prompt="x", echo=True, logprobs=1, max_tokens=0)
+    echo.check()
+    p = echo.engine_params([1, 2], 100, 512)
+    assert (p.max_new, p.prompt_logprobs) == (0, 1)
