@@ -364,7 +364,7 @@ def grammar_text(c: Constraint, tools: list[dict[str, Any]], fmt, thinking: tupl
             return grammars.tool_grammar(tools, fmt, name=c.name, parallel=parallel, thinking=thinking)
     except grammars.SchemaError as e:
         path = getattr(e, "path", "") or ""
-        param = path if path.startswith("tools") else c.param + (f".{path}" if path else "")
+        param = path if path.startswith(("tools", "tool_choice")) else c.param + (f".{path}" if path else "")
         raise bad_request(param, f"The schema cannot be enforced: {e}") from e
     if c.kind == "choice":
         return "start: " + " | ".join(_lark_string(x) for x in c.choices)
