@@ -720,6 +720,33 @@ Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Code: def main(): print("hello, world"
 """
 
 
+def _byte_level_bpe(special: tuple[str, ...], vocab_size: int, corpus: str, use_regex: bool = True) -> Tokenizer:
+    """A byte-level BPE tokenizer of `vocab_size` tokens trained on `corpus`'s lines: ids 0.. are `special`
+    (as special tokens), the 256 byte tokens follow, encoding prepends <bos> (id 2). `use_regex` False
+    drops ByteLevel's pre-split, so merges may cross words and punctuation.
+
+    Raises:
+        RuntimeError: a special token did not get its index as id.
+    """
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=use_regex)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(special),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(corpus.splitlines(), trainer=trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", 2)]
+    )
+    for i, token in enumerate(special):
+        if tokenizer.token_to_id(token) != i:
+            raise RuntimeError(f"special token {token} got id {tokenizer.token_to_id(token)}, expected {i}")
+    return tokenizer
+
+
 def build_chat_tokenizer() -> Tokenizer:
     """A byte-level BPE tokenizer of CHAT_VOCAB_SIZE tokens trained on `_CHAT_CORPUS`.
 
@@ -729,23 +756,7 @@ def build_chat_tokenizer() -> Tokenizer:
     Returns:
         A `tokenizers.Tokenizer`.
     """
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=CHAT_VOCAB_SIZE,
-        special_tokens=list(CHAT_SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(_CHAT_CORPUS.splitlines(), trainer=trainer)
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", 2)]
-    )
-    for i, token in enumerate(CHAT_SPECIAL_TOKENS):
-        if tokenizer.token_to_id(token) != i:
-            raise RuntimeError(f"special token {token} got id {tokenizer.token_to_id(token)}, expected {i}")
-    return tokenizer
+    return _byte_level_bpe(CHAT_SPECIAL_TOKENS, CHAT_VOCAB_SIZE, _CHAT_CORPUS)
 
 
 def chat_text_config(**overrides) -> Gemma4TextConfig:
@@ -947,23 +958,7 @@ def build_agent_tokenizer() -> Tokenizer:
     Returns:
         A `tokenizers.Tokenizer`.
     """
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=AGENT_VOCAB_SIZE,
-        special_tokens=list(AGENT_SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(_AGENT_CORPUS.splitlines(), trainer=trainer)
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", 2)]
-    )
-    for i, token in enumerate(AGENT_SPECIAL_TOKENS):
-        if tokenizer.token_to_id(token) != i:
-            raise RuntimeError(f"special token {token} got id {tokenizer.token_to_id(token)}, expected {i}")
-    return tokenizer
+    return _byte_level_bpe(AGENT_SPECIAL_TOKENS, AGENT_VOCAB_SIZE, _AGENT_CORPUS, use_regex=False)
 
 
 def agent_text_config(**overrides) -> Gemma4TextConfig:
