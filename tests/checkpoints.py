@@ -786,20 +786,31 @@ def save_chat(out_dir: str | Path, seed: int = CHAT_SEED) -> Path:
         The directory.
     """
     out_dir = save_dense(out_dir, seed, chat_text_config())
-    tokenizer = build_chat_tokenizer()
-    if tokenizer.get_vocab_size() != CHAT_VOCAB_SIZE:
-        raise RuntimeError(f"chat tokenizer has {tokenizer.get_vocab_size()} tokens, expected {CHAT_VOCAB_SIZE}")
+    return _save_tokenizer(out_dir, build_chat_tokenizer(), CHAT_VOCAB_SIZE, "<end_of_turn>",
+                           ["<start_of_turn>", "<eos>"], CHAT_TEMPLATE)
+
+
+def _save_tokenizer(out_dir: Path, tokenizer: Tokenizer, vocab_size: int, eos: str, extra: list[str],
+                    template: str) -> Path:
+    """Write `tokenizer` as tokenizer.json and a tokenizer_config.json (<bos>, <pad>, `eos`, the `extra`
+    special tokens, the chat `template`) into `out_dir`, so ``AutoTokenizer.from_pretrained`` loads it.
+
+    Raises:
+        RuntimeError: the tokenizer does not have `vocab_size` tokens.
+    """
+    if tokenizer.get_vocab_size() != vocab_size:
+        raise RuntimeError(f"tokenizer has {tokenizer.get_vocab_size()} tokens, expected {vocab_size}")
     tokenizer.save(str(out_dir / "tokenizer.json"))
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<bos>",
-        "eos_token": "<end_of_turn>",
+        "eos_token": eos,
         "pad_token": "<pad>",
-        "additional_special_tokens": ["<start_of_turn>", "<eos>"],
+        "additional_special_tokens": extra,
         "model_max_length": 1024,
         "padding_side": "left",
         "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": template,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n")
     return out_dir
@@ -988,23 +999,8 @@ def save_agent_chat(out_dir: str | Path, seed: int = AGENT_SEED) -> Path:
         The directory.
     """
     out_dir = save_dense(out_dir, seed, agent_text_config())
-    tokenizer = build_agent_tokenizer()
-    if tokenizer.get_vocab_size() != AGENT_VOCAB_SIZE:
-        raise RuntimeError(f"agent tokenizer has {tokenizer.get_vocab_size()} tokens, expected {AGENT_VOCAB_SIZE}")
-    tokenizer.save(str(out_dir / "tokenizer.json"))
-    tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<bos>",
-        "eos_token": "<turn|>",
-        "pad_token": "<pad>",
-        "additional_special_tokens": [t for t in AGENT_SPECIAL_TOKENS if t not in ("<pad>", "<bos>", "<turn|>")],
-        "model_max_length": 1024,
-        "padding_side": "left",
-        "clean_up_tokenization_spaces": False,
-        "chat_template": AGENT_CHAT_TEMPLATE,
-    }
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n")
-    return out_dir
+    extra = [t for t in AGENT_SPECIAL_TOKENS if t not in ("<pad>", "<bos>", "<turn|>")]
+    return _save_tokenizer(out_dir, build_agent_tokenizer(), AGENT_VOCAB_SIZE, "<turn|>", extra, AGENT_CHAT_TEMPLATE)
 
 
 # ---------------------------------------------------------------- pytest fixtures

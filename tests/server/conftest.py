@@ -122,10 +122,15 @@ def agent_server(agent_checkpoint) -> Iterator[InProcessServer]:  # noqa: F811
     s.stop()
 
 
+def openai_client(server: InProcessServer) -> openai.OpenAI:
+    """The openai SDK pointed at `server`, without retries (a refusal is the test's to see)."""
+    return openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0)
+
+
 @pytest.fixture(scope="session")
 def client(server) -> openai.OpenAI:
     """The openai SDK pointed at the session's server."""
-    return openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.server.conftest import sample
+from tests.server.conftest import openai_client, sample
 
 WEATHER = {
     "type": "object",
@@ -44,7 +44,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="session")
 def agent(agent_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=agent_server.base + "/v1", api_key="unused", max_retries=0)
+    return openai_client(agent_server)
 
 
 @pytest.fixture(scope="session")
