@@ -20,7 +20,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.server.conftest import openai_client, sample
+from tests.server.conftest import get_status, openai_client, sample, wait_for
 
 WEATHER = {
     "type": "object",
@@ -374,10 +374,14 @@ BOMB = {"type": "object", "properties": {"x": {"allOf": [{"type": "string", "pat
                                                          for i in range(60)]}}, "required": ["x"]}
 
 
-def test_a_schema_bomb_is_refused_fast_and_live_stays_quick_meanwhile(agent_server):
+def test_a_schema_bomb_is_refused_fast_and_live_stays_quick_meanwhile(spawn, agent_checkpoint):
     import threading
 
-    base = agent_server.base
+    # A server of its own process: the in-process servers share the test's interpreter, whose threads (the
+    # client below, pytest) would be measured with it.
+    server = spawn("--model", str(agent_checkpoint), "--use-installed-engine", "--default-temperature", "0")
+    base = server.base
+    wait_for(lambda: get_status(base + "/health") == 200, 120, "the spawned server to be ready")
     done, answers = threading.Event(), []
 
     def bombs():
