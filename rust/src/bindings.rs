@@ -137,7 +137,9 @@ pub struct PyRequest {
 #[pymethods]
 impl PyRequest {
     #[new]
-    #[pyo3(signature = (id, ids, max_new, stop_ids=Vec::new(), sampling=None, grammar=None, prompt_logprobs=None))]
+    #[pyo3(signature = (id, ids, max_new, stop_ids=Vec::new(), sampling=None, grammar=None, prompt_logprobs=None,
+                        cache_salt=None, cache_boundary=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         id: u64,
         ids: Vec<i64>,
@@ -146,9 +148,13 @@ impl PyRequest {
         sampling: Option<Py<PySamplingParams>>,
         grammar: Option<String>,
         prompt_logprobs: Option<i64>,
+        cache_salt: Option<String>,
+        cache_boundary: Option<usize>,
     ) -> Self {
         let params = sampling.map(|s| s.get().inner.clone()).unwrap_or_default();
-        PyRequest { inner: Request { id, prompt: ids, max_new, stop_ids, params, grammar, prompt_logprobs } }
+        let inner =
+            Request { id, prompt: ids, max_new, stop_ids, params, grammar, prompt_logprobs, cache_salt, cache_boundary };
+        PyRequest { inner }
     }
 
     #[getter]
@@ -164,6 +170,16 @@ impl PyRequest {
     #[getter]
     fn max_new(&self) -> i64 {
         self.inner.max_new
+    }
+
+    #[getter]
+    fn cache_salt(&self) -> Option<String> {
+        self.inner.cache_salt.clone()
+    }
+
+    #[getter]
+    fn cache_boundary(&self) -> Option<usize> {
+        self.inner.cache_boundary
     }
 }
 
@@ -183,6 +199,7 @@ pub struct PyEvent {
     error: Option<String>,
     prompt_s: f64,
     decode_s: f64,
+    cached_tokens: usize,
 }
 
 fn logprob_pairs(l: Vec<TokenLogprobs>) -> PyLogprobs {
@@ -200,6 +217,7 @@ impl From<Event> for PyEvent {
             error: e.error,
             prompt_s: e.timing.prompt_s,
             decode_s: e.timing.decode_s,
+            cached_tokens: e.cached_tokens,
         }
     }
 }
@@ -251,6 +269,8 @@ impl Io for PyIo {
             s.set_item("prompt_reads", stats.prompt_reads.clone())?;
             s.set_item("seconds", stats.seconds)?;
             s.set_item("mask_seconds", stats.mask_seconds)?;
+            s.set_item("cache_queries", stats.cache_queries)?;
+            s.set_item("cache_hits", stats.cache_hits)?;
             self.on_events.call1(py, (list, s))?;
             Ok(())
         });
@@ -274,11 +294,13 @@ fn check_fits(size: &CacheSize, context: i64, free: Option<i64>) -> crate::error
     }
     let mib = |b: i64| b as f64 / (1 << 20) as f64;
     Err(Error::Input(format!(
-        "max_batch {} x context {context} needs a KV cache of {:.1} MiB ({:.2} MiB per slot), but the device has \
-         {:.1} MiB free after the weights; lower max_batch or context",
+        "max_batch {} x context {context} needs a KV cache of {:.1} MiB ({:.2} MiB per slot, of which {:.2} MiB \
+         are the prefix cache's snapshots of the sliding rings), but the device has {:.1} MiB free after the \
+         weights; lower max_batch or context, or turn prefix caching off",
         size.max_batch,
         mib(size.total()),
         mib(size.bytes_per_slot),
+        mib(size.snapshot_bytes_per_slot),
         mib(free)
     )))
 }
@@ -300,7 +322,8 @@ impl Engine {
     ///         shape), bad dtype, context/prefill_chunk/max_batch < 1, a KV cache that does not fit.
     #[new]
     #[pyo3(signature = (model_dir, emb_dir=None, like=None, context=8192, dtype="bfloat16", prefill_chunk=256,
-                        max_batch=1, packed_int4=None, cuda_graphs=true, onednn=None, grammars=None))]
+                        max_batch=1, packed_int4=None, cuda_graphs=true, onednn=None, grammars=None,
+                        prefix_caching=true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -315,10 +338,12 @@ impl Engine {
         cuda_graphs: bool,
         onednn: Option<bool>,
         grammars: Option<Py<PyGrammars>>,
+        prefix_caching: bool,
     ) -> PyResult<Engine> {
         let grammars = grammars.map(|g| g.get().inner.clone());
         let dtype = parse_dtype(dtype)?;
-        let settings = Settings { context, dtype, prefill_chunk, max_batch, packed_int4, cuda_graphs, onednn };
+        let settings =
+            Settings { context, dtype, prefill_chunk, max_batch, packed_int4, cuda_graphs, onednn, prefix_caching };
         let (like, like_py) = match like {
             Some(t) => (tensor_arg(t, "like")?, t.clone().unbind()),
             None => {
@@ -391,7 +416,7 @@ impl Engine {
     }
 
     /// {"full_rings", "sliding_rings", "shared_layers", "context", "sliding_window", "max_batch",
-    /// "kv_bytes_per_slot", "kv_bytes"}.
+    /// "kv_bytes_per_slot", "kv_bytes", "prefix_caching", "snapshot_bytes_per_slot"}.
     fn layout<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let l = self.inner.layout();
         let d = PyDict::new(py);
@@ -403,6 +428,8 @@ impl Engine {
         d.set_item("max_batch", l.max_batch)?;
         d.set_item("kv_bytes_per_slot", l.kv_bytes_per_slot)?;
         d.set_item("kv_bytes", l.kv_bytes)?;
+        d.set_item("prefix_caching", l.prefix_caching)?;
+        d.set_item("snapshot_bytes_per_slot", l.snapshot_bytes_per_slot)?;
         Ok(d)
     }
 
@@ -420,7 +447,17 @@ impl Engine {
         sampling: Option<Py<PySamplingParams>>,
     ) -> PyResult<(Vec<i64>, &'static str, f64, f64)> {
         let params = sampling.map(|s| s.get().inner.clone()).unwrap_or_default();
-        let request = Request { id: 0, prompt: ids, max_new, stop_ids, params, grammar: None, prompt_logprobs: None };
+        let request = Request {
+            id: 0,
+            prompt: ids,
+            max_new,
+            stop_ids,
+            params,
+            grammar: None,
+            prompt_logprobs: None,
+            cache_salt: None,
+            cache_boundary: None,
+        };
         let mut failed: Option<PyErr> = None;
         let inner = &mut self.inner;
         let done = py.detach(|| {

@@ -64,8 +64,10 @@ def _one_thread():
 
 
 def _engine(checkpoint_dirs, kind, **kwargs) -> gemma_engine.Engine:
+    """An engine without prefix caching: these tests pin which prompts each forward reads, and a
+    re-sent prompt would be read as a later chunk after a hit (test_prefix_cache.py tests that)."""
     model_dir, emb_dir = checkpoint_dirs[kind]
-    kwargs = {"context": CONTEXT, "dtype": "float32", "like": torch.zeros(1), **kwargs}
+    kwargs = {"context": CONTEXT, "dtype": "float32", "like": torch.zeros(1), "prefix_caching": False, **kwargs}
     return gemma_engine.Engine(str(model_dir), str(emb_dir) if emb_dir else None, **kwargs)
 
 
@@ -488,7 +490,9 @@ def test_kv_cache_that_cannot_fit_is_value_error_naming_max_batch_and_sizes(dens
     mib = 2**20
     message = (
         rf"max_batch {max_batch} x context {context} needs a KV cache of {max_batch * per_slot / mib:.1f} MiB "
-        rf"\({per_slot / mib:.2f} MiB per slot\), but the device has [\d.]+ MiB free after the weights"
+        rf"\({per_slot / mib:.2f} MiB per slot, of which 0.00 MiB are the prefix cache's snapshots of the sliding "
+        rf"rings\), but the device has [\d.]+ MiB free after the weights; lower max_batch or context, or turn prefix "
+        rf"caching off"
     )
     with pytest.raises(ValueError, match=message):
         _engine({"dense": (dense_checkpoint, None)}, "dense", context=context, max_batch=max_batch)
@@ -593,14 +597,16 @@ def test_captured_cuda_graph_steps_give_the_eager_tokens(checkpoint_dirs):
         assert (got.tokens, got.finish, got.logprobs) == (want.tokens, want.finish, want.logprobs), rid
 
 
-def test_a_float32_decode_step_makes_at_most_26_aten_calls_a_layer_with_its_own_keys_24_a_shared_one_and_23_outside(
+def test_a_float32_decode_step_makes_at_most_26_aten_calls_a_layer_with_its_own_keys_24_a_shared_one_and_27_outside(
     checkpoint_dirs,
 ):
     """The decode step's ATen calls (README "The decode step's ATen calls"): a deterministic count,
     453 a step of the small config (54 and 33 a layer, 84 outside the layers) before the cuts. Counted
     with ATen's matmul, the path of every device but the CPU, where each call costs a launch; with
     oneDNN (the CPU's float32 default) each layer adds the copies of its two projections that have
-    buffers (oneDNN's linear has no `_out` form)."""
+    buffers (oneDNN's linear has no `_out` form). Outside the layers, 23 before the step stopped rows at
+    their stop tokens on the device (slots.rs): that check is 4 more (a reshape, a gather of the slots'
+    stop tables, an and, a copy into `live`)."""
     config = json.loads((checkpoint_dirs["dense"][0] / "config.json").read_text())
     own = config["num_hidden_layers"] - config["num_kv_shared_layers"]
 
@@ -621,7 +627,7 @@ def test_a_float32_decode_step_makes_at_most_26_aten_calls_a_layer_with_its_own_
     assert len(calls) == config["num_hidden_layers"] and 0 < own < len(calls)
     assert max(calls[:own]) <= 26, calls
     assert max(calls[own:]) <= 24, calls
-    assert per_step - sum(calls) <= 23, (per_step, calls)
+    assert per_step - sum(calls) <= 27, (per_step, calls)
     per_step_onednn, calls_onednn = counts(onednn=True)
     assert [a - b for a, b in zip(calls_onednn, calls)] == [2] * len(calls)
     assert per_step_onednn - sum(calls_onednn) == per_step - sum(calls)

@@ -89,7 +89,10 @@ def test_properties_and_layout(engine, dense_checkpoint):
     cfg = json.loads((dense_checkpoint / "config.json").read_text())
     kv_heads, sliding_dim, full_dim = cfg["num_key_value_heads"], cfg["head_dim"], cfg["per_layer_config"]["2"]["head_dim"]
     sliding, full = 12, CONTEXT
-    per_slot = 3 * 2 * kv_heads * (sliding + 1) * sliding_dim * 4 + 2 * 2 * kv_heads * (full + 1) * full_dim * 4
+    sliding_rings = 3 * 2 * kv_heads * (sliding + 1) * sliding_dim * 4
+    rings = sliding_rings + 2 * 2 * kv_heads * (full + 1) * full_dim * 4
+    # With prefix caching (the default) each slot also holds two snapshots of its sliding rings.
+    snapshots = 2 * sliding_rings
     assert engine.layout() == {
         "full_rings": 2,
         "sliding_rings": 3,
@@ -97,9 +100,15 @@ def test_properties_and_layout(engine, dense_checkpoint):
         "context": CONTEXT,
         "sliding_window": 12,
         "max_batch": 1,
-        "kv_bytes_per_slot": per_slot,
-        "kv_bytes": per_slot,
+        "kv_bytes_per_slot": rings + snapshots,
+        "kv_bytes": rings + snapshots,
+        "prefix_caching": True,
+        "snapshot_bytes_per_slot": snapshots,
     }
+    off = gemma_engine.Engine(str(dense_checkpoint), like=torch.zeros(1), context=CONTEXT, dtype="float32",
+                              prefix_caching=False)
+    assert {k: off.layout()[k] for k in ("kv_bytes_per_slot", "prefix_caching", "snapshot_bytes_per_slot")} == {
+        "kv_bytes_per_slot": rings, "prefix_caching": False, "snapshot_bytes_per_slot": 0}
 
 
 @pytest.mark.parametrize(

@@ -172,7 +172,16 @@ class Request:
     given the ones before it and the k most likely tokens there (of the model's own distribution),
     computed on the device while the prompt is read and delivered on the request's first Event as
     `Event.prompt_logprobs`. With it `max_new` may be 0: the request then ends "length" right after its
-    prompt is read, with no tokens.
+    prompt is read, with no tokens. Such a request takes no prefix-cache hit (every position is scored).
+
+    `cache_salt`: with prefix caching (`Engine(prefix_caching=True)`), requests with different salts never
+    reuse each other's keys (vLLM's `cache_salt`), so tenants cannot probe each other's prompts by timing;
+    None is a salt of its own.
+
+    `cache_boundary`: a prompt position in 1..len(ids)-1 where the engine keeps a copy of its sliding rings
+    while it reads the prompt, so that later requests sharing ids[:cache_boundary] can resume there (the
+    end of the system turn and tool declarations every user of an agent shares). Outside that range the
+    request ends "error" at admission, naming `cache_boundary`. Ignored with prefix caching off.
     """
 
     def __init__(
@@ -184,6 +193,8 @@ class Request:
         sampling: SamplingParams | None = None,
         grammar: str | None = None,
         prompt_logprobs: int | None = None,
+        cache_salt: str | None = None,
+        cache_boundary: int | None = None,
     ) -> None: ...
     @property
     def id(self) -> int: ...
@@ -191,6 +202,10 @@ class Request:
     def ids(self) -> list[int]: ...
     @property
     def max_new(self) -> int: ...
+    @property
+    def cache_salt(self) -> str | None: ...
+    @property
+    def cache_boundary(self) -> int | None: ...
 
 class Event:
     """New tokens of one request, and its end once it ended."""
@@ -211,6 +226,9 @@ class Event:
     """On the last event: seconds from admission to the read point that delivered the first token."""
     decode_s: float
     """On the last event: seconds from then to the end."""
+    cached_tokens: int
+    """Prompt tokens the request took from the prefix cache (at most len(ids) - 1; 0 without a hit or
+    with prefix caching off), on every event of the request."""
 
 class Engine:
     """One Gemma 4 text model, `max_batch` sequence slots and their fixed-shape KV cache.
@@ -232,6 +250,7 @@ class Engine:
         cuda_graphs: bool = True,
         onednn: bool | None = None,
         grammars: Grammars | None = None,
+        prefix_caching: bool = True,
     ) -> None:
         """Load a checkpoint directory (config.json + *.safetensors).
 
@@ -268,13 +287,21 @@ class Engine:
                 tied lm_head keeps the embedding table and adds its packed copy.
             grammars: the token environment of the checkpoint's tokenizer, needed by any Request with
                 a grammar (its vocab_size must be the model's).
+            prefix_caching: keep each finished request's keys in its slot and let a later request
+                that starts with the same tokens (and the same `cache_salt`) read only the rest of its
+                prompt (`Event.cached_tokens` says how much it reused). Exact: the tokens are those
+                of a read of the whole prompt. Each slot then also holds two snapshots of its
+                sliding-window rings (at its prompt's end and at `Request.cache_boundary`), so a
+                request can resume there; layout()["snapshot_bytes_per_slot"] gives their size.
+                Requests go to the free slot with the longest valid prefix, or the least recently
+                used one; without it, to the lowest free slot.
         Raises:
             ValueError: bad config key, missing or misshapen tensor (named, with
                 the expected shape), bad dtype, context, prefill_chunk or max_batch < 1,
                 packed_int4=True with a dtype other than bfloat16 or on a device without
                 the int4 kernels, onednn=True off the CPU, in another dtype or without
                 oneDNN, grammars of another vocab_size,
-                or a KV cache of max_batch x kv_bytes_per_slot that does not fit in the
+                or a KV cache of max_batch x kv_bytes_per_slot (snapshots included) that does not fit in the
                 device's free memory after the weights (CPU: MemAvailable and the cgroup
                 limit; CUDA: torch.cuda.mem_get_info; other devices are not checked).
         """
@@ -307,12 +334,13 @@ class Engine:
 
     def layout(self) -> dict[str, int]:
         """{"full_rings", "sliding_rings", "shared_layers", "context", "sliding_window",
-        "max_batch", "kv_bytes_per_slot", "kv_bytes"}.
+        "max_batch", "kv_bytes_per_slot", "kv_bytes", "prefix_caching", "snapshot_bytes_per_slot"}.
 
         kv_bytes_per_slot = sum over the layers with their own K/V of
         2 * kv_heads * (ring + 1) * head_dim * dtype bytes (ring = context for full layers,
         min(sliding_window, context) for sliding ones; the extra entry takes padding rows'
-        writes); kv_bytes = max_batch x that.
+        writes), plus snapshot_bytes_per_slot = 2 * the same sum over the sliding layers with their
+        own K/V when prefix_caching is on (0 when off); kv_bytes = max_batch x kv_bytes_per_slot.
         """
 
     def run(
@@ -331,8 +359,10 @@ class Engine:
         `on_events(events, stats)` gets them (stats: {"batch_sizes": decoding rows per step,
         "prompt_tokens": prompt tokens read, "prompt_reads": prompts each prompt forward
         read, "seconds": wall time of those turns, "mask_seconds": the part of it spent computing
-        grammar masks on the host}), then `poll(free, idle)` returns the new
-        requests (at most `free`, each taking the lowest free slot) and the ids of requests
+        grammar masks on the host, "cache_queries": prompt tokens of the requests admitted before
+        those turns, "cache_hits": how many of them came from the prefix cache}), then
+        `poll(free, idle)` returns the new requests (at most `free`, each taking a free slot: the
+        lowest, or with prefix caching the one holding its longest prefix) and the ids of requests
         to cancel, or None to end the loop (requests still running end "cancelled").
         `idle` is True when no request runs, so `poll` may block until there is work. A
         request the engine refuses (prompt too long, id outside the vocabulary, a bad

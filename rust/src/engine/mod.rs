@@ -39,6 +39,13 @@
 //! (`sampling.rs`). A mask needs the slot's previous token on the host, so while a constrained slot
 //! decodes every turn ends in a read point, whatever `read_every` is.
 //!
+//! With prefix caching (`Settings::prefix_caching`, prefix.rs) a finished request's slot keeps its
+//! rings and the tokens it wrote, and a new request goes to the free slot holding its longest valid
+//! prefix (copied to another free slot when it does not continue that slot's history) and reads only
+//! the rest of its prompt, as a later chunk. The sliding rings are snapshotted at each prompt's end
+//! and at the boundary a request marks (its chunks end there, so it is read alone rather than in a
+//! group), so a request can resume there too.
+//!
 //! A request admitted while another with the same prompt is still reading it follows that one
 //! instead of reading it again (the `n` choices of one OpenAI request, or identical prompts): when
 //! the leader's last chunk is read, the follower's rings get a copy of the prompt's keys and it
@@ -56,6 +63,7 @@
 
 pub mod grammar;
 pub mod one_request;
+mod prefix;
 mod prompt_logprobs;
 mod read_point;
 pub mod request;
@@ -71,6 +79,7 @@ use std::time::Instant;
 use rayon::prelude::*;
 
 use crate::engine::grammar::{Constraint, Grammars};
+use crate::engine::prefix::{Hit, Mark, PrefixCache};
 use crate::engine::prompt_logprobs::Piece;
 use crate::engine::read_point::Drawn;
 use crate::engine::request::{Event, Finish, Io, Request, StepStats, Timing};
@@ -105,6 +114,8 @@ pub struct Layout {
     pub max_batch: i64,
     pub kv_bytes_per_slot: i64,
     pub kv_bytes: i64,
+    pub prefix_caching: bool,
+    pub snapshot_bytes_per_slot: i64,
 }
 
 /// Parse a compute dtype name.
@@ -130,6 +141,8 @@ pub struct Settings {
     pub packed_int4: Option<bool>,
     /// `Kernels::onednn` (the loader decides, gemma4/weights.rs).
     pub onednn: Option<bool>,
+    /// Reuse the keys of earlier requests (prefix.rs); the cache then holds each slot's snapshots.
+    pub prefix_caching: bool,
 }
 
 impl Settings {
@@ -184,6 +197,10 @@ pub struct Engine {
     fault: Option<(Fault, u64)>,
     /// The token environment grammar-constrained requests compile against (`with_grammars`).
     grammars: Option<Arc<Grammars>>,
+    /// What each free slot's rings hold, with `Settings::prefix_caching`.
+    prefix: Option<PrefixCache>,
+    /// A decode step ran since the last read point.
+    stepped: bool,
 }
 
 impl Engine {
@@ -205,16 +222,20 @@ impl Engine {
         let model = Model::load(cfg, &weights, settings.context)?;
         let loaded = weights.loaded();
         let b = settings.max_batch;
-        fits(&CacheSize::of(&model.cfg, settings.context, b, settings.dtype))?;
-        let cache = KvCache::new(&model.cfg, settings.context, b, &like, settings.dtype)?;
+        let caching = settings.prefix_caching;
+        fits(&CacheSize::of(&model.cfg, settings.context, b, settings.dtype, caching))?;
+        let cache = KvCache::new(&model.cfg, settings.context, b, &like, settings.dtype, caching)?;
         let sampler = Sampler::new(b, model.cfg.vocab_size, &like)?;
-        let slots = Slots::new(b, &like)?;
+        let slots = Slots::new(b, model.cfg.vocab_size, &like)?;
+        let prefix = caching.then(|| PrefixCache::new(b as usize, cache.ring(LayerType::Sliding) as usize));
         let graphs = (settings.cuda_graphs && like.device()?.starts_with("cuda") && CudaGraph::available())
             .then(Graphs::default);
         Ok(Engine {
             graphs,
             fault: None,
             grammars: None,
+            prefix,
+            stepped: false,
             loaded,
             slots,
             drawn: Vec::new(),
@@ -288,7 +309,7 @@ impl Engine {
 
     pub fn layout(&self) -> Layout {
         let cfg = &self.model.cfg;
-        let size = CacheSize::of(cfg, self.context, self.max_batch, self.model.dtype());
+        let size = CacheSize::of(cfg, self.context, self.max_batch, self.model.dtype(), self.prefix.is_some());
         Layout {
             full_rings: self.cache.own_rings(LayerType::Full, cfg),
             sliding_rings: self.cache.own_rings(LayerType::Sliding, cfg),
@@ -298,6 +319,8 @@ impl Engine {
             max_batch: self.max_batch,
             kv_bytes_per_slot: size.bytes_per_slot,
             kv_bytes: size.total(),
+            prefix_caching: self.prefix.is_some(),
+            snapshot_bytes_per_slot: size.snapshot_bytes_per_slot,
         }
     }
 
@@ -340,12 +363,16 @@ impl Engine {
     }
 
     /// float32 next-token logits after `ids`, read into slot 0 from empty, on the host as a tensor.
+    /// Slot 0's rings are overwritten, so what the prefix cache knew of them is dropped.
     pub fn logits(&mut self, ids: &[i64]) -> Result<Tensor> {
         self.check_prompt(ids)?;
+        if let Some(p) = self.prefix.as_mut() {
+            p.drop_history(0);
+        }
         let prompt = Tensor::from_i64(ids)?.to_like(&self.like, DType::I64)?;
         let mut done = 0;
         loop {
-            let (logits, read, _) = self.prompt_chunk(0, &prompt, ids, done, None)?;
+            let (logits, read, _) = self.prompt_chunk(0, &prompt, ids, done, None, None)?;
             done += read;
             if let Some(l) = logits {
                 // A tensor built from host bytes lives on the host: it names where the logits go.
@@ -356,7 +383,7 @@ impl Engine {
     }
 
     /// Read the next chunk of `slot`'s prompt (`prompt` on the device, `ids_host` on the host, `done`
-    /// tokens read). Returns the
+    /// tokens read; a chunk ends at `boundary` when it lies ahead). Returns the
     /// last position's logits `[1, vocab]` once the whole prompt is read, the tokens read, and the
     /// chunk's scored rows when `prompt_k` is Some (`prompt_logprobs`).
     fn prompt_chunk(
@@ -366,9 +393,11 @@ impl Engine {
         ids_host: &[i64],
         done: usize,
         prompt_k: Option<i64>,
+        boundary: Option<usize>,
     ) -> Result<(Option<Tensor>, usize, Option<Piece>)> {
         let n = ids_host.len();
         let end = (done + self.prefill_chunk as usize).min(n);
+        let end = boundary.filter(|b| *b > done).map_or(end, |b| end.min(b));
         let t = (end - done) as i64;
         let ids = prompt.narrow(0, done as i64, t)?;
         let pos = Positions::chunk(done as i64, end as i64, &self.like)?;
@@ -399,6 +428,12 @@ impl Engine {
         if read_every < 1 {
             return Err(Error::Input(format!("read_every must be >= 1, got {read_every}")));
         }
+        // A run that ended on an error left its busy slots' rings half written.
+        for s in self.slots.busy() {
+            if let Some(p) = self.prefix.as_mut() {
+                p.drop_history(s);
+            }
+        }
         self.slots.reset()?;
         self.drawn.clear();
         self.ended.clear();
@@ -411,8 +446,9 @@ impl Engine {
                 Err(e) => events.extend(self.fail(self.slots.busy(), &e)?),
             }
             self.stats.seconds = since.elapsed().as_secs_f64();
-            if !events.is_empty() || !self.stats.batch_sizes.is_empty() || self.stats.prompt_tokens > 0 {
-                io.emit(events, &self.stats)?;
+            let st = &self.stats;
+            if !events.is_empty() || !st.batch_sizes.is_empty() || st.prompt_tokens > 0 || st.cache_queries > 0 {
+                io.emit(events, st)?;
             }
             let free = self.slots.free_count();
             let Some((new, cancels)) = io.poll(free, free == self.slots.len())? else {
@@ -420,6 +456,8 @@ impl Engine {
                 return io.emit(ends, &StepStats::default());
             };
             let mut events = self.cancel(|id| cancels.contains(&id))?;
+            // Admissions count their prompt tokens (and hits) into the stats of the turns that follow.
+            self.stats = StepStats::default();
             for request in new {
                 if let Some(refused) = self.admit(request)? {
                     events.push(refused);
@@ -428,7 +466,6 @@ impl Engine {
             if !events.is_empty() {
                 io.emit(events, &StepStats::default())?;
             }
-            self.stats = StepStats::default();
             since = Instant::now();
             for _ in 0..read_every {
                 // A constrained slot's next mask needs the token it just drew (module docs).
@@ -439,35 +476,90 @@ impl Engine {
         }
     }
 
-    /// Put `r` in the lowest free slot, or say why it cannot run.
-    fn admit(&mut self, r: Request) -> Result<Option<Event>> {
+    /// Put `r` in a free slot (the lowest, or with prefix caching the one prefix.rs chooses), or say
+    /// why it cannot run.
+    fn admit(&mut self, mut r: Request) -> Result<Option<Event>> {
         let refuse =
             |r: &Request, msg: String| Ok(Some(Event::end_with_error(r.id, Finish::Error, Timing::default(), msg)));
         if let Err(e) = self.check_request(&r) {
             return refuse(&r, e.to_string());
         }
-        let Some(s) = self.slots.lowest_free() else {
+        let free = self.slots.free_list();
+        if free.is_empty() {
             return refuse(&r, format!("all {} slots are busy", self.max_batch));
+        }
+        let reading_it = |x: &Option<Slot>| {
+            x.as_ref().is_some_and(|x| matches!(x.phase, Phase::Prompt { .. }) && x.request.prompt == r.prompt)
+        };
+        let leader = self.slots.all().iter().position(reading_it);
+        let (s, hit) = match &self.prefix {
+            None => (free[0], None),
+            Some(p) => {
+                // A request scored at every prompt position takes no hit (vLLM skips the cache for
+                // prompt_logprobs too); a follower copies its leader's rings.
+                let wants = leader.is_none() && r.prompt_logprobs.is_none();
+                let hit = if wants { p.best(&free, &r.prompt, &r.cache_salt) } else { None };
+                (p.target(&free, hit.as_ref()), hit)
+            }
         };
         let grammar = match self.compile(&r) {
             Ok(g) => g,
             Err(e) => return refuse(&r, e.to_string()),
         };
-        let prompt = match self.place(s, &r) {
+        let prompt = match self.place(s, &r).and_then(|prompt| self.resume(s, hit).map(|_| prompt)) {
             Ok(prompt) => prompt,
-            Err(e) => return Ok(Some(Event::end_with_error(r.id, Finish::Failed, Timing::default(), e.to_string()))),
+            Err(e) => {
+                if let Some(p) = self.prefix.as_mut() {
+                    p.drop_history(s);
+                }
+                return Ok(Some(Event::end_with_error(r.id, Finish::Failed, Timing::default(), e.to_string())));
+            }
         };
-        let reading_it = |x: &Option<Slot>| {
-            x.as_ref().is_some_and(|x| matches!(x.phase, Phase::Prompt { .. }) && x.request.prompt == r.prompt)
-        };
-        let phase = match self.slots.all().iter().position(reading_it) {
+        let cached = hit.map_or(0, |h| h.at);
+        self.stats.cache_queries += r.prompt.len();
+        self.stats.cache_hits += cached;
+        let phase = match leader {
             Some(leader) => Phase::Follow { leader },
-            None => Phase::Prompt { done: 0 },
+            None => Phase::Prompt { done: cached },
         };
         let room = (self.context - r.prompt.len() as i64) as usize;
         let limit = (r.max_new as usize).min(room);
+        if self.prefix.is_none() {
+            r.cache_boundary = None; // nothing to snapshot, and the prompt may be read in a group
+        }
+        let at_boundary = r.cache_boundary == Some(cached) && leader.is_none();
         self.slots.admit(s, r, prompt, phase, limit, grammar);
+        if at_boundary {
+            self.snapshot(s, Mark::Boundary, cached)?;
+        }
         Ok(None)
+    }
+
+    /// Give slot `s`'s rings what a request resuming at `hit` needs (prefix.rs): the donor's rings
+    /// copied when they are another slot's, then the snapshot restored when the hit is one. Without a
+    /// hit the slot's history is simply overwritten.
+    fn resume(&mut self, s: usize, hit: Option<Hit>) -> Result<()> {
+        let Some(p) = self.prefix.as_mut() else { return Ok(()) };
+        let Some(h) = hit else {
+            p.claim(s, None, 0);
+            return Ok(());
+        };
+        if h.donor != s {
+            self.cache.copy_slot(h.donor as i64, s as i64)?;
+        }
+        if let Some(m) = h.restore {
+            self.cache.restore(s as i64, m.row())?;
+        }
+        p.claim(s, Some(h.donor), h.at);
+        Ok(())
+    }
+
+    /// Copy slot `s`'s sliding rings, which have just written `0..at`, into its snapshot `mark`.
+    fn snapshot(&mut self, s: usize, mark: Mark, at: usize) -> Result<()> {
+        let Some(p) = self.prefix.as_mut() else { return Ok(()) };
+        self.cache.snapshot(s as i64, mark.row())?;
+        p.mark(s, mark, at);
+        Ok(())
     }
 
     /// Upload `r`'s prompt and give slot `s` its sampling state; the slot is still free, so an error
@@ -481,21 +573,31 @@ impl Engine {
         Ok(prompt)
     }
 
-    /// Free slot `s` and its sampling state; returns what it held.
+    /// Free slot `s` and its sampling state; its rings stay for later requests (prefix.rs). Returns
+    /// what it held.
     fn free(&mut self, s: usize) -> Result<Slot> {
         let slot = self.slots.free(s)?;
         self.sampler.release(s as i64);
+        if let Some(p) = self.prefix.as_mut() {
+            let (tokens, written) = slot.history();
+            p.retire(s, tokens, written, slot.request.cache_salt.clone());
+        }
         Ok(slot)
     }
 
     /// End the request in busy slot `s` by `end` (cancelled, or failed by `error`) and free its slot.
+    /// A failed request's rings are not trusted again.
     fn end(&mut self, s: usize, end: End, error: Option<&Error>) -> Result<Event> {
+        let failed = matches!(end, End::Fail);
         let slot = self.free(s)?;
+        if let Some(p) = self.prefix.as_mut().filter(|_| failed) {
+            p.drop_history(s);
+        }
         Ok(Event {
             finish: slot.finish(end, &self.model.cfg.eos_ids),
             error: error.map(|e| e.to_string()),
             timing: slot.timing(),
-            ..Event::new(slot.request.id)
+            ..slot.event()
         })
     }
 
@@ -590,7 +692,9 @@ impl Engine {
 
     /// One decode step of slots `0..b`; `rows[i]` is Some for the decoding ones.
     fn decode_step(&mut self, b: i64, rows: &[Option<usize>]) -> Result<()> {
-        let padded = rows.iter().any(|r| r.is_none());
+        // Right after a read point the host knows which rows decode; after a step it does not: a row
+        // may have stopped on the device (slots.rs).
+        let padded = rows.iter().any(|r| r.is_none()) || self.stepped;
         let key = StepKey { b, padded, stages: self.sampler.stages(0, b) };
         if key.stages.grammar {
             // Outside the step (and its CUDA graph): the graph reads the device buffer this fills.
@@ -602,6 +706,7 @@ impl Engine {
             Some(g) => g.step(key, like, || step(model, cache, sampler, slots, key))?,
         };
         self.drawn.push(Drawn { chosen, rows: rows.to_vec() });
+        self.stepped = true;
         Ok(())
     }
 
@@ -641,10 +746,14 @@ impl Engine {
         let Phase::Prompt { done } = slot.phase else { return Err(Error::Internal("slot is not reading".into())) };
         let prompt = slot.prompt.shallow_clone()?;
         let ids = slot.request.prompt.clone();
-        let (logits, read, piece) = self.prompt_chunk(s as i64, &prompt, &ids, done, k)?;
+        let boundary = slot.request.cache_boundary;
+        let (logits, read, piece) = self.prompt_chunk(s as i64, &prompt, &ids, done, k, boundary)?;
         let slot = self.slots.get_mut(s)?;
         slot.phase = Phase::Prompt { done: done + read };
         slot.prompt_pieces.extend(piece);
+        if boundary == Some(done + read) {
+            self.snapshot(s, Mark::Boundary, done + read)?;
+        }
         if let Some(logits) = logits {
             self.prompt_done(s, &logits)?;
         }
@@ -687,6 +796,8 @@ impl Engine {
             self.slots.get_mut(s)?.prompt_pieces.extend(piece);
         }
         for &s in group {
+            let slot = self.slots.get_mut(s)?;
+            slot.phase = Phase::Prompt { done: slot.request.prompt.len() };
             let row = logits.narrow(0, (s - lo) as i64, 1)?;
             self.prompt_done(s, &row)?;
         }
@@ -700,9 +811,14 @@ impl Engine {
         let n = self.slots.get(s).map_or(0, |slot| slot.request.prompt.len()) as i64;
         let pieces = std::mem::take(&mut self.slots.get_mut(s)?.prompt_pieces);
         let scored = prompt_logprobs::to_host(&pieces)?;
+        self.snapshot(s, Mark::PromptEnd, n as usize)?;
         let fs = followers(self.slots.all(), s);
         for &f in &fs {
-            self.cache.copy_prompt(Rows::one(s as i64), Rows::one(f as i64), n)?;
+            self.cache.copy_slot(s as i64, f as i64)?;
+            if let Some(p) = self.prefix.as_mut() {
+                p.copy_marks(s, f);
+            }
+            self.slots.get_mut(f)?.phase = Phase::Prompt { done: n as usize };
         }
         for x in fs.into_iter().chain([s]) {
             let slot = self.slots.get_mut(x)?;
@@ -711,7 +827,7 @@ impl Engine {
             }
             if slot.limit == 0 {
                 let slot = self.free(x)?;
-                let end = Event::end(slot.request.id, Finish::Length, slot.timing());
+                let end = Event { finish: Some(Finish::Length), timing: slot.timing(), ..slot.event() };
                 self.ended.push(Event { prompt_logprobs: slot.prompt_lp, ..end });
             } else {
                 self.start_decoding(x, logits)?;
@@ -736,7 +852,7 @@ impl Engine {
         }
         let chosen = self.sampler.choose(logits, si, 1)?;
         self.sampler.advance(&chosen.tokens, si, 1, None)?;
-        self.slots.start(s, &chosen.tokens)?;
+        self.slots.start(s, &chosen.tokens, &self.model.cfg.eos_ids)?;
         self.drawn.push(Drawn { chosen, rows: vec![Some(s)] });
         Ok(())
     }
@@ -756,6 +872,7 @@ mod tests {
             packed_int4: None,
             cuda_graphs: true,
             onednn: None,
+            prefix_caching: true,
         };
         assert!(s.check().unwrap_err().to_string().contains("max_batch"));
         assert!(Settings { max_batch: 2, ..s }.check().is_ok());

@@ -24,6 +24,7 @@ pub(super) struct Drawn {
 impl Engine {
     /// Bring the drawn tokens to the host, cut each request at its end, free finished slots.
     pub(super) fn read_point(&mut self) -> Result<Vec<Event>> {
+        self.stepped = false;
         if self.drawn.is_empty() {
             return Ok(Vec::new());
         }
@@ -49,7 +50,7 @@ impl Engine {
                 if slot.finished.is_some() {
                     continue;
                 }
-                let ev = events[s].get_or_insert_with(|| Event::new(slot.request.id));
+                let ev = events[s].get_or_insert_with(|| slot.event());
                 if let Some(lp) = slot.prompt_lp.take() {
                     ev.prompt_logprobs = Some(lp);
                 }
@@ -57,10 +58,15 @@ impl Engine {
                 let end = slot.finish(End::Token(token), eos);
                 if slot.stops_at(token, eos) || end == Some(Finish::Failed) {
                     ev.error = slot.grammar_error();
+                    if slot.stops_at(token, eos) {
+                        // The device stopped the slot here (slots.rs): its rings end at the reply.
+                        slot.stopped = Some(slot.emitted);
+                    }
                     slot.finished = end;
                     continue;
                 }
                 ev.tokens.push(token);
+                slot.output.push(token);
                 if let (Some(want), Some((chosen, ids, lps, k))) = (slot.request.params.logprobs, &lp) {
                     let base = row * k;
                     let top = (0..(want as usize).min(*k)).map(|j| (ids[base + j], lps[base + j])).collect();

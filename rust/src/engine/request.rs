@@ -77,6 +77,13 @@ pub struct Request {
     /// Some(k): the log-probability of each prompt token and the k most likely there
     /// (`Event::prompt_logprobs`).
     pub prompt_logprobs: Option<i64>,
+    /// Requests with different salts never share cached keys (vLLM's `cache_salt`), so tenants of
+    /// one server cannot probe each other's prompts by timing. None is a salt of its own.
+    pub cache_salt: Option<String>,
+    /// A prompt position (`1..len`) where the engine keeps a copy of the sliding rings for later
+    /// requests that share the prompt up to there (engine/prefix.rs): the end of the system turn and
+    /// tool declarations that every user of an agent shares.
+    pub cache_boundary: Option<usize>,
 }
 
 impl Request {
@@ -92,6 +99,13 @@ impl Request {
         let max_top = LIMITS.max_top_logprobs;
         if let Some(k) = self.prompt_logprobs.filter(|k| !(0..=max_top).contains(k)) {
             return Err(Error::Input(format!("prompt_logprobs must be in [0, {max_top}] (max_top_logprobs), got {k}")));
+        }
+        if let Some(b) = self.cache_boundary.filter(|b| *b == 0 || *b >= self.prompt.len()) {
+            return Err(Error::Input(format!(
+                "cache_boundary must be a prompt position in [1, {}] (the prompt has {} tokens), got {b}",
+                self.prompt.len().saturating_sub(1),
+                self.prompt.len()
+            )));
         }
         let max = LIMITS.max_stop_token_ids;
         if self.stop_ids.len() > max {
@@ -132,6 +146,8 @@ pub struct Event {
     pub finish: Option<Finish>,
     pub error: Option<String>,
     pub timing: Timing,
+    /// Prompt tokens the request took from the prefix cache (engine/prefix.rs), on every event.
+    pub cached_tokens: usize,
 }
 
 impl Event {
@@ -145,6 +161,7 @@ impl Event {
             finish: None,
             error: None,
             timing: Timing::default(),
+            cached_tokens: 0,
         }
     }
 
@@ -171,6 +188,10 @@ pub struct StepStats {
     pub seconds: f64,
     /// Wall seconds of those spent computing grammar masks on the host (engine/grammar.rs).
     pub mask_seconds: f64,
+    /// Prompt tokens of the requests admitted, and how many of them came from the prefix cache
+    /// (vLLM's `prefix_cache_queries` and `prefix_cache_hits`, in tokens).
+    pub cache_queries: usize,
+    pub cache_hits: usize,
 }
 
 /// The caller's side of `Engine::run`.
@@ -197,6 +218,8 @@ mod tests {
             params: SamplingParams::default(),
             grammar: None,
             prompt_logprobs: None,
+            cache_salt: None,
+            cache_boundary: None,
         };
         assert!(r(LIMITS.max_stop_token_ids).check(100).is_ok());
         let e = r(LIMITS.max_stop_token_ids + 1).check(100).unwrap_err().to_string();

@@ -5,13 +5,15 @@
 
 use crate::engine::slots::{Phase, Slot};
 
-/// A slot still reading its prompt: admission order, slot, tokens read, prompt length.
+/// A slot still reading its prompt: admission order, slot, tokens read, prompt length, and whether
+/// a cache boundary lies ahead (its chunks end there, engine/prefix.rs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub(super) struct Unread {
     pub(super) seq: u64,
     pub(super) slot: usize,
     pub(super) done: usize,
     pub(super) len: usize,
+    pub(super) boundary_ahead: bool,
 }
 
 /// The slots still reading their prompts.
@@ -22,26 +24,28 @@ pub(super) fn unread(slots: &[Option<Slot>]) -> Vec<Unread> {
         .filter_map(|(i, s)| {
             let s = s.as_ref()?;
             let Phase::Prompt { done } = s.phase else { return None };
-            Some(Unread { seq: s.seq, slot: i, done, len: s.request.prompt.len() })
+            let boundary_ahead = s.request.cache_boundary.is_some_and(|b| b > done);
+            Some(Unread { seq: s.seq, slot: i, done, len: s.request.prompt.len(), boundary_ahead })
         })
         .collect()
 }
 
 /// The slots the next prompt forward reads (engine module docs): the oldest unread prompt, and, when
-/// it starts and fits `budget` tokens whole, the next unread ones in admission order while each
-/// starts, and the forward's rectangle (the slots from the lowest to the highest, times the longest
-/// prompt) stays within `budget`. Several slots are read whole; one alone may be read in chunks.
+/// it starts, fits `budget` tokens whole and has no cache boundary ahead, the next unread ones in
+/// admission order while each does too, and the forward's rectangle (the slots from the lowest to
+/// the highest, times the longest prompt) stays within `budget`. Several slots are read whole; one
+/// alone may be read in chunks.
 pub(super) fn prompt_group(mut reading: Vec<Unread>, budget: usize) -> Vec<usize> {
     reading.sort();
     let Some(first) = reading.first().copied() else { return Vec::new() };
     let mut group = vec![first.slot];
-    if first.done > 0 || first.len > budget {
+    if first.done > 0 || first.len > budget || first.boundary_ahead {
         return group;
     }
     let (mut lo, mut hi, mut longest) = (first.slot, first.slot, first.len);
     for u in &reading[1..] {
         let (l, h, t) = (lo.min(u.slot), hi.max(u.slot), longest.max(u.len));
-        if u.done > 0 || (h - l + 1) * t > budget {
+        if u.done > 0 || u.boundary_ahead || (h - l + 1) * t > budget {
             break;
         }
         group.push(u.slot);
@@ -91,7 +95,7 @@ mod tests {
     use super::*;
 
     fn unread(seq: u64, slot: usize, done: usize, len: usize) -> Unread {
-        Unread { seq, slot, done, len }
+        Unread { seq, slot, done, len, boundary_ahead: false }
     }
 
     #[test]
@@ -108,6 +112,10 @@ mod tests {
         assert_eq!(prompt_group(vec![unread(1, 0, 0, 10), unread(2, 3, 0, 10)], 39), vec![0]);
         assert_eq!(prompt_group(vec![unread(1, 0, 0, 10), unread(2, 3, 0, 10)], 40), vec![0, 3]);
         assert_eq!(prompt_group(Vec::new(), 256), Vec::<usize>::new());
+        // A prompt with a cache boundary ahead is read alone, in chunks that end there.
+        let marked = Unread { boundary_ahead: true, ..unread(2, 1, 0, 20) };
+        assert_eq!(prompt_group(vec![unread(1, 0, 0, 10), marked], 256), vec![0]);
+        assert_eq!(prompt_group(vec![Unread { seq: 0, ..marked }, unread(1, 0, 0, 10)], 256), vec![1]);
     }
 
     #[test]

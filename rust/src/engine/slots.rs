@@ -1,7 +1,11 @@
 //! `Slots`: the engine's sequence slots, on the host (which request each holds, how far it got) and
-//! on the device (each slot's next token, next position, and whether it decodes). Every flag has one
-//! writer: a slot starts decoding (`start`), stops at its length limit (`count_step`), and is freed
-//! (`free`) only here, each method writing the host and the device side together.
+//! on the device (each slot's next token, next position, whether it decodes, and which tokens stop
+//! it). Every flag has one writer: a slot starts decoding (`start`), stops at its length limit
+//! (`count_step`), and is freed (`free`) only here, each method writing the host and the device side
+//! together; and on the device alone a slot stops when it draws a stop token (`advance`), so it
+//! writes nothing past its reply while it waits for the next read point (the host sees the stop
+//! there). Its rings then end exactly at the reply, which the next chat turn extends
+//! (engine/prefix.rs).
 //!
 //! As vLLM's scheduler keeps its requests as fields (`vllm/v1/core/sched/scheduler.py`,
 //! `self.waiting`, `self.running`) rather than locals threaded through calls.
@@ -10,7 +14,7 @@ use std::time::Instant;
 
 use crate::engine::grammar::Constraint;
 use crate::engine::prompt_logprobs::Piece;
-use crate::engine::request::{Finish, Request, Timing, TokenLogprobs};
+use crate::engine::request::{Event, Finish, Request, Timing, TokenLogprobs};
 use crate::engine::schedule::followers;
 use crate::engine::step::{StepViews, buckets};
 use crate::error::{Error, Result};
@@ -55,6 +59,13 @@ pub(super) struct Slot {
     pub(super) prompt_pieces: Vec<Piece>,
     /// The prompt log-probabilities on the host, for the request's first event.
     pub(super) prompt_lp: Option<Vec<TokenLogprobs>>,
+    /// The tokens handed to the caller.
+    pub(super) output: Vec<i64>,
+    /// Tokens handed to the caller when a stop token came back (the device stopped the slot there).
+    pub(super) stopped: Option<usize>,
+    /// Prompt tokens taken from the prefix cache (engine/prefix.rs): the prompt position it was
+    /// admitted at.
+    pub(super) cached: usize,
 }
 
 /// What ends a request now, if anything (`Slot::finish`).
@@ -106,6 +117,30 @@ impl Slot {
         self.grammar.as_ref().and_then(|g| g.error())
     }
 
+    /// An event of this request, with no tokens yet.
+    pub(super) fn event(&self) -> Event {
+        Event { cached_tokens: self.cached, ..Event::new(self.request.id) }
+    }
+
+    /// What the slot's rings hold (engine/prefix.rs `History`): the tokens at positions
+    /// `0..tokens.len()`, and the positions written in all. While it reads its prompt: the prompt's
+    /// first `done`. Once it decodes, every decode step while it was live wrote the token it drew
+    /// before: all but the last drawn, or up to the stop token, which the device stopped it at. The
+    /// tokens drawn since the last read point are not known here, so then `written` is more than the
+    /// tokens known.
+    pub(super) fn history(&self) -> (Vec<i64>, usize) {
+        let prompt = &self.request.prompt;
+        match self.phase {
+            Phase::Prompt { done } => (prompt[..done].to_vec(), done),
+            Phase::Follow { .. } => (Vec::new(), 0),
+            Phase::Decode => {
+                let fed = self.stopped.unwrap_or(self.drawn.saturating_sub(1));
+                let known = fed.min(self.output.len());
+                (prompt.iter().chain(&self.output[..known]).copied().collect(), prompt.len() + fed)
+            }
+        }
+    }
+
     /// Seconds from admission to the first token, and from then to now.
     pub(super) fn timing(&self) -> Timing {
         let now = Instant::now();
@@ -126,6 +161,9 @@ pub(super) struct Slots {
     positions: Tensor,
     /// Which slots decode, bool `[max_batch]`.
     live: Tensor,
+    /// Per slot, false at its stop tokens (the model's eos ids and the request's stop ids), bool
+    /// `[max_batch, vocab]`: a decode step clears `live` for a row that drew one.
+    keep: Tensor,
     /// Views of `next`, `positions` and `live` for each bucket (`buckets`), made once.
     views: Vec<StepViews>,
     /// The last admission's number.
@@ -133,17 +171,18 @@ pub(super) struct Slots {
 }
 
 impl Slots {
-    /// `max_batch` free slots on `like`'s device.
-    pub(super) fn new(max_batch: i64, like: &Tensor) -> Result<Slots> {
+    /// `max_batch` free slots for a vocabulary of `vocab` tokens on `like`'s device.
+    pub(super) fn new(max_batch: i64, vocab: i64, like: &Tensor) -> Result<Slots> {
         let next = Tensor::full(&[max_batch], 0.0, DType::I64, like)?;
         let positions = Tensor::full(&[max_batch], 0.0, DType::I64, like)?;
         let live = Tensor::full(&[max_batch], 0.0, DType::Bool, like)?;
+        let keep = Tensor::full(&[max_batch, vocab], 1.0, DType::Bool, like)?;
         let views = buckets(max_batch)
             .iter()
-            .map(|b| StepViews::new(*b, &next, &positions, &live))
+            .map(|b| StepViews::new(*b, &next, &positions, &live, &keep))
             .collect::<Result<Vec<_>>>()?;
         let host = (0..max_batch).map(|_| None).collect();
-        Ok(Slots { host, next, positions, live, views, seq: 0 })
+        Ok(Slots { host, next, positions, live, keep, views, seq: 0 })
     }
 
     /// Every slot free, on the device too: a run that ended on an error (a callback's exception)
@@ -164,8 +203,9 @@ impl Slots {
         self.host.iter().filter(|s| s.is_none()).count()
     }
 
-    pub(super) fn lowest_free(&self) -> Option<usize> {
-        self.host.iter().position(|s| s.is_none())
+    /// The free slots, lowest first.
+    pub(super) fn free_list(&self) -> Vec<usize> {
+        (0..self.host.len()).filter(|s| self.host[*s].is_none()).collect()
     }
 
     pub(super) fn get(&self, s: usize) -> Option<&Slot> {
@@ -187,7 +227,7 @@ impl Slots {
     }
 
     /// Put `request` (its prompt uploaded to `prompt`, its grammar compiled into `grammar`) in the free
-    /// slot `s`, in `phase`.
+    /// slot `s`, in `phase` (a prompt read from a prefix-cache hit starts with its hit read).
     pub(super) fn admit(
         &mut self,
         s: usize,
@@ -198,7 +238,11 @@ impl Slots {
         grammar: Option<Constraint>,
     ) {
         self.seq += 1;
+        let cached = if let Phase::Prompt { done } = phase { done } else { 0 };
         self.host[s] = Some(Slot {
+            output: Vec::new(),
+            stopped: None,
+            cached,
             grammar,
             prompt_pieces: Vec::new(),
             prompt_lp: None,
@@ -217,17 +261,27 @@ impl Slots {
     }
 
     /// Slot `s` drew its first token `token` (int64 `[1]` on the device) after its prompt: it decodes
-    /// from the next step, unless that token already reached its limit.
-    pub(super) fn start(&mut self, s: usize, token: &Tensor) -> Result<()> {
+    /// from the next step, unless that token already reached its limit or is one of its stop tokens
+    /// (`eos_ids` or the request's).
+    pub(super) fn start(&mut self, s: usize, token: &Tensor, eos_ids: &[i64]) -> Result<()> {
         let si = s as i64;
         let slot = busy_mut(&mut self.host, s)?;
         self.next.narrow(0, si, 1)?.copy_(token)?;
         self.positions.narrow(0, si, 1)?.fill_(slot.request.prompt.len() as f64)?;
         slot.phase = Phase::Decode;
         slot.drawn = 1;
+        let keep = self.keep.narrow(0, si, 1)?;
+        keep.fill_(1.0)?;
+        let stops: Vec<i64> = eos_ids.iter().chain(&slot.request.stop_ids).copied().collect();
+        if !stops.is_empty() {
+            let ids = Tensor::from_i64(&stops)?.to_like(&keep, DType::I64)?;
+            let no = Tensor::full(&[1], 0.0, DType::Bool, &keep)?;
+            keep.reshape(&[keep.numel()?])?.index_put_(&[Some(&ids)], &no)?;
+        }
         if slot.limit > 1 {
             slot.live = true;
-            self.live.narrow(0, si, 1)?.fill_(1.0)?;
+            let live = self.live.narrow(0, si, 1)?;
+            live.copy_(&keep.gather(1, &token.reshape(&[1, 1])?)?.reshape(&[1])?)?;
         }
         Ok(())
     }
@@ -300,12 +354,15 @@ impl Slots {
         self.views.iter().find(|v| v.b == b).ok_or_else(|| Error::Internal(format!("{b} is not a decode bucket")))
     }
 
-    /// After a decode step of slots `0..b` drew `tokens`: they are the next step's input, and the
-    /// decoding rows move one position on (padding rows keep theirs).
+    /// After a decode step of slots `0..b` drew `tokens`: they are the next step's input, the
+    /// decoding rows move one position on (padding rows keep theirs), and a row that drew one of its
+    /// stop tokens stops decoding (module docs).
     pub(super) fn advance(&mut self, b: i64, tokens: &Tensor, padded: bool) -> Result<()> {
         let v = self.views(b)?;
         v.next.copy_(tokens)?;
-        if padded { v.positions.add_(&v.live) } else { v.positions.add_int_(1) }
+        if padded { v.positions.add_(&v.live)? } else { v.positions.add_int_(1)? }
+        let go_on = v.keep.gather(1, &tokens.reshape(&[b, 1])?)?;
+        v.live2.copy_(&v.live2.logical_and(&go_on)?)
     }
 }
 

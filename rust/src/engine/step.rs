@@ -20,11 +20,13 @@ pub fn buckets(max_batch: i64) -> Vec<i64> {
     b
 }
 
-/// What decides the ATen calls of a decode step: its bucket, whether it has padding rows, and the
-/// sampling stages its rows need. Everything else a step reads is on the device.
+/// What decides the ATen calls of a decode step: its bucket, whether it may have padding rows, and
+/// the sampling stages its rows need. Everything else a step reads is on the device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(super) struct StepKey {
     pub(super) b: i64,
+    /// Some row of the bucket may not decode: a free slot, one still reading its prompt, or one that
+    /// stopped on the device since the last read point (slots.rs), which the host cannot see.
     pub(super) padded: bool,
     pub(super) stages: Stages,
 }
@@ -40,10 +42,14 @@ pub(super) struct StepViews {
     pub(super) live: Tensor,
     /// `live` as `[b, 1, 1]`.
     pub(super) live3: Tensor,
+    /// `live` as `[b, 1]`.
+    pub(super) live2: Tensor,
+    /// The slots' stop tables, `[b, vocab]`.
+    pub(super) keep: Tensor,
 }
 
 impl StepViews {
-    pub(super) fn new(b: i64, next: &Tensor, positions: &Tensor, live: &Tensor) -> Result<StepViews> {
+    pub(super) fn new(b: i64, next: &Tensor, positions: &Tensor, live: &Tensor, keep: &Tensor) -> Result<StepViews> {
         let positions = positions.narrow(0, 0, b)?;
         let live = live.narrow(0, 0, b)?;
         Ok(StepViews {
@@ -52,7 +58,9 @@ impl StepViews {
             pos: Positions::new(&positions.unsqueeze(1)?)?,
             positions,
             live3: live.reshape(&[b, 1, 1])?,
+            live2: live.reshape(&[b, 1])?,
             live,
+            keep: keep.narrow(0, 0, b)?,
         })
     }
 }

@@ -22,8 +22,17 @@
 //! for the padding entry), a constant, whatever slot held before. `held_before` gives the positions a
 //! sliding ring holds before a later prompt chunk, which attends over the ring and the chunk.
 //!
+//! Snapshots (prefix caching, engine/prefix.rs): with `snapshots` on, each slot also owns
+//! `SNAPSHOTS` copies of its sliding rings, taken at chosen prompt positions (`snapshot`) and copied
+//! back (`restore`) when a later request resumes there. A sliding ring only holds the last window, so
+//! it can resume a read only where it stopped writing; a snapshot keeps the ring as it was at a
+//! position a later request is likely to resume at. Full rings need none: they hold every position.
+//! Every copy is a whole slot row of fixed shape (`copy_slot`, `snapshot`, `restore`), so no new
+//! tensor shape appears per prompt length.
+//!
 //! Memory: `bytes_per_slot = sum over own-KV layers of 2 * kv_heads * (ring(type) + 1) * head_dim *
-//! dtype bytes`, and the whole cache is `max_batch * bytes_per_slot`. Per-slot rings (rather than one
+//! dtype bytes`, plus with snapshots `SNAPSHOTS * sum over own-KV sliding layers of 2 * kv_heads *
+//! (ring + 1) * head_dim * dtype bytes`; the whole cache is `max_batch * bytes_per_slot`. Per-slot rings (rather than one
 //! paged pool) keep every shape fixed and every slot's keys contiguous, which is what a compiled or
 //! captured step wants; the price is that a slot reserves a full context whether its request uses it
 //! or not.
@@ -37,8 +46,12 @@
 use std::collections::HashMap;
 
 use crate::error::{Error, Result};
-use crate::gemma4::config::{Config, LayerType};
+use crate::gemma4::config::{Config, LayerSpec, LayerType};
 use crate::tensor::{DType, Tensor};
+
+/// Snapshot rows per slot (engine/prefix.rs `Mark`): one at the request's marked boundary, one at
+/// the end of its prompt.
+pub const SNAPSHOTS: i64 = 2;
 
 /// The position of an entry that holds nothing: later than any query, so the causal test
 /// `key <= query` alone hides it.
@@ -88,6 +101,9 @@ struct RowsViews {
 
 pub struct KvCache {
     layers: Vec<Option<LayerKv>>,
+    /// Per layer, for own-KV sliding layers when snapshots are on: `[max_batch * SNAPSHOTS, 2 *
+    /// kv_heads, ring + 1, head_dim]`, slot `s`'s snapshot `m` at row `s * SNAPSHOTS + m`.
+    snaps: Vec<Option<Tensor>>,
     /// Per layer type (`LayerType::index`): `0..ring`, then `EMPTY`, int64 `[1, 1, 1, ring + 1]`
     /// (module docs).
     ring_order: [Tensor; 2],
@@ -97,20 +113,22 @@ pub struct KvCache {
 /// The cache geometry, computable before anything is allocated.
 #[derive(Clone, Copy, Debug)]
 pub struct CacheSize {
+    /// Rings and snapshots of one slot.
     pub bytes_per_slot: i64,
+    /// The snapshots' part of `bytes_per_slot` (0 without snapshots).
+    pub snapshot_bytes_per_slot: i64,
     pub max_batch: i64,
 }
 
 impl CacheSize {
-    pub fn of(cfg: &Config, context: i64, max_batch: i64, dtype: DType) -> CacheSize {
+    pub fn of(cfg: &Config, context: i64, max_batch: i64, dtype: DType, snapshots: bool) -> CacheSize {
         let ring = ring_sizes(cfg, context);
-        let kv: i64 = cfg
-            .layers
-            .iter()
-            .filter(|l| l.kv_source.is_none())
-            .map(|l| 2 * l.num_kv_heads * (ring[l.kind.index()] + 1) * l.head_dim * dtype.size())
-            .sum();
-        CacheSize { bytes_per_slot: kv, max_batch }
+        let bytes = |l: &LayerSpec| 2 * l.num_kv_heads * (ring[l.kind.index()] + 1) * l.head_dim * dtype.size();
+        let own = || cfg.layers.iter().filter(|l| l.kv_source.is_none());
+        let kv: i64 = own().map(bytes).sum();
+        let sliding: i64 = own().filter(|l| l.kind == LayerType::Sliding).map(bytes).sum();
+        let snaps = if snapshots { SNAPSHOTS * sliding } else { 0 };
+        CacheSize { bytes_per_slot: kv + snaps, snapshot_bytes_per_slot: snaps, max_batch }
     }
 
     pub fn total(&self) -> i64 {
@@ -124,7 +142,15 @@ pub fn ring_sizes(cfg: &Config, context: i64) -> [i64; 2] {
 }
 
 impl KvCache {
-    pub fn new(cfg: &Config, context: i64, max_batch: i64, like: &Tensor, dtype: DType) -> Result<KvCache> {
+    /// The rings of `max_batch` slots, and their snapshots when `snapshots` (prefix caching).
+    pub fn new(
+        cfg: &Config,
+        context: i64,
+        max_batch: i64,
+        like: &Tensor,
+        dtype: DType,
+        snapshots: bool,
+    ) -> Result<KvCache> {
         let ring = ring_sizes(cfg, context);
         let layers = cfg
             .layers
@@ -143,11 +169,23 @@ impl KvCache {
                 }))
             })
             .collect::<Result<Vec<_>>>()?;
+        let snaps = cfg
+            .layers
+            .iter()
+            .zip(&layers)
+            .map(|(l, kv)| match kv {
+                Some(kv) if snapshots && l.kind == LayerType::Sliding => {
+                    let [_, h2, r, d] = dims4(&kv.kv)?;
+                    Tensor::full(&[max_batch * SNAPSHOTS, h2, r, d], 0.0, dtype, like).map(Some)
+                }
+                _ => Ok(None),
+            })
+            .collect::<Result<Vec<_>>>()?;
         let order = |ring: i64| -> Result<Tensor> {
             let values: Vec<i64> = (0..ring).chain([EMPTY]).collect();
             Tensor::from_i64(&values)?.to_like(like, DType::I64)?.reshape(&[1, 1, 1, ring + 1])
         };
-        Ok(KvCache { layers, ring_order: [order(ring[0])?, order(ring[1])?], ring, views: HashMap::new() })
+        Ok(KvCache { layers, snaps, ring_order: [order(ring[0])?, order(ring[1])?], ring, views: HashMap::new() })
     }
 
     pub fn ring(&self, kind: LayerType) -> i64 {
@@ -216,16 +254,33 @@ impl KvCache {
         ring.v.index_put_(&idx, v)
     }
 
-    /// Copy the keys and values of a prompt of `n` tokens from the slot `from` to the slot `to`
-    /// (the entries positions `0..n` took: the first `min(n, ring)`).
-    pub fn copy_prompt(&mut self, from: Rows, to: Rows, n: i64) -> Result<()> {
-        self.prepare(from)?;
-        self.prepare(to)?;
-        let (src, dst) = (self.views(from)?, self.views(to)?);
-        for (a, b) in src.kv.iter().zip(&dst.kv) {
-            if let (Some(a), Some(b)) = (a, b) {
-                let m = n.min(a.kv.size()?[2] - 1); // the ring, without the padding entry
-                b.kv.narrow(2, 0, m)?.copy_(&a.kv.narrow(2, 0, m)?)?;
+    /// Copy slot `from`'s rings and snapshots to slot `to`, whole rows (a follower of an `n > 1`
+    /// prompt, or a prefix-cache hit moved to another slot).
+    pub fn copy_slot(&mut self, from: i64, to: i64) -> Result<()> {
+        for l in self.layers.iter().flatten() {
+            l.kv.narrow(0, to, 1)?.copy_(&l.kv.narrow(0, from, 1)?)?;
+        }
+        for snap in self.snaps.iter().flatten() {
+            snap.narrow(0, to * SNAPSHOTS, SNAPSHOTS)?.copy_(&snap.narrow(0, from * SNAPSHOTS, SNAPSHOTS)?)?;
+        }
+        Ok(())
+    }
+
+    /// Copy slot `slot`'s sliding rings into its snapshot `mark`.
+    pub fn snapshot(&mut self, slot: i64, mark: i64) -> Result<()> {
+        for (l, snap) in self.layers.iter().zip(&self.snaps) {
+            if let (Some(l), Some(snap)) = (l, snap) {
+                snap.narrow(0, slot * SNAPSHOTS + mark, 1)?.copy_(&l.kv.narrow(0, slot, 1)?)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Copy slot `slot`'s snapshot `mark` back into its sliding rings.
+    pub fn restore(&mut self, slot: i64, mark: i64) -> Result<()> {
+        for (l, snap) in self.layers.iter().zip(&self.snaps) {
+            if let (Some(l), Some(snap)) = (l, snap) {
+                l.kv.narrow(0, slot, 1)?.copy_(&snap.narrow(0, slot * SNAPSHOTS + mark, 1)?)?;
             }
         }
         Ok(())
@@ -236,6 +291,13 @@ impl KvCache {
         let (Some(l), views) = (&self.layers[layer], self.views(rows)?) else { return Ok(()) };
         let Some(ring) = &views.kv[layer] else { return Ok(()) };
         ring.kv.index_put_(&[Some(&views.row_index3), Some(&l.heads2), Some(entries)], kv)
+    }
+}
+
+fn dims4(t: &Tensor) -> Result<[i64; 4]> {
+    match t.size()?[..] {
+        [a, b, c, d] => Ok([a, b, c, d]),
+        ref other => Err(Error::Internal(format!("expected a 4-d tensor, got shape {other:?}"))),
     }
 }
 
