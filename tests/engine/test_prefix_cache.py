@@ -339,3 +339,38 @@ def test_a_cache_boundary_outside_the_prompt_is_refused_naming_it(engines, bound
     engine = engines("dense")
     got, _ = one(engine, 1, PROMPTS["parity"], 4, cache_boundary=boundary)
     assert got.finish == "error" and "cache_boundary" in got.error
+
+
+@pytest.mark.parametrize("read_every, chunk", [(1, 5), (3, 16)])
+def test_random_overlapping_sessions_draw_the_same_tokens_with_caching_on_and_off(engines, read_every, chunk):
+    """Sessions drawn from a fixed seed: each step continues, forks (inside the last reply or prompt), or
+    repeats one of the earlier prompts, in batches of up to four requests over three slots, greedy and
+    seeded, some salted, some with a boundary. Every request's tokens must equal caching off's."""
+    import random
+
+    rng = random.Random(1234 + read_every)
+    on = engines("dense", max_batch=3, prefill_chunk=chunk)
+    off = engines("dense", max_batch=3, prefill_chunk=chunk, caching=False)
+    past: list[list[int]] = [PROMPTS["parity"], PROMPTS["other"][:20]]
+    rid, hits = 0, 0
+    for _ in range(12):
+        batch = []
+        for _ in range(rng.randint(1, 4)):
+            base = rng.choice(past)
+            cut = rng.randint(1, len(base))
+            kind = rng.random()
+            prompt = base if kind < 0.2 else base[:cut] + user_message(rng.randint(0, 99), rng.randint(1, 6))
+            prompt = prompt[: CONTEXT - 20]
+            sampling = gemma_engine.SamplingParams(seed=rid, **SAMPLED) if rng.random() < 0.5 else None
+            extra = {"cache_salt": rng.choice([None, None, "t"])}
+            if len(prompt) > 10 and rng.random() < 0.3:
+                extra["cache_boundary"] = rng.randint(1, len(prompt) - 1)
+            batch.append(dict(id=rid, ids=prompt, max_new=rng.randint(1, 8), sampling=sampling, **extra))
+            rid += 1
+        got = serve(on, [gemma_engine.Request(**r) for r in batch], read_every).results
+        want = serve(off, [gemma_engine.Request(**r) for r in batch], read_every).results
+        for r in batch:
+            assert (got[r["id"]].tokens, got[r["id"]].finish) == (want[r["id"]].tokens, want[r["id"]].finish), r
+            hits += cached(got[r["id"]]) > 0
+            past.append(r["ids"] + got[r["id"]].tokens + [END])
+    assert hits >= 5  # the sessions did reuse keys (deterministic: the draws are seeded)
