@@ -322,7 +322,7 @@ def main(a) -> int:
 
         # The in-process engine and 2 first, while no server runs.
         engine = gemma_engine.Engine(str(model_dir), None, torch.zeros(1), context=context, dtype=a.dtype,
-                                     max_batch=max(levels))
+                                     max_batch=max(levels), prefix_caching=False)  # as the server (start_server)
         step_s: dict[int, list[float]] = {}
         direct_run = engine_runner(engine, a.max_tokens, step_s)
         why_not = hf_continuous_batching_error(model, prompt_ids(a.prompt_tokens, 0, vocab))

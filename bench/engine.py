@@ -123,6 +123,9 @@ def rust_runner(model_dir: Path, device: str, dtype: str, prompt: list[int], new
     engine = gemma_engine.Engine(
         str(model_dir), like=torch.zeros(1, device=device), context=len(prompt) + new, dtype=dtype, prefill_chunk=256,
         packed_int4=packed_int4, onednn=onednn,
+        # Each round reads the same prompt: with prefix caching it would be a hit, not a read
+        # (bench/prefix_cache.py measures the cache).
+        prefix_caching=False,
     )
     load_s = time.perf_counter() - t0
     engine.decode(prompt, min(new, 8), read_every=read_every)  # warm-up
