@@ -6,8 +6,9 @@
 2. Starts `python -m gemma_server` through its real boot stages (build -> import -> smoke -> weights ->
    warmup -> serving; the build is cached in ~/.cache/gemma-rust-operator/engine-builds) and prints
    each stage as it finishes.
-3. Sends one streamed chat completion with the openai SDK, prints it with its time to first token and
-   tokens/s.
+3. Sends a streamed chat completion with the openai SDK, then the chat's next turn, and prints each with
+   its time to first token, tokens/s, and the prompt tokens the server took from its prefix cache
+   (`usage.prompt_tokens_details.cached_tokens`: the second turn reuses the first's keys).
 4. Leaves the server running and prints its URLs. Ctrl+C stops it (it drains first).
 
 Environment: MODEL, PORT (default 8000), and any GEMMA_* variable of the server (GEMMA_CONTEXT, ...).
@@ -31,6 +32,7 @@ import openai
 CACHE = Path(os.environ.get("GEMMA_CACHE", Path.home() / ".cache" / "gemma-rust-operator"))
 DEMO_MODEL = CACHE / "demo-model"
 QUESTION = "Write a short paragraph about the ocean."
+FOLLOW_UP = "Now one about the mountains."
 
 
 def ensure_demo_checkpoint() -> Path:
@@ -97,16 +99,15 @@ def stop_server(proc: subprocess.Popen) -> int:
         return proc.wait()
 
 
-def chat_once(base: str, model: str) -> None:
-    """One streamed chat completion through the openai SDK, printed as it arrives."""
-    client = openai.OpenAI(base_url=base + "/v1", api_key="not-needed")
-    print(f"\nuser> {QUESTION}\nassistant> ", end="", flush=True)
+def chat_turn(client: openai.OpenAI, model: str, messages: list[dict]) -> str:
+    """One streamed chat completion through the openai SDK, printed as it arrives; returns the reply."""
+    print(f"\nuser> {messages[-1]['content']}\nassistant> ", end="", flush=True)
     t0 = time.perf_counter()
     first = None
     usage = None
+    reply = []
     stream = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": QUESTION}], max_tokens=64, stream=True,
-        stream_options={"include_usage": True},
+        model=model, messages=messages, max_tokens=64, stream=True, stream_options={"include_usage": True},
     )
     for chunk in stream:
         if chunk.usage:
@@ -114,12 +115,27 @@ def chat_once(base: str, model: str) -> None:
         for choice in chunk.choices:
             if choice.delta.content:
                 first = first or time.perf_counter()
+                reply.append(choice.delta.content)
                 print(choice.delta.content, end="", flush=True)
     end = time.perf_counter()
     n = usage.completion_tokens if usage else 0
+    details = usage.prompt_tokens_details if usage else None
+    cached = details.cached_tokens if details and details.cached_tokens is not None else 0
     ttft = (first - t0) * 1000 if first else float("nan")
     rate = (n - 1) / (end - first) if first and n > 1 and end > first else float("nan")
-    print(f"\n\n{n} tokens · time to first token {ttft:.0f} ms · {rate:.1f} tokens/s")
+    prompt = usage.prompt_tokens if usage else 0
+    print(f"\n\n{n} tokens · time to first token {ttft:.0f} ms · {rate:.1f} tokens/s · "
+          f"prompt {prompt} tokens, {cached} from the prefix cache")
+    return "".join(reply)
+
+
+def chat(base: str, model: str) -> None:
+    """A first question and the chat's next turn."""
+    client = openai.OpenAI(base_url=base + "/v1", api_key="not-needed")
+    messages = [{"role": "user", "content": QUESTION}]
+    messages.append({"role": "assistant", "content": chat_turn(client, model, messages)})
+    messages.append({"role": "user", "content": FOLLOW_UP})
+    chat_turn(client, model, messages)
 
 
 def main() -> int:
@@ -138,7 +154,7 @@ def main() -> int:
         info = wait_until_ready(base, proc)
         model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
         print(f"ready: {model} on {info['device']} (load {info['load_seconds']}s, warmup {info['warmup_seconds']}s)")
-        chat_once(base, model)
+        chat(base, model)
         print(f"""
 The server keeps running (Ctrl+C stops it):
   chat page   {base}/

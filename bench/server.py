@@ -92,9 +92,12 @@ def server_means(metrics_text: str) -> dict[str, float]:
 
 
 def start_server(model_dir: str, port: int, threads: int, args: list[str]) -> subprocess.Popen:
-    """`python -m gemma_server` on `model_dir` in a subprocess, on `threads` torch threads, with extra `args`."""
+    """`python -m gemma_server` on `model_dir` in a subprocess, on `threads` torch threads, with extra `args`.
+    Prefix caching is off: the benchmarks send the same prompts round after round, and measure reading them
+    (bench/prefix_cache.py measures the cache)."""
     return subprocess.Popen(
         [sys.executable, "-m", "gemma_server", "--model", model_dir, "--use-installed-engine", "--device", "cpu",
+         "--no-enable-prefix-caching",
          "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(port),
          "--termination-log", os.devnull, "--log-level", "warning", *args],
         env={**os.environ, "OMP_NUM_THREADS": str(threads)})
@@ -141,7 +144,8 @@ def main() -> int:
 
     torch.set_num_threads(a.threads)
     ids = AutoTokenizer.from_pretrained(model_dir).encode(PROMPT)
-    engine = gemma_engine.Engine(model_dir, None, torch.zeros(1), context=a.context, dtype=a.dtype)
+    engine = gemma_engine.Engine(model_dir, None, torch.zeros(1), context=a.context, dtype=a.dtype,
+                                 prefix_caching=False)  # as the server runs here (start_server)
     port = pick_port()
     base = f"http://127.0.0.1:{port}"
     server = start_server(model_dir, port, a.threads, ["--context", str(a.context), "--dtype", a.dtype])

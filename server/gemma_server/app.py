@@ -57,7 +57,7 @@ from starlette.routing import Route
 
 from gemma_server import openapi
 from gemma_server.boot import Boot
-from gemma_server.chat_template import encode, render_chat, tokenize_completion
+from gemma_server.chat_template import chat_prompt, encode, render_chat, tokenize_completion
 from gemma_server.config import Config
 from gemma_server.connections import STALLED
 from gemma_server.errors import ApiError, as_api_error, bad_request, error_body, from_scheduler
@@ -515,13 +515,17 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
         gens = []
         try:
             tok = state.tokenizer
-            # Rendering and tokenizing run off the event loop: a long prompt must not stall /live.
-            render = render_chat if chat else tokenize_completion
-            ids = await asyncio.get_running_loop().run_in_executor(None, render, tok, body)
+            # Rendering and tokenizing run off the event loop: a long prompt must not stall /live. A chat
+            # prompt's cache boundary (the end of its system turn and tools) is marked when prefix caching is on.
+            loop = asyncio.get_running_loop()
+            if chat:
+                ids, boundary = await loop.run_in_executor(None, chat_prompt, tok, body, config.enable_prefix_caching)
+            else:
+                ids, boundary = await loop.run_in_executor(None, tokenize_completion, tok, body), None
             grammar, bias = await asyncio.to_thread(state.constrain, body, chat)
             loaded = state.boot.loaded
             params = body.engine_params(ids, loaded.context, loaded.vocab_size, state.config.default_temperature,
-                                        grammar=grammar, internal_bias=bias)
+                                        grammar=grammar, internal_bias=bias, cache_boundary=boundary)
             # Each choice gives its place in the client's share back when it is recorded, however it ends.
             ended = functools.partial(shares.give_back, client, 1)
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from gemma_server import build as build_mod
 from gemma_server.config import Config
-from gemma_server.metrics import Metrics
+from gemma_server.metrics import Metrics, cache_config
 from gemma_server.scheduler import EngineWorker, Scheduler
 from gemma_server.sources import materialize, parse_source
 
@@ -271,6 +271,7 @@ class Boot:
                 context=c.context, dtype=c.dtype, prefill_chunk=c.prefill_chunk, max_batch=c.max_num_seqs,
                 packed_int4=c.packed_int4 or None, cuda_graphs=c.cuda_graphs,
                 onednn={"auto": None, "on": True, "off": False}[c.onednn], grammars=grammars,
+                prefix_caching=c.enable_prefix_caching,
             )
             worker.set_engine(engine)
             return engine.context, engine.vocab_size
@@ -282,6 +283,10 @@ class Boot:
         self.state.layout = dict(workers[0].layout)
         self.state.device = ", ".join(w.device for w in workers)
         self.state.load_seconds = round(time.monotonic() - t0, 3)
+        layout = workers[0].layout
+        self.metrics.set_cache_config(cache_config(
+            slots=sum(w.max_batch for w in workers), context=context, prefill_chunk=c.prefill_chunk,
+            prefix_caching=bool(layout.get("prefix_caching")), sliding_window=layout.get("sliding_window")))
         return f"{c.shown_source or 'the model directory'} on {self.state.device}, {c.max_num_seqs} slots each"
 
     def _warmup(self) -> str:

@@ -13,6 +13,11 @@ Text the tokenizer cannot take (a lone UTF-16 surrogate from a JSON escape) is a
 Tools reach the template as Transformers' `apply_chat_template(tools=...)` passes them (OpenAI's shape), and
 an assistant's tool-call arguments as objects: Gemma 4's templates render a mapping in its own call syntax
 (vLLM's `vllm/entrypoints/chat_utils.py` decodes them the same way for such templates).
+
+A chat prompt's cache boundary (`cache_boundary`) is where its leading system/developer turn and tool
+declarations end: the part every user of one agent shares. The engine snapshots its sliding-window KV
+there, so another conversation with the same system prompt and tools reuses that prefix (Gemma 4's sliding
+layers can resume only where a snapshot was taken or where an earlier request's history ends).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import functools
 import logging
 from typing import Any
 
-from gemma_server.errors import bad_request
+from gemma_server.errors import ApiError, bad_request
 from gemma_server.protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
@@ -38,16 +43,83 @@ def render_chat(tokenizer, request: ChatCompletionRequest) -> list[int]:
         ApiError: 400 naming `messages` when the template rejects the conversation (e.g. roles that do
             not alternate) or `chat_template_kwargs` when those do not fit.
     """
-    import jinja2
+    return chat_prompt(tokenizer, request, mark_boundary=False)[0]
 
+
+def chat_prompt(tokenizer, request: ChatCompletionRequest, mark_boundary: bool = True) -> tuple[list[int], int | None]:
+    """The request's prompt ids (`render_chat`) and, when `mark_boundary`, its cache boundary.
+
+    Returns:
+        (ids, boundary): boundary is `cache_boundary`'s answer, or None without `mark_boundary`.
+    Raises:
+        ApiError: as render_chat.
+    """
     kwargs = template_kwargs(tokenizer, request.chat_template_kwargs or {})
     messages = request.template_messages()
     tools = request.template_tools()
+    ids = render_messages(tokenizer, messages, tools, kwargs, request.add_generation_prompt)
+    boundary = cache_boundary(tokenizer, messages, tools, kwargs, ids) if mark_boundary else None
+    return ids, boundary
+
+
+def leading_shared(messages: list[dict[str, Any]]) -> int:
+    """How many messages open the conversation as system or developer turns."""
+    count = 0
+    while count < len(messages) and messages[count]["role"] in ("system", "developer"):
+        count += 1
+    return count
+
+
+def cache_boundary(tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                   kwargs: dict[str, Any], prompt_ids: list[int]) -> int | None:
+    """Where the part of a chat prompt that every user of one agent shares ends: the leading system and
+    developer messages and the tool declarations, rendered alone (same tools and template variables, no
+    generation prompt) through `render_messages`. That is the boundary when its ids are a strict prefix of
+    `prompt_ids` longer than one token. Otherwise None: nothing leads, the template folds the system text
+    into the first user turn (Gemma 3's: the shared part is BOS alone), or it renders the shared part
+    differently once more messages follow.
+
+    Args:
+        tokenizer: the checkpoint's tokenizer (with its chat template).
+        messages, tools: as the full prompt rendered them (ChatCompletionRequest.template_messages,
+            template_tools).
+        kwargs: the template variables the full prompt was rendered with (`template_kwargs`).
+        prompt_ids: the full prompt's ids.
+    Returns:
+        the boundary b, 1 < b < len(prompt_ids), or None.
+    """
+    lead = leading_shared(messages)
+    if not lead and not tools:
+        return None
+    # Transformers renders no empty conversation, so tools without a system message are declared under an
+    # empty one: Gemma 4's template writes the same system turn for both; for a template that does not,
+    # the prefix test below finds no boundary.
+    shared = messages[:lead] or [{"role": "system", "content": ""}]
+    try:
+        prefix = render_messages(tokenizer, shared, tools, kwargs, add_generation_prompt=False)
+    except ApiError:  # a template that wants more than a system turn: no boundary, the prompt still serves
+        return None
+    if not 1 < len(prefix) < len(prompt_ids) or prompt_ids[:len(prefix)] != prefix:
+        return None
+    return len(prefix)
+
+
+def render_messages(tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                    kwargs: dict[str, Any], add_generation_prompt: bool) -> list[int]:
+    """The chat template over `messages` and `tools` with template variables `kwargs`, tokenized with the
+    client's texts as literals (`render_chat`).
+
+    Raises:
+        ApiError: as render_chat.
+    """
+    import jinja2
+
+    kwargs = dict(kwargs)
     if tools is not None:
         kwargs["tools"] = tools
     try:
         text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=request.add_generation_prompt, **kwargs,
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs,
         )
     except TypeError as e:
         raise bad_request("chat_template_kwargs", f"Bad chat_template_kwargs: {e}") from e

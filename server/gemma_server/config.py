@@ -97,6 +97,11 @@ class Config:
     dtype: str = setting("bfloat16", "GEMMA_DTYPE", "compute dtype", choices=DTYPES)
     prefill_chunk: int = setting(256, "GEMMA_PREFILL_CHUNK", "prompt tokens read per forward (one chunk per "
                                  "step, between the running requests' decode steps)", minimum=1)
+    enable_prefix_caching: bool = setting(True, "GEMMA_ENABLE_PREFIX_CACHING", "reuse the KV cache of earlier "
+                                          "requests: a finished request's slot keeps what it wrote, and a new "
+                                          "request that starts with those tokens (same cache_salt) reads only "
+                                          "the rest of its prompt (vLLM's flag; --no-enable-prefix-caching reads "
+                                          "every prompt whole)")
     packed_int4: bool = setting(False, "GEMMA_PACKED_INT4", "keep a W4A16 checkpoint's int4 linears packed on "
                                 "the device for ATen's int4 kernels (a third of the bytes; needs --dtype "
                                 "bfloat16 on cpu or cuda; tokens differ slightly from the dequantized weights)")
@@ -206,9 +211,9 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         kind = meta["type"] or type(default)
         help_text = f"{meta['help']} [{meta['env']}]"
         text = environ.get(meta["env"])
-        if kind is bool:  # a switch that is off by default: the bare flag turns it on
+        if kind is bool:  # a switch: the bare flag turns it on, --no-<flag> off (vLLM's boolean flags)
             on = _from_environment(p, meta["env"], text, parse_switch) if text is not None else default
-            p.add_argument(flag, action="store_true", default=on, help=help_text)
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=on, help=help_text)
             continue
         p.add_argument(flag, type=kind, choices=meta["choices"], help=help_text,
                        default=_from_environment(p, meta["env"], text, kind) if text is not None else default)

@@ -25,6 +25,13 @@ the engines read: below `gemma_prompt_tokens` when the `n` choices of a request 
 stopped reading: connections.py), `gemma_tool_call_parse_failures_total` (tool calls of an unconstrained
 reply that did not parse and came back as content), `gemma_grammar_compile_seconds` (the check of a
 request's grammar before it is queued).
+
+Prefix caching, as vLLM exports it (`vllm/v1/metrics/loggers.py`): `gemma_prefix_cache_queries_total` and
+`gemma_prefix_cache_hits_total` count tokens (the prompt tokens of the requests the engines admitted, and
+the part of them taken from the cache; the hit rate is the ratio of their rates), from the engines' own step
+statistics; `gemma_cache_config_info` is vLLM's `vllm:cache_config_info`, an info gauge whose labels an
+endpoint picker reads to size its prefix index (gateway-api-inference-extension
+pkg/epp/datalayer/metrics/extractor.go: `block_size` and `num_gpu_blocks`).
 `_created` series are off, as in vLLM.
 """
 
@@ -50,6 +57,34 @@ REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 STAGES = ("build", "import", "smoke", "weights", "warmup", "serving")
+# gemma_cache_config_info's labels besides model_name: the ones endpoint pickers read from vLLM's
+# vllm:cache_config_info, with vLLM's spelling of their values (Python's str(): "True", "None").
+CACHE_CONFIG_LABELS = ("block_size", "num_gpu_blocks", "enable_prefix_caching", "sliding_window")
+
+
+def cache_config(*, slots: int, context: int, prefill_chunk: int, prefix_caching: bool,
+                 sliding_window: int | None) -> dict[str, str]:
+    """gemma_cache_config_info's labels for engines of `slots` sequence slots in all.
+
+    Our engine has no KV blocks: each slot holds a whole context of ring KV cache, and a prefix hit is
+    exact to the token. `block_size` is the prefill chunk, the unit of work a hit saves (the rest of a
+    prompt is read one chunk per forward, so a hit shortens a read by whole forwards, and a hit of fewer
+    tokens than a chunk saves little), and it is what a picker that hashes prompts in blocks of block_size
+    x 4 characters (the inference extension's prefix scorer with autoTune) needs to cover a whole context
+    with its default of 256 blocks; a block size of 1 token would make it match only the first 1,024
+    characters. `num_gpu_blocks` is then the KV the engines hold in those units: slots x context /
+    block_size, so block_size x num_gpu_blocks is the tokens of KV, as in vLLM.
+
+    Args:
+        slots: sequence slots of all the engines.
+        context: tokens each slot holds.
+        prefill_chunk: the engines' prefill chunk (capped at the context).
+        prefix_caching: whether the engines reuse prefixes (their `layout()["prefix_caching"]`).
+        sliding_window: the model's sliding window, None without one.
+    """
+    block = max(1, min(prefill_chunk, context))
+    return {"block_size": str(block), "num_gpu_blocks": str(slots * context // block),
+            "enable_prefix_caching": str(bool(prefix_caching)), "sliding_window": str(sliding_window)}
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -179,10 +214,25 @@ class Metrics:
             "gemma_build_info", "What built the engine (value is always 1).",
             labels + ["torch", "torch_tpu", "rustc", "python", "crate", "device"], registry=r,
         )
+        self.prefix_cache_queries = Counter(
+            "gemma_prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", labels,
+            registry=r,
+        ).labels(m)
+        self.prefix_cache_hits = Counter(
+            "gemma_prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", labels, registry=r,
+        ).labels(m)
+        self._cache_config_info = Gauge(
+            "gemma_cache_config_info", "Information of the engines' KV cache (value is always 1).",
+            labels + list(CACHE_CONFIG_LABELS), registry=r,
+        )
 
     def set_build_info(self, *, torch: str, torch_tpu: str, rustc: str, python: str, crate: str, device: str) -> None:
         """Publish the build info series (once, after the import stage)."""
         self._build_info.labels(self.model_name, torch, torch_tpu, rustc, python, crate, device).set(1)
+
+    def set_cache_config(self, config: dict[str, str]) -> None:
+        """Publish the cache config series (once, when the engines are loaded): `cache_config(...)`'s labels."""
+        self._cache_config_info.labels(self.model_name, *(config[k] for k in CACHE_CONFIG_LABELS)).set(1)
 
     def record_request(
         self,
@@ -224,6 +274,8 @@ class Metrics:
         """An engine's turns since its last read point: rows per decode step, prompt tokens, wall seconds."""
         sizes = stats.get("batch_sizes") or []
         self.prompt_tokens_read.inc(stats.get("prompt_tokens", 0))
+        self.prefix_cache_queries.inc(stats.get("cache_queries", 0))
+        self.prefix_cache_hits.inc(stats.get("cache_hits", 0))
         for rows in sizes:
             self.iteration_tokens.observe(rows)
         turns = max(len(sizes), 1)

@@ -26,6 +26,10 @@ constraints (`Constraint`: a forced tool_choice, `response_format` json_object /
 gemma_server/grammars.py); auto leaves the reply free and the server parses its calls. Completions take
 `echo` (with `logprobs`, the prompt's log-probabilities; `max_tokens` 0 then returns only the prompt), as
 vLLM does for the lm-evaluation-harness.
+
+Prefix caching: both requests take vLLM's `cache_salt` (requests with different salts never share KV, so
+tenants cannot learn each other's prompts from timing), and responses report OpenAI's
+`usage.prompt_tokens_details.cached_tokens`.
 """
 
 from __future__ import annotations
@@ -222,6 +226,8 @@ MAX_GRAMMAR_BYTES = 65536
 MAX_LOGIT_BIAS = 300
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's own limit
+# vLLM sets no bound on cache_salt; a tenant id or a random token fits in far less than this.
+MAX_CACHE_SALT = 256
 MAX_MESSAGES = 1024
 # Characters of prompt text per token of context: no tokenizer packs more, so text past
 # context x this cannot fit and is refused before it is tokenized.
@@ -265,6 +271,9 @@ class EngineParams:
         tools: the request declared tools (the reply is read for calls).
         forced_calls: the calls are constrained by the grammar (tool_choice required or named), so they
             stream as they come.
+        cache_salt: the request's cache_salt: it shares cached KV only with requests of the same salt.
+        cache_boundary: a prompt position the engine snapshots for later requests that share the prompt up
+            to there (chat: the end of the system turn and the tool declarations), or None.
     """
 
     prompt_ids: tuple[int, ...]
@@ -278,6 +287,8 @@ class EngineParams:
     prompt_logprobs: int | None = None
     tools: bool = False
     forced_calls: bool = False
+    cache_salt: str | None = None
+    cache_boundary: int | None = None
 
     def choice_sampling(self, index: int, fresh_seed: Callable[[], int]) -> dict[str, Any]:
         """SamplingParams keywords for choice `index`: a given seed s gives choice i the seed s + i (so
@@ -400,6 +411,9 @@ class GenerationRequest(OpenAIModel):
     min_tokens: Integer = documented(0, enum=[0], description="Not supported.")
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | str | None = documented(description="vLLM's older name of structured_outputs.json.")
+    cache_salt: str | None = documented(
+        minLength=1, maxLength=MAX_CACHE_SALT,
+        description="Requests share cached prompt KV only with requests of the same salt (vLLM's cache_salt).")
 
     def _structured(self) -> Constraint | None:
         """The constraint of vLLM's `structured_outputs` or `guided_json`, or None.
@@ -464,6 +478,20 @@ class GenerationRequest(OpenAIModel):
         ids = g("stop_token_ids") or []
         if len(ids) > MAX_STOP_TOKEN_IDS:
             raise bad_request("stop_token_ids", f"stop_token_ids holds at most {MAX_STOP_TOKEN_IDS} ids.")
+
+    def _check_cache_salt(self) -> None:
+        """A cache_salt is a non-empty string of valid Unicode text (it reaches the engine as UTF-8) of at
+        most MAX_CACHE_SALT characters (vLLM's request models refuse an empty one: `check_cache_salt_support`)."""
+        salt = self.cache_salt
+        if salt is None:
+            return
+        if not 1 <= len(salt) <= MAX_CACHE_SALT:
+            raise bad_request("cache_salt", f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} "
+                                            f"characters, got {len(salt)}.")
+        try:
+            salt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad_request("cache_salt", "cache_salt is not valid Unicode text.") from None
 
     def logprobs_wanted(self) -> int | None:
         """None, or how many top log-probabilities each token carries."""
@@ -534,6 +562,7 @@ class GenerationRequest(OpenAIModel):
         """Every check that needs no tokenizer; raises ApiError(400) naming the field."""
         self._check_sampling()
         self.stop_strings()
+        self._check_cache_salt()
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options", "stream_options is only allowed when stream is true.")
         for name in ("max_tokens", "max_completion_tokens"):
@@ -544,6 +573,7 @@ class GenerationRequest(OpenAIModel):
     def engine_params(
         self, prompt_ids: list[int], context: int, vocab_size: int, default_temperature: float = 1.0,
         grammar: str | None = None, internal_bias: dict[int, float] | None = None,
+        cache_boundary: int | None = None,
     ) -> EngineParams:
         """Turn this request and its tokenized prompt into one engine decode. The caller ran `check()` first
         (app.py does, before it admits the request): the checks that need the prompt's ids are here.
@@ -556,6 +586,7 @@ class GenerationRequest(OpenAIModel):
             grammar: the grammar of the request's constraint (`grammar_text`), checked by the caller.
             internal_bias: the server's own logit bias (tool_choice none forbids `<|tool_call>`); it wins
                 over the request's for its ids and does not count against the request's logit_bias cap.
+            cache_boundary: where the prompt's shared part ends (chat_template.cache_boundary), or None.
         Returns:
             EngineParams with max_new capped at context - len(prompt) (vLLM's `get_max_tokens`).
         Raises:
@@ -593,7 +624,8 @@ class GenerationRequest(OpenAIModel):
             sampling = tuple((k, {**(v or {}), **internal_bias} if k == "logit_bias" else v) for k, v in sampling)
         return EngineParams(tuple(prompt_ids), max_new, stop_ids, self.stop_strings(), sampling,
                             self.n or 1, self.logprobs_wanted(), grammar=grammar,
-                            prompt_logprobs=self.prompt_logprobs_wanted(), **self._reply_kind())
+                            prompt_logprobs=self.prompt_logprobs_wanted(), cache_salt=self.cache_salt,
+                            cache_boundary=cache_boundary, **self._reply_kind())
 
     def prompt_logprobs_wanted(self) -> int | None:
         """None, or how many top log-probabilities each prompt token carries (completions' echo)."""
@@ -898,10 +930,17 @@ class CompletionRequest(GenerationRequest):
 # ---- responses ---------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    """OpenAI's `usage.prompt_tokens_details`: of the prompt tokens, how many came from the prefix cache."""
+
+    cached_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
 class Timings(BaseModel):

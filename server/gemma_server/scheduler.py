@@ -6,11 +6,21 @@ Each engine (`gemma_engine.Engine`, one per device) is owned by one `EngineWorke
 calls back at every read point:
 
 - `poll(free, idle)`: the worker asks the scheduler for new requests (at most `free`, the engine's free
-  sequence slots) and for the ids of its requests to cancel. A request goes to the engine with the most
-  free slots: a worker takes from the queue only while no other serving engine has more free slots. An
-  idle engine waits here (the GIL is released while it waits) until there is work or the server stops.
+  sequence slots) and for the ids of its requests to cancel. An idle engine waits here (the GIL is
+  released while it waits) until there is work or the server stops.
 - `on_events(events, stats)`: new tokens and ends, posted to each request's asyncio queue with
   `loop.call_soon_threadsafe`; step statistics go to the metrics.
+
+Which engine takes a request: the one that holds its longest prefix. With prefix caching an engine's
+finished slots keep what they wrote, and the engine itself picks the slot (it alone knows which prefixes
+its KV can resume); the scheduler picks the engine. Each worker keeps the token histories of its recently
+finished requests (`Histories`: prompt and output ids with their cache_salt, at most one per slot), and the
+head of the queue goes to the engine with a free slot whose histories share the longest prefix with it
+(same salt only), ties to the engine with the most free slots, which is the whole rule when nothing is
+shared (`engines_for`). A full engine is never waited for, so no request starves behind it; the `n`
+choices of one request stay together. Without this a conversation's turns would spread over the engines
+and hit none of them (the design of llm-d's and the inference gateway's prefix-aware scorers, inside one
+process).
 
 Admission (`admit`) counts a request against `--queue-limit` before it is tokenized (TGI takes its
 semaphore before validation; vLLM issue #58192 is the bug of counting only after rendering).
@@ -37,7 +47,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -126,11 +136,13 @@ class ClientShares:
 
 @dataclass
 class Done:
-    """The engine's end of a request: finish is "stop" | "length" | "cancelled"; the engine's own clocks."""
+    """The engine's end of a request: finish is "stop" | "length" | "cancelled"; the engine's own clocks;
+    the prompt tokens it took from the prefix cache (`gemma_engine.Event.cached_tokens`)."""
 
     finish: str
     prompt_s: float
     decode_s: float
+    cached_tokens: int = 0
 
 
 class Cause(enum.Enum):
@@ -207,6 +219,13 @@ class Job:
     Attributes:
         request: the gemma_engine.Request the worker hands to its engine, built on the asyncio side
             (`Job.create`) so that the engine's own checks of its values answer this request alone.
+        prompt, salt: the request's prompt ids and cache_salt, as the engine got them (its getters): what
+            the scheduler scores engines by.
+        output: the ids the engine generated (written on its worker's thread): with the prompt, the
+            history its slot keeps when it ends.
+        scores: engine index -> (that engine's Histories.version, the job's score there), under the
+            scheduler's lock, so a job waiting at the head is scored again only when an engine's
+            histories change.
     """
 
     request: Any
@@ -217,14 +236,19 @@ class Job:
     ended: End | None = None
     cancel_sent: bool = False
     started: float | None = None
+    prompt: tuple[int, ...] = ()
+    salt: str | None = None
+    output: list[int] = field(default_factory=list, repr=False)
+    scores: dict[int, tuple[int, int]] = field(default_factory=dict, repr=False)
     _deciding: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
     def create(cls, prompt_ids: list[int], max_new: int, stop_ids: list[int], sampling: dict[str, Any],
                loop: asyncio.AbstractEventLoop, arrival: float, grammar: str | None = None,
-               prompt_logprobs: int | None = None) -> Job:
+               prompt_logprobs: int | None = None, cache_salt: str | None = None,
+               cache_boundary: int | None = None) -> Job:
         """A job and its gemma_engine.Request (with its SamplingParams, keyword arguments `sampling`; its
-        grammar and prompt log-probabilities, when asked for).
+        grammar and prompt log-probabilities, when asked for; its cache salt and cache boundary).
 
         Raises:
             EngineRefused: the engine's own checks refused a value (ValueError, which names it), or a value
@@ -235,10 +259,15 @@ class Job:
         job_id = next(_ids)
         try:
             request = gemma_engine.Request(job_id, prompt_ids, max_new, stop_ids, gemma_engine.SamplingParams(**sampling),
-                                           grammar=grammar, prompt_logprobs=prompt_logprobs)
+                                           grammar=grammar, prompt_logprobs=prompt_logprobs, cache_salt=cache_salt,
+                                           cache_boundary=cache_boundary)
         except (ValueError, OverflowError) as e:
             raise EngineRefused(f"The engine refused the request: {e}") from e
-        return cls(request, loop, arrival, id=job_id)
+        return cls(request, loop, arrival, id=job_id, prompt=tuple(request.ids), salt=request.cache_salt)
+
+    def same_prompt(self, other: Job) -> bool:
+        """Whether `other` has this job's prompt and salt (the n choices of one request do)."""
+        return self.salt == other.salt and self.prompt == other.prompt
 
     def end(self, cause: Cause, engine_finish: str | None = None, error: SchedulerError | None = None) -> End:
         """Decide this request's end, unless it is decided already: the first decision wins, from any thread.
@@ -254,6 +283,82 @@ class Job:
 
     def post(self, kind: str, payload: Any) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+
+
+# A retained history counts for a queued job only when it shares more than this part of the job's prompt:
+# llama.cpp's server picks a slot by its cached prompt only above the same similarity (common prefix /
+# prompt length > --slot-prompt-similarity, 0.1 by default: common/common.h, and get_available_slot in
+# tools/server/server-context.cpp). Below it the few ids every prompt shares (BOS, the chat template's
+# first markup) would pull every request to the first engine that served one, for a hit worth nothing.
+MIN_SHARED_FRACTION = 0.1
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of the longest common prefix of two id sequences, by bisection over slice equality (the
+    comparisons run in C: a whole context of ids takes microseconds, not a Python loop over them)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class Histories:
+    """The token histories an engine's slots keep after their requests finished (with prefix caching the
+    engine keeps one per slot: a finished slot holds the prompt and output ids it wrote), newest last: at
+    most `size`, the oldest dropped first. A history that a new one extends is replaced by it (the new
+    request most likely took over its slot, and anything it shares with a prompt the new one shares too).
+
+    Args:
+        size: most histories kept: the engine's slots (0 when it caches nothing: every score is then 0).
+    Attributes:
+        version: counts the changes, so a score computed against them can be reused until the next one.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.version = 0
+        self._items: list[tuple[str | None, tuple[int, ...]]] = []
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, salt: str | None, ids: Sequence[int]) -> None:
+        """Keep the history `ids` of a finished request of cache salt `salt`."""
+        if self.size <= 0 or not ids:
+            return
+        ids = tuple(ids)
+        self._items = [(s, h) for s, h in self._items if not (s == salt and ids[:len(h)] == h)]
+        self._items.append((salt, ids))
+        del self._items[:-self.size]
+        self.version += 1
+
+    def score(self, salt: str | None, prompt: Sequence[int]) -> int:
+        """How many leading ids of `prompt` the best same-salt history shares; 0 unless that is more than
+        MIN_SHARED_FRACTION of the prompt (None is a salt of its own, as in the engine)."""
+        shared = max((common_prefix(h, prompt) for s, h in self._items if s == salt), default=0)
+        return shared if shared > MIN_SHARED_FRACTION * len(prompt) else 0
+
+
+def engines_for(candidates: Sequence[tuple[int, int]]) -> list[int]:
+    """Which engines the head of the queue may go to, given each engine's (score, free slots): of the
+    engines with a free slot, those with the best score, and of those the ones with the most free slots.
+    A full engine is never waited for (no request starves behind it): with nothing shared, or when the
+    engine that shares most is full, this is the engines with the most free slots.
+
+    Returns:
+        indices into `candidates` (ties: several), empty when no engine has a free slot.
+    """
+    open_ = [i for i, (_, free) in enumerate(candidates) if free > 0]
+    if not open_:
+        return []
+    best = max(candidates[i][0] for i in open_)
+    pool = [i for i in open_ if candidates[i][0] == best]
+    most = max(candidates[i][1] for i in pool)
+    return [i for i in pool if candidates[i][1] == most]
 
 
 @dataclass
@@ -286,6 +391,7 @@ class EngineWorker:
         self.weights: dict[str, Any] = {}
         self.free = 0  # free slots at the last read point
         self.active: dict[int, Job] = {}
+        self.histories = Histories(0)  # what its finished slots hold; sized once the engine is loaded
         self.served = 0  # requests it has taken
         self.serving = False
         self.dead: str | None = None
@@ -302,6 +408,8 @@ class EngineWorker:
         self.layout = dict(engine.layout())
         self.weights = dict(engine.weights())
         self.free = self.max_batch
+        # An engine without prefix caching keeps nothing: its histories stay empty and score 0.
+        self.histories = Histories(self.max_batch if self.layout.get("prefix_caching") else 0)
 
     def serve(self, read_every: int) -> None:
         """Start the engine's loop on this worker's thread."""
@@ -325,7 +433,7 @@ class EngineWorker:
     def _on_events(self, events, stats: dict) -> None:
         now = time.monotonic()
         # The steps are counted before their tokens are posted: a scrape after a reply sees every step of it.
-        if stats.get("batch_sizes") or stats.get("prompt_tokens"):
+        if stats.get("batch_sizes") or stats.get("prompt_tokens") or stats.get("cache_queries"):
             self.scheduler.observer.on_steps(stats)
         for e in events:
             job = self.active.get(e.id)
@@ -335,16 +443,18 @@ class EngineWorker:
             if prompt_logprobs is not None:
                 job.post("prompt_logprobs", list(prompt_logprobs))
             if e.tokens:
+                job.output += e.tokens
                 job.post("tokens", (list(e.tokens), list(e.logprobs), now))
             if e.finish is not None:
-                self.scheduler.finished(self, job)
+                # A request refused or failed leaves no history its slot could be trusted for.
+                self.scheduler.finished(self, job, wrote=e.finish not in ("error", "failed"))
                 if e.finish == "error":
                     job.post("error", EngineRefused(e.error or "refused"))
                 elif e.finish == "failed":
                     log.error("engine %d failed request %d: %s", self.index, job.id, e.error)
                     job.post("error", EngineFailed(f"The engine failed this request: {e.error}"))
                 else:
-                    job.post("done", Done(e.finish, e.prompt_s, e.decode_s))
+                    job.post("done", Done(e.finish, e.prompt_s, e.decode_s, e.cached_tokens))
 
     def describe(self) -> dict[str, Any]:
         """What /v1/engine shows of this engine."""
@@ -491,33 +601,62 @@ class Scheduler:
                     if job.ended is not None and not job.cancel_sent:
                         job.cancel_sent = True
                         cancels.append(job.id)
-                jobs = []
-                while self._queue and worker.free > 0 and self._most_free(worker):
-                    job = self._queue.popleft()
-                    self._admitted -= 1
-                    if job.ended is not None:  # ended while queued, but reached here first
-                        job.post("done", Done("cancelled", 0.0, 0.0))
-                        continue
-                    job.started = time.monotonic()
-                    worker.active[job.id] = job
-                    worker.served += 1
-                    worker.free -= 1
-                    jobs.append(job)
+                jobs = self._take(worker)
                 if jobs:
                     self._gauges()
+                    if self._queue:  # the new head may be another engine's: a waiting one looks again
+                        self._cond.notify_all()
                 if jobs or cancels or not idle:
                     return jobs, cancels
                 self._cond.wait()
 
-    def _most_free(self, worker: EngineWorker) -> bool:
-        others = [w.free for w in self.workers if w is not worker and w.serving and not w.dead]
-        return not others or worker.free >= max(others)
+    def _take(self, worker: EngineWorker) -> list[Job]:
+        """The queued jobs `worker` takes now (under the lock): from the head, while it has free slots and
+        is the head's engine (`engines_for`); the choices of one request follow their first."""
+        jobs: list[Job] = []
+        while self._queue and worker.free > 0:
+            job = self._queue[0]
+            if job.ended is None and not (jobs and job.same_prompt(jobs[-1])) and not self._is_for(worker, job):
+                break
+            self._queue.popleft()
+            self._admitted -= 1
+            if job.ended is not None:  # ended while queued, but reached here first
+                job.post("done", Done("cancelled", 0.0, 0.0))
+                continue
+            job.started = time.monotonic()
+            worker.active[job.id] = job
+            worker.served += 1
+            worker.free -= 1
+            jobs.append(job)
+        return jobs
 
-    def finished(self, worker: EngineWorker, job: Job) -> None:
+    def _is_for(self, worker: EngineWorker, job: Job) -> bool:
+        """Whether `worker` is one of the engines `job` should go to now (`engines_for`)."""
+        serving = [w for w in self.workers if w.serving and not w.dead]
+        if len(serving) <= 1:
+            return True
+        chosen = engines_for([(self._score(w, job), w.free) for w in serving])
+        return any(serving[i] is worker for i in chosen)
+
+    @staticmethod
+    def _score(worker: EngineWorker, job: Job) -> int:
+        """`job`'s score on `worker`'s histories, computed once per version of them."""
+        cached = job.scores.get(worker.index)
+        if cached is None or cached[0] != worker.histories.version:
+            cached = job.scores[worker.index] = (worker.histories.version,
+                                                 worker.histories.score(job.salt, job.prompt))
+        return cached[1]
+
+    def finished(self, worker: EngineWorker, job: Job, wrote: bool = True) -> None:
+        """`job` left `worker`'s engine; when `wrote`, its slot keeps its prompt and output ids."""
         with self._cond:
             worker.active.pop(job.id, None)
             worker.free += 1
+            if wrote:
+                worker.histories.add(job.salt, job.prompt + tuple(job.output))
             self._gauges()
+            if self._queue:  # a freed slot or a new history may make another engine the head's
+                self._cond.notify_all()
 
     def worker_died(self, worker: EngineWorker, reason: str) -> None:
         """Fail the dead engine's requests; with no engine left, fail the queue too."""

@@ -44,6 +44,7 @@ from gemma_server.protocol import (
     CompletionChoice,
     CompletionResponse,
     EngineParams,
+    PromptTokensDetails,
     ResponseFunctionCall,
     ResponseMessage,
     ResponseToolCall,
@@ -173,7 +174,8 @@ class Generation:
         """
         sampling = params.choice_sampling(index, lambda: random.getrandbits(63))
         job = Job.create(list(params.prompt_ids), params.max_new, list(params.stop_ids), sampling,
-                         asyncio.get_running_loop(), arrival, params.grammar, params.prompt_logprobs)
+                         asyncio.get_running_loop(), arrival, params.grammar, params.prompt_logprobs,
+                         cache_salt=params.cache_salt, cache_boundary=params.cache_boundary)
         return cls(params, index, job, tokenizer, scheduler, metrics, **kw)
 
     @property
@@ -306,6 +308,11 @@ class Generation:
             first_token=self.first_token, last_token=self.last_token, finished=time.monotonic(),
         )
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the engine took from its prefix cache for this choice (0 until it ends)."""
+        return self.done.cached_tokens if self.done else 0
+
     def timings(self) -> Timings:
         d = self.done
         return Timings(prompt_read_seconds=d.prompt_s if d else 0.0, decode_seconds=d.decode_s if d else 0.0)
@@ -315,7 +322,12 @@ def usage(gens: list[Generation]) -> Usage:
     """One request's usage over its choices (the prompt counted once, as OpenAI does for n > 1)."""
     p = len(gens[0].params.prompt_ids)
     c = sum(g.completion_tokens for g in gens)
-    return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+    # cached_tokens is a part of prompt_tokens, which counts the prompt once: so it is the prompt's cached
+    # tokens, the most any choice took from the cache (the choices of one request read one prompt), not
+    # their sum over the choices' jobs.
+    cached = max(g.cached_tokens for g in gens)
+    return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 async def race_disconnect(receive, awaitable: Awaitable[Any]) -> Any:

@@ -134,7 +134,8 @@ def test_dashboard_has_the_panels_an_on_call_engineer_needs():
     titles = {p["title"] for p in all_panels(dashboard()) if p["type"] != "row"}
     assert {"Request rate", "Time to first token", "Inter-token latency", "End-to-end latency", "Tokens/s",
             "Running and waiting requests", "Finish reasons", "Boot stage seconds", "Build info",
-            "Readiness per pod", "Replicas and desired replicas", "Autoscaling metric per pod"} <= titles
+            "Readiness per pod", "Replicas and desired replicas", "Autoscaling metric per pod",
+            "Prefix cache hit rate"} <= titles
     ttft = next(p for p in all_panels(dashboard()) if p["title"] == "Time to first token")
     assert {t["legendFormat"] for t in ttft["targets"]} >= {"p50", "p95", "p99"}
     variables = {v["name"]: v for v in dashboard()["templating"]["list"]}
@@ -202,8 +203,12 @@ def traffic_scrape(chat_checkpoint, tmp_path_factory):  # noqa: F811
             assert time.monotonic() < deadline, f"server not ready in 300s:\n{log.read_text()[-3000:]}"
             time.sleep(0.2)
         client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello there"}],
-                                       max_tokens=8)
+        hello = [{"role": "user", "content": "Hello there"}]
+        reply = client.chat.completions.create(model=MODEL, messages=hello, max_tokens=8)
+        # The next turn of that chat reads only its new part: the prefix cache's hits move.
+        client.chat.completions.create(model=MODEL, max_tokens=8, messages=[
+            *hello, {"role": "assistant", "content": reply.choices[0].message.content},
+            {"role": "user", "content": "And then?"}])
         for chunk in client.chat.completions.create(
                 model=MODEL, messages=[{"role": "user", "content": "Count to five"}], max_tokens=12,
                 stream=True, stream_options={"include_usage": True}):

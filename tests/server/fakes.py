@@ -27,6 +27,7 @@ class FakeEvent:
     logprobs: list = field(default_factory=list)
     prompt_s: float = 0.0
     decode_s: float = 0.0
+    cached_tokens: int = 0
 
 
 class FakeGatedEngine:

@@ -322,6 +322,9 @@ METRICS = {
     "gemma_boot_stage_seconds": "gauge",
     "gemma_engine_ready": "gauge",
     "gemma_build_info": "gauge",
+    "gemma_prefix_cache_queries": "counter",
+    "gemma_prefix_cache_hits": "counter",
+    "gemma_cache_config_info": "gauge",
 }
 
 

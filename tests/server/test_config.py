@@ -10,7 +10,7 @@ import pytest
 from gemma_server.boot import eager_mode_name, tpu_environment
 from gemma_server.build import cache_key, copy_crate, source_files, source_hash
 from gemma_server.config import parse_config
-from gemma_server.metrics import build_1_2_5_buckets
+from gemma_server.metrics import build_1_2_5_buckets, cache_config
 from gemma_server.sources import Source, materialize, parse_source
 
 
@@ -185,6 +185,15 @@ def test_token_count_buckets_are_vllms_1_2_5_series():
     assert build_1_2_5_buckets(8192)[-1] == 5000
 
 
+def test_cache_config_info_counts_the_kv_in_prefill_chunks_as_vllm_counts_it_in_blocks():
+    # block_size x num_gpu_blocks is the KV of every slot in tokens (8 slots of 8192).
+    assert cache_config(slots=8, context=8192, prefill_chunk=256, prefix_caching=True, sliding_window=512) == {
+        "block_size": "256", "num_gpu_blocks": "256", "enable_prefix_caching": "True", "sliding_window": "512"}
+    # A chunk longer than the context is a block of the context; values are spelt as vLLM's str() spells them.
+    assert cache_config(slots=2, context=100, prefill_chunk=256, prefix_caching=False, sliding_window=None) == {
+        "block_size": "100", "num_gpu_blocks": "2", "enable_prefix_caching": "False", "sliding_window": "None"}
+
+
 def test_packed_int4_is_off_and_cuda_graphs_on_by_default_and_each_can_be_switched():
     c = parse_config(["--model", "m"], {})
     assert (c.packed_int4, c.cuda_graphs) == (False, True)
@@ -194,8 +203,20 @@ def test_packed_int4_is_off_and_cuda_graphs_on_by_default_and_each_can_be_switch
     assert (c.packed_int4, c.cuda_graphs) == (True, False)
 
 
+def test_prefix_caching_is_on_by_default_and_vllms_negated_flag_or_the_variable_turns_it_off():
+    def on(argv, env):
+        return parse_config(["--model", "m", *argv], env).enable_prefix_caching
+
+    assert on([], {}) is True
+    assert on(["--no-enable-prefix-caching"], {}) is False
+    assert on([], {"GEMMA_ENABLE_PREFIX_CACHING": "0"}) is False
+    assert on(["--enable-prefix-caching"], {"GEMMA_ENABLE_PREFIX_CACHING": "off"}) is True  # the flag wins
+    # Every switch has both forms, as vLLM's boolean flags do.
+    assert parse_config(["--model", "m", "--packed-int4", "--no-packed-int4"], {}).packed_int4 is False
+
+
 SWITCHES = ("GEMMA_PACKED_INT4", "GEMMA_CUDA_GRAPHS", "GEMMA_METRICS_NEED_KEY", "GEMMA_EXPOSE_PATHS",
-            "GEMMA_USE_INSTALLED_ENGINE", "TORCH_TPU_DEFER_AND_FUSE")
+            "GEMMA_USE_INSTALLED_ENGINE", "TORCH_TPU_DEFER_AND_FUSE", "GEMMA_ENABLE_PREFIX_CACHING")
 
 
 @pytest.mark.parametrize("env", SWITCHES)
@@ -210,7 +231,7 @@ def test_an_unknown_word_in_a_switch_variable_stops_the_start_naming_it_and_the_
 @pytest.mark.parametrize("env", SWITCHES)
 def test_every_switch_variable_reads_the_same_words(env):
     name = next(f for f in ("packed_int4", "cuda_graphs", "metrics_need_key", "expose_paths", "use_installed_engine",
-                            "tpu_defer_and_fuse") if env.endswith(f.upper()))
+                            "tpu_defer_and_fuse", "enable_prefix_caching") if env.endswith(f.upper()))
     for word, value in (("1", True), ("TRUE", True), (" yes", True), ("on", True), ("0", False), ("false", False),
                         ("No", False), ("off ", False)):
         assert getattr(parse_config(["--model", "/m"], {env: word}), name) is value, word

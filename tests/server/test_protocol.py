@@ -294,3 +294,20 @@ def test_the_server_bias_wins_and_echo_allows_max_tokens_0():
     echo.check()
     p = echo.engine_params([1, 2], 100, 512)
     assert (p.max_new, p.prompt_logprobs) == (0, 1)
+
+
+@pytest.mark.parametrize("salt", ["", "s" * 257, "a\ud800b"])
+def test_a_cache_salt_that_is_empty_too_long_or_not_unicode_is_400_naming_it(salt):
+    for req in (chat(cache_salt=salt), CompletionRequest(prompt="x", cache_salt=salt)):
+        assert_400(req.check, "cache_salt")
+
+
+def test_the_cache_salt_and_the_cache_boundary_reach_the_engine_parameters():
+    p = params(chat(cache_salt="tenant-a" * 32))  # 256 characters: the longest taken
+    assert (p.cache_salt, p.cache_boundary) == ("tenant-a" * 32, None)
+    req = chat()
+    req.check()
+    assert req.engine_params(list(range(1, 11)), 100, 512, cache_boundary=4).cache_boundary == 4
+    assert params(CompletionRequest(prompt="x", cache_salt="b")).cache_salt == "b"
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate({"messages": MSG, "cache_salt": 7})  # a string, strictly

@@ -1,7 +1,9 @@
 """Unit tests of scheduler.py: admission, free slots, the drain and the shutdown timeout, a dead engine and a
-failed request. The engine is the real one on the tiny chat checkpoint, loaded on its worker's thread as the
-boot loads it; faults come from `Engine.inject_fault_for_tests` or from a step hook that raises inside the
-engine's loop. No HTTP: jobs are made, submitted and read as the request handlers do."""
+failed request, and which engine takes a request. The engine is the real one on the tiny chat checkpoint,
+loaded on its worker's thread as the boot loads it; faults come from `Engine.inject_fault_for_tests` or from a
+step hook that raises inside the engine's loop. No HTTP: jobs are made, submitted and read as the request
+handlers do. The engine choice is tested on its pure parts (`common_prefix`, `Histories`, `engines_for`) and
+on workers with no engine behind them, polled by hand as engines poll."""
 
 from __future__ import annotations
 
@@ -17,12 +19,15 @@ from gemma_server.scheduler import (
     EngineDead,
     EngineFailed,
     EngineWorker,
+    Histories,
     Job,
     NotReady,
     QueueFull,
     Scheduler,
     Shutdown,
     StepObserver,
+    common_prefix,
+    engines_for,
 )
 from tests.server.conftest import CONTEXT
 
@@ -213,5 +218,128 @@ def test_an_engine_fault_fails_the_request_and_the_engine_serves_the_next(make, 
         kind, done, tokens = await outcome(after)
         assert (kind, done.finish, len(tokens)) == ("done", "length", 4)
         assert sched.dead is None and worker.dead is None and worker.free == 2
+
+    asyncio.run(main())
+
+
+# ---- which engine takes a request -------------------------------------------------------------------
+
+
+def test_common_prefix_is_the_longest_shared_start():
+    assert common_prefix((), (1, 2)) == 0
+    assert common_prefix((1, 2, 3), (1, 2, 3)) == 3
+    assert common_prefix((1, 2, 3, 4), (1, 2, 9, 4)) == 2
+    assert common_prefix((5,), (6,)) == 0
+    long = tuple(range(8192))
+    assert common_prefix(long, long[:5000] + (-1,) + long[5001:]) == 5000
+    assert common_prefix(long, long[:100]) == 100
+
+
+def test_histories_score_the_longest_shared_prefix_of_the_same_salt_only():
+    h = Histories(size=4)
+    h.add(None, (1, 2, 3, 4, 5, 6))
+    h.add("a", (1, 2, 3, 7, 8))
+    assert h.score(None, (1, 2, 3, 4, 9)) == 4
+    assert h.score("a", (1, 2, 3, 7, 8, 9)) == 5
+    assert h.score("b", (1, 2, 3, 4, 5, 6)) == 0  # another tenant's histories are not its own
+    # A prefix shorter than a tenth of the prompt (the template's first ids) does not count.
+    assert h.score(None, (1, 2) + tuple(range(100, 130))) == 0
+    assert h.score(None, (1, 2, 3, 4) + tuple(range(100, 130))) == 4
+
+
+def test_histories_keep_one_per_slot_newest_first_and_an_extension_replaces_what_it_extends():
+    h = Histories(size=2)
+    h.add(None, (1, 2))
+    h.add(None, (1, 2, 3, 4))  # the next turn of the same conversation: it took over that slot
+    assert len(h) == 1
+    h.add(None, (5, 6))
+    h.add(None, (7, 8))  # a third: the oldest goes
+    assert len(h) == 2 and h.score(None, (1, 2, 3, 4)) == 0 and h.score(None, (7, 8)) == 2
+    version = h.version
+    h.add("x", (7, 8))  # the same ids under another salt are another history, and the oldest goes
+    assert h.version == version + 1 and h.score("x", (7, 8)) == 2 and h.score(None, (7, 8)) == 2
+    assert h.score(None, (5, 6)) == 0
+    off = Histories(size=0)  # an engine without prefix caching keeps nothing
+    off.add(None, (1, 2))
+    assert (len(off), off.score(None, (1, 2))) == (0, 0)
+
+
+@pytest.mark.parametrize("candidates,chosen", [
+    ([(0, 2), (0, 2)], [0, 1]),    # nothing shared: the most free slots, ties to both
+    ([(0, 1), (0, 3)], [1]),
+    ([(40, 1), (0, 3)], [0]),      # the engine holding the prefix, though it has fewer free slots
+    ([(40, 1), (40, 2)], [1]),     # same prefix on both: the more free
+    ([(40, 0), (0, 1), (0, 3)], [2]),  # the holder is full: not waited for, the most free takes it
+    ([(40, 0), (30, 1), (0, 3)], [1]),  # ... unless another free engine shares a shorter prefix
+    ([(40, 0), (0, 0)], []),       # no free slot anywhere
+])
+def test_a_queued_job_goes_to_the_free_engine_with_its_longest_prefix_then_the_most_free(candidates, chosen):
+    assert engines_for(candidates) == chosen
+
+
+class NoEngine:
+    """Two workers without engines, serving one scheduler: `poll` is called by hand, as engines call it."""
+
+    def __init__(self, free: tuple[int, int]) -> None:
+        self.sched = Scheduler(queue_limit=8)
+        self.workers = [EngineWorker(i, "cpu", self.sched) for i in range(2)]
+        for w, f in zip(self.workers, free):
+            w.serving, w.free, w.max_batch, w.histories = True, f, 4, Histories(4)
+        self.sched.workers = list(self.workers)
+        self.sched.ready = True
+
+    def job(self, prompt: tuple[int, ...], salt: str | None = None) -> Job:
+        return Job(request=None, loop=asyncio.get_running_loop(), arrival=time.monotonic(), prompt=prompt, salt=salt)
+
+    def taken(self, index: int, *jobs: Job) -> list[Job]:
+        """What worker `index` takes at a read point, after `jobs` were queued."""
+        if jobs:
+            queue(self.sched, *jobs)
+        w = self.workers[index]
+        return self.sched.poll(w, w.free, idle=False)[0]
+
+
+TURN = tuple(range(2, 40))
+
+
+def test_the_next_turn_of_a_conversation_goes_to_the_engine_that_served_the_last_not_the_most_free():
+    async def main():
+        s = NoEngine(free=(1, 4))
+        first = s.job(TURN, salt="t")
+        assert s.taken(1, first) == [first]  # nothing shared yet: the most free
+        first.output = [50, 51, 52]
+        s.sched.finished(s.workers[1], first)  # its slot keeps the prompt and the reply
+        s.workers[0].free = 4
+        s.workers[1].free = 2  # now the fuller of the two
+        second = s.job(TURN + (50, 51, 52, 60, 61), salt="t")
+        assert s.taken(0, second) == []  # the more free engine leaves it
+        assert s.taken(1) == [second]  # to the one whose slot holds the conversation
+        other = s.job(TURN + (50, 51, 52, 60, 61), salt="u")  # the same ids for another tenant
+        assert s.taken(1, other) == [] and s.taken(0) == [other]
+
+    asyncio.run(main())
+
+
+def test_the_choices_of_one_request_reach_one_engine_together_and_a_full_holder_is_not_waited_for():
+    async def main():
+        s = NoEngine(free=(2, 2))
+        a, b = s.job(TURN), s.job(TURN)  # n=2: one prompt
+        assert s.taken(0, a, b) == [a, b]  # the second follows the first, though engine 1 then has more free
+        a.output = [7]
+        s.sched.finished(s.workers[0], a)
+        s.workers[0].free = 0
+        again = s.job(TURN + (7, 8))
+        assert s.taken(1, again) == [again]  # its engine is full: the free one takes it at once
+
+    asyncio.run(main())
+
+
+def test_a_request_that_failed_leaves_no_history_behind():
+    async def main():
+        s = NoEngine(free=(4, 4))
+        j = s.job(TURN)
+        assert s.taken(0, j) == [j]
+        s.sched.finished(s.workers[0], j, wrote=False)
+        assert len(s.workers[0].histories) == 0 and s.workers[0].free == 4
 
     asyncio.run(main())
