@@ -529,10 +529,10 @@ impl Engine {
         }
         let at_boundary = r.cache_boundary == Some(cached) && leader.is_none();
         self.slots.admit(s, r, prompt, phase, limit, grammar);
-        if at_boundary {
-            self.snapshot(s, Mark::Boundary, cached)?;
+        match at_boundary.then(|| self.snapshot(s, Mark::Boundary, cached)) {
+            Some(Err(e)) => self.end(s, End::Fail, Some(&e)).map(Some),
+            _ => Ok(None),
         }
-        Ok(None)
     }
 
     /// Give slot `s`'s rings what a request resuming at `hit` needs (prefix.rs): the donor's rings
