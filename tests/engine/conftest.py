@@ -32,3 +32,12 @@ def reference_model(checkpoint_dirs):
         return cache[kind, dtype]
 
     return get
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Run the engine's ATen ops on one thread: the tiny model gains nothing from more, and on a
+    loaded machine OpenMP barriers made these runs 5-8 times slower with two (the tokens do not
+    depend on it; see tests/checkpoints.py `one_thread`)."""
+    with ck.one_thread():
+        yield

@@ -54,14 +54,6 @@ SAMPLED = dict(
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Run the engine's ATen ops on one thread: the tiny model gains nothing from more, and on a
-    loaded machine OpenMP barriers made these runs 5-8 times slower with two (the tokens do not
-    depend on it; see tests/checkpoints.py `one_thread`)."""
-    with ck.one_thread():
-        yield
-
 
 def _engine(checkpoint_dirs, kind, **kwargs) -> gemma_engine.Engine:
     """An engine without prefix caching: these tests pin which prompts each forward reads, and a

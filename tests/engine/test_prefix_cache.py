@@ -24,11 +24,6 @@ W = 12  # the tiny config's sliding window (tests/checkpoints.py)
 END = 4  # a "turn end" id the test chats put after each reply, as a chat template does
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with ck.one_thread():
-        yield
-
 
 @pytest.fixture(scope="module")
 def engines(checkpoint_dirs):

@@ -27,11 +27,6 @@ PROMPTS = {
 TOLERANCE = 2e-3
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with ck.one_thread():
-        yield
-
 
 @pytest.fixture(scope="module")
 def reference(dense_checkpoint):
