@@ -1,10 +1,11 @@
 """The FastAPI app: thin routes over the engine thread, the error handlers, and the drain on SIGTERM.
 
 Routes (vLLM's `entrypoints/openai/api_server.py` set): POST /v1/chat/completions, POST /v1/completions,
-POST /tokenize, POST /detokenize (vLLM's shapes), GET /v1/models, GET /health (+ /ping), GET /live, GET /v1/engine, GET /version, GET /metrics, GET / (chat
-page). Route bodies only parse, check, admit and hand over; the work is in protocol.py (what a request
-means), chat_template.py (a request's prompt ids), serving.py (tokens -> responses) and scheduler.py (the
-queue and the engines).
+POST /tokenize, POST /detokenize (vLLM's shapes), GET /v1/models, GET /health (+ /ping), GET /live, GET /v1/engine,
+GET /version, GET /metrics, GET / (chat page), and /mcp (the Model Context Protocol's tools: mcp_server.py).
+Route bodies only parse, check, admit and hand over (`ServerState.start`, the one path every request takes);
+the work is in protocol.py (what a request means), chat_template.py (a request's prompt ids), serving.py
+(tokens -> responses) and scheduler.py (the queue and the engines).
 
 A request's constraint (response_format, a forced tool_choice, vLLM's structured_outputs) becomes a
 grammar that the checkpoint's `gemma_engine.Grammars` compiles before the request is queued, on a worker
@@ -15,7 +16,7 @@ Every error is `{"error": {...}}` (errors.py); FastAPI's 422 for a malformed bod
 the field, as vLLM's `validation_exception_handler` does. Each route declares the statuses it answers,
 and /openapi.json is openapi.py's document of them.
 
-With `--api-key` the API routes (/v1/chat/completions, /v1/completions, /v1/models) need `Authorization:
+With `--api-key` the API routes (/v1/chat/completions, /v1/completions, /v1/models, /mcp) need `Authorization:
 Bearer <key>` (compared in constant time), as vLLM's `--api-key`; /metrics needs it with
 `--metrics-need-key`. The key is checked by ASGI middleware (`ApiKeyGate`) from the headers alone, before
 a byte of the body is read, parsed or logged: a client without it costs the server a header parse. /health,
@@ -38,6 +39,7 @@ what remains is aborted (error event, then [DONE]); then uvicorn exits.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hmac
 import json
@@ -46,6 +48,7 @@ import threading
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -105,7 +108,7 @@ class ServerState:
         self.config = config
         # The paths that need the API key (none without --api-key): key_refused and /openapi.json read it.
         self.keyed = frozenset(["/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize",
-                                *(["/metrics"] if config.metrics_need_key else [])] if config.api_key else [])
+                                "/mcp", *(["/metrics"] if config.metrics_need_key else [])] if config.api_key else [])
         self.metrics = m = Metrics(config.model_name, config.context)
         self.scheduler = Scheduler(config.queue_limit, StepObserver(
             on_waiting=m.num_requests_waiting.set, on_running=m.num_requests_running.set,
@@ -233,6 +236,76 @@ class ServerState:
             return ApiError(401, "Invalid or missing API key: send `Authorization: Bearer <key>`.",
                             headers={"WWW-Authenticate": "Bearer"})
         return None
+
+    async def start(self, body: ChatCompletionRequest | CompletionRequest, chat: bool, client: str,
+                    gone: Callable[[], Cause]) -> list[Generation]:
+        """Admit, tokenize, constrain and queue one request: its choices, queued. The one path every way in
+        takes (the HTTP routes and the MCP tools), so the limits, the client's share, the metrics and the
+        cancellation of a choice whose reader left (`Generation.leave`, `gone` naming why) are the same.
+
+        Raises:
+            ApiError: 400 (a bad field), 404 (another model), 429 (the client's share is full).
+            SchedulerError: the queue is full, the server loads, drains or has no engine (`from_scheduler`
+                makes it the 429 or 503 a client sees).
+        """
+        arrival = time.monotonic()
+        config = self.config
+        self.check_model(body.model)
+        body.check()
+        body.check_size(config.context)
+        sched = self.scheduler
+        n = body.n or 1
+        shares = self.client_shares
+        shares.take(client, n, sched.capacity() + sched.queue_limit)  # 429: past one client's share
+        try:
+            sched.admit(n)  # 429 / 503 before any tokenizing
+        except BaseException:
+            shares.give_back(client, n)
+            raise
+        try:
+            tok = self.tokenizer
+            # Rendering and tokenizing run off the event loop: a long prompt must not stall /live. A chat
+            # prompt's cache boundary (the end of its system turn and tools) is marked when prefix caching is on.
+            loop = asyncio.get_running_loop()
+            if chat:
+                ids, boundary = await loop.run_in_executor(None, chat_prompt, tok, body, config.enable_prefix_caching)
+            else:
+                ids, boundary = await loop.run_in_executor(None, tokenize_completion, tok, body), None
+            grammar, bias = await asyncio.to_thread(self.constrain, body, chat)
+            loaded = self.boot.loaded
+            params = body.engine_params(ids, loaded.context, loaded.vocab_size, config.default_temperature,
+                                        grammar=grammar, internal_bias=bias, cache_boundary=boundary)
+            # Each choice gives its place in the client's share back when it is recorded, however it ends.
+            ended = functools.partial(shares.give_back, client, 1)
+            reply = self.reply_format()
+            choices = [Generation.create(params, i, arrival, tok, sched, self.metrics, on_end=ended, gone=gone,
+                                         **({"splitter": reply.splitter(params)} if chat else {}))
+                       for i in range(n)]
+            sched.submit(*(gen.job for gen in choices))
+        except BaseException:  # nothing was queued: every admission and share goes back
+            sched.release(n)
+            shares.give_back(client, n)
+            raise
+        return choices
+
+    def engine_report(self) -> dict[str, Any]:
+        """GET /v1/engine's body (and the MCP tool engine_info's): the boot's report, the serving settings,
+        the engines; filesystem paths only with --expose-paths."""
+        config = self.config
+        info = self.boot.state.as_json()
+        if not config.expose_paths:
+            info.pop("model_dir", None)
+            info["build"].pop("module", None)
+            info["build"].pop("torch_tpu_compile_cache_dir", None)
+        s = self.scheduler
+        workers = self.boot.loaded.workers if self.boot.loaded else []
+        info.update(
+            model=config.shown_source, served_model_name=config.model_name, read_every=config.read_every,
+            queue_limit=config.queue_limit, max_num_seqs=config.max_num_seqs, ready=self.not_ready_reason() is None,
+            draining=self.draining, engine_error=s.dead, engines=[w.describe() for w in workers],
+            engine_class=type(workers[0].engine).__qualname__ if workers and workers[0].engine is not None else None,
+        )
+        return info
 
     def token_text(self, token_id: int) -> str:
         """The text of one token as log-probabilities report it, decoded once per id."""
@@ -442,12 +515,14 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
         the FastAPI app; `app.state.server` is its ServerState.
     """
     state = ServerState(config, boot_class)
+    mcp_lifespan = None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state.loop = asyncio.get_running_loop()
         state.boot_thread.start()
-        yield
+        async with mcp_lifespan() if mcp_lifespan else contextlib.nullcontext():
+            yield
         state.scheduler.stop()
 
     app = FastAPI(title="gemma-rust-operator server", lifespan=lifespan, docs_url="/docs", redoc_url=None)
@@ -499,49 +574,13 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
         return JSONResponse(err.body(), status_code=err.status)
 
     async def generate(request: Request, body: ChatCompletionRequest | CompletionRequest, chat: bool) -> Response:
-        arrival = time.monotonic()
-        state.check_model(body.model)
-        body.check()
-        body.check_size(config.context)
-        sched = state.scheduler
-        n = body.n or 1
-        client, shares = request.client.host if request.client else "?", state.client_shares
-        shares.take(client, n, sched.capacity() + sched.queue_limit)  # 429: past one client's share
-        try:
-            sched.admit(n)  # 429 / 503 before any tokenizing
-        except BaseException:
-            shares.give_back(client, n)
-            raise
-        gens = []
-        try:
-            tok = state.tokenizer
-            # Rendering and tokenizing run off the event loop: a long prompt must not stall /live. A chat
-            # prompt's cache boundary (the end of its system turn and tools) is marked when prefix caching is on.
-            loop = asyncio.get_running_loop()
-            if chat:
-                ids, boundary = await loop.run_in_executor(None, chat_prompt, tok, body, config.enable_prefix_caching)
-            else:
-                ids, boundary = await loop.run_in_executor(None, tokenize_completion, tok, body), None
-            grammar, bias = await asyncio.to_thread(state.constrain, body, chat)
-            loaded = state.boot.loaded
-            params = body.engine_params(ids, loaded.context, loaded.vocab_size, state.config.default_temperature,
-                                        grammar=grammar, internal_bias=bias, cache_boundary=boundary)
-            # Each choice gives its place in the client's share back when it is recorded, however it ends.
-            ended = functools.partial(shares.give_back, client, 1)
+        def gone() -> Cause:  # connections.py marks a reply it aborted for stalling
+            return Cause.STALLED if request.scope.get(STALLED) else Cause.CLIENT_GONE
 
-            def gone() -> Cause:  # connections.py marks a reply it aborted for stalling
-                return Cause.STALLED if request.scope.get(STALLED) else Cause.CLIENT_GONE
-
-            reply = state.reply_format()
-            choices = [Generation.create(params, i, arrival, tok, sched, state.metrics, on_end=ended, gone=gone,
-                                         **({"splitter": reply.splitter(params)} if chat else {}))
-                       for i in range(n)]
-            sched.submit(*(gen.job for gen in choices))
-            gens = choices  # queued: from here on their admissions are the queue's to give back
-        except BaseException:  # nothing was queued: every admission and share goes back
-            sched.release(n)
-            shares.give_back(client, n)
-            raise
+        client = request.client.host if request.client else "?"
+        gens = await state.start(body, chat, client, gone)
+        tok = state.tokenizer
+        params = gens[0].params
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         echo = None
         if not chat and body.echo:
@@ -613,20 +652,7 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
 
     @app.get("/v1/engine")
     async def engine_info() -> dict[str, Any]:
-        info = state.boot.state.as_json()
-        if not config.expose_paths:
-            info.pop("model_dir", None)
-            info["build"].pop("module", None)
-            info["build"].pop("torch_tpu_compile_cache_dir", None)
-        s = state.scheduler
-        workers = state.boot.loaded.workers if state.boot.loaded else []
-        info.update(
-            model=config.shown_source, served_model_name=config.model_name, read_every=config.read_every,
-            queue_limit=config.queue_limit, max_num_seqs=config.max_num_seqs, ready=state.not_ready_reason() is None,
-            draining=state.draining, engine_error=s.dead, engines=[w.describe() for w in workers],
-            engine_class=type(workers[0].engine).__qualname__ if workers and workers[0].engine is not None else None,
-        )
-        return info
+        return state.engine_report()
 
     @app.get("/version")
     async def version() -> dict[str, Any]:
@@ -643,5 +669,10 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
     @app.get("/", response_class=HTMLResponse, responses=openapi.PAGE)
     async def index() -> FileResponse:
         return FileResponse(STATIC / "index.html", media_type="text/html")
+
+    if config.enable_mcp:
+        from gemma_server import mcp_server
+
+        mcp_lifespan = mcp_server.mount(app, mcp_server.build(state), config.mcp_hosts)
 
     return app

@@ -148,6 +148,11 @@ class Config:
                                       "to finish after SIGTERM", minimum=0)
     api_key: str | None = setting(None, "GEMMA_API_KEY", "when set, every /v1 route needs `Authorization: Bearer "
                                   "<key>` (prefer the variable: a flag shows in ps)", flag_type=str)
+    enable_mcp: bool = setting(True, "GEMMA_ENABLE_MCP", "serve the Model Context Protocol at /mcp (streamable "
+                               "HTTP, stateless; tools ask, stream, engine_info, endpoint_status, serving_metrics)")
+    mcp_allowed_hosts: str = setting("localhost,127.0.0.1,[::1]", "GEMMA_MCP_ALLOWED_HOSTS", "comma-separated "
+                                     "Host header names /mcp answers, each with any port (DNS-rebinding "
+                                     "protection; the operator adds the Service's in-cluster names)", flag_type=str)
     metrics_need_key: bool = setting(False, "GEMMA_METRICS_NEED_KEY", "with --api-key, /metrics needs the key "
                                      "too (the scraper then sends it as a bearer token)")
     expose_paths: bool = setting(False, "GEMMA_EXPOSE_PATHS", "show filesystem paths (checkpoint directory, "
@@ -178,6 +183,11 @@ class Config:
                                             "compiling them again; 'off' leaves that variable as it is "
                                             "(default: <build-cache>/tpu-compile)", flag_type=str)
     log_level: str = setting("info", "GEMMA_LOG_LEVEL", "log level", choices=("debug", "info", "warning", "error"))
+
+    @property
+    def mcp_hosts(self) -> list[str]:
+        """--mcp-allowed-hosts as a list of names."""
+        return [h.strip() for h in self.mcp_allowed_hosts.split(",") if h.strip()]
 
     @property
     def shown_source(self) -> str | None:

@@ -544,6 +544,11 @@ class Scheduler:
             self._gauges()
             return True
 
+    def queued(self) -> int:
+        """Requests admitted and not yet in an engine (queued or still tokenizing)."""
+        with self._cond:
+            return self._admitted
+
     def busy(self) -> bool:
         """True while a request runs or waits."""
         with self._cond:

@@ -5,11 +5,15 @@ long as it needs (queue overflow -> 429) and then let it finish. It speaks the r
 (`Engine.run(poll, on_events, read_every)` in gemma_engine.pyi) with one sequence slot and answers the real
 tokenizer's ids. Everything else in those tests is real: the server, the scheduler, the tokenizer, the
 sockets, the openai SDK.
+
+`FakeSlowGrammars` wraps the real grammars with a slow check, so a request stays in its constraint's compile
+(admitted, not yet queued) for as long as a test needs.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 from gemma_server.boot import Boot, Loaded
@@ -118,3 +122,20 @@ def fake_gated_boot(model_dir: str, token_text: str = " fox"):
             return "fake engine"
 
     return FakeGatedBoot
+
+
+class FakeSlowGrammars:
+    """The real `gemma_engine.Grammars` whose check takes `seconds` longer, releasing the GIL as the real one
+    does (`py.detach`), and sets `started` when it begins: no real constraint compiles slowly on demand
+    (llguidance bounds its work: a schema bomb is refused in milliseconds)."""
+
+    def __init__(self, real, seconds: float):
+        self.real, self.seconds, self.started = real, seconds, threading.Event()
+
+    def check(self, grammar: str) -> None:
+        self.started.set()
+        time.sleep(self.seconds)
+        self.real.check(grammar)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)

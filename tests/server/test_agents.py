@@ -21,6 +21,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from tests.server.conftest import openai_client, sample
+from tests.server.fakes import FakeSlowGrammars
 
 WEATHER = {
     "type": "object",
@@ -383,25 +384,6 @@ def test_a_schema_bomb_is_refused_fast(agent_server):
             seconds = time.monotonic() - t0
             assert r.status_code == 400 and r.json()["error"]["param"] == "response_format.json_schema.schema"
             assert seconds < 2.0, seconds
-
-
-class FakeSlowGrammars:
-    """The real `gemma_engine.Grammars` whose check takes `seconds` longer, releasing the GIL as the real one
-    does (`py.detach`), and sets `started` when it begins: no real constraint compiles slowly on demand
-    (llguidance bounds its work; the bomb above is refused in milliseconds)."""
-
-    def __init__(self, real, seconds: float):
-        import threading
-
-        self.real, self.seconds, self.started = real, seconds, threading.Event()
-
-    def check(self, grammar: str) -> None:
-        self.started.set()
-        time.sleep(self.seconds)
-        self.real.check(grammar)
-
-    def __getattr__(self, name):
-        return getattr(self.real, name)
 
 
 def test_a_slow_constraint_compile_leaves_the_event_loop_free(agent_server, monkeypatch):

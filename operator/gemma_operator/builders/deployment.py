@@ -189,7 +189,14 @@ def device(spec: GemmaRustServerSpec) -> str:
     return "tpu" if spec.accelerator.type == TPU_V5E else "cpu"
 
 
-def env(spec: GemmaRustServerSpec, main: ModelMount, twin: ModelMount | None) -> list[dict[str, Any]]:
+def mcp_hosts(meta: Meta) -> str:
+    """The Host names the server's /mcp answers (its DNS-rebinding protection): loopback, and the Service's
+    in-cluster names (Kubernetes' DNS for Services: <service>, <service>.<namespace>, ...svc, ...svc.cluster.local)."""
+    svc = f"{meta.name}.{meta.namespace}"
+    return ",".join(["localhost", "127.0.0.1", meta.name, svc, f"{svc}.svc", f"{svc}.svc.cluster.local"])
+
+
+def env(spec: GemmaRustServerSpec, meta: Meta, main: ModelMount, twin: ModelMount | None) -> list[dict[str, Any]]:
     """The server's environment (its documented GEMMA_* variables); the token and API key only via secretKeyRef."""
     e, srv, n_chips = spec.engine, spec.server, chips(spec.accelerator)
     out = [
@@ -206,6 +213,7 @@ def env(spec: GemmaRustServerSpec, main: ModelMount, twin: ModelMount | None) ->
         *([{"name": "GEMMA_SERVED_MODEL_NAME", "value": srv.served_model_name}] if srv.served_model_name else []),
         {"name": "GEMMA_PORT", "value": str(srv.port)},
         {"name": "GEMMA_PROBE_PORT", "value": str(srv.probe_port)},
+        {"name": "GEMMA_MCP_ALLOWED_HOSTS", "value": mcp_hosts(meta)},
         # Unset: the server's own default (gemma_server/config.py), declared there once.
         *([{"name": "GEMMA_QUEUE_LIMIT", "value": str(srv.queue_limit)}] if srv.queue_limit is not None else []),
         {"name": "GEMMA_SHUTDOWN_TIMEOUT", "value": str(shutdown_plan(spec).drain)},
@@ -343,7 +351,7 @@ def build_deployment(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
         "name": CONTAINER,
         "image": spec.image,
         "command": ["python", "-m", "gemma_server"],
-        "env": env(spec, main, twin),
+        "env": env(spec, meta, main, twin),
         "ports": [{"name": "http", "containerPort": spec.server.port, "protocol": "TCP"},
                   {"name": "probes", "containerPort": spec.server.probe_port, "protocol": "TCP"}],
         **probes(spec),

@@ -44,6 +44,9 @@ def test_tpu_deployment_matches_golden():
                             {"name": "GEMMA_SERVED_MODEL_NAME", "value": "gemma-4"},
                             {"name": "GEMMA_PORT", "value": "8000"},
                             {"name": "GEMMA_PROBE_PORT", "value": "8001"},
+                            {"name": "GEMMA_MCP_ALLOWED_HOSTS",
+                             "value": "localhost,127.0.0.1,gemma,gemma.serving,gemma.serving.svc,"
+                                      "gemma.serving.svc.cluster.local"},
                             {"name": "GEMMA_SHUTDOWN_TIMEOUT", "value": "20"},
                             {"name": "GEMMA_BUILD_CACHE", "value": "/var/cache/gemma/build"},
                             {"name": "GEMMA_TPU_COMPILE_CACHE", "value": "/var/cache/gemma/tpu-compile"},
