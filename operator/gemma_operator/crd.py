@@ -175,7 +175,7 @@ def build_crd() -> dict[str, Any]:
                 "storage": True,
                 "schema": {"openAPIV3Schema": {
                     "type": "object",
-                    "description": "GemmaRustServer: a Gemma 4 model served by the Rust engine on GKE TPU v5e "
+                    "description": "GemmaRustServer: a Gemma 4 model served by the Rust engine on GKE TPU v5e or v6e "
                                    "(or CPU).",
                     "required": ["spec"],
                     "properties": {

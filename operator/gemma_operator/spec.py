@@ -35,11 +35,19 @@ SHORT_NAMES = ["grs"]
 DEFAULT_IMAGE = "ghcr.io/gemma-rust-operator/gemma-server:0.1.0"
 
 TPU_V5E = "tpu-v5-lite-podslice"
+TPU_V6E = "tpu-v6e-slice"
 CPU = "cpu"
-KNOWN_ACCELERATORS = (TPU_V5E, CPU)
+KNOWN_ACCELERATORS = (TPU_V5E, TPU_V6E, CPU)
 
-# Single-host v5e slices: topology -> chips on the one host (GKE machine types ct5lp-hightpu-1t/4t/8t).
-V5E_TOPOLOGY_CHIPS = {"1x1": 1, "2x2": 4, "2x4": 8}
+# The single-host slices of each TPU type the operator knows: topology -> chips on the one host. Cloud TPU's
+# "TPU v5e" and "TPU v6e" pages (cloud.google.com/tpu/docs/v5e, /v6e, "Supported configurations"): v5e 1x1,
+# 2x2, 2x4 are GKE machine types ct5lp-hightpu-1t/4t/8t; v6e 1x1, 2x2, 2x4 are ct6e-standard-1t/4t/8t (v6e
+# serves on one host up to 8 chips; its 2x4 on two ct6e-standard-4t VMs is multi-VM, which one pod cannot use).
+TPU_TOPOLOGY_CHIPS = {
+    TPU_V5E: {"1x1": 1, "2x2": 4, "2x4": 8},
+    TPU_V6E: {"1x1": 1, "2x2": 4, "2x4": 8},
+}
+TPU_NAMES = {TPU_V5E: "v5e", TPU_V6E: "v6e"}
 
 MODEL_SOURCE_RE = (
     r"^(hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9._/-]+)?"
@@ -132,7 +140,8 @@ class ModelSpec(_Model):
 class AcceleratorSpec(_Model):
     type: str = Field(
         TPU_V5E,
-        description="GKE accelerator: tpu-v5-lite-podslice (TPU v5e) or cpu for clusters without TPUs.",
+        description="GKE accelerator: tpu-v5-lite-podslice (TPU v5e), tpu-v6e-slice (TPU v6e, Trillium), or cpu "
+                    "for clusters without TPUs.",
         pattern=DNS_LABEL_RE, max_length=63,
     )
     topology: Literal["1x1", "2x2", "2x4"] | None = Field(
@@ -323,7 +332,7 @@ CEL_RULES: dict[type[_Model], list[dict[str, str]]] = {
     AcceleratorSpec: [
         _cel("self.type != 'cpu' || !has(self.topology)",
              "spec.accelerator.topology applies to TPUs only: remove it, or set spec.accelerator.type to "
-             "tpu-v5-lite-podslice", ".topology"),
+             "tpu-v5-lite-podslice or tpu-v6e-slice", ".topology"),
         _cel("!has(self.computeClass) || self.provisioning == 'standard'",
              "spec.accelerator.computeClass decides provisioning itself: leave spec.accelerator.provisioning "
              "at standard, or remove computeClass", ".provisioning"),
@@ -393,15 +402,20 @@ def parse_spec(spec: dict[str, Any]) -> GemmaRustServerSpec:
     return GemmaRustServerSpec.model_validate(dict(spec))
 
 
+def is_tpu(accel: AcceleratorSpec) -> bool:
+    """A TPU type the operator knows (an unknown accelerator is neither TPU nor CPU to the builders)."""
+    return accel.type in TPU_TOPOLOGY_CHIPS
+
+
 def chips(accel: AcceleratorSpec) -> int:
     """TPU chips one pod requests (0 on CPU or on an accelerator the operator does not know)."""
-    if accel.type != TPU_V5E:
+    if not is_tpu(accel):
         return 0
-    return V5E_TOPOLOGY_CHIPS[accel.topology or "1x1"]
+    return TPU_TOPOLOGY_CHIPS[accel.type][accel.topology or "1x1"]
 
 
 def accelerator_text(accel: AcceleratorSpec) -> str:
-    """Short accelerator description for `kubectl get` (e.g. "v5e 2x2", "cpu")."""
-    if accel.type == TPU_V5E:
-        return f"v5e {accel.topology or '1x1'}"
+    """Short accelerator description for `kubectl get` (e.g. "v5e 2x2", "v6e 2x4", "cpu")."""
+    if is_tpu(accel):
+        return f"{TPU_NAMES[accel.type]} {accel.topology or '1x1'}"
     return accel.type

@@ -215,14 +215,24 @@ def _node(name: str, labels: dict[str, str], capacity: dict[str, str], taints: l
 TPU_TAINT = {"key": "google.com/tpu", "value": "present", "effect": "NoSchedule"}
 
 
-def tpu_node(name: str, topology: str, *, provisioning: str = "standard") -> dict:
-    """A GKE TPU v5e node (ct5lp-hightpu-{1,4,8}t) of a single-host topology."""
+# Per TPU type: its GKE accelerator label, machine type per chip count and (CPU, memory) per chip count. v5e's
+# are Cloud TPU's ct5lp-hightpu-1t/4t/8t (24/112/224 vCPU, 48/192/384 GB); v6e's machine types are Cloud TPU's
+# ct6e-standard-1t/4t/8t (cloud.google.com/tpu/docs/v6e), with capacities sized here only to hold the tests' pods.
+TPU_NODE_TYPES = {
+    "v5e": ("tpu-v5-lite-podslice", "ct5lp-hightpu-{}t", {1: ("24", "48Gi"), 4: ("112", "192Gi"), 8: ("224", "384Gi")}),
+    "v6e": ("tpu-v6e-slice", "ct6e-standard-{}t", {1: ("44", "176Gi"), 4: ("180", "720Gi"), 8: ("180", "1440Gi")}),
+}
+
+
+def tpu_node(name: str, topology: str, *, provisioning: str = "standard", tpu: str = "v5e") -> dict:
+    """A GKE TPU node (v5e or v6e) of a single-host topology."""
+    accelerator, machine, sizes = TPU_NODE_TYPES[tpu]
     chips = {"1x1": 1, "2x2": 4, "2x4": 8}[topology]
-    cpu, mem = {1: ("24", "48Gi"), 4: ("112", "192Gi"), 8: ("224", "384Gi")}[chips]
-    labels = {"cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice",
+    cpu, mem = sizes[chips]
+    labels = {"cloud.google.com/gke-tpu-accelerator": accelerator,
               "cloud.google.com/gke-tpu-topology": topology,
-              "cloud.google.com/gke-nodepool": f"v5e-{topology}-{provisioning}",
-              "node.kubernetes.io/instance-type": f"ct5lp-hightpu-{chips}t"}
+              "cloud.google.com/gke-nodepool": f"{tpu}-{topology}-{provisioning}",
+              "node.kubernetes.io/instance-type": machine.format(chips)}
     if provisioning == "spot":
         labels["cloud.google.com/gke-spot"] = "true"
     if provisioning == "flex-start":
@@ -238,11 +248,13 @@ def cpu_node(name: str) -> dict:
 
 
 def default_nodes() -> list[dict]:
-    """Two v5e 1x1, one v5e 2x2, a spot 2x2, a flex-start 1x1, and a CPU node (no 2x4: tests rely on that)."""
+    """Two v5e 1x1, one v5e 2x2, a spot 2x2, a flex-start 1x1 (no v5e 2x4: tests rely on that), a v6e 1x1
+    and a v6e 2x4, and a CPU node."""
     return [
         tpu_node("v5e-1x1-a", "1x1"), tpu_node("v5e-1x1-b", "1x1"), tpu_node("v5e-2x2-a", "2x2"),
         tpu_node("v5e-2x2-spot-a", "2x2", provisioning="spot"),
         tpu_node("v5e-1x1-flex-a", "1x1", provisioning="flex-start"),
+        tpu_node("v6e-1x1-a", "1x1", tpu="v6e"), tpu_node("v6e-2x4-a", "2x4", tpu="v6e"),
         cpu_node("cpu-a"),
     ]
 

@@ -109,6 +109,26 @@ def test_2x2_requests_four_chips_on_a_2x2_node(kube, ns, operator):
     assert pod["spec"]["containers"][0]["resources"]["limits"]["google.com/tpu"] == "4"
 
 
+@pytest.mark.parametrize("topology,chips", [("1x1", "1"), ("2x4", "8")])
+def test_v6e_lands_on_a_v6e_node_of_its_topology_never_a_v5e_one(cluster, kube, ns, operator, topology, chips):
+    name = f"trillium-{topology}"
+    create(kube, ns, name, {"model": model(), "accelerator": {"type": "tpu-v6e-slice", "topology": topology}})
+    n, pod = scheduled_node(kube, ns, name, operator)
+    labels = n["metadata"]["labels"]
+    assert (labels["cloud.google.com/gke-tpu-accelerator"], labels["cloud.google.com/gke-tpu-topology"]) == (
+        "tpu-v6e-slice", topology)
+    assert labels["node.kubernetes.io/instance-type"] == f"ct6e-standard-{chips}t"
+    resources = pod["spec"]["containers"][0]["resources"]
+    assert resources["requests"]["google.com/tpu"] == resources["limits"]["google.com/tpu"] == chips
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    assert env["GEMMA_DEVICE"] == "tpu" and env["GEMMA_DEVICES"] == chips
+    obj = wait_phase(kube, ns, name, "Ready", operator)
+    assert obj["status"]["accelerator"] == f"v6e {topology}"
+    assert condition(obj, "Degraded").get("status") != "True"
+    row = cluster.kubectl("get", "grs", name, "-n", ns).stdout
+    assert f"v6e {topology}" in row
+
+
 def test_spot_and_flex_start_select_matching_nodes(kube, ns, operator):
     create(kube, ns, "spot", {"model": model(), "accelerator": {"topology": "2x2", "provisioning": "spot"}})
     create(kube, ns, "flex", {"model": model(), "accelerator": {"topology": "1x1", "provisioning": "flex-start"}})

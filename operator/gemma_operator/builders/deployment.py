@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 from kubernetes.utils import parse_quantity
 
-from ..spec import TPU_V5E, GcsFuseSpec, GemmaRustServerSpec, chips
+from ..spec import GcsFuseSpec, GemmaRustServerSpec, chips, is_tpu
 from .build_cache import build_cache_volume
 from .ownership import Meta, child_object, labels, selector_labels
 
@@ -128,8 +128,8 @@ def node_selector(spec: GemmaRustServerSpec) -> dict[str, str]:
     """Node labels the pods require: TPU slice, provisioning model, ComputeClass, then the user's."""
     accel = spec.accelerator
     out: dict[str, str] = {}
-    if accel.type == TPU_V5E:
-        out[TPU_ACCELERATOR_LABEL] = TPU_V5E
+    if is_tpu(accel):
+        out[TPU_ACCELERATOR_LABEL] = accel.type
         out[TPU_TOPOLOGY_LABEL] = accel.topology or "1x1"
     if accel.provisioning == "spot":
         out[SPOT_LABEL] = "true"
@@ -157,7 +157,7 @@ def node_affinity(spec: GemmaRustServerSpec) -> dict[str, Any] | None:
 def sourced_tolerations(spec: GemmaRustServerSpec) -> list[tuple[str, dict[str, Any]]]:
     """Each toleration the pods get, with the spec field it comes from (the operator's allowlist judges these)."""
     out: list[tuple[str, dict[str, Any]]] = []
-    if spec.accelerator.type == TPU_V5E:
+    if is_tpu(spec.accelerator):
         out.append(("spec.accelerator.type", {"key": TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}))
     if spec.accelerator.provisioning == "spot":
         # Only needed where the spot pool is tainted; harmless elsewhere.
@@ -186,7 +186,7 @@ def container_resources(spec: GemmaRustServerSpec) -> dict[str, Any]:
 
 
 def device(spec: GemmaRustServerSpec) -> str:
-    return "tpu" if spec.accelerator.type == TPU_V5E else "cpu"
+    return "tpu" if is_tpu(spec.accelerator) else "cpu"
 
 
 def mcp_hosts(meta: Meta) -> str:
@@ -323,7 +323,7 @@ def extra_volumes(spec: GemmaRustServerSpec, main: ModelMount,
     mounts: list[dict[str, Any]] = []
     if _gcsfuse(main, twin):
         volumes.append(gcsfuse_cache_volume(spec.model.gcs_fuse))  # the sidecar mounts it, not the server
-    if spec.accelerator.type == TPU_V5E:
+    if is_tpu(spec.accelerator):
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     return volumes, mounts
@@ -380,7 +380,7 @@ def build_deployment(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
         pod_spec["affinity"] = affinity
     if spec.service_account_name:
         pod_spec["serviceAccountName"] = spec.service_account_name
-    tpu = spec.accelerator.type == TPU_V5E
+    tpu = is_tpu(spec.accelerator)
     # Recreate where a new pod cannot start beside the old one: the only TPU chips, or a build cache
     # volume that attaches to one node at a time.
     recreate = tpu or (spec.build_cache.type == "pvc" and spec.build_cache.access_mode == "ReadWriteOnce")

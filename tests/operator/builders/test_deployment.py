@@ -7,7 +7,7 @@ import pytest
 
 from gemma_operator.builders.deployment import (GCSFUSE_MOUNT_OPTIONS, build_deployment, node_selector, replicas,
                                                 sourced_tolerations, spec_warnings, tolerations)
-from gemma_operator.spec import parse_spec
+from gemma_operator.spec import accelerator_text, parse_spec
 
 from .specs import LABELS, META, SELECTOR, env_of, pod_of, scaling, tpu_spec
 
@@ -134,14 +134,22 @@ def test_cpu_deployment_uses_rolling_update_and_no_tpu_scheduling():
     assert "GEMMA_TPU_COMPILE_CACHE" not in env  # torch_tpu's compilation cache: TPU pods only
 
 
+@pytest.mark.parametrize("tpu", ["tpu-v5-lite-podslice", "tpu-v6e-slice"])
 @pytest.mark.parametrize("topology,chips", [(None, "1"), ("1x1", "1"), ("2x2", "4"), ("2x4", "8")])
-def test_tpu_chips_follow_topology(topology, chips):
-    accel = {"topology": topology} if topology else {}
-    dep = build_deployment(parse_spec({"model": {"source": "hf://a/b"}, "accelerator": accel}), META)
+def test_tpu_chips_follow_topology(tpu, topology, chips):
+    accel = {"type": tpu, **({"topology": topology} if topology else {})}
+    spec = parse_spec({"model": {"source": "hf://a/b"}, "accelerator": accel})
+    dep = build_deployment(spec, META)
     pod = dep["spec"]["template"]["spec"]
     assert pod["containers"][0]["resources"] == {"requests": {"google.com/tpu": chips},
                                                  "limits": {"google.com/tpu": chips}}
-    assert pod["nodeSelector"]["cloud.google.com/gke-tpu-topology"] == (topology or "1x1")
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": tpu,
+                                   "cloud.google.com/gke-tpu-topology": topology or "1x1"}
+    assert {"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in pod["containers"][0]["volumeMounts"]
+    assert dep["spec"]["strategy"]["type"] == "Recreate"  # the only chips: a new pod cannot start beside the old
+    short = {"tpu-v5-lite-podslice": "v5e", "tpu-v6e-slice": "v6e"}[tpu]
+    assert accelerator_text(spec.accelerator) == f"{short} {topology or '1x1'}"
     # One engine per chip: the server starts as many as GEMMA_DEVICES says.
     env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
     assert env["GEMMA_DEVICES"] == chips
