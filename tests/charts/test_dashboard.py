@@ -42,6 +42,17 @@ TARGET_LABELS = {"pod", "namespace", "instance", "job", "container", "node", "cl
 # docs/metrics/workload/horizontalpodautoscaler-metrics.md; GKE Managed Prometheus's kube state metrics
 # package exports the same): the replicas an HPA wants, for the autoscaling row.
 KUBE_STATE_METRICS = {"kube_horizontalpodautoscaler_status_desired_replicas": {"namespace", "horizontalpodautoscaler"}}
+# GKE system metrics as Managed Service for Prometheus serves them to PromQL: Cloud Monitoring's
+# kubernetes.io/container/accelerator/{duty_cycle,memory_used,memory_total} become
+# kubernetes_io:container_accelerator_*, labelled with the k8s_container resource's labels (project_id,
+# location, cluster_name, namespace_name, pod_name, container_name), the metric's own (make, model,
+# accelerator_id) and monitored_resource. Not exported by the server: checked by their labels only.
+GKE_RESOURCE_LABELS = {"project_id", "location", "cluster_name", "namespace_name", "pod_name", "container_name",
+                       "monitored_resource", "make", "model", "accelerator_id"}
+GKE_SYSTEM_METRICS = {f"kubernetes_io:container_accelerator_{m}": GKE_RESOURCE_LABELS
+                      for m in ("duty_cycle", "memory_used", "memory_total")}
+# Series the panels read from elsewhere than the server, with their labels.
+EXTERNAL_METRICS = {**KUBE_STATE_METRICS, **GKE_SYSTEM_METRICS}
 # Grafana's own variables, interpolated as Grafana does before a query reaches Prometheus.
 GRAFANA_VARS = {"$__rate_interval": "1m", "$__interval": "30s", "$__range": "1h"}
 
@@ -114,7 +125,8 @@ def interpolate(expr: str) -> str:
         expr = expr.replace(var, value)
     # The model variable (multi-value, regex matcher): Grafana substitutes the escaped value.
     expr = expr.replace("$model", grafana_regex_escape(MODEL))
-    assert "$" not in expr, f"uninterpolated variable in {expr!r}"
+    # What is left of "$" may only be label_replace's group references ("$1"), which Grafana leaves alone.
+    assert not re.search(r"\$(?!\d)", expr), f"uninterpolated variable in {expr!r}"
     return expr
 
 
@@ -135,7 +147,7 @@ def test_dashboard_has_the_panels_an_on_call_engineer_needs():
     assert {"Request rate", "Time to first token", "Inter-token latency", "End-to-end latency", "Tokens/s",
             "Running and waiting requests", "Finish reasons", "Boot stage seconds", "Build info",
             "Readiness per pod", "Replicas and desired replicas", "Autoscaling metric per pod",
-            "Prefix cache hit rate"} <= titles
+            "Prefix cache hit rate", "TPU duty cycle per pod", "TPU HBM used per pod"} <= titles
     ttft = next(p for p in all_panels(dashboard()) if p["title"] == "Time to first token")
     assert {t["legendFormat"] for t in ttft["targets"]} >= {"p50", "p95", "p99"}
     variables = {v["name"]: v for v in dashboard()["templating"]["list"]}
@@ -247,8 +259,8 @@ def test_every_dashboard_query_parses_and_reads_series_the_server_exports(promql
             continue
         assert r["selectors"], f"{where}: {expr} selects nothing"
         for sel in r["selectors"]:
-            if sel["metric"] in KUBE_STATE_METRICS:
-                unknown = {m["name"] for m in sel["matchers"]} - KUBE_STATE_METRICS[sel["metric"]] - {"__name__"}
+            if sel["metric"] in EXTERNAL_METRICS:
+                unknown = {m["name"] for m in sel["matchers"]} - EXTERNAL_METRICS[sel["metric"]] - {"__name__"}
                 if unknown:
                     problems.append(f"{where}: {sel['metric']} has no labels {sorted(unknown)}")
                 continue
@@ -259,9 +271,9 @@ def test_every_dashboard_query_parses_and_reads_series_the_server_exports(promql
                 problems.append(f"{where}: {sel['metric']}{sel['matchers']} matches no exported series")
         for g in r["groupings"]:
             for metric in g["metrics"]:
-                if metric in KUBE_STATE_METRICS:
-                    if set(g["by"]) - KUBE_STATE_METRICS[metric]:
-                        problems.append(f"{where}: by {sorted(set(g['by']) - KUBE_STATE_METRICS[metric])} not on {metric}")
+                if metric in EXTERNAL_METRICS:
+                    if set(g["by"]) - EXTERNAL_METRICS[metric]:
+                        problems.append(f"{where}: by {sorted(set(g['by']) - EXTERNAL_METRICS[metric])} not on {metric}")
                     continue
                 exported = set().union(*(labels.keys() for labels, _ in traffic_scrape.get(metric, [({}, 0)])))
                 missing = set(g["by"]) - exported - TARGET_LABELS
@@ -274,7 +286,7 @@ def test_traffic_moved_every_series_the_panels_plot(promql_check, traffic_scrape
     names = {sel["metric"] for r in parse_promql(promql_check, [e for _, e in queries(dashboard())])
              for sel in r["selectors"]}
     mine = lambda name: [v for labels, v in traffic_scrape[name] if labels.get("model_name") == MODEL]  # noqa: E731
-    for name in sorted(names - set(KUBE_STATE_METRICS)):
+    for name in sorted(names - set(EXTERNAL_METRICS)):
         if name.endswith(("_bucket", "_sum", "_count")):
             base = name.rsplit("_", 1)[0]
             assert sum(mine(f"{base}_count")) > 0, f"{base}: no observations after traffic"
