@@ -27,12 +27,15 @@ def pod_fields(grs_spec: dict) -> dict:
             "resources": pod["containers"][0]["resources"], "strategy": dep["spec"]["strategy"]}
 
 
+@pytest.mark.parametrize("tpu", [spec.TPU_V5E, spec.TPU_V6E])
 @pytest.mark.parametrize("topology", ["1x1", "2x2", "2x4"])
-def test_readme_block_for_each_topology_is_what_the_builders_request(topology):
+def test_readme_block_for_each_topology_is_what_the_builders_request(topology, tpu):
     m = re.search(rf'`topology: "{topology}"`\n```yaml\n(.*?)```', README, re.S)
     assert m, f"README has no yaml block for topology {topology}"
     documented = yaml.safe_load(m.group(1))
-    built = pod_fields({"model": {"source": "hf://o/m"}, "accelerator": {"topology": topology}})
+    # The blocks show v5e; the README says a v6e pod's differ only in the accelerator label's value.
+    documented["nodeSelector"]["cloud.google.com/gke-tpu-accelerator"] = tpu
+    built = pod_fields({"model": {"source": "hf://o/m"}, "accelerator": {"type": tpu, "topology": topology}})
     assert documented == {k: built[k] for k in ("nodeSelector", "tolerations", "resources")}
     assert built["strategy"] == {"type": "Recreate"}
 
