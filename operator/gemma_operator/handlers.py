@@ -121,6 +121,16 @@ def find_problems(spec: GemmaRustServerSpec) -> list[status.Problem]:
     return problems
 
 
+def with_defaults(spec: GemmaRustServerSpec, settings: Settings) -> GemmaRustServerSpec:
+    """The spec with the operator's defaults where it leaves a field to them (pure): the Managed Prometheus
+    cluster name of KEDA's query (spec.autoscaling.prometheus.cluster, GEMMA_OPERATOR_CLUSTER_NAME)."""
+    scaling = spec.autoscaling
+    if scaling is None or scaling.prometheus.cluster or not settings.cluster_name:
+        return spec
+    prometheus = scaling.prometheus.model_copy(update={"cluster": settings.cluster_name})
+    return spec.model_copy(update={"autoscaling": scaling.model_copy(update={"prometheus": prometheus})})
+
+
 def invalid_spec(error: pydantic.ValidationError) -> status.Problem:
     """The InvalidSpec problem of a stored spec that does not fit the schema."""
     return status.Problem("InvalidSpec", "spec does not fit the schema: " + "; ".join(
@@ -173,7 +183,7 @@ def sync(body: dict[str, Any], logger: logging.Logger, *, apply: bool = True, pr
     with server.lock:
         try:
             try:
-                spec = parse_spec(body.get("spec") or {})
+                spec = with_defaults(parse_spec(body.get("spec") or {}), REGISTRY.settings)
             except pydantic.ValidationError as e:
                 # Only reachable for objects stored before a schema change: admission applies the same schema.
                 new = _unparsable_spec_status(body, meta, k, invalid_spec(e))

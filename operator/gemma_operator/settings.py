@@ -50,6 +50,10 @@ class Settings:
         "allowed when its scheme, host and port equal an entry's and its path is the entry's or below it (`*`: "
         "any). Empty: none, so KEDA's ScaledObject is refused (condition PrometheusAddressNotAllowed) until an "
         "administrator names the cluster's Prometheus.")
+    cluster_name: str = _setting(
+        "GEMMA_OPERATOR_CLUSTER_NAME", "",
+        "This cluster's name as Managed Service for Prometheus labels its series (`cluster`): the default of "
+        "spec.autoscaling.prometheus.cluster, so KEDA's query selects only this cluster's pods. Empty: none.")
     test_engine_urls: bool = _setting(
         "GEMMA_OPERATOR_TEST_ENGINE_URLS", False,
         "Tests only: honour the pod annotation gemmarust.dev/engine-url-for-tests (poll a loopback URL).")

@@ -246,6 +246,12 @@ class PrometheusSpec(_Model):
     authentication_ref: str | None = Field(
         None, description="Name of a KEDA TriggerAuthentication in the namespace (e.g. GCP Workload Identity "
         "for monitoring.googleapis.com).", pattern=DNS_SUBDOMAIN_RE, max_length=253)
+    cluster: str | None = Field(
+        None, description="The cluster's name as Managed Service for Prometheus labels its series (the "
+        "`cluster` target label): KEDA's query then selects only this cluster's pods, since "
+        "monitoring.googleapis.com's query endpoint reads every cluster of the project. Default: the operator's "
+        "GEMMA_OPERATOR_CLUSTER_NAME (chart value operator.clusterName); unset there too, no cluster matcher.",
+        pattern=DNS_LABEL_RE, max_length=63)
 
 
 class AutoscalingSpec(_Model):

@@ -21,9 +21,14 @@ def metric_query(spec: GemmaRustServerSpec, meta: Meta) -> str:
     AverageValue by default (kedacore/keda v2.21.0, pkg/scalers/prometheus_scaler.go), so the HPA it makes
     divides this sum by the replicas. `namespace` and `pod` are the target labels both GKE Managed
     Prometheus (PodMonitoring) and the Prometheus Operator (ServiceMonitor) attach; a Deployment's pods
-    are named <deployment>-<replicaset hash>-<suffix>."""
+    are named <deployment>-<replicaset hash>-<suffix>. With `prometheus.cluster`, the `cluster` target label
+    that Managed Service for Prometheus attaches (prometheus-engine, its protected target labels: project_id,
+    location, cluster, namespace, job, instance) keeps a same-named server of another cluster of the project
+    out of the sum."""
     name = AUTOSCALING_METRICS[spec.autoscaling.metric]
-    return f'sum({name}{{namespace="{meta.namespace}",pod=~"{meta.name}-[a-z0-9]+-[a-z0-9]+"}})'
+    prometheus = spec.autoscaling.prometheus
+    cluster = f'cluster="{prometheus.cluster}",' if prometheus and prometheus.cluster else ""
+    return f'sum({name}{{{cluster}namespace="{meta.namespace}",pod=~"{meta.name}-[a-z0-9]+-[a-z0-9]+"}})'
 
 
 def hpa_metric_name(spec: GemmaRustServerSpec) -> str:

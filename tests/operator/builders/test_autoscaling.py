@@ -7,7 +7,9 @@ import pytest
 
 from gemma_operator.builders.autoscaling import build_hpa, build_scaled_object
 
-from .specs import LABELS, META, SCALE_TARGET, scaling
+from tests.charts.test_dashboard import parse_promql, promql_check, selects  # noqa: F401 - the fixture
+
+from .specs import LABELS, META, SCALE_TARGET, scaling, tpu_spec
 
 
 def test_hpa_scales_the_server_on_the_pods_metric_prometheus_adapter_serves():
@@ -51,3 +53,44 @@ def test_autoscaling_rules_are_cel_in_the_crd(autoscaling, message):
 
     rules = crd.spec_schema()["properties"]["autoscaling"]["x-kubernetes-validations"]
     assert any(message in r["message"] for r in rules)
+
+
+GMP = "https://monitoring.googleapis.com/v1/projects/p/location/global/prometheus"
+
+
+def test_the_keda_query_selects_only_this_clusters_pods(promql_check):
+    """Parsed by Prometheus's own parser; its matchers applied to the series Managed Prometheus holds for two
+    clusters of one project that both run `gemma` in `serving`, and to another server's pod."""
+    spec = scaling(prometheus={"serverAddress": GMP, "cluster": "prod-us"})
+    query = build_scaled_object(spec, META)["spec"]["triggers"][0]["metadata"]["query"]
+    (parsed,) = parse_promql(promql_check, [query])
+    (selector,) = parsed["selectors"]
+    assert selector["metric"] == "gemma_num_requests_waiting"
+    series = {
+        "this cluster": {"cluster": "prod-us", "namespace": "serving", "pod": "gemma-5d9f8b7c4-x2x9q"},
+        "a staging cluster of the project": {"cluster": "staging-us", "namespace": "serving",
+                                             "pod": "gemma-5d9f8b7c4-x2x9q"},
+        "another server": {"cluster": "prod-us", "namespace": "serving", "pod": "gemma-big-7c4d9f8b5-q9x2x"},
+    }
+    chosen = {where for where, labels in series.items() if selects(selector["matchers"], labels)}
+    assert chosen == {"this cluster"}
+    # Without a cluster name the query sums the staging cluster's pod in too: what the matcher is for.
+    unscoped = build_scaled_object(scaling(prometheus={"serverAddress": GMP}), META)["spec"]["triggers"][0]
+    (parsed,) = parse_promql(promql_check, [unscoped["metadata"]["query"]])
+    assert {w for w, labels in series.items() if selects(parsed["selectors"][0]["matchers"], labels)} == {
+        "this cluster", "a staging cluster of the project"}
+
+
+def test_the_operators_cluster_name_is_the_default_and_the_spec_wins():
+    from gemma_operator.handlers import with_defaults
+    from gemma_operator.settings import Settings
+
+    named = Settings(cluster_name="prod-us")
+    spec = with_defaults(scaling(prometheus={"serverAddress": GMP}), named)
+    assert spec.autoscaling.prometheus.cluster == "prod-us"
+    assert 'cluster="prod-us"' in build_scaled_object(spec, META)["spec"]["triggers"][0]["metadata"]["query"]
+    own = with_defaults(scaling(prometheus={"serverAddress": GMP, "cluster": "eu-west"}), named)
+    assert own.autoscaling.prometheus.cluster == "eu-west"
+    assert with_defaults(scaling(prometheus={"serverAddress": GMP}), Settings()).autoscaling.prometheus.cluster is None
+    plain = tpu_spec()
+    assert plain.autoscaling is None and with_defaults(plain, named) == plain
