@@ -51,11 +51,12 @@ def grs(name: str = "g", spec: dict | None = None, status: dict | None = None, g
             "spec": spec or {"model": {"source": "hf://google/gemma-4-e2b-it"}}, "status": status or {}}
 
 
-def use(k, fn, read_only: bool = False):
-    """Run `fn(client)` against a fresh in-process server on `k`."""
+def use(k, fn, read_only: bool = False, mode: str = "auto"):
+    """Run `fn(client)` against a fresh in-process server on `k`. `mode` "legacy" connects through the SDK's
+    InMemoryTransport (JSON-RPC over memory streams, with the initialize handshake); "auto" dispatches directly."""
 
     async def go():
-        async with Client(build_server(k, default_namespace="team-a", read_only=read_only)) as client:
+        async with Client(build_server(k, default_namespace="team-a", read_only=read_only), mode=mode) as client:
             return await fn(client)
 
     return asyncio.run(go())
@@ -65,16 +66,17 @@ def call(k, name: str, args: dict, **kw):
     return use(k, lambda c: c.call_tool(name, args), **kw)
 
 
-def tools(read_only: bool = False) -> dict:
-    return {t.name: t for t in use(FakeKube(), lambda c: c.list_tools(), read_only=read_only).tools}
+def tools(read_only: bool = False, mode: str = "auto") -> dict:
+    return {t.name: t for t in use(FakeKube(), lambda c: c.list_tools(), read_only=read_only, mode=mode).tools}
 
 
 def text(result) -> str:
     return result.content[0].text
 
 
-def test_every_tool_is_listed_with_an_input_and_an_output_schema():
-    listed = tools()
+@pytest.mark.parametrize("mode", ["auto", "legacy"])
+def test_every_tool_is_listed_with_an_input_and_an_output_schema(mode):
+    listed = tools(mode=mode)
     assert set(listed) == set(READING_TOOLS) | set(WRITING_TOOLS)
     for name, tool in listed.items():
         assert tool.input_schema["type"] == "object", name

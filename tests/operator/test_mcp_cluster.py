@@ -25,7 +25,7 @@ from mcp.client.stdio import StdioServerParameters, stdio_client
 from gemma_operator.mcp.server import WRITING_TOOLS
 from gemma_operator.poller import TEST_URL_ANNOTATION
 from tests.charts.conftest import CHART, Helm, helm_binary
-from tests.cluster.controlplane import BOOT_ANNOTATION, FAKE_KUBELET
+from tests.cluster.controlplane import BOOT_ANNOTATION, FAKE_KUBELET, TERMINATION_ANNOTATION
 
 from .fakes import FakeEngineEndpoint, FakeKubelet
 from .harness import ROOT, dump, ensure, get, token_kubeconfig, wait_for
@@ -161,6 +161,33 @@ def test_deploy_wait_scale_and_delete_over_stdio(cluster, kube, ns, operator, mc
     assert refused.is_error and "confirm='assistant'" in text(refused)
     assert deleted == {"name": name, "namespace": ns, "deleted": True}
     wait_for(lambda: kube.get_server(ns, name) is None, timeout=60, what="the server gone")
+
+
+def test_wait_ends_when_the_server_fails_with_the_reason_and_the_last_failure(cluster, ns, operator, mcp_log):
+    reason = "smoke: tpu matmul mismatch (max abs err 3.1e-1)"
+    spec = {"model": MODEL, "accelerator": CPU,
+            "podAnnotations": {BOOT_ANNOTATION: "crash", TERMINATION_ANNOTATION: reason}}
+    seen: list[str] = []
+
+    async def flow(client):
+        async def progress(done, total, message):
+            seen.append(message)
+
+        ok(await client.call_tool("deploy_server", {"name": "crash", "spec": spec}))
+        waited = await client.call_tool("wait_for_server", {"name": "crash", "timeout_seconds": 240},
+                                        read_timeout_seconds=300, progress_callback=progress)
+        events = await client.call_tool("server_events", {"name": "crash"})
+        return waited, events
+
+    waited, events = session(cluster.kubeconfig, ns, mcp_log, flow)
+    result = ok(waited)
+    assert result["outcome"] == "failed", dump(result)
+    server = result["server"]
+    degraded = next(c for c in server["conditions"] if c["type"] == "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "CrashLoopBackOff") and reason in degraded["message"]
+    assert server["last_failure"]["message"] == reason and server["last_failure"]["exit_code"] == 1
+    assert any(m.startswith("phase Failed") for m in seen) and any(": Failed" in m for m in seen), seen
+    assert ("Warning", "Failed") in {(e["type"], e["reason"]) for e in ok(events)["events"]}
 
 
 def test_admission_refusal_comes_back_verbatim_and_nothing_is_created(cluster, kube, ns, operator, mcp_log):
