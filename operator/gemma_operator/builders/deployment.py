@@ -54,8 +54,22 @@ TPU_COMPILE_CACHE = f"{CACHE_MOUNT}/tpu-compile"
 TMP_SIZE = "1Gi"
 GCS_ROOT = "/gcs"  # gemma_server's default --gcs-root: gs://B/P is read at /gcs/B/P
 STARTUP_PERIOD_SECONDS = 10
-# The file cache's size is the volume attribute fileCacheCapacity (GcsFuseSpec); these only tune it.
-GCSFUSE_MOUNT_OPTIONS = "implicit-dirs,file-cache:enable-parallel-downloads:true"
+# Cloud Storage FUSE options for reading a checkpoint once and serving it. The file cache's size is the
+# volume attribute fileCacheCapacity (GcsFuseSpec), never unbounded here; the parallel-download tuning is that
+# of Google's GKE TPU serving manifests (GoogleCloudPlatform/kubernetes-engine-samples, the ai-ml vLLM-on-TPU
+# samples: 100 parallel downloads per file, no overall cap, 10 MB chunks), and the metadata caches never
+# expire, as for read-only data (GoogleCloudPlatform/gcs-fuse-csi-driver, test/e2e's mount options): a
+# running pod does not see a checkpoint rewritten in place; a new pod does.
+GCSFUSE_MOUNT_OPTIONS = ",".join([
+    "implicit-dirs",
+    "file-cache:enable-parallel-downloads:true",
+    "file-cache:parallel-downloads-per-file:100",
+    "file-cache:max-parallel-downloads:-1",
+    "file-cache:download-chunk-size-mb:10",
+    "metadata-cache:ttl-secs:-1",
+    "metadata-cache:stat-cache-max-size-mb:-1",
+    "metadata-cache:type-cache-max-size-mb:-1",
+])
 
 
 # ---------------------------------------------------------------------------------------------------------

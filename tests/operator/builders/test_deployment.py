@@ -296,7 +296,7 @@ def test_gcs_file_cache_is_bounded_on_its_own_volume_of_the_chosen_medium():
     assert volumes["gke-gcsfuse-cache"] == {"name": "gke-gcsfuse-cache", "emptyDir": {"sizeLimit": "40Gi"}}
     attrs = volumes["model"]["csi"]["volumeAttributes"]
     assert attrs["fileCacheCapacity"] == "36864Mi"  # 40 GiB less a tenth
-    assert "max-size-mb" not in attrs["mountOptions"]
+    assert "file-cache:max-size-mb" not in attrs["mountOptions"]  # no option lifts the driver's bound
     # The sidecar mounts the cache volume, not the server.
     assert "gke-gcsfuse-cache" not in {m["name"] for m in pod["containers"][0]["volumeMounts"]}
 
@@ -316,3 +316,14 @@ def test_deployment_replicas_follow_spec_replicas_within_the_autoscaling_bounds(
     spec = spec.model_copy(update={"replicas": spec_replicas})
     assert build_deployment(spec, META)["spec"]["replicas"] == expected
     assert replicas(tpu_spec(replicas=7)) == 7
+
+
+def test_gcs_fuse_reads_in_parallel_and_caches_metadata_for_read_only_serving():
+    dep = build_deployment(parse_spec({"model": {"source": "gs://bucket/gemma", "gcsFuse": {"fileCacheSize": "20Gi"}}}),
+                           META)
+    (volume,) = [v for v in dep["spec"]["template"]["spec"]["volumes"] if "csi" in v]
+    attributes = volume["csi"]["volumeAttributes"]
+    options = dict(o.rsplit(":", 1) if ":" in o else (o, "") for o in attributes["mountOptions"].split(","))
+    assert options["file-cache:enable-parallel-downloads"] == "true"
+    assert options["file-cache:parallel-downloads-per-file"] == "100"
+    assert options["metadata-cache:ttl-secs"] == "-1" and volume["csi"]["readOnly"] is True
