@@ -376,3 +376,17 @@ def test_no_cleanup_hook_without_the_sample(helm):
 def test_chart_readme_refresh_command_matches_the_crd_test():
     # The README tells developers the command that test_chart_crd_is_the_generated_one prints on failure.
     assert f"`{REFRESH_CRDS}`" in (CHART / "README.md").read_text()
+
+
+def test_the_cluster_name_reaches_the_operator_and_a_bad_one_is_refused(helm):
+    from gemma_operator.settings import Settings
+
+    def operator_env(*set_args: str) -> dict[str, str]:
+        deployment = find(helm.render(*set_args), "Deployment")
+        return {e["name"]: e["value"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+                if "value" in e}
+
+    assert Settings.from_env(operator_env()).cluster_name == ""
+    assert Settings.from_env(operator_env("operator.clusterName=prod-us-central1")).cluster_name == "prod-us-central1"
+    refused = helm.template("operator.clusterName=Prod_US", check=False)
+    assert refused.returncode != 0 and "clusterName" in refused.stderr
