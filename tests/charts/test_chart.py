@@ -306,6 +306,19 @@ def test_network_policy_opens_to_a_chosen_prometheus_and_to_client_namespaces(he
     assert len(peers(off)) == 1  # the operator alone
 
 
+def test_network_policy_admits_a_gke_gateways_proxies_and_health_checks_by_address(helm):
+    ranges = ["10.129.0.0/23", "35.191.0.0/16", "130.211.0.0/22"]
+    policy = find(helm.render("networkPolicy.enabled=true", f"networkPolicy.clientCIDRs={{{','.join(ranges)}}}"),
+                  "NetworkPolicy")
+    by_address = [rule for rule in policy["spec"]["ingress"] if any("ipBlock" in peer for peer in rule["from"])]
+    assert by_address == [{"from": [{"ipBlock": {"cidr": r}} for r in ranges],
+                           "ports": [{"protocol": "TCP", "port": "http"}]}]
+    default = find(helm.render("networkPolicy.enabled=true"), "NetworkPolicy")
+    assert not any("ipBlock" in peer for rule in default["spec"]["ingress"] for peer in rule["from"])
+    refused = helm.template("networkPolicy.enabled=true", "networkPolicy.clientCIDRs={10.129.0.0}", check=False)
+    assert refused.returncode != 0 and "clientCIDRs" in refused.stderr
+
+
 @pytest.mark.parametrize("values", [(), ("sample.topology=2x4", "sample.provisioning=spot", "sample.replicas=2"),
                                     ("sample.acceleratorType=cpu", "sample.embeddingTwin=",
                                      "sample.tokenSecretName=hf-token", "sample.image=example.com/gemma:1"),
