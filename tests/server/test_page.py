@@ -3,9 +3,9 @@
 Chromium (Debian's /usr/bin/chromium) is driven by Playwright's sync API against the real server on the real
 engine (the `server` and `agent_server` fixtures of conftest.py). The weights are random, so the tests assert
 on structure and counters (the page's ids and data-* attributes, the server's metrics and /v1/engine), never
-on words. Where the page must show something random weights do not write on demand (a thought, a reply that
-runs until Stop), the test adds a constraint to the page's own request on its way out (Playwright's
-`page.route`): a grammar that writes a thought, a logit_bias that bans the end-of-turn tokens.
+on words. Where the page must show something random weights do not write on demand (a thought), the test
+adds a constraint to the page's own request on its way out (Playwright's `page.route`); a reply that runs
+until Stop is held by tests/server/fakes.py's FakeGatedEngine behind the real server.
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from gemma_server.boot import Boot
 from gemma_server.errors import sse_error, sse_event
 from tests.server.conftest import start_in_process, wait_for
+from tests.server.fakes import fake_gated_boot
 from tests.server.test_agents import SCHEMAS, TOOLS
 
 CHROMIUM = "/usr/bin/chromium"
 TIMEOUT_MS = 60_000  # every wait: the engine shares 2 loaded cores with the browser and other runs
 ESSAY = "Write a long essay about the sea."  # greedy on the chat checkpoint: 113 tokens, then an end of turn
-EOS_IDS = (1, 106, 50)  # the chat checkpoint's eos ids (tests/checkpoints.py tiny_text_config)
 
 # Records, in order, each text the page puts in a reply's answer (the Text node of each `textContent =`)
 # and each time it writes a reply's meta line, so a test can tell a streamed reply from one written at once.
@@ -130,15 +130,16 @@ def requests_ended(base: str) -> float:
 
 def test_a_reply_streams_and_its_meta_shows_the_servers_counts_for_the_sampling_sent(page):
     bodies = chat_bodies(page)
-    set_controls(page, max_tokens="24")
+    set_controls(page, max_tokens="96")
     meta = ask(page, ESSAY, 1)
 
-    # The server read max_tokens: 24 tokens, cut by the length (greedy, the reply would run to 113).
-    assert bodies[0]["max_tokens"] == 24 and bodies[0]["stream_options"] == {"include_usage": True}
+    # The server read max_tokens: 96 tokens, cut by the length (greedy, the reply would run to 113); enough
+    # tokens that the reply arrives as several pieces even on a loaded machine.
+    assert bodies[0]["max_tokens"] == 96 and bodies[0]["stream_options"] == {"include_usage": True}
     assert not {"temperature", "top_p", "seed", "tools", "chat_template_kwargs"} & set(bodies[0])
-    assert meta["finish"] == "length" and meta["tokens"] == "24", meta
+    assert meta["finish"] == "length" and meta["tokens"] == "96", meta
     assert float(meta["ttftMs"]) > 0 and float(meta["tps"]) > 0
-    assert re.search(r"first token \d+ ms", meta["text"]) and "24 tokens" in meta["text"] and "tok/s" in meta["text"]
+    assert re.search(r"first token \d+ ms", meta["text"]) and "96 tokens" in meta["text"] and "tok/s" in meta["text"]
 
     # The answer grew over several updates, each longer than the last, all before the meta line was written.
     events = page.evaluate("window.__events")
@@ -170,31 +171,43 @@ def test_a_seed_gives_the_same_sampled_reply_twice(page):
 # ---------------------------------------------------------------- Stop
 
 
-def test_stop_aborts_the_reply_on_the_server_and_frees_its_slot(page, server):
-    # Bans the end-of-turn tokens, so the reply runs until Stop (a random model ends a reply at random).
-    def no_eos(route: Route) -> None:
-        body = route.request.post_data_json
-        route.continue_(post_data=json.dumps({**body, "logit_bias": {str(i): -100 for i in EOS_IDS}}))
+@pytest.fixture(scope="module")
+def gated_server(chat_checkpoint) -> Iterator:
+    """The real server on tests/server/fakes.py's FakeGatedEngine: a request holds the slot for as long as the
+    test keeps the engine's gate closed (the real engine ends a 1,000-token reply in about a second here,
+    sometimes before a click lands)."""
+    s = start_in_process(chat_checkpoint, boot_class=fake_gated_boot(str(chat_checkpoint)))
+    yield s
+    s.stop()
 
-    page.route("**/v1/chat/completions", no_eos)
-    aborts = metric(server.base, "gemma_request_success_total", finished_reason="abort")
-    set_controls(page, max_tokens="1000")
-    page.fill("#input", "Hello")
-    page.click("#send")
-    page.wait_for_function("document.getElementById('reply-1-answer')?.textContent.length > 0")
-    page.click("#stop")
 
-    meta = reply_meta(page, 1)
-    assert meta["finish"] == "stopped" and "finish: stopped" in meta["text"]
-    expect(page.locator("#reply-1")).to_have_class(re.compile(r"\bstopped\b"))
-    expect(page.locator("#send")).to_be_enabled()
-    expect(page.locator("#stop")).to_be_disabled()
-    # The server saw the disconnect and cancelled the decode: one more abort, no slot held afterwards.
-    wait_for(lambda: metric(server.base, "gemma_request_success_total", finished_reason="abort") == aborts + 1,
-             60, "the abort counted")
-    wait_for(lambda: all(e["active"] == 0 for e in httpx.get(server.base + "/v1/engine").json()["engines"]),
-             60, "every slot free")
-    assert metric(server.base, "gemma_num_requests_running") == 0
+def test_stop_aborts_the_reply_on_the_server_and_frees_its_slot(browser, gated_server):
+    engine = gated_server.state.boot.loaded.workers[0].engine
+    page = new_page(browser, gated_server.base)
+    try:
+        aborts = metric(gated_server.base, "gemma_request_success_total", finished_reason="abort")
+        engine.gate.clear()  # the engine holds the request at its next step
+        set_controls(page, max_tokens="200")
+        page.fill("#input", "Hello")
+        page.click("#send")
+        wait_for(engine.decoding.is_set, 60, "the request in the engine's slot")
+        page.click("#stop")
+
+        meta = reply_meta(page, 1)
+        assert meta["finish"] == "stopped" and "finish: stopped" in meta["text"]
+        expect(page.locator("#reply-1")).to_have_class(re.compile(r"\bstopped\b"))
+        expect(page.locator("#send")).to_be_enabled()
+        expect(page.locator("#stop")).to_be_disabled()
+        # The server saw the disconnect and cancelled the decode: one more abort, the slot free again.
+        engine.gate.set()  # the engine takes its step and reads the cancel at its next read point
+        wait_for(lambda: metric(gated_server.base, "gemma_request_success_total",
+                                finished_reason="abort") == aborts + 1, 60, "the abort counted")
+        wait_for(lambda: not engine.decoding.is_set(), 60, "the slot free")
+        assert metric(gated_server.base, "gemma_num_requests_running") == 0
+        assert engine.decodes == 1
+    finally:
+        engine.gate.set()
+        page.context.close()
 
 
 # ---------------------------------------------------------------- the side panel
