@@ -76,7 +76,7 @@ def pods_to_explain(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # Events
 
 
-def _when(event: dict[str, Any]) -> str:
+def event_time(event: dict[str, Any]) -> str:
     """Sortable time of an Event's last occurrence (core/v1 lastTimestamp, or events.k8s.io eventTime)."""
     for key in ("lastTimestamp", "eventTime", "firstTimestamp"):
         if event.get(key):
@@ -89,7 +89,7 @@ def _events_of(pod: dict[str, Any], events: list[dict[str, Any]], reason: str) -
     uid = meta(pod).get("uid")
     mine = [e for e in events if (e.get("involvedObject") or {}).get("uid") == uid
             and e.get("reason") == reason and e.get("type", "Warning") == "Warning"]
-    return sorted(mine, key=_when)
+    return sorted(mine, key=event_time)
 
 
 def _container_of(event: dict[str, Any]) -> str:

@@ -43,10 +43,8 @@ KNOWN_ACCELERATORS = (TPU_V5E, TPU_V6E, CPU)
 # "TPU v5e" and "TPU v6e" pages (cloud.google.com/tpu/docs/v5e, /v6e, "Supported configurations"): v5e 1x1,
 # 2x2, 2x4 are GKE machine types ct5lp-hightpu-1t/4t/8t; v6e 1x1, 2x2, 2x4 are ct6e-standard-1t/4t/8t (v6e
 # serves on one host up to 8 chips; its 2x4 on two ct6e-standard-4t VMs is multi-VM, which one pod cannot use).
-TPU_TOPOLOGY_CHIPS = {
-    TPU_V5E: {"1x1": 1, "2x2": 4, "2x4": 8},
-    TPU_V6E: {"1x1": 1, "2x2": 4, "2x4": 8},
-}
+SINGLE_HOST_CHIPS = {"1x1": 1, "2x2": 4, "2x4": 8}
+TPU_TOPOLOGY_CHIPS = {TPU_V5E: SINGLE_HOST_CHIPS, TPU_V6E: SINGLE_HOST_CHIPS}
 TPU_NAMES = {TPU_V5E: "v5e", TPU_V6E: "v6e"}
 
 MODEL_SOURCE_RE = (

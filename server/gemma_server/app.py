@@ -39,16 +39,15 @@ what remains is aborted (error event, then [DONE]); then uvicorn exits.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import hmac
 import json
 import logging
 import threading
 import time
-from contextlib import asynccontextmanager
-from pathlib import Path
 from collections.abc import Callable
+from contextlib import asynccontextmanager, nullcontext
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -63,7 +62,7 @@ from gemma_server.boot import Boot
 from gemma_server.chat_template import chat_prompt, encode, render_chat, tokenize_completion
 from gemma_server.config import Config
 from gemma_server.connections import STALLED
-from gemma_server.errors import ApiError, as_api_error, bad_request, error_body, from_scheduler
+from gemma_server.errors import ApiError, as_api_error, bad_request, error_body, from_scheduler, invalid_request
 from gemma_server.metrics import Metrics
 from gemma_server.protocol import (
     ChatCompletionRequest,
@@ -474,35 +473,9 @@ class BodyLimit:
         await send_error(send, ApiError(413, f"The request body is larger than {self.max_bytes} bytes."))
 
 
-_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
-
-
-def _param_from_loc(loc: tuple) -> str | None:
-    """pydantic loc ("body", "messages", 0, "content") -> "messages[0].content"."""
-    parts = [p for p in loc if p != "body"]
-    out = ""
-    for p in parts:
-        if isinstance(p, int):
-            out += f"[{p}]"
-        elif "[" in str(p) or "-" in str(p) or p in _TYPE_TAGS:  # union branches: "list[int]", "str", ...
-            continue
-        else:
-            out += ("." if out else "") + str(p)
-    return out or None
-
-
 def _validation_error(exc: RequestValidationError) -> JSONResponse:
-    errs = exc.errors()
-    # A list past its cap fails every branch of a union (`stop`: a string, or a list of at most 16): the
-    # cap is the error that names what is wrong.
-    first = next((e for e in errs if e.get("type") == "too_long"), errs[0] if errs else {"loc": (), "msg": "invalid request"})
-    if first.get("type") == "json_invalid":
-        return JSONResponse(error_body(400, f"The body is not valid JSON: {first.get('msg')}"), status_code=400)
-    param = _param_from_loc(tuple(first.get("loc", ())))
-    message = f"{param or 'body'}: {first.get('msg')}"
-    if len(errs) > 1:
-        message += f" (and {len(errs) - 1} more problem{'s' if len(errs) > 2 else ''})"
-    return JSONResponse(error_body(400, message, param), status_code=400)
+    err = invalid_request(exc.errors())
+    return JSONResponse(err.body(), status_code=err.status)
 
 
 def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
@@ -521,7 +494,7 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
     async def lifespan(app: FastAPI):
         state.loop = asyncio.get_running_loop()
         state.boot_thread.start()
-        async with mcp_lifespan() if mcp_lifespan else contextlib.nullcontext():
+        async with mcp_lifespan() if mcp_lifespan else nullcontext():
             yield
         state.scheduler.stop()
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+from collections.abc import Sequence
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -109,6 +111,39 @@ _SCHEDULER_STATUS: dict[type, tuple[int, dict[str, str]]] = {
     scheduler.EngineRefused: (400, {}),
     scheduler.EngineFailed: (500, {}),
 }
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def param_from_loc(loc: tuple) -> str | None:
+    """pydantic loc ("body", "messages", 0, "content") -> "messages[0].content"."""
+    parts = [p for p in loc if p != "body"]
+    out = ""
+    for p in parts:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif "[" in str(p) or "-" in str(p) or p in _TYPE_TAGS:  # union branches: "list[int]", "str", ...
+            continue
+        else:
+            out += ("." if out else "") + str(p)
+    return out or None
+
+
+def invalid_request(errs: Sequence[dict[str, Any]]) -> ApiError:
+    """The 400 for a body the request models refuse (pydantic's `errors()`), naming the first field at fault,
+    as vLLM's `validation_exception_handler` does."""
+    # A list past its cap fails every branch of a union (`stop`: a string, or a list of at most 16): the
+    # cap is the error that names what is wrong.
+    fallback = errs[0] if errs else {"loc": (), "msg": "invalid request"}
+    first = next((e for e in errs if e.get("type") == "too_long"), fallback)
+    if first.get("type") == "json_invalid":
+        return ApiError(400, f"The body is not valid JSON: {first.get('msg')}")
+    param = param_from_loc(tuple(first.get("loc", ())))
+    message = f"{param or 'body'}: {first.get('msg')}"
+    if len(errs) > 1:
+        message += f" (and {len(errs) - 1} more problem{'s' if len(errs) > 2 else ''})"
+    return ApiError(400, message, param)
 
 
 def from_scheduler(exc: scheduler.SchedulerError) -> ApiError:

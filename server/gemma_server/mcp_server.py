@@ -33,7 +33,7 @@ from mcp.server.streamable_http_manager import StreamableHTTPASGIApp
 from mcp.server.transport_security import TransportSecuritySettings
 from pydantic import BaseModel, Field, ValidationError
 
-from gemma_server.errors import as_api_error
+from gemma_server.errors import as_api_error, invalid_request
 from gemma_server.protocol import ChatCompletionRequest
 from gemma_server.scheduler import Cause
 
@@ -108,7 +108,7 @@ def chat_request(model: str, prompt: str, system: str | None, max_tokens: int, t
     """The chat request a tool call means (pure).
 
     Raises:
-        ToolError: a field the request model refuses, named.
+        ToolError: the route's 400 for a field the request model refuses, naming it.
     """
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": max_tokens}
@@ -119,8 +119,7 @@ def chat_request(model: str, prompt: str, system: str | None, max_tokens: int, t
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as e:
-        first = e.errors()[0]
-        raise ToolError(f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from e
+        raise tool_error(invalid_request(e.errors())) from e
 
 
 def tool_error(exc: BaseException) -> ToolError:
@@ -190,8 +189,7 @@ def build(state: ServerState) -> MCPServer:
     @server.tool(description="Whether the endpoint serves now, and if not why; its queue and free slots.")
     async def endpoint_status() -> EndpointStatus:
         s = state.scheduler
-        workers = [w for w in s.workers if w.serving and not w.dead]
-        running = sum(len(w.active) for w in workers)
+        running = s.running()
         reason = state.not_ready_reason()
         return EndpointStatus(ready=reason is None, reason=reason, stage=state.boot.state.stage,
                               draining=state.draining, queued=s.queued(), running=running,

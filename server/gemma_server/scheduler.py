@@ -549,6 +549,11 @@ class Scheduler:
         with self._cond:
             return self._admitted
 
+    def running(self) -> int:
+        """Sequence slots occupied, over every engine (gemma_num_requests_running)."""
+        with self._cond:
+            return sum(len(w.active) for w in self.workers)
+
     def busy(self) -> bool:
         """True while a request runs or waits."""
         with self._cond:
@@ -680,7 +685,7 @@ class Scheduler:
             job.post("error", EngineDead(f"The engine failed: {reason}"))
 
     def _gauges(self) -> None:
-        running = sum(len(w.active) for w in self.workers)
+        running = self.running()
         self.observer.on_waiting(self._admitted)
         self.observer.on_running(running)
         capacity = self.capacity()

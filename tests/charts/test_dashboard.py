@@ -16,12 +16,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -30,10 +28,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.checkpoints import chat_checkpoint  # noqa: F401 - the session fixture, used below
 
 from .conftest import CHART, ROOT
+from .promql_check import parse_promql, promql_check, selects  # noqa: F401 - promql_check: the fixture
 
 DASHBOARD = CHART / "dashboards" / "gemma-rust-server.json"
-PROMQL_SRC = ROOT / "tests" / "charts" / "promql"
-CACHE = Path(os.environ.get("GEMMA_CACHE", Path.home() / ".cache" / "gemma-rust-operator"))
 # A served name with regex metacharacters, like real ones (org/name, dots), to exercise the escaping.
 MODEL = "org/gemma-4-E2B-it.q4"
 # Labels Prometheus adds at scrape time (GMP PodMonitoring and Prometheus Operator targets carry these).
@@ -58,33 +55,6 @@ GRAFANA_VARS = {"$__rate_interval": "1m", "$__interval": "30s", "$__range": "1h"
 
 
 # ------------------------------------------------------------------------------------------- PromQL parser
-
-
-def promql_version() -> str:
-    m = re.search(r"github\.com/prometheus/prometheus (v\S+)", (PROMQL_SRC / "go.mod").read_text())
-    return m.group(1)
-
-
-@pytest.fixture(scope="session")
-def promql_check() -> Path:
-    """The parser binary, built once per Prometheus version into the cache."""
-    binary = CACHE / f"promql-check-{promql_version()}" / "promql-check"
-    if not binary.is_file():
-        go = shutil.which("go") or "/usr/local/go/bin/go"
-        binary.parent.mkdir(parents=True, exist_ok=True)
-        tmp = binary.with_suffix(".tmp")
-        env = {**os.environ, "GOTOOLCHAIN": "local", "CGO_ENABLED": "0", "GOFLAGS": "-mod=readonly -buildvcs=false -p=2"}
-        p = subprocess.run([go, "build", "-trimpath", "-o", str(tmp), "."], cwd=PROMQL_SRC, env=env,
-                           capture_output=True, text=True, timeout=900)
-        assert p.returncode == 0, f"building tests/charts/promql failed:\n{p.stdout}\n{p.stderr}"
-        tmp.rename(binary)
-    return binary
-
-
-def parse_promql(binary: Path, exprs: list[str]) -> list[dict]:
-    p = subprocess.run([str(binary)], input=json.dumps(exprs), capture_output=True, text=True, timeout=60)
-    assert p.returncode == 0, p.stderr
-    return json.loads(p.stdout)
 
 
 def test_promql_checker_rejects_what_prometheus_rejects(promql_check):
@@ -236,17 +206,6 @@ def traffic_scrape(chat_checkpoint, tmp_path_factory):  # noqa: F811
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
-
-
-def selects(matchers: list[dict], labels: dict[str, str]) -> bool:
-    for m in matchers:
-        value = labels.get(m["name"], "")
-        ok = {"=": value == m["value"], "!=": value != m["value"],
-              "=~": re.fullmatch(m["value"], value) is not None,
-              "!~": re.fullmatch(m["value"], value) is None}[m["type"]]
-        if not ok:
-            return False
-    return True
 
 
 def test_every_dashboard_query_parses_and_reads_series_the_server_exports(promql_check, traffic_scrape):

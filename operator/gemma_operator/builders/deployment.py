@@ -28,6 +28,7 @@ from kubernetes.utils import parse_quantity
 from ..spec import GcsFuseSpec, GemmaRustServerSpec, chips, is_tpu
 from .build_cache import build_cache_volume
 from .ownership import Meta, child_object, labels, selector_labels
+from .service import service_host
 
 CONTAINER = "server"  # the server container's name, by which gemma_operator.pods finds its status
 
@@ -207,7 +208,7 @@ def mcp_hosts(meta: Meta) -> str:
     """The Host names the server's /mcp answers (its DNS-rebinding protection): loopback, and the Service's
     in-cluster names (Kubernetes' DNS for Services: <service>, <service>.<namespace>, ...svc, ...svc.cluster.local)."""
     svc = f"{meta.name}.{meta.namespace}"
-    return ",".join(["localhost", "127.0.0.1", meta.name, svc, f"{svc}.svc", f"{svc}.svc.cluster.local"])
+    return ",".join(["localhost", "127.0.0.1", meta.name, svc, f"{svc}.svc", service_host(meta)])
 
 
 def env(spec: GemmaRustServerSpec, meta: Meta, main: ModelMount, twin: ModelMount | None) -> list[dict[str, Any]]:

@@ -16,6 +16,11 @@ def build_service(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
     return svc
 
 
+def service_host(meta: Meta) -> str:
+    """The Service's in-cluster DNS name (Kubernetes' DNS for Services: <service>.<namespace>.svc.<domain>)."""
+    return f"{meta.name}.{meta.namespace}.svc.cluster.local"
+
+
 def endpoint(spec: GemmaRustServerSpec, meta: Meta) -> str:
     """The in-cluster OpenAI base URL (what an openai client takes as base_url)."""
-    return f"http://{meta.name}.{meta.namespace}.svc.cluster.local:{spec.server.port}/v1"
+    return f"http://{service_host(meta)}:{spec.server.port}/v1"

@@ -16,6 +16,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from ..builders.ownership import Meta
+from ..builders.service import service_host
+from ..events import event_time
 from ..kube import GRS_API_VERSION, UNREACHABLE, ApiError, Kube, collection_path
 from ..redact import redact
 from ..spec import API_GROUP, API_VERSION, KIND, PLURAL, GemmaRustServerSpec
@@ -258,15 +261,11 @@ def server_events(k: Kube, namespace: str, name: str, limit: int = 20) -> EventL
             return bool(owned.match(obj_name)) and obj_name.count("-") == name.count("-") + 1
         return kind == "Pod" and bool(owned.match(obj_name)) and obj_name.count("-") == name.count("-") + 2
 
-    def when(e: dict[str, Any]) -> str:
-        return (e.get("lastTimestamp") or e.get("eventTime") or e.get("firstTimestamp")
-                or e.get("metadata", {}).get("creationTimestamp") or "")
-
-    mine = sorted((e for e in items if about(e)), key=when, reverse=True)[:max(1, min(limit, MAX_EVENTS))]
+    mine = sorted((e for e in items if about(e)), key=event_time, reverse=True)[:max(1, min(limit, MAX_EVENTS))]
     return EventList(events=[EventItem(
         type=e.get("type", ""), reason=e.get("reason", ""), message=redact(e.get("message") or ""),
         object=f"{(e.get('involvedObject') or {}).get('kind', '')}/{(e.get('involvedObject') or {}).get('name', '')}",
-        count=_int(e.get("count"), 1), last_seen=when(e),
+        count=_int(e.get("count"), 1), last_seen=event_time(e),
         source=(e.get("source") or {}).get("component") or e.get("reportingComponent") or "") for e in mine])
 
 
@@ -275,7 +274,7 @@ def server_endpoint(k: Kube, namespace: str, name: str) -> Endpoint:
     read_server(k, namespace, name)  # a clear "GemmaRustServer not found" before "Service not found"
     svc = _call(k, f"Service {namespace}/{name} (the operator creates it with the server's Deployment)", "GET",
                 f"{collection_path('v1', 'Service', namespace)}/{name}")
-    host = f"{name}.{namespace}.svc.cluster.local"
+    host = service_host(Meta(name, namespace))
     ports = (svc.get("spec") or {}).get("ports") or []
     urls = [f"http://{host}:{p['port']}" for p in ports if "port" in p]
     http = next((p for p in ports if p.get("name") == "http"), ports[0] if ports else None)

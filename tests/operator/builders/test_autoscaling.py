@@ -7,7 +7,7 @@ import pytest
 
 from gemma_operator.builders.autoscaling import build_hpa, build_scaled_object
 
-from tests.charts.test_dashboard import parse_promql, promql_check, selects  # noqa: F401 - the fixture
+from tests.charts.promql_check import parse_promql, promql_check, selects  # noqa: F401 - the fixture
 
 from .specs import LABELS, META, SCALE_TARGET, scaling, tpu_spec
 
