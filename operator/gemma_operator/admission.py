@@ -28,7 +28,8 @@ tests fail when either copy is stale.
 
 spec.autoscaling and spec.gateway otherwise give no such power: the HPA, ScaledObject and InferencePool made
 for them act on this server's own pods in its namespace, and whoever may edit a GemmaRustServer may set
-its replicas anyway. Their one exception, a KEDA TriggerAuthentication named by the spec, is a power above.
+its replicas anyway. Their one exception, a KEDA TriggerAuthentication or ClusterTriggerAuthentication named
+by the spec, is a power above.
 
 The operator also refuses, on its own side, what falls outside the allowlists of its settings
 (`allowlist_problems`), so an administrator decides what any GemmaRustServer may carry: pod annotations;
@@ -66,6 +67,7 @@ class Power(NamedTuple):
     group: str = ""         # API group of the grant's resource
     fix: str = ""           # what to do without the right (default: leave the field unset)
     on_create: bool = True  # False: checked on UPDATE only (other powers cover it on CREATE)
+    namespaced: bool = True  # False: the grant's resource is cluster-scoped
 
 
 def _claim(field: str) -> str:
@@ -76,6 +78,14 @@ def _claim(field: str) -> str:
 def _bucket(field: str) -> str:
     return (f"has($s.model.{field}) && $s.model.{field}.startsWith('gs://') ? "
             f"$s.model.{field}.substring(5).split('/')[0] : ''")
+
+
+def _authentication(kind: str) -> str:
+    """The name authenticationRef gives when authenticationKind is `kind` (the CRD defaults the kind)."""
+    prometheus = "$s.autoscaling.prometheus"
+    return (f"has($s.autoscaling) && has({prometheus}) && has({prometheus}.authenticationRef) && "
+            f"(has({prometheus}.authenticationKind) ? {prometheus}.authenticationKind : 'TriggerAuthentication')"
+            f" == '{kind}' ? {prometheus}.authenticationRef : ''")
 
 
 _CREDENTIALS = "has($s.serviceAccountName) || has($s.model.tokenSecret)"
@@ -125,10 +135,13 @@ POWERS = [
     # sends the credentials a TriggerAuthentication resolves to spec.autoscaling.prometheus.serverAddress,
     # which the author of the GemmaRustServer chooses.
     Power("prometheusAuthentication", "spec.autoscaling.prometheus.authenticationRef",
-          "has($s.autoscaling) && has($s.autoscaling.prometheus) && has($s.autoscaling.prometheus.authenticationRef)"
-          " ? $s.autoscaling.prometheus.authenticationRef : ''", "''", ("triggerauthentications", "get"),
+          _authentication("TriggerAuthentication"), "''", ("triggerauthentications", "get"),
           "KEDA sends the credentials of this TriggerAuthentication to spec.autoscaling.prometheus.serverAddress",
           group="keda.sh"),
+    Power("prometheusClusterAuthentication", "spec.autoscaling.prometheus.authenticationRef",
+          _authentication("ClusterTriggerAuthentication"), "''", ("clustertriggerauthentications", "get"),
+          "KEDA sends the credentials of this ClusterTriggerAuthentication to "
+          "spec.autoscaling.prometheus.serverAddress", group="keda.sh", namespaced=False),
 ]
 
 _MAY_CREATE_PODS = "authorizer.group('').resource('pods').namespace(request.namespace).check('create').allowed()"
@@ -146,10 +159,12 @@ def _validation(p: Power) -> dict[str, Any]:
     pods = 'needs RBAC permission to create pods in namespace " + request.namespace'
     if p.grant:
         resource, verb = p.grant
-        ok.append(f"authorizer.group('{p.group}').resource('{resource}').namespace(request.namespace).name({new})"
+        scope = ".namespace(request.namespace)" if p.namespaced else ""
+        ok.append(f"authorizer.group('{p.group}').resource('{resource}'){scope}.name({new})"
                   f".check('{verb}').allowed()")
+        where = "there" if p.namespaced else "(cluster-wide)"
         message = (f'"{p.field} naming " + {new} + " {pods} + ", or to {verb} {resource}/" + {new} + '
-                   f'" there ({p.why})"')
+                   f'" {where} ({p.why})"')
     else:
         message = f'"{p.field} {pods} + " ({p.why}); without it, {p.fix or f"leave {p.field} unset"}"'
     return {"expression": " || ".join(ok), "messageExpression": message, "reason": "Forbidden",

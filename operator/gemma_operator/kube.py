@@ -34,6 +34,7 @@ RESOURCES = {
     ("v1", "Pod"): "pods",
     ("v1", "Event"): "events",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
+    ("v1", "ConfigMap"): "configmaps",
     (GRS_API_VERSION, KIND): PLURAL,
     **{(row.api_version, row.kind): row.plural for row in OPTIONAL_KINDS},
 }

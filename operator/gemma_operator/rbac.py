@@ -8,11 +8,12 @@ Why each verb:
 - gemmarustservers: kopf lists/watches them and patches metadata (finalizer, progress annotations);
   /status: the operator merge-patches the status; /finalizers update: owner references with
   blockOwnerDeletion need it where the OwnerReferencesPermissionEnforcement admission plugin is on.
-- children (Deployment, Service, PDB, PVC and the optional kinds of builders.optional.OPTIONAL_KINDS:
-  PodMonitoring, ServiceMonitor, ScaledObject, HorizontalPodAutoscaler, InferencePool): server-side apply is a PATCH
+- children (Deployment, Service, PDB, PVC, the endpoint picker's ConfigMap and the optional kinds of
+  builders.optional.OPTIONAL_KINDS: PodMonitoring, ServiceMonitor, ScaledObject, HorizontalPodAutoscaler,
+  InferencePool, HealthCheckPolicy, GCPBackendPolicy): server-side apply is a PATCH
   that creates when absent (patch + create); Deployments and Services are also watched (list/watch)
-  so a deleted one is put back at once; PDB and optional objects are deleted when no longer asked for, and
-  the Deployment when its pods mount a build cache claim that is no longer the server's
+  so a deleted one is put back at once; PDB, ConfigMap and optional objects are deleted when no longer asked
+  for, and the Deployment when its pods mount a build cache claim that is no longer the server's
   (handlers._build_cache_claim).
   get on each: before its first apply, and before a delete, the operator reads the object of that name
   and leaves it alone unless this GemmaRustServer is its controller (handlers._foreign_child).
@@ -50,6 +51,9 @@ RULES = [
     {"apiGroups": ["autoscaling"], "resources": ["horizontalpodautoscalers"],
      "verbs": ["get", "create", "patch", "delete"]},
     {"apiGroups": ["inference.networking.k8s.io"], "resources": ["inferencepools"],
+     "verbs": ["get", "create", "patch", "delete"]},
+    {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "create", "patch", "delete"]},
+    {"apiGroups": ["networking.gke.io"], "resources": ["healthcheckpolicies", "gcpbackendpolicies"],
      "verbs": ["get", "create", "patch", "delete"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
     {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create"]},

@@ -242,8 +242,13 @@ class PrometheusSpec(_Model):
         "authenticationRef. Without it the operator creates an HPA instead of a ScaledObject.",
         pattern=r"^https?://[^\s]+$", max_length=1024)
     authentication_ref: str | None = Field(
-        None, description="Name of a KEDA TriggerAuthentication in the namespace (e.g. GCP Workload Identity "
-        "for monitoring.googleapis.com).", pattern=DNS_SUBDOMAIN_RE, max_length=253)
+        None, description="Name of a KEDA TriggerAuthentication in the namespace, or of a "
+        "ClusterTriggerAuthentication with authenticationKind (e.g. GCP Workload Identity for "
+        "monitoring.googleapis.com).", pattern=DNS_SUBDOMAIN_RE, max_length=253)
+    authentication_kind: Literal["TriggerAuthentication", "ClusterTriggerAuthentication"] = Field(
+        "TriggerAuthentication", description="What authenticationRef names: a TriggerAuthentication in the "
+        "namespace, or a cluster-wide ClusterTriggerAuthentication (KEDA's own Managed Prometheus example uses "
+        "one).")
     cluster: str | None = Field(
         None, description="The cluster's name as Managed Service for Prometheus labels its series (the "
         "`cluster` target label): KEDA's query then selects only this cluster's pods, since "
@@ -292,6 +297,13 @@ class GatewaySpec(_Model):
         "pods, for the Gateway API inference extension (when its CRD is installed).")
     endpoint_picker: EndpointPickerRef | None = Field(
         None, description="The endpoint picker the InferencePool names; required with inferencePool.")
+    provider: Literal["GKE", "None"] = Field(
+        "GKE", description="GKE: beside the InferencePool, a HealthCheckPolicy (/health) and a GCPBackendPolicy "
+        "(backendTimeoutSeconds) for GKE's Gateway controller (when their CRDs are installed). None: neither.")
+    backend_timeout_seconds: int = Field(
+        3600, description="The load balancer's backend timeout (GCPBackendPolicy timeoutSec): a response, "
+        "a streamed one included, that takes longer is cut. GKE's default without the policy is 30 s.",
+        ge=1, le=86400)
 
 
 CEL_RULES: dict[type[_Model], list[dict[str, str]]] = {

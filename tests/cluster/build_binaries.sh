@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Build, once, the local control plane's binaries from the Go module proxy into a cache outside the checkout:
-#   etcd, kube-apiserver, kube-scheduler, kube-controller-manager, kubectl, kwok, helm
+#   etcd, kube-apiserver, kube-scheduler, kube-controller-manager, kubectl, kwok, helm, and the Gateway API
+#   inference extension's endpoint picker as epp-$GIE_VERSION (its cmd/epp)
 # into $GEMMA_K8S_CACHE (default $HOME/.cache/gemma-rust-operator/k8s-v$K8S_VERSION/bin).
 #
-#   build_binaries.sh [PART...]    PART: etcd kwok kubernetes helm kwok-stages (default: all of them)
+#   build_binaries.sh [PART...]    PART: etcd kwok kubernetes helm kwok-stages epp (default: all of them)
 # The chart's static tests need only helm, which builds on its own in a fraction of the time.
 #
 # k8s.io/kubernetes is used as a Go module. Its go.mod points every k8s.io/* staging module at
@@ -21,6 +22,7 @@ STAGING_VERSION="v0.${K8S_VERSION#1.}"
 ETCD_VERSION="${ETCD_VERSION:-v3.7.0}"   # the version k8s.io/kubernetes v1.37.2 itself requires
 KWOK_VERSION="${KWOK_VERSION:-v0.8.0}"
 HELM_VERSION="${HELM_VERSION:-v3.22.0}"
+GIE_VERSION="${GIE_VERSION:-v1.5.0}"     # as tests/cluster/crds.py and fetch_crds.sh
 BIN="${GEMMA_K8S_CACHE:-$HOME/.cache/gemma-rust-operator/k8s-v$K8S_VERSION/bin}"
 export PATH="/usr/local/go/bin:$PATH"
 export GOFLAGS="${GOFLAGS:--p=2}"
@@ -97,10 +99,10 @@ copy_kwok_stages() {
 }
 
 PARTS=("$@")
-[[ ${#PARTS[@]} -gt 0 ]] || PARTS=(etcd kwok kubernetes helm kwok-stages)
+[[ ${#PARTS[@]} -gt 0 ]] || PARTS=(etcd kwok kubernetes helm kwok-stages epp)
 want() { local p; for p in "${PARTS[@]}"; do [[ "$p" == "$1" ]] && return 0; done; return 1; }
 for p in "${PARTS[@]}"; do
-  case "$p" in etcd|kwok|kubernetes|helm|kwok-stages) ;; *) echo "unknown part: $p" >&2; exit 2 ;; esac
+  case "$p" in etcd|kwok|kubernetes|helm|kwok-stages|epp) ;; *) echo "unknown part: $p" >&2; exit 2 ;; esac
 done
 
 start=$(date +%s)
@@ -112,5 +114,9 @@ if want helm; then
     "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
 fi
 if want kwok-stages; then copy_kwok_stages; fi
+if want epp; then
+  build_single "epp-$GIE_VERSION" sigs.k8s.io/gateway-api-inference-extension "$GIE_VERSION" \
+    sigs.k8s.io/gateway-api-inference-extension/cmd/epp
+fi
 echo "built into $BIN in $(( $(date +%s) - start ))s"
 ls -l "$BIN"

@@ -15,6 +15,8 @@ Fake kubelet behaviours (kwok stages), selected by pod annotations the tests put
                                                annotation fake.gemmarust.dev/termination-message
     fake.gemmarust.dev/boot: fake-kubelet   -> left as the scheduler bound it (no stage matches): a test's
                                                FakeKubelet (tests/operator/fakes.py) writes its status and Events
+    fake.gemmarust.dev/pod-ip: ADDRESS      -> Running and Ready with that pod IP (e.g. 127.0.0.1, where the
+                                               test runs a real server for a client that reads pod IPs)
 Every other pod becomes Running and Ready at once (kwok's own pod-ready stage).
 
 Faults: `stop_component` / `start_component` stop one component (kube-apiserver, etcd) and bring it back with
@@ -28,8 +30,10 @@ Command line (keeps running until Ctrl-C):
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -51,10 +55,13 @@ CACHE = Path(os.environ.get("GEMMA_CACHE", Path.home() / ".cache" / "gemma-rust-
 BIN_DIR = Path(os.environ.get("GEMMA_K8S_CACHE", CACHE / f"k8s-v{K8S_VERSION}" / "bin"))
 STAGES_DIR = BIN_DIR.parent / "kwok-stages"
 BUILD_SCRIPT = Path(__file__).with_name("build_binaries.sh")
-BINARIES = ["etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kwok", "helm"]
+GIE_VERSION = os.environ.get("GIE_VERSION", "v1.5.0")  # the endpoint picker's release (tests/cluster/crds.py)
+EPP = f"epp-{GIE_VERSION}"
+BINARIES = ["etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kwok", "helm", EPP]
 
 BOOT_ANNOTATION = "fake.gemmarust.dev/boot"
 TERMINATION_ANNOTATION = "fake.gemmarust.dev/termination-message"
+POD_IP_ANNOTATION = "fake.gemmarust.dev/pod-ip"  # a Ready pod at this address (_pod_ip_stage)
 FAKE_KUBELET = "fake-kubelet"  # BOOT_ANNOTATION value: no kwok stage, a FakeKubelet plays the kubelet
 SERVICE_CIDR = "10.96.0.0/16"
 
@@ -137,8 +144,26 @@ def kwok_stages() -> str:
     ready = next(doc for doc in docs if doc["metadata"]["name"] == "pod-ready")
     ready["spec"]["selector"]["matchExpressions"].append(
         {"key": f'.metadata.annotations["{BOOT_ANNOTATION}"]', "operator": "DoesNotExist"})
-    docs += [_fake_stage("hold-unready"), _fake_stage("crash")]
+    ready["spec"]["selector"]["matchExpressions"].append(
+        {"key": f'.metadata.annotations["{POD_IP_ANNOTATION}"]', "operator": "DoesNotExist"})
+    docs += [_fake_stage("hold-unready"), _fake_stage("crash"), _pod_ip_stage(ready)]
     return yaml.safe_dump_all(docs, sort_keys=False)
+
+
+def _pod_ip_stage(ready: dict[str, Any]) -> dict[str, Any]:
+    """kwok's pod-ready for pods annotated fake.gemmarust.dev/pod-ip=<address>: Ready at that address, so a
+    client that reads pod IPs (the endpoint picker) reaches a process the test runs there, e.g. on loopback."""
+    stage = copy.deepcopy(ready)
+    stage["metadata"]["name"] = "fake-gemmarust-pod-ip"
+    exprs = stage["spec"]["selector"]["matchExpressions"]
+    exprs[-1] = {"key": f'.metadata.annotations["{POD_IP_ANNOTATION}"]', "operator": "Exists"}
+    ip = f'{{{{ index .metadata.annotations "{POD_IP_ANNOTATION}" | Quote }}}}'
+    template, n = re.subn(r"\{\{ \$podIPs :=.*?\{\{ end \}\}\s*\{\{ end \}\}",
+                          f"podIP: {ip}\npodIPs:\n- ip: {ip}", stage["spec"]["next"]["statusTemplate"], flags=re.S)
+    if n != 1:
+        raise ControlPlaneError("kwok's pod-ready stage no longer sets podIP as this fake expects")
+    stage["spec"]["next"]["statusTemplate"] = template
+    return stage
 
 
 _FAKE_STATUS = """\

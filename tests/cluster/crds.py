@@ -1,8 +1,9 @@
 """Third-party CRDs for the operator's optional kinds, as their projects publish them: KEDA's ScaledObject
 (github.com/kedacore/keda/v2, config/crd/bases/keda.sh_scaledobjects.yaml) and the Gateway API inference
-extension's InferencePool (sigs.k8s.io/gateway-api-inference-extension, config/crd/bases/
-inference.networking.k8s.io_inferencepools.yaml), fetched from the Go module proxy by
+extension's InferencePool, with the InferenceObjective and InferenceModelRewrite CRDs its endpoint picker
+watches (sigs.k8s.io/gateway-api-inference-extension, config/crd/bases/), fetched from the Go module proxy by
 tests/cluster/fetch_crds.sh (`make test` runs it; `make k8s-crds` alone) into the cache, keyed by version.
+GKE's HealthCheckPolicy and GCPBackendPolicy CRDs are nowhere to fetch: hand-written stand-ins (FAKE_GKE_*).
 
 A test installs one into the session's control plane with `installed(cluster, CRD)` or makes sure it is
 absent with `absent(cluster, CRD)`, so the order in which tests run does not matter.
@@ -13,6 +14,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import NamedTuple
+
+from .controlplane import GIE_VERSION  # one pin for the CRDs and the picker binary
 
 CACHE = Path(os.environ.get("GEMMA_CACHE", Path.home() / ".cache" / "gemma-rust-operator")) / "crds"
 FETCH_SCRIPT = Path(__file__).with_name("fetch_crds.sh")
@@ -25,17 +28,37 @@ class ThirdPartyCRD(NamedTuple):
 
 
 KEDA_VERSION = os.environ.get("KEDA_VERSION", "v2.21.0")
-GIE_VERSION = os.environ.get("GIE_VERSION", "v1.2.0")
 SCALED_OBJECTS = ThirdPartyCRD("scaledobjects.keda.sh", CACHE / f"keda-{KEDA_VERSION}" / "keda.sh_scaledobjects.yaml",
                                "keda.sh/v1alpha1")
-INFERENCE_POOLS = ThirdPartyCRD(
-    "inferencepools.inference.networking.k8s.io",
-    CACHE / f"gateway-api-inference-extension-{GIE_VERSION}" / "inference.networking.k8s.io_inferencepools.yaml",
-    "inference.networking.k8s.io/v1")
+_GIE = CACHE / f"gateway-api-inference-extension-{GIE_VERSION}"
+INFERENCE_POOLS = ThirdPartyCRD("inferencepools.inference.networking.k8s.io",
+                                _GIE / "inference.networking.k8s.io_inferencepools.yaml", "inference.networking.k8s.io/v1")
+# What the endpoint picker watches besides pools and pods (pkg/epp/controller/*_reconciler.go).
+INFERENCE_OBJECTIVES = ThirdPartyCRD("inferenceobjectives.inference.networking.x-k8s.io",
+                                     _GIE / "inference.networking.x-k8s.io_inferenceobjectives.yaml",
+                                     "inference.networking.x-k8s.io/v1alpha2")
+INFERENCE_MODEL_REWRITES = ThirdPartyCRD("inferencemodelrewrites.inference.networking.x-k8s.io",
+                                         _GIE / "inference.networking.x-k8s.io_inferencemodelrewrites.yaml",
+                                         "inference.networking.x-k8s.io/v1alpha2")
+
+
+# FAKE stand-ins for GKE's HealthCheckPolicy and GCPBackendPolicy CRDs (tests/cluster/fake-crds/): GKE installs
+# the real ones with its Gateway controller, and no Go module publishes them.
+_FAKES = Path(__file__).with_name("fake-crds")
+FAKE_GKE_HEALTH_CHECK_POLICIES = ThirdPartyCRD("healthcheckpolicies.networking.gke.io",
+                                               _FAKES / "networking.gke.io_healthcheckpolicies.yaml",
+                                               "networking.gke.io/v1")
+FAKE_GKE_BACKEND_POLICIES = ThirdPartyCRD("gcpbackendpolicies.networking.gke.io",
+                                          _FAKES / "networking.gke.io_gcpbackendpolicies.yaml", "networking.gke.io/v1")
 
 
 def _served(cluster, crd: ThirdPartyCRD) -> bool:
-    return cluster.kubectl("get", "--raw", f"/apis/{crd.group_version}", check=False).returncode == 0
+    """Whether the API server lists `crd`'s resource (its group may stay served by another CRD)."""
+    import json
+
+    out = cluster.kubectl("get", "--raw", f"/apis/{crd.group_version}", check=False)
+    plural = crd.name.split(".", 1)[0]
+    return out.returncode == 0 and any(r["name"] == plural for r in json.loads(out.stdout)["resources"])
 
 
 def installed(cluster, crd: ThirdPartyCRD) -> None:
@@ -52,11 +75,11 @@ def installed(cluster, crd: ThirdPartyCRD) -> None:
 
 
 def absent(cluster, crd: ThirdPartyCRD) -> None:
-    """Delete `crd` (with its objects) if it is there, and wait until its API is no longer served."""
+    """Delete `crd` (with its objects) if it is there, and wait until its resource is no longer served."""
     cluster.kubectl("delete", "crd", crd.name, "--ignore-not-found", "--wait=true", "--timeout=60s")
     from tests.operator.harness import wait_for
 
-    wait_for(lambda: not _served(cluster, crd), timeout=30, what=f"{crd.group_version} to be no longer served")
+    wait_for(lambda: not _served(cluster, crd), timeout=30, what=f"{crd.name} to be no longer served")
 
 
 def crd_names(crd: ThirdPartyCRD) -> dict:

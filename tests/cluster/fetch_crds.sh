@@ -4,13 +4,15 @@
 #   $GEMMA_CACHE/crds/<module>-<version>/<file>   (default $HOME/.cache/gemma-rust-operator/crds/...)
 # Only the CRDs the tests install are kept, from each module's config/crd/bases/:
 #   github.com/kedacore/keda/v2                      keda.sh_scaledobjects.yaml
-#   sigs.k8s.io/gateway-api-inference-extension      inference.networking.k8s.io_inferencepools.yaml
+#   sigs.k8s.io/gateway-api-inference-extension      inference.networking.k8s.io_inferencepools.yaml, and the
+#                                                    InferenceObjective and InferenceModelRewrite CRDs its
+#                                                    endpoint picker watches (inference.networking.x-k8s.io)
 # Versions are pinned: the proxy answers @latest for neither reliably. tests/cluster/crds.py reads the same
 # paths. A file already in the cache is never fetched again.
 set -euo pipefail
 
 KEDA_VERSION="${KEDA_VERSION:-v2.21.0}"
-GIE_VERSION="${GIE_VERSION:-v1.2.0}"
+GIE_VERSION="${GIE_VERSION:-v1.5.0}"   # the endpoint picker build_binaries.sh builds
 OUT="${GEMMA_CACHE:-$HOME/.cache/gemma-rust-operator}/crds"
 export PATH="/usr/local/go/bin:$PATH"
 export GOFLAGS=-mod=mod
@@ -35,4 +37,5 @@ fetch() {  # module version cache-name file...
 
 fetch github.com/kedacore/keda/v2 "$KEDA_VERSION" keda keda.sh_scaledobjects.yaml
 fetch sigs.k8s.io/gateway-api-inference-extension "$GIE_VERSION" gateway-api-inference-extension \
-  inference.networking.k8s.io_inferencepools.yaml
+  inference.networking.k8s.io_inferencepools.yaml inference.networking.x-k8s.io_inferenceobjectives.yaml \
+  inference.networking.x-k8s.io_inferencemodelrewrites.yaml

@@ -59,6 +59,10 @@ OTHER_POWER = {
     "prometheusAuthentication": (
         {"autoscaling": KEDA}, {"autoscaling": {**KEDA, "prometheus": {**KEDA["prometheus"], "authenticationRef": "a"}}},
         build_scaled_object),
+    "prometheusClusterAuthentication": (
+        {"autoscaling": KEDA}, {"autoscaling": {**KEDA, "prometheus": {
+            **KEDA["prometheus"], "authenticationRef": "a", "authenticationKind": "ClusterTriggerAuthentication"}}},
+        build_scaled_object),
 }
 
 

@@ -48,6 +48,10 @@ POWERS = {
     "prometheusAuthentication": ({"autoscaling": {"maxReplicas": 2, "target": 1, "prometheus": {
         "serverAddress": "http://collector.example.com", "authenticationRef": "prod-auth"}}},
         "or to get triggerauthentications/prod-auth there"),
+    "prometheusClusterAuthentication": ({"autoscaling": {"maxReplicas": 2, "target": 1, "prometheus": {
+        "serverAddress": "http://collector.example.com", "authenticationRef": "prod-auth",
+        "authenticationKind": "ClusterTriggerAuthentication"}}},
+        "or to get clustertriggerauthentications/prod-auth (cluster-wide)"),
 }
 
 
@@ -105,6 +109,16 @@ def users(cluster, kube, ns, admission_policy):
         {"apiGroups": ["keda.sh"], "resources": ["triggerauthentications"], "resourceNames": ["prod-auth"],
          "verbs": ["get"]},
     ], ["carol"])
+    # Cluster-scoped: a ClusterRole, bound cluster-wide (a RoleBinding cannot grant cluster-scoped objects).
+    rbac = "/apis/rbac.authorization.k8s.io/v1"
+    ensure(kube, f"{rbac}/clusterroles", {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": "carol-cta"},
+        "rules": [{"apiGroups": ["keda.sh"], "resources": ["clustertriggerauthentications"],
+                   "resourceNames": ["prod-auth"], "verbs": ["get"]}]})
+    ensure(kube, f"{rbac}/clusterrolebindings", {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": {"name": "carol-cta"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "carol-cta"},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "carol"}]})
     alice = as_user(cluster, "alice")
 
     def in_force():
@@ -141,6 +155,9 @@ def test_rights_on_the_named_objects_admit_just_those_fields(users, ns):
     named = [POWERS[p][0] for p in ("serviceAccountName", "tokenSecret", "apiKeySecret", "pvc source",
                                     "pvc embeddingTwin", "prometheusAuthentication")]
     dry_run_create(users["carol"], ns, spec_with(*named))
+    dry_run_create(users["carol"], ns, spec_with(POWERS["prometheusClusterAuthentication"][0]))
+    # Rights on the namespaced TriggerAuthentication of that name do not admit the cluster-wide one.
+    assert refusal(users["alice"], ns, spec_with(POWERS["prometheusClusterAuthentication"][0])).status == 403
     other = refusal(users["carol"], ns, spec_with({"model": {"source": "hf://o/m", "tokenSecret": {"name": "other"}}}))
     assert "or to get secrets/other there" in other.message
     assert "spec.image" in refusal(users["carol"], ns, spec_with(*named, POWERS["image"][0])).message

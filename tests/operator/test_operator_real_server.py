@@ -8,10 +8,6 @@ with `spec.server.apiKeySecret` does: the operator holds no Secret and must not 
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 import urllib.error
 import urllib.request
 
@@ -20,7 +16,7 @@ import pytest
 from gemma_operator.poller import TEST_URL_ANNOTATION
 from tests.cluster.controlplane import BOOT_ANNOTATION
 
-from .harness import ROOT, create, get, wait_for
+from .harness import create, gemma_server, get, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -29,32 +25,8 @@ API_KEY = "test-key-the-operator-never-sees"
 
 @pytest.fixture(scope="module")
 def real_server(chat_checkpoint, tmp_path_factory):  # chat_checkpoint: tests/checkpoints.py (a plugin)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    d = tmp_path_factory.mktemp("gemma_server")
-    log = d / "server.log"
-    cmd = [sys.executable, "-m", "gemma_server", "--model", str(chat_checkpoint), "--host", "127.0.0.1",
-           "--port", str(port), "--context", "1024", "--dtype", "float32", "--use-installed-engine",
-           "--served-model-name", "gemma-tiny", "--termination-log", str(d / "termination.log")]
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1", "GEMMA_API_KEY": API_KEY})
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy():
-        if proc.poll() is not None:
-            raise AssertionError(f"gemma_server exited {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
-
-    wait_for(healthy, timeout=300, what="gemma_server /health 200", diagnose=lambda: log.read_text()[-3000:])
-    yield url
-    proc.terminate()
-    proc.wait(timeout=60)
+    with gemma_server(chat_checkpoint, tmp_path_factory.mktemp("gemma_server"), api_key=API_KEY) as url:
+        yield url
 
 
 def test_real_server_boot_stages_reach_the_status(kube, ns, operator, real_server):

@@ -10,11 +10,13 @@ from __future__ import annotations
 import pytest
 
 from gemma_operator.builders.autoscaling import build_hpa, build_scaled_object
+from gemma_operator.builders.gke_gateway import build_backend_policy, build_health_check_policy
 from gemma_operator.builders.inference_pool import build_inference_pool
 from gemma_operator.builders.optional import OPTIONAL_KINDS
 from gemma_operator.builders.ownership import Meta
 from gemma_operator.spec import parse_spec
-from tests.cluster.crds import INFERENCE_POOLS, SCALED_OBJECTS, absent, crd_names, installed
+from tests.cluster.crds import (FAKE_GKE_BACKEND_POLICIES, FAKE_GKE_HEALTH_CHECK_POLICIES, INFERENCE_POOLS,
+                                SCALED_OBJECTS, absent, crd_names, installed)
 
 from .harness import GRS_PATH, PROMETHEUS, condition, create, dump, get, wait_for
 
@@ -22,6 +24,8 @@ pytestmark = pytest.mark.cluster
 
 BASE = {"model": {"source": "hf://google/gemma-4-e2b-it"}, "accelerator": {"type": "cpu"}}
 PICKER = {"name": "gemma-epp"}
+POOL_ONLY = {"inferencePool": True, "endpointPicker": PICKER, "provider": "None"}  # no GKE policies
+GKE_POLICIES = (("networking.gke.io/v1", "HealthCheckPolicy"), ("networking.gke.io/v1", "GCPBackendPolicy"))
 
 
 
@@ -54,7 +58,7 @@ def gone(kube, api_version, kind, ns, name):
 
 
 def test_the_table_agrees_with_the_upstream_crds():
-    for crd in (SCALED_OBJECTS, INFERENCE_POOLS):
+    for crd in (SCALED_OBJECTS, INFERENCE_POOLS, FAKE_GKE_HEALTH_CHECK_POLICIES, FAKE_GKE_BACKEND_POLICIES):
         row = next(r for r in OPTIONAL_KINDS if r.crd == crd.name)
         names = crd_names(crd)
         assert (names["kind"], names["plural"], row.api_version) == (row.kind, row.plural, crd.group_version)
@@ -160,11 +164,13 @@ def test_keda_asked_for_without_its_crd_is_a_condition_naming_it_and_the_pod_sti
 
 def test_inference_pool_is_accepted_by_its_crd_follows_the_port_and_goes_with_the_server(cluster, kube, ns, operator):
     installed(cluster, INFERENCE_POOLS)
-    spec = {**BASE, "gateway": {"inferencePool": True, "endpointPicker": PICKER}}
+    spec = {**BASE, "gateway": POOL_ONLY}
     create(kube, ns, "pool", spec)
     pool = wait_for(lambda: get_child(kube, "inference.networking.k8s.io/v1", "InferencePool", ns, "pool"),
                     what="the InferencePool", diagnose=operator.tail)
-    assert pool["spec"] == build_inference_pool(parse_spec(spec), Meta("pool", ns))["spec"]
+    # The v1.5.0 CRD defaults appProtocol to http (which the server speaks); the operator leaves it out, so
+    # the pool also applies under the v1.2.0 CRD, which has no such field.
+    assert pool["spec"] == {**build_inference_pool(parse_spec(spec), Meta("pool", ns))["spec"], "appProtocol": "http"}
     wait_cond(kube, ns, "pool", "Gateway", "True", operator, reason="Configured")
     patch_spec(kube, ns, "pool", {"server": {"port": 9000}})
     wait_for(lambda: get_child(kube, "inference.networking.k8s.io/v1", "InferencePool", ns, "pool")
@@ -172,6 +178,8 @@ def test_inference_pool_is_accepted_by_its_crd_follows_the_port_and_goes_with_th
     patch_spec(kube, ns, "pool", {"gateway": {"inferencePool": False}})
     wait_for(gone(kube, "inference.networking.k8s.io/v1", "InferencePool", ns, "pool"),
              what="the pool to be deleted when switched off", diagnose=operator.tail)
+    wait_for(gone(kube, "v1", "ConfigMap", ns, "pool-epp"), what="the picker's config to go with the pool",
+             diagnose=operator.tail)
     patch_spec(kube, ns, "pool", {"gateway": {"inferencePool": True}})
     wait_for(lambda: get_child(kube, "inference.networking.k8s.io/v1", "InferencePool", ns, "pool"),
              what="the pool back", diagnose=operator.tail)
@@ -183,13 +191,48 @@ def test_inference_pool_is_accepted_by_its_crd_follows_the_port_and_goes_with_th
 def test_inference_pool_without_its_crd_is_a_gateway_condition_naming_it_and_the_pod_still_runs(
         cluster, kube, ns, operator):
     absent(cluster, INFERENCE_POOLS)
-    create(kube, ns, "nopool", {**BASE, "gateway": {"inferencePool": True, "endpointPicker": PICKER}})
+    create(kube, ns, "nopool", {**BASE, "gateway": POOL_ONLY})
     obj = wait_cond(kube, ns, "nopool", "Gateway", "False", operator, reason="CRDMissing")
     assert condition(obj, "Gateway")["message"] == (
         "InferencePool skipped: inference.networking.k8s.io/v1 is not served by this cluster: CRD "
         "inferencepools.inference.networking.k8s.io is not installed (install the Gateway API inference extension)")
     wait_for(lambda: get(kube, ns, "nopool").get("status", {}).get("phase") == "Ready", what="the pod to run anyway",
              diagnose=operator.tail)
+
+
+def test_gke_policies_are_accepted_beside_the_pool_follow_the_spec_and_go_when_switched_off(
+        cluster, kube, ns, operator):
+    for crd in (INFERENCE_POOLS, FAKE_GKE_HEALTH_CHECK_POLICIES, FAKE_GKE_BACKEND_POLICIES):
+        installed(cluster, crd)
+    spec = {**BASE, "server": {"port": 9000},
+            "gateway": {"inferencePool": True, "endpointPicker": PICKER, "backendTimeoutSeconds": 900}}
+    create(kube, ns, "gke", spec)
+    parsed, meta = parse_spec(spec), Meta("gke", ns)
+    for (api_version, kind), build in zip(GKE_POLICIES, (build_health_check_policy, build_backend_policy)):
+        obj = wait_for(lambda: get_child(kube, api_version, kind, ns, "gke"), what=kind, diagnose=operator.tail)
+        assert obj["spec"] == build(parsed, meta)["spec"]
+    wait_cond(kube, ns, "gke", "Gateway", "True", operator, reason="Configured")
+    patch_spec(kube, ns, "gke", {"gateway": {"backendTimeoutSeconds": 7200}})
+    wait_for(lambda: get_child(kube, *GKE_POLICIES[1], ns, "gke")["spec"]["default"]["timeoutSec"] == 7200,
+             what="the backend timeout to follow the spec", diagnose=operator.tail)
+    patch_spec(kube, ns, "gke", {"gateway": {"provider": "None"}})
+    for api_version, kind in GKE_POLICIES:
+        wait_for(gone(kube, api_version, kind, ns, "gke"), what=f"the {kind} to go with provider None",
+                 diagnose=operator.tail)
+    assert get_child(kube, "inference.networking.k8s.io/v1", "InferencePool", ns, "gke") is not None
+
+
+def test_gke_policies_without_their_crds_are_a_gateway_condition_naming_them_and_the_pool_is_made(
+        cluster, kube, ns, operator):
+    installed(cluster, INFERENCE_POOLS)
+    for crd in (FAKE_GKE_HEALTH_CHECK_POLICIES, FAKE_GKE_BACKEND_POLICIES):
+        absent(cluster, crd)
+    create(kube, ns, "nogke", {**BASE, "gateway": {"inferencePool": True, "endpointPicker": PICKER}})
+    obj = wait_cond(kube, ns, "nogke", "Gateway", "False", operator, reason="CRDMissing")
+    message = condition(obj, "Gateway")["message"]
+    for crd in ("healthcheckpolicies.networking.gke.io", "gcpbackendpolicies.networking.gke.io"):
+        assert f"CRD {crd} is not installed (install GKE's Gateway controller" in message, message
+    assert get_child(kube, "inference.networking.k8s.io/v1", "InferencePool", ns, "nogke") is not None
 
 
 @pytest.mark.parametrize("spec,message", [

@@ -9,6 +9,8 @@ reconcilers/: deployment/, service/, hpa/, keda/ ...):
     monitoring       PodMonitoring and ServiceMonitor (optional kinds)
     autoscaling      KEDA's ScaledObject and the HorizontalPodAutoscaler (optional kinds)
     inference_pool   the Gateway API inference extension's InferencePool (optional kind)
+    endpoint_picker  the endpoint picker's EndpointPickerConfig, in a ConfigMap beside the pool
+    gke_gateway      GKE's HealthCheckPolicy and GCPBackendPolicy on the pool (optional kinds)
     optional         the table of optional kinds that discovery, building, pruning and conditions read
     children         everything one GemmaRustServer owns, given what the cluster serves
     ownership        labels, the metadata the builders use, owner references (adopt) and foreign objects

@@ -55,6 +55,8 @@ def build_scaled_object(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any]
         "threshold": f"{scaling.target:g}"}}
     if scaling.prometheus.authentication_ref:
         trigger["authenticationRef"] = {"name": scaling.prometheus.authentication_ref}
+        if scaling.prometheus.authentication_kind != "TriggerAuthentication":
+            trigger["authenticationRef"]["kind"] = scaling.prometheus.authentication_kind
     obj = child_object("keda.sh/v1alpha1", "ScaledObject", meta.name, meta)
     obj["spec"] = {"scaleTargetRef": _scale_target(meta), "minReplicaCount": scaling.min_replicas,
                    "maxReplicaCount": scaling.max_replicas, "triggers": [trigger]}

@@ -9,6 +9,7 @@ from ..spec import GemmaRustServerSpec
 from .build_cache import build_build_cache_pvc
 from .deployment import build_deployment
 from .disruption_budget import build_pdb
+from .endpoint_picker import build_picker_configmap, picker_config_name
 from .optional import OPTIONAL_KINDS
 from .ownership import Meta
 from .service import build_service
@@ -46,6 +47,8 @@ def build_children(spec: GemmaRustServerSpec, meta: Meta, available: frozenset[s
     apply += [build_deployment(spec, meta), build_service(spec, meta)]
     pdb = build_pdb(spec, meta)
     apply.append(pdb) if pdb else absent.append(("policy/v1", "PodDisruptionBudget", meta.name))
+    picker = build_picker_configmap(spec, meta)
+    apply.append(picker) if picker else absent.append(("v1", "ConfigMap", picker_config_name(meta)))
     replaced: list[tuple[str, str, str]] = []
     built: set[str] = set()
     for row in OPTIONAL_KINDS:

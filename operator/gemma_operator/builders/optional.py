@@ -1,7 +1,7 @@
 """The optional kinds: one table that discovery, building, pruning and conditions read.
 
 A child kind is optional when the spec switches it on and a cluster may not serve it (a CRD that is not
-installed): monitoring, autoscaling and the gateway's InferencePool.
+installed): monitoring, autoscaling, the gateway's InferencePool and GKE's policies for it.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 from ..spec import GemmaRustServerSpec
 from .autoscaling import build_hpa, build_scaled_object
+from .gke_gateway import build_backend_policy, build_health_check_policy
 from .inference_pool import build_inference_pool
 from .monitoring import build_pod_monitoring, build_service_monitor
 from .ownership import Meta
@@ -24,6 +25,10 @@ def _keda_wanted(spec: GemmaRustServerSpec) -> bool:
     scaling = spec.autoscaling
     return scaling is not None and scaling.provider != "HPA" and (
         scaling.provider == "KEDA" or scaling.prometheus.server_address is not None)
+
+
+def _gke_policies_wanted(spec: GemmaRustServerSpec) -> bool:
+    return spec.gateway.inference_pool and spec.gateway.provider == "GKE"
 
 
 def _hpa_wanted(spec: GemmaRustServerSpec) -> bool:
@@ -72,5 +77,11 @@ OPTIONAL_KINDS = (
     OptionalKind("inference.networking.k8s.io/v1", "InferencePool", "inferencepools", build_inference_pool,
                  lambda spec: spec.gateway.inference_pool, "inferencepools.inference.networking.k8s.io",
                  "the Gateway API inference extension", GATEWAY),
+    OptionalKind("networking.gke.io/v1", "HealthCheckPolicy", "healthcheckpolicies", build_health_check_policy,
+                 _gke_policies_wanted, "healthcheckpolicies.networking.gke.io",
+                 "GKE's Gateway controller: gcloud container clusters update --gateway-api=standard", GATEWAY),
+    OptionalKind("networking.gke.io/v1", "GCPBackendPolicy", "gcpbackendpolicies", build_backend_policy,
+                 _gke_policies_wanted, "gcpbackendpolicies.networking.gke.io",
+                 "GKE's Gateway controller: gcloud container clusters update --gateway-api=standard", GATEWAY),
 )
 OPTIONAL_BY_KIND = {row.kind: row for row in OPTIONAL_KINDS}

@@ -43,6 +43,15 @@ def test_scaled_object_queries_prometheus_for_the_servers_pods():
     }
 
 
+def test_scaled_object_names_a_cluster_trigger_authentication_by_its_kind():
+    """KEDA's authenticationRef has a kind (TriggerAuthentication when unset); KEDA's own Managed Prometheus
+    example (keda-docs 2.21, scalers/prometheus.md) names a ClusterTriggerAuthentication."""
+    spec = scaling(prometheus={"serverAddress": "http://p:9090", "authenticationRef": "gmp",
+                               "authenticationKind": "ClusterTriggerAuthentication"})
+    (trigger,) = build_scaled_object(spec, META)["spec"]["triggers"]
+    assert trigger["authenticationRef"] == {"name": "gmp", "kind": "ClusterTriggerAuthentication"}
+
+
 @pytest.mark.parametrize("autoscaling,message", [
     ({"minReplicas": 5, "maxReplicas": 4, "target": 1}, "minReplicas must not exceed"),
     ({"maxReplicas": 4, "target": 1, "provider": "KEDA"}, "set spec.autoscaling.prometheus.serverAddress"),

@@ -12,7 +12,7 @@ def test_children_skip_monitoring_kinds_the_cluster_does_not_serve():
     spec = tpu_spec(monitoring={"serviceMonitor": True}, replicas=1)
     kids = build_children(spec, META, frozenset({"monitoring.coreos.com/v1"}))
     assert [o["kind"] for o in kids.apply] == ["Deployment", "Service", "ServiceMonitor"]
-    assert kids.absent == [("policy/v1", "PodDisruptionBudget", "gemma")]
+    assert kids.absent == [("policy/v1", "PodDisruptionBudget", "gemma"), ("v1", "ConfigMap", "gemma-epp")]
     assert kids.skipped == [("PodMonitoring", "monitoring.googleapis.com/v1 is not served by this cluster: CRD "
                                               "podmonitorings.monitoring.googleapis.com is not installed (install "
                                               "GKE managed Prometheus)")]
@@ -23,7 +23,8 @@ def test_children_mark_switched_off_monitoring_for_deletion():
     spec = tpu_spec(monitoring={"podMonitoring": False}, replicas=2)
     kids = build_children(spec, META, frozenset({"monitoring.googleapis.com/v1", "monitoring.coreos.com/v1"}))
     assert [o["kind"] for o in kids.apply] == ["Deployment", "Service", "PodDisruptionBudget"]
-    assert kids.absent == [("monitoring.googleapis.com/v1", "PodMonitoring", "gemma"),
+    assert kids.absent == [("v1", "ConfigMap", "gemma-epp"),
+                           ("monitoring.googleapis.com/v1", "PodMonitoring", "gemma"),
                            ("monitoring.coreos.com/v1", "ServiceMonitor", "gemma")]
     assert kids.skipped == []
 
@@ -68,7 +69,9 @@ def test_provider_keda_without_its_crd_is_skipped_naming_the_crd():
 def test_removing_autoscaling_and_the_pool_prunes_their_objects():
     kids = build_children(tpu_spec(monitoring={"podMonitoring": False}), META, EVERYTHING)
     assert {("keda.sh/v1alpha1", "ScaledObject", "gemma"), ("autoscaling/v2", "HorizontalPodAutoscaler", "gemma"),
-            ("inference.networking.k8s.io/v1", "InferencePool", "gemma")} <= set(kids.absent)
+            ("inference.networking.k8s.io/v1", "InferencePool", "gemma"), ("v1", "ConfigMap", "gemma-epp"),
+            ("networking.gke.io/v1", "HealthCheckPolicy", "gemma"),
+            ("networking.gke.io/v1", "GCPBackendPolicy", "gemma")} <= set(kids.absent)
     assert kids.optional == {}
 
 
@@ -78,3 +81,30 @@ def test_inference_pool_without_its_crd_is_skipped_naming_the_crd():
     assert ("InferencePool", "inference.networking.k8s.io/v1 is not served by this cluster: CRD "
             "inferencepools.inference.networking.k8s.io is not installed (install the Gateway API inference "
             "extension)") in kids.skipped
+
+
+def test_the_pool_comes_with_the_pickers_config_and_gkes_policies_on_gke():
+    spec = tpu_spec(gateway={"inferencePool": True, "endpointPicker": {"name": "epp"}})
+    kids = build_children(spec, META, EVERYTHING)
+    assert [(o["kind"], o["metadata"]["name"]) for o in kids.apply if o["kind"] not in ("Deployment", "Service")] == [
+        ("ConfigMap", "gemma-epp"), ("PodMonitoring", "gemma"), ("InferencePool", "gemma"),
+        ("HealthCheckPolicy", "gemma"), ("GCPBackendPolicy", "gemma")]
+    assert kids.optional["Gateway"] == ["InferencePool", "HealthCheckPolicy", "GCPBackendPolicy"]
+
+
+def test_gkes_policies_without_their_crds_are_skipped_naming_them_and_the_pool_still_made():
+    spec = tpu_spec(gateway={"inferencePool": True, "endpointPicker": {"name": "epp"}})
+    kids = build_children(spec, META, frozenset({"inference.networking.k8s.io/v1"}))
+    assert "InferencePool" in kinds(kids)
+    assert [kind for kind, _ in kids.skipped] == ["PodMonitoring", "HealthCheckPolicy", "GCPBackendPolicy"]
+    assert dict(kids.skipped)["GCPBackendPolicy"] == (
+        "networking.gke.io/v1 is not served by this cluster: CRD gcpbackendpolicies.networking.gke.io is not "
+        "installed (install GKE's Gateway controller: gcloud container clusters update --gateway-api=standard)")
+
+
+def test_provider_none_makes_no_gke_policy_and_prunes_them():
+    spec = tpu_spec(gateway={"inferencePool": True, "endpointPicker": {"name": "epp"}, "provider": "None"})
+    kids = build_children(spec, META, EVERYTHING)
+    assert "HealthCheckPolicy" not in kinds(kids) and "GCPBackendPolicy" not in kinds(kids)
+    assert {("networking.gke.io/v1", "HealthCheckPolicy", "gemma"),
+            ("networking.gke.io/v1", "GCPBackendPolicy", "gemma")} <= set(kids.absent)
