@@ -26,10 +26,13 @@ remains around them (it grows as the model shrinks). The last lines print the fl
 matrix-vector products alone on each kernel, and how close each side comes to them.
 `--format w4a16` writes the same config as a compressed-tensors W4A16 checkpoint (int4 linears, as
 tests/checkpoints.py `save_w4a16` does) and runs both sides in bfloat16: the engine keeps the int4
-weights packed for ATen's int4 kernels (`packed_int4=True`), and Transformers loads the checkpoint with the plain
+weights packed for ATen's int4 kernels (`packed_int4=True`), the same engine with them dequantized at load
+(`packed_int4=False`) runs beside it, and Transformers loads the checkpoint with the plain
 `from_pretrained(path, dtype=torch.bfloat16)` (compressed-tensors decompresses it to dense bfloat16).
 The engine's weight bytes on the device, the bytes a decode step reads per token (every weight but the
-per-layer embedding table, of which a step reads one row) and the effective GB/s are printed.
+per-layer embedding table, of which a step reads one row) are printed, and, with the read bound measured in
+the same run (a `sum` over 256 MB on the run's threads, interleaved with the timings), each side's effective
+GB/s and its share of that bound.
 
 Before the timings it prints the ATen calls the engine makes per decode step and per layer (counted by
 the shim, `gemma_engine.aten_calls`): the same on every machine.
@@ -202,6 +205,25 @@ def hf_runner(model, device: str, prompt: list[int], new: int, cache: str | None
     return run
 
 
+def read_bandwidth_runner(device: str, megabytes: int = 256):
+    """The memory read bound: bytes per second that a plain `sum` over `megabytes` of float32 reads, with
+    the run's torch threads (one on the CPU by default). A decode step reads its weights once, so
+    bytes-per-token x tokens-per-second cannot exceed this; the share of it a decode reaches is how close
+    it runs to the bound. Returns run() -> bytes per second of one pass."""
+    data = torch.ones(megabytes * 2**20 // 4, device=device, dtype=torch.float32)
+    data.sum()  # first touch
+
+    @torch.no_grad()
+    def run() -> float:
+        sync(device)
+        t0 = time.perf_counter()
+        data.sum()
+        sync(device)
+        return data.numel() * 4 / (time.perf_counter() - t0)
+
+    return run
+
+
 def matvec_floor_runner(model, device: str, steps: int = 20, rows: int = 1, onednn: bool = False):
     """The decode floor: one step's matrix-vector products alone (every Linear, lm_head included), for
     `rows` sequences decoding together (bench/concurrency.py compares 1 and 8).
@@ -294,6 +316,12 @@ def main(argv: list[str] | None = None) -> None:
         onednn = engine.weights()["linear"] == "onednn"
         aten_run = rust_runner(Path(tmp), args.device, dtype, prompt, new, args.read_every, packed, False)[1] \
             if onednn else None
+        # Where int4 weights stay packed, the same checkpoint dequantized at load runs beside them.
+        dequantized_run, dequantized_bytes = None, 0
+        if engine.weights()["int4"] == "packed":
+            _, dequantized_run, dequantized = rust_runner(Path(tmp), args.device, dtype, prompt, new, args.read_every,
+                                                          False)
+            dequantized_bytes = dequantized.weights()["bytes"] - ple_table_bytes(config, dtype)
     per_step, per_layer = aten_calls_per_step(engine, prompt)
     print(f"ATen calls per decode step: {per_step:.0f} ({sum(per_layer)} in the {len(per_layer)} layers: "
           f"{describe_layer_calls(config, per_layer)})", flush=True)
@@ -307,9 +335,10 @@ def main(argv: list[str] | None = None) -> None:
           f"dense linears: {weights['linear']}); "
           f"a decode step reads {read_bytes / 1e6:.1f} MB a token", flush=True)
     model = model.to(getattr(torch, dtype))
-    runners = {"rust": rust_run, **({"rust-aten": aten_run} if aten_run else {})}
+    runners = {"rust": rust_run, **({"rust-aten": aten_run} if aten_run else {}),
+               **({"rust-dequantized": dequantized_run} if dequantized_run else {})}
     runners.update({f"hf-{c or 'dynamic'}": hf_runner(model, args.device, prompt, new, c, args.hf_compile) for c in (None, "static")})
-    floor_runs = {"aten": matvec_floor_runner(model, args.device)}
+    floor_runs = {"aten": matvec_floor_runner(model, args.device), "read": read_bandwidth_runner(args.device)}
     if onednn:
         floor_runs["onednn"] = matvec_floor_runner(model, args.device, onednn=True)
     # Interleave the sides, so that a change in machine load hits them alike.
@@ -331,6 +360,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     rust = dict(results.pop("rust"), load_s=load_s)
     rust_aten = results.pop("rust-aten", None)
+    rust_dequantized = results.pop("rust-dequantized", None)
     hf = {k.removeprefix("hf-"): v for k, v in results.items()}
     best = max(hf, key=lambda k: hf[k]["decode"])
 
@@ -338,6 +368,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'rust (gemma_engine)':28}{rust['read']:>20.1f}{rust['decode']:>16.1f}   (load {rust['load_s']:.1f} s)")
     if rust_aten:
         print(f"{'rust, ATen matmul':28}{rust_aten['read']:>20.1f}{rust_aten['decode']:>16.1f}")
+    if rust_dequantized:
+        print(f"{'rust, int4 dequantized':28}{rust_dequantized['read']:>20.1f}{rust_dequantized['decode']:>16.1f}")
     for k, r in hf.items():
         print(f"{'transformers, ' + k + ' cache':28}{r['read']:>20.1f}{r['decode']:>16.1f}")
     base = hf[best]
@@ -347,9 +379,23 @@ def main(argv: list[str] | None = None) -> None:
     if rust_aten:
         print(f"oneDNN/ATen matmul, same engine: decode {rust['decode'] / rust_aten['decode']:.2f}x, "
               f"prompt read {rust['read'] / rust_aten['read']:.2f}x")
+    if rust_dequantized:
+        print(f"packed/dequantized int4, same engine: decode {rust['decode'] / rust_dequantized['decode']:.2f}x, "
+              f"prompt read {rust['read'] / rust_dequantized['read']:.2f}x")
     print(f"first {agree} of {new} greedy tokens agree")
-    print(f"rust decode reads weights at {read_bytes * rust['decode'] / 1e9:.2f} GB/s effective")
     floor = {k: statistics.median(v) for k, v in floors.items()}
+    bound = floor.pop("read")
+    print(f"memory read bound ({torch.get_num_threads()} thread(s), a sum over 256 MB, median): {bound / 1e9:.1f} GB/s")
+    # Transformers reads its own (dense) weights: every parameter but the per-layer table, a tied lm_head once.
+    hf_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - ple_table_bytes(config, dtype)
+    sides = (("rust", rust, read_bytes), ("rust, ATen matmul", rust_aten, read_bytes),
+             ("rust, int4 dequantized", rust_dequantized, dequantized_bytes),
+             (f"transformers, {best} cache", base, hf_bytes))
+    for name, r, nbytes in sides:
+        if r:
+            gbs = nbytes * r["decode"] / 1e9
+            print(f"{name} decode: {nbytes / 1e6:.1f} MB a token at {gbs:.2f} GB/s effective, "
+                  f"{gbs * 1e9 / bound:.0%} of the read bound")
     print(f"matrix-vector products alone, ATen's kernels: {floor['aten']:.1f} steps/s; transformers decode is "
           f"{base['decode'] / floor['aten']:.0%} of that floor" + (
               f", the engine on them {rust_aten['decode'] / floor['aten']:.0%}" if rust_aten else

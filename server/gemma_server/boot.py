@@ -269,7 +269,7 @@ class Boot:
             engine = self.gemma_engine.Engine(
                 str(model_dir), str(emb_dir) if emb_dir else None, torch.zeros(1, device=worker.device),
                 context=c.context, dtype=c.dtype, prefill_chunk=c.prefill_chunk, max_batch=c.max_num_seqs,
-                packed_int4=c.packed_int4 or None, cuda_graphs=c.cuda_graphs,
+                packed_int4=None if c.packed_int4 else False, cuda_graphs=c.cuda_graphs,
                 onednn={"auto": None, "on": True, "off": False}[c.onednn], grammars=grammars,
                 prefix_caching=c.enable_prefix_caching,
             )

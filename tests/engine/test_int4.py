@@ -83,10 +83,19 @@ def test_packed_int4_first_token_stays_close_to_the_dequantized_path(checkpoint_
     assert kl <= 0.25, f"KL(dequantized || packed) = {kl:.3f}"
 
 
-def test_int4_weights_are_dequantized_unless_packing_is_asked_for(checkpoint_dirs):
-    assert _engine(checkpoint_dirs, "w4a16").weights()["int4"] == "dequantized"
+def test_int4_weights_stay_packed_by_default_in_bfloat16_and_are_dequantized_in_float32_or_when_asked(
+        checkpoint_dirs):
+    assert _engine(checkpoint_dirs, "w4a16").weights()["int4"] == "packed"  # bfloat16 on the CPU
+    assert _engine(checkpoint_dirs, "w4a16", packed_int4=False).weights()["int4"] == "dequantized"
     assert _engine(checkpoint_dirs, "w4a16", dtype="float32").weights()["int4"] == "dequantized"
     assert _engine(checkpoint_dirs, "dense").weights()["int4"] == "none"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_default_in_bfloat16_is_the_packed_path_token_for_token(checkpoint_dirs, kind):
+    default = _engine(checkpoint_dirs, kind).decode(ck.PARITY_PROMPT, 32, read_every=1)[0]
+    packed = _engine(checkpoint_dirs, kind, packed_int4=True).decode(ck.PARITY_PROMPT, 32, read_every=1)[0]
+    assert default == packed
 
 
 def test_packed_linears_take_at_most_35_percent_of_their_dense_bfloat16_bytes(checkpoint_dirs):

@@ -79,7 +79,10 @@ def test_bfloat16_first_token_top5_matches_transformers(checkpoint_dirs, referen
     hf = reference_model(kind, torch.bfloat16)
     with torch.no_grad():
         hf_logits = hf(torch.tensor([ck.PARITY_PROMPT])).logits[0, -1].float()
-    engine = _engine(checkpoint_dirs, kind, context=CONTEXT, dtype="bfloat16")
+    # Transformers dequantizes int4 weights to bfloat16 (q * scale rounded); so does the engine with
+    # packed_int4=False. Its default in bfloat16, the packed kernels, does not round them: that path is held
+    # to Transformers where the rounding is exact (tests/engine/test_int4.py).
+    engine = _engine(checkpoint_dirs, kind, context=CONTEXT, dtype="bfloat16", packed_int4=False)
     rust = engine.logits(ck.PARITY_PROMPT)
     assert set(rust.topk(5).indices.tolist()) == set(hf_logits.topk(5).indices.tolist())
 

@@ -194,13 +194,13 @@ def test_cache_config_info_counts_the_kv_in_prefill_chunks_as_vllm_counts_it_in_
         "block_size": "100", "num_gpu_blocks": "2", "enable_prefix_caching": "False", "sliding_window": "None"}
 
 
-def test_packed_int4_is_off_and_cuda_graphs_on_by_default_and_each_can_be_switched():
+def test_packed_int4_and_cuda_graphs_are_on_by_default_and_each_can_be_switched_off():
     c = parse_config(["--model", "m"], {})
-    assert (c.packed_int4, c.cuda_graphs) == (False, True)
-    c = parse_config(["--model", "m", "--packed-int4", "--cuda-graphs", "0"], {})
-    assert (c.packed_int4, c.cuda_graphs) == (True, False)
-    c = parse_config(["--model", "m"], {"GEMMA_PACKED_INT4": "1", "GEMMA_CUDA_GRAPHS": "off"})
-    assert (c.packed_int4, c.cuda_graphs) == (True, False)
+    assert (c.packed_int4, c.cuda_graphs) == (True, True)
+    c = parse_config(["--model", "m", "--no-packed-int4", "--cuda-graphs", "0"], {})
+    assert (c.packed_int4, c.cuda_graphs) == (False, False)
+    c = parse_config(["--model", "m"], {"GEMMA_PACKED_INT4": "0", "GEMMA_CUDA_GRAPHS": "off"})
+    assert (c.packed_int4, c.cuda_graphs) == (False, False)
 
 
 def test_prefix_caching_is_on_by_default_and_vllms_negated_flag_or_the_variable_turns_it_off():

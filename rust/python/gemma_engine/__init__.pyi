@@ -267,10 +267,11 @@ class Engine:
                 several short prompts together, padding included).
             max_batch: sequence slots; each reserves a whole context of KV cache
                 (layout()["kv_bytes_per_slot"]).
-            packed_int4: True keeps a W4A16 checkpoint's int4 linears packed on the device and
-                multiplies them with ATen's int4 kernels (`_weight_int4pack_mm` on CUDA, the
+            packed_int4: keep a W4A16 checkpoint's int4 linears packed on the device and
+                multiply them with ATen's int4 kernels (`_weight_int4pack_mm` on CUDA, the
                 `_for_cpu` variant on the CPU), which take bfloat16 activations: about a third
-                of the bytes of the bfloat16 weights. None or False (default) dequantizes them
+                of the bytes of the bfloat16 weights. None (default) does so on the CPU and on
+                CUDA in bfloat16 and dequantizes elsewhere; True requires it; False dequantizes
                 at load in the compute dtype, as Transformers does: the kernels round
                 differently, enough to change greedy tokens of a small random model. A linear
                 whose shape the kernels cannot tile stays dequantized (weights()["int4"]

@@ -294,9 +294,10 @@ pub enum Int4Path {
 /// one, Some(false) refuses it, None lets the loader choose where it can run.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Kernels {
-    /// Keep int4 weights packed (`Int4Path::Packed`): Some(true) requires it; None and Some(false)
-    /// dequantize at load. Not the default: ATen's int4 kernels round differently from the
-    /// dequantized product Transformers computes, enough to change tokens of a small random model.
+    /// Keep int4 weights packed (`Int4Path::Packed`): Some(true) requires it; None keeps them packed
+    /// where ATen has int4 kernels (CPU, CUDA) and the compute dtype is bfloat16, which they take, and
+    /// dequantizes elsewhere; Some(false) dequantizes at load, as Transformers does (the kernels round
+    /// differently from the dequantized product, enough to change tokens of a small random model).
     pub packed_int4: Option<bool>,
     /// Multiply dense weights with oneDNN (linear.rs): Some(true) requires it (CPU, float32, a
     /// torch with oneDNN); None uses it where it can; Some(false) uses ATen's matmul.
@@ -326,7 +327,9 @@ impl Kernels {
     pub fn int4_path(&self, dtype: DType, device: &str) -> Result<Int4Path> {
         let kernels = device.starts_with("cpu") || device.starts_with("cuda");
         match self.packed_int4 {
-            None | Some(false) => Ok(Int4Path::Dequantized),
+            Some(false) => Ok(Int4Path::Dequantized),
+            None if dtype == DType::BF16 && kernels => Ok(Int4Path::Packed),
+            None => Ok(Int4Path::Dequantized),
             Some(true) if dtype != DType::BF16 => Err(Error::Input(format!(
                 "packed int4 weights compute in bfloat16 (ATen's int4 kernels take bfloat16 activations); dtype is {}",
                 dtype.name()
@@ -503,7 +506,21 @@ pub fn emb_quant(dir: &Path, fallback: Option<QuantSpec>) -> Result<Option<Quant
 
 #[cfg(test)]
 mod tests {
-    use super::unpack;
+    use super::{unpack, Int4Path, Kernels};
+    use crate::tensor::DType;
+
+    #[test]
+    fn int4_stays_packed_by_default_where_the_kernels_run_in_bfloat16() {
+        let auto = Kernels::default();
+        assert_eq!(auto.int4_path(DType::BF16, "cpu").unwrap(), Int4Path::Packed);
+        assert_eq!(auto.int4_path(DType::BF16, "cuda:0").unwrap(), Int4Path::Packed);
+        assert_eq!(auto.int4_path(DType::F32, "cpu").unwrap(), Int4Path::Dequantized);
+        assert_eq!(auto.int4_path(DType::BF16, "tpu:0").unwrap(), Int4Path::Dequantized);
+        let off = Kernels { packed_int4: Some(false), ..Kernels::default() };
+        assert_eq!(off.int4_path(DType::BF16, "cpu").unwrap(), Int4Path::Dequantized);
+        let on = Kernels { packed_int4: Some(true), ..Kernels::default() };
+        assert!(on.int4_path(DType::F32, "cpu").is_err() && on.int4_path(DType::BF16, "tpu:0").is_err());
+    }
 
     #[test]
     fn unpacks_int4_little_endian_nibbles() {
