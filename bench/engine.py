@@ -19,8 +19,8 @@ The Rust engine reads tokens back every `--read-every` steps (1 = streaming, as 
 `--config tiny` the test checkpoints' size (hidden 128), where per-op overhead dominates;
 `--config e2b` is bench/gemma4-e2b-text-config.json (Gemma 4 E2B's text config, as google/gemma-4-E2B's
 config.json gives it) with random weights (for a GPU).
-On the CPU in float32 the engine multiplies dense weights with oneDNN (packed once at load; ATen's
-matmul elsewhere, or with `onednn=False`); the same engine on ATen's matmul runs beside it, so one run
+On the CPU in float32, and in bfloat16 where oneDNN computes bfloat16 on the CPU, the engine multiplies dense
+weights with oneDNN (packed once at load; ATen's matmul elsewhere, or with `onednn=False`); the same engine on ATen's matmul runs beside it, so one run
 shows both what the kernels give and, on the same kernels as Transformers, the per-op overhead that
 remains around them (it grows as the model shrinks). The last lines print the floors, the step's
 matrix-vector products alone on each kernel, and how close each side comes to them.

@@ -360,6 +360,18 @@ at::Tensor call_boxed(const c10::OperatorHandle &op, std::vector<c10::IValue> ar
 
 int aten_has_onednn(void) { return at::hasMKLDNN() ? 1 : 0; }
 
+int aten_has_onednn_bf16(void) {
+  if (!at::hasMKLDNN()) return 0;
+  try {
+    static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_is_mkldnn_bf16_supported", "");
+    std::vector<c10::IValue> args;
+    op.callBoxed(&args);
+    return args.at(0).toBool() ? 1 : 0;
+  } catch (...) {
+    return 0;  // a torch without the op: treat as no bfloat16 oneDNN
+  }
+}
+
 gt *aten_pad_rows(gt *x, int64_t extra) { RET(at::constant_pad_nd(x->t, {0, 0, 0, extra})) }
 
 gt *aten_onednn_pack(gt *w) { RET(call_boxed(reorder_linear_weight(), {w->t, c10::IValue()})) }

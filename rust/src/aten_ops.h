@@ -96,9 +96,12 @@ X(gt *, aten_int4_mm, (gt *x, gt *packed, int64_t group, gt *scales_zeros))
 /* oneDNN's linear on the CPU over a weight packed once: ATen's `mkldnn::_reorder_linear_weight` and
    `mkldnn::_linear_pointwise` ops (registered in PyTorch's aten/src/ATen/native/mkldnn/Linear.cpp;
    the kernels torch._inductor emits for a frozen CPU model). has_onednn is 1 when this torch was
-   built with oneDNN. pack takes a float32 `[out, in]` weight; linear computes `x @ w.T` for x
-   `[rows, in]`. */
+   built with oneDNN; has_onednn_bf16 is 1 when its oneDNN also computes in bfloat16 on this CPU
+   (`mkldnn::_is_mkldnn_bf16_supported`, PyTorch's aten/src/ATen/native/mkldnn/Utils.h
+   mkldnn_bf16_device_check: AVX-512 with BF16 or the core subsets oneDNN converts with). pack takes a
+   float32 or bfloat16 `[out, in]` weight; linear computes `x @ w.T` for x `[rows, in]` of that dtype. */
 X(int, aten_has_onednn, (void))
+X(int, aten_has_onednn_bf16, (void))
 /* x `[rows, n]` followed by `extra` rows of zeros. */
 X(gt *, aten_pad_rows, (gt *x, int64_t extra))
 X(gt *, aten_onednn_pack, (gt *w))

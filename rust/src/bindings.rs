@@ -393,13 +393,15 @@ impl Engine {
         Ok(self.inner.device()?)
     }
 
-    /// {"int4": "packed" | "dequantized" | "mixed" | "none", "bytes": weight bytes on the device}.
+    /// {"int4": "packed" | "dequantized" | "mixed" | "none", "bytes": weight bytes on the device,
+    /// "linear": "onednn" | "aten", "linear_note": why not oneDNN, or None}.
     fn weights<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let w = self.inner.weights();
         let d = PyDict::new(py);
         d.set_item("int4", w.int4)?;
         d.set_item("bytes", w.bytes)?;
         d.set_item("linear", w.linear)?;
+        d.set_item("linear_note", w.linear_note)?;
         Ok(d)
     }
 

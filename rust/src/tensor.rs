@@ -298,12 +298,18 @@ impl Tensor {
         unsafe { ffi::aten_has_onednn() == 1 }
     }
 
+    /// Whether this torch's oneDNN computes in bfloat16 on this CPU (`mkldnn::_is_mkldnn_bf16_supported`).
+    pub fn has_onednn_bf16() -> bool {
+        // SAFETY: takes nothing; reads the CPU's features.
+        unsafe { ffi::aten_has_onednn_bf16() == 1 }
+    }
+
     /// `self` (`[rows, n]`) followed by `extra` rows of zeros.
     pub fn pad_rows(&self, extra: i64) -> Result<Tensor> {
         wrap("pad_rows", ffi!("pad_rows", ffi::aten_pad_rows(self.ptr(), extra)))
     }
 
-    /// A float32 `[out, in]` weight in oneDNN's packed layout, for `onednn_linear` (CPU).
+    /// A float32 or bfloat16 `[out, in]` weight in oneDNN's packed layout, for `onednn_linear` (CPU).
     pub fn onednn_pack(&self) -> Result<Tensor> {
         wrap("onednn_pack", ffi!("onednn_pack", ffi::aten_onednn_pack(self.ptr())))
     }

@@ -111,8 +111,9 @@ class Config:
                                 "graph and replay it, 1 or 0 (needs an engine built with CUDA headers)",
                                 flag_type=parse_switch)
     onednn: str = setting("auto", "GEMMA_ONEDNN", "multiply dense weights with oneDNN, packed once at load (auto: "
-                          "on the cpu in float32, where it is much faster than ATen's matmul for a decode step's "
-                          "few rows; on: require it; off: ATen's matmul)", choices=("auto", "on", "off"))
+                          "on the cpu in float32, and in bfloat16 where oneDNN computes bfloat16 on this cpu, "
+                          "where it is much faster than ATen's matmul for a decode step's few rows; /v1/engine's "
+                          "linear_note says why not; on: require it; off: ATen's matmul)", choices=("auto", "on", "off"))
     default_temperature: float = setting(1.0, "GEMMA_DEFAULT_TEMPERATURE", "temperature of a request that sets "
                                          "none (OpenAI's default is 1; 0 makes such requests greedy)", minimum=0)
     served_model_name: str | None = setting(None, "GEMMA_SERVED_MODEL_NAME", "the model id clients send "

@@ -463,7 +463,7 @@ class EngineWorker:
             "served": self.served,
             "kv_bytes_per_slot": self.layout.get("kv_bytes_per_slot"), "kv_bytes": self.layout.get("kv_bytes"),
             "weight_bytes": self.weights.get("bytes"), "int4_weights": self.weights.get("int4"),
-            "linear": self.weights.get("linear"),
+            "linear": self.weights.get("linear"), "linear_note": self.weights.get("linear_note"),
             "serving": self.serving, "dead": self.dead,
         }
 

@@ -144,20 +144,28 @@ def test_bad_engine_argument_is_value_error(dense_checkpoint, kwargs, message):
         gemma_engine.Engine(str(dense_checkpoint), **kwargs)
 
 
-def test_onednn_is_the_cpu_float32_default_and_refused_where_it_cannot_run(dense_checkpoint):
+def test_onednn_is_the_cpu_default_in_float32_and_bfloat16_and_refused_where_it_cannot_run(dense_checkpoint):
     def engine(**kwargs):
         return gemma_engine.Engine(str(dense_checkpoint), context=32, **kwargs)
 
     onednn, aten = engine(dtype="float32"), engine(dtype="float32", onednn=False)
     assert (onednn.weights()["linear"], aten.weights()["linear"]) == ("onednn", "aten")
-    assert engine(dtype="bfloat16").weights()["linear"] == "aten"
+    assert onednn.weights()["linear_note"] is None
+    assert aten.weights()["linear_note"] == "ATen's matmul, as asked (onednn=False)"
     # The tied lm_head keeps the embedding table and adds its packed copy.
     config = json.loads((dense_checkpoint / "config.json").read_text())
     assert config["tie_word_embeddings"] is not False
     table = config["vocab_size"] * config["hidden_size"] * 4
     assert onednn.weights()["bytes"] == aten.weights()["bytes"] + table
-    with pytest.raises(ValueError, match="oneDNN linears compute in float32; dtype is bfloat16"):
-        engine(dtype="bfloat16", onednn=True)
+    # bfloat16: oneDNN where this CPU's oneDNN computes it, else ATen's matmul with a line that says why.
+    bf16 = engine(dtype="bfloat16").weights()
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        assert (bf16["linear"], bf16["linear_note"]) == ("onednn", None)
+    else:
+        assert bf16["linear"] == "aten" and "no bfloat16 support in oneDNN" in bf16["linear_note"]
+    assert engine(dtype="float16").weights()["linear"] == "aten"
+    with pytest.raises(ValueError, match="oneDNN linears compute in float32 or bfloat16; dtype is float16"):
+        engine(dtype="float16", onednn=True)
 
 
 def test_callback_exception_propagates_from_decode(engine):

@@ -284,8 +284,10 @@ class Engine:
             onednn: multiply dense weights with oneDNN (packed once at load into its layout,
                 as torch._inductor does for a frozen CPU model) instead of ATen's matmul:
                 much faster for the few rows of a decode step. None (default) uses it on the
-                CPU in float32 when this torch has oneDNN; True requires it; False never. A
-                tied lm_head keeps the embedding table and adds its packed copy.
+                CPU in float32, and in bfloat16 where this torch's oneDNN computes bfloat16 on
+                this CPU (torch.ops.mkldnn._is_mkldnn_bf16_supported()), when this torch has
+                oneDNN; True requires it; False never. weights()["linear_note"] says why not.
+                A tied lm_head keeps the embedding table and adds its packed copy.
             grammars: the token environment of the checkpoint's tokenizer, needed by any Request with
                 a grammar (its vocab_size must be the model's).
             prefix_caching: keep each finished request's keys in its slot and let a later request
@@ -300,8 +302,8 @@ class Engine:
             ValueError: bad config key, missing or misshapen tensor (named, with
                 the expected shape), bad dtype, context, prefill_chunk or max_batch < 1,
                 packed_int4=True with a dtype other than bfloat16 or on a device without
-                the int4 kernels, onednn=True off the CPU, in another dtype or without
-                oneDNN, grammars of another vocab_size,
+                the int4 kernels, onednn=True off the CPU, in float16, without oneDNN or,
+                in bfloat16, without its bfloat16 support, grammars of another vocab_size,
                 or a KV cache of max_batch x kv_bytes_per_slot (snapshots included) that does not fit in the
                 device's free memory after the weights (CPU: MemAvailable and the cgroup
                 limit; CUDA: torch.cuda.mem_get_info; other devices are not checked).
@@ -319,12 +321,13 @@ class Engine:
     def dtype(self) -> str: ...
     @property
     def device(self) -> str: ...
-    def weights(self) -> dict[str, int | str]:
+    def weights(self) -> dict[str, int | str | None]:
         """{"int4": "packed" | "dequantized" | "mixed" | "none", "bytes": int,
-        "linear": "onednn" | "aten"}: how the int4 linears reached the device ("none": the
-        checkpoint has none), the bytes of every weight on the device (packed int4 linears at
-        their packed size, scales included; a tied lm_head's oneDNN copy too), and what
-        multiplies the dense weights (`onednn`)."""
+        "linear": "onednn" | "aten", "linear_note": str | None}: how the int4 linears reached the
+        device ("none": the checkpoint has none), the bytes of every weight on the device (packed
+        int4 linears at their packed size, scales included; a tied lm_head's oneDNN copy too),
+        what multiplies the dense weights (`onednn`), and, on "aten", why not oneDNN (e.g. a CPU
+        whose oneDNN has no bfloat16 support)."""
 
     @property
     def captured_steps(self) -> int:

@@ -171,11 +171,16 @@ pub struct WeightsInfo {
     pub bytes: i64,
     /// "onednn" or "aten": what multiplies the dense weights (`Settings::onednn`).
     pub linear: &'static str,
+    /// With "aten": why not oneDNN (another device or dtype, asked for, or, in bfloat16, a CPU whose
+    /// oneDNN has no bfloat16 support).
+    pub linear_note: Option<String>,
 }
 
 pub struct Engine {
     model: Model,
     loaded: Loaded,
+    /// Why dense weights are not on oneDNN, where they are not (`WeightsInfo::linear_note`).
+    linear_note: Option<String>,
     cache: KvCache,
     sampler: Sampler,
     like: Tensor,
@@ -221,6 +226,8 @@ impl Engine {
             Weights::open(model_dir, emb_dir, quant, like.shallow_clone()?, settings.dtype, settings.kernels())?;
         let model = Model::load(cfg, &weights, settings.context)?;
         let loaded = weights.loaded();
+        let linear_note =
+            if loaded.onednn { None } else { settings.kernels().onednn_note(settings.dtype, &like.device()?) };
         let b = settings.max_batch;
         let caching = settings.prefix_caching;
         fits(&CacheSize::of(&model.cfg, settings.context, b, settings.dtype, caching))?;
@@ -237,6 +244,7 @@ impl Engine {
             prefix,
             stepped: false,
             loaded,
+            linear_note,
             slots,
             drawn: Vec::new(),
             stats: StepStats::default(),
@@ -294,7 +302,8 @@ impl Engine {
             (0, _) => "dequantized",
             _ => "mixed",
         };
-        WeightsInfo { int4, bytes: l.bytes, linear: if l.onednn { "onednn" } else { "aten" } }
+        let linear = if l.onednn { "onednn" } else { "aten" };
+        WeightsInfo { int4, bytes: l.bytes, linear, linear_note: self.linear_note.clone() }
     }
 
     /// ATen calls each layer made in the last forward (a decode step after `decode`).

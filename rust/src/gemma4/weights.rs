@@ -299,27 +299,28 @@ pub struct Kernels {
     /// dequantizes elsewhere; Some(false) dequantizes at load, as Transformers does (the kernels round
     /// differently from the dequantized product, enough to change tokens of a small random model).
     pub packed_int4: Option<bool>,
-    /// Multiply dense weights with oneDNN (linear.rs): Some(true) requires it (CPU, float32, a
-    /// torch with oneDNN); None uses it where it can; Some(false) uses ATen's matmul.
+    /// Multiply dense weights with oneDNN (linear.rs): Some(true) requires it (CPU, float32 or
+    /// bfloat16, a torch with oneDNN, and for bfloat16 a CPU its oneDNN computes bfloat16 on); None
+    /// uses it where it can; Some(false) uses ATen's matmul.
     pub onednn: Option<bool>,
 }
 
 impl Kernels {
     /// Whether dense weights go through oneDNN in `dtype` on `device` (ATen's device string).
     pub fn onednn(&self, dtype: DType, device: &str) -> Result<bool> {
-        let why_not = if !device.starts_with("cpu") {
-            Some(format!("oneDNN linears run on the CPU; the device is {device}"))
-        } else if dtype != DType::F32 {
-            Some(format!("oneDNN linears compute in float32; dtype is {}", dtype.name()))
-        } else if !Tensor::has_onednn() {
-            Some("this torch was built without oneDNN (torch.backends.mkldnn.is_available() is False)".into())
-        } else {
-            None
-        };
-        match (self.onednn, why_not) {
+        match (self.onednn, onednn_why_not(dtype, device)) {
             (Some(false), _) | (None, Some(_)) => Ok(false),
             (_, None) => Ok(true),
             (Some(true), Some(why)) => Err(Error::Input(why)),
+        }
+    }
+
+    /// Why dense weights are not multiplied by oneDNN: None where they are; Some(false) asked for;
+    /// else why oneDNN cannot run them (a line `weights()` reports).
+    pub fn onednn_note(&self, dtype: DType, device: &str) -> Option<String> {
+        match self.onednn {
+            Some(false) => Some("ATen's matmul, as asked (onednn=False)".into()),
+            _ => onednn_why_not(dtype, device),
         }
     }
 
@@ -339,6 +340,23 @@ impl Kernels {
             ))),
             Some(true) => Ok(Int4Path::Packed),
         }
+    }
+}
+
+/// Why oneDNN cannot multiply dense weights in `dtype` on `device`, or None where it can.
+fn onednn_why_not(dtype: DType, device: &str) -> Option<String> {
+    if !device.starts_with("cpu") {
+        Some(format!("oneDNN linears run on the CPU; the device is {device}"))
+    } else if dtype != DType::F32 && dtype != DType::BF16 {
+        Some(format!("oneDNN linears compute in float32 or bfloat16; dtype is {}", dtype.name()))
+    } else if !Tensor::has_onednn() {
+        Some("this torch was built without oneDNN (torch.backends.mkldnn.is_available() is False)".into())
+    } else if dtype == DType::BF16 && !Tensor::has_onednn_bf16() {
+        Some("this CPU has no bfloat16 support in oneDNN (torch.ops.mkldnn._is_mkldnn_bf16_supported() is \
+              False): bfloat16 linears run on ATen's matmul"
+            .into())
+    } else {
+        None
     }
 }
 
