@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gemma_operator.builders.endpoint_picker import CONFIG_KEY
-from tests.cluster.controlplane import BIN_DIR, EPP, POD_IP_ANNOTATION, free_port
+from gemma_operator.builders.endpoint_picker import CONFIG_KEY, PICKER_VERSION
+from tests.cluster.controlplane import BIN_DIR, EPP, GIE_VERSION, POD_IP_ANNOTATION, free_port
 from tests.cluster.crds import INFERENCE_MODEL_REWRITES, INFERENCE_OBJECTIVES, INFERENCE_POOLS, installed
 
 from .harness import ROOT, create, token_kubeconfig, wait_for
@@ -147,6 +147,11 @@ def test_with_vllms_metric_names_the_picker_reads_nothing_from_the_server(picker
         assert picker.metric("inference_pool_ready_pods", SERVER) == 0, picker.tail()
     finally:
         picker.stop()
+
+
+def test_the_picker_built_here_the_example_and_the_operators_config_are_one_release():
+    assert GIE_VERSION == PICKER_VERSION
+    assert picker_container()["image"] == f"registry.k8s.io/gateway-api-inference-extension/epp:{PICKER_VERSION}"
 
 
 def test_the_old_metric_flags_stop_this_picker_at_start(picker_setup, tmp_path):

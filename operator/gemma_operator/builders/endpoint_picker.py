@@ -25,6 +25,7 @@ from ..spec import GemmaRustServerSpec
 from .ownership import Meta, child_object
 
 PICKER_VERSION = "v1.5.0"  # gateway-api-inference-extension release the config is written for
+VERSION_ANNOTATION = "gemmarust.dev/endpoint-picker-version"  # on the ConfigMap: the picker release it is for
 CONFIG_KEY = "config.yaml"
 ENGINE = "gemma-rust"
 
@@ -79,5 +80,6 @@ def build_picker_configmap(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, A
     if not spec.gateway.inference_pool:
         return None
     obj = child_object("v1", "ConfigMap", picker_config_name(meta), meta)
+    obj["metadata"]["annotations"] = {VERSION_ANNOTATION: PICKER_VERSION}
     obj["data"] = {CONFIG_KEY: yaml.safe_dump(build_picker_config(spec), sort_keys=False)}
     return obj

@@ -37,6 +37,7 @@ def test_the_config_names_our_metrics_as_the_default_engine_and_sizes_the_prefix
 def test_the_configmap_holds_the_config_as_yaml_and_exists_only_with_the_pool():
     spec = tpu_spec(gateway=GATEWAY)
     cm = build_picker_configmap(spec, META)
-    assert cm["metadata"] == {"name": "gemma-epp", "namespace": "serving", "labels": LABELS}
+    assert cm["metadata"] == {"name": "gemma-epp", "namespace": "serving", "labels": LABELS,
+                              "annotations": {"gemmarust.dev/endpoint-picker-version": "v1.5.0"}}
     assert yaml.safe_load(cm["data"]["config.yaml"]) == build_picker_config(spec)
     assert build_picker_configmap(tpu_spec(), META) is None
