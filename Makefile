@@ -5,7 +5,7 @@
 #   $(CACHE)/uv-$(UV_VERSION)    the uv installer itself
 #   $(CACHE)/uv-cache            wheels (torch is ~3 GB; a warm install is hard links)
 #   $(CACHE)/cargo/<key>         the engine's cargo target dir, per torch and python
-#   $(CACHE)/k8s-<version>       local control plane binaries (tests/cluster/)
+#   $(CACHE)/k8s-<version>       local control plane binaries and the endpoint picker (tests/cluster/)
 #   $(CACHE)/crds/<module>-<ver> third-party CRDs the tests install (KEDA, the inference extension)
 #   $(CACHE)/base-images         Debian root filesystems for local stand-ins of the images' bases
 #                                (tests/images/base_images.py), keyed by recipe
@@ -116,12 +116,13 @@ images:
 base-images:
 	$(WITH_DOCKER) $(PYTHON) -m tests.images.base_images
 
-# Local control plane binaries and helm, built once from the Go module proxy
-# into $(CACHE)/k8s-<version>/ (the cluster fixture does this on first use).
+# Local control plane binaries, helm and the inference extension's endpoint picker, built once from the Go
+# module proxy into $(CACHE)/k8s-<version>/ (the cluster fixture does this on first use).
 k8s:
 	bash tests/cluster/build_binaries.sh
 
-# KEDA's ScaledObject and the Gateway API inference extension's InferencePool CRDs, from their Go modules
+# KEDA's ScaledObject and the Gateway API inference extension's InferencePool (and the InferenceObjective and
+# InferenceModelRewrite its picker watches) CRDs, from their Go modules
 # through the Go module proxy, into $(CACHE)/crds/ (tests/cluster/crds.py installs them in tests).
 k8s-crds:
 	bash tests/cluster/fetch_crds.sh
