@@ -50,7 +50,8 @@ from .builders.build_cache import build_cache_claim_name, legacy_build_cache_cla
 from .builders.children import Children, build_children
 from .builders.deployment import claims, replicas, spec_warnings
 from .builders.event import build_event
-from .builders.optional import OPTIONAL_BY_KIND, OPTIONAL_KINDS, SCALING
+from .builders.inference_pool import selects_pods_of
+from .builders.optional import GATEWAY, OPTIONAL_BY_KIND, OPTIONAL_KINDS, SCALING
 from .builders.ownership import LABEL_MANAGED_BY, LABEL_SERVER, MANAGED_BY, Meta, adopt, foreign, selector_string
 from .builders.service import endpoint
 from .kube import ApiError, Kube
@@ -159,6 +160,21 @@ def _scaling(spec: GemmaRustServerSpec, meta: Meta, children: Children, k: Kube)
     return status.ScalingView(meta.name, summary, metric, hpa_name, hpa)
 
 
+def _foreign_pools(meta: Meta, skipped: list[tuple[str, str]], children: Children, k: Kube) -> list[str]:
+    """InferencePools in the namespace that select this server's pods and are not its own (e.g. one the
+    upstream inferencepool chart made), while the server has its own pool."""
+    if "InferencePool" not in children.optional.get(GATEWAY, []) or "InferencePool" in dict(skipped):
+        return []
+    try:
+        pools = k.list_objects("inference.networking.k8s.io/v1", "InferencePool", meta.namespace)
+    except ApiError as e:
+        if e.status in (403, 404):  # the CRD went away since discovery, or an older ClusterRole without list
+            return []
+        raise
+    return [p["metadata"]["name"] for p in pools
+            if foreign(p, meta.uid) is not None and selects_pods_of(p, meta)]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The one reconcile path
 
@@ -219,7 +235,7 @@ def _reconcile(body: dict[str, Any], spec: GemmaRustServerSpec, meta: Meta, serv
     pods, pod_events, reports = _observe(k, meta, spec.server.port)
     obs = _observed(body, pods, pod_events, reports, replicas=replicas(spec), problems=problems,
                     optional=children.optional, skipped=skipped, scaling=_scaling(spec, meta, children, k),
-                    warnings=spec_warnings(spec))
+                    warnings=spec_warnings(spec), foreign_pools=_foreign_pools(meta, skipped, children, k))
     return status.compute_status(obs, accelerator=accelerator_text(spec.accelerator),
                                  endpoint=endpoint(spec, meta), selector=selector_string(meta))
 

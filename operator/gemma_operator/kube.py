@@ -138,6 +138,10 @@ class Kube:
                 return None
             raise
 
+    def list_objects(self, api_version: str, kind: str, namespace: str) -> list[dict[str, Any]]:
+        """Every object of a kind in a namespace."""
+        return self.request("GET", collection_path(api_version, kind, namespace)).get("items", [])
+
     def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
         out = self.request("GET", collection_path("v1", "Pod", namespace), query={"labelSelector": selector})
         return out.get("items", [])

@@ -17,6 +17,8 @@ Why each verb:
   (handlers._build_cache_claim).
   get on each: before its first apply, and before a delete, the operator reads the object of that name
   and leaves it alone unless this GemmaRustServer is its controller (handlers._foreign_child).
+- inferencepools list: the Gateway condition names another InferencePool that selects a server's pods
+  (handlers._foreign_pools), the second pool the upstream inferencepool chart would make.
 - horizontalpodautoscalers get: the ScalingActive condition reads the status conditions of the HPA that
   scales a server (ours, or the one KEDA makes for a ScaledObject). The HPA controller and KEDA scale the
   GemmaRustServer through its scale subresource with their own rights; the operator never writes it.
@@ -51,7 +53,7 @@ RULES = [
     {"apiGroups": ["autoscaling"], "resources": ["horizontalpodautoscalers"],
      "verbs": ["get", "create", "patch", "delete"]},
     {"apiGroups": ["inference.networking.k8s.io"], "resources": ["inferencepools"],
-     "verbs": ["get", "create", "patch", "delete"]},
+     "verbs": ["get", "list", "create", "patch", "delete"]},
     {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "create", "patch", "delete"]},
     {"apiGroups": ["networking.gke.io"], "resources": ["healthcheckpolicies", "gcpbackendpolicies"],
      "verbs": ["get", "create", "patch", "delete"]},

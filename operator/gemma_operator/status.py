@@ -196,6 +196,7 @@ class Observed(NamedTuple):
     disruption: tuple[str, str] | None = None  # (reason, message) of the pod evicted or reclaimed (events.py)
     warnings: list[tuple[str, str]] = []       # (reason, message) of spec advice (builders.deployment.spec_warnings)
     scaling: "ScalingView | None" = None       # the autoscaler's side, when spec.autoscaling is set
+    foreign_pools: list[str] = []              # InferencePools not this server's that select its pods
 
 
 class ScalingView(NamedTuple):
@@ -234,9 +235,20 @@ def optional_conditions(obs: Observed) -> list[dict[str, str]]:
         elif missing:
             out.append(_cond(group, False, CRD_MISSING.get(group, "CRDMissing"),
                              "; ".join(f"{k} skipped: {w}" for k, w in missing)))
+        elif group == "Gateway" and obs.foreign_pools:
+            out.append(_cond(group, False, "ForeignInferencePool", foreign_pools_message(obs.foreign_pools)))
         else:
             out.append(_cond(group, True, "Configured", "created " + ", ".join(kinds)))
     return out
+
+
+def foreign_pools_message(names: list[str]) -> str:
+    """Why a second InferencePool over the same pods is a mistake, and what to do."""
+    listed = ", ".join(sorted(names))
+    return (f"InferencePool {listed} (not this server's) also selects its pods: a route through it bypasses this "
+            "server's pool, its endpoint picker config and GKE policies. The upstream inferencepool Helm chart "
+            "makes such a pool; delete it and route to this server's InferencePool, with the picker of "
+            "charts/gemma-rust-operator/examples/endpoint-picker.yaml")
 
 
 def scaling_condition(kind: str, missing: list[tuple[str, str]], view: ScalingView | None) -> dict[str, str]:

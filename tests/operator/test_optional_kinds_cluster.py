@@ -188,6 +188,25 @@ def test_inference_pool_is_accepted_by_its_crd_follows_the_port_and_goes_with_th
              what="the garbage collector to delete the InferencePool")
 
 
+def test_a_second_pool_over_the_servers_pods_turns_the_gateway_condition_false_until_it_is_gone(
+        cluster, kube, ns, operator):
+    """The upstream inferencepool chart's pool, as `helm install --set inferencePool.modelServers.matchLabels...`
+    renders one beside the server's own."""
+    installed(cluster, INFERENCE_POOLS)
+    create(kube, ns, "twice", {**BASE, "gateway": POOL_ONLY})
+    wait_cond(kube, ns, "twice", "Gateway", "True", operator, reason="Configured")
+    upstream = {"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+                "metadata": {"name": "upstream", "namespace": ns},
+                "spec": {"selector": {"matchLabels": {"app.kubernetes.io/instance": "twice"}},
+                         "targetPorts": [{"number": 8000}],
+                         "endpointPickerRef": {"name": "upstream-epp", "port": {"number": 9002}}}}
+    kube.request("POST", f"/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools", upstream)
+    obj = wait_cond(kube, ns, "twice", "Gateway", "False", operator, reason="ForeignInferencePool")
+    assert condition(obj, "Gateway")["message"].startswith("InferencePool upstream (not this server's)")
+    kube.delete_if_present("inference.networking.k8s.io/v1", "InferencePool", ns, "upstream")
+    wait_cond(kube, ns, "twice", "Gateway", "True", operator, reason="Configured")
+
+
 def test_inference_pool_without_its_crd_is_a_gateway_condition_naming_it_and_the_pod_still_runs(
         cluster, kube, ns, operator):
     absent(cluster, INFERENCE_POOLS)

@@ -265,6 +265,17 @@ def test_a_missing_inference_pool_crd_is_a_gateway_condition_naming_it_and_the_p
     assert s["phase"] == "Ready"
 
 
+def test_another_pool_over_the_servers_pods_makes_the_gateway_condition_false_naming_it():
+    s = compute(st.Observed(generation=1, replicas=1, pods=[pod(ready=True)], engine={}, served_models={},
+                            problems=[], optional={"Gateway": ["InferencePool"]}, skipped=[],
+                            foreign_pools=["upstream", "another"]))
+    status, reason, message = conds(s)["Gateway"]
+    assert (status, reason) == ("False", "ForeignInferencePool")
+    assert message.startswith("InferencePool another, upstream (not this server's) also selects its pods")
+    assert "examples/endpoint-picker.yaml" in message
+    assert s["phase"] == "Ready"  # serving is not in question, only the route
+
+
 def scaled(hpa, kind="HorizontalPodAutoscaler", skipped=()):
     view = st.ScalingView("g", "1..4 replicas, gemma_num_requests_waiting 4 per pod", "gemma_num_requests_waiting",
                           "g" if kind == "HorizontalPodAutoscaler" else "keda-hpa-g", hpa)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..spec import GemmaRustServerSpec
-from .ownership import Meta, child_object, selector_labels
+from .ownership import Meta, child_object, labels, selector_labels
 
 
 def build_inference_pool(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
@@ -20,3 +20,10 @@ def build_inference_pool(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any
                    "endpointPickerRef": {"name": picker.name, "group": "", "kind": "Service",
                                          "port": {"number": picker.port}, "failureMode": picker.failure_mode}}
     return obj
+
+
+def selects_pods_of(pool: dict[str, Any], meta: Meta) -> bool:
+    """Whether an InferencePool's selector matches this server's pods (their labels: ownership.labels)."""
+    wanted = ((pool.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
+    have = labels(meta)
+    return bool(wanted) and all(have.get(k) == v for k, v in wanted.items())
