@@ -5,7 +5,8 @@
 //! tile at a time in its registers: a quarter of the bytes a bfloat16 weight reads per token. The
 //! kernels take bfloat16 activations `[rows, in]`, so the model keeps its hidden states 2-d.
 //!
-//! On the CPU in float32, a dense weight is packed once into oneDNN's layout and multiplied by
+//! On the CPU in float32 (and in bfloat16 where torch's oneDNN computes it on this CPU:
+//! `Kernels::onednn`, weights.rs), a dense weight is packed once into oneDNN's layout and multiplied by
 //! oneDNN (`Tensor::onednn_linear`), as PyTorch's own compiler does for a frozen CPU model
 //! (torch._inductor's mkldnn weight packing). For the few rows of a decode step that is much faster
 //! than ATen's default CPU matmul (bench/engine.py prints both). oneDNN makes a kernel for each input
@@ -24,7 +25,7 @@ pub enum Linear {
         scales_zeros: Tensor,
         group: i64,
     },
-    /// A float32 weight in oneDNN's packed layout (`Tensor::onednn_pack`).
+    /// A float32 or bfloat16 weight in oneDNN's packed layout (`Tensor::onednn_pack`).
     OneDnn(Tensor),
 }
 
