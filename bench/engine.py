@@ -20,8 +20,8 @@ The Rust engine reads tokens back every `--read-every` steps (1 = streaming, as 
 `--config e2b` is bench/gemma4-e2b-text-config.json (Gemma 4 E2B's text config, as google/gemma-4-E2B's
 config.json gives it) with random weights (for a GPU).
 On the CPU in float32, and in bfloat16 where oneDNN computes bfloat16 on the CPU, the engine multiplies dense
-weights with oneDNN (packed once at load; ATen's matmul elsewhere, or with `onednn=False`); the same engine on ATen's matmul runs beside it, so one run
-shows both what the kernels give and, on the same kernels as Transformers, the per-op overhead that
+weights with oneDNN (packed once at load; ATen's matmul elsewhere, or with `onednn=False`); the same engine
+on ATen's matmul runs beside it, so one run shows both what the kernels give and, on the same kernels as Transformers, the per-op overhead that
 remains around them (it grows as the model shrinks). The last lines print the floors, the step's
 matrix-vector products alone on each kernel, and how close each side comes to them.
 `--format w4a16` writes the same config as a compressed-tensors W4A16 checkpoint (int4 linears, as
@@ -165,6 +165,17 @@ def ple_table_bytes(config, dtype: str) -> int:
     return config.vocab_size_per_layer_input * config.num_hidden_layers * p * getattr(torch, dtype).itemsize
 
 
+def step_read_bytes(engine, config, dtype: str) -> int:
+    """The weight bytes one decode step reads: every weight on the device but the per-layer embedding table,
+    of which a step reads one row, and, where a tied lm_head has its own oneDNN copy, the embedding table it
+    was copied from (a step reads one row of it)."""
+    weights = engine.weights()
+    out = weights["bytes"] - ple_table_bytes(config, dtype)
+    if weights["linear"] == "onednn" and config.tie_word_embeddings:
+        out -= config.vocab_size * config.hidden_size * getattr(torch, dtype).itemsize
+    return out
+
+
 def describe_layer_calls(config, per_layer: list[int]) -> str:
     """'sliding 40, full 41, kv-shared sliding 30, ...': the calls of each kind of layer (equal within a kind)."""
     shared_from = config.num_hidden_layers - (config.num_kv_shared_layers or 0)
@@ -205,7 +216,10 @@ def hf_runner(model, device: str, prompt: list[int], new: int, cache: str | None
     return run
 
 
-def read_bandwidth_runner(device: str, megabytes: int = 256):
+READ_BOUND_MB = 256  # bigger than any cache, so the sum reads memory
+
+
+def read_bandwidth_runner(device: str, megabytes: int = READ_BOUND_MB):
     """The memory read bound: bytes per second that a plain `sum` over `megabytes` of float32 reads, with
     the run's torch threads (one on the CPU by default). A decode step reads its weights once, so
     bytes-per-token x tokens-per-second cannot exceed this; the share of it a decode reaches is how close
@@ -321,16 +335,12 @@ def main(argv: list[str] | None = None) -> None:
         if engine.weights()["int4"] == "packed":
             _, dequantized_run, dequantized = rust_runner(Path(tmp), args.device, dtype, prompt, new, args.read_every,
                                                           False)
-            dequantized_bytes = dequantized.weights()["bytes"] - ple_table_bytes(config, dtype)
+            dequantized_bytes = step_read_bytes(dequantized, config, dtype)
     per_step, per_layer = aten_calls_per_step(engine, prompt)
     print(f"ATen calls per decode step: {per_step:.0f} ({sum(per_layer)} in the {len(per_layer)} layers: "
           f"{describe_layer_calls(config, per_layer)})", flush=True)
     weights = engine.weights()
-    # A step reads one row of the per-layer table, and of the embedding table when a tied lm_head has
-    # its own oneDNN copy (the bytes count both).
-    read_bytes = weights["bytes"] - ple_table_bytes(config, dtype)
-    if onednn and config.tie_word_embeddings:
-        read_bytes -= config.vocab_size * config.hidden_size * getattr(torch, dtype).itemsize
+    read_bytes = step_read_bytes(engine, config, dtype)
     print(f"engine weights on the device: {weights['bytes'] / 1e6:.1f} MB (int4: {weights['int4']}, "
           f"dense linears: {weights['linear']}); "
           f"a decode step reads {read_bytes / 1e6:.1f} MB a token", flush=True)
@@ -385,7 +395,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"first {agree} of {new} greedy tokens agree")
     floor = {k: statistics.median(v) for k, v in floors.items()}
     bound = floor.pop("read")
-    print(f"memory read bound ({torch.get_num_threads()} thread(s), a sum over 256 MB, median): {bound / 1e9:.1f} GB/s")
+    print(f"memory read bound ({torch.get_num_threads()} thread(s), a sum over {READ_BOUND_MB} MB, median): "
+          f"{bound / 1e9:.1f} GB/s")
     # Transformers reads its own (dense) weights: every parameter but the per-layer table, a tied lm_head once.
     hf_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - ple_table_bytes(config, dtype)
     sides = (("rust", rust, read_bytes), ("rust, ATen matmul", rust_aten, read_bytes),

@@ -29,7 +29,7 @@ from gemma_operator.builders.endpoint_picker import CONFIG_KEY, PICKER_VERSION
 from tests.cluster.controlplane import BIN_DIR, EPP, GIE_VERSION, POD_IP_ANNOTATION, free_port
 from tests.cluster.crds import INFERENCE_MODEL_REWRITES, INFERENCE_OBJECTIVES, INFERENCE_POOLS, installed
 
-from .harness import ROOT, create, token_kubeconfig, wait_for
+from .harness import ROOT, create, gemma_server, token_kubeconfig, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -39,8 +39,6 @@ SERVER = "gemma"  # the example is written for a server of this name
 
 @pytest.fixture(scope="module")
 def real_server_port(chat_checkpoint, tmp_path_factory):  # chat_checkpoint: tests/checkpoints.py (a plugin)
-    from .harness import gemma_server
-
     with gemma_server(chat_checkpoint, tmp_path_factory.mktemp("gemma_server")) as url:
         yield int(url.rsplit(":", 1)[1])
 

@@ -63,9 +63,8 @@ def build_picker_config(spec: GemmaRustServerSpec) -> dict[str, Any]:
         "plugins": [
             {"type": "metrics-data-source", "parameters": {"scheme": "http", "path": "/metrics"}},
             {"type": "core-metrics-extractor", "parameters": extractor},
-            {"type": "queue-scorer"},
-            {"type": "kv-cache-utilization-scorer"},
-            {"type": "prefix-cache-scorer", "parameters": prefix},
+            *({"type": name, **({"parameters": prefix} if name == "prefix-cache-scorer" else {})}
+              for name in SCORER_WEIGHTS),
         ],
         "schedulingProfiles": [{"name": "default", "plugins": [
             {"pluginRef": name, "weight": weight} for name, weight in SCORER_WEIGHTS.items()]}],
