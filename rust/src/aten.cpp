@@ -5,11 +5,16 @@
 #include <Python.h>
 
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -108,6 +113,74 @@ void graph_abort(gg *) {}
 void graph_replay(gg *) { no_graphs(); }
 #endif
 
+}  // namespace
+
+namespace {
+// Gemma 4's RMSNorm (Transformers `Gemma4RMSNorm`): in float32, y = (x * (mean(x^2) + eps)^-0.5) * w,
+// rounded once to x's dtype. On the CPU `at::rms_norm` is a composite of eight dispatched kernels
+// (aten/src/ATen/native/layer_norm.cpp, `rms_norm_composite`): about 10 us for a 512-wide row on one
+// thread, and a decode step has several norms a layer. This is the same arithmetic in one pass over
+// each row. The mean's sum runs in double, so it is at least as close to the exact mean as the
+// composite's float32 sum; the root is 1 / sqrt in float32, as ATen computes pow(m, -0.5).
+template <typename T>
+void rms_norm_rows(const T *x, const float *w, T *y, int64_t rows, int64_t d, float eps) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / d), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T *xr = x + r * d;
+      T *yr = y + r * d;
+      double squares = 0.0;
+      for (int64_t i = 0; i < d; ++i) {
+        const float v = static_cast<float>(xr[i]);
+        squares += static_cast<double>(v * v);
+      }
+      const float mean = static_cast<float>(squares / static_cast<double>(d));
+      const float inv = 1.0f / std::sqrt(mean + eps);
+      for (int64_t i = 0; i < d; ++i) {
+        const float normed = static_cast<float>(xr[i]) * inv;
+        yr[i] = static_cast<T>(w ? normed * w[i] : normed);
+      }
+    }
+  });
+}
+
+at::Tensor rms_norm_cpu(const at::Tensor &x, const std::optional<at::Tensor> &weight, double eps) {
+  const auto xc = x.contiguous();
+  const int64_t d = xc.size(-1);
+  const auto w = weight ? std::optional<at::Tensor>(weight->to(at::kFloat).contiguous()) : std::nullopt;
+  TORCH_CHECK(!w || w->numel() == d, "a weight of ", w ? w->numel() : 0, " values for rows of ", d);
+  auto y = at::empty_like(xc);
+  if (xc.numel() == 0) return y;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "rms_norm_rows", [&] {
+    rms_norm_rows<scalar_t>(xc.const_data_ptr<scalar_t>(), w ? w->const_data_ptr<float>() : nullptr,
+                            y.mutable_data_ptr<scalar_t>(), xc.numel() / d, d, static_cast<float>(eps));
+  });
+  return y;
+}
+}  // namespace
+
+namespace {
+// The query rows per sequence up to which 16-bit attention on the CPU runs `few_row_attention`.
+constexpr int64_t kFewQueryRows = 16;
+
+// softmax(q k^T * scale, masked) v for 16-bit q, k, v on the CPU with few query rows, in float32:
+// ATen's CPU flash attention for bfloat16 takes about 220 us for one query over 329 keys on one thread
+// (float32: 30 us), seven times this. The same arithmetic as its float32-accumulating kernel
+// (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp): products and softmax in float32, the output
+// rounded once. q `[rows, heads, T, d]`, k and v `[rows, kv_heads, keys, d]` (query head h reads KV head
+// h / (heads / kv_heads), as `enable_gqa`), mask bool `[rows or 1, 1, T, keys]`. A masked score is the
+// lowest float, not -inf, so a row with no visible key is finite (no key is ever visible to it).
+at::Tensor few_row_attention(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, const at::Tensor &mask,
+                             double scale) {
+  const int64_t rows = q.size(0), heads = q.size(1), t = q.size(2), d = q.size(3);
+  const int64_t kv_heads = k.size(1), keys = k.size(2), group = heads / kv_heads;
+  // [rows, heads, T, d] -> [rows, kv_heads, group * T, d]: head h = kv * group + j.
+  auto scores = at::matmul(q.reshape({rows, kv_heads, group * t, d}).to(at::kFloat), k.to(at::kFloat).transpose(-1, -2));
+  if (scale != 1.0) scores.mul_(scale);
+  scores.view({rows, kv_heads, group, t, keys})
+      .masked_fill_(mask.unsqueeze(2).logical_not(), std::numeric_limits<float>::lowest());
+  auto out = at::matmul(scores.softmax(-1), v.to(at::kFloat));
+  return out.to(q.scalar_type()).view({rows, heads, t, v.size(3)});
+}
 }  // namespace
 
 extern "C" {
@@ -270,6 +343,7 @@ gt *aten_rms_norm(gt *x, gt *weight, double eps) {
   PROTECT(
       std::optional<at::Tensor> w;
       if (weight) w = weight->t;
+      if (x->t.device().is_cpu() && at::isFloatingType(x->t.scalar_type())) return box(rms_norm_cpu(x->t, w, eps));
       return box(at::rms_norm(x->t, {x->t.size(-1)}, w, eps));)
   return nullptr;
 }
@@ -421,7 +495,14 @@ gt *aten_logical_or(gt *a, gt *b) { RET(a->t.logical_or(b->t)) }
 gt *aten_logical_and(gt *a, gt *b) { RET(a->t.logical_and(b->t)) }
 
 gt *aten_sdpa(gt *q, gt *k, gt *v, gt *mask, double scale) {
-  RET(at::scaled_dot_product_attention(q->t, k->t, v->t, mask->t, 0.0, false, scale, true))
+  PROTECT(
+      const auto &qt = q->t;
+      const bool few_16bit = qt.device().is_cpu() && qt.dim() == 4 && qt.size(2) <= kFewQueryRows &&
+                             (qt.scalar_type() == at::kBFloat16 || qt.scalar_type() == at::kHalf) &&
+                             k->t.dim() == 4 && qt.size(1) % k->t.size(1) == 0 && mask->t.scalar_type() == at::kBool;
+      if (few_16bit) return box(few_row_attention(qt, k->t, v->t, mask->t, scale));
+      return box(at::scaled_dot_product_attention(qt, k->t, v->t, mask->t, 0.0, false, scale, true));)
+  return nullptr;
 }
 
 namespace {

@@ -603,11 +603,7 @@ fn matmul_sum(a: &Bound<'_, PyAny>, b: &Bound<'_, PyAny>) -> PyResult<f64> {
     let (a, b) = (tensor_arg(a, "a")?, tensor_arg(b, "b")?);
     let r = no_grad(|| a.matmul(&b)?.sum()?.item_f64());
     // A shape mismatch is the caller's mistake: ValueError with ATen's own message.
-    r.map_err(|e| match e {
-        Error::Torch { msg, .. } => Error::Input(format!("matmul_sum: {msg}")),
-        other => other,
-    })
-    .map_err(PyErr::from)
+    r.map_err(|e| input_error("matmul_sum", e))
 }
 
 /// Add `value` to `t` in place from Rust: proves tensors share storage.
@@ -616,6 +612,49 @@ fn add_(t: &Bound<'_, PyAny>, value: f64) -> PyResult<()> {
     let t = tensor_arg(t, "t")?;
     no_grad(|| t.add_scalar_(value))?;
     Ok(())
+}
+
+/// The engine's RMSNorm over the last dim of `x` (norm.rs; one pass a row on the CPU, aten.cpp), for
+/// tests against Transformers' `Gemma4RMSNorm`.
+#[pyfunction]
+#[pyo3(signature = (x, weight=None, eps=1e-6))]
+fn rms_norm<'py>(
+    py: Python<'py>,
+    x: &Bound<'py, PyAny>,
+    weight: Option<&Bound<'py, PyAny>>,
+    eps: f64,
+) -> PyResult<Bound<'py, PyAny>> {
+    let x = tensor_arg(x, "x")?;
+    let weight = weight.map(|w| tensor_arg(w, "weight")).transpose()?;
+    let y = no_grad(|| x.rms_norm(weight.as_ref(), eps)).map_err(|e| input_error("rms_norm", e))?;
+    Ok(y.to_python(py)?)
+}
+
+/// The engine's attention, `softmax(q k^T * scale + mask) v` with grouped KV heads (attention.rs;
+/// the few-row 16-bit CPU path in aten.cpp), for tests against `scaled_dot_product_attention`.
+#[pyfunction]
+#[pyo3(signature = (q, k, v, mask, scale=1.0))]
+fn attention<'py>(
+    py: Python<'py>,
+    q: &Bound<'py, PyAny>,
+    k: &Bound<'py, PyAny>,
+    v: &Bound<'py, PyAny>,
+    mask: &Bound<'py, PyAny>,
+    scale: f64,
+) -> PyResult<Bound<'py, PyAny>> {
+    let (q, k, v) = (tensor_arg(q, "q")?, tensor_arg(k, "k")?, tensor_arg(v, "v")?);
+    let mask = tensor_arg(mask, "mask")?;
+    let y = no_grad(|| Tensor::sdpa(&q, &k, &v, &mask, scale)).map_err(|e| input_error("attention", e))?;
+    Ok(y.to_python(py)?)
+}
+
+/// ATen's complaint about arguments a caller passed, as ValueError naming the function.
+fn input_error(what: &str, e: Error) -> PyErr {
+    match e {
+        Error::Torch { msg, .. } => Error::Input(format!("{what}: {msg}")),
+        other => other,
+    }
+    .into()
 }
 
 /// ATen operator calls the engine has made in this process, on every thread.
@@ -656,6 +695,8 @@ fn gemma_engine_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(sample, m)?)?;
     m.add_function(wrap_pyfunction!(uniform, m)?)?;
     m.add_function(wrap_pyfunction!(aten_calls, m)?)?;
+    m.add_function(wrap_pyfunction!(rms_norm, m)?)?;
+    m.add_function(wrap_pyfunction!(attention, m)?)?;
     m.add_class::<Engine>()?;
     m.add_class::<PySamplingParams>()?;
     m.add_class::<PyRequest>()?;

@@ -47,8 +47,9 @@ def test_packed_int4_reads_the_dequantized_logits_when_the_weights_are_exact_in_
     dequantized = _engine(exact_scale_dirs, kind, packed_int4=False, context=context)
     assert packed.weights()["int4"] == "packed"
     tokens = dequantized.decode(ck.PARITY_PROMPT, ck.GENERATE_TOKENS)[0]
-    # Enough prefixes to compare: the random model may draw an eos id before GENERATE_TOKENS.
-    assert len(tokens) >= ck.GENERATE_TOKENS // 2
+    # Enough prefixes to compare: the random model may draw an eos id before GENERATE_TOKENS (in bfloat16
+    # it does at the 28th token on the emb4 checkpoint); a fault shows at every prefix.
+    assert len(tokens) >= ck.GENERATE_TOKENS // 4
     prefixes = [ck.PARITY_PROMPT + tokens[:i] for i in range(len(tokens))]
     same = [torch.equal(packed.logits(ids), dequantized.logits(ids)) for ids in prefixes]
     assert same[0], "the prompt's next-token logits differ"

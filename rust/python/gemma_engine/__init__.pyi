@@ -54,6 +54,28 @@ def matmul_sum(a: torch.Tensor, b: torch.Tensor) -> float:
 def add_(t: torch.Tensor, value: float) -> None:
     """Add `value` to `t` in place from Rust: proves tensors share storage."""
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+    """The engine's RMSNorm over the last dim, as Gemma 4 computes it: in float32,
+    `x * (mean(x**2) + eps) ** -0.5 * weight`, rounded once to x's dtype. On the CPU one pass a row
+    (ATen's `rms_norm` there is eight kernels); elsewhere `at::rms_norm`.
+
+    Raises:
+        ValueError: a weight whose size is not the last dim's, or an x that is not floating point.
+    """
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float = 1.0
+) -> torch.Tensor:
+    """The engine's attention: `scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+    enable_gqa=True)`, except for bfloat16 and float16 on the CPU with at most 16 query rows a
+    sequence, which run in float32 through two matrix products and a softmax (ATen's CPU kernel
+    is several times slower there). q `[rows, heads, T, d]`, k and v `[rows, kv_heads, keys, d]`,
+    mask bool `[rows or 1, 1, T, keys]` (true: visible).
+
+    Raises:
+        ValueError: shapes or dtypes that do not fit together (ATen's message).
+    """
+
 Finish = Literal["stop", "length", "cancelled", "error", "failed"]
 
 def sample(
