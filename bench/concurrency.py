@@ -329,7 +329,7 @@ def main(a) -> int:
         hf_kind = "generate_batch (continuous batching)" if why_not is None else "batched generate, static cache"
         hf_run = hf_runner(model, why_not is None, a.max_tokens)
         side = {"engine": direct_run, "hf": hf_run}
-        for run in side.values():  # warm-up
+        for run in side.values() if compare else ():  # warm-up (an empty --compare-at runs neither)
             run([prompt_ids(a.prompt_tokens, i, vocab) for i in range(max(compare))])
         samples: dict[str, dict[int, list[float]]] = {k: {c: [] for c in compare} for k in side}
         for r in range(a.rounds):

@@ -18,7 +18,10 @@ The Rust engine reads tokens back every `--read-every` steps (1 = streaming, as 
 `--config small` (default) is a small-but-not-tiny CPU config (hidden 512, 8 layers, vocab 8k);
 `--config tiny` the test checkpoints' size (hidden 128), where per-op overhead dominates;
 `--config e2b` is bench/gemma4-e2b-text-config.json (Gemma 4 E2B's text config, as google/gemma-4-E2B's
-config.json gives it) with random weights (for a GPU).
+config.json gives it) with random weights (for a GPU); `--config e2b-layers` is the same config cut to its
+first 10 layers (the last 5 KV-shared, as E2B's last 20 of 35 are) and a 32k vocabulary: E2B's own matrix
+shapes, where a call's fixed cost is small beside its bytes, at a size this CPU machine holds
+(1.2 GB read a token in bfloat16).
 On the CPU in float32, and in bfloat16 where oneDNN computes bfloat16 on the CPU, the engine multiplies dense
 weights with oneDNN (packed once at load; ATen's matmul elsewhere, or with `onednn=False`); the same engine
 on ATen's matmul runs beside it, so one run shows both what the kernels give and, on the same kernels as Transformers, the per-op overhead that
@@ -75,6 +78,11 @@ SMALL_OVERRIDES = dict(
 )
 
 
+# E2B's layers, fewer of them (`--config e2b-layers`).
+E2B_LAYERS_OVERRIDES = dict(num_hidden_layers=10, num_kv_shared_layers=5, vocab_size=32768,
+                            vocab_size_per_layer_input=32768)
+
+
 def make_config(name: str, e2b_config: Path = E2B_CONFIG):
     """The Gemma4TextConfig for `name`, with no eos ids so both sides decode the full length."""
     from transformers import Gemma4TextConfig
@@ -87,6 +95,8 @@ def make_config(name: str, e2b_config: Path = E2B_CONFIG):
     kwargs = json.loads(e2b_config.read_text())
     kwargs.pop("model_type", None)
     kwargs["eos_token_id"] = None
+    if name == "e2b-layers":
+        kwargs.update(E2B_LAYERS_OVERRIDES, layer_types=kwargs["layer_types"][:E2B_LAYERS_OVERRIDES["num_hidden_layers"]])
     return Gemma4TextConfig(**kwargs)
 
 
@@ -276,12 +286,12 @@ def matvec_floor_runner(model, device: str, steps: int = 20, rows: int = 1, oned
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", choices=("tiny", "small", "e2b"), default="small")
+    parser.add_argument("--config", choices=("tiny", "small", "e2b-layers", "e2b"), default="small")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (a torch device string)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default=None,
                         help="compute dtype (default: float32 on cpu, bfloat16 elsewhere)")
-    parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 200 for small, 512 for tiny and e2b)")
-    parser.add_argument("--new", type=int, default=None, help="generated tokens (default 128 for small, 256 for tiny and e2b)")
+    parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 200 for small and e2b-layers, 512 for tiny and e2b)")
+    parser.add_argument("--new", type=int, default=None, help="generated tokens (default 128 for small, 64 for e2b-layers, 256 for tiny and e2b)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--read-every", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None,
@@ -300,8 +310,8 @@ def main(argv: list[str] | None = None) -> None:
     if threads:
         torch.set_num_threads(threads)
     dtype = args.dtype or ("float32" if args.device == "cpu" and args.format == "dense" else "bfloat16")
-    n_prompt = args.prompt or (200 if args.config == "small" else 512)
-    new = args.new or (128 if args.config == "small" else 256)
+    n_prompt = args.prompt or {"small": 200, "e2b-layers": 200}.get(args.config, 512)
+    new = args.new or {"small": 128, "e2b-layers": 64}.get(args.config, 256)
     config = make_config(args.config, args.e2b_config)
     prompt = [2] + [(37 * i + 11) % (config.vocab_size - 3) + 3 for i in range(n_prompt - 1)]
 

@@ -10,7 +10,6 @@
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/python_variable.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -120,8 +119,9 @@ namespace {
 // (aten/src/ATen/native/layer_norm.cpp, `rms_norm_composite`): about 8 us for a 512-wide row on one
 // thread (16 in bfloat16), and a decode step has several norms a layer. `rms_norm_cpu` is the same
 // arithmetic in one pass over each row, for inputs of up to `kOnePassNormValues` values: past that
-// the composite's vectorized kernels (this file is built for baseline x86-64) win, measured on an
-// AVX-512 EPYC: 2 against 8 us at 512 values, 37 against 37 us at 102,400. The float32 squares are
+// the composite's vectorized kernels (this file is built for baseline x86-64) catch up, measured on an
+// AVX-512 EPYC with one thread: 4 against 14 us at 4 rows of 512 in float32 (7 against 18 in
+// bfloat16), even at 32 rows of 512 in float32 and 0.65x in bfloat16. The float32 squares are
 // summed in double (on 16 lanes, which the compiler vectorizes), so the mean is the float32 sum's
 // correctly rounded value or closer: in bfloat16 the norms then round to Transformers' own (a float32
 // sum in another order moved enough of them to change a tiny test model's top-5). The root is
@@ -147,7 +147,7 @@ double sum_of_squares(const T *x, int64_t d) {
   return lanes[0];
 }
 
-constexpr int64_t kOnePassNormValues = 16384;
+constexpr int64_t kOnePassNormValues = 4096;
 
 template <typename T>
 void rms_norm_rows(const T *x, const float *w, T *y, int64_t rows, int64_t d, float eps) {
@@ -177,19 +177,17 @@ at::Tensor rms_norm_cpu(const at::Tensor &x, const std::optional<at::Tensor> &we
   });
   return y;
 }
-}  // namespace
 
-namespace {
 // The query rows per sequence up to which 16-bit attention on the CPU runs `few_row_attention`.
 constexpr int64_t kFewQueryRows = 16;
 
 // softmax(q k^T * scale, masked) v for 16-bit q, k, v on the CPU with few query rows, in float32:
 // ATen's CPU flash attention for bfloat16 takes about 220 us for one query over 329 keys on one thread
-// (float32: 30 us), seven times this. The same arithmetic as its float32-accumulating kernel
+// (float32: 30 us), this 40. The same arithmetic as its float32-accumulating kernel
 // (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp): products and softmax in float32, the output
 // rounded once. q `[rows, heads, T, d]`, k and v `[rows, kv_heads, keys, d]` (query head h reads KV head
 // h / (heads / kv_heads), as `enable_gqa`), mask bool `[rows or 1, 1, T, keys]`. A masked score is the
-// lowest float, not -inf, so a row with no visible key is finite (no key is ever visible to it).
+// lowest float, not -inf, so a query that sees no key (a padding row's) comes out finite.
 at::Tensor few_row_attention(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, const at::Tensor &mask,
                              double scale) {
   const int64_t rows = q.size(0), heads = q.size(1), t = q.size(2), d = q.size(3);

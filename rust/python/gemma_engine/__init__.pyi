@@ -56,8 +56,8 @@ def add_(t: torch.Tensor, value: float) -> None:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
     """The engine's RMSNorm over the last dim, as Gemma 4 computes it: in float32,
-    `x * (mean(x**2) + eps) ** -0.5 * weight`, rounded once to x's dtype. On the CPU one pass a row
-    (ATen's `rms_norm` there is eight kernels); elsewhere `at::rms_norm`.
+    `x * (mean(x**2) + eps) ** -0.5 * weight`, rounded once to x's dtype. On the CPU, up to 4,096
+    values, one pass a row (ATen's `rms_norm` there is eight kernels); otherwise `at::rms_norm`.
 
     Raises:
         ValueError: a weight whose size is not the last dim's, or an x that is not floating point.

@@ -4,8 +4,8 @@
 //! HF spells out is eight kernels per norm, and a decode step has eight norms per layer); it
 //! computes in float32 for 16-bit inputs and differs from the reference's `pow(-0.5)` only in the
 //! last bit of a float32 `rsqrt`. On the CPU, where `at::rms_norm` is that composite, the shim does
-//! the same arithmetic in one pass a row (aten.cpp `rms_norm_cpu`; tests/engine/test_kernels.py holds
-//! it to Transformers' norm).
+//! the same arithmetic in one pass a row for a decode step's small inputs (aten.cpp `rms_norm_cpu`;
+//! tests/engine/test_kernels.py holds it to Transformers' norm).
 
 use crate::error::Result;
 use crate::gemma4::weights::Weights;
