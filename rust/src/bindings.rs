@@ -627,7 +627,7 @@ fn rms_norm<'py>(
     let x = tensor_arg(x, "x")?;
     let weight = weight.map(|w| tensor_arg(w, "weight")).transpose()?;
     let y = no_grad(|| x.rms_norm(weight.as_ref(), eps)).map_err(|e| input_error("rms_norm", e))?;
-    Ok(y.to_python(py)?)
+    y.to_python(py)
 }
 
 /// The engine's attention, `softmax(q k^T * scale + mask) v` with grouped KV heads (attention.rs;
@@ -645,7 +645,7 @@ fn attention<'py>(
     let (q, k, v) = (tensor_arg(q, "q")?, tensor_arg(k, "k")?, tensor_arg(v, "v")?);
     let mask = tensor_arg(mask, "mask")?;
     let y = no_grad(|| Tensor::sdpa(&q, &k, &v, &mask, scale)).map_err(|e| input_error("attention", e))?;
-    Ok(y.to_python(py)?)
+    y.to_python(py)
 }
 
 /// ATen's complaint about arguments a caller passed, as ValueError naming the function.
