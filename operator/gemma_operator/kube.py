@@ -138,20 +138,18 @@ class Kube:
                 return None
             raise
 
-    def list_objects(self, api_version: str, kind: str, namespace: str) -> list[dict[str, Any]]:
-        """Every object of a kind in a namespace."""
-        return self.request("GET", collection_path(api_version, kind, namespace)).get("items", [])
+    def list_objects(self, api_version: str, kind: str, namespace: str,
+                     query: dict[str, str] | None = None) -> list[dict[str, Any]]:
+        """The objects of a kind in a namespace (all, or those a label or field selector in `query` picks)."""
+        return self.request("GET", collection_path(api_version, kind, namespace), query=query).get("items", [])
 
     def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
-        out = self.request("GET", collection_path("v1", "Pod", namespace), query={"labelSelector": selector})
-        return out.get("items", [])
+        return self.list_objects("v1", "Pod", namespace, {"labelSelector": selector})
 
     def pod_events(self, namespace: str, uid: str) -> list[dict[str, Any]]:
         """The Events about one pod (field selector on its uid: Events of an older pod of the same name are
         not its own)."""
-        out = self.request("GET", collection_path("v1", "Event", namespace),
-                           query={"fieldSelector": f"involvedObject.uid={uid}"})
-        return out.get("items", [])
+        return self.list_objects("v1", "Event", namespace, {"fieldSelector": f"involvedObject.uid={uid}"})
 
     def serves(self, api_version: str) -> bool:
         """Whether the cluster serves `api_version` (discovery, cached for `discovery_ttl` seconds)."""

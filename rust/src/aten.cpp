@@ -116,12 +116,11 @@ void graph_replay(gg *) { no_graphs(); }
 namespace {
 // Gemma 4's RMSNorm (Transformers `Gemma4RMSNorm`): in float32, y = (x * (mean(x^2) + eps)^-0.5) * w,
 // rounded once to x's dtype. On the CPU `at::rms_norm` is a composite of eight dispatched kernels
-// (aten/src/ATen/native/layer_norm.cpp, `rms_norm_composite`): about 8 us for a 512-wide row on one
-// thread (16 in bfloat16), and a decode step has several norms a layer. `rms_norm_cpu` is the same
-// arithmetic in one pass over each row, for inputs of up to `kOnePassNormValues` values: past that
-// the composite's vectorized kernels (this file is built for baseline x86-64) catch up, measured on an
-// AVX-512 EPYC with one thread: 4 against 14 us at 4 rows of 512 in float32 (7 against 18 in
-// bfloat16), even at 32 rows of 512 in float32 and 0.65x in bfloat16. The float32 squares are
+// (aten/src/ATen/native/layer_norm.cpp, `rms_norm_composite`), with a fixed cost of several us a call,
+// and a decode step has several norms a layer. `rms_norm_cpu` is the same arithmetic in one pass over
+// each row, for inputs of up to `kOnePassNormValues` values: past that the composite's vectorized
+// kernels (this file is built for baseline x86-64) catch up, and in bfloat16 overtake it
+// (`python -m bench.kernels` times the two at a decode step's shapes). The float32 squares are
 // summed in double (on 16 lanes, which the compiler vectorizes), so the mean is the float32 sum's
 // correctly rounded value or closer: in bfloat16 the norms then round to Transformers' own (a float32
 // sum in another order moved enough of them to change a tiny test model's top-5). The root is
@@ -182,8 +181,8 @@ at::Tensor rms_norm_cpu(const at::Tensor &x, const std::optional<at::Tensor> &we
 constexpr int64_t kFewQueryRows = 16;
 
 // softmax(q k^T * scale, masked) v for 16-bit q, k, v on the CPU with few query rows, in float32:
-// ATen's CPU flash attention for bfloat16 takes about 220 us for one query over 329 keys on one thread
-// (float32: 30 us), this 40. The same arithmetic as its float32-accumulating kernel
+// ATen's CPU flash attention takes several times as long in bfloat16 (`python -m bench.kernels`).
+// The same arithmetic as its float32-accumulating kernel
 // (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp): products and softmax in float32, the output
 // rounded once. q `[rows, heads, T, d]`, k and v `[rows, kv_heads, keys, d]` (query head h reads KV head
 // h / (heads / kv_heads), as `enable_gqa`), mask bool `[rows or 1, 1, T, keys]`. A masked score is the
@@ -367,7 +366,7 @@ gt *aten_rms_norm(gt *x, gt *weight, double eps) {
           xt.numel() <= kOnePassNormValues) {
         return box(rms_norm_cpu(xt, w, eps));
       }
-      return box(at::rms_norm(x->t, {x->t.size(-1)}, w, eps));)
+      return box(at::rms_norm(xt, {xt.size(-1)}, w, eps));)
   return nullptr;
 }
 gt *aten_argmax(gt *a, int64_t dim, int keepdim) { RET(at::argmax(a->t, dim, keepdim != 0)) }
@@ -449,9 +448,15 @@ const c10::OperatorHandle &linear_pointwise() {
   return op;
 }
 
-at::Tensor call_boxed(const c10::OperatorHandle &op, std::vector<c10::IValue> args) {
+const c10::OperatorHandle &is_mkldnn_bf16_supported() {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_is_mkldnn_bf16_supported", "");
+  return op;
+}
+
+// The op's first result.
+c10::IValue call_boxed(const c10::OperatorHandle &op, std::vector<c10::IValue> args) {
   op.callBoxed(&args);
-  return args.at(0).toTensor();
+  return std::move(args.at(0));
 }
 }  // namespace
 
@@ -460,10 +465,7 @@ int aten_has_onednn(void) { return at::hasMKLDNN() ? 1 : 0; }
 int aten_has_onednn_bf16(void) {
   if (!at::hasMKLDNN()) return 0;
   try {
-    static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_is_mkldnn_bf16_supported", "");
-    std::vector<c10::IValue> args;
-    op.callBoxed(&args);
-    return args.at(0).toBool() ? 1 : 0;
+    return call_boxed(is_mkldnn_bf16_supported(), {}).toBool() ? 1 : 0;
   } catch (...) {
     return 0;  // a torch without the op: treat as no bfloat16 oneDNN
   }
@@ -471,14 +473,15 @@ int aten_has_onednn_bf16(void) {
 
 gt *aten_pad_rows(gt *x, int64_t extra) { RET(at::constant_pad_nd(x->t, {0, 0, 0, extra})) }
 
-gt *aten_onednn_pack(gt *w) { RET(call_boxed(reorder_linear_weight(), {w->t, c10::IValue()})) }
+gt *aten_onednn_pack(gt *w) { RET(call_boxed(reorder_linear_weight(), {w->t, c10::IValue()}).toTensor()) }
 
 gt *aten_onednn_linear(gt *x, gt *packed) {
   // mkldnn::_linear_pointwise(X, W, B?, attr, scalars, algorithm?): no bias, no fused activation, so
   // no scalars (an empty Scalar?[], made once; the op only reads it).
   static const c10::IValue no_scalars(c10::impl::GenericList(c10::OptionalType::create(c10::NumberType::get())));
   RET(call_boxed(linear_pointwise(),
-                 {x->t, packed->t, c10::IValue(), c10::IValue(std::string("none")), no_scalars, c10::IValue()}))
+                 {x->t, packed->t, c10::IValue(), c10::IValue(std::string("none")), no_scalars, c10::IValue()})
+          .toTensor())
 }
 
 int64_t aten_nbytes(gt *t) { return static_cast<int64_t>(t->t.nbytes()); }

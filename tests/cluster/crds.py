@@ -11,6 +11,7 @@ absent with `absent(cluster, CRD)`, so the order in which tests run does not mat
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import NamedTuple
@@ -54,8 +55,6 @@ FAKE_GKE_BACKEND_POLICIES = ThirdPartyCRD("gcpbackendpolicies.networking.gke.io"
 
 def _served(cluster, crd: ThirdPartyCRD) -> bool:
     """Whether the API server lists `crd`'s resource (its group may stay served by another CRD)."""
-    import json
-
     out = cluster.kubectl("get", "--raw", f"/apis/{crd.group_version}", check=False)
     plural = crd.name.split(".", 1)[0]
     return out.returncode == 0 and any(r["name"] == plural for r in json.loads(out.stdout)["resources"])

@@ -15,13 +15,16 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """How many representable values of a's dtype lie between a and b (same dtype, finite)."""
-    if a.dtype == torch.float32:
-        ia, ib = a.view(torch.int32).long(), b.view(torch.int32).long()
-    else:
-        ia, ib = a.view(torch.int16).long(), b.view(torch.int16).long()
-    # Sign-magnitude to a monotone integer line.
-    ia, ib = torch.where(ia < 0, -(ia & 0x7FFFFFFF), ia), torch.where(ib < 0, -(ib & 0x7FFFFFFF), ib)
-    return (ia - ib).abs()
+    bits = a.element_size() * 8
+    ints = {32: torch.int32, 16: torch.int16}[bits]
+
+    def line(x: torch.Tensor) -> torch.Tensor:
+        """Sign and magnitude bits to a monotone integer line (-0 and +0 meet at 0)."""
+        i = x.view(ints).long()
+        magnitude = i & ((1 << (bits - 1)) - 1)
+        return torch.where(i < 0, -magnitude, magnitude)
+
+    return (line(a) - line(b)).abs()
 
 
 def reference_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

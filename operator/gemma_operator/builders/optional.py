@@ -27,6 +27,10 @@ def _keda_wanted(spec: GemmaRustServerSpec) -> bool:
         scaling.provider == "KEDA" or scaling.prometheus.server_address is not None)
 
 
+# Where GKE's policy CRDs come from (a CRDMissing condition names it).
+_GKE_GATEWAY_CONTROLLER = "GKE's Gateway controller: gcloud container clusters update --gateway-api=standard"
+
+
 def _gke_policies_wanted(spec: GemmaRustServerSpec) -> bool:
     return spec.gateway.inference_pool and spec.gateway.provider == "GKE"
 
@@ -79,9 +83,9 @@ OPTIONAL_KINDS = (
                  "the Gateway API inference extension", GATEWAY),
     OptionalKind("networking.gke.io/v1", "HealthCheckPolicy", "healthcheckpolicies", build_health_check_policy,
                  _gke_policies_wanted, "healthcheckpolicies.networking.gke.io",
-                 "GKE's Gateway controller: gcloud container clusters update --gateway-api=standard", GATEWAY),
+                 _GKE_GATEWAY_CONTROLLER, GATEWAY),
     OptionalKind("networking.gke.io/v1", "GCPBackendPolicy", "gcpbackendpolicies", build_backend_policy,
                  _gke_policies_wanted, "gcpbackendpolicies.networking.gke.io",
-                 "GKE's Gateway controller: gcloud container clusters update --gateway-api=standard", GATEWAY),
+                 _GKE_GATEWAY_CONTROLLER, GATEWAY),
 )
 OPTIONAL_BY_KIND = {row.kind: row for row in OPTIONAL_KINDS}

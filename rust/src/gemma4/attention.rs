@@ -9,9 +9,9 @@
 //! q/k norms replace 1/sqrt(d)), softmax in float32 inside SDPA, GQA maps query head h to KV head
 //! h / (heads / kv_heads). In 16 bits on the CPU with at most 16 query rows a sequence (decode steps),
 //! the shim computes the same in float32 with two matrix products and a softmax instead of ATen's
-//! flash kernel, which is several times slower there (aten.cpp `few_row_attention`). KV-shared layers have no k/v projections:
-//! they read the keys and values their donor layer (`LayerSpec::kv_source`, computed from the
-//! config) attended to in the same forward.
+//! flash kernel, which is several times slower there (aten.cpp `few_row_attention`). KV-shared layers
+//! have no k/v projections: they read the keys and values their donor layer (`LayerSpec::kv_source`,
+//! computed from the config) attended to in the same forward.
 //!
 //! Masks (Transformers 5.18 `masking_utils.py`, `causal_mask_function` and
 //! `sliding_window_overlay`): full layers see key j iff j <= i; sliding layers iff i - W < j <= i.
