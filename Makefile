@@ -7,6 +7,7 @@
 #   $(CACHE)/cargo/<key>         the engine's cargo target dir, per torch and python
 #   $(CACHE)/k8s-<version>       local control plane binaries and the endpoint picker (tests/cluster/)
 #   $(CACHE)/crds/<module>-<ver> third-party CRDs the tests install (KEDA, the inference extension)
+#   $(CACHE)/chat-templates      Google's Gemma 4 chat templates, from a pinned llama-cpp-python sdist
 #   $(CACHE)/base-images         Debian root filesystems for local stand-ins of the images' bases
 #                                (tests/images/base_images.py), keyed by recipe
 
@@ -41,7 +42,7 @@ DOCKER_BUILD_FLAGS ?= --network host
 # dockerd started for the command and stopped after it (tests/images/docker_engine.sh).
 WITH_DOCKER  := bash tests/images/docker_engine.sh
 
-.PHONY: help setup engine rust-check test test-fast demo bench bench-server bench-operator bench-fuzz bench-soak k8s k8s-crds lock crds clean images base-images
+.PHONY: help setup engine rust-check chat-templates test test-fast demo bench bench-server bench-operator bench-fuzz bench-soak k8s k8s-crds lock crds clean images base-images
 
 help:
 	@echo "make demo   build everything and run the demo (see README)"
@@ -79,11 +80,11 @@ rust-check: $(PY_STAMP)
 # first build (many minutes) is not cut short by the per-test timeout. The
 # image tests need Docker: pytest runs with a Docker engine (started here
 # when none answers, and stopped after), and fails naming it when there is none.
-test: setup k8s k8s-crds rust-check
+test: setup k8s k8s-crds chat-templates rust-check
 	$(WITH_DOCKER) $(PY) -m pytest tests
 
 # The quick loop while developing: no slow and no cluster tests.
-test-fast: setup
+test-fast: setup chat-templates
 	$(PY) -m pytest tests -m "not slow and not cluster"
 
 demo: setup
@@ -115,6 +116,11 @@ images:
 # (tests/images/base_images.py; the image tests do this themselves).
 base-images:
 	$(WITH_DOCKER) $(PYTHON) -m tests.images.base_images
+
+# Google's Gemma 4 chat templates, which tests render through (tests/fetch_chat_templates.py): taken from
+# llama-cpp-python's source distribution (pinned by version and sha256), which vendors llama.cpp's copies.
+chat-templates: $(PY_STAMP)
+	$(PY) -m tests.fetch_chat_templates
 
 # Local control plane binaries, helm and the inference extension's endpoint picker, built once from the Go
 # module proxy into $(CACHE)/k8s-<version>/ (the cluster fixture does this on first use).

@@ -1003,6 +1003,36 @@ def save_agent_chat(out_dir: str | Path, seed: int = AGENT_SEED) -> Path:
     return _save_tokenizer(out_dir, build_agent_tokenizer(), AGENT_VOCAB_SIZE, "<turn|>", extra, AGENT_CHAT_TEMPLATE)
 
 
+# ---------------------------------------------------------------- Gemma 4's own chat template
+
+# Gemma 4's markers that its published template writes besides the agent ones: <|think|> opens a system turn
+# that asks for thought; <|image|>, <|audio|> and <|video|> stand for media. Ids 14-17, after the agent's.
+GEMMA4_SPECIAL_TOKENS = AGENT_SPECIAL_TOKENS + ("<|think|>", "<|image|>", "<|audio|>", "<|video|>")
+
+
+def build_gemma4_tokenizer() -> Tokenizer:
+    """The agent tokenizer's recipe with every marker Google's Gemma 4 template writes as a special token
+    (GEMMA4_SPECIAL_TOKENS); AGENT_VOCAB_SIZE tokens, so the agent weights fit it."""
+    return _byte_level_bpe(GEMMA4_SPECIAL_TOKENS, AGENT_VOCAB_SIZE, _AGENT_CORPUS, use_regex=False)
+
+
+def save_gemma4_chat(out_dir: str | Path, template: str, seed: int = AGENT_SEED) -> Path:
+    """Write a checkpoint that renders through Google's own Gemma 4 chat template: the agent checkpoint's
+    weights and eos ids, GEMMA4_SPECIAL_TOKENS, and `template` (tests/fetch_chat_templates.py fetches
+    Google's templates).
+
+    Args:
+        out_dir: target directory (created).
+        template: the chat template's text.
+        seed: weight seed.
+    Returns:
+        The directory.
+    """
+    out_dir = save_dense(out_dir, seed, agent_text_config())
+    extra = [t for t in GEMMA4_SPECIAL_TOKENS if t not in ("<pad>", "<bos>", "<turn|>")]
+    return _save_tokenizer(out_dir, build_gemma4_tokenizer(), AGENT_VOCAB_SIZE, "<turn|>", extra, template)
+
+
 # ---------------------------------------------------------------- pytest fixtures
 
 
@@ -1038,6 +1068,15 @@ def agent_checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma4_checkpoint(tmp_path_factory) -> Path:
+    """Directory of a checkpoint with Google's Gemma 4 template that reads tool results from the model turn
+    (`tool_responses`) and has no `tool` role (``save_gemma4_chat``)."""
+    from tests.fetch_chat_templates import INTERLEAVED, template_path
+
+    return save_gemma4_chat(tmp_path_factory.mktemp("gemma4"), template_path(INTERLEAVED).read_text())
+
+
+@pytest.fixture(scope="session")
 def parity_prompt() -> list[int]:
     """The fixed parity prompt: bos plus 27 ids, longer than the 12-token sliding window."""
     return list(PARITY_PROMPT)
@@ -1051,7 +1090,7 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m tests.checkpoints", description=main.__doc__)
-    parser.add_argument("--kind", choices=("dense", "w4a16", "emb4", "chat", "agent"), required=True)
+    parser.add_argument("--kind", choices=("dense", "w4a16", "emb4", "chat", "agent", "gemma4"), required=True)
     parser.add_argument("--out", required=True, type=Path, help="checkpoint directory (created)")
     parser.add_argument("--emb-out", type=Path, help="int4 table directory, for --kind emb4")
     parser.add_argument("--group-size", type=int, default=GROUP_SIZE, help="int4 group size (w4a16, emb4)")
@@ -1069,8 +1108,12 @@ def main(argv: list[str] | None = None) -> None:
         print(*save_w4a16_emb4(args.out, args.emb_out, args.group_size))
     elif args.kind == "chat":
         print(save_chat(args.out))
-    else:
+    elif args.kind == "agent":
         print(save_agent_chat(args.out))
+    else:
+        from tests.fetch_chat_templates import INTERLEAVED, template_path
+
+        print(save_gemma4_chat(args.out, template_path(INTERLEAVED).read_text()))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,17 @@ Tools reach the template as Transformers' `apply_chat_template(tools=...)` passe
 an assistant's tool-call arguments as objects: Gemma 4's templates render a mapping in its own call syntax
 (vLLM's `vllm/entrypoints/chat_utils.py` decodes them the same way for such templates).
 
+Tool results go where the checkpoint's template wants them (`gemma_turns`). Google's Gemma 4 templates read
+a call's results from the model turn that made it (`message['tool_responses']`: `<|tool_call>call:f{...}
+<tool_call|><|tool_response>response:f{...}<tool_response|>`, the model going on in the same turn), and the
+first published revision has no `tool` role: an OpenAI `tool` message would render as a `<|turn>tool` turn of
+its own, after the model turn was closed, a shape the model never saw in training. For such a template each
+`tool` message becomes a `tool_responses` entry of the assistant message whose call it answers, and an
+assistant message after the results continues that turn; a template that renders `tool` messages itself
+(the later revision, the tests' own) gets them as they are. An assistant turn's `reasoning_content` reaches a
+template that reads it on the turns Gemma 4's templates render it on: those with tool calls after the last
+user turn.
+
 A chat prompt's cache boundary (`cache_boundary`) is where its leading system/developer turn and tool
 declarations end: the part every user of one agent shares. The engine snapshots its sliding-window KV
 there, so another conversation with the same system prompt and tools reuses that prefix (Gemma 4's sliding
@@ -23,7 +34,9 @@ layers can resume only where a snapshot was taken or where an earlier request's 
 from __future__ import annotations
 
 import functools
+import json
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from gemma_server.errors import ApiError, bad_request
@@ -55,11 +68,118 @@ def chat_prompt(tokenizer, request: ChatCompletionRequest, mark_boundary: bool =
         ApiError: as render_chat.
     """
     kwargs = template_kwargs(tokenizer, request.chat_template_kwargs or {})
-    messages = request.template_messages()
+    messages = gemma_turns(request.template_messages(), tokenizer.chat_template)
     tools = request.template_tools()
     ids = render_messages(tokenizer, messages, tools, kwargs, request.add_generation_prompt)
     boundary = cache_boundary(tokenizer, messages, tools, kwargs, ids) if mark_boundary else None
     return ids, boundary
+
+
+@dataclass(frozen=True)
+class TemplateShape:
+    """What a chat template does with tool results and thoughts (`template_shape`).
+
+    Attributes:
+        folds_tool_results: it reads results from the model turn (`tool_responses`) and renders no `tool`
+            role itself, so `tool` messages are folded into the turn that called (`fold_tool_results`).
+        reads_reasoning: it reads an assistant turn's `reasoning_content`.
+    """
+
+    folds_tool_results: bool
+    reads_reasoning: bool
+
+
+@functools.lru_cache(maxsize=8)
+def template_shape(template: str | None) -> TemplateShape:
+    """Read from the template's syntax tree (jinja2's parser): whether it names `tool_responses`, whether it
+    compares anything with the role name 'tool' (`message['role'] == 'tool'`, `!= 'tool'`, `in [...]`),
+    and whether it names `reasoning_content`."""
+    import jinja2
+    from jinja2 import nodes
+
+    if not isinstance(template, str):
+        return TemplateShape(False, False)
+    tree = jinja2.Environment().parse(template)
+    names = {n.value for n in tree.find_all(nodes.Const) if isinstance(n.value, str)}
+    names |= {n.attr for n in tree.find_all(nodes.Getattr)}
+
+    def names_tool(node) -> bool:
+        return any(isinstance(c, nodes.Const) and c.value == "tool" for c in [node, *node.find_all(nodes.Const)])
+
+    compares_tool = any(names_tool(c.expr) or any(names_tool(op.expr) for op in c.ops)
+                        for c in tree.find_all(nodes.Compare))
+    return TemplateShape("tool_responses" in names and not compares_tool, "reasoning_content" in names)
+
+
+def gemma_turns(messages: list[dict[str, Any]], template: str | None) -> list[dict[str, Any]]:
+    """`messages` (ChatCompletionRequest.template_messages) fitted to the checkpoint's `template`: tool
+    results folded into the turn that called when it wants them there, and reasoning_content kept only where
+    it reads and renders it (on assistant turns with tool calls after the last user turn).
+
+    Raises:
+        ApiError: 400 naming `messages[i].tool_call_id` when a tool message answers no call (folding only).
+    """
+    shape = template_shape(template)
+    if shape.folds_tool_results:
+        messages = fold_tool_results(messages)
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
+    out = []
+    for i, m in enumerate(messages):
+        if "reasoning_content" in m and not (shape.reads_reasoning and i > last_user and m.get("tool_calls")):
+            m = {k: v for k, v in m.items() if k != "reasoning_content"}
+        out.append(m)
+    return out
+
+
+def fold_tool_results(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI's `tool` messages as Gemma 4's `tool_responses` (pure; the input is not changed).
+
+    Each tool message becomes `{"name": <the answered call's function>, "response": <the content as a
+    mapping when it is a JSON object's text, else the text>}` on the assistant message whose `tool_calls`
+    holds its `tool_call_id`, which must be the assistant message before its run of tool messages. Results
+    are in the order of the calls they answer. An assistant message without tool calls that follows the
+    results continues that model turn: its content joins the turn's (Gemma 4's later template renders the two
+    messages the same way, as one turn).
+
+    Raises:
+        ApiError: 400 naming `messages[i].tool_call_id` for a tool message that answers no call of the
+            assistant message before it.
+    """
+    out: list[dict[str, Any]] = []
+    calling: dict[str, Any] | None = None  # the assistant message whose results the tool messages give
+    results: list[tuple[int, dict[str, Any]]] = []
+    for i, m in enumerate(messages):
+        if m["role"] == "tool":
+            calls = calling["tool_calls"] if calling else []
+            answered = next((k for k, c in enumerate(calls) if c.get("id") == m.get("tool_call_id")), None)
+            if answered is None:
+                raise bad_request(f"messages[{i}].tool_call_id",
+                                  f"messages[{i}].tool_call_id {str(m.get('tool_call_id'))[:80]!r} answers no tool "
+                                  "call of the assistant message before it.")
+            results.append((answered, {"name": calls[answered]["function"]["name"],
+                                       "response": tool_response(m.get("content") or "")}))
+            calling["tool_responses"] = [r for _, r in sorted(results, key=lambda r: r[0])]
+            continue
+        previous = out[-1] if out else None
+        if (m["role"] == "assistant" and not m.get("tool_calls") and previous is not None
+                and previous.get("tool_responses")):
+            previous["content"] = "\n\n".join(t for t in (previous["content"], m["content"]) if t)
+            calling, results = None, []
+            continue
+        m = dict(m)
+        out.append(m)
+        calling, results = (m, []) if m["role"] == "assistant" and m.get("tool_calls") else (None, [])
+    return out
+
+
+def tool_response(content: str) -> Any:
+    """A tool message's content as Gemma 4's templates take a response: the mapping when it is a JSON
+    object's text (rendered `response:f{key:value,...}`), else the text (rendered `response:f{value:...}`)."""
+    try:
+        value = json.loads(content)
+    except ValueError:
+        return content
+    return value if isinstance(value, dict) else content
 
 
 def leading_shared(messages: list[dict[str, Any]]) -> int:
@@ -134,9 +254,11 @@ def render_messages(tokenizer, messages: list[dict[str, Any]], tools: list[dict[
 
 
 def client_texts(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[tuple[str, str]]:
-    """(field, text) of every client text the template copies, in the order a Gemma template renders them:
-    a leading system message, the tools' descriptions (the system turn declares them), then each message's
-    content, its tool calls' argument keys and strings (keys sorted as Jinja's `dictsort` sorts them)."""
+    """(field, text) of every client text the template copies, in the order Gemma 4's templates render them:
+    a leading system message, the tools' descriptions (the system turn declares them), then each message: an
+    assistant's reasoning_content, its tool calls' argument keys and strings (keys sorted as Jinja's
+    `dictsort` sorts them) and its folded tool results' (`fold_tool_results`), then the content. (The field of
+    a folded result is the turn's; messages here are the template's, after folding.)"""
     out: list[tuple[str, str]] = []
     rest = list(enumerate(messages))
     if rest and rest[0][1]["role"] in ("system", "developer"):
@@ -146,10 +268,14 @@ def client_texts(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) ->
         if description:
             out.append((f"tools[{i}].function.description", description))
     for i, m in rest:
-        out.append((f"messages[{i}].content", (m.get("content") or "").strip()))
+        if m.get("reasoning_content"):
+            out.append((f"messages[{i}].reasoning_content", m["reasoning_content"]))
         for j, call in enumerate(m.get("tool_calls") or ()):
             out += [(f"messages[{i}].tool_calls[{j}].function.arguments", s)
                     for s in _strings(call["function"]["arguments"])]
+        for result in m.get("tool_responses") or ():
+            out += [(f"messages[{i}].content", s) for s in _strings(result["response"])]
+        out.append((f"messages[{i}].content", (m.get("content") or "").strip()))
     return [(field, body) for field, body in out if body]
 
 

@@ -152,6 +152,9 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: Annotated[list[MessageToolCall], Field(max_length=MAX_TOOL_CALLS)] | None = None
     tool_call_id: str | None = None
+    # vLLM's extension: an assistant turn's thought, which Gemma 4's templates render between the tool calls
+    # that follow the last user turn (chat_template.gemma_turns).
+    reasoning_content: str | None = None
 
 
 class FunctionDefinition(BaseModel):
@@ -803,7 +806,8 @@ class ChatCompletionRequest(GenerationRequest):
     def template_messages(self) -> list[dict[str, Any]]:
         """Messages as the chat template wants them: text content parts joined into one string; an
         assistant's tool calls with their arguments as objects (Gemma 4's templates render a mapping, as
-        vLLM's chat_utils does for them); a tool message with its tool_call_id and name."""
+        vLLM's chat_utils does for them) and its reasoning_content; a tool message with its tool_call_id
+        and name. (chat_template.gemma_turns then fits them to the checkpoint's template.)"""
         out = []
         for m in self.messages:
             content = m.content
@@ -819,6 +823,8 @@ class ChatCompletionRequest(GenerationRequest):
                 message["tool_call_id"] = m.tool_call_id
                 if m.name is not None:
                     message["name"] = m.name
+            if m.role == "assistant" and m.reasoning_content:
+                message["reasoning_content"] = m.reasoning_content
             out.append(message)
         return out
 

@@ -27,7 +27,7 @@ import uvicorn
 
 from gemma_server.app import create_app
 from gemma_server.config import parse_config
-from tests.checkpoints import agent_checkpoint, chat_checkpoint  # noqa: F401 - the session fixtures, used below
+from tests.checkpoints import agent_checkpoint, chat_checkpoint, gemma4_checkpoint  # noqa: F401 - session fixtures
 
 REPO = Path(__file__).resolve().parents[2]
 CONTEXT = 1024  # the tiny checkpoint's max_position_embeddings
@@ -118,6 +118,15 @@ def agent_server(agent_checkpoint) -> Iterator[InProcessServer]:  # noqa: F811
     """The real engine on the agent checkpoint (Gemma 4's tool and thinking markers), served in-process,
     greedy by default, as `server` is."""
     s = start_in_process(agent_checkpoint, "--queue-limit", "16", "--max-num-seqs", "4", "--default-temperature", "0")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def gemma4_server(gemma4_checkpoint) -> Iterator[InProcessServer]:  # noqa: F811
+    """The real engine on the agent weights with Google's own Gemma 4 chat template (tool results read from
+    the model turn), served in-process, greedy by default, as `agent_server` is."""
+    s = start_in_process(gemma4_checkpoint, "--queue-limit", "16", "--max-num-seqs", "4", "--default-temperature", "0")
     yield s
     s.stop()
 
