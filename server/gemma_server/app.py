@@ -57,7 +57,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
-from gemma_server import openapi
+from gemma_server import messages, openapi
 from gemma_server.boot import Boot
 from gemma_server.chat_template import chat_prompt, encode, render_chat, tokenize_completion
 from gemma_server.config import Config
@@ -79,6 +79,7 @@ from gemma_server.protocol import (
     grammar_text,
     max_prompt_chars,
 )
+from gemma_server.responses import ResponseObject, ResponseStore, ResponsesRequest, owner_of
 from gemma_server.scheduler import Cause, ClientShares, NotReady, Scheduler, SchedulerError, StepObserver
 from gemma_server.serving import (
     ClientDisconnected,
@@ -107,7 +108,10 @@ class ServerState:
         self.config = config
         # The paths that need the API key (none without --api-key): key_refused and /openapi.json read it.
         self.keyed = frozenset(["/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize",
-                                "/mcp", *(["/metrics"] if config.metrics_need_key else [])] if config.api_key else [])
+                                "/v1/responses", "/v1/responses/{response_id}", "/v1/messages", "/mcp",
+                                *(["/metrics"] if config.metrics_need_key else [])] if config.api_key else [])
+        self.responses = ResponseStore(config.responses_store_max_count, config.responses_store_max_bytes,
+                                       config.responses_store_max_age)
         self.metrics = m = Metrics(config.model_name, config.context)
         self.scheduler = Scheduler(config.queue_limit, StepObserver(
             on_waiting=m.num_requests_waiting.set, on_running=m.num_requests_running.set,
@@ -228,7 +232,7 @@ class ServerState:
     def key_refused(self, path: str, authorization: bytes | None) -> ApiError | None:
         """The 401 for a request to `path` with this Authorization header, or None when the path is open
         (not in `keyed`) or the header carries the key (compared in constant time)."""
-        if path not in self.keyed:
+        if path not in self.keyed and not (self.keyed and path.startswith("/v1/responses/")):
             return None
         scheme, _, token = (authorization or b"").partition(b" ")
         if scheme.lower() != b"bearer" or not hmac.compare_digest(token, self.config.api_key.encode()):
@@ -334,6 +338,45 @@ class ServerState:
                 await asyncio.sleep(0.02)
         await asyncio.sleep(0.05)  # let the last responses flush
         self.request_exit()
+
+
+async def serve_response(state: ServerState, body: ResponsesRequest, request: Request) -> Response:
+    """POST /v1/responses (responses.py): the request as chat, through `ServerState.start` as every request,
+    then its reply as a response object or the Responses stream; stored unless `store` is false."""
+    from gemma_server import responses
+
+    owner = owner_of(request.headers.get("authorization"))
+    body.check()
+    earlier = None
+    if body.previous_response_id is not None:
+        earlier = state.responses.get(body.previous_response_id, owner, "previous_response_id").conversation
+    chat = responses.to_chat(body, earlier)
+    client = request.client.host if request.client else "?"
+    gone = lambda: Cause.STALLED if request.scope.get(STALLED) else Cause.CLIENT_GONE  # noqa: E731
+    try:
+        gens = await state.start(chat.request, True, client, gone)
+    except ApiError as e:
+        raise responses.rename(e, chat) from e
+    gen = gens[0]
+    fmt = responses.ResponseFormatter(body, state.config.model_name, Formatter(
+        True, state.config.model_name, state.fingerprint, state.token_text))
+
+    def keep(response: dict[str, Any]) -> None:
+        if body.store is not False:
+            state.responses.put(owner, response, chat.history + [responses.assistant_message(response)])
+
+    try:
+        if body.stream:
+            events = await responses.stream(gen, fmt, request.receive, keep)
+            return StreamingResponse(events, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        outputs = await race_disconnect(request.receive, collect(gens))
+    except ClientDisconnected:
+        gen.leave()
+        return Response(status_code=499)
+    response = fmt.collect(outputs[0], gen)
+    keep(response)
+    return JSONResponse(response)
 
 
 def health_response(state: ServerState) -> Response:
@@ -581,6 +624,46 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
     @app.post("/v1/completions", response_model=None, responses=openapi.generation(CompletionResponse))
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await generate(request, body, chat=False)
+
+    @app.post("/v1/responses", response_model=None, responses=openapi.generation(ResponseObject))
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        return await serve_response(state, body, request)
+
+    @app.get("/v1/responses/{response_id}", responses=openapi.errors(401, 404))
+    async def get_response(response_id: str, request: Request) -> dict[str, Any]:
+        return state.responses.get(response_id, owner_of(request.headers.get("authorization"))).response
+
+    @app.delete("/v1/responses/{response_id}", responses=openapi.errors(401, 404))
+    async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
+        state.responses.delete(response_id, owner_of(request.headers.get("authorization")))
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    async def create_message(body: messages.MessagesRequest, request: Request) -> Response:
+        """Anthropic's Messages API: the request as a chat request (messages.to_chat), admitted by the one
+        path (`ServerState.start`), its reply as Anthropic's message or events (errors: messages.AnthropicRoute)."""
+        def gone() -> Cause:
+            return Cause.STALLED if request.scope.get(STALLED) else Cause.CLIENT_GONE
+
+        translation = messages.to_chat(body)
+        try:
+            gens = await state.start(translation.chat, True, request.client.host if request.client else "?", gone)
+        except ApiError as e:
+            raise translation.names.error(e) from None
+        fmt = messages.MessageFormatter(state.config.model_name, body.stop_sequences)
+        try:
+            if body.stream:
+                stream = await messages.open_stream(gens, fmt, request.receive)
+                return StreamingResponse(stream, media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            outputs = await race_disconnect(request.receive, collect(gens))
+        except ClientDisconnected:
+            for gen in gens:
+                gen.leave()
+            return Response(status_code=499)  # nobody reads it
+        return Response(fmt.response_json(outputs[0], gens[0]), media_type="application/json")
+
+    app.router.add_api_route("/v1/messages", create_message, methods=["POST"], response_model=None,
+                             responses=messages.RESPONSES, route_class_override=messages.AnthropicRoute)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=openapi.errors(400, 404, 413, 503))
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:

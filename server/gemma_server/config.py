@@ -151,6 +151,14 @@ class Config:
                                       "to finish after SIGTERM", minimum=0)
     api_key: str | None = setting(None, "GEMMA_API_KEY", "when set, every /v1 route needs `Authorization: Bearer "
                                   "<key>` (prefer the variable: a flag shows in ps)", flag_type=str)
+    responses_store_max_count: int = setting(1000, "GEMMA_RESPONSES_STORE_MAX_COUNT", "most /v1/responses "
+                                             "responses kept for previous_response_id and GET (oldest out "
+                                             "first; 0 keeps none)", minimum=0)
+    responses_store_max_bytes: int = setting(64 * 1024 * 1024, "GEMMA_RESPONSES_STORE_MAX_BYTES", "most bytes "
+                                             "of JSON the stored responses and their conversations take in all",
+                                             minimum=0)
+    responses_store_max_age: float = setting(3600.0, "GEMMA_RESPONSES_STORE_MAX_AGE", "seconds a stored "
+                                             "response is kept", minimum=0)
     enable_mcp: bool = setting(True, "GEMMA_ENABLE_MCP", "serve the Model Context Protocol at /mcp (streamable "
                                "HTTP, stateless; tools ask, stream, engine_info, endpoint_status, serving_metrics)")
     mcp_allowed_hosts: str = setting("localhost,127.0.0.1,[::1]", "GEMMA_MCP_ALLOWED_HOSTS", "comma-separated "

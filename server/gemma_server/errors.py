@@ -136,7 +136,13 @@ def invalid_request(errs: Sequence[dict[str, Any]]) -> ApiError:
     # A list past its cap fails every branch of a union (`stop`: a string, or a list of at most 16): the
     # cap is the error that names what is wrong.
     fallback = errs[0] if errs else {"loc": (), "msg": "invalid request"}
-    first = next((e for e in errs if e.get("type") == "too_long"), fallback)
+    first = next((e for e in errs if e.get("type") == "too_long"), None)
+    if first is None:
+        # Of a union's branches, the one that got furthest into the value names the fault (a list of items
+        # whose third has a bad type, not "should be a valid string").
+        top = param_from_loc(tuple(fallback.get("loc", ()))) or ""
+        same = [e for e in errs if (param_from_loc(tuple(e.get("loc", ()))) or "").startswith(top)]
+        first = max(same or [fallback], key=lambda e: len(param_from_loc(tuple(e.get("loc", ()))) or ""))
     if first.get("type") == "json_invalid":
         return ApiError(400, f"The body is not valid JSON: {first.get('msg')}")
     param = param_from_loc(tuple(first.get("loc", ())))

@@ -159,6 +159,7 @@ class Generation:
         self._calls: dict[int, tuple[str, str, list[str]]] = {}  # index -> id, name, argument fragments
         self._stops = StopMatcher(params.stop)
         self.completion_tokens = 0  # tokens that made it into the output
+        self.reasoning_tokens = 0  # of those, the thought channel's
         self.first_token: float | None = None
         self.last_token: float | None = None
         self.done: Done | None = None
@@ -212,6 +213,7 @@ class Generation:
             if isinstance(e, Content):
                 out.text += "".join(self._stops.feed(self._detok.add(t)) for t in e.ids)
             elif isinstance(e, Reasoning):
+                self.reasoning_tokens += len(e.ids)
                 out.reasoning += "".join(self._thought.add(t) for t in e.ids)
             elif isinstance(e, CallStart):
                 self._calls[e.index] = (e.id, e.name, [])
