@@ -1,8 +1,11 @@
 """The FastAPI app: thin routes over the engine thread, the error handlers, and the drain on SIGTERM.
 
 Routes (vLLM's `entrypoints/openai/api_server.py` set): POST /v1/chat/completions, POST /v1/completions,
-POST /tokenize, POST /detokenize (vLLM's shapes), GET /v1/models, GET /health (+ /ping), GET /live, GET /v1/engine,
-GET /version, GET /metrics, GET / (chat page), and /mcp (the Model Context Protocol's tools: mcp_server.py).
+POST /v1/responses with GET and DELETE /v1/responses/{id} (OpenAI's Responses API: responses.py), POST
+/v1/messages (Anthropic's Messages API: messages.py), POST /tokenize, POST /detokenize (vLLM's shapes), GET
+/v1/models, GET /health (+ /ping), GET /live, GET /v1/engine, GET /version, GET /metrics, GET / (chat page),
+and /mcp (the Model Context Protocol's tools: mcp_server.py). The Responses and Messages routes turn their
+request into a chat request and take the same path.
 Route bodies only parse, check, admit and hand over (`ServerState.start`, the one path every request takes);
 the work is in protocol.py (what a request means), chat_template.py (a request's prompt ids), serving.py
 (tokens -> responses) and scheduler.py (the queue and the engines).
@@ -16,8 +19,9 @@ Every error is `{"error": {...}}` (errors.py); FastAPI's 422 for a malformed bod
 the field, as vLLM's `validation_exception_handler` does. Each route declares the statuses it answers,
 and /openapi.json is openapi.py's document of them.
 
-With `--api-key` the API routes (/v1/chat/completions, /v1/completions, /v1/models, /mcp) need `Authorization:
-Bearer <key>` (compared in constant time), as vLLM's `--api-key`; /metrics needs it with
+With `--api-key` the API routes (/v1/chat/completions, /v1/completions, /v1/responses[/{id}], /v1/messages,
+/v1/models, /tokenize, /detokenize, /mcp) need `Authorization: Bearer <key>` (compared in constant time), as
+vLLM's `--api-key` (/v1/messages also takes it as Anthropic's `X-Api-Key`); /metrics needs it with
 `--metrics-need-key`. The key is checked by ASGI middleware (`ApiKeyGate`) from the headers alone, before
 a byte of the body is read, parsed or logged: a client without it costs the server a header parse. /health,
 /ping, /live, /version and / stay open for probes, and so does the boot report /v1/engine: the operator
@@ -52,6 +56,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -229,11 +234,14 @@ class ServerState:
             return f"Loading model (stage: {self.boot.state.stage})."
         return None
 
-    def key_refused(self, path: str, authorization: bytes | None) -> ApiError | None:
+    def key_refused(self, path: str, authorization: bytes | None, x_api_key: bytes | None = None) -> ApiError | None:
         """The 401 for a request to `path` with this Authorization header, or None when the path is open
-        (not in `keyed`) or the header carries the key (compared in constant time)."""
+        (not in `keyed`) or the header carries the key (compared in constant time). On /v1/messages the key
+        may come as Anthropic's `X-Api-Key` header instead (what Anthropic's SDK sends for `api_key`)."""
         if path not in self.keyed and not (self.keyed and path.startswith("/v1/responses/")):
             return None
+        if path == "/v1/messages" and x_api_key is not None:
+            authorization = b"Bearer " + x_api_key
         scheme, _, token = (authorization or b"").partition(b" ")
         if scheme.lower() != b"bearer" or not hmac.compare_digest(token, self.config.api_key.encode()):
             return ApiError(401, "Invalid or missing API key: send `Authorization: Bearer <key>`.",
@@ -439,7 +447,8 @@ class ApiKeyGate:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http":
             authorization = next((v for k, v in scope.get("headers") or () if k == b"authorization"), None)
-            refused = self.state.key_refused(scope["path"], authorization)
+            x_api_key = next((v for k, v in scope.get("headers") or () if k == b"x-api-key"), None)
+            refused = self.state.key_refused(scope["path"], authorization, x_api_key)
             if refused is not None:
                 return await send_error(send, refused)
         await self.app(scope, receive, send)
@@ -576,8 +585,12 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        headers = getattr(exc, "headers", None)
+        if exc.status_code == 405:  # Starlette's Allow names the first matching route's methods, not every route's
+            headers = {"Allow": ", ".join(sorted({m for r in app.router.routes if isinstance(r, APIRoute)
+                                                  and r.path_regex.match(request.url.path) for m in r.methods}))}
         return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+                            headers=headers)
 
     @app.exception_handler(SchedulerError)
     async def _refused(request: Request, exc: SchedulerError) -> JSONResponse:

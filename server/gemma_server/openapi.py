@@ -177,6 +177,13 @@ def document(app: FastAPI, keyed: frozenset[str], limits: ModelLimits | None) ->
     if limits is not None:
         for name in _REQUESTS:
             _write_limits(schemas[name]["properties"], limits)
+        for schema in schemas.values():
+            if "tools" in schema.get("properties", {}) and not limits.tools and schema.get("title") != "TokenizeRequest":
+                # Without the tool-call tokens a request with tools is refused (app.py `ServerState.constrain`).
+                schema["properties"]["tools"] = {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}],
+                                                 "description": "This checkpoint's tokenizer has no tool-call tokens."}
+        if "DetokenizeRequest" in schemas:
+            schemas["DetokenizeRequest"]["properties"]["tokens"]["items"] = token_id_schema(limits.vocab_size)
     return doc
 
 
@@ -186,7 +193,3 @@ def _write_limits(properties: dict[str, Any], limits: ModelLimits) -> None:
         properties["prompt"]["anyOf"] = prompt_schema(limits.vocab_size, limits.context, limits.prompt_chars)
     properties["logit_bias"]["propertyNames"] = {"pattern": token_id_key_pattern(limits.vocab_size)}
     properties["stop_token_ids"]["items"] = token_id_schema(limits.vocab_size)
-    if "tools" in properties and not limits.tools:
-        # Without the tool-call tokens a request with tools is refused (app.py `ServerState.constrain`).
-        properties["tools"] = {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}],
-                               "description": "This checkpoint's tokenizer has no tool-call tokens."}

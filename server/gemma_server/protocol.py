@@ -75,9 +75,19 @@ Integer = Annotated[int, BeforeValidator(_json_integer)]
 # stream_options is only allowed with stream true (OpenAI and vLLM refuse it otherwise).
 STREAM_OPTIONS_RULE = one_of_fields_null_or("stream_options", "stream", True)
 # tool_choice required or named needs at least one tool.
+_NOT_FORCED = {"properties": {"tool_choice": {"not": {"anyOf": [{"const": "required"}, {"type": "object"}]}}}}
 FORCED_TOOL_RULE = {"anyOf": [
-    {"properties": {"tool_choice": {"not": {"anyOf": [{"const": "required"}, {"type": "object"}]}}}},
-    {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]}]}
+    _NOT_FORCED, {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]}]}
+# A forced call is the whole reply: no response_format but text, no structured output, with it.
+FORCED_ALONE_RULE = {"anyOf": [_NOT_FORCED, {"properties": {
+    "response_format": {"anyOf": [{"type": "null"}, {"properties": {"type": {"const": "text"}}}]},
+    "structured_outputs": {"anyOf": [{"type": "null"}, {"properties": {
+        "json": {"type": "null"}, "json_object": {"enum": [None, False]}, "choice": {"type": "null"},
+        "grammar": {"type": "null"}}}]},
+    "guided_json": {"type": "null"}}}]}
+# response_format json_schema carries its json_schema.
+JSON_SCHEMA_FORMAT_RULE = {"anyOf": [{"properties": {"type": {"enum": ["text", "json_object"]}}},
+                                     {"properties": {"json_schema": {"type": "object"}}, "required": ["json_schema"]}]}
 
 
 class OpenAIModel(BaseModel):
@@ -142,11 +152,21 @@ class MessageToolCall(BaseModel):
     function: FunctionCall
 
 
+# Per role, as `ChatCompletionRequest._check_tools` enforces it: a tool message has a tool_call_id, and only an
+# assistant message carries tool_calls.
+MESSAGE_ROLE_RULES = [
+    {"anyOf": [{"properties": {"role": {"not": {"const": "tool"}}}},
+               {"properties": {"tool_call_id": {"type": "string"}}, "required": ["tool_call_id"]}]},
+    {"anyOf": [{"properties": {"role": {"const": "assistant"}}},
+               {"properties": {"tool_calls": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}}}]},
+]
+
+
 class ChatMessage(BaseModel):
     """One message. An assistant message may carry `tool_calls` (its content then may be null); a `tool`
     message answers one of them by `tool_call_id`."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={"allOf": MESSAGE_ROLE_RULES})
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     name: str | None = None
@@ -197,7 +217,7 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(strict=True)
+    model_config = ConfigDict(strict=True, json_schema_extra={"allOf": [JSON_SCHEMA_FORMAT_RULE]})
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -662,7 +682,8 @@ class ChatCompletionRequest(GenerationRequest):
     """POST /v1/chat/completions. Field order: OpenAI API reference (as vLLM's ChatCompletionRequest)."""
 
     model_config = ConfigDict(json_schema_extra={"allOf": [
-        STREAM_OPTIONS_RULE, one_of_fields_null_or("top_logprobs", "logprobs", True), FORCED_TOOL_RULE]})
+        STREAM_OPTIONS_RULE, one_of_fields_null_or("top_logprobs", "logprobs", True), FORCED_TOOL_RULE,
+        FORCED_ALONE_RULE]})
 
     messages: Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)] = Field(json_schema_extra={"minItems": 1})
     model: str | None = None
@@ -1044,9 +1065,13 @@ class TokenizeRequest(OpenAIModel):
     """POST /tokenize (vLLM's `TokenizeCompletionRequest` / `TokenizeChatRequest`): a prompt, or messages
     rendered with the chat template."""
 
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}}, "required": ["prompt"]},
+        {"properties": {"prompt": {"type": "null"}, "messages": {"type": "array"}}, "required": ["messages"]}]})
+
     model: str | None = None
     prompt: str | None = None
-    messages: Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)] | None = None
+    messages: Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)] | None = documented(minItems=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None

@@ -43,9 +43,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
 
-from gemma_server.errors import ApiError, as_api_error, bad_request
+from gemma_server.errors import ApiError, as_api_error, bad_request, invalid_request
 from gemma_server.openapi import documented
 from gemma_server.protocol import (
     FUNCTION_NAME,
@@ -225,8 +225,19 @@ class ReasoningConfig(Strict):
     summary: Literal["auto", "concise", "detailed"] | None = None
 
 
+# As chat's FORCED_TOOL_RULE and FORCED_ALONE_RULE: a forced call needs tools and is the whole reply.
+_NOT_FORCED = {"properties": {"tool_choice": {"not": {"anyOf": [{"const": "required"}, {"type": "object"}]}}}}
+RESPONSES_RULES = [
+    {"anyOf": [_NOT_FORCED, {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]}]},
+    {"anyOf": [_NOT_FORCED, {"properties": {"text": {"anyOf": [{"type": "null"}, {"properties": {"format": {
+        "anyOf": [{"type": "null"}, {"properties": {"type": {"const": "text"}}}]}}}]}}}]},
+]
+
+
 class ResponsesRequest(OpenAIModel):
     """POST /v1/responses. Field order: the OpenAI API reference's."""
+
+    model_config = ConfigDict(json_schema_extra={"allOf": RESPONSES_RULES})
 
     background: bool | None = documented(enum=[False, None], description="Not supported.")
     include: Annotated[list[str], Field(max_length=16)] | None = None
@@ -333,7 +344,11 @@ def to_chat(body: ResponsesRequest, earlier: list[dict[str, Any]] | None = None)
         fields.update(logprobs=True, top_logprobs=body.top_logprobs)
     if body.thinking():
         fields["chat_template_kwargs"] = {"enable_thinking": True}
-    return ChatFromResponses(ChatCompletionRequest.model_validate(fields), origins, history, call_origins)
+    try:
+        request = ChatCompletionRequest.model_validate(fields)
+    except ValidationError as e:  # what the Responses models let through and chat's do not: a 400, never a 500
+        raise invalid_request(e.errors()) from e
+    return ChatFromResponses(request, origins, history, call_origins)
 
 
 def input_messages(given: str | list) -> tuple[list[dict[str, Any]], list[str], dict[int, list[str]]]:

@@ -2,11 +2,11 @@
 bench/fuzz.py), loaded with `SCHEMATHESIS_HOOKS=tests.server.openapi_checks`.
 
 Every built-in check runs. One needs a narrower reading, which `schema_valid_requests_are_served` gives:
-schemathesis's `positive_data_acceptance` wants a 2xx for every request the document allows, but two
-refusals depend on what no JSON Schema can state, the chat template's own rules (Gemma's templates want
-user and assistant turns to alternate) and the prompt's length in tokens. schemathesis.toml lets the
-built-in check accept a 400, and this check fails every schema-valid 400 except those two, each told
-by the server's own message.
+schemathesis's `positive_data_acceptance` wants a 2xx for every request the document allows, but some
+refusals depend on what no JSON Schema can state: the chat template's own rules, a prompt's length in
+tokens, references between fields, strings that must hold JSON, and what llguidance compiles
+(`REFUSALS_BEYOND_THE_SCHEMA` names each, with why). schemathesis.toml lets the built-in check accept a 400,
+and this check fails every schema-valid 400 but those, each told by the server's own message.
 """
 
 from __future__ import annotations
@@ -21,42 +21,50 @@ import httpx
 import schemathesis
 from prometheus_client.parser import text_string_to_metric_families
 
-# (param, message prefix) of the 400s a schema-valid request may get; the messages are the server's own
-# (chat_template.render_chat, GenerationRequest.engine_params and check_size). A param ending in "[" or "."
-# stands for every field under it (messages[3].tool_calls[0]...).
+# (param, message prefix) of the 400s a schema-valid request may get, each group with why the document cannot
+# say it; the messages are the server's own (chat_template.render_chat, GenerationRequest.engine_params and
+# check_size, the requests' checks). A param ending in "[" or "." stands for every field under it
+# (messages[3].tool_calls[0]...). /v1/responses and /v1/messages name their own fields (input, system, ...)
+# for the same chat checks. Everything else a request's checks refuse, the document states (minItems, the
+# per-role rules of a message, the rules tying two fields together), so a schema-valid request never gets it.
 REFUSALS_BEYOND_THE_SCHEMA = (
-    ("messages", "The chat template rejected the messages:"),
-    ("messages", "Input length ("),
-    ("messages", "The prompt is longer than"),
+    # The chat template's own rules (Gemma's templates want user and assistant turns to alternate; Gemma 4's
+    # want a tool result to answer a call of the turn before it) and a prompt's length in tokens.
+    *((field, prefix) for field in ("messages", "input", "system")
+      for prefix in ("The chat template rejected the messages:", "Input length (", "The prompt is longer than")),
+    ("messages[", "messages["),  # a tool_call_id that answers no call (Gemma 4's template folds results)
+    # /v1/messages: a conversation must end with a user turn (the reply is a new turn, no prefill), and each
+    # tool_result is a chat message of its own, so a body within its caps can make more than chat's 1,024.
+    ("messages[", "A final assistant message (prefill)"),
+    ("messages", "messages must hold at most"),
+    ("input[", "messages["),
     ("prompt", "Input length ("),
     ("prompt", "The prompt is longer than"),
-    # Rules between fields and in strings that JSON Schema does not reach: a named tool that tools lacks,
-    # tool names given twice, arguments that are not a JSON object's text, a tool message's place.
+    # References between fields and items: a named tool that tools lacks, a name given twice (uniqueItems
+    # compares whole items, not one property of them).
     ("tool_choice", "tool_choice names"),
     ("tools[", "Two tools are named"),
+    # A string that must hold JSON: a call's arguments (a JSON object's text), guided_json given as text
+    # (contentMediaType/contentSchema are annotations a validator does not check).
     ("messages[", "Tool call arguments must be"),
-    ("messages[", "A tool message needs"),
-    ("messages[", "Only assistant messages"),
-    ("response_format", "response_format cannot be json"),
-    # What a grammar can enforce and what llguidance compiles are llguidance's to say.
-    ("response_format", "The constraint cannot be compiled"),
-    ("response_format", "The schema cannot be enforced"),
-    ("tools[", "The schema cannot be enforced"),
-    ("tool_choice", "The schema cannot be enforced"),
-    ("tool_choice", "The constraint cannot be compiled"),
-    ("structured_outputs", "The constraint cannot be compiled"),
-    ("structured_outputs", "The schema cannot be enforced"),
-    ("structured_outputs", "Only one structured output"),
-    ("guided_json", "The constraint cannot be compiled"),
+    ("input[", "Tool call arguments must be"),
     ("guided_json", "guided_json is not a JSON Schema"),
     ("guided_json", "guided_json must be"),
+    # Two of structured_outputs' kinds, or one of them and guided_json: one constraint per request.
+    ("structured_outputs", "Only one structured output"),
     ("guided_json", "Only one structured output"),
-    ("tools[", "tools["),  # a control token's text in a tool's name or parameters
-    ("tools", "This checkpoint's tokenizer lacks"),
-    ("max_tokens", "max_tokens"),  # 0 only with echo and logprobs
-    ("prompt", "Send exactly one of"),
-    ("messages", "messages must hold"),
-    ("tokens", "Token id"),
+    # What a grammar can enforce and what llguidance compiles are llguidance's to say (a string that is not a
+    # JSON Schema it takes, a schema past its limits).
+    *((field, prefix) for field in ("response_format", "text.format", "tools[", "tool_choice", "structured_outputs",
+                                    "guided_json")
+      for prefix in ("The constraint cannot be compiled", "The schema cannot be enforced")),
+    # max_tokens 0 only with echo and logprobs: JSON Schema can say it, but beside best_of's rule (sixteen
+    # branches) the generator's canonical form (jsonschema_rs) gives up on the whole request schema.
+    ("max_tokens", "max_tokens must be at least 1 (0 only with echo)"),
+    ("max_tokens", "max_tokens 0 needs logprobs"),
+    # A control token's text in a tool's name or parameters: the tokenizer's special tokens are the loaded
+    # model's, not the document's.
+    ("tools[", "tools["),
 )
 
 

@@ -35,6 +35,10 @@ def fuzz_server(spawn, chat_checkpoint):
     return s
 
 
+def schemas_of(doc: dict) -> dict:
+    return doc["components"]["schemas"]
+
+
 def test_the_document_states_the_servers_statuses_content_types_and_limits(fuzz_server):
     doc = httpx.get(fuzz_server.base + "/openapi.json", timeout=10).json()
     paths = doc["paths"]
@@ -45,6 +49,13 @@ def test_the_document_states_the_servers_statuses_content_types_and_limits(fuzz_
     error_ref = {"$ref": "#/components/schemas/ErrorResponse"}
     assert chat["responses"]["400"]["content"]["application/json"]["schema"] == error_ref
     assert set(chat["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
+    for path in ("/v1/responses", "/v1/messages"):  # the other two generation APIs answer the same statuses
+        assert set(paths[path]["post"]["responses"]) == set(chat["responses"]), path
+        assert set(paths[path]["post"]["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
+    assert set(paths["/v1/responses/{response_id}"]) == {"get", "delete"}
+    # The per-role rules of a message and /tokenize's one-of are in the document, as validation has them.
+    assert schemas_of(doc)["ChatMessage"]["allOf"]
+    assert schemas_of(doc)["TokenizeRequest"]["properties"]["messages"]["minItems"] == 1
     assert chat["security"] == [{"bearer": []}] and "401" in paths["/v1/models"]["get"]["responses"]
     assert not [p for p in ("/health", "/v1/engine", "/metrics") if "security" in paths[p]["get"]]
     assert list(paths["/"]["get"]["responses"]["200"]["content"]) == ["text/html"]
@@ -69,5 +80,6 @@ def test_requests_generated_from_the_document_find_no_difference(fuzz_server, tm
     assert report["failures"] == [] and report["errors"] == [], summary
     assert report["exit_code"] == 0 and report["complete"], summary
     assert report["test_cases"]["generated"] >= MIN_CASES, summary
-    assert report["operations"]["tested"] == len(httpx.get(fuzz_server.base + "/openapi.json").json()["paths"])
+    paths = httpx.get(fuzz_server.base + "/openapi.json").json()["paths"]
+    assert report["operations"]["tested"] == sum(len(operations) for operations in paths.values())
     assert engine_replies(fuzz_server.base) >= MIN_GENERATED

@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field
 
 from gemma_server.errors import ApiError
 from gemma_server.responses import ResponseStore, ResponsesRequest, rename, to_chat
-from tests.server.conftest import openai_client, sample, wait_for
+from tests.server.conftest import openai_client, sample, start_in_process, wait_for
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
            "properties": {"city": {"type": "string", "maxLength": 6},
@@ -205,6 +205,20 @@ def test_a_stored_response_is_read_and_deleted_only_with_the_key_that_made_it(ge
     unstored = client.responses.create(model=model, input="Forget me", max_output_tokens=4, store=False)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
+
+
+def test_with_an_api_key_every_responses_route_needs_it(gemma4_checkpoint):
+    server = start_in_process(gemma4_checkpoint, "--api-key", "right-key")
+    try:
+        for method, path in (("POST", "/v1/responses"), ("GET", "/v1/responses/resp_1"),
+                             ("DELETE", "/v1/responses/resp_1")):
+            r = httpx.request(method, server.base + path, json={"input": "hi"} if method == "POST" else None)
+            assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", (method, path, r.text)
+        keyed = openai.OpenAI(base_url=server.base + "/v1", api_key="right-key", max_retries=0)
+        made = keyed.responses.create(model=server.state.config.model_name, input="hi", max_output_tokens=2)
+        assert keyed.responses.retrieve(made.id).id == made.id
+    finally:
+        server.stop()
 
 
 def test_the_store_keeps_its_count_bytes_and_age_caps():
