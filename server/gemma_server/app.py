@@ -662,7 +662,7 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
             gens = await state.start(translation.chat, True, request.client.host if request.client else "?", gone)
         except ApiError as e:
             raise translation.names.error(e) from None
-        fmt = messages.MessageFormatter(state.config.model_name, body.stop_sequences)
+        fmt = messages.MessageFormatter(state.config.model_name)
         try:
             if body.stream:
                 stream = await messages.open_stream(gens, fmt, request.receive)

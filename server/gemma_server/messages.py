@@ -525,13 +525,12 @@ STOP_REASONS: dict[str | None, StopReason | None] = {"stop": "end_turn", "length
                                                       "tool_calls": "tool_use"}
 
 
-def stop_reason(gen: Generation, stop_sequences: list[str] | None) -> tuple[StopReason | None, str | None]:
-    """The choice's (stop_reason, stop_sequence). A stop string's end is the job's (Cause.STOP_STRING); which
-    one matched is known only when one was given: text.StopMatcher keeps no record of which matched, and the
-    text after the cut (where the match is) is never kept, so with several the sequence is null."""
+def stop_reason(gen: Generation) -> tuple[StopReason | None, str | None]:
+    """The choice's (stop_reason, stop_sequence): a stop string's end is the job's (Cause.STOP_STRING), and
+    the string is the one text.StopMatcher matched."""
     ended = gen.job.ended
     if ended is not None and ended.cause is Cause.STOP_STRING:
-        return "stop_sequence", stop_sequences[0] if stop_sequences and len(stop_sequences) == 1 else None
+        return "stop_sequence", gen.matched_stop
     return STOP_REASONS.get(gen.finish_reason), None
 
 
@@ -607,13 +606,11 @@ class MessageFormatter:
 
     Args:
         model: the served model name.
-        stop_sequences: the request's stop_sequences (to name the one that matched).
     """
 
-    def __init__(self, model: str, stop_sequences: list[str] | None) -> None:
+    def __init__(self, model: str) -> None:
         self.id = "msg_" + uuid.uuid4().hex
         self.model = model
-        self.stop_sequences = stop_sequences
 
     def message(self, out: Output, gen: Generation) -> Message:
         """The non-streamed reply: a thinking block when it thought, the text (left out when the reply only
@@ -625,7 +622,7 @@ class MessageFormatter:
         if out.text and (not calls or out.text.strip()):
             content.append(TextBlock(text=out.text))
         content += [ToolUseBlock(id=c.id, name=c.name, input=call_input(c.arguments)) for c in calls]
-        reason, sequence = stop_reason(gen, self.stop_sequences)
+        reason, sequence = stop_reason(gen)
         return Message(id=self.id, content=content, model=self.model, stop_reason=reason, stop_sequence=sequence,
                        usage=message_usage(gen))
 
@@ -640,7 +637,7 @@ class MessageFormatter:
         return sse("message_start", {"type": "message_start", "message": message.model_dump()})
 
     def end_events(self, gen: Generation) -> bytes:
-        reason, sequence = stop_reason(gen, self.stop_sequences)
+        reason, sequence = stop_reason(gen)
         return (sse("message_delta", {"type": "message_delta",
                                       "delta": {"stop_reason": reason, "stop_sequence": sequence},
                                       "usage": message_usage(gen).model_dump()})

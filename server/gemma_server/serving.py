@@ -187,6 +187,11 @@ class Generation:
         return "tool_calls" if reason == "stop" and self.calls else reason
 
     @property
+    def matched_stop(self) -> str | None:
+        """The stop string that ended the output, or None."""
+        return self._stops.matched
+
+    @property
     def calls(self) -> list[ToolCall]:
         """The tool calls so far, as their events went out: a forced call cut by max_tokens is there with
         the arguments written before the cut (as the stream sent them)."""

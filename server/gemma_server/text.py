@@ -73,6 +73,7 @@ class StopMatcher:
         self._stops = tuple(stops)
         self._pending = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that matched (the earliest in the text)
 
     def feed(self, text: str) -> str:
         """Add text; return what is safe to send now. After a match, `stopped` is True and later feeds return ""."""
@@ -81,11 +82,12 @@ class StopMatcher:
         if not self._stops:
             return text
         buf = self._pending + text
-        hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
+        hits = [(i, s) for i, s in ((buf.find(s), s) for s in self._stops) if i >= 0]
         if hits:
+            at, self.matched = min(hits, key=lambda hit: hit[0])
             self.stopped = True
             self._pending = ""
-            return buf[: min(hits)]
+            return buf[:at]
         keep = _longest_suffix_prefix(buf, self._stops)
         self._pending = buf[len(buf) - keep :] if keep else ""
         return buf[: len(buf) - keep]

@@ -152,9 +152,9 @@ def test_stop_sequences_end_the_reply_and_name_the_sequence_that_matched(claude,
     with claude.messages.stream(model=model, max_tokens=24, messages=ASK, stop_sequences=[stop]) as stream:
         final = stream.get_final_message()
     assert (final.stop_reason, final.stop_sequence, text_of(final)) == ("stop_sequence", stop, text_of(m))
-    # With several sequences the server cannot tell which matched (text.StopMatcher keeps no record): null.
-    several = claude.messages.create(model=model, max_tokens=24, messages=ASK, stop_sequences=[stop, "\x00never"])
-    assert (several.stop_reason, several.stop_sequence, text_of(several)) == ("stop_sequence", None, text_of(m))
+    # With several sequences, the one that matched is named.
+    several = claude.messages.create(model=model, max_tokens=24, messages=ASK, stop_sequences=["\x00never", stop])
+    assert (several.stop_reason, several.stop_sequence, text_of(several)) == ("stop_sequence", stop, text_of(m))
 
 
 def test_a_streamed_message_is_the_unstreamed_one_in_anthropics_event_order(claude, model):
@@ -418,7 +418,7 @@ def test_an_error_after_the_stream_opened_is_its_last_event():
     async def read() -> bytes:
         items = pieces()
         first = await items.__anext__()
-        return b"".join([chunk async for chunk in stream_body(FakeGeneration(), MessageFormatter("m", None), items,
+        return b"".join([chunk async for chunk in stream_body(FakeGeneration(), MessageFormatter("m"), items,
                                                               first)])
 
     events = asyncio.run(read()).decode().split("\n\n")[:-1]

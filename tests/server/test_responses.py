@@ -169,6 +169,36 @@ def test_reasoning_effort_turns_thinking_on(gemma4_server, client, model):
     assert r.usage.input_tokens != prompt_tokens(gemma4_server, user)
 
 
+# A grammar forces the thought channel (random weights would not open it on their own), as test_agents.py does
+# for chat: what is tested is the channel read into a reasoning item, not the model's wish to think.
+THOUGHT = 'start: <|channel> "thought\\nI think" <channel|> "Done."'
+
+
+def test_a_thought_becomes_a_reasoning_item_before_the_message_streamed_or_not(client, model, monkeypatch):
+    from gemma_server import responses
+    from gemma_server.protocol import StructuredOutputs
+
+    translate = responses.to_chat
+
+    def with_grammar(body, earlier=None):
+        chat = translate(body, earlier)
+        chat.request = chat.request.model_copy(update={"structured_outputs": StructuredOutputs(grammar=THOUGHT)})
+        return chat
+
+    monkeypatch.setattr(responses, "to_chat", with_grammar)
+    kw = dict(model=model, input="Think first", reasoning={"effort": "high"}, max_output_tokens=30)
+    r = client.responses.create(**kw)
+    assert [item.type for item in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == "I think" and r.output_text == "Done."
+    assert r.usage.output_tokens_details.reasoning_tokens >= 1
+    with client.responses.stream(**kw) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert kinds.index("response.reasoning_text.delta") < kinds.index("response.output_text.delta")
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+    assert final.output[0].content == r.output[0].content and final.output_text == r.output_text
+
+
 def test_previous_response_id_continues_the_stored_conversation(gemma4_server, client, model):
     first = client.responses.create(model=model, input="Weather in Paris?", instructions="Be brief.", tools=TOOLS,
                                     tool_choice="required", max_output_tokens=80)

@@ -38,3 +38,10 @@ def test_nothing_is_sent_after_a_stop():
 
 def test_no_stop_strings_passes_everything_through():
     assert run([], ["a", "b"]) == ("ab", False)
+
+
+def test_the_stop_matcher_names_the_string_that_matched_first_in_the_text():
+    m = StopMatcher(["END", "stop"])
+    out = m.feed("say st") + m.feed("op now, END")
+    assert (out, m.stopped, m.matched) == ("say ", True, "stop")
+    assert StopMatcher(["x"]).matched is None
