@@ -49,7 +49,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -90,6 +90,7 @@ from gemma_server.serving import (
     ClientDisconnected,
     Formatter,
     Generation,
+    Output,
     ReplyFormat,
     collect,
     open_stream,
@@ -359,10 +360,8 @@ async def serve_response(state: ServerState, body: ResponsesRequest, request: Re
     if body.previous_response_id is not None:
         earlier = state.responses.get(body.previous_response_id, owner, "previous_response_id").conversation
     chat = responses.to_chat(body, earlier)
-    client = request.client.host if request.client else "?"
-    gone = lambda: Cause.STALLED if request.scope.get(STALLED) else Cause.CLIENT_GONE  # noqa: E731
     try:
-        gens = await state.start(chat.request, True, client, gone)
+        gens = await state.start(chat.request, True, client_of(request), gone_of(request))
     except ApiError as e:
         raise responses.rename(e, chat) from e
     gen = gens[0]
@@ -373,18 +372,44 @@ async def serve_response(state: ServerState, body: ResponsesRequest, request: Re
         if body.store is not False:
             state.responses.put(owner, response, chat.history + [responses.assistant_message(response)])
 
+    async def whole(outputs: list[Output]) -> Response:
+        response = fmt.collect(outputs[0], gen)
+        keep(response)
+        return JSONResponse(response)
+
+    return await reply(request, gens, (lambda: responses.stream(gen, fmt, request.receive, keep))
+                       if body.stream else None, whole)
+
+
+def client_of(request: Request) -> str:
+    """The client's address, as the per-client share counts it."""
+    return request.client.host if request.client else "?"
+
+
+def gone_of(request: Request) -> Callable[[], Cause]:
+    """Why a request's client went, asked when it has: connections.py marks a reply it aborted for stalling."""
+    return lambda: Cause.STALLED if request.scope.get(STALLED) else Cause.CLIENT_GONE
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def reply(request: Request, gens: list[Generation],
+                stream: Callable[[], Awaitable[AsyncIterator[bytes]]] | None,
+                whole: Callable[[list[Output]], Awaitable[Response]]) -> Response:
+    """The HTTP reply of an admitted generation, in any of the APIs: with `stream`, the server-sent events it
+    opens (it awaits the first engine event, so an early failure is a JSON error with its status); else
+    `whole` of every choice's output. A client that leaves first is every choice's end (499, which nobody
+    reads)."""
     try:
-        if body.stream:
-            events = await responses.stream(gen, fmt, request.receive, keep)
-            return StreamingResponse(events, media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        if stream is not None:
+            return StreamingResponse(await stream(), media_type="text/event-stream", headers=SSE_HEADERS)
         outputs = await race_disconnect(request.receive, collect(gens))
     except ClientDisconnected:
-        gen.leave()
+        for gen in gens:
+            gen.leave()
         return Response(status_code=499)
-    response = fmt.collect(outputs[0], gen)
-    keep(response)
-    return JSONResponse(response)
+    return await whole(outputs)
 
 
 def health_response(state: ServerState) -> Response:
@@ -603,11 +628,7 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
         return JSONResponse(err.body(), status_code=err.status)
 
     async def generate(request: Request, body: ChatCompletionRequest | CompletionRequest, chat: bool) -> Response:
-        def gone() -> Cause:  # connections.py marks a reply it aborted for stalling
-            return Cause.STALLED if request.scope.get(STALLED) else Cause.CLIENT_GONE
-
-        client = request.client.host if request.client else "?"
-        gens = await state.start(body, chat, client, gone)
+        gens = await state.start(body, chat, client_of(request), gone_of(request))
         tok = state.tokenizer
         params = gens[0].params
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -616,19 +637,14 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
             prompt = body.single_prompt()
             echo = (prompt if isinstance(prompt, str) else tok.decode(params.prompt_ids), params.prompt_ids)
         fmt = Formatter(chat, state.config.model_name, state.fingerprint, state.token_text, include_usage, echo)
-        try:
-            if body.stream:
-                stream = await open_stream(gens, fmt, request.receive)
-                return StreamingResponse(stream, media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            outputs = await race_disconnect(request.receive, collect(gens))
-        except ClientDisconnected:
-            for gen in gens:
-                gen.leave()
-            return Response(status_code=499)  # nobody reads it
-        # A large answer (n x tokens x top log-probabilities) is built and serialised off the event loop.
-        content = await asyncio.get_running_loop().run_in_executor(None, fmt.response_json, outputs, gens)
-        return Response(content, media_type="application/json")
+
+        async def whole(outputs: list[Output]) -> Response:
+            # A large answer (n x tokens x top log-probabilities) is built and serialised off the event loop.
+            content = await asyncio.get_running_loop().run_in_executor(None, fmt.response_json, outputs, gens)
+            return Response(content, media_type="application/json")
+
+        return await reply(request, gens, (lambda: open_stream(gens, fmt, request.receive)) if body.stream else None,
+                           whole)
 
     @app.post("/v1/chat/completions", response_model=None, responses=openapi.generation(ChatCompletionResponse))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -654,26 +670,18 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
     async def create_message(body: messages.MessagesRequest, request: Request) -> Response:
         """Anthropic's Messages API: the request as a chat request (messages.to_chat), admitted by the one
         path (`ServerState.start`), its reply as Anthropic's message or events (errors: messages.AnthropicRoute)."""
-        def gone() -> Cause:
-            return Cause.STALLED if request.scope.get(STALLED) else Cause.CLIENT_GONE
-
         translation = messages.to_chat(body)
         try:
-            gens = await state.start(translation.chat, True, request.client.host if request.client else "?", gone)
+            gens = await state.start(translation.chat, True, client_of(request), gone_of(request))
         except ApiError as e:
             raise translation.names.error(e) from None
         fmt = messages.MessageFormatter(state.config.model_name)
-        try:
-            if body.stream:
-                stream = await messages.open_stream(gens, fmt, request.receive)
-                return StreamingResponse(stream, media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            outputs = await race_disconnect(request.receive, collect(gens))
-        except ClientDisconnected:
-            for gen in gens:
-                gen.leave()
-            return Response(status_code=499)  # nobody reads it
-        return Response(fmt.response_json(outputs[0], gens[0]), media_type="application/json")
+
+        async def whole(outputs: list[Output]) -> Response:
+            return Response(fmt.response_json(outputs[0], gens[0]), media_type="application/json")
+
+        return await reply(request, gens, (lambda: messages.open_stream(gens, fmt, request.receive))
+                           if body.stream else None, whole)
 
     app.router.add_api_route("/v1/messages", create_message, methods=["POST"], response_model=None,
                              responses=messages.RESPONSES, route_class_override=messages.AnthropicRoute)
