@@ -2,7 +2,8 @@
 //! keys each query may see (Transformers 5.18 `models/gemma4/modeling_gemma4.py`,
 //! `Gemma4TextAttention`).
 //!
-//! q = rope(q_norm(q_proj(x))), k = rope(k_norm(k_proj(x))), v = v_norm(v_proj(x)) (no scale), the
+//! q = rope(q_norm(q_proj(x))), k = rope(k_norm(k_proj(x))), v = v_norm(v_proj(x)) (no scale; on a K=V
+//! layer, `attention_k_eq_v`'s full layers, v = v_norm(k_proj(x)): there is no v_proj), the
 //! three projections one matrix product whose output is split into heads-first views (in a
 //! one-token forward, views of a buffer made once: scratch.rs); in float32 the three norms are one
 //! weightless norm and one multiply by the heads' weights (`QkvNorms`); scores use scaling 1.0 (the
@@ -246,6 +247,9 @@ impl Attention {
         let (q, k, v) = (name("q_proj"), name("k_proj"), name("v_proj"));
         // Shared layers' k/v tensors, which some checkpoints ship, are never read
         // (modeling_gemma4.py, Gemma4TextAttention: `is_kv_shared_layer`).
+        // K=V layers (LayerSpec::values_from_keys) stack k_proj twice: the value heads are the key
+        // projection's raw output, which v_norm then normalizes as it would v_proj's.
+        let v = if spec.values_from_keys { k.clone() } else { v };
         let (proj, kv) = match spec.kv_source {
             Some(_) => (w.linear(&q, nh * d, h)?, None),
             None => (w.fused(&[(&q, nh * d), (&k, nkv * d), (&v, nkv * d)], h)?, Some(())),

@@ -37,6 +37,10 @@ pub struct LayerSpec {
     /// For a KV-shared layer, the last non-shared layer of the same type whose K/V it reads.
     pub kv_source: Option<usize>,
     pub intermediate_size: i64,
+    /// K=V attention (`attention_k_eq_v`, the 31B's full layers): the values are the key projection's
+    /// output, before k_norm and RoPE (modeling_gemma4.py, Gemma4TextAttention: `v_proj` is None and
+    /// `value_states = key_states`), so the layer has no v_proj.
+    pub values_from_keys: bool,
 }
 
 /// Rotary embedding of one layer type.
@@ -291,8 +295,16 @@ impl Config {
             Some(_) => positive(m, "global_head_dim")?,
         };
 
+        // C:210-218: with attention_k_eq_v, full layers take num_global_key_value_heads (when no
+        // per_layer_config says otherwise); without it that key is not read.
+        let k_eq_v = boolean(m, "attention_k_eq_v", false)?;
+        let global_num_kv_heads = match get(m, "num_global_key_value_heads") {
+            Some(_) if k_eq_v => Some(positive(m, "num_global_key_value_heads")?),
+            _ => None,
+        };
+
         let first_shared = num_layers - num_kv_shared as usize;
-        let defaults = HeadDefaults { head_dim, num_kv_heads, global_head_dim, num_heads };
+        let defaults = HeadDefaults { head_dim, num_kv_heads, global_head_dim, global_num_kv_heads, num_heads };
         let mut layers = Vec::with_capacity(num_layers);
         for (i, &kind) in kinds.iter().enumerate() {
             let (d, nkv) = head_geometry(per_layer.as_ref().map(|p| p.get(&i).copied()), i, kind, &defaults)?;
@@ -304,6 +316,7 @@ impl Config {
                 num_kv_heads: nkv,
                 kv_source: kv_donor(&kinds, first_shared, i)?,
                 intermediate_size: if wide { 2 * intermediate_size } else { intermediate_size },
+                values_from_keys: k_eq_v && kind == LayerType::Full,
             });
         }
         for l in &layers {
@@ -352,9 +365,6 @@ fn check_supported(m: &Map<String, Value>) -> Result<()> {
     if boolean(m, "enable_moe_block", false)? {
         return Err(Error::config("enable_moe_block", "mixture-of-experts models are not supported"));
     }
-    if boolean(m, "attention_k_eq_v", false)? {
-        return Err(Error::config("attention_k_eq_v", "K=V attention is not supported"));
-    }
     if get(m, "use_bidirectional_attention").and_then(|v| v.as_str()) == Some("all") {
         return Err(Error::config("use_bidirectional_attention", "\"all\" is not supported"));
     }
@@ -388,12 +398,15 @@ struct HeadDefaults {
     head_dim: i64,
     num_kv_heads: i64,
     global_head_dim: i64,
+    /// `num_global_key_value_heads` of a K=V config: the full layers' KV heads.
+    global_num_kv_heads: Option<i64>,
     num_heads: i64,
 }
 
 /// Layer `i`'s (head_dim, num_kv_heads). With a `per_layer_config` (what save_pretrained writes) its
 /// entry overrides head_dim and num_key_value_heads (`entry` is Some(None) when the layer has none);
-/// without one (`entry` None), full layers take global_head_dim (C:210-223).
+/// without one (`entry` None), full layers take global_head_dim, and a K=V config's
+/// num_global_key_value_heads (C:210-223).
 fn head_geometry(
     entry: Option<Option<&Map<String, Value>>>,
     i: usize,
@@ -414,7 +427,10 @@ fn head_geometry(
             }
         }
         Some(None) => {}
-        None if kind == LayerType::Full => d = h.global_head_dim,
+        None if kind == LayerType::Full => {
+            d = h.global_head_dim;
+            nkv = h.global_num_kv_heads.unwrap_or(nkv);
+        }
         None => {}
     }
     if d % 2 != 0 {
@@ -504,9 +520,13 @@ mod tests {
 
     #[test]
     fn head_geometry_follows_per_layer_config_or_global_head_dim() {
-        let h = HeadDefaults { head_dim: 32, num_kv_heads: 2, global_head_dim: 64, num_heads: 4 };
+        let h = HeadDefaults { head_dim: 32, num_kv_heads: 2, global_head_dim: 64, global_num_kv_heads: None, num_heads: 4 };
         assert_eq!(head_geometry(None, 0, Sliding, &h).unwrap(), (32, 2));
         assert_eq!(head_geometry(None, 1, Full, &h).unwrap(), (64, 2));
+        let k_eq_v = HeadDefaults { global_num_kv_heads: Some(1), ..h };
+        assert_eq!(head_geometry(None, 1, Full, &k_eq_v).unwrap(), (64, 1));
+        assert_eq!(head_geometry(None, 0, Sliding, &k_eq_v).unwrap(), (32, 2));
+        let h = HeadDefaults { global_num_kv_heads: None, ..k_eq_v };
         let entry = obj(json!({"head_dim": 128, "num_key_value_heads": 1}));
         assert_eq!(head_geometry(Some(Some(&entry)), 1, Full, &h).unwrap(), (128, 1));
         assert_eq!(head_geometry(Some(None), 1, Full, &h).unwrap(), (32, 2));
@@ -523,7 +543,6 @@ mod tests {
         for (v, key) in [
             (json!({"model_type": "llama"}), "model_type"),
             (json!({"enable_moe_block": true}), "enable_moe_block"),
-            (json!({"attention_k_eq_v": true}), "attention_k_eq_v"),
             (json!({"hidden_activation": "relu"}), "hidden_activation"),
         ] {
             assert!(check_supported(&obj(v)).unwrap_err().to_string().contains(key), "{key}");
