@@ -306,11 +306,22 @@ class GatewaySpec(_Model):
         ge=1, le=86400)
 
 
+# GKE's TPU metrics port: GKE exports a TPU container's duty cycle and HBM usage (kubernetes.io/container/
+# accelerator/*) only when the container declares it (GKE docs, "Monitor your TPU nodes": `containerPort:
+# 8431`; the TPU manifest of "Configure node auto-provisioning": "Port to export TPU runtime metrics").
+# The operator declares it on TPU pods, so the server's own ports must be others.
+TPU_METRICS_PORT = 8431
+
 CEL_RULES: dict[type[_Model], list[dict[str, str]]] = {
     ServerSpec: [
         # has(): the API server also checks this rule against the field's default, {}, before defaulting.
         _cel("!has(self.probePort) || !has(self.port) || self.probePort != self.port",
              "spec.server.probePort must differ from spec.server.port", ".probePort"),
+        _cel(f"!has(self.port) || self.port != {TPU_METRICS_PORT}",
+             f"spec.server.port must not be {TPU_METRICS_PORT}: TPU pods declare it for GKE's TPU metrics", ".port"),
+        _cel(f"!has(self.probePort) || self.probePort != {TPU_METRICS_PORT}",
+             f"spec.server.probePort must not be {TPU_METRICS_PORT}: TPU pods declare it for GKE's TPU metrics",
+             ".probePort"),
     ],
     ModelSpec: [
         _cel(f"self.source.matches(r'{MODEL_SOURCE_RE}')", MODEL_SOURCE_MESSAGE,

@@ -340,8 +340,9 @@ def tpu_environment(config: Config) -> dict[str, str]:
     """The variables torch_tpu reads, as `config` asks for them; empty off TPU.
 
     - TORCH_TPU_DEFER_AND_FUSE: exactly "1" or "0". torch_tpu starts in defer-and-fuse only when the
-      variable is "1" (`GetDefaultEagerMode` in torch_tpu's csrc/eager/eager_mode.cc; it wins over the
-      older TPU_DEFER_AND_FUSE, and TPU_LAUNCH_BLOCKING=1 wins over both), so "true" would be off.
+      variable is "1" (`GetDefaultEagerMode` in torch_tpu's csrc/eager/eager_mode.cc), so "true" would be
+      off; TORCH_TPU_LAUNCH_BLOCKING=1 wins over it (torch_tpu 0.2.0's `kTorchTpuLaunchBlockingEnvVar` in
+      csrc/common/env_vars.h; the bare TPU_LAUNCH_BLOCKING of earlier builds is not read).
     - TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT: the persistent compilation cache (csrc/common/env_vars.h:
       "If not set, the tier-3 compilation cache is disabled"). torch_tpu keeps its entries under
       <root>/<fingerprint of torch_tpu's binary version and libtpu's PJRT version>/<key>.bin, so a

@@ -128,6 +128,32 @@ def test_dashboard_has_the_panels_an_on_call_engineer_needs():
             assert t["datasource"]["uid"] == "${datasource}"
 
 
+def test_the_tpu_panels_read_the_container_that_declares_gkes_tpu_metrics_port():
+    """GKE exports kubernetes.io/container/accelerator/* only for a TPU container that declares containerPort
+    8431; the TPU panels select the series of one container by name: the server's, which declares it in the
+    Deployment the operator builds for a TPU server (and not for a CPU one, which has no TPU to report)."""
+    from gemma_operator.builders.deployment import CONTAINER, build_deployment
+    from gemma_operator.builders.ownership import Meta
+    from gemma_operator.spec import TPU_METRICS_PORT, parse_spec
+
+    tpu_exprs = [expr for _, expr in queries(dashboard()) if "container_accelerator_" in expr]
+    assert len(tpu_exprs) == 3
+    for expr in tpu_exprs:
+        selected = re.findall(r'kubernetes_io:container_accelerator_\w+\{([^}]*)\}', expr)
+        assert selected and all(f'container_name="{CONTAINER}"' in labels for labels in selected), expr
+    meta = Meta("g", "ns", "u")
+
+    def ports(accelerator: dict) -> dict[str, int]:
+        spec = parse_spec({"model": {"source": "hf://google/gemma-4-e2b-it"}, "accelerator": accelerator})
+        (container,) = [c for c in build_deployment(spec, meta)["spec"]["template"]["spec"]["containers"]
+                        if c["name"] == CONTAINER]
+        return {p["name"]: p["containerPort"] for p in container["ports"]}
+
+    assert ports({"type": "tpu-v5-lite-podslice", "topology": "2x2"})["tpu-metrics"] == TPU_METRICS_PORT == 8431
+    assert ports({"type": "tpu-v6e-slice"})["tpu-metrics"] == 8431
+    assert "tpu-metrics" not in ports({"type": "cpu"})
+
+
 def test_dashboard_ids_and_grid_are_consistent():
     panels = all_panels(dashboard())
     ids = [p["id"] for p in panels]

@@ -223,6 +223,8 @@ def test_deleted_cr_takes_its_children(cluster, kube, ns, operator):
     ({"model": model(), "accelerator": {"computeClass": "tpu", "provisioning": "spot"}},
      "spec.accelerator.computeClass decides provisioning itself"),
     ({"accelerator": CPU}, "spec.model: Required value"),
+    ({"model": model(), "server": {"port": 8431}}, "spec.server.port must not be 8431"),
+    ({"model": model(), "server": {"probePort": 8431}}, "spec.server.probePort must not be 8431"),
 ])
 def test_invalid_cr_is_refused_at_admission_with_its_message(cluster, ns, spec, message):
     import json

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 from kubernetes.utils import parse_quantity
 
-from ..spec import GcsFuseSpec, GemmaRustServerSpec, chips, is_tpu
+from ..spec import TPU_METRICS_PORT, GcsFuseSpec, GemmaRustServerSpec, chips, is_tpu
 from .build_cache import build_cache_volume
 from .ownership import Meta, child_object, labels, selector_labels
 from .service import service_host
@@ -368,7 +368,10 @@ def build_deployment(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
         "command": ["python", "-m", "gemma_server"],
         "env": env(spec, meta, main, twin),
         "ports": [{"name": "http", "containerPort": spec.server.port, "protocol": "TCP"},
-                  {"name": "probes", "containerPort": spec.server.probe_port, "protocol": "TCP"}],
+                  {"name": "probes", "containerPort": spec.server.probe_port, "protocol": "TCP"},
+                  # GKE exports TPU duty cycle and HBM usage only for a container that declares this port.
+                  *([{"name": "tpu-metrics", "containerPort": TPU_METRICS_PORT, "protocol": "TCP"}]
+                    if device(spec) == "tpu" else [])],
         **probes(spec),
         "lifecycle": {"preStop": {"sleep": {"seconds": plan.prestop}}},
         "resources": container_resources(spec),

@@ -57,7 +57,8 @@ def test_tpu_deployment_matches_golden():
                             {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}},
                         ],
                         "ports": [{"name": "http", "containerPort": 8000, "protocol": "TCP"},
-                                  {"name": "probes", "containerPort": 8001, "protocol": "TCP"}],
+                                  {"name": "probes", "containerPort": 8001, "protocol": "TCP"},
+                                  {"name": "tpu-metrics", "containerPort": 8431, "protocol": "TCP"}],
                         "startupProbe": {"httpGet": {"path": "/health", "port": "probes"}, "periodSeconds": 10,
                                          "timeoutSeconds": 5, "failureThreshold": 180},
                         "readinessProbe": {"httpGet": {"path": "/health", "port": "probes"}, "periodSeconds": 5,
@@ -132,6 +133,8 @@ def test_cpu_deployment_uses_rolling_update_and_no_tpu_scheduling():
     assert "GEMMA_GCS_ROOT" not in env
     assert "GEMMA_DEVICES" not in env and "GEMMA_API_KEY" not in env  # one engine on CPU; the API is open
     assert "GEMMA_TPU_COMPILE_CACHE" not in env  # torch_tpu's compilation cache: TPU pods only
+    assert [p["name"] for p in c["ports"]] == ["http", "probes"]  # GKE's TPU metrics port: TPU pods only
+
 
 
 @pytest.mark.parametrize("tpu", ["tpu-v5-lite-podslice", "tpu-v6e-slice"])
