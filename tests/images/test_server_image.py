@@ -173,6 +173,17 @@ def test_server_image_installs_exactly_the_pinned_requirements_and_no_engine(ser
     assert "gemma-engine" not in have, "the engine is built at boot, against the image's torch"
 
 
+def test_every_process_in_the_server_image_runs_on_tcmalloc(server_image):
+    """LD_PRELOAD puts tcmalloc in each process (torch_tpu warns without it): the Python that serves maps it,
+    and so does a compiler the boot build starts."""
+    maps = docker("run", "--rm", "--network", "none", "--entrypoint", "python", SERVER_TAG, "-c",
+                  "import torch; print(open('/proc/self/maps').read())").stdout
+    assert "libtcmalloc_minimal.so.4" in maps
+    child = docker("run", "--rm", "--network", "none", "--entrypoint", "sh", SERVER_TAG, "-c",
+                   "cat /proc/self/maps").stdout
+    assert "libtcmalloc_minimal.so.4" in child
+
+
 def test_first_boot_runs_every_stage_and_health_turns_200_only_when_serving(cold):
     assert [(x["stage"], x["status"]) for x in cold.info["stages"]] == [
         *((stage, "ok") for stage in STAGES[:-1]), ("serving", "running")]
