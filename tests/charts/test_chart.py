@@ -255,9 +255,10 @@ def test_dashboard_config_map_carries_the_dashboard_file_for_the_grafana_sidecar
 def server_pod():
     server = build_deployment(grs_spec.parse_spec({"model": {"source": "hf://o/m"}}),
                               Meta("gemma", "models"))
-    # The API port: the probe listener's port is the kubelet's, which a NetworkPolicy does not govern.
+    # The API port: the probe listener's port is the kubelet's, and the TPU metrics port GKE's node metrics
+    # agent's, both reached from the node, which a NetworkPolicy does not govern.
     ports = server["spec"]["template"]["spec"]["containers"][0]["ports"]
-    assert [p["name"] for p in ports] == ["http", "probes"]
+    assert [p["name"] for p in ports] == ["http", "probes", "tpu-metrics"]
     return server["spec"]["template"]["metadata"]["labels"], ports[0]["name"]
 
 

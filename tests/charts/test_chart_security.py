@@ -123,9 +123,10 @@ def test_operator_egress_reaches_the_api_server_and_server_pods_only(helm):
     server = build_deployment(grs_spec.parse_spec({"model": {"source": "hf://o/m"}}),
                               Meta("any", "models"))
     assert peer["podSelector"]["matchLabels"].items() <= server["spec"]["template"]["metadata"]["labels"].items()
-    # The operator reads /v1/engine on the API port; the probe port is the kubelet's.
-    http, probe_port = server["spec"]["template"]["spec"]["containers"][0]["ports"]
-    assert probe_port["name"] == "probes"
+    # The operator reads /v1/engine on the API port; the probe port is the kubelet's, the TPU metrics port
+    # GKE's node metrics agent's.
+    http, probe_port, tpu_metrics = server["spec"]["template"]["spec"]["containers"][0]["ports"]
+    assert (probe_port["name"], tpu_metrics["name"]) == ("probes", "tpu-metrics")
     assert pods["ports"] == [{"protocol": "TCP", "port": http["name"]}]
 
 
