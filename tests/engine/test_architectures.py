@@ -4,7 +4,9 @@ K=V attention (`attention_k_eq_v`, Gemma 4 31B's full-attention layers: no v_pro
 key projection's output before k_norm and RoPE, and `num_global_key_value_heads` KV heads): on a tiny
 random config shaped like the 31B (no per-layer inputs, no KV sharing, full layers with their own head
 size and KV head count) and on the E-series tiny config with K=V turned on (its KV-shared tail reads a K=V
-layer's values), 32 greedy tokens equal Transformers' and the first token's KL(hf || engine) <= 1e-5. A
+layer's values), 32 greedy tokens equal Transformers' and the first token's KL(hf || engine) <= 1e-5, the
+31B shape W4A16 too; in bfloat16, read a token at a time, the engine is no further from float32 than
+Transformers' own bfloat16 run (twice its KL at most, as tests/engine/test_parity.py holds the E-series). A
 config.json as the hub ships it (no `per_layer_config`, `global_head_dim` and `num_global_key_value_heads`
 instead) gives the same geometry, as Transformers' own config derives it.
 """
@@ -37,13 +39,18 @@ def k_eq_v_e_series() -> dict:
 
 
 CONFIGS = {"31b_shaped": k_eq_v_31b_shaped, "e_series": k_eq_v_e_series}
+SAVERS = {"dense": ck.save_dense, "w4a16": lambda out, seed, config: ck.save_w4a16(out, seed=seed, config=config)}
+# (config, checkpoint kind): both configs dense, and the 31B shape W4A16 (compressed-tensors quantizes its
+# k_proj, which the engine stacks twice).
+RUNS = [("31b_shaped", "dense"), ("31b_shaped", "w4a16"), ("e_series", "dense")]
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
+@pytest.fixture(scope="module", params=RUNS, ids=["-".join(r) for r in RUNS])
 def k_eq_v_run(request, tmp_path_factory):
-    """(checkpoint dir, Transformers' greedy tokens and logits) of one K=V config."""
-    model_dir = ck.save_dense(tmp_path_factory.mktemp(f"k_eq_v_{request.param}"), ck.SEED,
-                              ck.tiny_text_config(**CONFIGS[request.param]()))
+    """(checkpoint dir, Transformers' greedy tokens and logits) of one K=V config and checkpoint kind."""
+    name, kind = request.param
+    model_dir = SAVERS[kind](tmp_path_factory.mktemp(f"k_eq_v_{name}_{kind}"), ck.SEED,
+                             ck.tiny_text_config(**CONFIGS[name]()))
     reference = ck.load_hf_reference(model_dir)
     own_keys = [layer.self_attn for layer in reference.model.layers
                 if not layer.self_attn.is_sliding and not layer.self_attn.is_kv_shared_layer]
@@ -68,6 +75,23 @@ def test_k_eq_v_greedy_tokens_and_first_token_match_transformers(k_eq_v_run, one
     assert len(hf_tokens) == TOKENS and tokens == hf_tokens and finish == "length"
     divergence = kl(hf_logits[0], e.logits(ck.PARITY_PROMPT))
     assert divergence <= 1e-5, f"KL(hf||rust) = {divergence:.3e}"
+
+
+def test_k_eq_v_in_bfloat16_stays_as_close_to_float32_as_transformers_own(k_eq_v_run):
+    """The prompt read a token at a time (the decode step's path) in bfloat16, as test_parity.py holds the
+    E-series: the engine drifts from Transformers' float32 no more than twice Transformers' own bfloat16."""
+    from transformers import DynamicCache
+
+    model_dir, (_, hf_logits) = k_eq_v_run
+    hf = ck.load_hf_reference(model_dir, dtype=torch.bfloat16)
+    cache = DynamicCache(config=hf.config)
+    with torch.no_grad():
+        for token in ck.PARITY_PROMPT:
+            hf_bf16 = hf(torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits[0, -1].float()
+    e = gemma_engine.Engine(str(model_dir), None, like=torch.zeros(1), context=128, dtype="bfloat16",
+                            packed_int4=False, prefill_chunk=1)
+    hf_drift, rust_drift = kl(hf_logits[0], hf_bf16), kl(hf_logits[0], e.logits(ck.PARITY_PROMPT))
+    assert 0 < hf_drift and rust_drift <= 2 * hf_drift, f"KL from float32: engine {rust_drift:.3e}, Transformers {hf_drift:.3e}"
 
 
 def test_a_hub_config_without_per_layer_config_gives_the_same_geometry(k_eq_v_run, tmp_path):
