@@ -654,7 +654,14 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await generate(request, body, chat=False)
 
-    @app.post("/v1/responses", response_model=None, responses=openapi.generation(ResponseObject))
+    # The stored response's id leads to GET and DELETE (OpenAPI links: a client, or schemathesis's stateful
+    # phase, follows them with the id the POST returned).
+    created = openapi.generation(ResponseObject)
+    created[200] = {**created[200], "links": {
+        verb: {"operationId": f"{verb.lower()}_response_v1_responses__response_id__{verb.lower()}",
+               "parameters": {"response_id": "$response.body#/id"}} for verb in ("Get", "Delete")}}
+
+    @app.post("/v1/responses", response_model=None, responses=created)
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
         return await serve_response(state, body, request)
 
