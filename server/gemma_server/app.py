@@ -62,7 +62,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
-from gemma_server import messages, openapi
+from gemma_server import messages, openapi, responses
 from gemma_server.boot import Boot
 from gemma_server.chat_template import chat_prompt, encode, render_chat, tokenize_completion
 from gemma_server.config import Config
@@ -84,7 +84,6 @@ from gemma_server.protocol import (
     grammar_text,
     max_prompt_chars,
 )
-from gemma_server.responses import ResponseObject, ResponseStore, ResponsesRequest, owner_of
 from gemma_server.scheduler import Cause, ClientShares, NotReady, Scheduler, SchedulerError, StepObserver
 from gemma_server.serving import (
     ClientDisconnected,
@@ -116,8 +115,8 @@ class ServerState:
         self.keyed = frozenset(["/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize",
                                 "/v1/responses", "/v1/responses/{response_id}", "/v1/messages", "/mcp",
                                 *(["/metrics"] if config.metrics_need_key else [])] if config.api_key else [])
-        self.responses = ResponseStore(config.responses_store_max_count, config.responses_store_max_bytes,
-                                       config.responses_store_max_age)
+        self.responses = responses.ResponseStore(config.responses_store_max_count,
+                                                 config.responses_store_max_bytes, config.responses_store_max_age)
         self.metrics = m = Metrics(config.model_name, config.context)
         self.scheduler = Scheduler(config.queue_limit, StepObserver(
             on_waiting=m.num_requests_waiting.set, on_running=m.num_requests_running.set,
@@ -349,12 +348,10 @@ class ServerState:
         self.request_exit()
 
 
-async def serve_response(state: ServerState, body: ResponsesRequest, request: Request) -> Response:
+async def serve_response(state: ServerState, body: responses.ResponsesRequest, request: Request) -> Response:
     """POST /v1/responses (responses.py): the request as chat, through `ServerState.start` as every request,
     then its reply as a response object or the Responses stream; stored unless `store` is false."""
-    from gemma_server import responses
-
-    owner = owner_of(request.headers.get("authorization"))
+    owner = responses.owner_of(request.headers.get("authorization"))
     body.check()
     earlier = None
     if body.previous_response_id is not None:
@@ -551,7 +548,7 @@ class BodyLimit:
 
 
 def _validation_error(exc: RequestValidationError) -> JSONResponse:
-    err = invalid_request(exc.errors())
+    err = invalid_request(exc.errors(), exc.body)
     return JSONResponse(err.body(), status_code=err.status)
 
 
@@ -656,22 +653,22 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
 
     # The stored response's id leads to GET and DELETE (OpenAPI links: a client, or schemathesis's stateful
     # phase, follows them with the id the POST returned).
-    created = openapi.generation(ResponseObject)
+    created = openapi.generation(responses.ResponseObject)
     created[200] = {**created[200], "links": {
-        verb: {"operationId": f"{verb.lower()}_response_v1_responses__response_id__{verb.lower()}",
-               "parameters": {"response_id": "$response.body#/id"}} for verb in ("Get", "Delete")}}
+        op: {"operationId": op, "parameters": {"response_id": "$response.body#/id"}}
+        for op in ("get_response", "delete_response")}}
 
     @app.post("/v1/responses", response_model=None, responses=created)
-    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+    async def create_response(body: responses.ResponsesRequest, request: Request) -> Response:
         return await serve_response(state, body, request)
 
-    @app.get("/v1/responses/{response_id}", responses=openapi.errors(401, 404))
+    @app.get("/v1/responses/{response_id}", operation_id="get_response", responses=openapi.errors(401, 404))
     async def get_response(response_id: str, request: Request) -> dict[str, Any]:
-        return state.responses.get(response_id, owner_of(request.headers.get("authorization"))).response
+        return state.responses.get(response_id, responses.owner_of(request.headers.get("authorization"))).response
 
-    @app.delete("/v1/responses/{response_id}", responses=openapi.errors(401, 404))
+    @app.delete("/v1/responses/{response_id}", operation_id="delete_response", responses=openapi.errors(401, 404))
     async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
-        state.responses.delete(response_id, owner_of(request.headers.get("authorization")))
+        state.responses.delete(response_id, responses.owner_of(request.headers.get("authorization")))
         return {"id": response_id, "object": "response", "deleted": True}
 
     async def create_message(body: messages.MessagesRequest, request: Request) -> Response:

@@ -10,6 +10,7 @@ unavailable_error, ...), which are the OpenAI reference's own where OpenAI has o
 from __future__ import annotations
 
 import json
+import re
 import logging
 import uuid
 from collections.abc import Sequence
@@ -113,26 +114,41 @@ _SCHEDULER_STATUS: dict[type, tuple[int, dict[str, str]]] = {
 }
 
 
-_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+# A union's branch in a pydantic error location: "list[int]", "function-after[...]", a type's name, a model
+# class's name. Never a field of a body (those are lowercase keys, read against the body first).
+BRANCH = re.compile(r".*[\[-].*|str|int|float|bool|dict|list|none|[A-Z].*")
 
 
-def param_from_loc(loc: tuple) -> str | None:
-    """pydantic loc ("body", "messages", 0, "content") -> "messages[0].content"."""
+def param_from_loc(loc: tuple, body: Any = None) -> str | None:
+    """pydantic's error location as a field path of the request body: ("body", "messages", 0, "content") ->
+    "messages[0].content". Read against `body` (when given): a union's branch label is skipped, and so is the
+    tag a discriminated union puts in an item's location (its `type` or `role` value, or the default tag of
+    an item that has none): the segment after an item or a mapping that is not one of its keys and not the
+    last (a missing field is always the last)."""
+    out, data, entered = "", body, True
     parts = [p for p in loc if p != "body"]
-    out = ""
-    for p in parts:
+    for n, p in enumerate(parts):
+        tag_place = isinstance(data, dict) and entered and n < len(parts) - 1
         if isinstance(p, int):
             out += f"[{p}]"
-        elif "[" in str(p) or "-" in str(p) or p in _TYPE_TAGS:  # union branches: "list[int]", "str", ...
-            continue
-        else:
+            data = data[p] if isinstance(data, list) and 0 <= p < len(data) else None
+            entered = True
+        elif tag_place and p in (data.get("type"), data.get("role")):
+            entered = False  # the tag, even where it is also a key ({"type": "thinking", "thinking": ...})
+        elif isinstance(data, dict) and p in data:
+            out += ("." if out else "") + p
+            data, entered = data[p], True
+        elif BRANCH.fullmatch(str(p)) or tag_place:
+            entered = False  # a union's branch, or a default tag (an item without its `type`)
+        else:  # a missing field, or a path the body does not reach
             out += ("." if out else "") + str(p)
+            data = None
     return out or None
 
 
-def invalid_request(errs: Sequence[dict[str, Any]]) -> ApiError:
-    """The 400 for a body the request models refuse (pydantic's `errors()`), naming the first field at fault,
-    as vLLM's `validation_exception_handler` does."""
+def invalid_request(errs: Sequence[dict[str, Any]], body: Any = None) -> ApiError:
+    """The 400 for a body the request models refuse (pydantic's `errors()`, `body` what they read), naming
+    the first field at fault, as vLLM's `validation_exception_handler` does."""
     # A list past its cap fails every branch of a union (`stop`: a string, or a list of at most 16): the
     # cap is the error that names what is wrong.
     fallback = errs[0] if errs else {"loc": (), "msg": "invalid request"}
@@ -140,12 +156,12 @@ def invalid_request(errs: Sequence[dict[str, Any]]) -> ApiError:
     if first is None:
         # Of a union's branches, the one that got furthest into the value names the fault (a list of items
         # whose third has a bad type, not "should be a valid string").
-        top = param_from_loc(tuple(fallback.get("loc", ()))) or ""
-        same = [e for e in errs if (param_from_loc(tuple(e.get("loc", ()))) or "").startswith(top)]
-        first = max(same or [fallback], key=lambda e: len(param_from_loc(tuple(e.get("loc", ()))) or ""))
+        top = param_from_loc(tuple(fallback.get("loc", ())), body) or ""
+        same = [e for e in errs if (param_from_loc(tuple(e.get("loc", ())), body) or "").startswith(top)]
+        first = max(same or [fallback], key=lambda e: len(param_from_loc(tuple(e.get("loc", ())), body) or ""))
     if first.get("type") == "json_invalid":
         return ApiError(400, f"The body is not valid JSON: {first.get('msg')}")
-    param = param_from_loc(tuple(first.get("loc", ())))
+    param = param_from_loc(tuple(first.get("loc", ())), body)
     message = f"{param or 'body'}: {first.get('msg')}"
     if len(errs) > 1:
         message += f" (and {len(errs) - 1} more problem{'s' if len(errs) > 2 else ''})"

@@ -119,7 +119,7 @@ def chat_request(model: str, prompt: str, system: str | None, max_tokens: int, t
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as e:
-        raise tool_error(invalid_request(e.errors())) from e
+        raise tool_error(invalid_request(e.errors(), body)) from e
 
 
 def tool_error(exc: BaseException) -> ToolError:

@@ -55,7 +55,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gemma_server import openapi
-from gemma_server.errors import ApiError, as_api_error, bad_request, invalid_request
+from gemma_server.errors import BRANCH, ApiError, as_api_error, bad_request, invalid_request, param_from_loc
 from gemma_server.protocol import (
     FUNCTION_NAME,
     MAX_MESSAGES,
@@ -458,7 +458,7 @@ def to_chat(request: MessagesRequest) -> Translation:
     try:
         return Translation(ChatCompletionRequest.model_validate(chat), names)
     except ValidationError as e:  # a value the Messages models allow and chat's do not: named all the same
-        raise names.error(invalid_request(e.errors())) from None
+        raise names.error(invalid_request(e.errors(), chat)) from None
 
 
 # ---- responses ------------------------------------------------------------------------------------
@@ -772,14 +772,14 @@ def invalid_body(errors: list[dict[str, Any]], body: Any) -> ApiError:
     error (a block inside `content` rather than the `content: string` branch of its union), a wrong `type`
     before the fields that type would need.
 
-    Unlike errors.invalid_request, the path skips the tags of the discriminated unions (pydantic puts the
-    `role` or `type` value in the error's location), and an unsupported block or tool type says so.
+    The path is errors.param_from_loc's (read against the body, past the unions' branches and tags); unlike
+    errors.invalid_request, an unsupported block or tool type says so.
     """
     if not errors or errors[0].get("type") == "json_invalid":
         return invalid_request(errors)
     first = next((e for e in errors if e.get("type") == "too_long"), None)
     first = first or max(errors, key=lambda e: (len(e.get("loc", ())), e.get("type") in _TYPE_ERRORS))
-    param = body_param(tuple(first.get("loc", ())), body)
+    param = param_from_loc(tuple(first.get("loc", ())), body)
     kind, ctx = first.get("type"), first.get("ctx") or {}
     if kind in ("union_tag_invalid", "union_tag_not_found"):
         param = f"{param}.{str(ctx.get('discriminator', 'type')).strip(chr(39))}"
@@ -809,36 +809,7 @@ def _alternative(a: tuple, b: tuple) -> bool:
     """Whether two error locations are two branches of one union (where they part, both name a branch):
     one input refused two ways, one problem."""
     k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-    return k is not None and all(isinstance(x, str) and _BRANCH.fullmatch(x) for x in (a[k], b[k]))
-
-
-_BRANCH = re.compile(r".*\[.*|str|int|float|bool|dict|list|none|[A-Z].*")
-
-
-def body_param(loc: tuple, body: Any) -> str | None:
-    """pydantic's error location as a field path of the body (`messages[1].content[0].type`), read against
-    the body itself: a union's branch label ("str", "list[...]") is skipped, and so is the tag that a
-    discriminated union puts first in the location of an item (its `role` or `type` value)."""
-    out, data, entered = "", body, True
-    parts = [p for p in loc if p != "body"]
-    for n, p in enumerate(parts):
-        if isinstance(p, int):
-            out += f"[{p}]"
-            data = data[p] if isinstance(data, list) and 0 <= p < len(data) else None
-            entered = True
-            continue
-        last = n == len(parts) - 1
-        if isinstance(data, dict) and entered and not last and p in (data.get("type"), data.get("role")):
-            entered = False  # the union's tag
-        elif isinstance(data, dict) and p in data:
-            out += ("." if out else "") + p
-            data, entered = data[p], True
-        elif _BRANCH.fullmatch(str(p)):
-            continue
-        else:  # a missing field
-            out += ("." if out else "") + str(p)
-            data = None
-    return out or None
+    return k is not None and all(isinstance(x, str) and BRANCH.fullmatch(x) for x in (a[k], b[k]))
 
 
 class AnthropicRoute(APIRoute):

@@ -95,14 +95,12 @@ class Refusal(Strict):
 
 def _part_type(value: Any) -> str | None:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return f"type-{kind}" if isinstance(kind, str) else None
+    return kind if isinstance(kind, str) else None
 
 
-# Union tags carry a "type-" prefix so that errors.param_from_loc leaves them out of a field's name, as it
-# leaves pydantic's own branch names out ("input[0].content[1]", not "input[0].message.content[1]").
 ContentPart = Annotated[
-    Annotated[InputText, Tag("type-input_text")] | Annotated[OutputText, Tag("type-output_text")]
-    | Annotated[Refusal, Tag("type-refusal")],
+    Annotated[InputText, Tag("input_text")] | Annotated[OutputText, Tag("output_text")]
+    | Annotated[Refusal, Tag("refusal")],
     Discriminator(_part_type, custom_error_type="invalid_part", custom_error_message=(
         "A content part is input_text, output_text or refusal; images and files are not supported."))]
 
@@ -167,14 +165,13 @@ class ReasoningItem(Strict):
 
 def _item_type(value: Any) -> str | None:
     if isinstance(value, dict) and "type" not in value:
-        return "type-message"  # OpenAI's EasyInputMessage has no type
+        return "message"  # OpenAI's EasyInputMessage has no type
     return _part_type(value)
 
 
 InputItem = Annotated[
-    Annotated[MessageItem, Tag("type-message")] | Annotated[FunctionCallItem, Tag("type-function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("type-function_call_output")]
-    | Annotated[ReasoningItem, Tag("type-reasoning")],
+    Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")] | Annotated[ReasoningItem, Tag("reasoning")],
     Discriminator(_item_type, custom_error_type="invalid_item", custom_error_message=(
         "An input item is a message, function_call, function_call_output or reasoning item; images, files "
         "and other tools' items are not supported."))]
@@ -347,7 +344,7 @@ def to_chat(body: ResponsesRequest, earlier: list[dict[str, Any]] | None = None)
     try:
         request = ChatCompletionRequest.model_validate(fields)
     except ValidationError as e:  # what the Responses models let through and chat's do not: a 400, never a 500
-        raise invalid_request(e.errors()) from e
+        raise invalid_request(e.errors(), fields) from e
     return ChatFromResponses(request, origins, history, call_origins)
 
 

@@ -24,13 +24,12 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from gemma_server import messages
-from gemma_server.errors import ApiError
+from gemma_server.errors import ApiError, param_from_loc
 from gemma_server.messages import (
     AnthropicRoute,
     MessageFormatter,
     MessagesRequest,
     Translation,
-    body_param,
     partial_object,
     stream_body,
     to_chat,
@@ -470,7 +469,7 @@ def test_a_cut_calls_input_is_read_as_far_as_its_values_are_complete(text, value
 def test_a_validation_errors_location_names_the_body_field_past_the_union_tags(loc, param):
     body = {"messages": [ASK[0], {"role": "assistant", "content": [{"type": "thinking", "thinking": 5}]}],
             "system": [{"type": "text", "text": 5}], "thinking": {"type": "enabled", "budget_tokens": 1}}
-    assert body_param(loc, body) == param
+    assert param_from_loc(loc, body) == param
 
 
 def test_the_document_states_the_routes_bounds_and_statuses(agent_server):

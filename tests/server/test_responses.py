@@ -76,7 +76,7 @@ def test_a_string_input_gets_a_message_with_output_text_and_usage(gemma4_server,
                                              {"role": "user", "content": "Hello there"}])
     assert r.usage.input_tokens == expected
     assert 1 <= r.usage.output_tokens <= 12 and r.usage.total_tokens == expected + r.usage.output_tokens
-    assert r.usage.input_tokens_details.cached_tokens >= 0 and r.instructions == "Be brief."
+    assert r.instructions == "Be brief."
 
 
 def test_max_output_tokens_makes_the_response_incomplete_in_both_ways(client, model):
