@@ -161,7 +161,7 @@ from compressed_tensors.quantization import (
 from compressed_tensors.quantization.utils import calculate_qparams
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig
 from transformers.utils import logging as transformers_logging
 from transformers.models.gemma4 import Gemma4ForCausalLM, Gemma4TextConfig
 
@@ -263,8 +263,28 @@ def tiny_text_config(**overrides) -> Gemma4TextConfig:
     return Gemma4TextConfig(**kwargs)
 
 
+def tiny_unified_text_config(**overrides) -> PreTrainedConfig:
+    """A small text config of the 12B "unified" Gemma 4 (``Gemma4UnifiedTextConfig``, Transformers 5.18
+    ``models/gemma4_unified``): Gemma 4's decoder without per-layer inputs, experts or KV sharing, its own
+    model type; sizes as ``tiny_text_config`` (8 layers S S S S S F S F, head_dim 32 / global_head_dim 64,
+    window 12, softcap 30, tied embeddings, eos ids [1, 106, 50]).
+    """
+    from transformers.models.gemma4_unified import Gemma4UnifiedTextConfig
+
+    kwargs = dict(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, global_head_dim=64, sliding_window=12,
+        layer_types=[SLIDING] * 5 + [FULL, SLIDING, FULL], final_logit_softcapping=30.0,
+        max_position_embeddings=1024, tie_word_embeddings=True, pad_token_id=0, bos_token_id=2,
+        eos_token_id=[1, 106, 50],
+    )
+    kwargs.update(overrides)
+    return Gemma4UnifiedTextConfig(**kwargs)
+
+
 def _is_norm(name: str) -> bool:
-    return name.endswith("norm.weight")
+    # MoE layers number their extra norms: post_feedforward_layernorm_1, _2, pre_feedforward_layernorm_2.
+    return name.endswith(("norm.weight", "norm_1.weight", "norm_2.weight"))
 
 
 def _init_tensor(name: str, shape: torch.Size, config: Gemma4TextConfig, gen: torch.Generator) -> torch.Tensor:
@@ -279,6 +299,13 @@ def _init_tensor(name: str, shape: torch.Size, config: Gemma4TextConfig, gen: to
         # Scaled by sqrt(H) on the way in; tied lm_head: logit std ~ 0.5 * sqrt(H) ~ 5.7, which spreads
         # the top of the distribution (the top-1/top-2 gaps) without saturating the 30.0 softcap.
         return torch.randn(shape, generator=gen) * 0.5
+    if name.endswith(("router.scale", "router.per_expert_scale")):
+        # Multipliers around 1 (the router's input scale and each expert's output weight), wide enough
+        # that a missing one changes which experts win and what they weigh.
+        return torch.empty(shape).uniform_(0.5, 1.5, generator=gen)
+    if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        # [E, out, in]: each expert a unit-variance linear, like the 2D rule below.
+        return torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
     if name.endswith("embed_tokens_per_layer.weight"):
         # Scaled by sqrt(P) on the way in, so each PLE entry is O(1).
         return torch.randn(shape, generator=gen) / math.sqrt(config.hidden_size_per_layer_input)
@@ -305,7 +332,7 @@ def random_model(config: Gemma4TextConfig | None = None, seed: int = SEED) -> Ge
     config = config or tiny_text_config()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)  # the constructor's default init; overwritten below anyway
-        model = Gemma4ForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     gen = torch.Generator().manual_seed(seed)
     state = model.state_dict()
     persistent = {n for n, _ in model.named_parameters()} | {
@@ -387,7 +414,8 @@ def load_hf_reference(
         emb_dir: the int4 embedding-table directory of ``save_w4a16_emb4``, or None.
         dtype: compute dtype of the returned model.
 
-    It is ``Gemma4ForCausalLM.from_pretrained(model_dir, dtype=dtype)``, the plain call a user makes.
+    It is ``AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)``, the plain call a user makes
+    (``Gemma4ForCausalLM`` for ``gemma4_text``, ``Gemma4UnifiedForCausalLM`` for the 12B's text model).
     For a W4A16 checkpoint that call (Transformers 5.18 with compressed-tensors installed) loads the
     packed int4 weights with their scales cast to ``dtype``, and compressed-tensors decompresses them
     to ``q * scale`` in ``dtype`` on the first forward pass (``ModelCompressor.add_decompress_hook``).
@@ -398,7 +426,7 @@ def load_hf_reference(
     Returns:
         Gemma4ForCausalLM in eval mode.
     """
-    model = Gemma4ForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None:
         quantizer.compressor.decompress_model(model)

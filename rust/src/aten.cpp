@@ -345,6 +345,10 @@ gt *aten_mul_scalar(gt *a, double v) { RET(a->t * v) }
 gt *aten_div_scalar(gt *a, double v) { RET(a->t / v) }
 gt *aten_remainder_scalar(gt *a, int64_t v) { RET(at::remainder(a->t, v)) }
 gt *aten_sum(gt *a) { RET(a->t.sum()) }
+gt *aten_sum_dim(gt *a, int64_t dim) { RET(a->t.sum(dim)) }
+gt *aten_floor_divide_int(gt *a, int64_t v) { RET(at::div(a->t, v, "floor")) }
+gt *aten_histc(gt *a, int64_t bins, double lo, double hi) { RET(at::histc(a->t, bins, lo, hi)) }
+gt *aten_grouped_mm(gt *a, gt *b, gt *offs) { RET(at::_grouped_mm(a->t, b->t, offs->t)) }
 
 double aten_item_double(gt *a) {
   PROTECT(return a->t.item<double>();)

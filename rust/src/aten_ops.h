@@ -60,6 +60,15 @@ X(gt *, aten_mul_scalar, (gt *a, double v))
 X(gt *, aten_div_scalar, (gt *a, double v))
 X(gt *, aten_remainder_scalar, (gt *a, int64_t v))
 X(gt *, aten_sum, (gt *a))
+/* Sum over `dim`, the dim dropped. */
+X(gt *, aten_sum_dim, (gt *a, int64_t dim))
+/* Integer division rounding down (`torch.div(a, v, rounding_mode="floor")`). */
+X(gt *, aten_floor_divide_int, (gt *a, int64_t v))
+/* `bins` equal bins over [lo, hi] of a floating tensor's values (`torch.histc`). */
+X(gt *, aten_histc, (gt *a, int64_t bins, double lo, double hi))
+/* Grouped matrix product: `a` [S, in] rows grouped by `offs` (int32 [G], cumulative ends), group g
+   times `b[g]` ([G, in, out], any strides): [S, out] (`torch._grouped_mm`). */
+X(gt *, aten_grouped_mm, (gt *a, gt *b, gt *offs))
 X(double, aten_item_double, (gt *a))
 X(gt *, aten_gelu_tanh, (gt *a))
 X(gt *, aten_tanh, (gt *a))

@@ -278,6 +278,27 @@ impl Tensor {
         wrap("cumsum", ffi!("cumsum", ffi::aten_cumsum(self.ptr(), dim)))
     }
 
+    /// Sum over `dim`, which is dropped.
+    pub fn sum_dim(&self, dim: i64) -> Result<Tensor> {
+        wrap("sum_dim", ffi!("sum_dim", ffi::aten_sum_dim(self.ptr(), dim)))
+    }
+
+    /// Integer division by `v`, rounding down.
+    pub fn floor_div_int(&self, v: i64) -> Result<Tensor> {
+        wrap("floor_divide", ffi!("floor_divide", ffi::aten_floor_divide_int(self.ptr(), v)))
+    }
+
+    /// `bins` equal bins over `[lo, hi]` of a floating tensor's values: counts, in its dtype.
+    pub fn histc(&self, bins: i64, lo: f64, hi: f64) -> Result<Tensor> {
+        wrap("histc", ffi!("histc", ffi::aten_histc(self.ptr(), bins, lo, hi)))
+    }
+
+    /// `self` `[S, in]` in groups ending at `offs` (int32, cumulative), group `g` times `b[g]`
+    /// (`[G, in, out]`): `[S, out]`, one call for every group.
+    pub fn grouped_mm(&self, b: &Tensor, offs: &Tensor) -> Result<Tensor> {
+        wrap("grouped_mm", ffi!("grouped_mm", ffi::aten_grouped_mm(self.ptr(), b.ptr(), offs.ptr())))
+    }
+
     pub fn gather(&self, dim: i64, index: &Tensor) -> Result<Tensor> {
         wrap("gather", ffi!("gather", ffi::aten_gather(self.ptr(), dim, index.ptr())))
     }

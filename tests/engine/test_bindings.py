@@ -300,10 +300,10 @@ def test_misshapen_tensor_is_value_error_naming_both_shapes(dense_checkpoint, tm
         ("hidden_size", None, "hidden_size: missing"),
         ("num_attention_heads", "four", "num_attention_heads: must be an integer"),
         ("layer_types", ["sliding_attention"], "layer_types: has 1 entries"),
-        ("enable_moe_block", True, "enable_moe_block"),
+        ("enable_moe_block", True, "num_experts: missing"),
         ("vocab_size_per_layer_input", 100, r"vocab_size_per_layer_input: must be >= vocab_size \(512\)"),
     ],
-    ids=["missing", "not_an_integer", "layer_types_length", "unsupported_moe", "small_per_layer_vocab"],
+    ids=["missing", "not_an_integer", "layer_types_length", "moe_without_sizes", "small_per_layer_vocab"],
 )
 def test_bad_config_key_is_value_error_naming_it(dense_checkpoint, tmp_path, key, value, message):
     bad = tmp_path / "config"

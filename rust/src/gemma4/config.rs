@@ -52,6 +52,16 @@ pub struct RopeSpec {
     pub factor: f64,
 }
 
+/// A mixture-of-experts block (`enable_moe_block`, the 26B-A4B): beside each layer's dense MLP, a router
+/// picks `top_k` of `num_experts` experts of width `intermediate_size` for every token (C:179-183,
+/// M:1279-1352).
+#[derive(Clone, Debug)]
+pub struct MoeSpec {
+    pub num_experts: i64,
+    pub top_k: i64,
+    pub intermediate_size: i64,
+}
+
 /// compressed-tensors pack-quantized weights (W4A16): symmetric int, group or channel scales.
 #[derive(Clone, Debug)]
 pub struct QuantSpec {
@@ -77,6 +87,7 @@ pub struct Config {
     pub tie_word_embeddings: bool,
     pub eos_ids: Vec<i64>,
     pub quant: Option<QuantSpec>,
+    pub moe: Option<MoeSpec>,
 }
 
 fn get<'a>(m: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
@@ -350,20 +361,35 @@ impl Config {
             tie_word_embeddings,
             eos_ids,
             quant: quant_spec(root)?,
+            moe: moe_spec(m)?,
         })
     }
+}
+
+/// The model types whose text model the engine computes: Gemma 4 (`gemma4`, `gemma4_text`) and the 12B
+/// "unified" one, whose text decoder is Gemma 4's without per-layer inputs or experts (Transformers 5.18
+/// `models/gemma4_unified/modular_gemma4_unified.py`, Gemma4UnifiedTextDecoderLayer).
+const MODEL_TYPES: [&str; 4] = ["gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text"];
+
+/// The MoE block's sizes, when `enable_moe_block` is on; each key it then needs must be there.
+fn moe_spec(m: &Map<String, Value>) -> Result<Option<MoeSpec>> {
+    if !boolean(m, "enable_moe_block", false)? {
+        return Ok(None);
+    }
+    let num_experts = positive(m, "num_experts")?;
+    let top_k = positive(m, "top_k_experts")?;
+    if top_k > num_experts {
+        return Err(Error::config("top_k_experts", format!("must be <= num_experts ({num_experts}), got {top_k}")));
+    }
+    Ok(Some(MoeSpec { num_experts, top_k, intermediate_size: positive(m, "moe_intermediate_size")? }))
 }
 
 /// Refuse the Gemma 4 variants the engine does not implement, naming the key.
 fn check_supported(m: &Map<String, Value>) -> Result<()> {
     if let Some(t) = get(m, "model_type").and_then(|v| v.as_str())
-        && t != "gemma4_text"
-        && t != "gemma4"
+        && !MODEL_TYPES.contains(&t)
     {
-        return Err(Error::config("model_type", format!("{t:?} is not a Gemma 4 text model")));
-    }
-    if boolean(m, "enable_moe_block", false)? {
-        return Err(Error::config("enable_moe_block", "mixture-of-experts models are not supported"));
+        return Err(Error::config("model_type", format!("{t:?} is not a Gemma 4 text model ({})", MODEL_TYPES.join(", "))));
     }
     if get(m, "use_bidirectional_attention").and_then(|v| v.as_str()) == Some("all") {
         return Err(Error::config("use_bidirectional_attention", "\"all\" is not supported"));
@@ -542,12 +568,28 @@ mod tests {
     fn unsupported_variants_name_their_key() {
         for (v, key) in [
             (json!({"model_type": "llama"}), "model_type"),
-            (json!({"enable_moe_block": true}), "enable_moe_block"),
             (json!({"hidden_activation": "relu"}), "hidden_activation"),
         ] {
             assert!(check_supported(&obj(v)).unwrap_err().to_string().contains(key), "{key}");
         }
         assert!(check_supported(&obj(json!({"model_type": "gemma4_text"}))).is_ok());
+        assert!(check_supported(&obj(json!({"model_type": "gemma4_unified_text"}))).is_ok());
+    }
+
+    #[test]
+    fn a_moe_block_needs_its_sizes() {
+        assert!(moe_spec(&obj(json!({}))).unwrap().is_none());
+        let full = json!({"enable_moe_block": true, "num_experts": 8, "top_k_experts": 2, "moe_intermediate_size": 64});
+        let spec = moe_spec(&obj(full.clone())).unwrap().unwrap();
+        assert_eq!((spec.num_experts, spec.top_k, spec.intermediate_size), (8, 2, 64));
+        for key in ["num_experts", "top_k_experts", "moe_intermediate_size"] {
+            let mut m = obj(full.clone());
+            m.remove(key);
+            assert!(moe_spec(&m).unwrap_err().to_string().contains(key), "{key}");
+        }
+        let mut m = obj(full);
+        m.insert("top_k_experts".into(), json!(9));
+        assert!(moe_spec(&m).unwrap_err().to_string().contains("top_k_experts"));
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! `DecoderLayer` (M:1355-1441): attention and MLP blocks with pre- and post-norms, the
-//! per-layer-embedding (PLE) gate, and `layer_scalar` on the whole residual stream.
+//! per-layer-embedding (PLE) gate, `layer_scalar` on the whole residual stream, and in MoE models
+//! the experts beside the MLP (moe.rs), each branch under its own post-norm before they are summed.
 //!
 //! In float32 (`Weights::folds`) the layer's last step, `(x + norm(h)) * s` with `s = layer_scalar`,
 //! is one call, `add(norm'(h), x, alpha=s)`, where `norm'` is the last norm with its weight times `s`
@@ -11,10 +12,20 @@ use crate::gemma4::cache::{KvCache, Rows};
 use crate::gemma4::config::{Config, LayerSpec};
 use crate::gemma4::linear::Linear;
 use crate::gemma4::mlp::Mlp;
+use crate::gemma4::moe::Moe;
 use crate::gemma4::norm::RmsNorm;
 use crate::gemma4::scratch::Scratch;
 use crate::gemma4::weights::Weights;
 use crate::tensor::Tensor;
+
+/// The experts branch of an MoE layer and the norms that frame the two branches (M:1377-1382).
+struct MoeBranch {
+    moe: Moe,
+    /// After the dense MLP (`post_feedforward_layernorm_1`).
+    post_mlp_norm: RmsNorm,
+    /// After the experts (`post_feedforward_layernorm_2`).
+    post_moe_norm: RmsNorm,
+}
 
 /// The PLE trio of a layer.
 struct PerLayerInput {
@@ -32,6 +43,7 @@ pub struct DecoderLayer {
     pre_feedforward_layernorm: RmsNorm,
     mlp: Mlp,
     post_feedforward_layernorm: RmsNorm,
+    moe: Option<MoeBranch>,
     per_layer: Option<PerLayerInput>,
     layer_scalar: Scalar,
 }
@@ -78,6 +90,14 @@ impl DecoderLayer {
             None
         };
         let post_feedforward_layernorm = norm("post_feedforward_layernorm")?;
+        let moe = match &cfg.moe {
+            Some(spec) => Some(MoeBranch {
+                moe: Moe::load(w, &p, h, eps, spec)?,
+                post_mlp_norm: norm("post_feedforward_layernorm_1")?,
+                post_moe_norm: norm("post_feedforward_layernorm_2")?,
+            }),
+            None => None,
+        };
         Ok(DecoderLayer {
             input_layernorm: norm("input_layernorm")?,
             self_attn: Attention::load(w, cfg, &spec, &format!("{p}.self_attn"))?,
@@ -88,6 +108,7 @@ impl DecoderLayer {
                 Some(_) => post_feedforward_layernorm,
                 None => last(post_feedforward_layernorm)?,
             },
+            moe,
             per_layer,
             layer_scalar: match folded {
                 Some(s) => Scalar::Folded(s),
@@ -117,6 +138,11 @@ impl DecoderLayer {
         let xs = residual.add(&self.post_attention_layernorm.forward(&h)?)?;
 
         let h = self.mlp.forward(&self.pre_feedforward_layernorm.forward(&xs)?, scratch)?;
+        let h = match &self.moe {
+            // The router and the experts read the residual stream, not the MLP's input (M:1414-1426).
+            Some(b) => b.post_mlp_norm.forward(&h)?.add(&b.post_moe_norm.forward(&b.moe.forward(&xs)?)?)?,
+            None => h,
+        };
         let h = self.post_feedforward_layernorm.forward(&h)?;
         match (&self.per_layer, ple) {
             (Some(pl), Some(ple)) => {

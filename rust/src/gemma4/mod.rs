@@ -2,7 +2,7 @@
 //! runtime's (`crate::engine`), as candle's `candle-transformers/src/models/gemma3.rs` is the model only.
 //!
 //! `config` (config.json), `weights` (safetensors, W4A16 unpacking, the choice of kernels), `norm`,
-//! `rope`, `mlp`, `attention` (with the ring masks), `layer`, `model`, `cache` (per-slot
+//! `rope`, `mlp`, `moe` (the 26B-A4B's router and experts), `attention` (with the ring masks), `layer`, `model`, `cache` (per-slot
 //! fixed-shape rings), `scratch` (a decode step's op outputs, made once).
 //!
 //! The forward pass follows Transformers 5.18 `src/transformers/models/gemma4/modeling_gemma4.py`
@@ -16,6 +16,7 @@ pub mod layer;
 pub mod linear;
 pub mod mlp;
 pub mod model;
+pub mod moe;
 pub mod norm;
 pub mod rope;
 pub mod scratch;

@@ -1,0 +1,120 @@
+//! The mixture-of-experts block of `enable_moe_block` models (the 26B-A4B): a router that picks
+//! `top_k` experts a token (M:1318-1352, Gemma4TextRouter) and the experts as two 3D weights
+//! (M:1279-1316, Gemma4TextExperts: `gate_up_proj` `[E, 2I, H]`, `down_proj` `[E, H, I]`).
+//!
+//! The experts run as Transformers' default `grouped_mm` implementation computes them
+//! (`transformers/integrations/moe.py`, `grouped_mm_experts_forward`, 5.18): the token-expert pairs
+//! sorted by expert, one grouped matrix product for every expert's gate and up projections and one for
+//! the down projections, the weighted rows put back in token order and summed over the `top_k` picks in
+//! float32. A step's ATen calls are the same whatever the number of experts, and no expert is visited
+//! from the host.
+
+use crate::error::Result;
+use crate::gemma4::config::MoeSpec;
+use crate::gemma4::linear::Linear;
+use crate::gemma4::norm::RmsNorm;
+use crate::gemma4::weights::Weights;
+use crate::tensor::{DType, Tensor};
+
+/// Gemma4TextRouter: `softmax(proj(norm(x) * scale * H^-0.5))` in float32, the `top_k` largest
+/// renormalised to sum to 1, times `per_expert_scale` of the chosen experts.
+struct Router {
+    /// The norm without weight, with `scale * H^-0.5` as its weight: the reference multiplies the
+    /// normed rows by both afterwards; here the norm's one rounding covers the product.
+    norm: RmsNorm,
+    proj: Linear,
+    /// `[E]` float32 (the reference multiplies float32 weights by it).
+    per_expert_scale: Tensor,
+    top_k: i64,
+}
+
+impl Router {
+    fn load(w: &Weights, p: &str, hidden: i64, eps: f64, spec: &MoeSpec) -> Result<Router> {
+        let scale = w.vector(&format!("{p}.scale"), &[hidden], DType::F32)?;
+        let weight = scale.mul_scalar((hidden as f64).powf(-0.5))?.to_dtype(w.dtype)?;
+        Ok(Router {
+            norm: RmsNorm::new(weight, eps),
+            proj: w.linear(&format!("{p}.proj"), spec.num_experts, hidden)?,
+            per_expert_scale: w.vector(&format!("{p}.per_expert_scale"), &[spec.num_experts], DType::F32)?,
+            top_k: spec.top_k,
+        })
+    }
+
+    /// `x` `[T, H]` → (weights `[T, K]` float32, expert ids `[T, K]` int64).
+    fn forward(&self, x: &Tensor) -> Result<(Tensor, Tensor)> {
+        let scores = self.proj.forward(&self.norm.forward(x)?)?;
+        let probs = scores.to_dtype(DType::F32)?.softmax(-1)?;
+        let (top, ids) = probs.topk(self.top_k)?;
+        let top = top.div(&top.sum_dim(-1)?.unsqueeze(-1)?)?;
+        let k = self.top_k;
+        let scale = self.per_expert_scale.index_select(0, &ids.reshape(&[-1])?)?.reshape(&[-1, k])?;
+        Ok((top.mul(&scale)?, ids))
+    }
+}
+
+/// Gemma4TextExperts, batched over experts.
+struct Experts {
+    /// `[E, H, 2I]`: `gate_up_proj` transposed (a view), the layout the grouped product reads.
+    gate_up: Tensor,
+    /// `[E, I, H]`: `down_proj` transposed (a view).
+    down: Tensor,
+    num_experts: i64,
+    intermediate: i64,
+}
+
+impl Experts {
+    fn load(w: &Weights, p: &str, hidden: i64, spec: &MoeSpec) -> Result<Experts> {
+        let (e, i) = (spec.num_experts, spec.intermediate_size);
+        Ok(Experts {
+            gate_up: w.vector(&format!("{p}.gate_up_proj"), &[e, 2 * i, hidden], w.dtype)?.transpose(1, 2)?,
+            down: w.vector(&format!("{p}.down_proj"), &[e, hidden, i], w.dtype)?.transpose(1, 2)?,
+            num_experts: e,
+            intermediate: i,
+        })
+    }
+
+    /// `x` `[T, H]`, `weights` `[T, K]` float32, `ids` `[T, K]` → `[T, H]` in `x`'s dtype.
+    fn forward(&self, x: &Tensor, weights: &Tensor, ids: &Tensor) -> Result<Tensor> {
+        let size = x.size()?;
+        let (t, h) = (size[0], size[1]);
+        let k = ids.size()?[1];
+        let (e, i) = (self.num_experts, self.intermediate);
+        // Token-expert pairs (S = T * K) sorted by expert; `perm[s]` is the pair's flat index.
+        let (sorted, perm) = ids.reshape(&[-1])?.sort(false)?;
+        let rows = x.index_select(0, &perm.floor_div_int(k)?)?;
+        let counts = sorted.to_dtype(DType::F32)?.histc(e, 0.0, (e - 1) as f64)?;
+        let offsets = counts.cumsum(0)?.to_dtype(DType::I32)?;
+        let [gate, up] = rows.grouped_mm(&self.gate_up, &offsets)?.split_array(&[i, i], -1)?;
+        let out = gate.gelu_tanh()?.mul(&up)?.grouped_mm(&self.down, &offsets)?;
+        let out = out.mul(&weights.reshape(&[-1])?.index_select(0, &perm)?.unsqueeze(-1)?)?;
+        // Back in pair order, then each token's K rows summed in float32 (the reference's order).
+        let unsorted = Tensor::full(&[t * k, h], 0.0, DType::F32, x)?;
+        unsorted.index_put_(&[Some(&perm)], &out)?;
+        unsorted.reshape(&[t, k, h])?.sum_dim(1)?.to_dtype(x.kind()?.unwrap_or(DType::F32))
+    }
+}
+
+/// The block's two inputs are the layer's residual stream: the router reads it as it is, the experts
+/// after their own norm (M:1414-1426).
+pub struct Moe {
+    router: Router,
+    pre_norm: RmsNorm,
+    experts: Experts,
+}
+
+impl Moe {
+    pub fn load(w: &Weights, layer: &str, hidden: i64, eps: f64, spec: &MoeSpec) -> Result<Moe> {
+        Ok(Moe {
+            router: Router::load(w, &format!("{layer}.router"), hidden, eps, spec)?,
+            pre_norm: RmsNorm::load(w, &format!("{layer}.pre_feedforward_layernorm_2"), hidden, eps)?,
+            experts: Experts::load(w, &format!("{layer}.experts"), hidden, spec)?,
+        })
+    }
+
+    /// `residual` `[T, H]` (the stream after attention) → the experts' sum `[T, H]`, before
+    /// `post_feedforward_layernorm_2`.
+    pub fn forward(&self, residual: &Tensor) -> Result<Tensor> {
+        let (weights, ids) = self.router.forward(residual)?;
+        self.experts.forward(&self.pre_norm.forward(residual)?, &weights, &ids)
+    }
+}
