@@ -296,7 +296,8 @@ fn check_fits(size: &CacheSize, context: i64, free: Option<i64>) -> crate::error
     Err(Error::Input(format!(
         "max_batch {} x context {context} needs a KV cache of {:.1} MiB ({:.2} MiB per slot, of which {:.2} MiB \
          are the prefix cache's snapshots of the sliding rings), but the device has {:.1} MiB free after the \
-         weights; lower max_batch or context, or turn prefix caching off",
+         weights; lower max_batch or context, turn prefix caching off, or split the model over more devices \
+         (tensor_parallel_size)",
         size.max_batch,
         mib(size.total()),
         mib(size.bytes_per_slot),
@@ -323,7 +324,7 @@ impl Engine {
     #[new]
     #[pyo3(signature = (model_dir, emb_dir=None, like=None, context=8192, dtype="bfloat16", prefill_chunk=256,
                         max_batch=1, packed_int4=None, cuda_graphs=true, onednn=None, grammars=None,
-                        prefix_caching=true))]
+                        prefix_caching=true, tensor_parallel_size=1, shard_devices=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -339,11 +340,26 @@ impl Engine {
         onednn: Option<bool>,
         grammars: Option<Py<PyGrammars>>,
         prefix_caching: bool,
+        tensor_parallel_size: i64,
+        shard_devices: Option<Vec<Bound<'_, PyAny>>>,
     ) -> PyResult<Engine> {
         let grammars = grammars.map(|g| g.get().inner.clone());
         let dtype = parse_dtype(dtype)?;
-        let settings =
-            Settings { context, dtype, prefill_chunk, max_batch, packed_int4, cuda_graphs, onednn, prefix_caching };
+        let settings = Settings {
+            context,
+            dtype,
+            prefill_chunk,
+            max_batch,
+            packed_int4,
+            cuda_graphs,
+            onednn,
+            prefix_caching,
+            tensor_parallel_size,
+        };
+        let shard_likes = match shard_devices {
+            None => None,
+            Some(l) => Some(l.iter().map(|t| tensor_arg(t, "shard_devices")).collect::<PyResult<Vec<_>>>()?),
+        };
         let (like, like_py) = match like {
             Some(t) => (tensor_arg(t, "like")?, t.clone().unbind()),
             None => {
@@ -354,7 +370,7 @@ impl Engine {
         };
         let inner = py.detach(|| {
             no_grad(|| {
-                engine::Engine::load(&model_dir, emb_dir.as_deref(), like, settings, |size| {
+                engine::Engine::load(&model_dir, emb_dir.as_deref(), like, shard_likes, settings, |size| {
                     check_fits(size, context, free_bytes(&like_py)?)
                 })?
                 .with_grammars(grammars)

@@ -483,8 +483,8 @@ def test_kv_cache_that_cannot_fit_is_value_error_naming_max_batch_and_sizes(dens
     message = (
         rf"max_batch {max_batch} x context {context} needs a KV cache of {max_batch * per_slot / mib:.1f} MiB "
         rf"\({per_slot / mib:.2f} MiB per slot, of which 0.00 MiB are the prefix cache's snapshots of the sliding "
-        rf"rings\), but the device has [\d.]+ MiB free after the weights; lower max_batch or context, or turn prefix "
-        rf"caching off"
+        rf"rings\), but the device has [\d.]+ MiB free after the weights; lower max_batch or context, turn prefix "
+        rf"caching off, or split the model over more devices \(tensor_parallel_size\)"
     )
     with pytest.raises(ValueError, match=message):
         _engine({"dense": (dense_checkpoint, None)}, "dense", context=context, max_batch=max_batch)

@@ -273,6 +273,8 @@ class Engine:
         onednn: bool | None = None,
         grammars: Grammars | None = None,
         prefix_caching: bool = True,
+        tensor_parallel_size: int = 1,
+        shard_devices: list[torch.Tensor] | None = None,
     ) -> None:
         """Load a checkpoint directory (config.json + *.safetensors).
 
@@ -320,12 +322,23 @@ class Engine:
                 request can resume there; layout()["snapshot_bytes_per_slot"] gives their size.
                 Requests go to the free slot with the longest valid prefix, or the least recently
                 used one; without it, to the lowest free slot.
+            tensor_parallel_size: split the model over this many shards (vLLM's column- and
+                row-parallel layers): each holds its share of the attention heads (KV heads
+                replicated when there are fewer than shards), of every MLP's and expert's
+                intermediate features and of the vocabulary, and the KV rings of its heads; each
+                layer reduces the shards' partial outputs twice. Embeddings, norms, the per-layer
+                inputs and the router stay whole on `like`'s device.
+            shard_devices: one tensor per shard naming its device (default: every shard on `like`'s
+                device, the CPU mode the tests run); the reductions copy partial outputs to `like`'s
+                device. CUDA graphs are off when the shards span devices.
         Raises:
             ValueError: bad config key, missing or misshapen tensor (named, with
                 the expected shape), bad dtype, context, prefill_chunk or max_batch < 1,
                 packed_int4=True with a dtype other than bfloat16 or on a device without
                 the int4 kernels, onednn=True off the CPU, in float16, without oneDNN or,
                 in bfloat16, without its bfloat16 support, grammars of another vocab_size,
+                a tensor_parallel_size that does not divide the heads, KV heads (nor is a multiple of
+                them), intermediate sizes or vocabulary (the numbers named),
                 or a KV cache of max_batch x kv_bytes_per_slot (snapshots included) that does not fit in the
                 device's free memory after the weights (CPU: MemAvailable and the cgroup
                 limit; CUDA: torch.cuda.mem_get_info; other devices are not checked).

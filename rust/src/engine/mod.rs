@@ -89,7 +89,8 @@ use crate::engine::slots::{End, Phase, Slot, Slots};
 use crate::engine::step::{Graphs, StepKey, step};
 use crate::error::{Error, Result};
 use crate::gemma4::attention::{Fill, Liveness, Positions};
-use crate::gemma4::cache::{CacheSize, KvCache, Rows};
+use crate::gemma4::cache::{CacheSize, Rows};
+use crate::gemma4::parallel::{ShardedCache, check_divisible};
 use crate::gemma4::config::{Config, LayerType};
 use crate::gemma4::model::{Model, Output};
 use crate::gemma4::weights::{Kernels, Loaded, Weights};
@@ -143,6 +144,8 @@ pub struct Settings {
     pub onednn: Option<bool>,
     /// Reuse the keys of earlier requests (prefix.rs); the cache then holds each slot's snapshots.
     pub prefix_caching: bool,
+    /// Shards the model is split over (gemma4/parallel.rs); 1 for none.
+    pub tensor_parallel_size: i64,
 }
 
 impl Settings {
@@ -181,7 +184,7 @@ pub struct Engine {
     loaded: Loaded,
     /// Why dense weights are not on oneDNN, where they are not (`WeightsInfo::linear_note`).
     linear_note: Option<String>,
-    cache: KvCache,
+    cache: ShardedCache,
     sampler: Sampler,
     like: Tensor,
     context: i64,
@@ -209,33 +212,50 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Load `model_dir` (and the vocabulary tables of `emb_dir`) onto `like`'s device. `fits` sees
-    /// the KV cache's size once the weights are on the device and before the cache is allocated;
-    /// it refuses a cache that cannot fit.
+    /// Load `model_dir` (and the vocabulary tables of `emb_dir`) onto `like`'s device, its
+    /// tensor-parallel shards onto `shard_likes`' (`Settings::tensor_parallel_size` of them; None: all on
+    /// `like`'s). `fits` sees one shard's KV cache size (on one device, all of them together) once the
+    /// weights are on the devices and before the cache is allocated; it refuses a cache that cannot fit.
     pub fn load(
         model_dir: &Path,
         emb_dir: Option<&Path>,
         like: Tensor,
+        shard_likes: Option<Vec<Tensor>>,
         settings: Settings,
         fits: impl FnOnce(&CacheSize) -> Result<()>,
     ) -> Result<Engine> {
         settings.check()?;
         let cfg = Config::load(model_dir)?;
-        let quant = cfg.quant.clone();
-        let weights =
-            Weights::open(model_dir, emb_dir, quant, like.shallow_clone()?, settings.dtype, settings.kernels())?;
-        let model = Model::load(cfg, &weights, settings.context)?;
-        let loaded = weights.loaded();
+        let n = settings.tensor_parallel_size;
+        check_divisible(&cfg, n)?;
+        let shard_likes = match shard_likes {
+            None => (0..n).map(|_| like.shallow_clone()).collect::<Result<Vec<_>>>()?,
+            Some(l) if l.len() as i64 == n => l,
+            Some(l) => {
+                return Err(Error::Input(format!("{} shard devices for tensor_parallel_size {n}", l.len())));
+            }
+        };
+        let open = |l: &Tensor| {
+            Weights::open(model_dir, emb_dir, cfg.quant.clone(), l.shallow_clone()?, settings.dtype, settings.kernels())
+        };
+        let weights = open(&like)?;
+        let shards = shard_likes.iter().map(open).collect::<Result<Vec<_>>>()?;
+        let model = Model::load(cfg, &weights, &shards, settings.context)?;
+        let loaded = shards.iter().fold(weights.loaded(), |a, w| a.plus(w.loaded()));
         let linear_note =
             if loaded.onednn { None } else { settings.kernels().onednn_note(settings.dtype, &like.device()?) };
         let b = settings.max_batch;
         let caching = settings.prefix_caching;
-        fits(&CacheSize::of(&model.cfg, settings.context, b, settings.dtype, caching))?;
-        let cache = KvCache::new(&model.cfg, settings.context, b, &like, settings.dtype, caching)?;
+        let device = like.device()?;
+        let local = shard_likes.iter().map(|l| l.device()).collect::<Result<Vec<_>>>()?.iter().all(|d| *d == device);
+        let per_shard = ShardedCache::size_per_shard(&model.cfg, n, settings.context, b, settings.dtype, caching);
+        fits(&if local { per_shard.times(n) } else { per_shard })?;
+        let cache = ShardedCache::new(&model.cfg, settings.context, b, &shard_likes, settings.dtype, caching)?;
         let sampler = Sampler::new(b, model.cfg.vocab_size, &like)?;
         let slots = Slots::new(b, model.cfg.vocab_size, &like)?;
         let prefix = caching.then(|| PrefixCache::new(b as usize, cache.ring(LayerType::Sliding) as usize));
-        let graphs = (settings.cuda_graphs && like.device()?.starts_with("cuda") && CudaGraph::available())
+        // A captured graph replays one device's work; shards on several devices run eagerly.
+        let graphs = (settings.cuda_graphs && device.starts_with("cuda") && local && CudaGraph::available())
             .then(Graphs::default);
         Ok(Engine {
             graphs,
@@ -318,7 +338,9 @@ impl Engine {
 
     pub fn layout(&self) -> Layout {
         let cfg = &self.model.cfg;
-        let size = CacheSize::of(cfg, self.context, self.max_batch, self.model.dtype(), self.prefix.is_some());
+        let shards = self.cache.shards.len() as i64;
+        let size = ShardedCache::size_per_shard(cfg, shards, self.context, self.max_batch, self.model.dtype(), self.prefix.is_some())
+            .times(shards);
         Layout {
             full_rings: self.cache.own_rings(LayerType::Full, cfg),
             sliding_rings: self.cache.own_rings(LayerType::Sliding, cfg),
@@ -882,6 +904,7 @@ mod tests {
             cuda_graphs: true,
             onednn: None,
             prefix_caching: true,
+            tensor_parallel_size: 1,
         };
         assert!(s.check().unwrap_err().to_string().contains("max_batch"));
         assert!(Settings { max_batch: 2, ..s }.check().is_ok());

@@ -27,9 +27,10 @@ use crate::gemma4::cache::{KvCache, Rows};
 use crate::gemma4::config::{Config, LayerSpec, LayerType};
 use crate::gemma4::linear::Linear;
 use crate::gemma4::norm::RmsNorm;
+use crate::gemma4::parallel::Tp;
 use crate::gemma4::rope::{Rope, RopeAt};
 use crate::gemma4::scratch::Scratch;
-use crate::gemma4::weights::Weights;
+use crate::gemma4::weights::{Slice, Weights};
 use crate::tensor::{DType, Tensor};
 
 /// What the slots of a forward held before it.
@@ -87,6 +88,11 @@ impl Positions {
         })
     }
 
+    /// The same positions on `like`'s device (a tensor-parallel shard's).
+    pub fn on(&self, like: &Tensor) -> Result<Positions> {
+        Ok(Positions { first: self.first, ..Positions::new(&self.grid.to_like(like, DType::I64)?)? })
+    }
+
     /// Positions `start..end` of one row, on the device of `like`.
     pub fn chunk(start: i64, end: i64, like: &Tensor) -> Result<Positions> {
         let grid = Tensor::arange(start, end, DType::I64, like)?.unsqueeze(0)?;
@@ -108,6 +114,16 @@ pub struct Writes {
 pub enum Liveness {
     AllLive,
     Padding(Tensor),
+}
+
+impl Liveness {
+    /// The same marks on `like`'s device (a tensor-parallel shard's).
+    pub fn on(&self, like: &Tensor) -> Result<Liveness> {
+        Ok(match self {
+            Liveness::AllLive => Liveness::AllLive,
+            Liveness::Padding(live) => Liveness::Padding(live.to_like(like, DType::Bool)?),
+        })
+    }
 }
 
 impl Writes {
@@ -240,8 +256,11 @@ fn heads_first(y: &Tensor, rows: i64, t: i64, heads: i64, d: i64) -> Result<Tens
 }
 
 impl Attention {
-    pub fn load(w: &Weights, cfg: &Config, spec: &LayerSpec, prefix: &str) -> Result<Attention> {
-        let (h, d, nh, nkv) = (cfg.hidden_size, spec.head_dim, cfg.num_heads, spec.num_kv_heads);
+    /// Tensor-parallel shard `tp`'s heads (parallel.rs): its query heads and the KV heads they read
+    /// (q/k/v column-parallel), and o_proj's columns for those query heads (row-parallel).
+    pub fn load(w: &Weights, cfg: &Config, spec: &LayerSpec, prefix: &str, tp: Tp) -> Result<Attention> {
+        let (h, d, all_heads, all_kv) = (cfg.hidden_size, spec.head_dim, cfg.num_heads, spec.num_kv_heads);
+        let (nh, (kv0, nkv)) = (all_heads / tp.size, tp.kv_heads(all_heads, all_kv));
         let eps = cfg.rms_norm_eps;
         let name = |n: &str| format!("{prefix}.{n}");
         let (q, k, v) = (name("q_proj"), name("k_proj"), name("v_proj"));
@@ -250,9 +269,14 @@ impl Attention {
         // K=V layers (LayerSpec::values_from_keys) stack k_proj twice: the value heads are the key
         // projection's raw output, which v_norm then normalizes as it would v_proj's.
         let v = if spec.values_from_keys { k.clone() } else { v };
+        let q_rows = tp.rows(all_heads * d);
+        let kv_rows = if tp.size == 1 { Slice::All } else { Slice::Rows(kv0 * d, nkv * d) };
         let (proj, kv) = match spec.kv_source {
-            Some(_) => (w.linear(&q, nh * d, h)?, None),
-            None => (w.fused(&[(&q, nh * d), (&k, nkv * d), (&v, nkv * d)], h)?, Some(())),
+            Some(_) => (w.linear_slice(&q, all_heads * d, h, q_rows)?, None),
+            None => {
+                let parts = [(q.as_str(), all_heads * d, q_rows), (&k, all_kv * d, kv_rows), (&v, all_kv * d, kv_rows)];
+                (w.fused_slices(&parts, h)?, Some(()))
+            }
         };
         let q_weight = w.vector(&name("q_norm.weight"), &[d], w.dtype)?;
         let q_norm = RmsNorm::new(q_weight.shallow_clone()?, eps);
@@ -276,7 +300,7 @@ impl Attention {
             q_norm,
             kv,
             donor: spec.kv_source,
-            o_proj: w.linear(&name("o_proj"), h, nh * d)?,
+            o_proj: w.linear_slice(&name("o_proj"), h, all_heads * d, tp.cols(all_heads * d))?,
             num_heads: nh,
             num_kv_heads: nkv,
             head_dim: d,

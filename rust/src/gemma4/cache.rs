@@ -134,6 +134,15 @@ impl CacheSize {
     pub fn total(&self) -> i64 {
         self.bytes_per_slot * self.max_batch
     }
+
+    /// `n` such caches together (tensor-parallel shards on one device).
+    pub fn times(&self, n: i64) -> CacheSize {
+        CacheSize {
+            bytes_per_slot: self.bytes_per_slot * n,
+            snapshot_bytes_per_slot: self.snapshot_bytes_per_slot * n,
+            max_batch: self.max_batch,
+        }
+    }
 }
 
 /// Ring entries per layer type: sliding rings hold the window, full rings the context.

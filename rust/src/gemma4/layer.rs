@@ -1,6 +1,9 @@
 //! `DecoderLayer` (M:1355-1441): attention and MLP blocks with pre- and post-norms, the
 //! per-layer-embedding (PLE) gate, `layer_scalar` on the whole residual stream, and in MoE models
 //! the experts beside the MLP (moe.rs), each branch under its own post-norm before they are summed.
+//! Attention, the MLP and the experts are split over the tensor-parallel shards (parallel.rs): the
+//! layer runs each shard's part and reduces the partial outputs, once after attention and once after
+//! the MLP and the experts.
 //!
 //! In float32 (`Weights::folds`) the layer's last step, `(x + norm(h)) * s` with `s = layer_scalar`,
 //! is one call, `add(norm'(h), x, alpha=s)`, where `norm'` is the last norm with its weight times `s`
@@ -12,15 +15,18 @@ use crate::gemma4::cache::{KvCache, Rows};
 use crate::gemma4::config::{Config, LayerSpec};
 use crate::gemma4::linear::Linear;
 use crate::gemma4::mlp::Mlp;
-use crate::gemma4::moe::Moe;
+use crate::gemma4::moe::{Experts, Routing};
 use crate::gemma4::norm::RmsNorm;
+use crate::gemma4::parallel::{Tp, reduce};
 use crate::gemma4::scratch::Scratch;
 use crate::gemma4::weights::Weights;
 use crate::tensor::Tensor;
 
 /// The experts branch of an MoE layer and the norms that frame the two branches (M:1377-1382).
 struct MoeBranch {
-    moe: Moe,
+    routing: Routing,
+    /// Per shard.
+    experts: Vec<Experts>,
     /// After the dense MLP (`post_feedforward_layernorm_1`).
     post_mlp_norm: RmsNorm,
     /// After the experts (`post_feedforward_layernorm_2`).
@@ -38,14 +44,34 @@ pub struct DecoderLayer {
     pub spec: LayerSpec,
     index: usize,
     input_layernorm: RmsNorm,
-    self_attn: Attention,
+    /// Per tensor-parallel shard, as `mlp`.
+    self_attn: Vec<Attention>,
     post_attention_layernorm: RmsNorm,
     pre_feedforward_layernorm: RmsNorm,
-    mlp: Mlp,
+    mlp: Vec<Mlp>,
     post_feedforward_layernorm: RmsNorm,
     moe: Option<MoeBranch>,
     per_layer: Option<PerLayerInput>,
     layer_scalar: Scalar,
+}
+
+/// What one tensor-parallel shard of a forward works with: its plan, KV rings, the keys its layers
+/// attended to, its one-token buffers, and its device.
+pub struct ShardIo<'a> {
+    pub plan: &'a Plan,
+    pub cache: &'a mut KvCache,
+    pub attended: &'a mut Attended,
+    pub scratch: Option<&'a mut Scratch>,
+    pub like: &'a Tensor,
+    /// On the first shard's device: nothing is copied to or from it.
+    pub local: bool,
+}
+
+impl ShardIo<'_> {
+    /// `x` on this shard's device.
+    fn input(&self, x: &Tensor) -> Result<Tensor> {
+        if self.local { x.shallow_clone() } else { x.to_like(self.like, x.kind()?.unwrap_or(crate::tensor::DType::F32)) }
+    }
 }
 
 /// How the layer applies `layer_scalar`.
@@ -67,7 +93,8 @@ impl Scalar {
 }
 
 impl DecoderLayer {
-    pub fn load(w: &Weights, cfg: &Config, i: usize) -> Result<DecoderLayer> {
+    /// `w` holds the whole parts (on the first shard's device), `shards` each shard's weights.
+    pub fn load(w: &Weights, shards: &[Weights], cfg: &Config, i: usize) -> Result<DecoderLayer> {
         let spec = cfg.layers[i].clone();
         let p = format!("layers.{i}");
         let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
@@ -90,9 +117,11 @@ impl DecoderLayer {
             None
         };
         let post_feedforward_layernorm = norm("post_feedforward_layernorm")?;
+        let group = Tp::group(shards.len() as i64);
         let moe = match &cfg.moe {
             Some(spec) => Some(MoeBranch {
-                moe: Moe::load(w, &p, h, eps, spec)?,
+                routing: Routing::load(w, &p, h, eps, spec)?,
+                experts: group.iter().zip(shards).map(|(tp, sw)| Experts::load(sw, &p, h, spec, *tp)).collect::<Result<_>>()?,
                 post_mlp_norm: norm("post_feedforward_layernorm_1")?,
                 post_moe_norm: norm("post_feedforward_layernorm_2")?,
             }),
@@ -100,10 +129,18 @@ impl DecoderLayer {
         };
         Ok(DecoderLayer {
             input_layernorm: norm("input_layernorm")?,
-            self_attn: Attention::load(w, cfg, &spec, &format!("{p}.self_attn"))?,
+            self_attn: group
+                .iter()
+                .zip(shards)
+                .map(|(tp, sw)| Attention::load(sw, cfg, &spec, &format!("{p}.self_attn"), *tp))
+                .collect::<Result<_>>()?,
             post_attention_layernorm: norm("post_attention_layernorm")?,
             pre_feedforward_layernorm: norm("pre_feedforward_layernorm")?,
-            mlp: Mlp::load(w, &format!("{p}.mlp"), h, spec.intermediate_size)?,
+            mlp: group
+                .iter()
+                .zip(shards)
+                .map(|(tp, sw)| Mlp::load(sw, &format!("{p}.mlp"), h, spec.intermediate_size, *tp))
+                .collect::<Result<_>>()?,
             post_feedforward_layernorm: match per_layer {
                 Some(_) => post_feedforward_layernorm,
                 None => last(post_feedforward_layernorm)?,
@@ -119,29 +156,50 @@ impl DecoderLayer {
         })
     }
 
-    /// `xs` `[rows * T, hidden]`; `ple` this layer's per-layer input `[rows * T, P]`; `scratch` for
-    /// one-token forwards (scratch.rs).
-    #[allow(clippy::too_many_arguments)]
-    pub fn forward(
-        &self,
-        xs: &Tensor,
-        ple: Option<&Tensor>,
-        plan: &Plan,
-        rows: Rows,
-        cache: &mut KvCache,
-        attended: &mut Attended,
-        mut scratch: Option<&mut Scratch>,
-    ) -> Result<Tensor> {
+    /// `xs` `[rows * T, hidden]`; `ple` this layer's per-layer input `[rows * T, P]`; `io` one entry
+    /// per shard (the first on `xs`'s device).
+    pub fn forward(&self, xs: &Tensor, ple: Option<&Tensor>, rows: Rows, io: &mut [ShardIo]) -> Result<Tensor> {
         let residual = xs;
         let normed = self.input_layernorm.forward(xs)?;
-        let h = self.self_attn.forward(&normed, plan, self.index, rows, cache, attended, scratch.as_deref_mut())?;
+        let local = io.iter().all(|s| s.local);
+        let attended = self
+            .self_attn
+            .iter()
+            .zip(io.iter_mut())
+            .map(|(a, s)| {
+                let x = s.input(&normed)?;
+                a.forward(&x, s.plan, self.index, rows, s.cache, s.attended, s.scratch.as_deref_mut())
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let h = reduce(attended, xs, local)?;
         let xs = residual.add(&self.post_attention_layernorm.forward(&h)?)?;
 
-        let h = self.mlp.forward(&self.pre_feedforward_layernorm.forward(&xs)?, scratch)?;
+        let ff = self.pre_feedforward_layernorm.forward(&xs)?;
         let h = match &self.moe {
-            // The router and the experts read the residual stream, not the MLP's input (M:1414-1426).
-            Some(b) => b.post_mlp_norm.forward(&h)?.add(&b.post_moe_norm.forward(&b.moe.forward(&xs)?)?)?,
-            None => h,
+            None => {
+                let parts = self.mlp.iter().zip(io.iter_mut()).map(|(m, s)| m.forward(&s.input(&ff)?, s.scratch.as_deref_mut()));
+                reduce(parts.collect::<Result<Vec<_>>>()?, &xs, local)?
+            }
+            Some(b) => {
+                // The router and the experts read the residual stream, not the MLP's input (M:1414-1426).
+                let routed = b.routing.forward(&xs)?;
+                let mut parts = Vec::with_capacity(io.len());
+                for ((m, e), s) in self.mlp.iter().zip(&b.experts).zip(io.iter_mut()) {
+                    let mlp = m.forward(&s.input(&ff)?, s.scratch.as_deref_mut())?;
+                    let experts = e.forward(&s.input(&routed.x)?, &s.input(&routed.weights)?, &s.input(&routed.ids)?)?;
+                    parts.push([mlp, experts]);
+                }
+                let [mlp, experts] = match parts.len() {
+                    1 => parts.pop().ok_or_else(|| crate::error::Error::Internal("no shard".into()))?,
+                    // One reduction over both branches, side by side.
+                    _ => {
+                        let h = xs.size()?[1];
+                        let joined = parts.iter().map(|[m, e]| Tensor::cat(&[m, e], -1)).collect::<Result<Vec<_>>>()?;
+                        reduce(joined, &xs, local)?.split_array(&[h, h], -1)?
+                    }
+                };
+                b.post_mlp_norm.forward(&mlp)?.add(&b.post_moe_norm.forward(&experts)?)?
+            }
         };
         let h = self.post_feedforward_layernorm.forward(&h)?;
         match (&self.per_layer, ple) {

@@ -4,6 +4,7 @@
 
 use crate::error::Result;
 use crate::gemma4::linear::Linear;
+use crate::gemma4::parallel::Tp;
 use crate::gemma4::scratch::Scratch;
 use crate::gemma4::weights::Weights;
 use crate::tensor::Tensor;
@@ -15,12 +16,14 @@ pub struct Mlp {
 }
 
 impl Mlp {
-    pub fn load(w: &Weights, prefix: &str, hidden: i64, intermediate: i64) -> Result<Mlp> {
+    /// Tensor-parallel shard `tp`'s part (parallel.rs): gate and up column-parallel, down row-parallel.
+    pub fn load(w: &Weights, prefix: &str, hidden: i64, intermediate: i64, tp: Tp) -> Result<Mlp> {
         let (gate, up) = (format!("{prefix}.gate_proj"), format!("{prefix}.up_proj"));
+        let rows = tp.rows(intermediate);
         Ok(Mlp {
-            gate_up_proj: w.fused(&[(&gate, intermediate), (&up, intermediate)], hidden)?,
-            down_proj: w.linear(&format!("{prefix}.down_proj"), hidden, intermediate)?,
-            intermediate,
+            gate_up_proj: w.fused_slices(&[(&gate, intermediate, rows), (&up, intermediate, rows)], hidden)?,
+            down_proj: w.linear_slice(&format!("{prefix}.down_proj"), hidden, intermediate, tp.cols(intermediate))?,
+            intermediate: intermediate / tp.size,
         })
     }
 

@@ -3,7 +3,8 @@
 //!
 //! `config` (config.json), `weights` (safetensors, W4A16 unpacking, the choice of kernels), `norm`,
 //! `rope`, `mlp`, `moe` (the 26B-A4B's router and experts), `attention` (with the ring masks), `layer`, `model`, `cache` (per-slot
-//! fixed-shape rings), `scratch` (a decode step's op outputs, made once).
+//! fixed-shape rings), `scratch` (a decode step's op outputs, made once), `parallel` (tensor parallelism: the shards'
+//! slices, their reductions and KV caches).
 //!
 //! The forward pass follows Transformers 5.18 `src/transformers/models/gemma4/modeling_gemma4.py`
 //! (`Gemma4ForCausalLM`) and its config `configuration_gemma4.py`. Comments cite line ranges of
@@ -18,6 +19,7 @@ pub mod mlp;
 pub mod model;
 pub mod moe;
 pub mod norm;
+pub mod parallel;
 pub mod rope;
 pub mod scratch;
 pub mod weights;

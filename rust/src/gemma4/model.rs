@@ -15,11 +15,12 @@
 use crate::error::{Error, Result};
 use crate::ffi::aten_calls;
 use crate::gemma4::attention::{Attended, Fill, Liveness, Plan, Positions};
-use crate::gemma4::cache::{KvCache, Rows};
+use crate::gemma4::cache::Rows;
 use crate::gemma4::config::{Config, LayerType};
-use crate::gemma4::layer::DecoderLayer;
+use crate::gemma4::layer::{DecoderLayer, ShardIo};
 use crate::gemma4::linear::Linear;
 use crate::gemma4::norm::RmsNorm;
+use crate::gemma4::parallel::{ShardedCache, Tp, gather};
 use crate::gemma4::rope::Rope;
 use crate::gemma4::scratch::Scratch;
 use crate::gemma4::weights::Weights;
@@ -53,15 +54,20 @@ pub struct Model {
     per_layer: Option<PerLayerEmbeddings>,
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
-    lm_head: Linear,
-    /// Indexed by `LayerType::index`; None when no layer has that type.
-    ropes: [Option<Rope>; 2],
+    /// Per tensor-parallel shard (parallel.rs): its rows of the vocabulary.
+    lm_head: Vec<Linear>,
+    /// Per shard, indexed by `LayerType::index`; None when no layer has that type.
+    ropes: Vec<[Option<Rope>; 2]>,
+    /// Each shard's device (`like` tensors), the first the embeddings'.
+    likes: Vec<Tensor>,
+    /// Every shard is on the first one's device.
+    local: bool,
     dtype: DType,
     /// float32 (`Weights::folds`): the tables and the norms carry the constants the module docs list.
     folded: bool,
-    /// Where one-token forwards write their projections (scratch.rs); made on first use, so a
-    /// forward takes `&mut self`.
-    scratch: Scratch,
+    /// Where one-token forwards write their projections (scratch.rs), per shard; made on first use, so
+    /// a forward takes `&mut self`.
+    scratch: Vec<Scratch>,
     /// ATen calls each layer made in the last forward (`Engine::layer_calls`), written by `forward`.
     layer_calls: Vec<u64>,
 }
@@ -77,7 +83,9 @@ fn type_head_dim(cfg: &Config, kind: LayerType) -> Result<Option<i64>> {
 }
 
 impl Model {
-    pub fn load(cfg: Config, w: &Weights, context: i64) -> Result<Model> {
+    /// `w` the weights on the first shard's device, `shards` each tensor-parallel shard's (one for
+    /// no parallelism).
+    pub fn load(cfg: Config, w: &Weights, shards: &[Weights], context: i64) -> Result<Model> {
         let (v, h, l, p) = (cfg.vocab_size, cfg.hidden_size, cfg.num_layers as i64, cfg.ple_dim);
         let like = &w.like;
         // The embedding scales are buffers cast to the weight dtype before the multiply (M:1455).
@@ -102,14 +110,33 @@ impl Model {
         } else {
             None
         };
-        let layers = (0..cfg.num_layers).map(|i| DecoderLayer::load(w, &cfg, i)).collect::<Result<Vec<_>>>()?;
-        let lm_head = if cfg.tie_word_embeddings { w.table_linear(&embed_tokens)? } else { w.linear("lm_head", v, h)? };
-        let mut ropes = [None, None];
-        for kind in [LayerType::Sliding, LayerType::Full] {
-            if let Some(d) = type_head_dim(&cfg, kind)? {
-                ropes[kind.index()] = Some(Rope::new(&cfg.rope[kind.index()], d, context, like, w.dtype)?);
+        let layers =
+            (0..cfg.num_layers).map(|i| DecoderLayer::load(w, shards, &cfg, i)).collect::<Result<Vec<_>>>()?;
+        let group = Tp::group(shards.len() as i64);
+        let lm_head = group
+            .iter()
+            .zip(shards)
+            .map(|(tp, sw)| match tp.rows(v) {
+                _ if !cfg.tie_word_embeddings => sw.linear_slice("lm_head", v, h, tp.rows(v)),
+                crate::gemma4::weights::Slice::Rows(start, len) => {
+                    sw.table_linear(&embed_tokens.narrow(0, start, len)?.to_like(&sw.like, w.dtype)?)
+                }
+                _ => sw.table_linear(&embed_tokens),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut ropes = Vec::with_capacity(shards.len());
+        for sw in shards {
+            let mut per_type = [None, None];
+            for kind in [LayerType::Sliding, LayerType::Full] {
+                if let Some(d) = type_head_dim(&cfg, kind)? {
+                    per_type[kind.index()] = Some(Rope::new(&cfg.rope[kind.index()], d, context, &sw.like, w.dtype)?);
+                }
             }
+            ropes.push(per_type);
         }
+        let likes = shards.iter().map(|sw| sw.like.shallow_clone()).collect::<Result<Vec<_>>>()?;
+        let device = like.device()?;
+        let local = shards.iter().map(|sw| sw.like.device()).collect::<Result<Vec<_>>>()?.iter().all(|d| *d == device);
         Ok(Model {
             // `cap * tanh(lm_head(norm(x)) / cap)`: the 1 / cap (and the tied table's 1 / sqrt(H)) go
             // into the norm's weight (module docs).
@@ -128,7 +155,9 @@ impl Model {
             ropes,
             dtype: w.dtype,
             layer_calls: vec![0; cfg.num_layers],
-            scratch: Scratch::new(like, w.dtype)?,
+            scratch: likes.iter().map(|l| Scratch::new(l, w.dtype)).collect::<Result<_>>()?,
+            likes,
+            local,
             cfg,
         })
     }
@@ -155,7 +184,7 @@ impl Model {
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &mut self,
-        cache: &mut KvCache,
+        cache: &mut ShardedCache,
         rows: Rows,
         ids: &Tensor,
         pos: &Positions,
@@ -172,23 +201,49 @@ impl Model {
             Some(pl) => Some(self.per_layer_inputs(pl, ids, &x0)?),
             None => None,
         };
-        let mut plans: [Option<Plan>; 2] = [None, None];
-        for kind in [LayerType::Sliding, LayerType::Full] {
-            if let Some(rope) = &self.ropes[kind.index()] {
-                let window = self.cfg.sliding_window;
-                plans[kind.index()] = Some(Plan::new(kind, pos, fill, cache, live, rope, window)?);
+        // Shards on one device share the first one's plans (their rings have one geometry).
+        let planned = if self.local { 1 } else { self.likes.len() };
+        let mut plans: Vec<[Option<Plan>; 2]> = Vec::with_capacity(planned);
+        for (s, shard_cache) in cache.shards.iter().enumerate().take(planned) {
+            let moved = if s == 0 { None } else { Some(pos.on(&self.likes[s])?) };
+            let live_s = if s == 0 { None } else { Some(live.on(&self.likes[s])?) };
+            let (pos_s, live_s) = (moved.as_ref().unwrap_or(pos), live_s.as_ref().unwrap_or(live));
+            let mut per_type = [None, None];
+            for kind in [LayerType::Sliding, LayerType::Full] {
+                if let Some(rope) = &self.ropes[s][kind.index()] {
+                    let window = self.cfg.sliding_window;
+                    per_type[kind.index()] = Some(Plan::new(kind, pos_s, fill, shard_cache, live_s, rope, window)?);
+                }
             }
+            plans.push(per_type);
         }
-        let mut attended: Attended = (0..self.layers.len()).map(|_| None).collect();
-        let mut scratch = (t == 1).then_some(&mut self.scratch);
+        let one_token = t == 1;
+        let mut io: Vec<_> = cache
+            .shards
+            .iter_mut()
+            .zip(self.scratch.iter_mut())
+            .map(|(c, scratch)| (c, one_token.then_some(scratch)))
+            .collect();
+        let mut attended: Vec<Attended> = io.iter().map(|_| (0..self.layers.len()).map(|_| None).collect()).collect();
         let mut xs = x0;
         for (i, layer) in self.layers.iter().enumerate() {
-            let plan = plans[layer.spec.kind.index()]
-                .as_ref()
-                .ok_or_else(|| Error::Internal("no RoPE table for a layer type".into()))?;
+            let kind = layer.spec.kind.index();
+            let mut shard_io = Vec::with_capacity(io.len());
+            for (s, ((shard_cache, scratch), attended)) in io.iter_mut().zip(attended.iter_mut()).enumerate() {
+                let plan = plans[if self.local { 0 } else { s }][kind]
+                    .as_ref()
+                    .ok_or_else(|| Error::Internal("no RoPE table for a layer type".into()))?;
+                shard_io.push(ShardIo {
+                    plan,
+                    cache: shard_cache,
+                    attended,
+                    scratch: scratch.as_deref_mut(),
+                    like: &self.likes[s],
+                    local: self.local || s == 0,
+                });
+            }
             let before = aten_calls();
-            let scratch = scratch.as_deref_mut();
-            xs = layer.forward(&xs, ple.as_ref().map(|p| &p[i]), plan, rows, cache, &mut attended, scratch)?;
+            xs = layer.forward(&xs, ple.as_ref().map(|p| &p[i]), rows, &mut shard_io)?;
             self.layer_calls[i] = aten_calls() - before;
         }
         match output {
@@ -210,7 +265,18 @@ impl Model {
     /// Next-token logits `[m, vocab]` (after softcap, compute dtype) of final hidden states `[m, hidden]`:
     /// the final norm, lm_head and the softcap (M:1864-1867).
     pub fn head(&self, xs: &Tensor) -> Result<Tensor> {
-        let logits = self.lm_head.forward(&self.norm.forward(xs)?)?;
+        let normed = self.norm.forward(xs)?;
+        let slices = self
+            .lm_head
+            .iter()
+            .zip(&self.likes)
+            .enumerate()
+            .map(|(s, (head, like))| {
+                let x = if self.local || s == 0 { normed.shallow_clone()? } else { normed.to_like(like, self.dtype)? };
+                head.forward(&x)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let logits = gather(slices, xs, self.local)?;
         match self.cfg.final_logit_softcapping {
             // Folded: the final norm's weight carries the 1 / cap (see `load`).
             Some(cap) if self.folded => logits.tanh()?.mul_scalar(cap),

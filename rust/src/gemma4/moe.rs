@@ -13,6 +13,7 @@ use crate::error::Result;
 use crate::gemma4::config::MoeSpec;
 use crate::gemma4::linear::Linear;
 use crate::gemma4::norm::RmsNorm;
+use crate::gemma4::parallel::Tp;
 use crate::gemma4::weights::Weights;
 use crate::tensor::{DType, Tensor};
 
@@ -52,8 +53,9 @@ impl Router {
     }
 }
 
-/// Gemma4TextExperts, batched over experts.
-struct Experts {
+/// Gemma4TextExperts, batched over experts; a tensor-parallel shard holds every expert's share of the
+/// intermediate features (parallel.rs), its output a partial sum.
+pub struct Experts {
     /// `[E, H, 2I]`: `gate_up_proj` transposed (a view), the layout the grouped product reads.
     gate_up: Tensor,
     /// `[E, I, H]`: `down_proj` transposed (a view).
@@ -63,18 +65,24 @@ struct Experts {
 }
 
 impl Experts {
-    fn load(w: &Weights, p: &str, hidden: i64, spec: &MoeSpec) -> Result<Experts> {
+    pub fn load(w: &Weights, layer: &str, hidden: i64, spec: &MoeSpec, tp: Tp) -> Result<Experts> {
         let (e, i) = (spec.num_experts, spec.intermediate_size);
-        Ok(Experts {
-            gate_up: w.vector(&format!("{p}.gate_up_proj"), &[e, 2 * i, hidden], w.dtype)?.transpose(1, 2)?,
-            down: w.vector(&format!("{p}.down_proj"), &[e, hidden, i], w.dtype)?.transpose(1, 2)?,
-            num_experts: e,
-            intermediate: i,
-        })
+        let (first, len) = tp.part(i);
+        // `gate_up_proj` stacks every gate row, then every up row: a shard takes its rows of each.
+        let gate_up = w.dense_part(&format!("{layer}.experts.gate_up_proj"), &[e, 2 * i, hidden], w.dtype, |t| {
+            if tp.size == 1 {
+                return t.shallow_clone();
+            }
+            Tensor::cat(&[&t.narrow(1, first, len)?, &t.narrow(1, i + first, len)?], 1)
+        })?;
+        let down = w.dense_part(&format!("{layer}.experts.down_proj"), &[e, hidden, i], w.dtype, |t| {
+            if tp.size == 1 { t.shallow_clone() } else { t.narrow(2, first, len)?.copy() }
+        })?;
+        Ok(Experts { gate_up: gate_up.transpose(1, 2)?, down: down.transpose(1, 2)?, num_experts: e, intermediate: len })
     }
 
     /// `x` `[T, H]`, `weights` `[T, K]` float32, `ids` `[T, K]` → `[T, H]` in `x`'s dtype.
-    fn forward(&self, x: &Tensor, weights: &Tensor, ids: &Tensor) -> Result<Tensor> {
+    pub fn forward(&self, x: &Tensor, weights: &Tensor, ids: &Tensor) -> Result<Tensor> {
         let size = x.size()?;
         let (t, h) = (size[0], size[1]);
         let k = ids.size()?[1];
@@ -94,27 +102,34 @@ impl Experts {
     }
 }
 
-/// The block's two inputs are the layer's residual stream: the router reads it as it is, the experts
-/// after their own norm (M:1414-1426).
-pub struct Moe {
+/// The router and the experts' norm: both read the layer's residual stream, the router as it is, the
+/// experts after their own norm (M:1414-1426). The experts are the layer's, one per shard.
+pub struct Routing {
     router: Router,
     pre_norm: RmsNorm,
-    experts: Experts,
 }
 
-impl Moe {
-    pub fn load(w: &Weights, layer: &str, hidden: i64, eps: f64, spec: &MoeSpec) -> Result<Moe> {
-        Ok(Moe {
+/// What `Routing::forward` hands the experts.
+pub struct Routed {
+    /// `pre_feedforward_layernorm_2(residual)`, `[T, H]`.
+    pub x: Tensor,
+    /// `[T, K]` float32.
+    pub weights: Tensor,
+    /// `[T, K]` int64.
+    pub ids: Tensor,
+}
+
+impl Routing {
+    pub fn load(w: &Weights, layer: &str, hidden: i64, eps: f64, spec: &MoeSpec) -> Result<Routing> {
+        Ok(Routing {
             router: Router::load(w, &format!("{layer}.router"), hidden, eps, spec)?,
             pre_norm: RmsNorm::load(w, &format!("{layer}.pre_feedforward_layernorm_2"), hidden, eps)?,
-            experts: Experts::load(w, &format!("{layer}.experts"), hidden, spec)?,
         })
     }
 
-    /// `residual` `[T, H]` (the stream after attention) → the experts' sum `[T, H]`, before
-    /// `post_feedforward_layernorm_2`.
-    pub fn forward(&self, residual: &Tensor) -> Result<Tensor> {
+    /// `residual` `[T, H]`, the stream after attention.
+    pub fn forward(&self, residual: &Tensor) -> Result<Routed> {
         let (weights, ids) = self.router.forward(residual)?;
-        self.experts.forward(&self.pre_norm.forward(residual)?, &weights, &ids)
+        Ok(Routed { x: self.pre_norm.forward(residual)?, weights, ids })
     }
 }

@@ -177,6 +177,16 @@ impl Checkpoint {
     }
 }
 
+/// Which part of a checkpoint's `[out, in]` matrix a tensor-parallel shard loads (gemma4/parallel.rs):
+/// all of it, the output rows `start..start + len` (column-parallel) or the input columns
+/// (row-parallel).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Slice {
+    All,
+    Rows(i64, i64),
+    Cols(i64, i64),
+}
+
 /// A matrix as the checkpoint stores it, on the host.
 enum Part {
     Dense(Tensor),
@@ -192,6 +202,37 @@ enum Part {
 }
 
 impl Part {
+    /// The part a tensor-parallel shard holds (`Slice`), copied out of the whole so the rest is freed.
+    fn slice(self, slice: Slice, name: &str) -> Result<Part> {
+        match (self, slice) {
+            (part, Slice::All) => Ok(part),
+            (Part::Dense(t), Slice::Rows(start, len)) => Ok(Part::Dense(t.narrow(0, start, len)?.copy()?)),
+            (Part::Dense(t), Slice::Cols(start, len)) => Ok(Part::Dense(t.narrow(1, start, len)?.copy()?)),
+            (Part::Quant { values, scales, bits, cols, group, .. }, Slice::Rows(start, len)) => Ok(Part::Quant {
+                values: values[(start * cols) as usize..((start + len) * cols) as usize].to_vec(),
+                scales: scales.narrow(0, start, len)?.copy()?,
+                bits,
+                rows: len,
+                cols,
+                group,
+            }),
+            (Part::Quant { values, scales, bits, rows, cols, group }, Slice::Cols(start, len)) => {
+                if start % group != 0 || len % group != 0 {
+                    return Err(Error::weight(
+                        name,
+                        format!("a shard's {len} input columns from {start} do not split its scale groups of {group}"),
+                    ));
+                }
+                let values = (0..rows as usize)
+                    .flat_map(|r| &values[r * cols as usize + start as usize..r * cols as usize + (start + len) as usize])
+                    .copied()
+                    .collect();
+                let scales = scales.narrow(1, start / group, len / group)?.copy()?;
+                Ok(Part::Quant { values, scales, bits, rows, cols: len, group })
+            }
+        }
+    }
+
     /// Dense in `dtype` on `like`'s device. Quantized values are dequantized there in the compute
     /// dtype: a float32 engine multiplies in float32 (no bfloat16 rounding of the product), as
     /// Transformers' plain float32 load does.
@@ -372,6 +413,18 @@ pub struct Loaded {
     pub onednn: bool,
 }
 
+impl Loaded {
+    /// What two loaders put on their devices together (a model and its tensor-parallel shards).
+    pub fn plus(self, other: Loaded) -> Loaded {
+        Loaded {
+            bytes: self.bytes + other.bytes,
+            packed: self.packed + other.packed,
+            dequantized: self.dequantized + other.dequantized,
+            onednn: self.onednn && other.onednn,
+        }
+    }
+}
+
 /// Everything a `load` function needs: the checkpoint(s), the device and the compute dtype.
 pub struct Weights {
     main: Checkpoint,
@@ -449,7 +502,21 @@ impl Weights {
     /// Several linears over the same input as one, their outputs side by side in the order given
     /// (`(name, out)` pairs): one matrix product where the model has several.
     pub fn fused(&self, parts: &[(&str, i64)], inp: i64) -> Result<Linear> {
-        let parts = parts.iter().map(|(n, out)| self.main.part(n, *out, inp)).collect::<Result<Vec<_>>>()?;
+        let whole: Vec<_> = parts.iter().map(|&(n, out)| (n, out, Slice::All)).collect();
+        self.fused_slices(&whole, inp)
+    }
+
+    /// A shard's part of a linear (`Slice`), `out` and `inp` the checkpoint's whole sizes.
+    pub fn linear_slice(&self, name: &str, out: i64, inp: i64, slice: Slice) -> Result<Linear> {
+        self.fused_slices(&[(name, out, slice)], inp)
+    }
+
+    /// `fused` over a shard's parts: `(name, whole out, slice)`, `inp` the whole input width.
+    pub fn fused_slices(&self, parts: &[(&str, i64, Slice)], inp: i64) -> Result<Linear> {
+        let parts = parts
+            .iter()
+            .map(|&(n, out, slice)| self.main.part(n, out, inp)?.slice(slice, n))
+            .collect::<Result<Vec<_>>>()?;
         let quantized = parts.iter().any(|p| matches!(p, Part::Quant { .. }));
         let packed = if quantized && self.int4 == Int4Path::Packed { pack_int4(&parts, &self.like)? } else { None };
         let linear = match packed {
@@ -501,7 +568,19 @@ impl Weights {
 
     /// A norm weight or other small vector, in `dtype`.
     pub fn vector(&self, name: &str, shape: &[i64], dtype: DType) -> Result<Tensor> {
-        let t = self.main.dense(&self.main.full_name(name), shape)?.to_like(&self.like, dtype)?;
+        self.dense_part(name, shape, dtype, |t| t.shallow_clone())
+    }
+
+    /// A dense tensor of `shape` (the experts' 3D weights), `pick` applied on the host before it moves
+    /// to the device in `dtype` (a tensor-parallel shard's part of it, copied out of the whole).
+    pub fn dense_part(
+        &self,
+        name: &str,
+        shape: &[i64],
+        dtype: DType,
+        pick: impl FnOnce(&Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let t = pick(&self.main.dense(&self.main.full_name(name), shape)?)?.to_like(&self.like, dtype)?;
         self.count(&[&t], |_| {})?;
         Ok(t)
     }
