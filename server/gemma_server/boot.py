@@ -2,7 +2,8 @@
 
 The stages run on a boot thread while uvicorn already answers: /health is 503 with the current stage until
 warmup ends, like llama.cpp's "Loading model" (vLLM's /health answers the same way while its engine starts).
-One engine runs per device (`--devices`); each is loaded, warmed up and then run on its own worker thread
+One engine runs per device (`--devices`), or per group of `--tensor-parallel-size` devices (on the cpu, that
+many shards of each engine); each is loaded, warmed up and then run on its own worker thread
 (scheduler.EngineWorker: the engine is `unsendable`, so the thread that loads it must be the one that serves
 it); the weights and warmup stages hand those tasks to the workers and wait for all of them. Each stage's start, seconds and outcome
 are logged, exported as `gemma_boot_stage_seconds` and reported by GET /v1/engine. The weights stage also
@@ -229,6 +230,7 @@ class Boot:
             info["torch_tpu_compile_cache"] = "on" if os.environ.get(TPU_COMPILE_CACHE_VAR) else "off"
             info["torch_tpu_compile_cache_dir"] = os.environ.get(TPU_COMPILE_CACHE_VAR, "")
         self.devices = device_list(c.device, c.devices, torch)
+        shard_groups(self.devices, c.tensor_parallel_size)  # a size that does not divide them fails here
         self.state.build = info
         self.metrics.set_build_info(
             torch=built.get("torch", ""), torch_tpu=info.get("torch_tpu", ""), rustc=built.get("rustc", ""),
@@ -261,17 +263,20 @@ class Boot:
 
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         grammars, missing = build_grammars(self.gemma_engine, Path(model_dir))
-        workers = [EngineWorker(i, d, self.scheduler) for i, d in enumerate(self.devices)]
+        groups = shard_groups(self.devices, c.tensor_parallel_size)
+        workers = [EngineWorker(i, group[0], self.scheduler) for i, group in enumerate(groups)]
 
         def load(worker: EngineWorker) -> tuple[int, int]:
             import torch
 
+            shards = groups[worker.index]
             engine = self.gemma_engine.Engine(
                 str(model_dir), str(emb_dir) if emb_dir else None, torch.zeros(1, device=worker.device),
                 context=c.context, dtype=c.dtype, prefill_chunk=c.prefill_chunk, max_batch=c.max_num_seqs,
                 packed_int4=None if c.packed_int4 else False, cuda_graphs=c.cuda_graphs,
                 onednn={"auto": None, "on": True, "off": False}[c.onednn], grammars=grammars,
-                prefix_caching=c.enable_prefix_caching,
+                prefix_caching=c.enable_prefix_caching, tensor_parallel_size=c.tensor_parallel_size,
+                shard_devices=[torch.zeros(1, device=d) for d in shards],
             )
             worker.set_engine(engine)
             return engine.context, engine.vocab_size
@@ -391,6 +396,22 @@ def device_list(device: str, devices: str | None, torch) -> list[str]:
     if count > available or count < 1:
         raise ValueError(f"--devices {devices} asks for {count} {device} devices; this machine has {available}")
     return [f"{device}:{i}" for i in range(count)]
+
+
+def shard_groups(devices: list[str], tensor_parallel_size: int) -> list[list[str]]:
+    """Each engine's shard devices: consecutive groups of `tensor_parallel_size` accelerator devices, or on
+    the cpu that many shards of each engine on the cpu.
+
+    Raises:
+        ValueError: a group size that does not divide the devices (naming both).
+    """
+    n = tensor_parallel_size
+    if devices and devices[0] == "cpu":
+        return [["cpu"] * n for _ in devices]
+    if n < 1 or len(devices) % n:
+        raise ValueError(f"--tensor-parallel-size {n} does not divide the {len(devices)} devices; "
+                         f"set --devices to a multiple of it")
+    return [devices[i:i + n] for i in range(0, len(devices), n)]
 
 
 def _tpu_count(torch) -> int:

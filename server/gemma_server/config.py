@@ -90,6 +90,10 @@ class Config:
     device: str = setting("cpu", "GEMMA_DEVICE", "cpu, cuda or tpu (tpu imports torch_tpu first)", choices=DEVICES)
     devices: str | None = setting(None, "GEMMA_DEVICES", "engines to run, one per device: a count or 'all' "
                                   "(default: all on cuda and tpu, 1 on cpu)", flag_type=_devices)
+    tensor_parallel_size: int = setting(1, "GEMMA_TENSOR_PARALLEL_SIZE", "devices each engine is split over "
+                                        "(tensor parallelism: heads, MLP and expert features, vocabulary); "
+                                        "--devices D runs D / N engines (on cpu, N shards of each engine)",
+                                        minimum=1)
     context: int = setting(8192, "GEMMA_CONTEXT", "most tokens (prompt + generated) per request", minimum=1)
     max_num_seqs: int = setting(8, "GEMMA_MAX_NUM_SEQS", "sequence slots per engine: requests decoded together "
                                 "in one batch", minimum=1)

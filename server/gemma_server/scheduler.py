@@ -464,6 +464,7 @@ class EngineWorker:
             "kv_bytes_per_slot": self.layout.get("kv_bytes_per_slot"), "kv_bytes": self.layout.get("kv_bytes"),
             "weight_bytes": self.weights.get("bytes"), "int4_weights": self.weights.get("int4"),
             "linear": self.weights.get("linear"), "linear_note": self.weights.get("linear_note"),
+            "tensor_parallel_size": self.layout.get("tensor_parallel_size"),
             "serving": self.serving, "dead": self.dead,
         }
 

@@ -197,6 +197,33 @@ def test_two_engines_on_the_cpu_share_the_requests(chat_checkpoint, direct_engin
         s.stop()
 
 
+def test_an_engine_split_over_two_shards_answers_as_the_unsplit_one(chat_checkpoint, direct_engine, tokenizer):
+    """--tensor-parallel-size 2 on the cpu: one engine of two shards (rust/src/gemma4/parallel.rs), the same
+    greedy replies as the unsplit engine."""
+    s = start_in_process(chat_checkpoint, "--tensor-parallel-size", "2", "--max-num-seqs", "2",
+                         "--default-temperature", "0")
+    try:
+        info = httpx.get(s.base + "/v1/engine").json()
+        assert [(e["device"], e["tensor_parallel_size"]) for e in info["engines"]] == [("cpu", 2)]
+        client = openai.OpenAI(base_url=s.base + "/v1", api_key="unused", max_retries=0)
+        name = s.state.config.model_name
+        for p in PROMPTS[:2]:
+            expected = direct_engine.decode(chat_ids(tokenizer, p), 30)[0]
+            reply = ask(client, name, p, max_tokens=30).choices[0].message.content
+            assert reply == tokenizer.decode(expected, skip_special_tokens=True)
+    finally:
+        s.stop()
+
+
+def test_shard_groups_split_the_devices_in_order_and_refuse_a_size_that_does_not_divide_them():
+    from gemma_server.boot import shard_groups
+
+    assert shard_groups(["tpu:0", "tpu:1", "tpu:2", "tpu:3"], 2) == [["tpu:0", "tpu:1"], ["tpu:2", "tpu:3"]]
+    assert shard_groups(["cpu", "cpu"], 4) == [["cpu"] * 4, ["cpu"] * 4]
+    with pytest.raises(ValueError, match="--tensor-parallel-size 3 does not divide the 4 devices"):
+        shard_groups(["cuda:0", "cuda:1", "cuda:2", "cuda:3"], 3)
+
+
 def test_api_key_guards_the_api_and_leaves_probes_and_the_boot_report_open(chat_checkpoint):
     s = start_in_process(chat_checkpoint, "--api-key", "sesame", "--default-temperature", "0")
     try:

@@ -373,7 +373,8 @@ class Engine:
 
     def layout(self) -> dict[str, int]:
         """{"full_rings", "sliding_rings", "shared_layers", "context", "sliding_window",
-        "max_batch", "kv_bytes_per_slot", "kv_bytes", "prefix_caching", "snapshot_bytes_per_slot"}.
+        "max_batch", "kv_bytes_per_slot", "kv_bytes", "prefix_caching", "snapshot_bytes_per_slot",
+        "tensor_parallel_size"}; with tensor parallelism the byte counts are every shard's together.
 
         kv_bytes_per_slot = sum over the layers with their own K/V of
         2 * kv_heads * (ring + 1) * head_dim * dtype bytes (ring = context for full layers,

@@ -117,6 +117,8 @@ pub struct Layout {
     pub kv_bytes: i64,
     pub prefix_caching: bool,
     pub snapshot_bytes_per_slot: i64,
+    /// Tensor-parallel shards (the byte counts are all shards' together).
+    pub tensor_parallel_size: i64,
 }
 
 /// Parse a compute dtype name.
@@ -352,6 +354,7 @@ impl Engine {
             kv_bytes: size.total(),
             prefix_caching: self.prefix.is_some(),
             snapshot_bytes_per_slot: size.snapshot_bytes_per_slot,
+            tensor_parallel_size: shards,
         }
     }
 
