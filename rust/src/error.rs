@@ -1,5 +1,5 @@
 //! The engine's one error type. Model and loader code return `Result<_, Error>` and use `?`;
-//! `bindings.rs` holds the single `From<Error> for PyErr` that picks the Python exception class.
+//! `bindings/mod.rs` holds the single `From<Error> for PyErr` that picks the Python exception class.
 
 use thiserror::Error;
 

@@ -104,6 +104,7 @@ def test_properties_and_layout(engine, dense_checkpoint):
         "kv_bytes": rings + snapshots,
         "prefix_caching": True,
         "snapshot_bytes_per_slot": snapshots,
+        "tensor_parallel_size": 1,
     }
     off = gemma_engine.Engine(str(dense_checkpoint), like=torch.zeros(1), context=CONTEXT, dtype="float32",
                               prefix_caching=False)

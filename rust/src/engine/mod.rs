@@ -3,8 +3,9 @@
 //! requests run and when (as mistral.rs keeps `mistralrs-core/src/engine/`, `scheduler/` and
 //! `sampler.rs` apart from `models/`).
 //!
-//! Files: `request` (the API types, `LIMITS`), `slots` (the slots, host and device), `schedule`
-//! (which prompts a forward reads), `step` (the decode step and its CUDA graphs), `read_point`,
+//! Files: `settings` (what a caller sets and reads), `request` (the API types, `LIMITS`), `slots` (the
+//! slots, host and device), `lifecycle` (admitting, placing and ending a request), `schedule` (which
+//! prompts a forward reads), `prompts` (reading them), `step` (the decode step and its CUDA graphs), `read_point`,
 //! `sampling` (the next-token choice on the device), `grammar` (grammar-constrained requests),
 //! `prompt_logprobs` (scoring the prompt while it is read), `one_request` (`Engine::decode`).
 //!
@@ -62,13 +63,16 @@
 //! interleaved with decodes).
 
 pub mod grammar;
+mod lifecycle;
 pub mod one_request;
 mod prefix;
 mod prompt_logprobs;
+mod prompts;
 mod read_point;
 pub mod request;
 pub mod sampling;
 mod schedule;
+pub mod settings;
 mod slots;
 mod step;
 
@@ -79,22 +83,24 @@ use std::time::Instant;
 use rayon::prelude::*;
 
 use crate::engine::grammar::{Constraint, Grammars};
-use crate::engine::prefix::{Hit, Mark, PrefixCache};
+use crate::engine::prefix::PrefixCache;
 use crate::engine::prompt_logprobs::Piece;
 use crate::engine::read_point::Drawn;
-use crate::engine::request::{Event, Finish, Io, Request, StepStats, Timing};
+use crate::engine::request::{Event, Io, Request, StepStats};
 use crate::engine::sampling::Sampler;
-use crate::engine::schedule::{followers, padded_prompts, prompt_group, unread};
-use crate::engine::slots::{End, Phase, Slot, Slots};
+use crate::engine::schedule::{followers, prompt_group, unread};
+use crate::engine::slots::Slots;
 use crate::engine::step::{Graphs, StepKey, step};
 use crate::error::{Error, Result};
 use crate::gemma4::attention::{Fill, Liveness, Positions};
 use crate::gemma4::cache::{CacheSize, Rows};
-use crate::gemma4::parallel::{ShardedCache, check_divisible};
 use crate::gemma4::config::{Config, LayerType};
 use crate::gemma4::model::{Model, Output};
-use crate::gemma4::weights::{Kernels, Loaded, Weights};
+use crate::gemma4::parallel::{ShardedCache, check_divisible};
+use crate::gemma4::weights::{Loaded, Weights};
 use crate::tensor::{CudaGraph, DType, Tensor};
+
+pub use settings::{Layout, Settings, WeightsInfo, parse_dtype};
 
 /// Where `Engine::inject_fault_for_tests` makes the engine fail one request: its admission (after
 /// its checks passed), the prompt forward that reads it, or a decode step that runs it.
@@ -103,82 +109,6 @@ pub enum Fault {
     Admit,
     Prompt,
     Decode,
-}
-
-/// What the binding reports from `layout()`.
-pub struct Layout {
-    pub full_rings: i64,
-    pub sliding_rings: i64,
-    pub shared_layers: i64,
-    pub context: i64,
-    pub sliding_window: i64,
-    pub max_batch: i64,
-    pub kv_bytes_per_slot: i64,
-    pub kv_bytes: i64,
-    pub prefix_caching: bool,
-    pub snapshot_bytes_per_slot: i64,
-    /// Tensor-parallel shards (the byte counts are all shards' together).
-    pub tensor_parallel_size: i64,
-}
-
-/// Parse a compute dtype name.
-pub fn parse_dtype(name: &str) -> Result<DType> {
-    match name {
-        "float32" => Ok(DType::F32),
-        "bfloat16" => Ok(DType::BF16),
-        "float16" => Ok(DType::F16),
-        other => Err(Error::Input(format!("dtype must be float32, bfloat16 or float16, got {other:?}"))),
-    }
-}
-
-/// The engine's settings besides the checkpoint.
-#[derive(Clone, Copy, Debug)]
-pub struct Settings {
-    pub context: i64,
-    pub dtype: DType,
-    pub prefill_chunk: i64,
-    pub max_batch: i64,
-    /// Capture each decode-step shape as a CUDA graph and replay it (CUDA only; see `step::Graphs`).
-    pub cuda_graphs: bool,
-    /// `Kernels::packed_int4` (the loader decides, gemma4/weights.rs).
-    pub packed_int4: Option<bool>,
-    /// `Kernels::onednn` (the loader decides, gemma4/weights.rs).
-    pub onednn: Option<bool>,
-    /// Reuse the keys of earlier requests (prefix.rs); the cache then holds each slot's snapshots.
-    pub prefix_caching: bool,
-    /// Shards the model is split over (gemma4/parallel.rs); 1 for none.
-    pub tensor_parallel_size: i64,
-}
-
-impl Settings {
-    fn check(&self) -> Result<()> {
-        for (name, v) in
-            [("context", self.context), ("prefill_chunk", self.prefill_chunk), ("max_batch", self.max_batch)]
-        {
-            if v < 1 {
-                return Err(Error::Input(format!("{name} must be >= 1, got {v}")));
-            }
-        }
-        Ok(())
-    }
-
-    fn kernels(&self) -> Kernels {
-        Kernels { packed_int4: self.packed_int4, onednn: self.onednn }
-    }
-}
-
-/// What the loader put on the device (`Engine::weights`).
-#[derive(Clone, Debug)]
-pub struct WeightsInfo {
-    /// "packed", "dequantized", "mixed" (some int4 weights did not fit the kernels' layout) or
-    /// "none" (no int4 weights).
-    pub int4: &'static str,
-    pub bytes: i64,
-    /// "onednn" or "aten": what multiplies the dense weights (`Settings::onednn`).
-    pub linear: &'static str,
-    /// With "aten": why not oneDNN (another device or dtype, asked for, or, in bfloat16, a CPU whose
-    /// oneDNN has no bfloat16 support).
-    pub linear_note: Option<String>,
 }
 
 pub struct Engine {
@@ -341,8 +271,15 @@ impl Engine {
     pub fn layout(&self) -> Layout {
         let cfg = &self.model.cfg;
         let shards = self.cache.shards.len() as i64;
-        let size = ShardedCache::size_per_shard(cfg, shards, self.context, self.max_batch, self.model.dtype(), self.prefix.is_some())
-            .times(shards);
+        let size = ShardedCache::size_per_shard(
+            cfg,
+            shards,
+            self.context,
+            self.max_batch,
+            self.model.dtype(),
+            self.prefix.is_some(),
+        )
+        .times(shards);
         Layout {
             full_rings: self.cache.own_rings(LayerType::Full, cfg),
             sliding_rings: self.cache.own_rings(LayerType::Sliding, cfg),
@@ -510,153 +447,6 @@ impl Engine {
         }
     }
 
-    /// Put `r` in a free slot (the lowest, or with prefix caching the one prefix.rs chooses), or say
-    /// why it cannot run.
-    fn admit(&mut self, mut r: Request) -> Result<Option<Event>> {
-        let refuse =
-            |r: &Request, msg: String| Ok(Some(Event::end_with_error(r.id, Finish::Error, Timing::default(), msg)));
-        if let Err(e) = self.check_request(&r) {
-            return refuse(&r, e.to_string());
-        }
-        let free = self.slots.free_list();
-        if free.is_empty() {
-            return refuse(&r, format!("all {} slots are busy", self.max_batch));
-        }
-        let reading_it = |x: &Option<Slot>| {
-            x.as_ref().is_some_and(|x| matches!(x.phase, Phase::Prompt { .. }) && x.request.prompt == r.prompt)
-        };
-        let leader = self.slots.all().iter().position(reading_it);
-        let (s, hit) = match &self.prefix {
-            None => (free[0], None),
-            Some(p) => {
-                // A request scored at every prompt position takes no hit (vLLM skips the cache for
-                // prompt_logprobs too); a follower copies its leader's rings.
-                let wants = leader.is_none() && r.prompt_logprobs.is_none();
-                let hit = if wants { p.best(&free, &r.prompt, &r.cache_salt) } else { None };
-                (p.target(&free, hit.as_ref()), hit)
-            }
-        };
-        let grammar = match self.compile(&r) {
-            Ok(g) => g,
-            Err(e) => return refuse(&r, e.to_string()),
-        };
-        let prompt = match self.place(s, &r).and_then(|prompt| self.resume(s, hit).map(|_| prompt)) {
-            Ok(prompt) => prompt,
-            Err(e) => {
-                if let Some(p) = self.prefix.as_mut() {
-                    p.drop_history(s);
-                }
-                return Ok(Some(Event::end_with_error(r.id, Finish::Failed, Timing::default(), e.to_string())));
-            }
-        };
-        let cached = hit.map_or(0, |h| h.at);
-        self.stats.cache_queries += r.prompt.len();
-        self.stats.cache_hits += cached;
-        let phase = match leader {
-            Some(leader) => Phase::Follow { leader },
-            None => Phase::Prompt { done: cached },
-        };
-        let room = (self.context - r.prompt.len() as i64) as usize;
-        let limit = (r.max_new as usize).min(room);
-        if self.prefix.is_none() {
-            r.cache_boundary = None; // nothing to snapshot, and the prompt may be read in a group
-        }
-        let at_boundary = r.cache_boundary == Some(cached) && leader.is_none();
-        self.slots.admit(s, r, prompt, phase, limit, grammar);
-        match at_boundary.then(|| self.snapshot(s, Mark::Boundary, cached)) {
-            Some(Err(e)) => self.end(s, End::Fail, Some(&e)).map(Some),
-            _ => Ok(None),
-        }
-    }
-
-    /// Give slot `s`'s rings what a request resuming at `hit` needs (prefix.rs): the donor's rings
-    /// copied when they are another slot's, then the snapshot restored when the hit is one. Without a
-    /// hit the slot's history is simply overwritten.
-    fn resume(&mut self, s: usize, hit: Option<Hit>) -> Result<()> {
-        let Some(p) = self.prefix.as_mut() else { return Ok(()) };
-        let Some(h) = hit else {
-            p.claim(s, None, 0);
-            return Ok(());
-        };
-        if h.donor != s {
-            self.cache.copy_slot(h.donor as i64, s as i64)?;
-        }
-        if let Some(m) = h.restore {
-            self.cache.restore(s as i64, m.row())?;
-        }
-        p.claim(s, Some(h.donor), h.at);
-        Ok(())
-    }
-
-    /// Copy slot `s`'s sliding rings, which have just written `0..at`, into its snapshot `mark`.
-    fn snapshot(&mut self, s: usize, mark: Mark, at: usize) -> Result<()> {
-        let Some(p) = self.prefix.as_mut() else { return Ok(()) };
-        self.cache.snapshot(s as i64, mark.row())?;
-        p.mark(s, mark, at);
-        Ok(())
-    }
-
-    /// Upload `r`'s prompt and give slot `s` its sampling state; the slot is still free, so an error
-    /// here leaves nothing to undo (the next `assign` rewrites the whole row).
-    fn place(&mut self, s: usize, r: &Request) -> Result<Tensor> {
-        if self.fault == Some((Fault::Admit, r.id)) {
-            return Err(self.take_fault());
-        }
-        let prompt = Tensor::from_i64(&r.prompt)?.to_like(&self.like, DType::I64)?;
-        self.sampler.assign(s as i64, &r.params, &prompt, r.grammar.is_some())?;
-        Ok(prompt)
-    }
-
-    /// Free slot `s` and its sampling state; its rings stay for later requests (prefix.rs). Returns
-    /// what it held.
-    fn free(&mut self, s: usize) -> Result<Slot> {
-        let slot = self.slots.free(s)?;
-        self.sampler.release(s as i64);
-        if let Some(p) = self.prefix.as_mut() {
-            let (tokens, written) = slot.history();
-            p.retire(s, tokens, written, slot.request.cache_salt.clone());
-        }
-        Ok(slot)
-    }
-
-    /// End the request in busy slot `s` by `end` (cancelled, or failed by `error`) and free its slot.
-    /// A failed request's rings are not trusted again.
-    fn end(&mut self, s: usize, end: End, error: Option<&Error>) -> Result<Event> {
-        let failed = matches!(end, End::Fail);
-        let slot = self.free(s)?;
-        if let Some(p) = self.prefix.as_mut().filter(|_| failed) {
-            p.drop_history(s);
-        }
-        Ok(Event {
-            finish: slot.finish(end, &self.model.cfg.eos_ids),
-            error: error.map(|e| e.to_string()),
-            timing: slot.timing(),
-            ..slot.event()
-        })
-    }
-
-    /// End the requests in the slots `which` as failed by `e`, and free their slots.
-    fn fail(&mut self, which: impl IntoIterator<Item = usize>, e: &Error) -> Result<Vec<Event>> {
-        let mut events = Vec::new();
-        for s in which {
-            if self.slots.get(s).is_some() {
-                events.push(self.end(s, End::Fail, Some(e))?);
-            }
-        }
-        Ok(events)
-    }
-
-    /// End the requests whose ids `which` picks as "cancelled" and free their slots.
-    fn cancel(&mut self, which: impl Fn(u64) -> bool) -> Result<Vec<Event>> {
-        let mut events = Vec::new();
-        for s in 0..self.slots.len() {
-            if self.slots.get(s).is_some_and(|slot| which(slot.request.id)) {
-                events.push(self.end(s, End::Cancel, None)?);
-            }
-        }
-        Ok(events)
-    }
-
     /// Make the engine fail request `id` at `at` (once): the one way a test can produce a device
     /// error on demand, to show that it fails that request alone.
     pub fn inject_fault_for_tests(&mut self, at: Fault, id: u64) {
@@ -769,125 +559,6 @@ impl Engine {
             let ends = self.fail([s], &e)?;
             self.ended.extend(ends);
         }
-        Ok(())
-    }
-
-    /// Read one chunk of slot `s`'s prompt; after the last chunk, draw its first token and start
-    /// it decoding. Returns the prompt tokens read.
-    fn read_prompt(&mut self, s: usize) -> Result<usize> {
-        let k = self.prompt_k(s);
-        let slot = self.slots.get_mut(s)?;
-        let Phase::Prompt { done } = slot.phase else { return Err(Error::Internal("slot is not reading".into())) };
-        let prompt = slot.prompt.shallow_clone()?;
-        let ids = slot.request.prompt.clone();
-        let boundary = slot.request.cache_boundary;
-        let (logits, read, piece) = self.prompt_chunk(s as i64, &prompt, &ids, done, k, boundary)?;
-        let slot = self.slots.get_mut(s)?;
-        slot.phase = Phase::Prompt { done: done + read };
-        slot.prompt_pieces.extend(piece);
-        if boundary == Some(done + read) {
-            self.snapshot(s, Mark::Boundary, done + read)?;
-        }
-        if let Some(logits) = logits {
-            self.prompt_done(s, &logits)?;
-        }
-        Ok(read)
-    }
-
-    /// Read the whole prompts of the slots `group` (`schedule::prompt_group`) in one forward over the
-    /// slots from the lowest to the highest, left-padded (`schedule::padded_prompts`, module docs),
-    /// and start each decoding. Returns the prompt tokens read.
-    fn read_prompts(&mut self, group: &[usize]) -> Result<usize> {
-        let (Some(&lo), Some(&hi)) = (group.iter().min(), group.iter().max()) else {
-            return Err(Error::Internal("an empty prompt group".into()));
-        };
-        let prompts: Vec<Option<&[i64]>> = (lo..=hi)
-            .map(|i| self.slots.get(i).filter(|_| group.contains(&i)).map(|s| s.request.prompt.as_slice()))
-            .collect();
-        let read = prompts.iter().flatten().map(|p| p.len()).sum();
-        let t = prompts.iter().flatten().map(|p| p.len()).max().unwrap_or(0) as i64;
-        let padded = padded_prompts(&prompts, t as usize, self.context - 1);
-        let rows = Rows { start: lo as i64, len: (hi - lo + 1) as i64 };
-        let device = |v: &[i64], dtype: DType| Tensor::from_i64(v)?.to_like(&self.like, dtype);
-        let ids = device(&padded.ids, DType::I64)?;
-        let pos = Positions::new(&device(&padded.positions, DType::I64)?.reshape(&[rows.len, t])?)?;
-        let live = Liveness::Padding(device(&padded.live, DType::Bool)?.reshape(&[rows.len, 1, t])?);
-        let wants: Vec<(usize, i64)> = group.iter().filter_map(|&s| self.prompt_k(s).map(|k| (s, k))).collect();
-        let output = if wants.is_empty() { Output::Logits } else { Output::Hidden };
-        let out = self
-            .model
-            .forward(&mut self.cache, rows, &ids, &pos, &live, Fill::Empty, output)?
-            .ok_or_else(|| Error::Internal("a prompt forward returned no logits".into()))?;
-        let logits = if wants.is_empty() {
-            out.shallow_clone()?
-        } else {
-            self.model.head(&self.model.last_rows(&out, rows.len, t)?)?
-        };
-        for (s, k) in wants {
-            let prompt = self.slots.get(s).map(|slot| slot.request.prompt.as_slice()).unwrap_or_default();
-            let scored = prompt_logprobs::padded(prompt, s - lo, t as usize);
-            let piece = prompt_logprobs::compute(&self.model, &out, &scored, k)?;
-            self.slots.get_mut(s)?.prompt_pieces.extend(piece);
-        }
-        for &s in group {
-            let slot = self.slots.get_mut(s)?;
-            slot.phase = Phase::Prompt { done: slot.request.prompt.len() };
-            let row = logits.narrow(0, (s - lo) as i64, 1)?;
-            self.prompt_done(s, &row)?;
-        }
-        Ok(read)
-    }
-
-    /// Slot `s` has read its whole prompt, and `logits` `[1, vocab]` follow it: hand its prompt
-    /// log-probabilities to it and its followers, and start them decoding (the followers first: a
-    /// leader with max_new 0 ends here, and a leader freed first would hand its followers the reading).
-    fn prompt_done(&mut self, s: usize, logits: &Tensor) -> Result<()> {
-        let n = self.slots.get(s).map_or(0, |slot| slot.request.prompt.len()) as i64;
-        let pieces = std::mem::take(&mut self.slots.get_mut(s)?.prompt_pieces);
-        let scored = prompt_logprobs::to_host(&pieces)?;
-        self.snapshot(s, Mark::PromptEnd, n as usize)?;
-        let fs = followers(self.slots.all(), s);
-        for &f in &fs {
-            self.cache.copy_slot(s as i64, f as i64)?;
-            if let Some(p) = self.prefix.as_mut() {
-                p.copy_marks(s, f);
-            }
-            self.slots.get_mut(f)?.phase = Phase::Prompt { done: n as usize };
-        }
-        for x in fs.into_iter().chain([s]) {
-            let slot = self.slots.get_mut(x)?;
-            if let Some(k) = slot.request.prompt_logprobs {
-                slot.prompt_lp = Some(prompt_logprobs::trimmed(&scored, k));
-            }
-            if slot.limit == 0 {
-                let slot = self.free(x)?;
-                let end = Event { finish: Some(Finish::Length), timing: slot.timing(), ..slot.event() };
-                self.ended.push(Event { prompt_logprobs: slot.prompt_lp, ..end });
-            } else {
-                self.start_decoding(x, logits)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Slot `s` has its prompt's keys in its rings and `logits` `[1, vocab]` after it: draw its first
-    /// token and start it decoding.
-    fn start_decoding(&mut self, s: usize, logits: &Tensor) -> Result<()> {
-        if self.slots.get(s).is_none() {
-            return Err(Error::Internal(format!("slot {s} is free")));
-        }
-        let si = s as i64;
-        if self.slots.get(s).is_some_and(|slot| slot.grammar.is_some()) {
-            self.constrain(&[s])?;
-            if self.slots.get(s).is_none() {
-                return Ok(());
-            }
-            self.sampler.upload_masks(si, 1)?;
-        }
-        let chosen = self.sampler.choose(logits, si, 1)?;
-        self.sampler.advance(&chosen.tokens, si, 1, None)?;
-        self.slots.start(s, &chosen.tokens, &self.model.cfg.eos_ids)?;
-        self.drawn.push(Drawn { chosen, rows: vec![Some(s)] });
         Ok(())
     }
 }

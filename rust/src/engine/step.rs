@@ -10,8 +10,8 @@ use crate::engine::slots::Slots;
 use crate::error::{Error, Result};
 use crate::gemma4::attention::{Fill, Liveness, Positions};
 use crate::gemma4::cache::Rows;
-use crate::gemma4::parallel::ShardedCache;
 use crate::gemma4::model::{Model, Output};
+use crate::gemma4::parallel::ShardedCache;
 use crate::tensor::{CudaGraph, Tensor};
 
 /// The decode-step batch sizes: powers of two below `max_batch`, and `max_batch`.

@@ -389,7 +389,10 @@ fn check_supported(m: &Map<String, Value>) -> Result<()> {
     if let Some(t) = get(m, "model_type").and_then(|v| v.as_str())
         && !MODEL_TYPES.contains(&t)
     {
-        return Err(Error::config("model_type", format!("{t:?} is not a Gemma 4 text model ({})", MODEL_TYPES.join(", "))));
+        return Err(Error::config(
+            "model_type",
+            format!("{t:?} is not a Gemma 4 text model ({})", MODEL_TYPES.join(", ")),
+        ));
     }
     if get(m, "use_bidirectional_attention").and_then(|v| v.as_str()) == Some("all") {
         return Err(Error::config("use_bidirectional_attention", "\"all\" is not supported"));
@@ -546,7 +549,13 @@ mod tests {
 
     #[test]
     fn head_geometry_follows_per_layer_config_or_global_head_dim() {
-        let h = HeadDefaults { head_dim: 32, num_kv_heads: 2, global_head_dim: 64, global_num_kv_heads: None, num_heads: 4 };
+        let h = HeadDefaults {
+            head_dim: 32,
+            num_kv_heads: 2,
+            global_head_dim: 64,
+            global_num_kv_heads: None,
+            num_heads: 4,
+        };
         assert_eq!(head_geometry(None, 0, Sliding, &h).unwrap(), (32, 2));
         assert_eq!(head_geometry(None, 1, Full, &h).unwrap(), (64, 2));
         let k_eq_v = HeadDefaults { global_num_kv_heads: Some(1), ..h };

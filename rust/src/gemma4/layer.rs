@@ -70,7 +70,11 @@ pub struct ShardIo<'a> {
 impl ShardIo<'_> {
     /// `x` on this shard's device.
     fn input(&self, x: &Tensor) -> Result<Tensor> {
-        if self.local { x.shallow_clone() } else { x.to_like(self.like, x.kind()?.unwrap_or(crate::tensor::DType::F32)) }
+        if self.local {
+            x.shallow_clone()
+        } else {
+            x.to_like(self.like, x.kind()?.unwrap_or(crate::tensor::DType::F32))
+        }
     }
 }
 
@@ -121,7 +125,11 @@ impl DecoderLayer {
         let moe = match &cfg.moe {
             Some(spec) => Some(MoeBranch {
                 routing: Routing::load(w, &p, h, eps, spec)?,
-                experts: group.iter().zip(shards).map(|(tp, sw)| Experts::load(sw, &p, h, spec, *tp)).collect::<Result<_>>()?,
+                experts: group
+                    .iter()
+                    .zip(shards)
+                    .map(|(tp, sw)| Experts::load(sw, &p, h, spec, *tp))
+                    .collect::<Result<_>>()?,
                 post_mlp_norm: norm("post_feedforward_layernorm_1")?,
                 post_moe_norm: norm("post_feedforward_layernorm_2")?,
             }),
@@ -177,7 +185,11 @@ impl DecoderLayer {
         let ff = self.pre_feedforward_layernorm.forward(&xs)?;
         let h = match &self.moe {
             None => {
-                let parts = self.mlp.iter().zip(io.iter_mut()).map(|(m, s)| m.forward(&s.input(&ff)?, s.scratch.as_deref_mut()));
+                let parts = self
+                    .mlp
+                    .iter()
+                    .zip(io.iter_mut())
+                    .map(|(m, s)| m.forward(&s.input(&ff)?, s.scratch.as_deref_mut()));
                 reduce(parts.collect::<Result<Vec<_>>>()?, &xs, local)?
             }
             Some(b) => {
@@ -186,7 +198,8 @@ impl DecoderLayer {
                 let mut parts = Vec::with_capacity(io.len());
                 for ((m, e), s) in self.mlp.iter().zip(&b.experts).zip(io.iter_mut()) {
                     let mlp = m.forward(&s.input(&ff)?, s.scratch.as_deref_mut())?;
-                    let experts = e.forward(&s.input(&routed.x)?, &s.input(&routed.weights)?, &s.input(&routed.ids)?)?;
+                    let experts =
+                        e.forward(&s.input(&routed.x)?, &s.input(&routed.weights)?, &s.input(&routed.ids)?)?;
                     parts.push([mlp, experts]);
                 }
                 let [mlp, experts] = match parts.len() {

@@ -110,8 +110,7 @@ impl Model {
         } else {
             None
         };
-        let layers =
-            (0..cfg.num_layers).map(|i| DecoderLayer::load(w, shards, &cfg, i)).collect::<Result<Vec<_>>>()?;
+        let layers = (0..cfg.num_layers).map(|i| DecoderLayer::load(w, shards, &cfg, i)).collect::<Result<Vec<_>>>()?;
         let group = Tp::group(shards.len() as i64);
         let lm_head = group
             .iter()
@@ -272,7 +271,8 @@ impl Model {
             .zip(&self.likes)
             .enumerate()
             .map(|(s, (head, like))| {
-                let x = if self.local || s == 0 { normed.shallow_clone()? } else { normed.to_like(like, self.dtype)? };
+                let x =
+                    if self.local || s == 0 { normed.shallow_clone()? } else { normed.to_like(like, self.dtype)? };
                 head.forward(&x)
             })
             .collect::<Result<Vec<_>>>()?;

@@ -78,7 +78,12 @@ impl Experts {
         let down = w.dense_part(&format!("{layer}.experts.down_proj"), &[e, hidden, i], w.dtype, |t| {
             if tp.size == 1 { t.shallow_clone() } else { t.narrow(2, first, len)?.copy() }
         })?;
-        Ok(Experts { gate_up: gate_up.transpose(1, 2)?, down: down.transpose(1, 2)?, num_experts: e, intermediate: len })
+        Ok(Experts {
+            gate_up: gate_up.transpose(1, 2)?,
+            down: down.transpose(1, 2)?,
+            num_experts: e,
+            intermediate: len,
+        })
     }
 
     /// `x` `[T, H]`, `weights` `[T, K]` float32, `ids` `[T, K]` → `[T, H]` in `x`'s dtype.

@@ -150,7 +150,14 @@ impl ShardedCache {
     }
 
     /// One shard's cache geometry (every shard's is the same).
-    pub fn size_per_shard(cfg: &Config, size: i64, context: i64, max_batch: i64, dtype: DType, snaps: bool) -> CacheSize {
+    pub fn size_per_shard(
+        cfg: &Config,
+        size: i64,
+        context: i64,
+        max_batch: i64,
+        dtype: DType,
+        snaps: bool,
+    ) -> CacheSize {
         CacheSize::of(&shard_config(cfg, Tp { rank: 0, size }), context, max_batch, dtype, snaps)
     }
 

@@ -224,7 +224,9 @@ impl Part {
                     ));
                 }
                 let values = (0..rows as usize)
-                    .flat_map(|r| &values[r * cols as usize + start as usize..r * cols as usize + (start + len) as usize])
+                    .flat_map(|r| {
+                        &values[r * cols as usize + start as usize..r * cols as usize + (start + len) as usize]
+                    })
                     .copied()
                     .collect();
                 let scales = scales.narrow(1, start / group, len / group)?.copy()?;
@@ -393,9 +395,11 @@ fn onednn_why_not(dtype: DType, device: &str) -> Option<String> {
     } else if !Tensor::has_onednn() {
         Some("this torch was built without oneDNN (torch.backends.mkldnn.is_available() is False)".into())
     } else if dtype == DType::BF16 && !Tensor::has_onednn_bf16() {
-        Some("this CPU has no bfloat16 support in oneDNN (torch.ops.mkldnn._is_mkldnn_bf16_supported() is \
+        Some(
+            "this CPU has no bfloat16 support in oneDNN (torch.ops.mkldnn._is_mkldnn_bf16_supported() is \
               False): bfloat16 linears run on ATen's matmul"
-            .into())
+                .into(),
+        )
     } else {
         None
     }
@@ -603,7 +607,7 @@ pub fn emb_quant(dir: &Path, fallback: Option<QuantSpec>) -> Result<Option<Quant
 
 #[cfg(test)]
 mod tests {
-    use super::{unpack, Int4Path, Kernels};
+    use super::{Int4Path, Kernels, unpack};
     use crate::tensor::DType;
 
     #[test]

@@ -5,6 +5,8 @@
 //! the engine checks them before any model code runs; the callbacks re-attach. One `From<Error> for PyErr` picks the
 //! exception class. README.md lists each Python crossing.
 
+mod functions;
+
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -14,12 +16,12 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use crate::engine::grammar::Grammars;
-use crate::engine::request::{Event, Io, LIMITS, Request, StepStats, TokenLogprobs};
-use crate::engine::sampling::{self, Sampler, SamplingParams};
+use crate::engine::request::{Event, Io, Request, StepStats, TokenLogprobs};
+use crate::engine::sampling::SamplingParams;
 use crate::engine::{self, Settings, parse_dtype};
 use crate::error::Error;
 use crate::gemma4::cache::CacheSize;
-use crate::tensor::{DType, Tensor, no_grad};
+use crate::tensor::{Tensor, no_grad};
 
 impl From<Error> for PyErr {
     fn from(e: Error) -> PyErr {
@@ -152,8 +154,17 @@ impl PyRequest {
         cache_boundary: Option<usize>,
     ) -> Self {
         let params = sampling.map(|s| s.get().inner.clone()).unwrap_or_default();
-        let inner =
-            Request { id, prompt: ids, max_new, stop_ids, params, grammar, prompt_logprobs, cache_salt, cache_boundary };
+        let inner = Request {
+            id,
+            prompt: ids,
+            max_new,
+            stop_ids,
+            params,
+            grammar,
+            prompt_logprobs,
+            cache_salt,
+            cache_boundary,
+        };
         PyRequest { inner }
     }
 
@@ -543,166 +554,10 @@ impl Engine {
     }
 }
 
-/// Per row of `sample`: the parameters, the prompt ids, the ids generated so far, the draw index.
-type SampleRow = (Py<PySamplingParams>, Vec<i64>, Vec<i64>, i64);
-
-/// The engine's sampler on given logits (see gemma_engine.pyi): for tests against Transformers'
-/// processors.
-#[pyfunction]
-fn sample<'py>(
-    py: Python<'py>,
-    logits: &Bound<'py, PyAny>,
-    rows: Vec<SampleRow>,
-) -> PyResult<(Vec<i64>, Bound<'py, PyAny>)> {
-    let logits = tensor_arg(logits, "logits")?;
-    let size = logits.size()?;
-    let [n, vocab] = size[..] else {
-        return Err(PyValueError::new_err(format!("logits must be [rows, vocab], got {size:?}")));
-    };
-    if rows.len() as i64 != n {
-        return Err(PyValueError::new_err(format!("{} rows of parameters for {n} rows of logits", rows.len())));
-    }
-    let (tokens, probs) = no_grad(|| {
-        let mut sampler = Sampler::new(n, vocab, &logits)?;
-        for (i, (params, prompt, output, step)) in rows.iter().enumerate() {
-            let params = params.get();
-            params.inner.check(vocab)?;
-            let p = Tensor::from_i64(prompt)?.to_like(&logits, DType::I64)?;
-            sampler.assign(i as i64, &params.inner, &p, false)?;
-            if !output.is_empty() {
-                sampler.record(i as i64, &Tensor::from_i64(output)?.to_like(&logits, DType::I64)?)?;
-            }
-            sampler.set_step(i as i64, *step)?;
-        }
-        let chosen = sampler.choose(&logits, 0, n)?;
-        let host = Tensor::from_i64(&[0])?;
-        Ok((chosen.tokens.to_vec_i64()?, sampler.distribution(&logits, 0, n)?.to_like(&host, DType::F32)?))
-    })?;
-    Ok((tokens, probs.to_python(py)?))
-}
-
-/// The engine's uniform numbers for (seed, step) pairs, computed on the host's ATen (for tests).
-#[pyfunction]
-fn uniform(seeds: Vec<i64>, steps: Vec<i64>) -> PyResult<Vec<f32>> {
-    if seeds.len() != steps.len() {
-        return Err(PyValueError::new_err("seeds and steps must have the same length"));
-    }
-    Ok(no_grad(|| sampling::uniform(&Tensor::from_i64(&seeds)?, &Tensor::from_i64(&steps)?)?.to_vec_f32())?)
-}
-
-/// Computes sum(ones(8, 64) @ ones(64, 8)) on `like`'s device.
-///
-/// Returns:
-///     {"value": 4096.0, "device": "<device of the result>"}
-/// Raises:
-///     RuntimeError: the device failed the computation.
-#[pyfunction]
-fn smoke<'py>(py: Python<'py>, like: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyDict>> {
-    let like = tensor_arg(like, "like")?;
-    let (value, device) = no_grad(|| {
-        let a = Tensor::full(&[8, 64], 1.0, DType::F32, &like)?;
-        let b = Tensor::full(&[64, 8], 1.0, DType::F32, &like)?;
-        let s = a.matmul(&b)?.sum()?;
-        Ok((s.item_f64()?, s.device()?))
-    })?;
-    let d = PyDict::new(py);
-    d.set_item("value", value)?;
-    d.set_item("device", device)?;
-    Ok(d)
-}
-
-/// sum(a @ b) computed by ATen from Rust; a and b cross without copies.
-///
-/// Raises:
-///     ValueError: the shapes do not multiply (ATen's message, with both shapes).
-#[pyfunction]
-fn matmul_sum(a: &Bound<'_, PyAny>, b: &Bound<'_, PyAny>) -> PyResult<f64> {
-    let (a, b) = (tensor_arg(a, "a")?, tensor_arg(b, "b")?);
-    let r = no_grad(|| a.matmul(&b)?.sum()?.item_f64());
-    // A shape mismatch is the caller's mistake: ValueError with ATen's own message.
-    r.map_err(|e| input_error("matmul_sum", e))
-}
-
-/// Add `value` to `t` in place from Rust: proves tensors share storage.
-#[pyfunction]
-fn add_(t: &Bound<'_, PyAny>, value: f64) -> PyResult<()> {
-    let t = tensor_arg(t, "t")?;
-    no_grad(|| t.add_scalar_(value))?;
-    Ok(())
-}
-
-/// The engine's RMSNorm over the last dim of `x` (norm.rs; one pass a row on the CPU, aten.cpp), for
-/// tests against Transformers' `Gemma4RMSNorm`.
-#[pyfunction]
-#[pyo3(signature = (x, weight=None, eps=1e-6))]
-fn rms_norm<'py>(
-    py: Python<'py>,
-    x: &Bound<'py, PyAny>,
-    weight: Option<&Bound<'py, PyAny>>,
-    eps: f64,
-) -> PyResult<Bound<'py, PyAny>> {
-    let x = tensor_arg(x, "x")?;
-    let weight = weight.map(|w| tensor_arg(w, "weight")).transpose()?;
-    let y = no_grad(|| x.rms_norm(weight.as_ref(), eps)).map_err(|e| input_error("rms_norm", e))?;
-    y.to_python(py)
-}
-
-/// The engine's attention, `softmax(q k^T * scale + mask) v` with grouped KV heads (attention.rs;
-/// the few-row 16-bit CPU path in aten.cpp), for tests against `scaled_dot_product_attention`.
-#[pyfunction]
-#[pyo3(signature = (q, k, v, mask, scale=1.0))]
-fn attention<'py>(
-    py: Python<'py>,
-    q: &Bound<'py, PyAny>,
-    k: &Bound<'py, PyAny>,
-    v: &Bound<'py, PyAny>,
-    mask: &Bound<'py, PyAny>,
-    scale: f64,
-) -> PyResult<Bound<'py, PyAny>> {
-    let (q, k, v) = (tensor_arg(q, "q")?, tensor_arg(k, "k")?, tensor_arg(v, "v")?);
-    let mask = tensor_arg(mask, "mask")?;
-    let y = no_grad(|| Tensor::sdpa(&q, &k, &v, &mask, scale)).map_err(|e| input_error("attention", e))?;
-    y.to_python(py)
-}
-
-/// ATen's complaint about arguments a caller passed, as ValueError naming the function.
-fn input_error(what: &str, e: Error) -> PyErr {
-    match e {
-        Error::Torch { msg, .. } => Error::Input(format!("{what}: {msg}")),
-        other => other,
-    }
-    .into()
-}
-
-/// ATen operator calls the engine has made in this process, on every thread.
-#[pyfunction]
-fn aten_calls() -> u64 {
-    crate::ffi::aten_calls()
-}
-
-/// `request::LIMITS` as {name: int}, for the server's schema and the tests.
-fn limits(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
-    let d = PyDict::new(py);
-    for (name, value) in LIMITS.entries() {
-        d.set_item(name, value)?;
-    }
-    Ok(d)
-}
-
-/// What built this module.
-fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("torch", env!("GEMMA_BUILD_TORCH"))?;
-    d.set_item("rustc", env!("GEMMA_BUILD_RUSTC"))?;
-    d.set_item("python", env!("GEMMA_BUILD_PYTHON"))?;
-    d.set_item("crate", env!("CARGO_PKG_VERSION"))?;
-    d.set_item("cuda_graphs", env!("GEMMA_BUILD_CUDA_GRAPHS") == "true")?;
-    Ok(d)
-}
-
 #[pymodule]
 #[pyo3(name = "_native")]
 fn gemma_engine_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    use functions::{add_, aten_calls, attention, build_info, limits, matmul_sum, rms_norm, sample, smoke, uniform};
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("BUILD", build_info(m.py())?)?;
     m.add("LIMITS", limits(m.py())?)?;

@@ -1,0 +1,82 @@
+//! What a caller sets and reads of an `Engine`: its settings, the compute dtype's name, the layout of its
+//! cache and what its loader put on the device.
+
+use crate::error::{Error, Result};
+use crate::gemma4::weights::Kernels;
+use crate::tensor::DType;
+
+/// What the binding reports from `layout()`.
+pub struct Layout {
+    pub full_rings: i64,
+    pub sliding_rings: i64,
+    pub shared_layers: i64,
+    pub context: i64,
+    pub sliding_window: i64,
+    pub max_batch: i64,
+    pub kv_bytes_per_slot: i64,
+    pub kv_bytes: i64,
+    pub prefix_caching: bool,
+    pub snapshot_bytes_per_slot: i64,
+    /// Tensor-parallel shards (the byte counts are all shards' together).
+    pub tensor_parallel_size: i64,
+}
+
+/// Parse a compute dtype name.
+pub fn parse_dtype(name: &str) -> Result<DType> {
+    match name {
+        "float32" => Ok(DType::F32),
+        "bfloat16" => Ok(DType::BF16),
+        "float16" => Ok(DType::F16),
+        other => Err(Error::Input(format!("dtype must be float32, bfloat16 or float16, got {other:?}"))),
+    }
+}
+
+/// The engine's settings besides the checkpoint.
+#[derive(Clone, Copy, Debug)]
+pub struct Settings {
+    pub context: i64,
+    pub dtype: DType,
+    pub prefill_chunk: i64,
+    pub max_batch: i64,
+    /// Capture each decode-step shape as a CUDA graph and replay it (CUDA only; see `step::Graphs`).
+    pub cuda_graphs: bool,
+    /// `Kernels::packed_int4` (the loader decides, gemma4/weights.rs).
+    pub packed_int4: Option<bool>,
+    /// `Kernels::onednn` (the loader decides, gemma4/weights.rs).
+    pub onednn: Option<bool>,
+    /// Reuse the keys of earlier requests (prefix.rs); the cache then holds each slot's snapshots.
+    pub prefix_caching: bool,
+    /// Shards the model is split over (gemma4/parallel.rs); 1 for none.
+    pub tensor_parallel_size: i64,
+}
+
+impl Settings {
+    pub(super) fn check(&self) -> Result<()> {
+        for (name, v) in
+            [("context", self.context), ("prefill_chunk", self.prefill_chunk), ("max_batch", self.max_batch)]
+        {
+            if v < 1 {
+                return Err(Error::Input(format!("{name} must be >= 1, got {v}")));
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn kernels(&self) -> Kernels {
+        Kernels { packed_int4: self.packed_int4, onednn: self.onednn }
+    }
+}
+
+/// What the loader put on the device (`Engine::weights`).
+#[derive(Clone, Debug)]
+pub struct WeightsInfo {
+    /// "packed", "dequantized", "mixed" (some int4 weights did not fit the kernels' layout) or
+    /// "none" (no int4 weights).
+    pub int4: &'static str,
+    pub bytes: i64,
+    /// "onednn" or "aten": what multiplies the dense weights (`Settings::onednn`).
+    pub linear: &'static str,
+    /// With "aten": why not oneDNN (another device or dtype, asked for, or, in bfloat16, a CPU whose
+    /// oneDNN has no bfloat16 support).
+    pub linear_note: Option<String>,
+}
