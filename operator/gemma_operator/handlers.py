@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 import kopf
 import pydantic
 
-from . import events, status
+from . import events, memory, status
 from .admission import allowlist_problems
 from .builders.autoscaling import hpa_metric_name, metric_query, scaling_hpa_name
 from .builders.build_cache import build_cache_claim_name, legacy_build_cache_claim_name
@@ -109,15 +109,19 @@ def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any)
 
 
 def find_problems(spec: GemmaRustServerSpec) -> list[status.Problem]:
-    """Check what admission cannot: a known accelerator and the operator's allowlists. (A missing token
-    Secret is the kubelet's to find: the pod's CreateContainerConfigError, which events.py reports, so the
-    operator never reads Secrets.)"""
+    """Check what admission cannot: a known accelerator, a model that fits its slice (gemma_operator.memory;
+    ModelDoesNotFit is fatal, so no pod starts only to fail at its weights stage) and the operator's allowlists.
+    (A missing token Secret is the kubelet's to find: the pod's CreateContainerConfigError, which events.py
+    reports, so the operator never reads Secrets.)"""
     problems = []
     if spec.accelerator.type not in KNOWN_ACCELERATORS:
         problems.append(status.Problem(
             "UnknownAccelerator",
             f"spec.accelerator.type {spec.accelerator.type!r} is not supported; set one of: "
             + ", ".join(KNOWN_ACCELERATORS), fatal=True))
+    plan = memory.placement(spec).plan
+    if plan is not None and not plan.fits:
+        problems.append(status.Problem("ModelDoesNotFit", plan.explanation, fatal=True))
     problems += allowlist_problems(spec, REGISTRY.settings)
     return problems
 

@@ -20,9 +20,9 @@ Design notes:
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 API_GROUP = "gemmarust.dev"
@@ -46,6 +46,17 @@ KNOWN_ACCELERATORS = (TPU_V5E, TPU_V6E, CPU)
 SINGLE_HOST_CHIPS = {"1x1": 1, "2x2": 4, "2x4": 8}
 TPU_TOPOLOGY_CHIPS = {TPU_V5E: SINGLE_HOST_CHIPS, TPU_V6E: SINGLE_HOST_CHIPS}
 TPU_NAMES = {TPU_V5E: "v5e", TPU_V6E: "v6e"}
+# HBM per chip, in GiB: "HBM capacity per chip" on Cloud TPU's "TPU v5e" (16) and "TPU v6e" (32) pages
+# (cloud.google.com/tpu/docs/v5e, /v6e, "System architecture"). gemma_operator.memory plans with it.
+TPU_HBM_GIB = {TPU_V5E: 16, TPU_V6E: 32}
+
+# The Gemma 4 text models the operator can size a slice for (their architectures: gemma_operator.memory), as
+# the Hugging Face repositories name them (google/gemma-4-E2B, -E4B, -12B, -26B-A4B, -31B), lower case.
+ModelSize = Literal["e2b", "e4b", "12b", "26b-a4b", "31b"]
+MODEL_SIZES: tuple[str, ...] = get_args(ModelSize)
+# How a checkpoint stores its linear layers: 16-bit, or compressed-tensors pack-quantized int4 (W4A16).
+Quantization = Literal["bf16", "w4a16"]
+MAX_NUM_SEQS = 1024  # spec.engine.maxNumSeqs's bound
 
 MODEL_SOURCE_RE = (
     r"^(hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9._/-]+)?"
@@ -122,6 +133,15 @@ class ModelSpec(_Model):
         None, description="Secret with the Hugging Face token (gated or private hf:// models).")
     gcs_fuse: GcsFuseSpec = Field(default_factory=GcsFuseSpec,
                                   description="GCS FUSE settings, used when a source is gs://.")
+    size: ModelSize | None = Field(
+        None, description="Which Gemma 4 model the checkpoint is (e2b, e4b, 12b, 26b-a4b, 31b), for the operator's "
+        "memory plan: the tensor parallelism it picks, and the ModelDoesNotFit condition of a slice too small. "
+        "Unset: read from the source's name (e.g. hf://google/gemma-4-31B-it is 31b); a name without one of "
+        "these tags gets no plan.")
+    quantization: Quantization | None = Field(
+        None, description="How the checkpoint stores its linear layers, for the memory plan: bf16 (16-bit) or "
+        "w4a16 (compressed-tensors pack-quantized int4). Unset: w4a16 when the source's name says w4a16 or int4, "
+        "else bf16.")
 
     @field_validator("source", "embedding_twin")
     @classmethod
@@ -157,9 +177,15 @@ class EngineSpec(_Model):
     context: int = Field(8192, description="Context length in tokens (prompt + generation).", ge=256,
                          le=131072)
     max_num_seqs: int = Field(
-        8, description="Sequence slots per engine (one engine per chip): requests decoded together in one "
-        "batch. Each slot reserves a whole context of KV cache; the server refuses, at its weights stage, a "
-        "number whose cache does not fit the chip.", ge=1, le=1024)
+        8, description="Sequence slots per engine (a pod runs one engine per tensorParallelSize chips): requests "
+        "decoded together in one batch. Each slot reserves a whole context of KV cache; the server refuses, at "
+        "its weights stage, a number whose cache does not fit the chip.", ge=1, le=MAX_NUM_SEQS)
+    tensor_parallel_size: int | None = Field(
+        None, description="Chips each engine spreads the model over (attention and KV heads, MLP, experts and "
+        "vocabulary split that many ways); a pod on a slice of C chips runs C / tensorParallelSize engines. Must "
+        "divide the slice's chips; TPU only. Unset: the smallest divisor of the chips whose share of the "
+        "model, with maxNumSeqs slots of context, fits a chip's HBM (1 when the model's size is unknown).",
+        ge=1, le=8)
     prefill_chunk: int = Field(
         256, description="Prompt tokens read per forward, one chunk per step between the running requests' "
         "decode steps: smaller keeps their token gaps shorter while a long prompt is read.", ge=1, le=131072)
@@ -367,6 +393,15 @@ CEL_RULES: dict[type[_Model], list[dict[str, str]]] = {
 }
 
 
+# spec.engine.tensorParallelSize against the slice (a CEL rule below, and GemmaRustServerSpec's own check).
+TP_ON_CPU_MESSAGE = ("spec.engine.tensorParallelSize applies to TPUs only: remove it, or set spec.accelerator.type "
+                     "to tpu-v5-lite-podslice or tpu-v6e-slice")
+TP_DIVIDES_MESSAGE = ("spec.engine.tensorParallelSize must divide the slice's chips (" + ", ".join(
+    f"{t}: {c}" for t, c in SINGLE_HOST_CHIPS.items()) + "): set a divisor of them, or leave it unset for the "
+    "operator to choose")
+_CEL_CHIPS = "{" + ", ".join(f"'{t}': {c}" for t, c in SINGLE_HOST_CHIPS.items()) + "}"
+
+
 class GemmaRustServerSpec(_Model):
     """spec of a GemmaRustServer: one model served by `replicas` single-host pods."""
 
@@ -402,8 +437,23 @@ class GemmaRustServerSpec(_Model):
         "Workload Identity grants roles/storage.objectViewer on the bucket. Unset: the namespace's default.",
         pattern=DNS_SUBDOMAIN_RE, max_length=253)
 
+    @model_validator(mode="after")
+    def _tensor_parallel_size_fits_the_slice(self) -> "GemmaRustServerSpec":
+        # The CEL rules' check, for objects stored before they existed (see ModelSpec._source_form).
+        n = self.engine.tensor_parallel_size
+        if n is not None and self.accelerator.type == CPU:
+            raise ValueError(TP_ON_CPU_MESSAGE)
+        if n is not None and SINGLE_HOST_CHIPS[self.accelerator.topology or "1x1"] % n:
+            raise ValueError(TP_DIVIDES_MESSAGE)
+        return self
+
 
 CEL_RULES[GemmaRustServerSpec] = [
+    _cel("!has(self.engine.tensorParallelSize) || self.accelerator.type != 'cpu'", TP_ON_CPU_MESSAGE,
+         ".engine.tensorParallelSize"),
+    _cel("!has(self.engine.tensorParallelSize) || self.accelerator.type == 'cpu' || "
+         f"{_CEL_CHIPS}[has(self.accelerator.topology) ? self.accelerator.topology : '1x1'] "
+         "% self.engine.tensorParallelSize == 0", TP_DIVIDES_MESSAGE, ".engine.tensorParallelSize"),
     _cel("self.buildCache.type != 'pvc' || self.buildCache.accessMode != 'ReadWriteOnce' || self.replicas <= 1",
          "a ReadWriteOnce build cache PVC can serve one replica: set spec.buildCache.accessMode to "
          "ReadWriteMany, spec.buildCache.type to emptyDir, or spec.replicas to 1", ".buildCache.accessMode"),

@@ -358,7 +358,7 @@ def compute_status(obs: Observed, *, accelerator: str, endpoint: str, selector: 
             entry["engineStage"] = engine.get("stage", "")
             entry["stages"] = engine.get("stages", [])
             if "engines" in engine:
-                entry["engines"] = len(engine["engines"])  # engines in the pod, one per chip
+                entry["engines"] = len(engine["engines"])  # engines in the pod, one per tensorParallelSize chips
         model = obs.served_models.get(v.name, "")
         if model:
             entry["servedModel"] = model

@@ -1,12 +1,15 @@
-"""handlers.sync on a stored spec that no longer parses (operator/gemma_operator/handlers.py): its own path
-builds, applies and deletes nothing, and writes a Failed status naming the problem."""
+"""handlers.sync without a cluster (operator/gemma_operator/handlers.py): a stored spec that no longer parses
+takes its own path, which builds, applies and deletes nothing and writes a Failed status naming the problem; a
+model that does not fit its slice is Failed with ModelDoesNotFit and no child is applied."""
 
 from __future__ import annotations
 
 import logging
 
-from gemma_operator import handlers
+from gemma_operator import handlers, memory
 from gemma_operator.registry import Registry
+from gemma_operator.settings import Settings
+from gemma_operator.spec import parse_spec
 
 
 class RecordingKube:
@@ -49,3 +52,62 @@ def test_a_spec_that_no_longer_parses_is_a_failed_status_and_touches_no_child(mo
     assert (status["accelerator"], status["endpoint"], status["observedGeneration"]) == ("", "", 2)
     assert [c[0] for c in kube.calls] == ["list_pods", "patch_status", "POST"]  # the status, then its Event
     assert handlers.REGISTRY.server("u-1", "ns", "g").written == status
+
+
+class ApplyingKube(RecordingKube):
+    """An empty namespace of a cluster that serves none of the optional kinds; what is applied is kept."""
+
+    def __init__(self):
+        super().__init__()
+        self.applied = []
+
+    def serves(self, api_version):
+        return False
+
+    def get_if_present(self, api_version, kind, namespace, name):
+        return None
+
+    def apply(self, obj):
+        self.applied.append(obj)
+        return obj
+
+
+def gemma_31b(accelerator, generation=1):
+    return {"apiVersion": "gemmarust.dev/v1alpha1", "kind": "GemmaRustServer",
+            "metadata": {"name": "big", "namespace": "ns", "uid": "u-31b", "generation": generation},
+            "spec": {"model": {"source": "hf://google/gemma-4-31B-it"}, "accelerator": accelerator}}
+
+
+def condition(status, type_):
+    return next(c for c in status["conditions"] if c["type"] == type_)
+
+
+def test_a_model_that_does_not_fit_its_slice_fails_before_any_deployment(monkeypatch):
+    kube = ApplyingKube()
+    monkeypatch.setattr(handlers, "REGISTRY", Registry(kube=kube, poller=IdlePoller(), settings=Settings.from_env({})))
+    body = gemma_31b({"topology": "1x1"})
+    status = handlers.sync(body, logging.getLogger("test"), prune=True)
+    explanation = memory.placement(parse_spec(body["spec"])).plan.explanation
+    assert explanation.startswith("Gemma 4 31B (bf16) does not fit v5e 1x1 with tensorParallelSize 1")
+    assert (status["phase"], status["reason"], status["message"]) == ("Failed", "ModelDoesNotFit", explanation)
+    assert condition(status, "Degraded") | {"lastTransitionTime": None} == {
+        "type": "Degraded", "status": "True", "reason": "ModelDoesNotFit", "message": explanation,
+        "lastTransitionTime": None, "observedGeneration": 1}
+    assert (condition(status, "Ready")["status"], condition(status, "Ready")["reason"]) == ("False", "ModelDoesNotFit")
+    assert kube.applied == []  # no Deployment, nor any other child
+
+
+def test_a_fitting_model_gets_its_tensor_parallel_size_and_a_later_misfit_leaves_the_deployment_alone(monkeypatch):
+    kube = ApplyingKube()
+    monkeypatch.setattr(handlers, "REGISTRY", Registry(kube=kube, poller=IdlePoller(), settings=Settings.from_env({})))
+    status = handlers.sync(gemma_31b({"topology": "2x4"}), logging.getLogger("test"), prune=True)
+    assert condition(status, "Degraded")["status"] == "False"
+    (dep,) = [o for o in kube.applied if o["kind"] == "Deployment"]
+    env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert (env["GEMMA_DEVICES"], env["GEMMA_TENSOR_PARALLEL_SIZE"]) == ("8", "8")
+    applied = len(kube.applied)
+    # Down to one chip: the Deployment the API server holds keeps its spec (its pods keep serving) and nothing
+    # new is applied.
+    status = handlers.sync(gemma_31b({"topology": "1x1"}, generation=2), logging.getLogger("test"), prune=True)
+    assert (status["phase"], status["reason"]) == ("Failed", "ModelDoesNotFit")
+    assert len(kube.applied) == applied

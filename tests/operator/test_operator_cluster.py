@@ -225,6 +225,11 @@ def test_deleted_cr_takes_its_children(cluster, kube, ns, operator):
     ({"accelerator": CPU}, "spec.model: Required value"),
     ({"model": model(), "server": {"port": 8431}}, "spec.server.port must not be 8431"),
     ({"model": model(), "server": {"probePort": 8431}}, "spec.server.probePort must not be 8431"),
+    ({"model": model(), "accelerator": {"topology": "2x2"}, "engine": {"tensorParallelSize": 3}},
+     "spec.engine.tensorParallelSize must divide the slice's chips"),
+    ({"model": model(), "engine": {"tensorParallelSize": 2}}, "spec.engine.tensorParallelSize must divide"),
+    ({"model": model(), "accelerator": CPU, "engine": {"tensorParallelSize": 1}},
+     "spec.engine.tensorParallelSize applies to TPUs only"),
 ])
 def test_invalid_cr_is_refused_at_admission_with_its_message(cluster, ns, spec, message):
     import json
@@ -241,6 +246,14 @@ def test_unknown_accelerator_fails_without_a_deployment(kube, ns, operator):
     obj = wait_phase(kube, ns, "v9", "Failed", operator)
     assert condition(obj, "Degraded")["reason"] == "UnknownAccelerator"
     assert "tpu-v5-lite-podslice" in condition(obj, "Degraded")["message"]
+    assert kube.request("GET", f"/apis/apps/v1/namespaces/{ns}/deployments")["items"] == []
+
+
+def test_a_model_too_big_for_its_slice_fails_without_a_deployment(kube, ns, operator):
+    create(kube, ns, "big", {"model": model("hf://google/gemma-4-31B-it"), "accelerator": {"topology": "1x1"}})
+    obj = wait_phase(kube, ns, "big", "Failed", operator)
+    assert condition(obj, "Degraded")["reason"] == "ModelDoesNotFit"
+    assert "spec.accelerator.topology 2x4 (8 chips, tensorParallelSize 8)" in condition(obj, "Degraded")["message"]
     assert kube.request("GET", f"/apis/apps/v1/namespaces/{ns}/deployments")["items"] == []
 
 

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 from kubernetes.utils import parse_quantity
 
+from ..memory import placement
 from ..spec import TPU_METRICS_PORT, GcsFuseSpec, GemmaRustServerSpec, chips, is_tpu
 from .build_cache import build_cache_volume
 from .ownership import Meta, child_object, labels, selector_labels
@@ -218,8 +219,11 @@ def env(spec: GemmaRustServerSpec, meta: Meta, main: ModelMount, twin: ModelMoun
         {"name": "GEMMA_MODEL", "value": main.value},
         *([{"name": "GEMMA_EMB", "value": twin.value}] if twin else []),
         {"name": "GEMMA_DEVICE", "value": device(spec)},
-        # One engine per chip of the slice; unset on CPU (the server's default, one engine).
-        *([{"name": "GEMMA_DEVICES", "value": str(n_chips)}] if n_chips else []),
+        # The slice's chips, over which the server runs chips / GEMMA_TENSOR_PARALLEL_SIZE engines of that many
+        # chips each (gemma_operator.memory picks the size); both unset on CPU (the server's default, one engine).
+        *([{"name": "GEMMA_DEVICES", "value": str(n_chips)},
+           {"name": "GEMMA_TENSOR_PARALLEL_SIZE", "value": str(placement(spec).tensor_parallel_size)}]
+          if n_chips else []),
         {"name": "GEMMA_CONTEXT", "value": str(e.context)},
         {"name": "GEMMA_MAX_NUM_SEQS", "value": str(e.max_num_seqs)},
         {"name": "GEMMA_PREFILL_CHUNK", "value": str(e.prefill_chunk)},

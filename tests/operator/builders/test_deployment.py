@@ -36,6 +36,7 @@ def test_tpu_deployment_matches_golden():
                             {"name": "GEMMA_EMB", "value": "gs://weights-bucket/emb-int4"},
                             {"name": "GEMMA_DEVICE", "value": "tpu"},
                             {"name": "GEMMA_DEVICES", "value": "4"},
+                            {"name": "GEMMA_TENSOR_PARALLEL_SIZE", "value": "1"},
                             {"name": "GEMMA_CONTEXT", "value": "4096"},
                             {"name": "GEMMA_MAX_NUM_SEQS", "value": "8"},
                             {"name": "GEMMA_PREFILL_CHUNK", "value": "256"},
@@ -132,6 +133,7 @@ def test_cpu_deployment_uses_rolling_update_and_no_tpu_scheduling():
     assert "HF_TOKEN" not in env and "GEMMA_EMB" not in env and "GEMMA_SERVED_MODEL_NAME" not in env
     assert "GEMMA_GCS_ROOT" not in env
     assert "GEMMA_DEVICES" not in env and "GEMMA_API_KEY" not in env  # one engine on CPU; the API is open
+    assert "GEMMA_TENSOR_PARALLEL_SIZE" not in env  # no chips to split the model over
     assert "GEMMA_TPU_COMPILE_CACHE" not in env  # torch_tpu's compilation cache: TPU pods only
     assert [p["name"] for p in c["ports"]] == ["http", "probes"]  # GKE's TPU metrics port: TPU pods only
 
@@ -153,9 +155,21 @@ def test_tpu_chips_follow_topology(tpu, topology, chips):
     assert dep["spec"]["strategy"]["type"] == "Recreate"  # the only chips: a new pod cannot start beside the old
     short = {"tpu-v5-lite-podslice": "v5e", "tpu-v6e-slice": "v6e"}[tpu]
     assert accelerator_text(spec.accelerator) == f"{short} {topology or '1x1'}"
-    # One engine per chip: the server starts as many as GEMMA_DEVICES says.
+    # The server runs GEMMA_DEVICES / GEMMA_TENSOR_PARALLEL_SIZE engines; a model of unknown size gets no memory
+    # plan, so one engine per chip.
     env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
-    assert env["GEMMA_DEVICES"] == chips
+    assert (env["GEMMA_DEVICES"], env["GEMMA_TENSOR_PARALLEL_SIZE"]) == (chips, "1")
+
+
+@pytest.mark.parametrize("source,accelerator,engine,n", [
+    ("hf://google/gemma-4-31B-it", {"topology": "2x4"}, {}, "8"),  # the smallest size its weights fit
+    ("hf://google/gemma-4-31B-it", {"type": "tpu-v6e-slice", "topology": "2x4"}, {}, "4"),
+    ("hf://google/gemma-4-E2B-it", {"topology": "2x4"}, {}, "1"),  # fits one chip: eight engines
+    ("hf://google/gemma-4-E2B-it", {"topology": "2x4"}, {"tensorParallelSize": 2}, "2"),  # as asked
+])
+def test_a_tpu_pod_gets_the_tensor_parallel_size_of_its_memory_plan(source, accelerator, engine, n):
+    env = env_of(parse_spec({"model": {"source": source}, "accelerator": accelerator, "engine": engine}))
+    assert (env["GEMMA_DEVICES"], env["GEMMA_TENSOR_PARALLEL_SIZE"]) == ("8", n)
 
 
 def test_api_key_secret_reaches_the_server_only_through_a_secret_key_ref():
