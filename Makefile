@@ -42,7 +42,7 @@ DOCKER_BUILD_FLAGS ?= --network host
 # dockerd started for the command and stopped after it (tests/images/docker_engine.sh).
 WITH_DOCKER  := bash tests/images/docker_engine.sh
 
-.PHONY: help setup engine rust-check chat-templates test test-fast demo bench bench-server bench-operator bench-fuzz bench-soak k8s k8s-crds lock crds clean images base-images
+.PHONY: help setup engine rust-check chat-templates test test-fast demo bench bench-architectures bench-server bench-operator bench-fuzz bench-soak k8s k8s-crds lock crds clean images base-images
 
 help:
 	@echo "make demo   build everything and run the demo (see README)"
@@ -92,6 +92,9 @@ demo: setup
 
 bench: setup
 	$(PY) -m bench.engine
+
+bench-architectures: setup
+	$(PY) -m bench.architectures
 
 bench-server: setup
 	$(PY) -m bench.server
