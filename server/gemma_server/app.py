@@ -345,6 +345,7 @@ class ServerState:
             while t.busy() and time.monotonic() < grace:
                 await asyncio.sleep(0.02)
         await asyncio.sleep(0.05)  # let the last responses flush
+        await asyncio.to_thread(self.boot.publish_compile_cache)
         self.request_exit()
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from gemma_server import build as build_mod
+from gemma_server import compile_cache
 from gemma_server.config import Config
 from gemma_server.metrics import Metrics, cache_config
 from gemma_server.scheduler import EngineWorker, Scheduler
@@ -199,12 +200,15 @@ class Boot:
 
     def _import(self) -> str:
         c = self.config
+        seeded = ""
         if c.device == "tpu":
             # Made here, so that a cache directory that cannot be made fails this stage with its OS error;
             # torch_tpu would abort the process on it (an ABSL_CHECK in csrc/common/tier3_compilation_cache.cc).
             cache = os.environ.get(TPU_COMPILE_CACHE_VAR, "")
             if cache and "://" not in cache:
                 Path(cache).mkdir(parents=True, exist_ok=True)
+            dirs = compile_cache_dirs(c)
+            seeded = f"; {compile_cache.seed(*dirs)} compiled programs from {dirs[0]}" if dirs else ""
             # torch_tpu registers its kernels on import; the engine's ATen calls then reach them.
             importlib.import_module("torch_tpu")
         import torch
@@ -236,7 +240,7 @@ class Boot:
             torch=built.get("torch", ""), torch_tpu=info.get("torch_tpu", ""), rustc=built.get("rustc", ""),
             python=built.get("python", ""), crate=built.get("crate", ""), device=c.device,
         )
-        return f"gemma_engine {ge.__version__} for torch {built.get('torch')}"
+        return f"gemma_engine {ge.__version__} for torch {built.get('torch')}{seeded}"
 
     def _smoke(self) -> str:
         import torch
@@ -301,7 +305,15 @@ class Boot:
         ids = tok.encode("Hello", add_special_tokens=True) or [0]
         outs = run_on_workers(self.loaded.workers, lambda w: w.engine.decode(ids, WARMUP_TOKENS))
         self.state.warmup_seconds = round(time.monotonic() - t0, 3)
-        return ", ".join(f"{len(tokens)} tokens ({finish})" for tokens, finish, _, _ in outs)
+        done = ", ".join(f"{len(tokens)} tokens ({finish})" for tokens, finish, _, _ in outs)
+        dirs = compile_cache_dirs(self.config) if self.config.device == "tpu" else None
+        return f"{done}; {compile_cache.publish_quietly(dirs[1], dirs[0])}" if dirs else done
+
+    def publish_compile_cache(self) -> None:
+        """On drain: what this server compiled since warmup, to the shared cache (compile_cache.py)."""
+        dirs = compile_cache_dirs(self.config) if self.config.device == "tpu" else None
+        if dirs:
+            log.info("%s", compile_cache.publish_quietly(dirs[1], dirs[0]))
 
 
 def model_vocabulary(model_dir: Path) -> tuple[int, list[int]]:
@@ -362,8 +374,18 @@ def tpu_environment(config: Config) -> dict[str, str]:
     if cache is None:
         cache = str(Path(config.build_cache) / "tpu-compile")
     if cache != "off":
-        env[TPU_COMPILE_CACHE_VAR] = cache
+        env[TPU_COMPILE_CACHE_VAR] = config.tpu_compile_cache_local or cache
     return env
+
+
+def compile_cache_dirs(config: Config) -> tuple[Path, Path] | None:
+    """(shared, local) when torch_tpu's cache is shared by replicas through a local directory
+    (gemma_server/compile_cache.py); None when torch_tpu writes its cache directly, or has none."""
+    env = tpu_environment(config)
+    if not config.tpu_compile_cache_local or TPU_COMPILE_CACHE_VAR not in env:
+        return None
+    shared = config.tpu_compile_cache or str(Path(config.build_cache) / "tpu-compile")
+    return Path(shared), Path(config.tpu_compile_cache_local)
 
 
 def eager_mode_name(torch) -> str:

@@ -197,6 +197,12 @@ class Config:
                                             "env_vars.h), so a restart loads the compiled programs instead of "
                                             "compiling them again; 'off' leaves that variable as it is "
                                             "(default: <build-cache>/tpu-compile)", flag_type=str)
+    tpu_compile_cache_local: str | None = setting(
+        None, "GEMMA_TPU_COMPILE_CACHE_LOCAL", "on tpu: a directory of this server alone for torch_tpu's cache; "
+        "then --tpu-compile-cache is shared by replicas without their writing it at once: its entries are copied "
+        "here before torch_tpu starts, and this server's new ones are copied there after warmup and on drain, "
+        "each renamed into place (gemma_server/compile_cache.py). Unset: torch_tpu writes --tpu-compile-cache "
+        "itself, right for a cache one server owns", flag_type=str)
     log_level: str = setting("info", "GEMMA_LOG_LEVEL", "log level", choices=("debug", "info", "warning", "error"))
 
     @property

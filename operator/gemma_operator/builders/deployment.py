@@ -53,6 +53,11 @@ GCSFUSE_CACHE_VOLUME = "gke-gcsfuse-cache"
 
 CACHE_MOUNT = "/var/cache/gemma"
 TPU_COMPILE_CACHE = f"{CACHE_MOUNT}/tpu-compile"
+# With a PVC build cache, several pods (replicas, or an old and a new pod during a rollout) share it: each
+# pod's torch_tpu then writes a directory of its own on this emptyDir, and the server copies complete entries
+# between it and the shared one (gemma_server/compile_cache.py).
+TPU_COMPILE_LOCAL_MOUNT = "/var/cache/gemma-local"
+TPU_COMPILE_LOCAL_SIZE = "10Gi"
 TMP_SIZE = "1Gi"
 GCS_ROOT = "/gcs"  # gemma_server's default --gcs-root: gs://B/P is read at /gcs/B/P
 STARTUP_PERIOD_SECONDS = 10
@@ -240,6 +245,8 @@ def env(spec: GemmaRustServerSpec, meta: Meta, main: ModelMount, twin: ModelMoun
         # torch_tpu's persistent compilation cache on the same volume, so a restart loads the compiled
         # programs instead of compiling them again (the server sets TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT).
         *([{"name": "GEMMA_TPU_COMPILE_CACHE", "value": TPU_COMPILE_CACHE}] if device(spec) == "tpu" else []),
+        *([{"name": "GEMMA_TPU_COMPILE_CACHE_LOCAL", "value": f"{TPU_COMPILE_LOCAL_MOUNT}/tpu-compile"}]
+          if _shared_compile_cache(spec) else []),
         *([{"name": "GEMMA_GCS_ROOT", "value": GCS_ROOT}] if any(
             m and m.value.startswith("gs://") for m in (main, twin)) else []),
         # Downloaded hf:// weights live next to the build, so a restarted pod on a PVC skips both.
@@ -335,9 +342,15 @@ def pod_annotations(spec: GemmaRustServerSpec, main: ModelMount, twin: ModelMoun
     return out
 
 
+def _shared_compile_cache(spec: GemmaRustServerSpec) -> bool:
+    """Whether pods share torch_tpu's compilation cache: a TPU pod whose build cache is a PVC."""
+    return device(spec) == "tpu" and spec.build_cache.type == "pvc"
+
+
 def extra_volumes(spec: GemmaRustServerSpec, main: ModelMount,
                   twin: ModelMount | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The GCS FUSE cache volume (for gs:// sources) and /dev/shm (TPU): (volumes, server mounts)."""
+    """The GCS FUSE cache volume (for gs:// sources), /dev/shm (TPU) and the pod's own compilation cache
+    (`_shared_compile_cache`): (volumes, server mounts)."""
     volumes: list[dict[str, Any]] = []
     mounts: list[dict[str, Any]] = []
     if _gcsfuse(main, twin):
@@ -345,6 +358,9 @@ def extra_volumes(spec: GemmaRustServerSpec, main: ModelMount,
     if is_tpu(spec.accelerator):
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    if _shared_compile_cache(spec):
+        volumes.append({"name": "tpu-compile-local", "emptyDir": {"sizeLimit": TPU_COMPILE_LOCAL_SIZE}})
+        mounts.append({"name": "tpu-compile-local", "mountPath": TPU_COMPILE_LOCAL_MOUNT})
     return volumes, mounts
 
 

@@ -26,6 +26,8 @@ def test_pvc_model_source_and_pvc_build_cache():
         {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
         {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}},
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        # The pod's own compilation cache beside the shared one on the PVC (gemma_server/compile_cache.py).
+        {"name": "tpu-compile-local", "emptyDir": {"sizeLimit": "10Gi"}},
     ]
     env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
     assert env["GEMMA_MODEL"] == "/models/pvc/models/gemma/e2b"

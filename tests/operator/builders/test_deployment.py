@@ -291,6 +291,19 @@ def test_tpu_compilation_cache_is_on_the_build_cache_volume():
     assert env["GEMMA_TPU_COMPILE_CACHE"] == cache_mount + "/tpu-compile"
     assert env["GEMMA_BUILD_CACHE"] == cache_mount + "/build"
     assert env["TORCH_TPU_DEFER_AND_FUSE"] == "1"  # spec.engine.deferAndFuse defaults to true
+    # Pods share the PVC, so each one's torch_tpu writes its own emptyDir (gemma_server/compile_cache.py).
+    (local,) = [m["mountPath"] for m in container["volumeMounts"] if m["name"] == "tpu-compile-local"]
+    assert env["GEMMA_TPU_COMPILE_CACHE_LOCAL"].startswith(local + "/")
+    volumes = {v["name"]: v for v in build_deployment(spec, META)["spec"]["template"]["spec"]["volumes"]}
+    assert "sizeLimit" in volumes["tpu-compile-local"]["emptyDir"]
+
+
+def test_a_pod_that_owns_its_build_cache_lets_torch_tpu_write_the_compilation_cache_itself():
+    spec = parse_spec({"model": {"source": "hf://o/m"}})  # emptyDir: the pod's alone
+    container = build_deployment(spec, META)["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert "GEMMA_TPU_COMPILE_CACHE" in env and "GEMMA_TPU_COMPILE_CACHE_LOCAL" not in env
+    assert not [m for m in container["volumeMounts"] if m["name"] == "tpu-compile-local"]
 
 
 def test_batch_slots_and_prefill_chunk_reach_the_server_and_out_of_range_values_are_refused():
