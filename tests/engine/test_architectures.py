@@ -176,7 +176,8 @@ def test_an_moe_layers_aten_calls_do_not_grow_with_the_number_of_experts(tmp_pat
 def test_batched_requests_a_cached_history_and_prompt_logprobs_match_transformers(arch_run):
     """The runtime is the model's, whatever its layers: staggered greedy requests batched together (a
     prompt read in chunks beside decode steps), a second turn that resumes from the first one's cache (its
-    sliding rings and a snapshot), and prompt log-probabilities, each against Transformers alone."""
+    sliding rings and a snapshot), and prompt log-probabilities, each against Transformers alone; a seeded
+    sampled request among them against itself alone."""
     from tests.engine.test_batching import PROMPTS, Script
     from tests.engine.test_prompt_logprobs import TOLERANCE, Recorder
 
@@ -184,10 +185,12 @@ def test_batched_requests_a_cached_history_and_prompt_logprobs_match_transformer
     reference = ck.load_hf_reference(model_dir)
     first = ck.PARITY_PROMPT + hf_tokens[:8]  # the parity prompt and the start of its own reply
     second = first + PROMPTS["short"][1:]
+    sampled = gemma_engine.SamplingParams(temperature=0.9, top_p=0.95, seed=7)
     requests = {0: [gemma_engine.Request(0, first, 12)],
-                2: [gemma_engine.Request(1, PROMPTS["other"], 12, prompt_logprobs=0)],
+                2: [gemma_engine.Request(1, PROMPTS["other"], 12, prompt_logprobs=0),
+                    gemma_engine.Request(3, PROMPTS["short"], 12, sampling=sampled)],
                 40: [gemma_engine.Request(2, second, 12)]}
-    e = gemma_engine.Engine(str(model_dir), like=torch.zeros(1), context=128, dtype="float32", max_batch=3,
+    e = gemma_engine.Engine(str(model_dir), like=torch.zeros(1), context=128, dtype="float32", max_batch=4,
                             prefill_chunk=5)
     script = Recorder(requests)
     outcomes = script.run(e, read_every=3)
@@ -196,6 +199,9 @@ def test_batched_requests_a_cached_history_and_prompt_logprobs_match_transformer
         finish = "stop" if want[-1] in reference.config.eos_token_id else "length"
         assert (outcomes[rid].tokens, outcomes[rid].finish) == (want[:-1] if finish == "stop" else want, finish), rid
     assert max(Script.batch_sizes(script)) >= 2
+    # A seeded sampled request draws in the batch what it draws alone.
+    alone = gemma_engine.Engine(str(model_dir), like=torch.zeros(1), context=128, dtype="float32")
+    assert outcomes[3].tokens == alone.decode(PROMPTS["short"], 12, sampling=sampled)[0]
     assert sum(s["cache_hits"] for s in script.stats) >= len(first) - 1  # the second turn resumed
     with torch.no_grad():
         lp = reference(torch.tensor([PROMPTS["other"]])).logits[0, :-1].float().log_softmax(-1)
