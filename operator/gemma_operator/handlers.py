@@ -49,6 +49,7 @@ from .builders.autoscaling import hpa_metric_name, metric_query, scaling_hpa_nam
 from .builders.build_cache import build_cache_claim_name, legacy_build_cache_claim_name
 from .builders.children import Children, build_children
 from .builders.deployment import claims, replicas, spec_warnings
+from .builders.endpoint_picker import picker_release
 from .builders.event import build_event
 from .builders.inference_pool import selects_pods_of
 from .builders.optional import GATEWAY, OPTIONAL_BY_KIND, OPTIONAL_KINDS, SCALING
@@ -58,8 +59,8 @@ from .kube import ApiError, Kube
 from .poller import Reports
 from .registry import Registry, ServerState
 from .settings import Settings
-from .spec import API_GROUP, API_VERSION, AUTOSCALING_METRICS, KNOWN_ACCELERATORS, PLURAL, GemmaRustServerSpec, \
-    ServerSpec, accelerator_text, parse_spec
+from .spec import API_GROUP, API_VERSION, AUTOSCALING_METRICS, ENDPOINT_PICKER_RELEASES, KNOWN_ACCELERATORS, PLURAL, \
+    GemmaRustServerSpec, ServerSpec, accelerator_text, parse_spec
 
 GRS = (API_GROUP, API_VERSION, PLURAL)
 CHILD_LABELS = {LABEL_MANAGED_BY: MANAGED_BY}
@@ -110,7 +111,8 @@ def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any)
 
 def find_problems(spec: GemmaRustServerSpec) -> list[status.Problem]:
     """Check what admission cannot: a known accelerator, a model that fits its slice (gemma_operator.memory;
-    ModelDoesNotFit is fatal, so no pod starts only to fail at its weights stage) and the operator's allowlists.
+    ModelDoesNotFit is fatal, so no pod starts only to fail at its weights stage), an endpoint picker release the
+    operator writes a config for (not fatal: the pods serve without it) and the operator's allowlists.
     (A missing token Secret is the kubelet's to find: the pod's CreateContainerConfigError, which events.py
     reports, so the operator never reads Secrets.)"""
     problems = []
@@ -119,6 +121,14 @@ def find_problems(spec: GemmaRustServerSpec) -> list[status.Problem]:
             "UnknownAccelerator",
             f"spec.accelerator.type {spec.accelerator.type!r} is not supported; set one of: "
             + ", ".join(KNOWN_ACCELERATORS), fatal=True))
+    release = picker_release(spec)
+    if release is not None and release not in ENDPOINT_PICKER_RELEASES:
+        problems.append(status.Problem(
+            "UnsupportedEndpointPicker",
+            f"endpoint picker release {release!r} (spec.gateway.endpointPicker.release, or when unset the "
+            "operator's GEMMA_OPERATOR_ENDPOINT_PICKER, chart value operator.endpointPicker) is not one this "
+            "operator writes a config for, so the picker's ConfigMap is left as it is; set one of: "
+            + ", ".join(ENDPOINT_PICKER_RELEASES), fatal=False))
     plan = memory.placement(spec).plan
     if plan is not None and not plan.fits:
         problems.append(status.Problem("ModelDoesNotFit", plan.explanation, fatal=True))
@@ -128,12 +138,18 @@ def find_problems(spec: GemmaRustServerSpec) -> list[status.Problem]:
 
 def with_defaults(spec: GemmaRustServerSpec, settings: Settings) -> GemmaRustServerSpec:
     """The spec with the operator's defaults where it leaves a field to them (pure): the Managed Prometheus
-    cluster name of KEDA's query (spec.autoscaling.prometheus.cluster, GEMMA_OPERATOR_CLUSTER_NAME)."""
+    cluster name of KEDA's query (spec.autoscaling.prometheus.cluster, GEMMA_OPERATOR_CLUSTER_NAME) and the
+    endpoint picker's release (spec.gateway.endpointPicker.release, GEMMA_OPERATOR_ENDPOINT_PICKER)."""
     scaling = spec.autoscaling
-    if scaling is None or scaling.prometheus.cluster or not settings.cluster_name:
-        return spec
-    prometheus = scaling.prometheus.model_copy(update={"cluster": settings.cluster_name})
-    return spec.model_copy(update={"autoscaling": scaling.model_copy(update={"prometheus": prometheus})})
+    if scaling is not None and not scaling.prometheus.cluster and settings.cluster_name:
+        prometheus = scaling.prometheus.model_copy(update={"cluster": settings.cluster_name})
+        spec = spec.model_copy(update={"autoscaling": scaling.model_copy(update={"prometheus": prometheus})})
+    gateway = spec.gateway
+    picker = gateway.endpoint_picker
+    if picker is not None and picker.release is None:
+        picker = picker.model_copy(update={"release": settings.endpoint_picker})
+        spec = spec.model_copy(update={"gateway": gateway.model_copy(update={"endpoint_picker": picker})})
+    return spec
 
 
 def invalid_spec(error: pydantic.ValidationError) -> status.Problem:

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, NamedTuple
 from urllib.parse import urlsplit
 
+from .spec import ENDPOINT_PICKER_RELEASES
+
 
 def _setting(env: str, default: Any, help: str) -> Any:
     return field(default=default, metadata={"env": env, "help": help})
@@ -54,6 +56,12 @@ class Settings:
         "GEMMA_OPERATOR_CLUSTER_NAME", "",
         "This cluster's name as Managed Service for Prometheus labels its series (`cluster`): the default of "
         "spec.autoscaling.prometheus.cluster, so KEDA's query selects only this cluster's pods. Empty: none.")
+    endpoint_picker: str = _setting(
+        "GEMMA_OPERATOR_ENDPOINT_PICKER", ENDPOINT_PICKER_RELEASES[0],
+        "The endpoint picker release the operator writes each InferencePool's picker config for (ConfigMap "
+        "<name>-epp), as project/tag: " + " or ".join(ENDPOINT_PICKER_RELEASES) + ". The default of "
+        "spec.gateway.endpointPicker.release; another release is reported per server (condition "
+        "UnsupportedEndpointPicker) and gets no config.")
     test_engine_urls: bool = _setting(
         "GEMMA_OPERATOR_TEST_ENGINE_URLS", False,
         "Tests only: honour the pod annotation gemmarust.dev/engine-url-for-tests (poll a loopback URL).")

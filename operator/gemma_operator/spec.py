@@ -15,6 +15,9 @@ Design notes:
   builders know.
 - Pass-through fields (resources, tolerations) keep the Kubernetes shapes and are validated by the API
   server when the Deployment is applied.
+- `gateway.endpointPicker.release` is a free string like `accelerator.type`: the picker is the user's, and a release
+  the operator writes no config for is a Degraded condition (UnsupportedEndpointPicker) naming the ones it does
+  (`ENDPOINT_PICKER_RELEASES`).
 """
 
 from __future__ import annotations
@@ -57,6 +60,15 @@ MODEL_SIZES: tuple[str, ...] = get_args(ModelSize)
 # How a checkpoint stores its linear layers: 16-bit, or compressed-tensors pack-quantized int4 (W4A16).
 Quantization = Literal["bf16", "w4a16"]
 MAX_NUM_SEQS = 1024  # spec.engine.maxNumSeqs's bound
+
+# The endpoint picker releases the operator writes a config for (builders/endpoint_picker.py), as project/tag,
+# the default first: llm-d-router, where the picker lives since gateway-api-inference-extension v1.6.0 deleted
+# its own, and GIE v1.5.0, the last GIE release with a picker. GEMMA_OPERATOR_ENDPOINT_PICKER chooses for every
+# server; spec.gateway.endpointPicker.release for one.
+LLM_D_ROUTER_V0_10 = "llm-d-router/v0.10.0"
+GIE_V1_5 = "gateway-api-inference-extension/v1.5.0"
+ENDPOINT_PICKER_RELEASES = (LLM_D_ROUTER_V0_10, GIE_V1_5)
+PICKER_RELEASE_RE = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/v[0-9][-a-z0-9.]*$"
 
 MODEL_SOURCE_RE = (
     r"^(hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9._/-]+)?"
@@ -315,6 +327,12 @@ class EndpointPickerRef(_Model):
                       ge=1, le=65535)
     failure_mode: Literal["FailClose", "FailOpen"] = Field(
         "FailClose", description="What the gateway does when the picker does not answer.")
+    release: str | None = Field(
+        None, description="The picker's release as project/tag, which decides the format of the config the "
+        "operator writes for it (the ConfigMap <name>-epp): " + " or ".join(ENDPOINT_PICKER_RELEASES) + ". "
+        "Default: the operator's GEMMA_OPERATOR_ENDPOINT_PICKER (chart value operator.endpointPicker), "
+        f"{LLM_D_ROUTER_V0_10} unless set. Another release is reported as UnsupportedEndpointPicker and gets no "
+        "config.", pattern=PICKER_RELEASE_RE, max_length=100)
 
 
 class GatewaySpec(_Model):

@@ -404,3 +404,21 @@ def test_the_cluster_name_reaches_the_operator_and_a_bad_one_is_refused(helm):
     assert Settings.from_env(operator_env("operator.clusterName=prod-us-central1")).cluster_name == "prod-us-central1"
     refused = helm.template("operator.clusterName=Prod_US", check=False)
     assert refused.returncode != 0 and "clusterName" in refused.stderr
+
+
+def test_the_endpoint_picker_release_reaches_the_operator_and_one_it_writes_no_config_for_is_refused(helm):
+    from gemma_operator.settings import Settings
+
+    def operator_env(*set_args: str) -> dict[str, str]:
+        deployment = find(helm.render(*set_args), "Deployment")
+        return {e["name"]: e["value"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+                if "value" in e}
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert tuple(schema["properties"]["operator"]["properties"]["endpointPicker"]["enum"]) == \
+        grs_spec.ENDPOINT_PICKER_RELEASES
+    assert Settings.from_env(operator_env()).endpoint_picker == grs_spec.LLM_D_ROUTER_V0_10
+    chosen = operator_env(f"operator.endpointPicker={grs_spec.GIE_V1_5}")
+    assert Settings.from_env(chosen).endpoint_picker == grs_spec.GIE_V1_5
+    refused = helm.template("operator.endpointPicker=llm-d-router/v0.9.0", check=False)
+    assert refused.returncode != 0 and "endpointPicker" in refused.stderr

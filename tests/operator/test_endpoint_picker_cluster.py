@@ -1,7 +1,9 @@
 """The endpoint picker of gateway-api-inference-extension v1.5.0, built from its Go module
-(tests/cluster/build_binaries.sh), started with the config the operator writes and the arguments and RBAC of
-charts/gemma-rust-operator/examples/endpoint-picker.yaml, against the local control plane and a real
-`python -m gemma_server`.
+(tests/cluster/build_binaries.sh), started with the config the operator writes for that release (the server's
+spec.gateway.endpointPicker.release) and the arguments and RBAC of
+charts/gemma-rust-operator/examples/endpoint-picker-gie-v1.5.0.yaml, against the local control plane and a real
+`python -m gemma_server`. (The operator's default release, llm-d-router v0.10.0, is not on the Go module proxy;
+tests/operator/builders/test_endpoint_picker.py checks its config against a schema written from its source.)
 
 kwok pods have no process, so the server's pod is made Ready at 127.0.0.1 (tests/cluster/controlplane.py,
 fake.gemmarust.dev/pod-ip) and the server runs there on the port the GemmaRustServer names: the picker finds
@@ -25,7 +27,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gemma_operator.builders.endpoint_picker import CONFIG_KEY, PICKER_VERSION
+from gemma_operator.builders.endpoint_picker import CONFIG_KEY, VERSION_ANNOTATION
+from gemma_operator.spec import GIE_V1_5
 from tests.cluster.controlplane import BIN_DIR, EPP, GIE_VERSION, POD_IP_ANNOTATION, free_port
 from tests.cluster.crds import INFERENCE_MODEL_REWRITES, INFERENCE_OBJECTIVES, INFERENCE_POOLS, installed
 
@@ -33,7 +36,7 @@ from .harness import ROOT, create, gemma_server, token_kubeconfig, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
-EXAMPLE = ROOT / "charts" / "gemma-rust-operator" / "examples" / "endpoint-picker.yaml"
+EXAMPLE = ROOT / "charts" / "gemma-rust-operator" / "examples" / "endpoint-picker-gie-v1.5.0.yaml"
 SERVER = "gemma"  # the example is written for a server of this name
 
 
@@ -102,10 +105,12 @@ def picker_setup(cluster, kube, ns, operator, real_server_port, tmp_path):
     create(kube, ns, SERVER, {
         "model": {"source": "hf://google/gemma-4-e2b-it"}, "accelerator": {"type": "cpu"},
         "server": {"port": real_server_port},
-        "gateway": {"inferencePool": True, "endpointPicker": {"name": "gemma-epp"}, "provider": "None"},
+        "gateway": {"inferencePool": True, "endpointPicker": {"name": "gemma-epp", "release": GIE_V1_5},
+                    "provider": "None"},
         "podAnnotations": {POD_IP_ANNOTATION: "127.0.0.1"}})
     cm = wait_for(lambda: kube.get_if_present("v1", "ConfigMap", ns, f"{SERVER}-epp"),
                   what="the picker's ConfigMap", diagnose=operator.tail)
+    assert cm["metadata"]["annotations"][VERSION_ANNOTATION] == GIE_V1_5
     config = tmp_path / "config.yaml"
     config.write_text(cm["data"][CONFIG_KEY])
     wait_for(lambda: kube.get_if_present("inference.networking.k8s.io/v1", "InferencePool", ns, SERVER),
@@ -148,8 +153,8 @@ def test_with_vllms_metric_names_the_picker_reads_nothing_from_the_server(picker
 
 
 def test_the_picker_built_here_the_example_and_the_operators_config_are_one_release():
-    assert GIE_VERSION == PICKER_VERSION
-    assert picker_container()["image"] == f"registry.k8s.io/gateway-api-inference-extension/epp:{PICKER_VERSION}"
+    assert GIE_V1_5 == f"gateway-api-inference-extension/{GIE_VERSION}"
+    assert picker_container()["image"] == f"registry.k8s.io/gateway-api-inference-extension/epp:{GIE_VERSION}"
 
 
 def test_the_old_metric_flags_stop_this_picker_at_start(picker_setup, tmp_path):

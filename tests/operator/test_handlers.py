@@ -111,3 +111,39 @@ def test_a_fitting_model_gets_its_tensor_parallel_size_and_a_later_misfit_leaves
     status = handlers.sync(gemma_31b({"topology": "1x1"}, generation=2), logging.getLogger("test"), prune=True)
     assert (status["phase"], status["reason"]) == ("Failed", "ModelDoesNotFit")
     assert len(kube.applied) == applied
+
+
+def served_through_a_pool(picker, generation=1):
+    return {"apiVersion": "gemmarust.dev/v1alpha1", "kind": "GemmaRustServer",
+            "metadata": {"name": "pooled", "namespace": "ns", "uid": "u-pool", "generation": generation},
+            "spec": {"model": {"source": "hf://google/gemma-4-e2b-it"}, "accelerator": {"type": "cpu"},
+                     "gateway": {"inferencePool": True, "endpointPicker": picker}}}
+
+
+def test_the_pickers_config_is_for_the_operators_release_unless_the_spec_names_one(monkeypatch):
+    kube = ApplyingKube()
+    settings = Settings.from_env({"GEMMA_OPERATOR_ENDPOINT_PICKER": "gateway-api-inference-extension/v1.5.0"})
+    monkeypatch.setattr(handlers, "REGISTRY", Registry(kube=kube, poller=IdlePoller(), settings=settings))
+    handlers.sync(served_through_a_pool({"name": "epp"}), logging.getLogger("test"), prune=True)
+    handlers.sync(served_through_a_pool({"name": "epp", "release": "llm-d-router/v0.10.0"}, generation=2),
+                  logging.getLogger("test"), prune=True)
+    (gie, router) = [o for o in kube.applied if o["kind"] == "ConfigMap"]
+    assert gie["metadata"]["annotations"] == {
+        "gemmarust.dev/endpoint-picker-version": "gateway-api-inference-extension/v1.5.0"}
+    assert router["metadata"]["annotations"] == {"gemmarust.dev/endpoint-picker-version": "llm-d-router/v0.10.0"}
+    assert "apiVersion: llm-d.ai/v1alpha1" in router["data"]["config.yaml"]
+
+
+def test_a_picker_release_the_operator_writes_no_config_for_is_a_degraded_condition_naming_it(monkeypatch):
+    kube = ApplyingKube()
+    monkeypatch.setattr(handlers, "REGISTRY", Registry(kube=kube, poller=IdlePoller(), settings=Settings.from_env({})))
+    status = handlers.sync(served_through_a_pool({"name": "epp", "release": "llm-d-router/v0.9.0"}),
+                           logging.getLogger("test"), prune=True)
+    degraded = condition(status, "Degraded")
+    assert (status["phase"], degraded["status"], degraded["reason"]) == ("Degraded", "True", "UnsupportedEndpointPicker")
+    assert degraded["message"].startswith("endpoint picker release 'llm-d-router/v0.9.0' (spec.gateway.endpointPicker")
+    assert degraded["message"].endswith(
+        "set one of: llm-d-router/v0.10.0, gateway-api-inference-extension/v1.5.0")
+    # The pods are made all the same; the picker's ConfigMap is neither written nor deleted.
+    assert "Deployment" in {o["kind"] for o in kube.applied}
+    assert "ConfigMap" not in {o["kind"] for o in kube.applied}

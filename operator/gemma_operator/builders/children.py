@@ -48,7 +48,11 @@ def build_children(spec: GemmaRustServerSpec, meta: Meta, available: frozenset[s
     pdb = build_pdb(spec, meta)
     apply.append(pdb) if pdb else absent.append(("policy/v1", "PodDisruptionBudget", meta.name))
     picker = build_picker_configmap(spec, meta)
-    apply.append(picker) if picker else absent.append(("v1", "ConfigMap", picker_config_name(meta)))
+    if picker:
+        apply.append(picker)
+    elif not spec.gateway.inference_pool:
+        absent.append(("v1", "ConfigMap", picker_config_name(meta)))
+    # else a picker release with no config here (UnsupportedEndpointPicker): the ConfigMap stays as it is
     replaced: list[tuple[str, str, str]] = []
     built: set[str] = set()
     for row in OPTIONAL_KINDS:

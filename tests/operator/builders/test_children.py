@@ -92,6 +92,13 @@ def test_the_pool_comes_with_the_pickers_config_and_gkes_policies_on_gke():
     assert kids.optional["Gateway"] == ["InferencePool", "HealthCheckPolicy", "GCPBackendPolicy"]
 
 
+def test_a_picker_release_without_a_config_leaves_the_pickers_configmap_alone_and_the_pool_still_made():
+    spec = tpu_spec(gateway={"inferencePool": True, "endpointPicker": {"name": "epp", "release": "llm-d-router/v0.9.0"}})
+    kids = build_children(spec, META, EVERYTHING)
+    assert "ConfigMap" not in kinds(kids) and "InferencePool" in kinds(kids)
+    assert ("v1", "ConfigMap", "gemma-epp") not in kids.absent  # not deleted either: handlers report the release
+
+
 def test_gkes_policies_without_their_crds_are_skipped_naming_them_and_the_pool_still_made():
     spec = tpu_spec(gateway={"inferencePool": True, "endpointPicker": {"name": "epp"}})
     kids = build_children(spec, META, frozenset({"inference.networking.k8s.io/v1"}))
