@@ -474,6 +474,22 @@ def test_max_batch_below_one_is_value_error(dense_checkpoint):
         gemma_engine.Engine(str(dense_checkpoint), max_batch=0)
 
 
+@pytest.mark.parametrize("kind", ["dense", "w4a16"])
+def test_weights_that_cannot_fit_are_refused_before_loading_naming_the_sizes(checkpoint_dirs, kind, monkeypatch):
+    """The engine reads the free memory through gemma_engine._free_bytes (torch.cuda.mem_get_info, or the host's
+    MemAvailable); a smaller device is stood in for by replacing that function. The estimate it checks is within
+    10% of what the load really puts on the device: a device with 0.9x of it refuses, one with 1.1x (and room
+    for the cache) loads."""
+    dtype = "bfloat16" if kind == "w4a16" else "float32"  # W4A16 in bfloat16: int4 kept packed on the CPU
+    loaded = _engine(checkpoint_dirs, kind, dtype=dtype).weights()["bytes"]
+    monkeypatch.setattr(gemma_engine, "_free_bytes", lambda like: int(0.9 * loaded))
+    with pytest.raises(ValueError, match=r"the weights need about [\d.]+ MiB on this device .* but it has "
+                                         r"[\d.]+ MiB free; split the model over more devices"):
+        _engine(checkpoint_dirs, kind, dtype=dtype)
+    monkeypatch.setattr(gemma_engine, "_free_bytes", lambda like: int(1.1 * loaded) + (64 << 20))
+    assert _engine(checkpoint_dirs, kind, dtype=dtype).weights()["bytes"] == loaded
+
+
 def test_kv_cache_that_cannot_fit_is_value_error_naming_max_batch_and_sizes(dense_checkpoint):
     # 2**20 slots of an 8192-token context: ~16 TiB of KV cache, more than any host has free.
     max_batch, context = 2**20, 8192

@@ -339,7 +339,10 @@ class Engine:
                 in bfloat16, without its bfloat16 support, grammars of another vocab_size,
                 a tensor_parallel_size that does not divide the heads, KV heads (nor is a multiple of
                 them), intermediate sizes or vocabulary (the numbers named),
-                or a KV cache of max_batch x kv_bytes_per_slot (snapshots included) that does not fit in the
+                weights that the device's free memory cannot hold (estimated from the files' headers before
+                any is loaded: the first device keeps the embeddings, per-layer inputs, norms and routers
+                whole and its share of the rest), or a KV cache of max_batch x kv_bytes_per_slot (snapshots
+                included) that does not fit in the
                 device's free memory after the weights (CPU: MemAvailable and the cgroup
                 limit; CUDA: torch.cuda.mem_get_info; other devices are not checked).
         """

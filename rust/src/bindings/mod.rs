@@ -20,7 +20,6 @@ use crate::engine::request::{Event, Io, Request, StepStats, TokenLogprobs};
 use crate::engine::sampling::SamplingParams;
 use crate::engine::{self, Settings, parse_dtype};
 use crate::error::Error;
-use crate::gemma4::cache::CacheSize;
 use crate::tensor::{Tensor, no_grad};
 
 impl From<Error> for PyErr {
@@ -297,26 +296,6 @@ fn free_bytes(like: &Py<PyAny>) -> crate::error::Result<Option<i64>> {
     .map_err(|e| Error::Internal(format!("cannot read the device's free memory: {e}")))
 }
 
-/// Refuse a KV cache that does not fit in what the device has free after the weights.
-fn check_fits(size: &CacheSize, context: i64, free: Option<i64>) -> crate::error::Result<()> {
-    let Some(free) = free else { return Ok(()) };
-    if size.total() <= free {
-        return Ok(());
-    }
-    let mib = |b: i64| b as f64 / (1 << 20) as f64;
-    Err(Error::Input(format!(
-        "max_batch {} x context {context} needs a KV cache of {:.1} MiB ({:.2} MiB per slot, of which {:.2} MiB \
-         are the prefix cache's snapshots of the sliding rings), but the device has {:.1} MiB free after the \
-         weights; lower max_batch or context, turn prefix caching off, or split the model over more devices \
-         (tensor_parallel_size)",
-        size.max_batch,
-        mib(size.total()),
-        mib(size.bytes_per_slot),
-        mib(size.snapshot_bytes_per_slot),
-        mib(free)
-    )))
-}
-
 /// One Gemma 4 text model, `max_batch` sequence slots and their KV cache (see gemma_engine.pyi).
 ///
 /// Only the thread that built it may call it (PyO3 checks; another thread gets PanicException).
@@ -381,8 +360,8 @@ impl Engine {
         };
         let inner = py.detach(|| {
             no_grad(|| {
-                engine::Engine::load(&model_dir, emb_dir.as_deref(), like, shard_likes, settings, |size| {
-                    check_fits(size, context, free_bytes(&like_py)?)
+                engine::Engine::load(&model_dir, emb_dir.as_deref(), like, shard_likes, settings, || {
+                    free_bytes(&like_py)
                 })?
                 .with_grammars(grammars)
             })

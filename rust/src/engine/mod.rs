@@ -64,6 +64,7 @@
 
 pub mod grammar;
 mod lifecycle;
+pub mod memory;
 pub mod one_request;
 mod prefix;
 mod prompt_logprobs;
@@ -93,7 +94,7 @@ use crate::engine::slots::Slots;
 use crate::engine::step::{Graphs, StepKey, step};
 use crate::error::{Error, Result};
 use crate::gemma4::attention::{Fill, Liveness, Positions};
-use crate::gemma4::cache::{CacheSize, Rows};
+use crate::gemma4::cache::Rows;
 use crate::gemma4::config::{Config, LayerType};
 use crate::gemma4::model::{Model, Output};
 use crate::gemma4::parallel::{ShardedCache, check_divisible};
@@ -146,15 +147,15 @@ pub struct Engine {
 impl Engine {
     /// Load `model_dir` (and the vocabulary tables of `emb_dir`) onto `like`'s device, its
     /// tensor-parallel shards onto `shard_likes`' (`Settings::tensor_parallel_size` of them; None: all on
-    /// `like`'s). `fits` sees one shard's KV cache size (on one device, all of them together) once the
-    /// weights are on the devices and before the cache is allocated; it refuses a cache that cannot fit.
+    /// `like`'s). `free` reads the bytes free on `like`'s device (None: unknown, nothing is checked): before
+    /// the weights are loaded they must fit it, and after, the KV cache what is left (memory.rs).
     pub fn load(
         model_dir: &Path,
         emb_dir: Option<&Path>,
         like: Tensor,
         shard_likes: Option<Vec<Tensor>>,
         settings: Settings,
-        fits: impl FnOnce(&CacheSize) -> Result<()>,
+        free: impl Fn() -> Result<Option<i64>>,
     ) -> Result<Engine> {
         settings.check()?;
         let cfg = Config::load(model_dir)?;
@@ -171,6 +172,9 @@ impl Engine {
             Weights::open(model_dir, emb_dir, cfg.quant.clone(), l.shallow_clone()?, settings.dtype, settings.kernels())
         };
         let weights = open(&like)?;
+        let device = like.device()?;
+        let local = shard_likes.iter().map(|l| l.device()).collect::<Result<Vec<_>>>()?.iter().all(|d| *d == device);
+        memory::check_weights(&weights.estimate(), n, local, free()?)?;
         let shards = shard_likes.iter().map(open).collect::<Result<Vec<_>>>()?;
         let model = Model::load(cfg, &weights, &shards, settings.context)?;
         let loaded = shards.iter().fold(weights.loaded(), |a, w| a.plus(w.loaded()));
@@ -178,10 +182,8 @@ impl Engine {
             if loaded.onednn { None } else { settings.kernels().onednn_note(settings.dtype, &like.device()?) };
         let b = settings.max_batch;
         let caching = settings.prefix_caching;
-        let device = like.device()?;
-        let local = shard_likes.iter().map(|l| l.device()).collect::<Result<Vec<_>>>()?.iter().all(|d| *d == device);
         let per_shard = ShardedCache::size_per_shard(&model.cfg, n, settings.context, b, settings.dtype, caching);
-        fits(&if local { per_shard.times(n) } else { per_shard })?;
+        memory::check_cache(&if local { per_shard.times(n) } else { per_shard }, settings.context, free()?)?;
         let cache = ShardedCache::new(&model.cfg, settings.context, b, &shard_likes, settings.dtype, caching)?;
         let sampler = Sampler::new(b, model.cfg.vocab_size, &like)?;
         let slots = Slots::new(b, model.cfg.vocab_size, &like)?;

@@ -96,6 +96,32 @@ impl Checkpoint {
         Ok(Checkpoint { shards, index, prefix, quant })
     }
 
+    /// Add what this checkpoint's text-model tensors take once loaded in `dtype` to `into` (`WeightsEstimate`):
+    /// dense tensors in `dtype`; int4 ones at half a byte a value plus their scales when kept packed, else in
+    /// `dtype`. `skip` leaves out tensors whose name contains it (tables another directory replaces).
+    fn estimate(&self, dtype: DType, int4_packed: bool, skip: Option<&str>, into: &mut WeightsEstimate) {
+        let bits = self.quant.as_ref().map_or(4, |q| q.num_bits as i64);
+        for name in self.index.keys() {
+            let text_model = name.starts_with(self.prefix) || name.starts_with("lm_head.");
+            if !text_model || skip.is_some_and(|s| name.contains(s)) || name.ends_with(".weight_shape") {
+                continue;
+            }
+            let Some((_, shape, _)) = self.raw(name) else { continue };
+            let numel: i64 = shape.iter().product();
+            let bytes = if name.ends_with(".weight_packed") {
+                let values = numel * 32 / bits;
+                if int4_packed { values / 2 } else { values * dtype.size() }
+            } else if name.ends_with(".weight_scale") {
+                if int4_packed { numel * 4 } else { 0 } // bfloat16 scales and zeros (`pack_int4`)
+            } else {
+                numel * dtype.size()
+            };
+            let split =
+                [".self_attn.", ".mlp.", ".experts."].iter().any(|p| name.contains(p)) || name.starts_with("lm_head.");
+            if split { into.split += bytes } else { into.whole += bytes }
+        }
+    }
+
     fn full_name(&self, name: &str) -> String {
         if name == "lm_head" { name.to_string() } else { format!("{}{name}", self.prefix) }
     }
@@ -175,6 +201,15 @@ impl Checkpoint {
     fn matrix(&self, name: &str, rows: i64, cols: i64, like: &Tensor, dtype: DType) -> Result<Tensor> {
         self.part(name, rows, cols)?.dense(like, dtype)
     }
+}
+
+/// What a checkpoint's weights will take on the device, in bytes, before any is loaded: `split` the parts
+/// tensor parallelism divides (attention, MLP, experts, an untied lm_head), `whole` the rest, which the
+/// first device keeps whole (embeddings, per-layer inputs, norms, routers).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WeightsEstimate {
+    pub whole: i64,
+    pub split: i64,
 }
 
 /// Which part of a checkpoint's `[out, in]` matrix a tensor-parallel shard loads (gemma4/parallel.rs):
@@ -485,6 +520,18 @@ impl Weights {
 
     pub fn loaded(&self) -> Loaded {
         self.loaded.get()
+    }
+
+    /// What loading the model will put on the devices (`WeightsEstimate`), read from the files' headers.
+    pub fn estimate(&self) -> WeightsEstimate {
+        let mut e = WeightsEstimate::default();
+        let packed = self.int4 == Int4Path::Packed;
+        let tables = "embed_tokens";
+        self.main.estimate(self.dtype, packed, self.emb.as_ref().map(|_| tables), &mut e);
+        if let Some(emb) = &self.emb {
+            emb.estimate(self.dtype, packed, None, &mut e);
+        }
+        e
     }
 
     /// Count `tensors`' bytes as loaded, and what `also` adds.
