@@ -125,3 +125,14 @@ def test_the_runtime_on_shards_batches_resumes_and_scores_as_on_one(run):
     # Relative too, as test_architectures.py holds these models' prompt logprobs (down to -29 here; measured
     # up to 3.6e-3 apart, 1.6e-4 relative, on the 31B shape).
     assert torch.allclose(got, want, rtol=1e-3, atol=LOGIT_BOUND), (got - want).abs().max()
+
+
+def test_a_shard_whose_columns_cut_a_scale_group_gets_them_dequantized(tmp_path):
+    """An MLP of 96 features in int4 groups of 32 over 2 shards: each down_proj shard takes 48 input columns,
+    which cut a group. The loader dequantizes that part first (rust/src/gemma4/weights.rs `Part::slice`), as the
+    26B-A4B's 2112-wide MLP needs over 8 shards in groups of 128; the tokens are TP 1's and Transformers'."""
+    config = ck.tiny_text_config(intermediate_size=96, use_double_wide_mlp=False)
+    model_dir = ck.save_w4a16(tmp_path / "w4a16", seed=ck.SEED, config=config)
+    hf_tokens, _ = ck.greedy_reference(ck.load_hf_reference(model_dir), ck.PARITY_PROMPT, TOKENS)
+    tokens = {tp: engine(model_dir, tp).decode(ck.PARITY_PROMPT, TOKENS)[0] for tp in (1, 2)}
+    assert len(tokens[1]) >= 8 and tokens[2] == tokens[1] == hf_tokens[:len(tokens[1])]
