@@ -1026,9 +1026,16 @@ def save_agent_chat(out_dir: str | Path, seed: int = AGENT_SEED) -> Path:
     Returns:
         The directory.
     """
+    return _save_agent_weights(out_dir, seed, AGENT_SPECIAL_TOKENS, build_agent_tokenizer(), AGENT_CHAT_TEMPLATE)
+
+
+def _save_agent_weights(out_dir: str | Path, seed: int, markers: tuple[str, ...], tokenizer: Tokenizer,
+                        template: str) -> Path:
+    """The agent weights (`agent_text_config`) with `tokenizer`, its `markers` as special tokens and
+    `template` as the chat template; eos <turn|>."""
     out_dir = save_dense(out_dir, seed, agent_text_config())
-    extra = [t for t in AGENT_SPECIAL_TOKENS if t not in ("<pad>", "<bos>", "<turn|>")]
-    return _save_tokenizer(out_dir, build_agent_tokenizer(), AGENT_VOCAB_SIZE, "<turn|>", extra, AGENT_CHAT_TEMPLATE)
+    extra = [t for t in markers if t not in ("<pad>", "<bos>", "<turn|>")]
+    return _save_tokenizer(out_dir, tokenizer, AGENT_VOCAB_SIZE, "<turn|>", extra, template)
 
 
 # ---------------------------------------------------------------- Gemma 4's own chat template
@@ -1056,9 +1063,7 @@ def save_gemma4_chat(out_dir: str | Path, template: str, seed: int = AGENT_SEED)
     Returns:
         The directory.
     """
-    out_dir = save_dense(out_dir, seed, agent_text_config())
-    extra = [t for t in GEMMA4_SPECIAL_TOKENS if t not in ("<pad>", "<bos>", "<turn|>")]
-    return _save_tokenizer(out_dir, build_gemma4_tokenizer(), AGENT_VOCAB_SIZE, "<turn|>", extra, template)
+    return _save_agent_weights(out_dir, seed, GEMMA4_SPECIAL_TOKENS, build_gemma4_tokenizer(), template)
 
 
 # ---------------------------------------------------------------- pytest fixtures

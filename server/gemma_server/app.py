@@ -47,6 +47,7 @@ import functools
 import hmac
 import json
 import logging
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -115,6 +116,9 @@ class ServerState:
         self.keyed = frozenset(["/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize",
                                 "/v1/responses", "/v1/responses/{response_id}", "/v1/messages", "/mcp",
                                 *(["/metrics"] if config.metrics_need_key else [])] if config.api_key else [])
+        # The same paths as one pattern over request paths: a template's `{parameter}` matches one segment.
+        self._keyed_paths = re.compile("|".join(
+            re.sub(r"\\\{[^/]+?\\\}", "[^/]+", re.escape(path)) for path in sorted(self.keyed)) or "(?!)")
         self.responses = responses.ResponseStore(config.responses_store_max_count,
                                                  config.responses_store_max_bytes, config.responses_store_max_age)
         self.metrics = m = Metrics(config.model_name, config.context)
@@ -238,7 +242,7 @@ class ServerState:
         """The 401 for a request to `path` with this Authorization header, or None when the path is open
         (not in `keyed`) or the header carries the key (compared in constant time). On /v1/messages the key
         may come as Anthropic's `X-Api-Key` header instead (what Anthropic's SDK sends for `api_key`)."""
-        if path not in self.keyed and not (self.keyed and path.startswith("/v1/responses/")):
+        if not self._keyed_paths.fullmatch(path):
             return None
         if path == "/v1/messages" and x_api_key is not None:
             authorization = b"Bearer " + x_api_key
@@ -345,7 +349,9 @@ class ServerState:
             while t.busy() and time.monotonic() < grace:
                 await asyncio.sleep(0.02)
         await asyncio.sleep(0.05)  # let the last responses flush
-        await asyncio.to_thread(self.boot.publish_compile_cache)
+        published = await asyncio.to_thread(self.boot.publish_compile_cache)
+        if published:
+            log.info("%s", published)
         self.request_exit()
 
 

@@ -124,6 +124,8 @@ class Boot:
         self.on_failure = on_failure
         self.scheduler = scheduler
         self.devices: list[str] = []
+        # Each engine's devices, `--tensor-parallel-size` of them (shard_groups).
+        self.groups: list[list[str]] = []
         self.state = BootState(device=config.device, dtype=config.dtype, context=config.context)
         self.loaded: Loaded | None = None
         self._lock = threading.Lock()
@@ -234,7 +236,7 @@ class Boot:
             info["torch_tpu_compile_cache"] = "on" if os.environ.get(TPU_COMPILE_CACHE_VAR) else "off"
             info["torch_tpu_compile_cache_dir"] = os.environ.get(TPU_COMPILE_CACHE_VAR, "")
         self.devices = device_list(c.device, c.devices, torch)
-        shard_groups(self.devices, c.tensor_parallel_size)  # a size that does not divide them fails here
+        self.groups = shard_groups(self.devices, c.tensor_parallel_size)  # a size that does not divide them fails here
         self.state.build = info
         self.metrics.set_build_info(
             torch=built.get("torch", ""), torch_tpu=info.get("torch_tpu", ""), rustc=built.get("rustc", ""),
@@ -267,13 +269,12 @@ class Boot:
 
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         grammars, missing = build_grammars(self.gemma_engine, Path(model_dir))
-        groups = shard_groups(self.devices, c.tensor_parallel_size)
-        workers = [EngineWorker(i, group[0], self.scheduler) for i, group in enumerate(groups)]
+        workers = [EngineWorker(i, group[0], self.scheduler) for i, group in enumerate(self.groups)]
 
         def load(worker: EngineWorker) -> tuple[int, int]:
             import torch
 
-            shards = groups[worker.index]
+            shards = self.groups[worker.index]
             engine = self.gemma_engine.Engine(
                 str(model_dir), str(emb_dir) if emb_dir else None, torch.zeros(1, device=worker.device),
                 context=c.context, dtype=c.dtype, prefill_chunk=c.prefill_chunk, max_batch=c.max_num_seqs,
@@ -306,14 +307,14 @@ class Boot:
         outs = run_on_workers(self.loaded.workers, lambda w: w.engine.decode(ids, WARMUP_TOKENS))
         self.state.warmup_seconds = round(time.monotonic() - t0, 3)
         done = ", ".join(f"{len(tokens)} tokens ({finish})" for tokens, finish, _, _ in outs)
-        dirs = compile_cache_dirs(self.config) if self.config.device == "tpu" else None
-        return f"{done}; {compile_cache.publish_quietly(dirs[1], dirs[0])}" if dirs else done
+        published = self.publish_compile_cache()
+        return f"{done}; {published}" if published else done
 
-    def publish_compile_cache(self) -> None:
-        """On drain: what this server compiled since warmup, to the shared cache (compile_cache.py)."""
-        dirs = compile_cache_dirs(self.config) if self.config.device == "tpu" else None
-        if dirs:
-            log.info("%s", compile_cache.publish_quietly(dirs[1], dirs[0]))
+    def publish_compile_cache(self) -> str | None:
+        """After warmup and on drain: what this server compiled, to the shared cache (compile_cache.py); the
+        outcome as a line, or None when torch_tpu's cache is not shared through a local one."""
+        dirs = compile_cache_dirs(self.config)
+        return compile_cache.publish_quietly(dirs[1], dirs[0]) if dirs else None
 
 
 def model_vocabulary(model_dir: Path) -> tuple[int, list[int]]:

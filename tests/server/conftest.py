@@ -136,6 +136,13 @@ def openai_client(server: InProcessServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0)
 
 
+def prompt_tokens(server: InProcessServer, messages: list[dict], tools: list[dict] | None = None, **extra) -> int:
+    """The chat prompt's length in tokens (/tokenize renders it as /v1/chat/completions does)."""
+    r = httpx.post(server.base + "/tokenize", json={"messages": messages, "tools": tools, **extra}, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["count"]
+
+
 @pytest.fixture(scope="session")
 def client(server) -> openai.OpenAI:
     """The openai SDK pointed at the session's server."""

@@ -38,19 +38,9 @@ from gemma_server.protocol import StructuredOutputs
 from gemma_server.scheduler import QueueFull
 from gemma_server.serving import Piece
 from gemma_server.toolcalls import CallArguments, CallStart
-from tests.server.conftest import openai_client, sample, start_in_process, wait_for
+from tests.server.conftest import openai_client, prompt_tokens, sample, start_in_process, wait_for
+from tests.server.test_agents import ALERT, WEATHER
 
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-        "city": {"type": "string", "maxLength": 6},
-    },
-    "required": ["unit", "days", "city"],
-}
-ALERT = {"type": "object", "properties": {"urgent": {"type": "boolean"}}, "required": ["urgent"],
-         "additionalProperties": False}
 TOOLS = [{"name": "get_weather", "description": "The weather of a city.", "input_schema": WEATHER},
          {"name": "send_alert", "description": "Alert someone.", "input_schema": ALERT}]
 SCHEMAS = {t["name"]: t["input_schema"] for t in TOOLS}
@@ -80,13 +70,6 @@ def chat(agent_server) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def model(agent_server) -> str:
     return agent_server.state.config.model_name
-
-
-def prompt_tokens(server, messages_: list[dict], tools: list[dict] | None = None, **extra) -> int:
-    """The chat prompt's length in tokens (/tokenize renders it as /v1/chat/completions does)."""
-    r = httpx.post(server.base + "/tokenize", json={"messages": messages_, "tools": tools, **extra})
-    assert r.status_code == 200, r.text
-    return r.json()["count"]
 
 
 def prompt_of(usage) -> int:

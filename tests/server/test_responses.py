@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field
 
 from gemma_server.errors import ApiError
 from gemma_server.responses import ResponseStore, ResponsesRequest, rename, to_chat
-from tests.server.conftest import openai_client, sample, start_in_process, wait_for
+from tests.server.conftest import openai_client, prompt_tokens, sample, start_in_process, wait_for
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
            "properties": {"city": {"type": "string", "maxLength": 6},
@@ -45,12 +45,6 @@ def client(gemma4_server) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def model(gemma4_server) -> str:
     return gemma4_server.state.config.model_name
-
-
-def prompt_tokens(server, messages, tools=None, **extra) -> int:
-    r = httpx.post(server.base + "/tokenize", json={"messages": messages, "tools": tools, **extra}, timeout=30)
-    assert r.status_code == 200, r.text
-    return r.json()["count"]
 
 
 def calls_of(response) -> list:

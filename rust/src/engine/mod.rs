@@ -97,7 +97,7 @@ use crate::gemma4::attention::{Fill, Liveness, Positions};
 use crate::gemma4::cache::Rows;
 use crate::gemma4::config::{Config, LayerType};
 use crate::gemma4::model::{Model, Output};
-use crate::gemma4::parallel::{ShardedCache, check_divisible};
+use crate::gemma4::parallel::{ShardedCache, check_divisible, on_one_device};
 use crate::gemma4::weights::{Loaded, Weights};
 use crate::tensor::{CudaGraph, DType, Tensor};
 
@@ -146,9 +146,10 @@ pub struct Engine {
 
 impl Engine {
     /// Load `model_dir` (and the vocabulary tables of `emb_dir`) onto `like`'s device, its
-    /// tensor-parallel shards onto `shard_likes`' (`Settings::tensor_parallel_size` of them; None: all on
-    /// `like`'s). `free` reads the bytes free on `like`'s device (None: unknown, nothing is checked): before
-    /// the weights are loaded they must fit it, and after, the KV cache what is left (memory.rs).
+    /// tensor-parallel shards onto `shard_likes`' (`Settings::tensor_parallel_size` of them, the first on
+    /// `like`'s device, which holds the parts kept whole; None: all on `like`'s). `free` reads the bytes free
+    /// on `like`'s device (None: unknown, nothing is checked): before the weights are loaded they must fit
+    /// it, and after, the KV cache what is left (memory.rs).
     pub fn load(
         model_dir: &Path,
         emb_dir: Option<&Path>,
@@ -161,25 +162,32 @@ impl Engine {
         let cfg = Config::load(model_dir)?;
         let n = settings.tensor_parallel_size;
         check_divisible(&cfg, n)?;
+        let device = like.device()?;
         let shard_likes = match shard_likes {
             None => (0..n).map(|_| like.shallow_clone()).collect::<Result<Vec<_>>>()?,
-            Some(l) if l.len() as i64 == n => l,
-            Some(l) => {
+            Some(l) if l.len() as i64 != n => {
                 return Err(Error::Input(format!("{} shard devices for tensor_parallel_size {n}", l.len())));
             }
+            Some(l) if l[0].device()? != device => {
+                return Err(Error::Input(format!(
+                    "the first shard device must be `like`'s ({device}): it holds the embeddings and the sampler"
+                )));
+            }
+            Some(l) => l,
         };
-        let open = |l: &Tensor| {
-            Weights::open(model_dir, emb_dir, cfg.quant.clone(), l.shallow_clone()?, settings.dtype, settings.kernels())
-        };
-        let weights = open(&like)?;
-        let device = like.device()?;
-        let local = shard_likes.iter().map(|l| l.device()).collect::<Result<Vec<_>>>()?.iter().all(|d| *d == device);
-        memory::check_weights(&weights.estimate(), n, local, free()?)?;
-        let shards = shard_likes.iter().map(open).collect::<Result<Vec<_>>>()?;
-        let model = Model::load(cfg, &weights, &shards, settings.context)?;
-        let loaded = shards.iter().fold(weights.loaded(), |a, w| a.plus(w.loaded()));
-        let linear_note =
-            if loaded.onednn { None } else { settings.kernels().onednn_note(settings.dtype, &like.device()?) };
+        let local = on_one_device(&shard_likes)?;
+        // Opening reads the files' headers only: the weights are checked before any is loaded.
+        let shards = shard_likes
+            .iter()
+            .map(|l| {
+                let kernels = settings.kernels();
+                Weights::open(model_dir, emb_dir, cfg.quant.clone(), l.shallow_clone()?, settings.dtype, kernels)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        memory::check_weights(&shards[0].estimate(), n, local, free()?)?;
+        let model = Model::load(cfg, &shards, settings.context)?;
+        let loaded = shards.iter().map(Weights::loaded).reduce(Loaded::plus).unwrap_or_default();
+        let linear_note = if loaded.onednn { None } else { settings.kernels().onednn_note(settings.dtype, &device) };
         let b = settings.max_batch;
         let caching = settings.prefix_caching;
         let per_shard = ShardedCache::size_per_shard(&model.cfg, n, settings.context, b, settings.dtype, caching);

@@ -97,8 +97,9 @@ impl Scalar {
 }
 
 impl DecoderLayer {
-    /// `w` holds the whole parts (on the first shard's device), `shards` each shard's weights.
-    pub fn load(w: &Weights, shards: &[Weights], cfg: &Config, i: usize) -> Result<DecoderLayer> {
+    /// `shards` each shard's weights; the first also loads the parts kept whole.
+    pub fn load(shards: &[Weights], cfg: &Config, i: usize) -> Result<DecoderLayer> {
+        let w = shards.first().ok_or_else(|| crate::error::Error::Internal("a layer of no shards".into()))?;
         let spec = cfg.layers[i].clone();
         let p = format!("layers.{i}");
         let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);

@@ -20,7 +20,7 @@ use crate::gemma4::config::{Config, LayerType};
 use crate::gemma4::layer::{DecoderLayer, ShardIo};
 use crate::gemma4::linear::Linear;
 use crate::gemma4::norm::RmsNorm;
-use crate::gemma4::parallel::{ShardedCache, Tp, gather};
+use crate::gemma4::parallel::{ShardedCache, Tp, gather, on_one_device};
 use crate::gemma4::rope::Rope;
 use crate::gemma4::scratch::Scratch;
 use crate::gemma4::weights::Weights;
@@ -83,9 +83,10 @@ fn type_head_dim(cfg: &Config, kind: LayerType) -> Result<Option<i64>> {
 }
 
 impl Model {
-    /// `w` the weights on the first shard's device, `shards` each tensor-parallel shard's (one for
-    /// no parallelism).
-    pub fn load(cfg: Config, w: &Weights, shards: &[Weights], context: i64) -> Result<Model> {
+    /// `shards` each tensor-parallel shard's weights (one for no parallelism); the first also loads the
+    /// parts kept whole.
+    pub fn load(cfg: Config, shards: &[Weights], context: i64) -> Result<Model> {
+        let w = shards.first().ok_or_else(|| Error::Internal("a model of no shards".into()))?;
         let (v, h, l, p) = (cfg.vocab_size, cfg.hidden_size, cfg.num_layers as i64, cfg.ple_dim);
         let like = &w.like;
         // The embedding scales are buffers cast to the weight dtype before the multiply (M:1455).
@@ -110,17 +111,18 @@ impl Model {
         } else {
             None
         };
-        let layers = (0..cfg.num_layers).map(|i| DecoderLayer::load(w, shards, &cfg, i)).collect::<Result<Vec<_>>>()?;
+        let layers = (0..cfg.num_layers).map(|i| DecoderLayer::load(shards, &cfg, i)).collect::<Result<Vec<_>>>()?;
         let group = Tp::group(shards.len() as i64);
+        // Each shard's vocabulary rows; tied, they are rows of the embedding table.
         let lm_head = group
             .iter()
             .zip(shards)
-            .map(|(tp, sw)| match tp.rows(v) {
-                _ if !cfg.tie_word_embeddings => sw.linear_slice("lm_head", v, h, tp.rows(v)),
-                crate::gemma4::weights::Slice::Rows(start, len) => {
-                    sw.table_linear(&embed_tokens.narrow(0, start, len)?.to_like(&sw.like, w.dtype)?)
+            .map(|(tp, sw)| {
+                if !cfg.tie_word_embeddings {
+                    return sw.linear_slice("lm_head", v, h, tp.rows(v));
                 }
-                _ => sw.table_linear(&embed_tokens),
+                let (start, len) = tp.part(v);
+                sw.table_linear(&embed_tokens.narrow(0, start, len)?.to_like(&sw.like, w.dtype)?)
             })
             .collect::<Result<Vec<_>>>()?;
         let mut ropes = Vec::with_capacity(shards.len());
@@ -134,8 +136,7 @@ impl Model {
             ropes.push(per_type);
         }
         let likes = shards.iter().map(|sw| sw.like.shallow_clone()).collect::<Result<Vec<_>>>()?;
-        let device = like.device()?;
-        let local = shards.iter().map(|sw| sw.like.device()).collect::<Result<Vec<_>>>()?.iter().all(|d| *d == device);
+        let local = on_one_device(&likes)?;
         Ok(Model {
             // `cap * tanh(lm_head(norm(x)) / cap)`: the 1 / cap (and the tied table's 1 / sqrt(H)) go
             // into the norm's weight (module docs).

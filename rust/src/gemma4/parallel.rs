@@ -42,12 +42,14 @@ impl Tp {
 
     /// Rows `part(n)` of a matrix (column-parallel: its output features).
     pub fn rows(&self, n: i64) -> Slice {
-        if self.size == 1 { Slice::All } else { Slice::Rows(self.part(n).0, self.part(n).1) }
+        let (start, len) = self.part(n);
+        if self.size == 1 { Slice::All } else { Slice::Rows(start, len) }
     }
 
     /// Columns `part(n)` of a matrix (row-parallel: its input features).
     pub fn cols(&self, n: i64) -> Slice {
-        if self.size == 1 { Slice::All } else { Slice::Cols(self.part(n).0, self.part(n).1) }
+        let (start, len) = self.part(n);
+        if self.size == 1 { Slice::All } else { Slice::Cols(start, len) }
     }
 
     /// (first KV head, KV heads) of this shard, for `heads` query heads over `kv_heads`: a share of
@@ -90,14 +92,19 @@ pub fn check_divisible(cfg: &Config, size: i64) -> Result<()> {
     Ok(())
 }
 
-/// The config one shard's KV rings follow: each layer's KV heads are the shard's.
-pub fn shard_config(cfg: &Config, tp: Tp) -> Config {
+/// The config one shard's KV rings follow (cache.rs reads each layer's KV heads): the shard's.
+fn shard_config(cfg: &Config, tp: Tp) -> Config {
     let mut shard = cfg.clone();
     for l in &mut shard.layers {
         l.num_kv_heads = tp.kv_heads(cfg.num_heads, l.num_kv_heads).1;
     }
-    shard.num_heads = cfg.num_heads / tp.size;
     shard
+}
+
+/// Whether every shard is on the first one's device (the reductions then copy nothing).
+pub fn on_one_device(likes: &[Tensor]) -> Result<bool> {
+    let first = likes.first().map(Tensor::device).transpose()?;
+    Ok(likes.iter().map(Tensor::device).collect::<Result<Vec<_>>>()?.iter().all(|d| Some(d) == first.as_ref()))
 }
 
 /// `x` on `leader`'s device; `local`: it is there already.

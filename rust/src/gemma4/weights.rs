@@ -255,7 +255,8 @@ impl Part {
                 // The shard's columns cut a scale group (a 26B-A4B MLP's 2112 inputs over 8 shards, in groups of
                 // 128): the part is dequantized on the host first, in float32, where `q * scale` is exact, so
                 // the compute dtype rounds it once, as it does a dequantized part.
-                Part::Dense(part.dequantized_f32()?).slice(slice)
+                let host = Tensor::from_f32(&[0.0], &[1])?;
+                Part::Dense(part.dense(&host, DType::F32)?).slice(slice)
             }
             (Part::Quant { values, scales, bits, rows, cols, group }, Slice::Cols(start, len)) => {
                 let values = (0..rows as usize)
@@ -266,17 +267,6 @@ impl Part {
                     .collect();
                 let scales = scales.narrow(1, start / group, len / group)?.copy()?;
                 Ok(Part::Quant { values, scales, bits, rows, cols: len, group })
-            }
-        }
-    }
-
-    /// A quantized part as a float32 host tensor (`q * scale`, exact in float32); a dense one as it is.
-    fn dequantized_f32(self) -> Result<Tensor> {
-        match self {
-            Part::Dense(t) => Ok(t),
-            Part::Quant { values, scales, rows, cols, group, .. } => {
-                let q = Tensor::from_bytes(&values, &[rows, cols / group, group], DType::I8)?.to_dtype(DType::F32)?;
-                q.mul(&scales.reshape(&[rows, cols / group, 1])?.to_dtype(DType::F32)?)?.reshape(&[rows, cols])
             }
         }
     }
