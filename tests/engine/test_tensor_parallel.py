@@ -92,9 +92,11 @@ def test_a_size_the_shapes_do_not_split_into_is_refused_naming_the_numbers(dense
         engine(dense_checkpoint, tp)
 
 
-def test_shard_devices_must_match_the_size(dense_checkpoint):
+def test_shard_devices_must_match_the_size_and_start_on_likes_device(dense_checkpoint):
     with pytest.raises(ValueError, match="1 shard devices for tensor_parallel_size 2"):
         engine(dense_checkpoint, 2, shard_devices=[torch.zeros(1)])
+    with pytest.raises(ValueError, match=r"the first shard device must be `like`'s \(cpu\)"):
+        engine(dense_checkpoint, 2, shard_devices=[torch.zeros(1, device="meta"), torch.zeros(1)])
 
 
 def test_the_runtime_on_shards_batches_resumes_and_scores_as_on_one(run):

@@ -328,9 +328,9 @@ class Engine:
                 intermediate features and of the vocabulary, and the KV rings of its heads; each
                 layer reduces the shards' partial outputs twice. Embeddings, norms, the per-layer
                 inputs and the router stay whole on `like`'s device.
-            shard_devices: one tensor per shard naming its device (default: every shard on `like`'s
-                device, the CPU mode the tests run); the reductions copy partial outputs to `like`'s
-                device. CUDA graphs are off when the shards span devices.
+            shard_devices: one tensor per shard naming its device, the first on `like`'s (default: every
+                shard on `like`'s device, the CPU mode the tests run); the reductions copy partial outputs
+                to `like`'s device. CUDA graphs are off when the shards span devices.
         Raises:
             ValueError: bad config key, missing or misshapen tensor (named, with
                 the expected shape), bad dtype, context, prefill_chunk or max_batch < 1,
