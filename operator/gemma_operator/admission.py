@@ -29,7 +29,13 @@ tests fail when either copy is stale.
 spec.autoscaling and spec.gateway otherwise give no such power: the HPA, ScaledObject and InferencePool made
 for them act on this server's own pods in its namespace, and whoever may edit a GemmaRustServer may set
 its replicas anyway. Their one exception, a KEDA TriggerAuthentication or ClusterTriggerAuthentication named
-by the spec, is a power above.
+by the spec, is a power above. Scale to zero (spec.autoscaling.minReplicas 0, idleSeconds, wakeTimeoutSeconds)
+adds none: the KEDA HTTP add-on's interceptor routes for the whole cluster, but the HTTPScaledObject's hosts are
+derived, never taken from the spec, and each names the server's namespace (builders.autoscaling.service_hosts),
+so no server can draw another's requests; the add-on's scaler address is the operator's setting
+(GEMMA_OPERATOR_KEDA_HTTP_SCALER), not a spec field, so a spec cannot point KEDA at an address of its choosing.
+The CRD's CEL refuses what cannot work (minReplicas 0 with provider HPA; behind an InferencePool, without the
+Prometheus that reads the picker's queue).
 
 The operator also refuses, on its own side, what falls outside the allowlists of its settings
 (`allowlist_problems`), so an administrator decides what any GemmaRustServer may carry: pod annotations;

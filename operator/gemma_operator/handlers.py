@@ -45,7 +45,7 @@ import pydantic
 
 from . import events, memory, status
 from .admission import allowlist_problems
-from .builders.autoscaling import hpa_metric_name, metric_query, scaling_hpa_name
+from .builders.autoscaling import hpa_metric_name, metric_query, scales_to_zero, scaling_hpa_name
 from .builders.build_cache import build_cache_claim_name, legacy_build_cache_claim_name
 from .builders.children import Children, build_children
 from .builders.deployment import claims, replicas, spec_warnings
@@ -175,8 +175,13 @@ def _scaling(spec: GemmaRustServerSpec, meta: Meta, children: Children, k: Kube)
     metric = hpa_metric_name(spec) if kind == "HorizontalPodAutoscaler" else metric_query(spec, meta)
     hpa_name = scaling_hpa_name(kind, meta)
     hpa = k.get_if_present("autoscaling/v2", "HorizontalPodAutoscaler", meta.namespace, hpa_name)
-    summary = (f"{scaling.min_replicas}..{scaling.max_replicas} replicas, "
-               f"{AUTOSCALING_METRICS[scaling.metric]} {scaling.target:g} per pod")
+    on = []
+    if kind == "HorizontalPodAutoscaler" or scaling.prometheus.server_address:
+        on.append(f"{AUTOSCALING_METRICS[scaling.metric]} {scaling.target:g} per pod")
+    if scales_to_zero(spec):
+        on.append(f"requests in flight at the KEDA HTTP add-on {spec.engine.max_num_seqs} per pod, to zero after "
+                  f"{scaling.idle_seconds}s idle")
+    summary = f"{scaling.min_replicas}..{scaling.max_replicas} replicas, " + ", ".join(on)
     return status.ScalingView(meta.name, summary, metric, hpa_name, hpa)
 
 
@@ -213,7 +218,8 @@ def sync(body: dict[str, Any], logger: logging.Logger, *, apply: bool = True, pr
         kopf.TemporaryError: the API server failed in a way worth retrying.
     """
     meta_d = body["metadata"]
-    meta = Meta(meta_d["name"], meta_d["namespace"], meta_d.get("uid", ""))
+    meta = Meta(meta_d["name"], meta_d["namespace"], meta_d.get("uid", ""),
+                keda_http_scaler=REGISTRY.settings.keda_http_scaler)
     k = REGISTRY.kube
     server = REGISTRY.server(meta.uid, meta.namespace, meta.name)
     with server.lock:
@@ -255,7 +261,8 @@ def _reconcile(body: dict[str, Any], spec: GemmaRustServerSpec, meta: Meta, serv
     pods, pod_events, reports = _observe(k, meta, spec.server.port)
     obs = _observed(body, pods, pod_events, reports, replicas=replicas(spec), problems=problems,
                     optional=children.optional, skipped=skipped, scaling=_scaling(spec, meta, children, k),
-                    warnings=spec_warnings(spec), foreign_pools=_foreign_pools(meta, skipped, children, k))
+                    warnings=spec_warnings(spec), foreign_pools=_foreign_pools(meta, skipped, children, k),
+                    scales_to_zero=scales_to_zero(spec))
     return status.compute_status(obs, accelerator=accelerator_text(spec.accelerator),
                                  endpoint=endpoint(spec, meta), selector=selector_string(meta))
 
@@ -327,7 +334,8 @@ def _write_status(k: Kube, body: dict[str, Any], meta: Meta, server: ServerState
         ServerGone: the custom resource was deleted meanwhile.
     """
     old = server.written or body.get("status") or {}
-    new = status.with_transitions(new, old, _now())
+    now = _now()
+    new = status.with_wake(status.with_transitions(new, old, now), old, now)
     if status.status_changed(new, old):
         try:
             k.patch_status(meta.namespace, meta.name, new)

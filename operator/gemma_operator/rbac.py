@@ -50,6 +50,7 @@ RULES = [
     {"apiGroups": ["monitoring.coreos.com"], "resources": ["servicemonitors"],
      "verbs": ["get", "create", "patch", "delete"]},
     {"apiGroups": ["keda.sh"], "resources": ["scaledobjects"], "verbs": ["get", "create", "patch", "delete"]},
+    {"apiGroups": ["http.keda.sh"], "resources": ["httpscaledobjects"], "verbs": ["get", "create", "patch", "delete"]},
     {"apiGroups": ["autoscaling"], "resources": ["horizontalpodautoscalers"],
      "verbs": ["get", "create", "patch", "delete"]},
     {"apiGroups": ["inference.networking.k8s.io"], "resources": ["inferencepools"],

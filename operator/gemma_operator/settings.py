@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, NamedTuple
 from urllib.parse import urlsplit
 
+from .builders.ownership import KEDA_HTTP_SCALER
 from .spec import ENDPOINT_PICKER_RELEASES
 
 
@@ -56,6 +57,11 @@ class Settings:
         "GEMMA_OPERATOR_CLUSTER_NAME", "",
         "This cluster's name as Managed Service for Prometheus labels its series (`cluster`): the default of "
         "spec.autoscaling.prometheus.cluster, so KEDA's query selects only this cluster's pods. Empty: none.")
+    keda_http_scaler: str = _setting(
+        "GEMMA_OPERATOR_KEDA_HTTP_SCALER", KEDA_HTTP_SCALER,
+        "host:port of the KEDA HTTP add-on's external scaler, which the ScaledObject of a server scaling to zero "
+        "(spec.autoscaling.minReplicas 0) asks for the requests its interceptor holds. The default is where the "
+        "add-on's own manifests and Helm chart put it, in namespace keda.")
     endpoint_picker: str = _setting(
         "GEMMA_OPERATOR_ENDPOINT_PICKER", ENDPOINT_PICKER_RELEASES[0],
         "The endpoint picker release the operator writes each InferencePool's picker config for (ConfigMap "

@@ -298,7 +298,11 @@ class PrometheusSpec(_Model):
 class AutoscalingSpec(_Model):
     """Replicas driven by the server's queue (or load, or KV-cache use) instead of spec.replicas."""
 
-    min_replicas: int = Field(1, description="Fewest replicas the autoscaler keeps.", ge=1, le=256)
+    min_replicas: int = Field(
+        1, description="Fewest replicas the autoscaler keeps. 0: scale to zero after idleSeconds without a "
+        "request; requests sent while it is at zero are held, not dropped, until a pod is ready (through the "
+        "Service: the KEDA HTTP add-on's interceptor; through the Gateway: the endpoint picker's flow "
+        "control). Needs KEDA and the KEDA HTTP add-on.", ge=0, le=256)
     max_replicas: int = Field(description="Most replicas the autoscaler makes.", ge=1, le=256)
     metric: Literal["requestsWaiting", "requestsRunning", "kvCacheUsage"] = Field(
         "requestsWaiting", description="Per-pod gauge to hold at target: requestsWaiting "
@@ -316,6 +320,14 @@ class AutoscalingSpec(_Model):
         "(prometheus.googleapis.com|gemma_num_requests_waiting|gauge).")
     prometheus: PrometheusSpec = Field(default_factory=PrometheusSpec,
                                        description="Prometheus endpoint for KEDA.")
+    idle_seconds: int = Field(
+        600, description="With minReplicas 0: seconds without a request in flight before the last replica goes "
+        "(the ScaledObject's cooldownPeriod and the HTTPScaledObject's scaledownPeriod).", ge=30, le=604800)
+    wake_timeout_seconds: int = Field(
+        1200, description="With minReplicas 0: how long a request sent at zero is held while a pod boots before "
+        "it fails (the HTTPScaledObject's timeouts.conditionWait; the picker's flow-control TTL). A TPU pod's "
+        "first boot builds the engine and compiles; see status.wake for how long the last wake took.",
+        ge=30, le=86400)
 
 
 class EndpointPickerRef(_Model):
@@ -387,9 +399,14 @@ CEL_RULES: dict[type[_Model], list[dict[str, str]]] = {
     AutoscalingSpec: [
         _cel("self.minReplicas <= self.maxReplicas",
              "spec.autoscaling.minReplicas must not exceed spec.autoscaling.maxReplicas", ".minReplicas"),
-        _cel("self.provider != 'KEDA' || (has(self.prometheus) && has(self.prometheus.serverAddress))",
+        _cel("self.provider != 'KEDA' || self.minReplicas == 0 || "
+             "(has(self.prometheus) && has(self.prometheus.serverAddress))",
              "spec.autoscaling.provider KEDA queries Prometheus: set spec.autoscaling.prometheus.serverAddress, "
              "or use provider HPA", ".prometheus"),
+        # has(): minReplicas has a default, and the rule is also checked before defaulting.
+        _cel("!has(self.minReplicas) || self.minReplicas > 0 || self.provider != 'HPA'",
+             "spec.autoscaling.minReplicas 0 needs KEDA (an HPA cannot wake a server from zero: with no pod "
+             "there is no Pods metric): set spec.autoscaling.provider to KEDA or Auto", ".minReplicas"),
         _cel("self.metric != 'kvCacheUsage' || self.target <= 1.0",
              "spec.autoscaling.target for kvCacheUsage is a fraction of the KV cache (0 to 1), e.g. 0.8",
              ".target"),
@@ -472,6 +489,10 @@ CEL_RULES[GemmaRustServerSpec] = [
     _cel("!has(self.engine.tensorParallelSize) || self.accelerator.type == 'cpu' || "
          f"{_CEL_CHIPS}[has(self.accelerator.topology) ? self.accelerator.topology : '1x1'] "
          "% self.engine.tensorParallelSize == 0", TP_DIVIDES_MESSAGE, ".engine.tensorParallelSize"),
+    _cel("!has(self.autoscaling) || self.autoscaling.minReplicas > 0 || !self.gateway.inferencePool || "
+         "(has(self.autoscaling.prometheus) && has(self.autoscaling.prometheus.serverAddress))",
+         "spec.autoscaling.minReplicas 0 behind an InferencePool is woken by the endpoint picker's queue, which "
+         "KEDA reads from Prometheus: set spec.autoscaling.prometheus.serverAddress", ".autoscaling.prometheus"),
     _cel("self.buildCache.type != 'pvc' || self.buildCache.accessMode != 'ReadWriteOnce' || self.replicas <= 1",
          "a ReadWriteOnce build cache PVC can serve one replica: set spec.buildCache.accessMode to "
          "ReadWriteMany, spec.buildCache.type to emptyDir, or spec.replicas to 1", ".buildCache.accessMode"),

@@ -7,6 +7,10 @@ Phases (one per custom resource, the least advanced of its booting pods):
     Pending -> Scheduling -> Building -> SmokeTesting -> LoadingWeights -> WarmingUp -> Ready
     plus Degraded (something is wrong but pods may serve), Failed (nothing serves and it will not by itself),
     Stopped (replicas: 0).
+A server that scales to zero (spec.autoscaling.minReplicas 0) is `Idle` at zero instead of Stopped, and
+`Waking` from the first status written after its autoscaler asked for a replica until one is ready (each pod
+still shows its boot stage); `status.wake` keeps when the last wake began, when it ended and how long it took
+(`with_wake`).
 `Scheduling` covers a pod waiting for a node (the scheduler's own message is shown, e.g.
 "0/4 nodes are available: 2 Insufficient google.com/tpu") and a scheduled pod whose container is not
 running yet. The boot stages come from the server's `GET /v1/engine` (`stage`: build, import, smoke,
@@ -31,6 +35,7 @@ condition (True, never Degraded) carries spec advice such as a build cache that 
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any, NamedTuple
 
 from . import pods
@@ -39,6 +44,7 @@ from .redact import redact
 PENDING, SCHEDULING, BUILDING, SMOKE_TESTING, LOADING_WEIGHTS, WARMING_UP, READY = (
     "Pending", "Scheduling", "Building", "SmokeTesting", "LoadingWeights", "WarmingUp", "Ready")
 DEGRADED, FAILED, STOPPED = "Degraded", "Failed", "Stopped"
+IDLE, WAKING = "Idle", "Waking"  # a server that scales to zero: at zero, and booting from zero
 BOOT_ORDER = [PENDING, SCHEDULING, BUILDING, SMOKE_TESTING, LOADING_WEIGHTS, WARMING_UP, READY]
 
 # gemma_server's /v1/engine stage names -> our phase.
@@ -197,6 +203,7 @@ class Observed(NamedTuple):
     warnings: list[tuple[str, str]] = []       # (reason, message) of spec advice (builders.deployment.spec_warnings)
     scaling: "ScalingView | None" = None       # the autoscaler's side, when spec.autoscaling is set
     foreign_pools: list[str] = []              # InferencePools not this server's that select its pods
+    scales_to_zero: bool = False               # spec.autoscaling.minReplicas is 0: at zero it is Idle
 
 
 class ScalingView(NamedTuple):
@@ -259,8 +266,12 @@ def scaling_condition(kind: str, missing: list[tuple[str, str]], view: ScalingVi
         missing: (kind, why) when it could not be created.
         view: the autoscaler's side (None only when it was not created).
     """
+    why = "; ".join(f"{k} skipped: {w}" for k, w in missing)
+    if view is not None and [k for k, _ in missing] == ["HTTPScaledObject"]:
+        return {"type": "ScalingActive", "status": "False", "reason": "CRDMissing",
+                "message": f"{why}; without it nothing holds requests at zero, so {kind} {view.name} keeps at "
+                           "least 1 replica"}
     if missing or view is None:
-        why = "; ".join(f"{k} skipped: {w}" for k, w in missing)
         return {"type": "ScalingActive", "status": "False", "reason": "CRDMissing",
                 "message": f"{why}; spec.replicas drives the replicas"}
     drives = f"{kind} {view.name} drives the replicas ({view.summary})"
@@ -316,6 +327,9 @@ def compute_status(obs: Observed, *, accelerator: str, endpoint: str, selector: 
     elif obs.problems:
         phase, reason, message = DEGRADED, obs.problems[0].reason, obs.problems[0].message
         degraded = (reason, message)
+    elif obs.replicas == 0 and obs.scales_to_zero:
+        phase, reason, message = IDLE, "ScaledToZero", (
+            "no request within spec.autoscaling.idleSeconds; the next request is held and wakes it")
     elif obs.replicas == 0:
         phase, reason, message = STOPPED, "ScaledToZero", "spec.replicas is 0"
     elif ready >= obs.replicas and not booting:
@@ -400,6 +414,34 @@ def with_transitions(new: dict[str, Any], old: dict[str, Any] | None, now: str) 
         when = prev.get("lastTransitionTime") if prev and prev.get("status") == c["status"] else None
         conds.append({**c, "lastTransitionTime": when or now, "observedGeneration": new["observedGeneration"]})
     return {**new, "conditions": conds}
+
+
+def with_wake(new: dict[str, Any], old: dict[str, Any] | None, now: str) -> dict[str, Any]:
+    """Track a wake from zero (pure): `wake` {startedAt} when the stored phase was Idle and the new one is not,
+    {startedAt, readyAt, seconds} once a replica is ready, kept until the next wake. While it lasts, a booting
+    phase reads `Waking`, its reason and message still the booting pod's.
+
+    Args:
+        new: output of compute_status (or with_transitions).
+        old: the status currently stored (or None).
+        now: RFC 3339 time, e.g. "2026-01-01T00:00:00Z".
+    """
+    old = old or {}
+    wake = dict(old.get("wake") or {})
+    if old.get("phase") == IDLE and new["phase"] != IDLE:
+        wake = {"startedAt": now}
+    if wake and "readyAt" not in wake and new["readyReplicas"] > 0:
+        wake.update(readyAt=now, seconds=_seconds_between(wake["startedAt"], now))
+    out = {**new, "wake": wake or None}
+    if wake and "readyAt" not in wake and new["phase"] in BOOT_ORDER[:-1]:
+        out.update(phase=WAKING, message=f"waking from zero since {wake['startedAt']}: {new['message']}")
+    return out
+
+
+def _seconds_between(start: str, end: str) -> int:
+    def parse(t: str) -> datetime:
+        return datetime.fromisoformat(t.replace("Z", "+00:00"))
+    return max(0, round((parse(end) - parse(start)).total_seconds()))
 
 
 def status_changed(new: dict[str, Any], old: dict[str, Any] | None) -> bool:

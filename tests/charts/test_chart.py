@@ -392,7 +392,7 @@ def test_chart_readme_refresh_command_matches_the_crd_test():
     assert f"`{REFRESH_CRDS}`" in (CHART / "README.md").read_text()
 
 
-def test_the_cluster_name_reaches_the_operator_and_a_bad_one_is_refused(helm):
+def test_the_cluster_name_and_the_keda_http_scaler_reach_the_operator_and_bad_ones_are_refused(helm):
     from gemma_operator.settings import Settings
 
     def operator_env(*set_args: str) -> dict[str, str]:
@@ -404,6 +404,12 @@ def test_the_cluster_name_reaches_the_operator_and_a_bad_one_is_refused(helm):
     assert Settings.from_env(operator_env("operator.clusterName=prod-us-central1")).cluster_name == "prod-us-central1"
     refused = helm.template("operator.clusterName=Prod_US", check=False)
     assert refused.returncode != 0 and "clusterName" in refused.stderr
+    # The KEDA HTTP add-on's scaler, which a server scaling to zero names in its ScaledObject.
+    assert Settings.from_env(operator_env()).keda_http_scaler == "keda-add-ons-http-external-scaler.keda:9090"
+    moved = operator_env("operator.kedaHttpScaler=keda-add-ons-http-external-scaler.autoscaling:9090")
+    assert Settings.from_env(moved).keda_http_scaler == "keda-add-ons-http-external-scaler.autoscaling:9090"
+    refused = helm.template("operator.kedaHttpScaler=http://scaler", check=False)
+    assert refused.returncode != 0 and "kedaHttpScaler" in refused.stderr
 
 
 def test_the_endpoint_picker_release_reaches_the_operator_and_one_it_writes_no_config_for_is_refused(helm):

@@ -57,7 +57,13 @@ STAGES_DIR = BIN_DIR.parent / "kwok-stages"
 BUILD_SCRIPT = Path(__file__).with_name("build_binaries.sh")
 GIE_VERSION = os.environ.get("GIE_VERSION", "v1.5.0")  # the endpoint picker's release (tests/cluster/crds.py)
 EPP = f"epp-{GIE_VERSION}"
-BINARIES = ["etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kwok", "helm", EPP]
+KEDA_VERSION = os.environ.get("KEDA_VERSION", "v2.21.0")  # KEDA's operator and CRDs (tests/cluster/crds.py)
+KEDA_HTTP_VERSION = os.environ.get("KEDA_HTTP_VERSION", "v0.12.0")  # the KEDA HTTP add-on
+KEDA = f"keda-{KEDA_VERSION}"
+KEDA_HTTP_INTERCEPTOR = f"keda-http-interceptor-{KEDA_HTTP_VERSION}"
+KEDA_HTTP_SCALER = f"keda-http-scaler-{KEDA_HTTP_VERSION}"
+BINARIES = ["etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kwok", "helm", EPP,
+            KEDA, KEDA_HTTP_INTERCEPTOR, KEDA_HTTP_SCALER]
 
 BOOT_ANNOTATION = "fake.gemmarust.dev/boot"
 TERMINATION_ANNOTATION = "fake.gemmarust.dev/termination-message"
@@ -87,7 +93,9 @@ def ensure_binaries(log: Path | None = None, *, helm_only: bool = False) -> Path
     start = time.monotonic()
     with open(log, "w") as fh:
         rc = subprocess.call(["bash", str(BUILD_SCRIPT), *(["helm"] if helm_only else [])], stdout=fh,
-                             stderr=subprocess.STDOUT, env={**os.environ, "K8S_VERSION": K8S_VERSION})
+                             stderr=subprocess.STDOUT,
+                             env={**os.environ, "K8S_VERSION": K8S_VERSION, "GIE_VERSION": GIE_VERSION,
+                                  "KEDA_VERSION": KEDA_VERSION, "KEDA_HTTP_VERSION": KEDA_HTTP_VERSION})
     if rc != 0 or not all((BIN_DIR / b).is_file() for b in wanted):
         tail = log.read_text()[-3000:]
         raise ControlPlaneError(f"building {' '.join(wanted)} failed (exit {rc}); log {log}:\n{tail}")

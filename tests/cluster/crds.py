@@ -1,5 +1,7 @@
 """Third-party CRDs for the operator's optional kinds, as their projects publish them: KEDA's ScaledObject
-(github.com/kedacore/keda/v2, config/crd/bases/keda.sh_scaledobjects.yaml) and the Gateway API inference
+(github.com/kedacore/keda/v2, config/crd/bases/keda.sh_scaledobjects.yaml, with the other kinds KEDA's operator
+watches), the KEDA HTTP add-on's HTTPScaledObject (github.com/kedacore/http-add-on, config/crd/bases/) and the
+Gateway API inference
 extension's InferencePool, with the InferenceObjective and InferenceModelRewrite CRDs its endpoint picker
 watches (sigs.k8s.io/gateway-api-inference-extension, config/crd/bases/), fetched from the Go module proxy by
 tests/cluster/fetch_crds.sh (`make test` runs it; `make k8s-crds` alone) into the cache, keyed by version.
@@ -16,7 +18,7 @@ import os
 from pathlib import Path
 from typing import NamedTuple
 
-from .controlplane import GIE_VERSION  # one pin for the CRDs and the picker binary
+from .controlplane import GIE_VERSION, KEDA_HTTP_VERSION, KEDA_VERSION  # one pin for the CRDs and the binaries
 
 CACHE = Path(os.environ.get("GEMMA_CACHE", Path.home() / ".cache" / "gemma-rust-operator")) / "crds"
 FETCH_SCRIPT = Path(__file__).with_name("fetch_crds.sh")
@@ -28,9 +30,17 @@ class ThirdPartyCRD(NamedTuple):
     group_version: str
 
 
-KEDA_VERSION = os.environ.get("KEDA_VERSION", "v2.21.0")
-SCALED_OBJECTS = ThirdPartyCRD("scaledobjects.keda.sh", CACHE / f"keda-{KEDA_VERSION}" / "keda.sh_scaledobjects.yaml",
-                               "keda.sh/v1alpha1")
+_KEDA = CACHE / f"keda-{KEDA_VERSION}"
+SCALED_OBJECTS = ThirdPartyCRD("scaledobjects.keda.sh", _KEDA / "keda.sh_scaledobjects.yaml", "keda.sh/v1alpha1")
+# The other kinds KEDA's operator watches (cmd/operator/main.go sets up a controller for each): it needs them to start.
+KEDA_OPERATOR_CRDS = [SCALED_OBJECTS] + [
+    ThirdPartyCRD(f"{plural}.{group}", _KEDA / f"{group}_{plural}.yaml", f"{group}/v1alpha1")
+    for group, plural in (("keda.sh", "scaledjobs"), ("keda.sh", "triggerauthentications"),
+                          ("keda.sh", "clustertriggerauthentications"), ("eventing.keda.sh", "cloudeventsources"),
+                          ("eventing.keda.sh", "clustercloudeventsources"))]
+HTTP_SCALED_OBJECTS = ThirdPartyCRD(
+    "httpscaledobjects.http.keda.sh",
+    CACHE / f"keda-http-add-on-{KEDA_HTTP_VERSION}" / "http.keda.sh_httpscaledobjects.yaml", "http.keda.sh/v1alpha1")
 _GIE = CACHE / f"gateway-api-inference-extension-{GIE_VERSION}"
 INFERENCE_POOLS = ThirdPartyCRD("inferencepools.inference.networking.k8s.io",
                                 _GIE / "inference.networking.k8s.io_inferencepools.yaml", "inference.networking.k8s.io/v1")
@@ -68,7 +78,14 @@ def installed(cluster, crd: ThirdPartyCRD) -> None:
         raise AssertionError(f"{crd.path} is missing: run `bash {FETCH_SCRIPT}` (make test does)")
     new = cluster.kubectl("get", "crd", crd.name, check=False).returncode != 0
     cluster.kubectl("apply", "--server-side", "-f", str(crd.path))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{crd.name}")
+    from tests.operator.harness import wait_for
+
+    def established() -> bool:
+        # Not `kubectl wait`: it fails at once while a new CRD has no status.conditions yet.
+        out = cluster.kubectl("get", "crd", crd.name, "-o", "json")
+        conditions = json.loads(out.stdout).get("status", {}).get("conditions") or []
+        return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
+    wait_for(established, timeout=60, what=f"CRD {crd.name} Established")
     if new:
         cluster.cp.restart("kube-controller-manager")
 

@@ -207,21 +207,22 @@ def token_kubeconfig(cluster, kube: Kube, path: Path, namespace: str, service_ac
 
 
 @contextmanager
-def gemma_server(checkpoint: Path, workdir: Path, *, api_key: str | None = None) -> Iterator[str]:
-    """A real `python -m gemma_server` (the real engine, on CPU) on a free loopback port; yields its URL once
-    /health answers 200, and stops it afterwards. kwok pods have no process, so tests point the operator (or
-    the endpoint picker) at this one."""
+def gemma_server(checkpoint: Path, workdir: Path, *, api_key: str | None = None,
+                 host: str = "127.0.0.1") -> Iterator[str]:
+    """A real `python -m gemma_server` (the real engine, on CPU) on a free port of `host` (loopback unless
+    told); yields its URL once /health answers 200, and stops it afterwards. kwok pods have no process, so
+    tests point the operator (or the endpoint picker) at this one."""
     from tests.cluster.controlplane import free_port
 
     port = free_port()
     log = workdir / "server.log"
-    cmd = [sys.executable, "-m", "gemma_server", "--model", str(checkpoint), "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "gemma_server", "--model", str(checkpoint), "--host", host,
            "--port", str(port), "--context", "1024", "--dtype", "float32", "--use-installed-engine",
            "--served-model-name", "gemma-tiny", "--termination-log", str(workdir / "termination.log")]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"GEMMA_API_KEY": api_key} if api_key else {})}
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://{host}:{port}"
 
     def healthy():
         if proc.poll() is not None:

@@ -32,7 +32,7 @@ from gemma_operator.spec import GIE_V1_5
 from tests.cluster.controlplane import BIN_DIR, EPP, GIE_VERSION, POD_IP_ANNOTATION, free_port
 from tests.cluster.crds import INFERENCE_MODEL_REWRITES, INFERENCE_OBJECTIVES, INFERENCE_POOLS, installed
 
-from .harness import ROOT, create, gemma_server, token_kubeconfig, wait_for
+from .harness import PROMETHEUS, ROOT, create, gemma_server, token_kubeconfig, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -165,3 +165,36 @@ def test_the_old_metric_flags_stop_this_picker_at_start(picker_setup, tmp_path):
     assert picker.proc.wait(timeout=60) != 0
     # The log is JSON (--zap-encoder=json): the flag's quotes are escaped.
     assert r'flag \"total-queued-requests-metric\" is deprecated and cannot be used' in picker.log.read_text()
+
+
+def test_the_picker_runs_the_flow_control_config_of_a_server_that_scales_to_zero(
+        cluster, kube, ns, operator, real_server_port, tmp_path):
+    """With minReplicas 0 the config turns on flow control, which holds requests while the pool has no ready pod;
+    the real picker starts with it and reads the pool."""
+    for crd in (INFERENCE_POOLS, INFERENCE_OBJECTIVES, INFERENCE_MODEL_REWRITES):
+        installed(cluster, crd)
+    rbac = [d for d in example_docs() if d["kind"] in ("ServiceAccount", "Role", "RoleBinding")]
+    cluster.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump_all(rbac))
+    create(kube, ns, SERVER, {
+        "model": {"source": "hf://google/gemma-4-e2b-it"}, "accelerator": {"type": "cpu"},
+        "server": {"port": real_server_port},
+        "autoscaling": {"minReplicas": 0, "maxReplicas": 1, "target": 4, "prometheus": {"serverAddress": PROMETHEUS}},
+        "gateway": {"inferencePool": True, "endpointPicker": {"name": "gemma-epp", "release": GIE_V1_5},
+                    "provider": "None"},
+        "podAnnotations": {POD_IP_ANNOTATION: "127.0.0.1"}})
+    cm = wait_for(lambda: kube.get_if_present("v1", "ConfigMap", ns, f"{SERVER}-epp"),
+                  what="the picker's ConfigMap", diagnose=operator.tail)
+    config = tmp_path / "config.yaml"
+    config.write_text(cm["data"][CONFIG_KEY])
+    assert yaml.safe_load(config.read_text())["featureGates"] == ["flowControl"]
+    kubeconfig = token_kubeconfig(cluster, kube, tmp_path / "kubeconfig", ns, "gemma-epp")
+    picker = Picker(picker_args(ns, config), kubeconfig, tmp_path / "picker.log")
+    try:
+        wait_for(lambda: picker.metric("inference_pool_ready_pods", SERVER) == 1, timeout=60,
+                 what="the picker with flow control to count the server's pod", diagnose=picker.tail)
+        assert picker.proc.poll() is None, picker.tail()
+        # The config as the picker loaded it: flow control holding a request for wakeTimeoutSeconds (1200).
+        assert "FlowControl: {MaxBytes: unlimited, MaxRequests: unlimited, DefaultRequestTTL: 20m0s}" in \
+            picker.log.read_text()
+    finally:
+        picker.stop()

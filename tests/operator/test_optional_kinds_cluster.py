@@ -260,6 +260,10 @@ def test_gke_policies_without_their_crds_are_a_gateway_condition_naming_them_and
     ({"autoscaling": {"maxReplicas": 2, "target": 2, "metric": "kvCacheUsage"}}, "a fraction of the KV cache"),
     ({"autoscaling": {"maxReplicas": 2, "target": 2, "provider": "KEDA"}},
      "set spec.autoscaling.prometheus.serverAddress"),
+    ({"autoscaling": {"minReplicas": 0, "maxReplicas": 2, "target": 2, "provider": "HPA"}},
+     "spec.autoscaling.minReplicas 0 needs KEDA"),
+    ({"autoscaling": {"minReplicas": 0, "maxReplicas": 2, "target": 2},
+      "gateway": {"inferencePool": True, "endpointPicker": {"name": "epp"}}}, "woken by the endpoint picker's queue"),
 ])
 def test_admission_refuses_an_autoscaling_or_gateway_spec_that_cannot_work(cluster, ns, spec, message):
     import json

@@ -177,6 +177,45 @@ def test_zero_replicas_is_stopped():
     assert (s["phase"], s["reason"], s["readyText"]) == ("Stopped", "ScaledToZero", "0/0")
 
 
+def test_a_server_that_scales_to_zero_is_idle_at_zero_not_stopped():
+    s = compute(observe([], replicas=0)._replace(scales_to_zero=True))
+    assert (s["phase"], s["reason"]) == ("Idle", "ScaledToZero")
+    assert "the next request is held and wakes it" in s["message"]
+
+
+T0, T1, T2 = "2026-01-01T00:00:00Z", "2026-01-01T00:00:05Z", "2026-01-01T00:01:17Z"
+
+
+def test_a_wake_from_zero_reads_waking_while_it_boots_and_keeps_how_long_it_took():
+    idle = st.with_wake(compute(observe([], replicas=0)._replace(scales_to_zero=True)), None, T0)
+    assert idle["wake"] is None
+    booting = compute(observe([pod(running=False)], replicas=1)._replace(scales_to_zero=True))
+    waking = st.with_wake(booting, idle, T1)
+    assert waking["phase"] == "Waking" and waking["reason"] == "ContainerCreating"
+    assert waking["message"].startswith(f"waking from zero since {T1}: pod g-1")
+    assert waking["wake"] == {"startedAt": T1}
+    # Still booting at the next status: still Waking, the start kept.
+    assert st.with_wake(booting, waking, T2)["wake"] == {"startedAt": T1}
+    ready = st.with_wake(compute(observe([pod(ready=True)], replicas=1)._replace(scales_to_zero=True)), waking, T2)
+    assert ready["phase"] == "Ready" and ready["wake"] == {"startedAt": T1, "readyAt": T2, "seconds": 72}
+    # Kept while it serves, and replaced by the next wake.
+    assert st.with_wake(ready, ready, T2)["wake"] == ready["wake"]
+    assert st.with_wake(booting, {**ready, "phase": "Idle"}, T0)["wake"] == {"startedAt": T0}
+
+
+def test_a_wake_that_fails_shows_the_failure_not_waking():
+    idle = {"phase": "Idle"}
+    crashing = compute(observe([pod(waiting={"reason": "CrashLoopBackOff", "message": "back-off"})],
+                               replicas=1)._replace(scales_to_zero=True))
+    out = st.with_wake(crashing, idle, T1)
+    assert out["phase"] == "Failed" and out["wake"] == {"startedAt": T1}
+
+
+def test_a_server_never_at_zero_has_no_wake():
+    s = st.with_wake(compute(observe([pod(ready=True)])), {"phase": "Ready"}, T1)
+    assert s["wake"] is None and s["phase"] == "Ready"
+
+
 def test_terminating_pods_are_ignored():
     s = compute(observe([pod("old", deleting=True), pod("new", ready=True)]))
     assert s["phase"] == "Ready"
@@ -355,3 +394,12 @@ def test_apply_errors_are_classified(code, optional, outcome):
         assert failure.problem == st.Problem("ApplyRejected", "ScaledObject g: refused", fatal=False)
     if failure.skipped:
         assert failure.skipped == ("ScaledObject", "CRD scaledobjects.keda.sh is gone")
+
+
+def test_without_the_http_add_on_scaling_says_the_server_is_held_at_one_replica():
+    view = st.ScalingView("gemma", "0..4 replicas", "q", "keda-hpa-gemma", None)
+    cond = st.scaling_condition("ScaledObject", [("HTTPScaledObject", "CRD httpscaledobjects.http.keda.sh is not "
+                                                                      "installed")], view)
+    assert (cond["status"], cond["reason"]) == ("False", "CRDMissing")
+    assert cond["message"].endswith("without it nothing holds requests at zero, so ScaledObject gemma keeps at "
+                                    "least 1 replica")

@@ -1,5 +1,20 @@
 """Autoscaling a GemmaRustServer through its scale subresource: KEDA's ScaledObject on a Prometheus query, or
-an autoscaling/v2 HorizontalPodAutoscaler on a Pods metric; both optional kinds (builders.optional) (pure)."""
+an autoscaling/v2 HorizontalPodAutoscaler on a Pods metric; both optional kinds (builders.optional) (pure).
+
+Scale to zero (spec.autoscaling.minReplicas 0) is KEDA's: its operator alone moves a workload between 0 and 1
+replicas (an HPA never goes below 1, and at zero there is no pod to give a Pods metric). What wakes it is a
+request, held while a pod boots:
+- through the Service, by the KEDA HTTP add-on's interceptor. The operator makes an HTTPScaledObject that routes
+  this server's Service host names to it, marked `httpscaledobject.keda.sh/skip-scaledobject-creation` so the
+  add-on makes no ScaledObject of its own, and puts the add-on's `external-push` trigger in ours beside the
+  Prometheus one (kedacore/http-add-on v0.12.0, docs/walkthrough.md, "Integrating HTTP Add-On Scaler with other
+  KEDA scalers"). The interceptor counts requests in flight, holds those for a server with no ready endpoint
+  (interceptor/forward_wait_func.go) and the add-on's scaler reports them to KEDA, which wakes the server;
+- through the Gateway, by the endpoint picker's flow control (builders.endpoint_picker), which queues requests
+  while the pool has no ready pod; its queue gauge (GIE v1.5.0 pkg/epp/metrics/metrics.go,
+  inference_extension_flow_control_queue_size, labelled inference_pool) is a Prometheus trigger of ours.
+After idleSeconds with no request in flight and no queue, KEDA scales the server back to zero (cooldownPeriod).
+"""
 
 from __future__ import annotations
 
@@ -42,6 +57,29 @@ def hpa_metric_name(spec: GemmaRustServerSpec) -> str:
     return name
 
 
+# The interceptor's per-object timeouts (HTTPScaledObject spec.timeouts): how long to wait for the response
+# headers once a request is sent. A completion that is not streamed sends its headers when it is done.
+RESPONSE_HEADER_TIMEOUT = "3600s"
+SKIP_SCALED_OBJECT = "httpscaledobject.keda.sh/skip-scaledobject-creation"
+# The endpoint picker's flow-control queue gauge (GIE v1.5.0 pkg/epp/metrics/metrics.go, subsystem
+# inference_extension; llm-d-router keeps GIE's metrics package).
+PICKER_QUEUE_METRIC = "inference_extension_flow_control_queue_size"
+
+
+def scales_to_zero(spec: GemmaRustServerSpec) -> bool:
+    """spec.autoscaling.minReplicas is 0: KEDA, the HTTP add-on and (through a Gateway) flow control wake it."""
+    return spec.autoscaling is not None and spec.autoscaling.min_replicas == 0
+
+
+def service_hosts(meta: Meta) -> list[str]:
+    """The Host header values the interceptor routes to this server: the Service's DNS names with its namespace
+    (Kubernetes DNS for Services: <service>.<namespace>, .svc, .svc.cluster.local). Not the bare name, which a
+    server of the same name in another namespace would claim too: the interceptor's routing table is the
+    cluster's, and every name here is one only this namespace's Service has."""
+    short = f"{meta.name}.{meta.namespace}"
+    return [short, f"{short}.svc", f"{short}.svc.cluster.local"]
+
+
 def _scale_target(meta: Meta) -> dict[str, str]:
     return {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND, "name": meta.name}
 
@@ -57,9 +95,49 @@ def build_scaled_object(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any]
         trigger["authenticationRef"] = {"name": scaling.prometheus.authentication_ref}
         if scaling.prometheus.authentication_kind != "TriggerAuthentication":
             trigger["authenticationRef"]["kind"] = scaling.prometheus.authentication_kind
+    triggers = [trigger] if scaling.prometheus.server_address else []
+    if scales_to_zero(spec):
+        triggers.append({"type": "external-push", "metadata": {
+            "scalerAddress": meta.keda_http_scaler, "httpScaledObject": meta.name}})
+        if spec.gateway.inference_pool and scaling.prometheus.server_address:
+            triggers.append({**trigger, "metadata": {
+                **trigger["metadata"], "query": f'sum({PICKER_QUEUE_METRIC}{{inference_pool="{meta.name}"}})',
+                "threshold": "1"}})
     obj = child_object("keda.sh/v1alpha1", "ScaledObject", meta.name, meta)
     obj["spec"] = {"scaleTargetRef": _scale_target(meta), "minReplicaCount": scaling.min_replicas,
-                   "maxReplicaCount": scaling.max_replicas, "triggers": [trigger]}
+                   "maxReplicaCount": scaling.max_replicas, "triggers": triggers}
+    if scales_to_zero(spec):
+        # initialCooldownPeriod: a new server stays up for the idle window too, rather than going to zero at once
+        # (KEDA's default 0 scales an inactive new ScaledObject down on its first check).
+        obj["spec"].update(cooldownPeriod=scaling.idle_seconds, initialCooldownPeriod=scaling.idle_seconds)
+    return obj
+
+
+def held_at_one(scaled_object: dict[str, Any]) -> dict[str, Any]:
+    """A scale-to-zero ScaledObject kept at one replica or more, without the HTTP add-on's trigger: what is
+    built while the add-on's CRD is missing (builders.children), since then nothing holds requests at zero."""
+    spec = {k: v for k, v in scaled_object["spec"].items() if k not in ("cooldownPeriod", "initialCooldownPeriod")}
+    spec["minReplicaCount"] = max(1, spec["minReplicaCount"])
+    spec["triggers"] = [t for t in spec["triggers"] if t["type"] != "external-push"]
+    return {**scaled_object, "spec": spec}
+
+
+def build_http_scaled_object(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
+    """The KEDA HTTP add-on's HTTPScaledObject (http.keda.sh/v1alpha1) for a server that scales to zero: the
+    interceptor routes the Service's host names to the Service, holds requests for up to wakeTimeoutSeconds while
+    no pod is ready, and its scaler reports requests in flight to our ScaledObject's external-push trigger
+    (the add-on makes no ScaledObject: SKIP_SCALED_OBJECT). A replica's share is its sequence slots."""
+    scaling = spec.autoscaling
+    obj = child_object("http.keda.sh/v1alpha1", "HTTPScaledObject", meta.name, meta)
+    obj["metadata"]["annotations"] = {SKIP_SCALED_OBJECT: "true"}
+    obj["spec"] = {
+        "hosts": service_hosts(meta),
+        "scaleTargetRef": {**_scale_target(meta), "service": meta.name, "port": spec.server.port},
+        "replicas": {"min": scaling.min_replicas, "max": scaling.max_replicas},
+        "scaledownPeriod": scaling.idle_seconds,
+        "scalingMetric": {"concurrency": {"targetValue": spec.engine.max_num_seqs}},
+        "timeouts": {"conditionWait": f"{scaling.wake_timeout_seconds}s", "responseHeader": RESPONSE_HEADER_TIMEOUT},
+    }
     return obj
 
 

@@ -52,6 +52,7 @@ from typing import Any, Callable
 import yaml
 
 from ..spec import ENDPOINT_PICKER_RELEASES, GIE_V1_5, LLM_D_ROUTER_V0_10, GemmaRustServerSpec
+from .autoscaling import scales_to_zero
 from .ownership import Meta, child_object
 
 VERSION_ANNOTATION = "gemmarust.dev/endpoint-picker-version"  # on the ConfigMap: the picker release it is for
@@ -102,13 +103,25 @@ def _metrics_plugins() -> list[dict[str, Any]]:
             {"type": "core-metrics-extractor", "parameters": extractor}]
 
 
-def _profiles_and_data_layer() -> dict[str, Any]:
+def _profiles_and_data_layer(spec: GemmaRustServerSpec) -> dict[str, Any]:
     return {
         "schedulingProfiles": [{"name": "default", "plugins": [
             {"pluginRef": name, "weight": weight} for name, weight in SCORER_WEIGHTS.items()]}],
         "dataLayer": {"sources": [{"pluginRef": "metrics-data-source",
                                    "extractors": [{"pluginRef": "core-metrics-extractor"}]}]},
+        **_flow_control(spec),
     }
+
+
+def _flow_control(spec: GemmaRustServerSpec) -> dict[str, Any]:
+    """For a server that scales to zero, the picker's flow control: it queues a request while the pool has no
+    ready pod and dispatches it when one turns ready (GIE v1.5.0 pkg/epp/flowcontrol/contracts/dependencies.go,
+    "Scale-from-Zero"; the feature gate `flowControl`, pkg/epp/flowcontrol/config.go), for up to
+    wakeTimeoutSeconds (`defaultRequestTTL`). Its queue gauge wakes the server (builders.autoscaling)."""
+    if not scales_to_zero(spec):
+        return {}
+    return {"featureGates": ["flowControl"],
+            "flowControl": {"defaultRequestTTL": f"{spec.autoscaling.wake_timeout_seconds}s"}}
 
 
 def build_gie_v1_5_config(spec: GemmaRustServerSpec) -> dict[str, Any]:
@@ -122,7 +135,7 @@ def build_gie_v1_5_config(spec: GemmaRustServerSpec) -> dict[str, Any]:
             *({"type": name, **({"parameters": prefix} if name == "prefix-cache-scorer" else {})}
               for name in SCORER_WEIGHTS),
         ],
-        **_profiles_and_data_layer(),
+        **_profiles_and_data_layer(spec),
     }
 
 
@@ -140,7 +153,7 @@ def build_llm_d_router_v0_10_config(spec: GemmaRustServerSpec) -> dict[str, Any]
             *({"type": name, **({"parameters": scorers[name]} if name in scorers else {})}
               for name in SCORER_WEIGHTS),
         ],
-        **_profiles_and_data_layer(),
+        **_profiles_and_data_layer(spec),
     }
 
 

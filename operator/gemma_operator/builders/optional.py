@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..spec import GemmaRustServerSpec
-from .autoscaling import build_hpa, build_scaled_object
+from .autoscaling import build_hpa, build_http_scaled_object, build_scaled_object, scales_to_zero
 from .gke_gateway import build_backend_policy, build_health_check_policy
 from .inference_pool import build_inference_pool
 from .monitoring import build_pod_monitoring, build_service_monitor
@@ -24,7 +24,7 @@ def _monitoring_on(field: str) -> Callable[[GemmaRustServerSpec], bool]:
 def _keda_wanted(spec: GemmaRustServerSpec) -> bool:
     scaling = spec.autoscaling
     return scaling is not None and scaling.provider != "HPA" and (
-        scaling.provider == "KEDA" or scaling.prometheus.server_address is not None)
+        scaling.provider == "KEDA" or scaling.prometheus.server_address is not None or scales_to_zero(spec))
 
 
 # Where GKE's policy CRDs come from (a CRDMissing condition names it).
@@ -36,7 +36,8 @@ def _gke_policies_wanted(spec: GemmaRustServerSpec) -> bool:
 
 
 def _hpa_wanted(spec: GemmaRustServerSpec) -> bool:
-    return spec.autoscaling is not None and spec.autoscaling.provider != "KEDA"
+    # Not for a server scaling to zero: an HPA would hold it at one replica (and never wake it).
+    return spec.autoscaling is not None and spec.autoscaling.provider != "KEDA" and not scales_to_zero(spec)
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,8 @@ OPTIONAL_KINDS = (
                  "the Prometheus Operator", MONITORING),
     OptionalKind("keda.sh/v1alpha1", "ScaledObject", "scaledobjects", build_scaled_object, _keda_wanted,
                  "scaledobjects.keda.sh", "KEDA", SCALING),
+    OptionalKind("http.keda.sh/v1alpha1", "HTTPScaledObject", "httpscaledobjects", build_http_scaled_object,
+                 scales_to_zero, "httpscaledobjects.http.keda.sh", "the KEDA HTTP add-on", SCALING),
     OptionalKind("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers", build_hpa,
                  _hpa_wanted, None, "Kubernetes 1.23 or later", SCALING, fallback_for="ScaledObject"),
     OptionalKind("inference.networking.k8s.io/v1", "InferencePool", "inferencepools", build_inference_pool,

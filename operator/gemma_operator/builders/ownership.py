@@ -17,6 +17,9 @@ LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_PART_OF = "app.kubernetes.io/part-of"
 LABEL_SERVER = "gemmarust.dev/server"
+# The KEDA HTTP add-on's external scaler as its manifests install it (kedacore/http-add-on v0.12.0,
+# config/default/kustomization.yaml: namespace keda, prefix keda-add-ons-http-; config/scaler/service.yaml: port 9090).
+KEDA_HTTP_SCALER = "keda-add-ons-http-external-scaler.keda:9090"
 
 
 class Meta(NamedTuple):
@@ -28,6 +31,9 @@ class Meta(NamedTuple):
     # The build cache claim is the one an earlier version named <name>-build-cache, and this server is its
     # controller (handlers read it before building): it is kept, so an upgrade does not lose the build.
     legacy_build_cache: bool = False
+    # The KEDA HTTP add-on's external scaler (host:port) that a ScaledObject of a server scaling to zero asks
+    # (the operator's GEMMA_OPERATOR_KEDA_HTTP_SCALER): where the add-on is installed is the cluster's, not a spec's.
+    keda_http_scaler: str = KEDA_HTTP_SCALER
 
 
 def selector_labels(meta: Meta) -> dict[str, str]:

@@ -103,3 +103,85 @@ def test_the_operators_cluster_name_is_the_default_and_the_spec_wins():
     assert with_defaults(scaling(prometheus={"serverAddress": GMP}), Settings()).autoscaling.prometheus.cluster is None
     plain = tpu_spec()
     assert plain.autoscaling is None and with_defaults(plain, named) == plain
+
+
+# --------------------------------------------------------------------------------------------- scale to zero
+
+ZERO = {"minReplicas": 0, "idleSeconds": 300, "wakeTimeoutSeconds": 900}
+EXTERNAL_PUSH = {"type": "external-push", "metadata": {
+    "scalerAddress": "keda-add-ons-http-external-scaler.keda:9090", "httpScaledObject": "gemma"}}
+
+
+def test_at_zero_without_prometheus_keda_scales_on_the_http_add_ons_requests_alone():
+    from gemma_operator.builders.optional import OPTIONAL_BY_KIND
+
+    spec = scaling(**ZERO)
+    assert build_scaled_object(spec, META)["spec"] == {
+        "scaleTargetRef": SCALE_TARGET, "minReplicaCount": 0, "maxReplicaCount": 4, "cooldownPeriod": 300,
+        "initialCooldownPeriod": 300,
+        "triggers": [EXTERNAL_PUSH]}
+    assert OPTIONAL_BY_KIND["ScaledObject"].wanted(spec)
+    assert not OPTIONAL_BY_KIND["HorizontalPodAutoscaler"].wanted(spec)  # it would hold one replica
+
+
+def test_at_zero_with_prometheus_the_metric_trigger_stays_beside_the_add_ons():
+    spec = scaling(prometheus={"serverAddress": "http://p:9090"}, **ZERO)
+    kinds = [t["type"] for t in build_scaled_object(spec, META)["spec"]["triggers"]]
+    assert kinds == ["prometheus", "external-push"]
+
+
+def test_the_operators_scaler_address_reaches_the_trigger():
+    meta = META._replace(keda_http_scaler="keda-http-scaler.autoscaling:9091")
+    (trigger,) = build_scaled_object(scaling(**ZERO), meta)["spec"]["triggers"]
+    assert trigger["metadata"]["scalerAddress"] == "keda-http-scaler.autoscaling:9091"
+
+
+def test_the_http_scaled_object_routes_the_services_names_and_holds_requests_while_it_wakes():
+    from gemma_operator.builders.autoscaling import build_http_scaled_object
+
+    assert build_http_scaled_object(scaling(**ZERO), META) == {
+        "apiVersion": "http.keda.sh/v1alpha1", "kind": "HTTPScaledObject",
+        "metadata": {"name": "gemma", "namespace": "serving", "labels": LABELS,
+                     "annotations": {"httpscaledobject.keda.sh/skip-scaledobject-creation": "true"}},
+        "spec": {"hosts": ["gemma.serving", "gemma.serving.svc", "gemma.serving.svc.cluster.local"],
+                 "scaleTargetRef": {**SCALE_TARGET, "service": "gemma", "port": 8000},
+                 "replicas": {"min": 0, "max": 4}, "scaledownPeriod": 300,
+                 "scalingMetric": {"concurrency": {"targetValue": 8}},
+                 "timeouts": {"conditionWait": "900s", "responseHeader": "3600s"}}}
+
+
+def test_behind_a_gateway_the_pickers_queue_wakes_it_too(promql_check):
+    spec = tpu_spec(accelerator={"type": "cpu"}, gateway={"inferencePool": True, "endpointPicker": {"name": "epp"}},
+                    autoscaling={"maxReplicas": 2, "target": 4, "prometheus": {"serverAddress": "http://p:9090"},
+                                 **ZERO})
+    triggers = build_scaled_object(spec, META)["spec"]["triggers"]
+    assert [t["type"] for t in triggers] == ["prometheus", "external-push", "prometheus"]
+    queue = triggers[2]["metadata"]
+    assert queue["threshold"] == "1" and queue["serverAddress"] == "http://p:9090"
+    (parsed,) = parse_promql(promql_check, [queue["query"]])
+    (selector,) = parsed["selectors"]
+    assert selector["metric"] == "inference_extension_flow_control_queue_size"
+    assert selects(selector["matchers"], {"inference_pool": "gemma"})
+    assert not selects(selector["matchers"], {"inference_pool": "other"})
+
+
+@pytest.mark.parametrize("autoscaling,message", [
+    ({"minReplicas": 0, "maxReplicas": 4, "target": 1, "provider": "HPA"}, "minReplicas 0 needs KEDA"),
+])
+def test_scale_to_zero_rules_are_cel_in_the_crd(autoscaling, message):
+    test_autoscaling_rules_are_cel_in_the_crd(autoscaling, message)
+
+
+def test_a_gateway_server_at_zero_needs_prometheus_for_the_pickers_queue():
+    from gemma_operator import crd
+
+    rules = crd.spec_schema()["x-kubernetes-validations"]
+    assert any("woken by the endpoint picker's queue" in r["message"] for r in rules)
+
+
+def test_two_servers_of_one_name_in_two_namespaces_claim_no_common_host():
+    """The interceptor's routing table spans the cluster: a host both claimed would send one's requests to the
+    other."""
+    from gemma_operator.builders.autoscaling import service_hosts
+
+    assert not set(service_hosts(META)) & set(service_hosts(META._replace(namespace="other")))

@@ -115,3 +115,22 @@ def test_provider_none_makes_no_gke_policy_and_prunes_them():
     assert "HealthCheckPolicy" not in kinds(kids) and "GCPBackendPolicy" not in kinds(kids)
     assert {("networking.gke.io/v1", "HealthCheckPolicy", "gemma"),
             ("networking.gke.io/v1", "GCPBackendPolicy", "gemma")} <= set(kids.absent)
+
+
+def test_a_server_at_zero_gets_keda_and_the_http_add_on_and_never_an_hpa():
+    kids = build_children(scaling(minReplicas=0), META, EVERYTHING)
+    assert kinds(kids)[-2:] == ["ScaledObject", "HTTPScaledObject"]
+    assert kids.optional == {"ScalingActive": ["ScaledObject", "HTTPScaledObject"]} and kids.skipped == []
+    assert kids.replaced == [("autoscaling/v2", "HorizontalPodAutoscaler", "gemma")]
+
+
+def test_without_the_http_add_on_a_server_at_zero_is_held_at_one_replica():
+    """Nothing would hold or count the requests sent at zero: KEDA keeps one replica, on its other triggers."""
+    spec = scaling(minReplicas=0, prometheus={"serverAddress": "http://p:9090"})
+    kids = build_children(spec, META, EVERYTHING - {"http.keda.sh/v1alpha1"})
+    (scaled,) = [o for o in kids.apply if o["kind"] == "ScaledObject"]
+    assert scaled["spec"]["minReplicaCount"] == 1 and "cooldownPeriod" not in scaled["spec"]
+    assert [t["type"] for t in scaled["spec"]["triggers"]] == ["prometheus"]
+    assert kids.skipped == [("HTTPScaledObject", "http.keda.sh/v1alpha1 is not served by this cluster: CRD "
+                                                 "httpscaledobjects.http.keda.sh is not installed (install the "
+                                                 "KEDA HTTP add-on)")]

@@ -139,3 +139,22 @@ def test_the_schema_refuses_what_the_router_refuses_beyond_unknown_parameters():
     assert plugin("queue-scorer", {"weight": 2}) != []
     assert changed(plugins=[*ours["plugins"], {"type": "queue-scorer"}]) == [
         "plugins[6] (queue-scorer): duplicate plugin name 'queue-scorer'"]
+
+
+# --------------------------------------------------------------------------------------------- scale to zero
+
+ZERO = {"minReplicas": 0, "maxReplicas": 2, "target": 4, "wakeTimeoutSeconds": 900,
+        "prometheus": {"serverAddress": "http://p:9090"}}
+
+
+@pytest.mark.parametrize("release", ENDPOINT_PICKER_RELEASES)
+def test_a_server_at_zero_gets_flow_control_holding_requests_for_the_wake_timeout(release):
+    config = build_picker_config(with_release(release, autoscaling=ZERO))
+    assert config["featureGates"] == ["flowControl"]
+    assert config["flowControl"] == {"defaultRequestTTL": "900s"}
+    assert "flowControl" not in build_picker_config(with_release(release, autoscaling={**ZERO, "minReplicas": 1}))
+
+
+def test_llm_d_router_v0_10_loads_the_flow_control_config():
+    config = build_llm_d_router_v0_10_config(with_release(autoscaling=ZERO))
+    assert router.refusals(config) == [] and router.deprecations(config) == []
