@@ -220,6 +220,6 @@ def test_wait_ends_at_its_timeout_with_the_last_state(monkeypatch):
 
 
 @pytest.mark.parametrize("phase, expected", [("Failed", "failed"), ("Degraded", "degraded"), ("Stopped", "stopped"),
-                                             ("WarmingUp", None)])
+                                             ("Idle", "idle"), ("Waking", None), ("WarmingUp", None)])
 def test_outcome_of_a_current_status(phase, expected):
     assert cluster.outcome(grs(status={"phase": phase, "observedGeneration": 1})) == expected

@@ -22,7 +22,7 @@ from ..events import event_time
 from ..kube import GRS_API_VERSION, UNREACHABLE, ApiError, Kube, collection_path
 from ..redact import redact
 from ..spec import API_GROUP, API_VERSION, KIND, PLURAL, GemmaRustServerSpec
-from ..status import DEGRADED, FAILED, READY, STOPPED
+from ..status import DEGRADED, FAILED, IDLE, READY, STOPPED
 
 FIELD_MANAGER = "gemma-operator-mcp"
 MAX_EVENTS = 100
@@ -285,16 +285,18 @@ def server_endpoint(k: Kube, namespace: str, name: str) -> Endpoint:
 # ---------------------------------------------------------------------------------------------------------
 # Waiting (the pure parts; the loop is in server.py, where progress is reported)
 
-Outcome = Literal["ready", "failed", "degraded", "stopped", "timeout"]
+Outcome = Literal["ready", "failed", "degraded", "stopped", "idle", "timeout"]
 
 
 def outcome(obj: dict[str, Any]) -> Outcome | None:
     """Whether waiting on this server is over: its status is of the current generation and says Ready, Failed,
-    Degraded (a condition names why) or Stopped; None while it boots (pure)."""
+    Degraded (a condition names why), Stopped, or Idle (scaled to zero: it boots at its next request); None while
+    it boots (pure)."""
     meta, st = obj["metadata"], obj.get("status") or {}
     if _int(st.get("observedGeneration")) < _int(meta.get("generation"), 1):
         return None  # the operator has not written a status for this spec yet
-    return {READY: "ready", FAILED: "failed", DEGRADED: "degraded", STOPPED: "stopped"}.get(st.get("phase", ""))
+    return {READY: "ready", FAILED: "failed", DEGRADED: "degraded", STOPPED: "stopped", IDLE: "idle"}.get(
+        st.get("phase", ""))
 
 
 def stage_marks(obj: dict[str, Any]) -> dict[str, str]:

@@ -42,7 +42,8 @@ T = TypeVar("T")
 
 class WaitResult(BaseModel):
     outcome: cluster.Outcome = Field(description="ready, failed, degraded (a condition says why), stopped "
-                                     "(replicas 0), or timeout.")
+                                     "(replicas 0), idle (scaled to zero by its autoscaler: the next request "
+                                     "wakes it), or timeout.")
     seconds: float = Field(description="How long the wait took.")
     stages_seen: list[str] = Field(description="Each progress message sent, in order.")
     server: cluster.ServerState
@@ -100,8 +101,9 @@ def build_server(k: Kube, *, default_namespace: str = "default", read_only: bool
             name: Name, ctx: Context, namespace: Namespace = None,
             timeout_seconds: Annotated[float, Field(gt=0, le=3600, description="Give up after this long.")] = 600,
     ) -> WaitResult:
-        """Wait until a GemmaRustServer is Ready, has failed (or is Degraded: a condition says why), is stopped,
-        or the timeout passes; a progress notification names each boot-stage change of any pod."""
+        """Wait until a GemmaRustServer is Ready, has failed (or is Degraded: a condition says why), is stopped
+        or idle (scaled to zero), or the timeout passes; a progress notification names each boot-stage change of
+        any pod."""
         where = ns(namespace)
         start = time.monotonic()
         marks: dict[str, str] = {}
