@@ -45,7 +45,7 @@ import pydantic
 
 from . import events, memory, status
 from .admission import allowlist_problems
-from .builders.autoscaling import hpa_metric_name, metric_query, scales_to_zero, scaling_hpa_name
+from .builders.autoscaling import held_at_one, hpa_metric_name, metric_query, scales_to_zero, scaling_hpa_name
 from .builders.build_cache import build_cache_claim_name, legacy_build_cache_claim_name
 from .builders.children import Children, build_children
 from .builders.deployment import claims, replicas, spec_warnings
@@ -252,7 +252,14 @@ def _reconcile(body: dict[str, Any], spec: GemmaRustServerSpec, meta: Meta, serv
         problems += claim_problems
         if apply and claim_problems:
             _withdraw_deployment(k, meta, server, build_cache_claim_name(meta), logger)
-    children = build_children(spec, meta, _available(k))
+    available = _available(k)
+    warnings = spec_warnings(spec)
+    if scales_to_zero(spec) and OPTIONAL_BY_KIND["HTTPScaledObject"].api_version not in available:
+        warnings.append(("ScaleToZeroUnavailable", "spec.autoscaling.minReplicas 0 needs the KEDA HTTP add-on to "
+                         "hold and count the requests sent at zero: " + OPTIONAL_BY_KIND["HTTPScaledObject"].missing()
+                         + "; until it is, the server keeps at least 1 replica"))
+        spec = held_at_one(spec)
+    children = build_children(spec, meta, available)
     skipped = list(children.skipped)
     if apply and not any(p.fatal for p in problems):
         applied = _apply_children(k, body, meta, server, children, logger, prune=prune)
@@ -261,7 +268,7 @@ def _reconcile(body: dict[str, Any], spec: GemmaRustServerSpec, meta: Meta, serv
     pods, pod_events, reports = _observe(k, meta, spec.server.port)
     obs = _observed(body, pods, pod_events, reports, replicas=replicas(spec), problems=problems,
                     optional=children.optional, skipped=skipped, scaling=_scaling(spec, meta, children, k),
-                    warnings=spec_warnings(spec), foreign_pools=_foreign_pools(meta, skipped, children, k),
+                    warnings=warnings, foreign_pools=_foreign_pools(meta, skipped, children, k),
                     scales_to_zero=scales_to_zero(spec))
     return status.compute_status(obs, accelerator=accelerator_text(spec.accelerator),
                                  endpoint=endpoint(spec, meta), selector=selector_string(meta))

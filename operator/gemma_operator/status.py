@@ -266,12 +266,8 @@ def scaling_condition(kind: str, missing: list[tuple[str, str]], view: ScalingVi
         missing: (kind, why) when it could not be created.
         view: the autoscaler's side (None only when it was not created).
     """
-    why = "; ".join(f"{k} skipped: {w}" for k, w in missing)
-    if view is not None and [k for k, _ in missing] == ["HTTPScaledObject"]:
-        return {"type": "ScalingActive", "status": "False", "reason": "CRDMissing",
-                "message": f"{why}; without it nothing holds requests at zero, so {kind} {view.name} keeps at "
-                           "least 1 replica"}
     if missing or view is None:
+        why = "; ".join(f"{k} skipped: {w}" for k, w in missing)
         return {"type": "ScalingActive", "status": "False", "reason": "CRDMissing",
                 "message": f"{why}; spec.replicas drives the replicas"}
     drives = f"{kind} {view.name} drives the replicas ({view.summary})"

@@ -15,8 +15,9 @@ from gemma_operator.builders.inference_pool import build_inference_pool
 from gemma_operator.builders.optional import OPTIONAL_KINDS
 from gemma_operator.builders.ownership import Meta
 from gemma_operator.spec import parse_spec
-from tests.cluster.crds import (FAKE_GKE_BACKEND_POLICIES, FAKE_GKE_HEALTH_CHECK_POLICIES, INFERENCE_POOLS,
-                                SCALED_OBJECTS, absent, crd_names, installed)
+from gemma_operator.builders.autoscaling import build_http_scaled_object
+from tests.cluster.crds import (FAKE_GKE_BACKEND_POLICIES, FAKE_GKE_HEALTH_CHECK_POLICIES, HTTP_SCALED_OBJECTS,
+                                INFERENCE_POOLS, SCALED_OBJECTS, absent, crd_names, installed)
 
 from .harness import GRS_PATH, PROMETHEUS, condition, create, dump, get, wait_for
 
@@ -58,7 +59,8 @@ def gone(kube, api_version, kind, ns, name):
 
 
 def test_the_table_agrees_with_the_upstream_crds():
-    for crd in (SCALED_OBJECTS, INFERENCE_POOLS, FAKE_GKE_HEALTH_CHECK_POLICIES, FAKE_GKE_BACKEND_POLICIES):
+    for crd in (SCALED_OBJECTS, HTTP_SCALED_OBJECTS, INFERENCE_POOLS, FAKE_GKE_HEALTH_CHECK_POLICIES,
+                FAKE_GKE_BACKEND_POLICIES):
         row = next(r for r in OPTIONAL_KINDS if r.crd == crd.name)
         names = crd_names(crd)
         assert (names["kind"], names["plural"], row.api_version) == (row.kind, row.plural, crd.group_version)
@@ -89,6 +91,34 @@ def test_hpa_on_the_scale_subresource_is_accepted_and_says_when_no_adapter_serve
     wait_for(gone(kube, "autoscaling/v2", "HorizontalPodAutoscaler", ns, "hpa"), what="the HPA to be deleted",
              diagnose=operator.tail)
     wait_for(lambda: not condition(get(kube, ns, "hpa"), "ScalingActive"), what="ScalingActive to go")
+
+
+def test_a_server_at_zero_gets_objects_the_keda_crds_accept_and_without_the_http_add_on_keeps_a_replica(
+        cluster, kube, ns, operator):
+    installed(cluster, SCALED_OBJECTS)
+    absent(cluster, HTTP_SCALED_OBJECTS)
+    spec = {**BASE, "autoscaling": {"minReplicas": 0, "maxReplicas": 2, "target": 4, "idleSeconds": 120}}
+    create(kube, ns, "zero", spec)
+    obj = wait_cond(kube, ns, "zero", "Warning", "True", operator, reason="ScaleToZeroUnavailable")
+    assert "CRD httpscaledobjects.http.keda.sh is not installed (install the KEDA HTTP add-on)" in \
+        condition(obj, "Warning")["message"]
+    # Held at one replica by an HPA (no Prometheus for KEDA), not by a ScaledObject that would go to zero.
+    wait_for(lambda: get_child(kube, "autoscaling/v2", "HorizontalPodAutoscaler", ns, "zero"), what="the HPA",
+             diagnose=operator.tail)
+    assert get_child(kube, "keda.sh/v1alpha1", "ScaledObject", ns, "zero") is None
+    assert kube.request("GET", f"/apis/apps/v1/namespaces/{ns}/deployments/zero")["spec"]["replicas"] == 1
+    # With the add-on's CRD: the HTTPScaledObject as built, the ScaledObject at zero, the HPA gone.
+    installed(cluster, HTTP_SCALED_OBJECTS)
+    httpso = wait_for(lambda: get_child(kube, "http.keda.sh/v1alpha1", "HTTPScaledObject", ns, "zero"),
+                      timeout=60, what="the HTTPScaledObject", diagnose=operator.tail)
+    assert httpso["spec"] == build_http_scaled_object(parse_spec(spec), Meta("zero", ns))["spec"]
+    so = wait_for(lambda: get_child(kube, "keda.sh/v1alpha1", "ScaledObject", ns, "zero"), what="the ScaledObject",
+                  diagnose=operator.tail)
+    assert so["spec"] == build_scaled_object(parse_spec(spec), Meta("zero", ns))["spec"]
+    wait_for(gone(kube, "autoscaling/v2", "HorizontalPodAutoscaler", ns, "zero"), what="the HPA to be deleted",
+             diagnose=operator.tail)
+    wait_for(lambda: not condition(get(kube, ns, "zero"), "Warning"), what="the Warning condition to go",
+             diagnose=operator.tail)
 
 
 def test_scaled_object_is_accepted_by_kedas_crd_updated_with_the_spec_and_deleted_with_the_server(

@@ -394,12 +394,3 @@ def test_apply_errors_are_classified(code, optional, outcome):
         assert failure.problem == st.Problem("ApplyRejected", "ScaledObject g: refused", fatal=False)
     if failure.skipped:
         assert failure.skipped == ("ScaledObject", "CRD scaledobjects.keda.sh is gone")
-
-
-def test_without_the_http_add_on_scaling_says_the_server_is_held_at_one_replica():
-    view = st.ScalingView("gemma", "0..4 replicas", "q", "keda-hpa-gemma", None)
-    cond = st.scaling_condition("ScaledObject", [("HTTPScaledObject", "CRD httpscaledobjects.http.keda.sh is not "
-                                                                      "installed")], view)
-    assert (cond["status"], cond["reason"]) == ("False", "CRDMissing")
-    assert cond["message"].endswith("without it nothing holds requests at zero, so ScaledObject gemma keeps at "
-                                    "least 1 replica")

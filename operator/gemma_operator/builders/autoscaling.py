@@ -113,13 +113,15 @@ def build_scaled_object(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any]
     return obj
 
 
-def held_at_one(scaled_object: dict[str, Any]) -> dict[str, Any]:
-    """A scale-to-zero ScaledObject kept at one replica or more, without the HTTP add-on's trigger: what is
-    built while the add-on's CRD is missing (builders.children), since then nothing holds requests at zero."""
-    spec = {k: v for k, v in scaled_object["spec"].items() if k not in ("cooldownPeriod", "initialCooldownPeriod")}
-    spec["minReplicaCount"] = max(1, spec["minReplicaCount"])
-    spec["triggers"] = [t for t in spec["triggers"] if t["type"] != "external-push"]
-    return {**scaled_object, "spec": spec}
+def held_at_one(spec: GemmaRustServerSpec) -> GemmaRustServerSpec:
+    """The spec of a server that scales to zero, kept at one replica or more (pure): what the handlers build while
+    the KEDA HTTP add-on's CRD is not served, since then nothing would hold, or count, the requests sent at zero.
+    The autoscaler is then chosen as for any server of minReplicas 1 (an HPA where KEDA has no Prometheus)."""
+    scaling = spec.autoscaling
+    update: dict[str, Any] = {"min_replicas": 1}
+    if scaling.prometheus.server_address is None:
+        update["provider"] = "HPA"
+    return spec.model_copy(update={"autoscaling": scaling.model_copy(update=update)})
 
 
 def build_http_scaled_object(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from ..spec import GemmaRustServerSpec
-from .autoscaling import held_at_one, scales_to_zero
 from .build_cache import build_build_cache_pvc
 from .deployment import build_deployment
 from .disruption_budget import build_pdb
@@ -69,7 +68,4 @@ def build_children(spec: GemmaRustServerSpec, meta: Meta, available: frozenset[s
         elif not any(alt.fallback_for == row.kind and alt.wanted(spec) for alt in OPTIONAL_KINDS):
             skipped.append((row.kind, row.missing()))
             optional.setdefault(row.condition, []).append(row.kind)
-    if scales_to_zero(spec) and "HTTPScaledObject" not in built:
-        # Without the KEDA HTTP add-on nothing would hold, or count, the requests sent at zero.
-        apply = [held_at_one(obj) if obj["kind"] == "ScaledObject" else obj for obj in apply]
     return Children(apply, absent, skipped, optional, replaced)

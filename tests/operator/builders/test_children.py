@@ -125,12 +125,16 @@ def test_a_server_at_zero_gets_keda_and_the_http_add_on_and_never_an_hpa():
 
 
 def test_without_the_http_add_on_a_server_at_zero_is_held_at_one_replica():
-    """Nothing would hold or count the requests sent at zero: KEDA keeps one replica, on its other triggers."""
-    spec = scaling(minReplicas=0, prometheus={"serverAddress": "http://p:9090"})
-    kids = build_children(spec, META, EVERYTHING - {"http.keda.sh/v1alpha1"})
+    """Nothing would hold or count the requests sent at zero: the handlers build the held spec, whose autoscaler
+    is that of any server of minReplicas 1."""
+    from gemma_operator.builders.autoscaling import held_at_one
+
+    keda = held_at_one(scaling(minReplicas=0, prometheus={"serverAddress": "http://p:9090"}))
+    kids = build_children(keda, META, EVERYTHING - {"http.keda.sh/v1alpha1"})
     (scaled,) = [o for o in kids.apply if o["kind"] == "ScaledObject"]
     assert scaled["spec"]["minReplicaCount"] == 1 and "cooldownPeriod" not in scaled["spec"]
     assert [t["type"] for t in scaled["spec"]["triggers"]] == ["prometheus"]
-    assert kids.skipped == [("HTTPScaledObject", "http.keda.sh/v1alpha1 is not served by this cluster: CRD "
-                                                 "httpscaledobjects.http.keda.sh is not installed (install the "
-                                                 "KEDA HTTP add-on)")]
+    assert "HTTPScaledObject" not in kinds(kids)
+    # Without Prometheus for KEDA: an HPA on the Pods metric, as for any server that does not scale to zero.
+    plain = held_at_one(scaling(minReplicas=0, provider="KEDA"))
+    assert kinds(build_children(plain, META, EVERYTHING))[-1] == "HorizontalPodAutoscaler"
