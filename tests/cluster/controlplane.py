@@ -17,6 +17,7 @@ Fake kubelet behaviours (kwok stages), selected by pod annotations the tests put
                                                FakeKubelet (tests/operator/fakes.py) writes its status and Events
     fake.gemmarust.dev/pod-ip: ADDRESS      -> Running and Ready with that pod IP (e.g. 127.0.0.1, where the
                                                test runs a real server for a client that reads pod IPs)
+    fake.gemmarust.dev/ready-after: 8s      -> with pod-ip: Pending that long first (a server booting)
 Every other pod becomes Running and Ready at once (kwok's own pod-ready stage).
 
 Faults: `stop_component` / `start_component` stop one component (kube-apiserver, etcd) and bring it back with
@@ -68,6 +69,7 @@ BINARIES = ["etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler
 BOOT_ANNOTATION = "fake.gemmarust.dev/boot"
 TERMINATION_ANNOTATION = "fake.gemmarust.dev/termination-message"
 POD_IP_ANNOTATION = "fake.gemmarust.dev/pod-ip"  # a Ready pod at this address (_pod_ip_stage)
+READY_AFTER_ANNOTATION = "fake.gemmarust.dev/ready-after"  # with pod-ip: Ready only after this long (e.g. "8s")
 FAKE_KUBELET = "fake-kubelet"  # BOOT_ANNOTATION value: no kwok stage, a FakeKubelet plays the kubelet
 SERVICE_CIDR = "10.96.0.0/16"
 
@@ -154,8 +156,24 @@ def kwok_stages() -> str:
         {"key": f'.metadata.annotations["{BOOT_ANNOTATION}"]', "operator": "DoesNotExist"})
     ready["spec"]["selector"]["matchExpressions"].append(
         {"key": f'.metadata.annotations["{POD_IP_ANNOTATION}"]', "operator": "DoesNotExist"})
-    docs += [_fake_stage("hold-unready"), _fake_stage("crash"), _pod_ip_stage(ready)]
+    at_address = _pod_ip_stage(ready)
+    docs += [_fake_stage("hold-unready"), _fake_stage("crash"), *_ready_after_variants(at_address)]
     return yaml.safe_dump_all(docs, sort_keys=False)
+
+
+def _ready_after_variants(stage: dict[str, Any]) -> list[dict[str, Any]]:
+    """`stage` for pods without fake.gemmarust.dev/ready-after, and a copy for pods with it that waits that long
+    (a Go duration, e.g. "8s": kwok's Stage delay.durationFrom) before turning Ready: a server that boots."""
+    now = copy.deepcopy(stage)
+    now["spec"]["selector"]["matchExpressions"].append(
+        {"key": f'.metadata.annotations["{READY_AFTER_ANNOTATION}"]', "operator": "DoesNotExist"})
+    later = copy.deepcopy(stage)
+    later["metadata"]["name"] += "-ready-after"
+    later["spec"]["selector"]["matchExpressions"].append(
+        {"key": f'.metadata.annotations["{READY_AFTER_ANNOTATION}"]', "operator": "Exists"})
+    later["spec"]["delay"] = {"durationMilliseconds": 0, "durationFrom": {
+        "jq": {"expression": f'.metadata.annotations["{READY_AFTER_ANNOTATION}"]'}}}
+    return [now, later]
 
 
 def _pod_ip_stage(ready: dict[str, Any]) -> dict[str, Any]:

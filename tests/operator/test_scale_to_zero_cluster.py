@@ -13,8 +13,8 @@ What a cluster gives these processes and this machine does not, the test stands 
 - cluster DNS: the interceptor sends a request to <service>.<namespace>:<port> (interceptor/middleware/
   routing.go) and KEDA dials the scaler at keda-add-ons-http-external-scaler.keda:9090. Each runs in a mount
   namespace of its own (`unshare --mount`) whose /etc/hosts names those hosts with this machine's address;
-- pod networking: the server's kwok pod is Ready at this machine's non-loopback address, where the real server
-  listens (EndpointSlices refuse loopback addresses, and the interceptor waits for a ready endpoint of the
+- pod networking and a boot: the server's kwok pod turns Ready BOOT_SECONDS after it is made
+  (fake.gemmarust.dev/ready-after), at this machine's non-loopback address, where the real server listens (EndpointSlices refuse loopback addresses, and the interceptor waits for a ready endpoint of the
   Service, interceptor/forward_wait_func.go); the interceptor's admin Service, which the scaler reads the
   request counts through (scaler/queue_pinger.go), gets an EndpointSlice with that address by hand.
 - KEDA's metrics API server is not run: it serves the HPA that scales from 1 replica up, and this test is about
@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster.controlplane import BIN_DIR, KEDA, KEDA_HTTP_INTERCEPTOR, KEDA_HTTP_SCALER, POD_IP_ANNOTATION, \
-    free_port
+    READY_AFTER_ANNOTATION, free_port
 from tests.cluster.crds import HTTP_SCALED_OBJECTS, KEDA_OPERATOR_CRDS, installed
 
 from .harness import create, gemma_server, get, wait_for
@@ -45,6 +45,7 @@ KEDA_NS = "keda"
 SCALER_HOST, SCALER_PORT = "keda-add-ons-http-external-scaler.keda", 9090  # the operator's default
 ADMIN_SERVICE = "keda-add-ons-http-interceptor-admin"
 IDLE_SECONDS = 30
+BOOT_SECONDS = 8  # the kwok pod turns Ready this long after it is made: a server booting
 REQUESTS_AT_ZERO = 3
 
 
@@ -188,7 +189,8 @@ def test_a_request_at_zero_wakes_the_server_is_answered_and_the_server_goes_back
     diagnose = _diagnose(operator, procs)
     create(kube, ns, SERVER, {
         "model": {"source": "hf://google/gemma-4-e2b-it"}, "accelerator": {"type": "cpu"},
-        "server": {"port": real_server_port}, "podAnnotations": {POD_IP_ANNOTATION: address},
+        "server": {"port": real_server_port},
+        "podAnnotations": {POD_IP_ANNOTATION: address, READY_AFTER_ANNOTATION: f"{BOOT_SECONDS}s"},
         "autoscaling": {"minReplicas": 0, "maxReplicas": 1, "target": 4, "idleSeconds": IDLE_SECONDS,
                         "wakeTimeoutSeconds": 300}})
 
@@ -198,7 +200,7 @@ def test_a_request_at_zero_wakes_the_server_is_answered_and_the_server_goes_back
         return (get(kube, ns, SERVER).get("status") or {}).get("phase", "")
 
     # Up first (spec.replicas 1), then, with no request, KEDA takes it to zero after the idle window.
-    wait_for(lambda: phase() == "Ready", timeout=120, what="the server Ready", diagnose=diagnose)
+    wait_for(lambda: phase() == "Ready", timeout=120 + BOOT_SECONDS, what="the server Ready", diagnose=diagnose)
     wait_for(lambda: phase() == "Idle", timeout=IDLE_SECONDS + 150, what="KEDA to scale the idle server to zero",
              diagnose=diagnose)
     assert _replicas(kube, ns) == 0
@@ -220,15 +222,18 @@ def test_a_request_at_zero_wakes_the_server_is_answered_and_the_server_goes_back
         answers = [f.result(timeout=360) for f in futures]
     waited = time.monotonic() - sent
     assert len(answers) == REQUESTS_AT_ZERO and all(isinstance(a, str) for a in answers), answers
-    print(f"{REQUESTS_AT_ZERO} requests sent at zero answered after {waited:.1f} s")
+    # Held while the pod booted, not refused: none came back before the pod could be Ready.
+    assert waited >= BOOT_SECONDS, waited
+    print(f"{REQUESTS_AT_ZERO} requests sent at zero answered after {waited:.1f} s (pod Ready after {BOOT_SECONDS} s)")
 
-    # The status kept the wake: when it began, when a replica was ready, how long it took.
+    # The status went Idle -> Waking -> Ready and kept the wake: when it began, when a replica was ready, how long.
     wait_for(lambda: phase() == "Ready", timeout=60, what="the woken server Ready", diagnose=diagnose)
     wake = get(kube, ns, SERVER)["status"]["wake"]
-    assert set(wake) == {"startedAt", "readyAt", "seconds"} and 0 <= wake["seconds"] <= waited + 5, wake
+    assert set(wake) == {"startedAt", "readyAt", "seconds"}, wake
+    assert BOOT_SECONDS - 2 <= wake["seconds"] <= waited + 5, (wake, waited)
     phases = [e["reason"] for e in kube.request("GET", f"/api/v1/namespaces/{ns}/events")["items"]
               if e["involvedObject"].get("kind") == "GemmaRustServer"]
-    assert "Idle" in phases, phases
+    assert "Idle" in phases and "Waking" in phases, phases
 
     # And back to zero once the idle window passes without a request.
     wait_for(lambda: phase() == "Idle", timeout=IDLE_SECONDS + 150, what="the server back to zero",
