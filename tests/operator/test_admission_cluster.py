@@ -136,6 +136,15 @@ def test_a_user_with_only_grs_rights_may_create_a_server_without_pod_powers(user
     assert created["spec"]["image"] == DEFAULT_IMAGE
 
 
+def test_scale_to_zero_is_no_power_a_user_with_only_grs_rights_may_set_it(users, ns):
+    """Its HTTPScaledObject's hosts are the server's own namespaced names and the add-on's scaler is the
+    operator's setting (gemma_operator/admission.py): nothing the pods or the cluster's routing could be given."""
+    spec = spec_with({"autoscaling": {"minReplicas": 0, "maxReplicas": 2, "target": 1, "idleSeconds": 300,
+                                      "wakeTimeoutSeconds": 900}})
+    created = dry_run_create(users["alice"], ns, spec)
+    assert created["spec"]["autoscaling"]["minReplicas"] == 0
+
+
 @pytest.mark.parametrize("power", POWERS)
 def test_a_user_with_only_grs_rights_is_refused_each_pod_power_naming_the_missing_permission(users, ns, power):
     fragment, grant = POWERS[power]
