@@ -30,7 +30,8 @@ import yaml
 from gemma_operator.builders.endpoint_picker import CONFIG_KEY, VERSION_ANNOTATION
 from gemma_operator.spec import GIE_V1_5
 from tests.cluster.controlplane import BIN_DIR, EPP, GIE_VERSION, POD_IP_ANNOTATION, free_port
-from tests.cluster.crds import INFERENCE_MODEL_REWRITES, INFERENCE_OBJECTIVES, INFERENCE_POOLS, installed
+from tests.cluster.crds import HTTP_SCALED_OBJECTS, INFERENCE_MODEL_REWRITES, INFERENCE_OBJECTIVES, INFERENCE_POOLS, \
+    SCALED_OBJECTS, installed
 
 from .harness import PROMETHEUS, ROOT, create, gemma_server, token_kubeconfig, wait_for
 
@@ -170,8 +171,9 @@ def test_the_old_metric_flags_stop_this_picker_at_start(picker_setup, tmp_path):
 def test_the_picker_runs_the_flow_control_config_of_a_server_that_scales_to_zero(
         cluster, kube, ns, operator, real_server_port, tmp_path):
     """With minReplicas 0 the config turns on flow control, which holds requests while the pool has no ready pod;
-    the real picker starts with it and reads the pool."""
-    for crd in (INFERENCE_POOLS, INFERENCE_OBJECTIVES, INFERENCE_MODEL_REWRITES):
+    the real picker starts with it and reads the pool. (KEDA's and the HTTP add-on's CRDs are installed: without
+    the add-on the server is held at one replica, with no flow control.)"""
+    for crd in (INFERENCE_POOLS, INFERENCE_OBJECTIVES, INFERENCE_MODEL_REWRITES, SCALED_OBJECTS, HTTP_SCALED_OBJECTS):
         installed(cluster, crd)
     rbac = [d for d in example_docs() if d["kind"] in ("ServiceAccount", "Role", "RoleBinding")]
     cluster.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump_all(rbac))

@@ -24,7 +24,11 @@ What a cluster gives these processes and this machine does not, the test stands 
 from __future__ import annotations
 
 import concurrent.futures
+import fcntl
+import ipaddress
 import json
+import socket
+import struct
 import subprocess
 import time
 import urllib.request
@@ -45,17 +49,27 @@ KEDA_NS = "keda"
 SCALER_HOST, SCALER_PORT = "keda-add-ons-http-external-scaler.keda", 9090  # the operator's default
 ADMIN_SERVICE = "keda-add-ons-http-interceptor-admin"
 IDLE_SECONDS = 30
+SIOCGIFADDR = 0x8915
 BOOT_SECONDS = 8  # the kwok pod turns Ready this long after it is made: a server booting
 REQUESTS_AT_ZERO = 3
 
 
 def host_address() -> str:
-    """This machine's first non-loopback IPv4 address (`ip -4 -o addr show scope global`)."""
-    out = subprocess.run(["ip", "-4", "-o", "addr", "show", "scope", "global"], capture_output=True, text=True)
-    for line in out.stdout.splitlines():
-        return line.split()[3].split("/")[0]
-    raise AssertionError(f"no non-loopback IPv4 address on this machine (ip addr: {out.stdout!r} {out.stderr!r}): "
-                         "the kwok pod's EndpointSlice needs one")
+    """This machine's first IPv4 address that an EndpointSlice takes: not loopback, not link-local (each
+    interface's address as the kernel reports it, SIOCGIFADDR from linux/sockios.h)."""
+    found = []
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                packed = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue  # no IPv4 address on it
+        address = ipaddress.IPv4Address(packed[20:24])
+        found.append(f"{name} {address}")
+        if not (address.is_loopback or address.is_link_local):
+            return str(address)
+    raise AssertionError(f"no non-loopback IPv4 address on this machine ({found}): the kwok pod's EndpointSlice "
+                         "needs one")
 
 
 class Process:
