@@ -184,8 +184,11 @@ def test_the_picker_runs_the_flow_control_config_of_a_server_that_scales_to_zero
         "gateway": {"inferencePool": True, "endpointPicker": {"name": "gemma-epp", "release": GIE_V1_5},
                     "provider": "None"},
         "podAnnotations": {POD_IP_ANNOTATION: "127.0.0.1"}})
-    cm = wait_for(lambda: kube.get_if_present("v1", "ConfigMap", ns, f"{SERVER}-epp"),
-                  what="the picker's ConfigMap", diagnose=operator.tail)
+
+    def with_flow_control():  # once the operator's discovery (cached a few seconds) lists the add-on's CRD
+        cm = kube.get_if_present("v1", "ConfigMap", ns, f"{SERVER}-epp")
+        return cm if cm and "featureGates" in yaml.safe_load(cm["data"][CONFIG_KEY]) else None
+    cm = wait_for(with_flow_control, what="the picker's ConfigMap with flow control", diagnose=operator.tail)
     config = tmp_path / "config.yaml"
     config.write_text(cm["data"][CONFIG_KEY])
     assert yaml.safe_load(config.read_text())["featureGates"] == ["flowControl"]

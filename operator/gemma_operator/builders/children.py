@@ -20,8 +20,8 @@ class Children(NamedTuple):
     absent: list[tuple[str, str, str]]   # (apiVersion, kind, name) that must not exist
     skipped: list[tuple[str, str]]       # (kind, why) optional children asked for but not created
     optional: dict[str, list[str]] = {}  # condition -> kinds asked for (created or skipped)
-    # (apiVersion, kind, name) of a fallback whose primary kind is now built (an HPA once KEDA's
-    # ScaledObject is): deleted on every sync, not only when the spec changes, since both would drive replicas
+    # (apiVersion, kind, name) of a kind whose rival is now built (an HPA once KEDA's ScaledObject is, and the
+    # other way round): deleted on every sync, not only when the spec changes, since both would drive replicas
     replaced: list[tuple[str, str, str]] = []
 
 
@@ -68,4 +68,10 @@ def build_children(spec: GemmaRustServerSpec, meta: Meta, available: frozenset[s
         elif not any(alt.fallback_for == row.kind and alt.wanted(spec) for alt in OPTIONAL_KINDS):
             skipped.append((row.kind, row.missing()))
             optional.setdefault(row.condition, []).append(row.kind)
+    # A kind and its fallback both drive the replicas: whichever is built, the other goes on every sync (a
+    # ScaledObject left from before the HTTP add-on's CRD went away would take the server to zero beside the HPA).
+    rivals = {k for row in OPTIONAL_KINDS if row.fallback_for for k in (row.kind, row.fallback_for)}
+    if rivals & built:
+        replaced += [entry for entry in absent if entry[1] in rivals - built and entry not in replaced]
+        absent = [entry for entry in absent if entry not in replaced]
     return Children(apply, absent, skipped, optional, replaced)

@@ -54,7 +54,10 @@ def test_without_kedas_crd_auto_falls_back_to_an_hpa_and_skips_nothing():
 def test_auto_without_a_prometheus_address_uses_an_hpa_even_with_keda():
     kids = build_children(scaling(), META, EVERYTHING)
     assert kinds(kids)[-1] == "HorizontalPodAutoscaler"
-    assert ("keda.sh/v1alpha1", "ScaledObject", "gemma") in kids.absent
+    # Replaced, not merely absent: a ScaledObject left from an earlier state (e.g. scaling to zero before the HTTP
+    # add-on's CRD went away) would drive the replicas beside the HPA.
+    assert kids.replaced == [("keda.sh/v1alpha1", "ScaledObject", "gemma")]
+    assert ("keda.sh/v1alpha1", "ScaledObject", "gemma") not in kids.absent
 
 
 def test_provider_keda_without_its_crd_is_skipped_naming_the_crd():
