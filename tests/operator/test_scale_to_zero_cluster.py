@@ -127,8 +127,9 @@ def _admin_service(cluster, address: str, port: int) -> None:
 
 
 @pytest.fixture
-def keda(cluster, kube, ns, address, tmp_path):
-    """KEDA's operator, the add-on's interceptor and scaler, running; yields the interceptor's proxy port."""
+def keda(cluster, ns, address, tmp_path):
+    """KEDA's operator, the add-on's interceptor and scaler, running and ready; yields the interceptor's proxy
+    port and the three processes (interceptor, scaler, KEDA)."""
     for crd in (*KEDA_OPERATOR_CRDS, HTTP_SCALED_OBJECTS):
         installed(cluster, crd)
     proxy, admin = free_port(), free_port()
