@@ -206,6 +206,37 @@ def token_kubeconfig(cluster, kube: Kube, path: Path, namespace: str, service_ac
     return path
 
 
+class Binary:
+    """A binary the tests run beside the control plane (the endpoint picker, KEDA, the KEDA HTTP add-on), its
+    output kept in `log`. With `hosts`, it runs in a mount namespace of its own (`unshare --mount`) whose
+    /etc/hosts is that file: the names cluster DNS would give it."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log: Path, *, hosts: Path | None = None):
+        self.name, self.log = name, log
+        if hosts is not None:
+            argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                    'mount --bind "$0" /etc/hosts && exec "$@"', str(hosts), *argv]
+        with open(log, "w") as fh:
+            self.proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT,
+                                         env={"PATH": "/usr/bin:/bin", "HOME": str(log.parent), **env})
+
+    def tail(self) -> str:
+        return f"{self.name} log (tail):\n" + "\n".join(self.log.read_text(errors="replace").splitlines()[-40:])
+
+    def check(self) -> None:
+        """Raise, with the log's tail, if it has exited."""
+        if self.proc.poll() is not None:
+            raise AssertionError(f"{self.name} exited {self.proc.returncode}\n{self.tail()}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+
+
 @contextmanager
 def gemma_server(checkpoint: Path, workdir: Path, *, api_key: str | None = None,
                  host: str = "127.0.0.1") -> Iterator[str]:

@@ -19,7 +19,6 @@ picker's built-in vLLM names it stays 0, which the test checks too.
 from __future__ import annotations
 
 import re
-import subprocess
 import time
 import urllib.request
 from pathlib import Path
@@ -33,7 +32,7 @@ from tests.cluster.controlplane import BIN_DIR, EPP, GIE_VERSION, POD_IP_ANNOTAT
 from tests.cluster.crds import HTTP_SCALED_OBJECTS, INFERENCE_MODEL_REWRITES, INFERENCE_OBJECTIVES, INFERENCE_POOLS, \
     SCALED_OBJECTS, installed
 
-from .harness import PROMETHEUS, ROOT, create, gemma_server, token_kubeconfig, wait_for
+from .harness import PROMETHEUS, ROOT, Binary, create, gemma_server, token_kubeconfig, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -66,22 +65,15 @@ def picker_args(namespace: str, config: Path) -> list[str]:
     return [a.replace("/config/config.yaml", str(config)) for a in args]
 
 
-class Picker:
+class Picker(Binary):
     def __init__(self, args: list[str], kubeconfig: Path, log: Path):
         self.metrics_port = free_port()
         ports = [f"--grpc-port={free_port()}", f"--grpc-health-port={free_port()}",
                  f"--metrics-port={self.metrics_port}", "--refresh-prometheus-metrics-interval=1s"]
-        self.log = log
-        with open(log, "w") as fh:
-            self.proc = subprocess.Popen([str(BIN_DIR / EPP), *args, *ports], stdout=fh, stderr=subprocess.STDOUT,
-                                         env={"KUBECONFIG": str(kubeconfig), "HOME": str(log.parent), "PATH": "/usr/bin:/bin"})
-
-    def tail(self) -> str:
-        return "picker log (tail):\n" + "\n".join(self.log.read_text(errors="replace").splitlines()[-40:])
+        super().__init__("the picker", [str(BIN_DIR / EPP), *args, *ports], {"KUBECONFIG": str(kubeconfig)}, log)
 
     def metric(self, name: str, pool: str) -> float | None:
-        if self.proc.poll() is not None:
-            raise AssertionError(f"the picker exited {self.proc.returncode}\n{self.tail()}")
+        self.check()
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=2) as r:
                 text = r.read().decode()
@@ -90,34 +82,39 @@ class Picker:
         m = re.search(rf'^{name}{{name="{pool}"}} (\S+)$', text, re.M)
         return float(m.group(1)) if m else None
 
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
 
-
-@pytest.fixture
-def picker_setup(cluster, kube, ns, operator, real_server_port, tmp_path):
-    """The pool's server (Ready at 127.0.0.1 on the real server's port), the operator's picker config on disk,
-    and a kubeconfig holding a token of the example's ServiceAccount, bound by the example's Role."""
-    for crd in (INFERENCE_POOLS, INFERENCE_OBJECTIVES, INFERENCE_MODEL_REWRITES):
+def setup_pool(cluster, kube, ns, operator, port, tmp_path, *, spec=None, crds=(),
+               wanted=lambda config: True) -> tuple[Path, Path]:
+    """The pool's server (Ready at 127.0.0.1 on the real server's `port`, `spec` added to its spec), the
+    operator's picker config on disk once `wanted(config)` holds (the operator's discovery caches for a few
+    seconds what the cluster serves), and a kubeconfig holding a token of the example's ServiceAccount, bound by
+    the example's Role. `crds`: installed besides the inference extension's."""
+    for crd in (INFERENCE_POOLS, INFERENCE_OBJECTIVES, INFERENCE_MODEL_REWRITES, *crds):
         installed(cluster, crd)
     rbac = [d for d in example_docs() if d["kind"] in ("ServiceAccount", "Role", "RoleBinding")]
     cluster.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump_all(rbac))
     create(kube, ns, SERVER, {
         "model": {"source": "hf://google/gemma-4-e2b-it"}, "accelerator": {"type": "cpu"},
-        "server": {"port": real_server_port},
+        "server": {"port": port},
         "gateway": {"inferencePool": True, "endpointPicker": {"name": "gemma-epp", "release": GIE_V1_5},
                     "provider": "None"},
-        "podAnnotations": {POD_IP_ANNOTATION: "127.0.0.1"}})
-    cm = wait_for(lambda: kube.get_if_present("v1", "ConfigMap", ns, f"{SERVER}-epp"),
-                  what="the picker's ConfigMap", diagnose=operator.tail)
+        "podAnnotations": {POD_IP_ANNOTATION: "127.0.0.1"}, **(spec or {})})
+
+    def config_map():
+        cm = kube.get_if_present("v1", "ConfigMap", ns, f"{SERVER}-epp")
+        return cm if cm and wanted(yaml.safe_load(cm["data"][CONFIG_KEY])) else None
+    cm = wait_for(config_map, what="the picker's ConfigMap", diagnose=operator.tail)
     assert cm["metadata"]["annotations"][VERSION_ANNOTATION] == GIE_V1_5
     config = tmp_path / "config.yaml"
     config.write_text(cm["data"][CONFIG_KEY])
     wait_for(lambda: kube.get_if_present("inference.networking.k8s.io/v1", "InferencePool", ns, SERVER),
              what="the InferencePool", diagnose=operator.tail)
-    kubeconfig = token_kubeconfig(cluster, kube, tmp_path / "kubeconfig", ns, "gemma-epp")
-    return ns, config, kubeconfig
+    return config, token_kubeconfig(cluster, kube, tmp_path / "kubeconfig", ns, "gemma-epp")
+
+
+@pytest.fixture
+def picker_setup(cluster, kube, ns, operator, real_server_port, tmp_path):
+    return ns, *setup_pool(cluster, kube, ns, operator, real_server_port, tmp_path)
 
 
 def test_the_picker_starts_with_the_generated_config_finds_the_pod_and_reads_its_metrics(picker_setup, tmp_path):
@@ -173,31 +170,17 @@ def test_the_picker_runs_the_flow_control_config_of_a_server_that_scales_to_zero
     """With minReplicas 0 the config turns on flow control, which holds requests while the pool has no ready pod;
     the real picker starts with it and reads the pool. (KEDA's and the HTTP add-on's CRDs are installed: without
     the add-on the server is held at one replica, with no flow control.)"""
-    for crd in (INFERENCE_POOLS, INFERENCE_OBJECTIVES, INFERENCE_MODEL_REWRITES, SCALED_OBJECTS, HTTP_SCALED_OBJECTS):
-        installed(cluster, crd)
-    rbac = [d for d in example_docs() if d["kind"] in ("ServiceAccount", "Role", "RoleBinding")]
-    cluster.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump_all(rbac))
-    create(kube, ns, SERVER, {
-        "model": {"source": "hf://google/gemma-4-e2b-it"}, "accelerator": {"type": "cpu"},
-        "server": {"port": real_server_port},
-        "autoscaling": {"minReplicas": 0, "maxReplicas": 1, "target": 4, "prometheus": {"serverAddress": PROMETHEUS}},
-        "gateway": {"inferencePool": True, "endpointPicker": {"name": "gemma-epp", "release": GIE_V1_5},
-                    "provider": "None"},
-        "podAnnotations": {POD_IP_ANNOTATION: "127.0.0.1"}})
-
-    def with_flow_control():  # once the operator's discovery (cached a few seconds) lists the add-on's CRD
-        cm = kube.get_if_present("v1", "ConfigMap", ns, f"{SERVER}-epp")
-        return cm if cm and "featureGates" in yaml.safe_load(cm["data"][CONFIG_KEY]) else None
-    cm = wait_for(with_flow_control, what="the picker's ConfigMap with flow control", diagnose=operator.tail)
-    config = tmp_path / "config.yaml"
-    config.write_text(cm["data"][CONFIG_KEY])
+    config, kubeconfig = setup_pool(
+        cluster, kube, ns, operator, real_server_port, tmp_path, crds=(SCALED_OBJECTS, HTTP_SCALED_OBJECTS),
+        spec={"autoscaling": {"minReplicas": 0, "maxReplicas": 1, "target": 4,
+                              "prometheus": {"serverAddress": PROMETHEUS}}},
+        wanted=lambda config: "featureGates" in config)
     assert yaml.safe_load(config.read_text())["featureGates"] == ["flowControl"]
-    kubeconfig = token_kubeconfig(cluster, kube, tmp_path / "kubeconfig", ns, "gemma-epp")
     picker = Picker(picker_args(ns, config), kubeconfig, tmp_path / "picker.log")
     try:
         wait_for(lambda: picker.metric("inference_pool_ready_pods", SERVER) == 1, timeout=60,
                  what="the picker with flow control to count the server's pod", diagnose=picker.tail)
-        assert picker.proc.poll() is None, picker.tail()
+        picker.check()
         # The config as the picker loaded it: flow control holding a request for wakeTimeoutSeconds (1200).
         assert "FlowControl: {MaxBytes: unlimited, MaxRequests: unlimited, DefaultRequestTTL: 20m0s}" in \
             picker.log.read_text()

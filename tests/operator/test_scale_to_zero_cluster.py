@@ -29,10 +29,8 @@ import ipaddress
 import json
 import socket
 import struct
-import subprocess
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
@@ -40,7 +38,7 @@ from tests.cluster.controlplane import BIN_DIR, KEDA, KEDA_HTTP_INTERCEPTOR, KED
     READY_AFTER_ANNOTATION, free_port
 from tests.cluster.crds import HTTP_SCALED_OBJECTS, KEDA_OPERATOR_CRDS, installed
 
-from .harness import create, gemma_server, get, wait_for
+from .harness import Binary, create, gemma_server, get, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -70,32 +68,6 @@ def host_address() -> str:
             return str(address)
     raise AssertionError(f"no non-loopback IPv4 address on this machine ({found}): the kwok pod's EndpointSlice "
                          "needs one")
-
-
-class Process:
-    """A binary run with its own /etc/hosts (`unshare --mount`, then a bind mount), its log kept."""
-
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], hosts: Path, log: Path):
-        self.name, self.log = name, log
-        script = 'mount --bind "$0" /etc/hosts && exec "$@"'
-        with open(log, "w") as fh:
-            self.proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", script,
-                                          str(hosts), *argv], stdout=fh, stderr=subprocess.STDOUT,
-                                         env={"PATH": "/usr/bin:/bin", "HOME": str(log.parent), **env})
-
-    def tail(self) -> str:
-        return f"{self.name} log (tail):\n" + "\n".join(self.log.read_text(errors="replace").splitlines()[-30:])
-
-    def check(self) -> None:
-        if self.proc.poll() is not None:
-            raise AssertionError(f"{self.name} exited {self.proc.returncode}\n{self.tail()}")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 @pytest.fixture(scope="module")
@@ -144,22 +116,22 @@ def keda(cluster, ns, address, tmp_path):
     common = {"KUBECONFIG": kubeconfig}
     keda_probe = free_port()
     procs = [
-        Process("interceptor", [str(BIN_DIR / KEDA_HTTP_INTERCEPTOR)], {
+        Binary("interceptor", [str(BIN_DIR / KEDA_HTTP_INTERCEPTOR)], {
             **common, "KEDA_HTTP_CURRENT_NAMESPACE": KEDA_NS, "KEDA_HTTP_PROXY_PORT": str(proxy),
             "KEDA_HTTP_ADMIN_PORT": str(admin), "OTEL_PROM_EXPORTER_PORT": str(free_port())},
-            hosts, tmp_path / "interceptor.log"),
-        Process("scaler", [str(BIN_DIR / KEDA_HTTP_SCALER)], {
+            tmp_path / "interceptor.log", hosts=hosts),
+        Binary("scaler", [str(BIN_DIR / KEDA_HTTP_SCALER)], {
             **common, "KEDA_HTTP_SCALER_PORT": str(SCALER_PORT), "KEDA_HTTP_SCALER_TARGET_ADMIN_NAMESPACE": KEDA_NS,
             "KEDA_HTTP_SCALER_TARGET_ADMIN_SERVICE": ADMIN_SERVICE,
             "KEDA_HTTP_SCALER_TARGET_ADMIN_DEPLOYMENT": "keda-add-ons-http-interceptor",
             "KEDA_HTTP_SCALER_TARGET_ADMIN_PORT": str(admin)},
-            hosts, tmp_path / "scaler.log"),
-        Process("keda", [str(BIN_DIR / KEDA), "--leader-elect=false", f"--cert-dir={certs}",
+            tmp_path / "scaler.log", hosts=hosts),
+        Binary("keda", [str(BIN_DIR / KEDA), "--leader-elect=false", f"--cert-dir={certs}",
                          f"--metrics-bind-address=127.0.0.1:{free_port()}",
                          f"--health-probe-bind-address=127.0.0.1:{keda_probe}",
                          f"--metrics-service-bind-address=127.0.0.1:{free_port()}", f"--ca-dir={certs}"], {
             **common, "WATCH_NAMESPACE": "", "POD_NAMESPACE": KEDA_NS, "KEDA_CLUSTER_OBJECT_NAMESPACE": KEDA_NS},
-            hosts, tmp_path / "keda.log"),
+            tmp_path / "keda.log", hosts=hosts),
     ]
     try:
         # Ready: the interceptor answers a kubelet's probe (its User-Agent) with 200 once its routing table has
@@ -173,7 +145,7 @@ def keda(cluster, ns, address, tmp_path):
             p.stop()
 
 
-def _answers(url: str, headers: dict[str, str], proc: Process) -> bool:
+def _answers(url: str, headers: dict[str, str], proc: Binary) -> bool:
     proc.check()
     try:
         with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=2) as r:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..spec import API_GROUP, API_VERSION, AUTOSCALING_METRICS, KIND, GemmaRustServerSpec
+from ..spec import API_GROUP, API_VERSION, AUTOSCALING_METRICS, KIND, AutoscalingSpec, GemmaRustServerSpec
 from .ownership import Meta, child_object
 
 
@@ -84,28 +84,39 @@ def _scale_target(meta: Meta) -> dict[str, str]:
     return {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND, "name": meta.name}
 
 
-def build_scaled_object(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
-    """A KEDA ScaledObject (keda.sh/v1alpha1) scaling the GemmaRustServer through its scale subresource on a
-    Prometheus query of the chosen gauge. KEDA then owns an HPA named keda-hpa-<name>."""
-    scaling = spec.autoscaling
+def _prometheus_trigger(scaling: AutoscalingSpec, query: str, threshold: str) -> dict[str, Any]:
+    """KEDA's Prometheus trigger for `query` at `threshold`, with the spec's address and authentication."""
     trigger: dict[str, Any] = {"type": "prometheus", "metadata": {
-        "serverAddress": scaling.prometheus.server_address, "query": metric_query(spec, meta),
-        "threshold": f"{scaling.target:g}"}}
+        "serverAddress": scaling.prometheus.server_address, "query": query, "threshold": threshold}}
     if scaling.prometheus.authentication_ref:
         trigger["authenticationRef"] = {"name": scaling.prometheus.authentication_ref}
         if scaling.prometheus.authentication_kind != "TriggerAuthentication":
             trigger["authenticationRef"]["kind"] = scaling.prometheus.authentication_kind
-    triggers = [trigger] if scaling.prometheus.server_address else []
+    return trigger
+
+
+def _triggers(spec: GemmaRustServerSpec, meta: Meta) -> list[dict[str, Any]]:
+    """The ScaledObject's triggers: the chosen gauge from Prometheus (with its address), and for a server that
+    scales to zero the HTTP add-on's requests and, behind an InferencePool, the picker's queue."""
+    scaling = spec.autoscaling
+    prometheus = scaling.prometheus.server_address is not None
+    triggers = [_prometheus_trigger(scaling, metric_query(spec, meta), f"{scaling.target:g}")] if prometheus else []
     if scales_to_zero(spec):
         triggers.append({"type": "external-push", "metadata": {
             "scalerAddress": meta.keda_http_scaler, "httpScaledObject": meta.name}})
-        if spec.gateway.inference_pool and scaling.prometheus.server_address:
-            triggers.append({**trigger, "metadata": {
-                **trigger["metadata"], "query": f'sum({PICKER_QUEUE_METRIC}{{inference_pool="{meta.name}"}})',
-                "threshold": "1"}})
+        if spec.gateway.inference_pool and prometheus:
+            triggers.append(_prometheus_trigger(
+                scaling, f'sum({PICKER_QUEUE_METRIC}{{inference_pool="{meta.name}"}})', "1"))
+    return triggers
+
+
+def build_scaled_object(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
+    """A KEDA ScaledObject (keda.sh/v1alpha1) scaling the GemmaRustServer through its scale subresource on its
+    triggers (`_triggers`). KEDA then owns an HPA named keda-hpa-<name>."""
+    scaling = spec.autoscaling
     obj = child_object("keda.sh/v1alpha1", "ScaledObject", meta.name, meta)
     obj["spec"] = {"scaleTargetRef": _scale_target(meta), "minReplicaCount": scaling.min_replicas,
-                   "maxReplicaCount": scaling.max_replicas, "triggers": triggers}
+                   "maxReplicaCount": scaling.max_replicas, "triggers": _triggers(spec, meta)}
     if scales_to_zero(spec):
         # initialCooldownPeriod: a new server stays up for the idle window too, rather than going to zero at once
         # (KEDA's default 0 scales an inactive new ScaledObject down on its first check).

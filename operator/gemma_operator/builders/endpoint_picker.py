@@ -103,13 +103,12 @@ def _metrics_plugins() -> list[dict[str, Any]]:
             {"type": "core-metrics-extractor", "parameters": extractor}]
 
 
-def _profiles_and_data_layer(spec: GemmaRustServerSpec) -> dict[str, Any]:
+def _profiles_and_data_layer() -> dict[str, Any]:
     return {
         "schedulingProfiles": [{"name": "default", "plugins": [
             {"pluginRef": name, "weight": weight} for name, weight in SCORER_WEIGHTS.items()]}],
         "dataLayer": {"sources": [{"pluginRef": "metrics-data-source",
                                    "extractors": [{"pluginRef": "core-metrics-extractor"}]}]},
-        **_flow_control(spec),
     }
 
 
@@ -135,7 +134,8 @@ def build_gie_v1_5_config(spec: GemmaRustServerSpec) -> dict[str, Any]:
             *({"type": name, **({"parameters": prefix} if name == "prefix-cache-scorer" else {})}
               for name in SCORER_WEIGHTS),
         ],
-        **_profiles_and_data_layer(spec),
+        **_profiles_and_data_layer(),
+        **_flow_control(spec),
     }
 
 
@@ -153,7 +153,8 @@ def build_llm_d_router_v0_10_config(spec: GemmaRustServerSpec) -> dict[str, Any]
             *({"type": name, **({"parameters": scorers[name]} if name in scorers else {})}
               for name in SCORER_WEIGHTS),
         ],
-        **_profiles_and_data_layer(spec),
+        **_profiles_and_data_layer(),
+        **_flow_control(spec),
     }
 
 
