@@ -559,4 +559,35 @@ int aten_fill_int_(gt *t, int64_t v) { RET_INT(t->t.fill_(v)) }
 int aten_add_scalar_(gt *t, double v) { RET_INT(t->t.add_(v)) }
 int aten_add_int_(gt *t, int64_t v) { RET_INT(t->t.add_(v)) }
 
+/* The media towers' ops. */
+gt *aten_permute(gt *t, const int64_t *dims, size_t ndim) { RET(t->t.permute(at::IntArrayRef(dims, ndim))) }
+gt *aten_relu(gt *a) { RET(at::relu(a->t)) }
+gt *aten_sigmoid(gt *a) { RET(at::sigmoid(a->t)) }
+gt *aten_silu(gt *a) { RET(at::silu(a->t)) }
+gt *aten_softplus(gt *a) { RET(at::softplus(a->t)) }
+gt *aten_pad_dim(gt *t, int64_t dim, int64_t before, int64_t after, double value) {
+  PROTECT(
+      auto d = dim < 0 ? dim + t->t.dim() : dim;
+      std::vector<int64_t> pad(2 * (t->t.dim() - d), 0);
+      pad[pad.size() - 2] = before;
+      pad[pad.size() - 1] = after;
+      return box(at::constant_pad_nd(t->t, pad, value));)
+  return nullptr;
+}
+gt *aten_masked_fill(gt *t, gt *mask, double value) { RET(t->t.masked_fill(mask->t, value)) }
+gt *aten_index_copy(gt *t, int64_t dim, gt *index, gt *src) { RET(t->t.index_copy(dim, index->t, src->t)) }
+gt *aten_layer_norm(gt *x, gt *weight, double eps) {
+  PROTECT(
+      std::optional<at::Tensor> w;
+      if (weight) w = weight->t;
+      return box(at::layer_norm(x->t, {x->t.size(-1)}, w, std::nullopt, eps));)
+  return nullptr;
+}
+gt *aten_conv2d(gt *x, gt *w, int64_t stride, int64_t padding) {
+  RET(at::conv2d(x->t, w->t, std::nullopt, {stride, stride}, {padding, padding}))
+}
+gt *aten_conv1d(gt *x, gt *w, int64_t stride, int64_t padding, int64_t groups) {
+  RET(at::conv1d(x->t, w->t, std::nullopt, {stride}, {padding}, {1}, groups))
+}
+
 }  // extern "C"

@@ -142,6 +142,24 @@ X(gt *, aten_bitwise_xor, (gt *a, gt *b))
 /* Logical (unsigned) right shift of int64 values by `bits` (0 < bits < 64). */
 X(gt *, aten_shift_right_logical, (gt *a, int64_t bits))
 
+/* The media towers' ops (gemma4/vision.rs, gemma4/audio.rs). */
+X(gt *, aten_permute, (gt *t, const int64_t *dims, size_t ndim))
+X(gt *, aten_relu, (gt *a))
+X(gt *, aten_sigmoid, (gt *a))
+X(gt *, aten_silu, (gt *a))
+X(gt *, aten_softplus, (gt *a))
+/* `t` with `before` and `after` entries of `value` added along `dim` (`F.pad` on one dim). */
+X(gt *, aten_pad_dim, (gt *t, int64_t dim, int64_t before, int64_t after, double value))
+/* `t` where `mask` is false, `value` where it is true (`masked_fill`). */
+X(gt *, aten_masked_fill, (gt *t, gt *mask, double value))
+/* A copy of `t` whose entries `index` along `dim` are `src`'s rows (`index_copy`). */
+X(gt *, aten_index_copy, (gt *t, int64_t dim, gt *index, gt *src))
+/* Layer norm over the last dim with an optional weight (NULL: none) and no bias. */
+X(gt *, aten_layer_norm, (gt *x, gt *weight, double eps))
+/* Convolutions without bias: `x` [N, C, H, W] (conv2d) or [N, C, L] (conv1d), `groups` channel groups. */
+X(gt *, aten_conv2d, (gt *x, gt *w, int64_t stride, int64_t padding))
+X(gt *, aten_conv1d, (gt *x, gt *w, int64_t stride, int64_t padding, int64_t groups))
+
 /* Comparisons and masks. */
 X(gt *, aten_le, (gt *a, gt *b))
 X(gt *, aten_gt, (gt *a, gt *b))

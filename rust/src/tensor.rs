@@ -228,6 +228,10 @@ impl Tensor {
         tanh => aten_tanh,
         cos => aten_cos,
         sin => aten_sin,
+        relu => aten_relu,
+        sigmoid => aten_sigmoid,
+        silu => aten_silu,
+        softplus => aten_softplus,
     }
 
     binary! {
@@ -250,6 +254,42 @@ impl Tensor {
         div_scalar => aten_div_scalar,
         gt_scalar => aten_gt_scalar,
         lt_scalar => aten_lt_scalar,
+    }
+
+    /// The dims reordered (`Tensor.permute`, a view).
+    pub fn permute(&self, dims: &[i64]) -> Result<Tensor> {
+        wrap("permute", ffi!("permute", ffi::aten_permute(self.ptr(), dims.as_ptr(), dims.len())))
+    }
+
+    /// `before` and `after` entries of `value` added along `dim`.
+    pub fn pad_dim(&self, dim: i64, before: i64, after: i64, value: f64) -> Result<Tensor> {
+        wrap("pad", ffi!("pad", ffi::aten_pad_dim(self.ptr(), dim, before, after, value)))
+    }
+
+    /// `value` where `mask` (bool, broadcast) is true.
+    pub fn masked_fill(&self, mask: &Tensor, value: f64) -> Result<Tensor> {
+        wrap("masked_fill", ffi!("masked_fill", ffi::aten_masked_fill(self.ptr(), mask.ptr(), value)))
+    }
+
+    /// A copy whose entries `index` along `dim` are `src`'s.
+    pub fn index_copy(&self, dim: i64, index: &Tensor, src: &Tensor) -> Result<Tensor> {
+        wrap("index_copy", ffi!("index_copy", ffi::aten_index_copy(self.ptr(), dim, index.ptr(), src.ptr())))
+    }
+
+    /// Layer norm over the last dim, no bias.
+    pub fn layer_norm(&self, weight: Option<&Tensor>, eps: f64) -> Result<Tensor> {
+        let w = weight.map_or(std::ptr::null_mut(), |w| w.ptr());
+        wrap("layer_norm", ffi!("layer_norm", ffi::aten_layer_norm(self.ptr(), w, eps)))
+    }
+
+    /// 2-d convolution of `[N, C, H, W]` by `w` `[out, C, k, k]`, no bias.
+    pub fn conv2d(&self, w: &Tensor, stride: i64, padding: i64) -> Result<Tensor> {
+        wrap("conv2d", ffi!("conv2d", ffi::aten_conv2d(self.ptr(), w.ptr(), stride, padding)))
+    }
+
+    /// 1-d convolution of `[N, C, L]` by `w` `[out, C / groups, k]`, no bias.
+    pub fn conv1d(&self, w: &Tensor, stride: i64, padding: i64, groups: i64) -> Result<Tensor> {
+        wrap("conv1d", ffi!("conv1d", ffi::aten_conv1d(self.ptr(), w.ptr(), stride, padding, groups)))
     }
 
     /// `self * v` for an integer tensor (stays integer; int64 wraps on overflow).

@@ -20,6 +20,7 @@ if torch.__version__ != _BUILT_TORCH:
 from ._native import (  # noqa: E402
     BUILD,
     LIMITS,
+    Encoder,
     Engine,
     Event,
     Grammars,
@@ -39,6 +40,7 @@ from ._native import (  # noqa: E402
 __all__ = [
     "BUILD",
     "LIMITS",
+    "Encoder",
     "Engine",
     "Event",
     "Grammars",

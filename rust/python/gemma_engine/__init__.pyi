@@ -200,6 +200,14 @@ class Request:
     reuse each other's keys (vLLM's `cache_salt`), so tenants cannot probe each other's prompts by timing;
     None is a salt of its own.
 
+    `media`: soft tokens of images and audio clips (`Encoder.image`, `Encoder.audio`) as (start, embeds,
+    key) triples, sorted by start: `embeds` `[n, hidden_size]` replaces the embeddings of prompt positions
+    start..start+n, which must all hold one media placeholder id of the checkpoint (`image_token_id`,
+    `audio_token_id`), and no placeholder may stand outside an item. Those positions read the pad id for
+    the per-layer inputs, as Transformers' Gemma4Model does. `key` (a 64-bit hash of the content) is what
+    the prefix cache compares there: the same key at the same place resumes, another stops the hit. A
+    request whose media break these rules ends "error" at admission, naming the item.
+
     `cache_boundary`: a prompt position in 1..len(ids)-1 where the engine keeps a copy of its sliding rings
     while it reads the prompt, so that later requests sharing ids[:cache_boundary] can resume there (the
     end of the system turn and tool declarations every user of an agent shares). Outside that range the
@@ -217,6 +225,7 @@ class Request:
         prompt_logprobs: int | None = None,
         cache_salt: str | None = None,
         cache_boundary: int | None = None,
+        media: Sequence[tuple[int, torch.Tensor, int]] = (),
     ) -> None: ...
     @property
     def id(self) -> int: ...
@@ -228,6 +237,53 @@ class Request:
     def cache_salt(self) -> str | None: ...
     @property
     def cache_boundary(self) -> int | None: ...
+
+class Encoder:
+    """The vision and audio towers of a Gemma 4 checkpoint with their projections into the text model
+    (Transformers 5.18 Gemma4VisionModel, Gemma4AudioModel, Gemma4MultimodalEmbedder), on `like`'s
+    device in `dtype`. A text-only checkpoint gives an Encoder with no modalities. Only the thread that
+    built it may call it.
+
+    Raises:
+        ValueError: a bad vision_config or audio_config, a missing or misshapen tower tensor (named).
+        OSError: an unreadable file.
+    """
+
+    def __init__(self, model_dir: str, like: torch.Tensor | None = None, dtype: str = "bfloat16") -> None: ...
+    @property
+    def modalities(self) -> list[str]:
+        """A subset of ["image", "audio"]."""
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def image_token_id(self) -> int: ...
+    @property
+    def audio_token_id(self) -> int: ...
+    @property
+    def boi_token_id(self) -> int: ...
+    @property
+    def eoi_token_id(self) -> int: ...
+    @property
+    def boa_token_id(self) -> int: ...
+    @property
+    def eoa_token_id(self) -> int: ...
+    def image(self, pixel_values: torch.Tensor, position_ids: torch.Tensor) -> list[torch.Tensor]:
+        """Soft tokens of images as Gemma4ImageProcessor makes them: `pixel_values` float `[n, patches,
+        3 * patch_size**2]` in [0, 1], `position_ids` int64 `[n, patches, 2]` (x, y; -1 for padding).
+        One `[soft_i, hidden_size]` tensor per image (`get_image_features`' pooler output).
+
+        Raises:
+            ValueError: no vision tower; inputs of the wrong shape; a checkpoint whose text model
+                attends both ways inside images (use_bidirectional_attention="vision").
+        """
+    def audio(self, features: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
+        """Soft tokens of audio clips as Gemma4AudioFeatureExtractor makes them: `features` float
+        `[n, frames, mel]`, `mask` bool `[n, frames]` (true: a real frame). One `[soft_i, hidden_size]`
+        tensor per clip, its valid soft tokens (`get_audio_features`).
+
+        Raises:
+            ValueError: no audio tower; inputs of the wrong shape.
+        """
 
 class Event:
     """New tokens of one request, and its end once it ended."""
@@ -459,10 +515,10 @@ class Engine:
             ValueError: `at` is none of the three.
         """
 
-    def logits(self, ids: Sequence[int]) -> torch.Tensor:
-        """float32 [vocab_size] logits (after softcap) for the token after `ids`,
-        read into slot 0 from empty, on the host. For parity checks.
+    def logits(self, ids: Sequence[int], media: Sequence[tuple[int, torch.Tensor, int]] = ()) -> torch.Tensor:
+        """float32 [vocab_size] logits (after softcap) for the token after `ids` (with soft tokens
+        `media`, as in Request), read into slot 0 from empty, on the host. For parity checks.
 
         Raises:
-            ValueError: as for decode.
+            ValueError: as for decode, and media that break Request's rules.
         """

@@ -16,6 +16,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use crate::engine::grammar::Grammars;
+use crate::engine::media::Media;
 use crate::engine::request::{Event, Io, Request, StepStats, TokenLogprobs};
 use crate::engine::sampling::SamplingParams;
 use crate::engine::{self, Settings, parse_dtype};
@@ -41,6 +42,11 @@ fn tensor_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Tensor> {
         return Err(PyTypeError::new_err(format!("{what} must be a torch.Tensor, got {}", obj.get_type().name()?)));
     }
     Ok(Tensor::from_python(obj)?)
+}
+
+/// `media` arguments, (start, soft tokens, key) triples (see gemma_engine.pyi `Request`).
+fn media_arg(media: &[(usize, Bound<'_, PyAny>, u64)]) -> PyResult<Vec<Media>> {
+    media.iter().map(|(start, t, key)| Ok(Media::new(*start, tensor_arg(t, "media")?, *key))).collect()
 }
 
 /// How one request chooses its tokens (see gemma_engine.pyi).
@@ -139,7 +145,7 @@ pub struct PyRequest {
 impl PyRequest {
     #[new]
     #[pyo3(signature = (id, ids, max_new, stop_ids=Vec::new(), sampling=None, grammar=None, prompt_logprobs=None,
-                        cache_salt=None, cache_boundary=None))]
+                        cache_salt=None, cache_boundary=None, media=Vec::new()))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         id: u64,
@@ -151,8 +157,10 @@ impl PyRequest {
         prompt_logprobs: Option<i64>,
         cache_salt: Option<String>,
         cache_boundary: Option<usize>,
-    ) -> Self {
+        media: Vec<(usize, Bound<'_, PyAny>, u64)>,
+    ) -> PyResult<Self> {
         let params = sampling.map(|s| s.get().inner.clone()).unwrap_or_default();
+        let media = media_arg(&media)?;
         let inner = Request {
             id,
             prompt: ids,
@@ -163,8 +171,9 @@ impl PyRequest {
             prompt_logprobs,
             cache_salt,
             cache_boundary,
+            media,
         };
-        PyRequest { inner }
+        Ok(PyRequest { inner })
     }
 
     #[getter]
@@ -466,6 +475,7 @@ impl Engine {
             prompt_logprobs: None,
             cache_salt: None,
             cache_boundary: None,
+            media: Vec::new(),
         };
         let mut failed: Option<PyErr> = None;
         let inner = &mut self.inner;
@@ -521,15 +531,124 @@ impl Engine {
         Ok(())
     }
 
-    /// float32 [vocab_size] logits (after softcap) for the token after `ids`, read into slot 0
-    /// from empty, on the host. For parity checks.
+    /// float32 [vocab_size] logits (after softcap) for the token after `ids` (with `media` as in
+    /// Request), read into slot 0 from empty, on the host. For parity checks.
     ///
     /// Raises:
-    ///     ValueError: as for decode.
-    fn logits<'py>(&mut self, py: Python<'py>, ids: Vec<i64>) -> PyResult<Bound<'py, PyAny>> {
+    ///     ValueError: as for decode, and media that break Request's rules.
+    #[pyo3(signature = (ids, media=Vec::new()))]
+    fn logits<'py>(
+        &mut self,
+        py: Python<'py>,
+        ids: Vec<i64>,
+        media: Vec<(usize, Bound<'py, PyAny>, u64)>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let media = media_arg(&media)?;
         let inner = &mut self.inner;
-        let t = py.detach(|| no_grad(|| inner.logits(&ids)))?;
+        let t = py.detach(move || no_grad(|| inner.logits(&ids, &media)))?;
         t.to_python(py)
+    }
+}
+
+/// The media towers of one checkpoint (see gemma_engine.pyi): images and audio to soft tokens.
+///
+/// Only the thread that built it may call it (PyO3 checks; another thread gets PanicException).
+#[pyclass(unsendable, module = "gemma_engine")]
+pub struct Encoder {
+    inner: crate::gemma4::media::Encoder,
+}
+
+#[pymethods]
+impl Encoder {
+    /// Load the towers `model_dir`'s config.json declares (none for a text-only checkpoint).
+    ///
+    /// Raises:
+    ///     ValueError: a bad tower config or a missing or misshapen tower tensor (named). OSError: an
+    ///         unreadable file.
+    #[new]
+    #[pyo3(signature = (model_dir, like=None, dtype="bfloat16"))]
+    fn new(py: Python<'_>, model_dir: PathBuf, like: Option<&Bound<'_, PyAny>>, dtype: &str) -> PyResult<Encoder> {
+        let dtype = parse_dtype(dtype)?;
+        let like = match like {
+            Some(t) => tensor_arg(t, "like")?,
+            None => Tensor::from_i64(&[0])?,
+        };
+        let inner = py.detach(|| no_grad(|| crate::gemma4::media::Encoder::load(&model_dir, like, dtype)))?;
+        Ok(Encoder { inner })
+    }
+
+    /// The inputs this checkpoint takes besides text: a subset of ["image", "audio"].
+    #[getter]
+    fn modalities(&self) -> Vec<&'static str> {
+        self.inner.modalities()
+    }
+
+    /// The text model's hidden size: the width of every soft token.
+    #[getter]
+    fn hidden_size(&self) -> i64 {
+        self.inner.text_hidden
+    }
+
+    #[getter]
+    fn image_token_id(&self) -> i64 {
+        self.inner.cfg.image_token_id
+    }
+
+    #[getter]
+    fn audio_token_id(&self) -> i64 {
+        self.inner.cfg.audio_token_id
+    }
+
+    #[getter]
+    fn boi_token_id(&self) -> i64 {
+        self.inner.cfg.boi_token_id
+    }
+
+    #[getter]
+    fn eoi_token_id(&self) -> i64 {
+        self.inner.cfg.eoi_token_id
+    }
+
+    #[getter]
+    fn boa_token_id(&self) -> i64 {
+        self.inner.cfg.boa_token_id
+    }
+
+    #[getter]
+    fn eoa_token_id(&self) -> i64 {
+        self.inner.cfg.eoa_token_id
+    }
+
+    /// Soft tokens of images (see gemma_engine.pyi): one `[soft_i, hidden_size]` tensor per image.
+    ///
+    /// Raises:
+    ///     ValueError: no vision tower, or inputs of the wrong shape (named).
+    fn image<'py>(
+        &mut self,
+        py: Python<'py>,
+        pixel_values: &Bound<'py, PyAny>,
+        position_ids: &Bound<'py, PyAny>,
+    ) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        let (pixels, positions) = (tensor_arg(pixel_values, "pixel_values")?, tensor_arg(position_ids, "position_ids")?);
+        let inner = &mut self.inner;
+        let out = py.detach(move || no_grad(|| inner.image(&pixels, &positions)))?;
+        out.iter().map(|t| t.to_python(py)).collect()
+    }
+
+    /// Soft tokens of audio clips (see gemma_engine.pyi): one `[soft_i, hidden_size]` tensor per clip.
+    ///
+    /// Raises:
+    ///     ValueError: no audio tower, or inputs of the wrong shape (named).
+    fn audio<'py>(
+        &mut self,
+        py: Python<'py>,
+        features: &Bound<'py, PyAny>,
+        mask: &Bound<'py, PyAny>,
+    ) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        let (features, mask) = (tensor_arg(features, "features")?, tensor_arg(mask, "mask")?);
+        let inner = &mut self.inner;
+        let out = py.detach(move || no_grad(|| inner.audio(&features, &mask)))?;
+        out.iter().map(|t| t.to_python(py)).collect()
     }
 }
 
@@ -549,6 +668,7 @@ fn gemma_engine_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(attention, m)?)?;
     m.add_class::<Engine>()?;
+    m.add_class::<Encoder>()?;
     m.add_class::<PySamplingParams>()?;
     m.add_class::<PyRequest>()?;
     m.add_class::<PyGrammars>()?;

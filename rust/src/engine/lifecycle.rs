@@ -3,6 +3,7 @@
 //! which frees the slot.
 
 use super::{Engine, Fault};
+use crate::engine::media;
 use crate::engine::prefix::{Hit, Mark};
 use crate::engine::request::{Event, Finish, Request, Timing};
 use crate::engine::slots::{End, Phase, Slot};
@@ -22,8 +23,12 @@ impl Engine {
         if free.is_empty() {
             return refuse(&r, format!("all {} slots are busy", self.max_batch));
         }
+        // The prompt as the prefix cache sees it: media by their content (media.rs).
+        let keyed = media::keyed(&r.prompt, &r.media).into_owned();
         let reading_it = |x: &Option<Slot>| {
-            x.as_ref().is_some_and(|x| matches!(x.phase, Phase::Prompt { .. }) && x.request.prompt == r.prompt)
+            x.as_ref().is_some_and(|x| {
+                matches!(x.phase, Phase::Prompt { .. }) && *media::keyed(&x.request.prompt, &x.request.media) == keyed[..]
+            })
         };
         let leader = self.slots.all().iter().position(reading_it);
         let (s, hit) = match &self.prefix {
@@ -32,7 +37,7 @@ impl Engine {
                 // A request scored at every prompt position takes no hit (vLLM skips the cache for
                 // prompt_logprobs too); a follower copies its leader's rings.
                 let wants = leader.is_none() && r.prompt_logprobs.is_none();
-                let hit = if wants { p.best(&free, &r.prompt, &r.cache_salt) } else { None };
+                let hit = if wants { p.best(&free, &keyed, &r.cache_salt) } else { None };
                 (p.target(&free, hit.as_ref()), hit)
             }
         };
@@ -101,6 +106,9 @@ impl Engine {
     pub(super) fn place(&mut self, s: usize, r: &Request) -> Result<Tensor> {
         if self.fault == Some((Fault::Admit, r.id)) {
             return Err(self.take_fault());
+        }
+        for m in &r.media {
+            m.place(&self.like, self.model.dtype())?;
         }
         let prompt = Tensor::from_i64(&r.prompt)?.to_like(&self.like, DType::I64)?;
         self.sampler.assign(s as i64, &r.params, &prompt, r.grammar.is_some())?;

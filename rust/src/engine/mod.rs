@@ -64,6 +64,7 @@
 
 pub mod grammar;
 mod lifecycle;
+pub mod media;
 pub mod memory;
 pub mod one_request;
 mod prefix;
@@ -84,6 +85,7 @@ use std::time::Instant;
 use rayon::prelude::*;
 
 use crate::engine::grammar::{Constraint, Grammars};
+use crate::engine::media::Injection;
 use crate::engine::prefix::PrefixCache;
 use crate::engine::prompt_logprobs::Piece;
 use crate::engine::read_point::Drawn;
@@ -332,7 +334,9 @@ impl Engine {
         if r.grammar.is_some() && self.grammars.is_none() {
             return Err(Error::Input("grammar: this engine was built without grammars (Engine(grammars=...))".into()));
         }
-        self.check_prompt(&r.prompt)
+        self.check_prompt(&r.prompt)?;
+        let cfg = &self.model.cfg;
+        media::check(&r.media, &r.prompt, cfg.hidden_size, &cfg.media_token_ids)
     }
 
     /// `r`'s grammar compiled, when it has one (`check_request` has seen that there are grammars).
@@ -343,17 +347,25 @@ impl Engine {
         }
     }
 
-    /// float32 next-token logits after `ids`, read into slot 0 from empty, on the host as a tensor.
-    /// Slot 0's rings are overwritten, so what the prefix cache knew of them is dropped.
-    pub fn logits(&mut self, ids: &[i64]) -> Result<Tensor> {
+    /// float32 next-token logits after `ids` with soft tokens `media` (engine/media.rs), read into slot
+    /// 0 from empty, on the host as a tensor. Slot 0's rings are overwritten, so what the prefix cache
+    /// knew of them is dropped.
+    pub fn logits(&mut self, ids: &[i64], media: &[media::Media]) -> Result<Tensor> {
         self.check_prompt(ids)?;
+        let cfg = &self.model.cfg;
+        media::check(media, ids, cfg.hidden_size, &cfg.media_token_ids)?;
+        for m in media {
+            m.place(&self.like, self.model.dtype())?;
+        }
         if let Some(p) = self.prefix.as_mut() {
             p.drop_history(0);
         }
         let prompt = Tensor::from_i64(ids)?.to_like(&self.like, DType::I64)?;
         let mut done = 0;
         loop {
-            let (logits, read, _) = self.prompt_chunk(0, &prompt, ids, done, None, None)?;
+            let end = self.chunk_end(ids.len(), done, None);
+            let inject = media::injection(&[(media, done, end, 0)], &self.like, self.model.dtype())?;
+            let (logits, read, _) = self.prompt_chunk(0, &prompt, ids, done, None, None, inject.as_ref())?;
             done += read;
             if let Some(l) = logits {
                 // A tensor built from host bytes lives on the host: it names where the logits go.
@@ -363,10 +375,18 @@ impl Engine {
         }
     }
 
+    /// Where the chunk of an `n`-token prompt read from `done` ends: `prefill_chunk` tokens on, or the
+    /// prompt's end, or `boundary` when it lies ahead.
+    fn chunk_end(&self, n: usize, done: usize, boundary: Option<usize>) -> usize {
+        let end = (done + self.prefill_chunk as usize).min(n);
+        boundary.filter(|b| *b > done).map_or(end, |b| end.min(b))
+    }
+
     /// Read the next chunk of `slot`'s prompt (`prompt` on the device, `ids_host` on the host, `done`
-    /// tokens read; a chunk ends at `boundary` when it lies ahead). Returns the
-    /// last position's logits `[1, vocab]` once the whole prompt is read, the tokens read, and the
+    /// tokens read; the chunk ends at `chunk_end`), with the soft tokens `inject` places in it. Returns
+    /// the last position's logits `[1, vocab]` once the whole prompt is read, the tokens read, and the
     /// chunk's scored rows when `prompt_k` is Some (`prompt_logprobs`).
+    #[allow(clippy::too_many_arguments)]
     fn prompt_chunk(
         &mut self,
         slot: i64,
@@ -375,10 +395,10 @@ impl Engine {
         done: usize,
         prompt_k: Option<i64>,
         boundary: Option<usize>,
+        inject: Option<&Injection>,
     ) -> Result<(Option<Tensor>, usize, Option<Piece>)> {
         let n = ids_host.len();
-        let end = (done + self.prefill_chunk as usize).min(n);
-        let end = boundary.filter(|b| *b > done).map_or(end, |b| end.min(b));
+        let end = self.chunk_end(n, done, boundary);
         let t = (end - done) as i64;
         let ids = prompt.narrow(0, done as i64, t)?;
         let pos = Positions::chunk(done as i64, end as i64, &self.like)?;
@@ -386,12 +406,12 @@ impl Engine {
         let rows = Rows::one(slot);
         let Some(k) = prompt_k else {
             let output = if end == n { Output::Logits } else { Output::Nothing };
-            let logits = self.model.forward(&mut self.cache, rows, &ids, &pos, &Liveness::AllLive, fill, output)?;
+            let logits = self.model.forward(&mut self.cache, rows, &ids, &pos, &Liveness::AllLive, fill, output, inject)?;
             return Ok((logits, end - done, None));
         };
         let hidden = self
             .model
-            .forward(&mut self.cache, rows, &ids, &pos, &Liveness::AllLive, fill, Output::Hidden)?
+            .forward(&mut self.cache, rows, &ids, &pos, &Liveness::AllLive, fill, Output::Hidden, inject)?
             .ok_or_else(|| Error::Internal("a prompt forward returned no hidden states".into()))?;
         let piece = prompt_logprobs::compute(&self.model, &hidden, &prompt_logprobs::chunk(ids_host, done, end), k)?;
         let logits = if end == n { Some(self.model.head(&self.model.last_rows(&hidden, 1, t)?)?) } else { None };

@@ -2,6 +2,7 @@
 //! prompt's last chunk, its followers' copies, its first token and the start of its decoding.
 
 use super::Engine;
+use crate::engine::media;
 use crate::engine::prefix::Mark;
 use crate::engine::prompt_logprobs;
 use crate::engine::read_point::Drawn;
@@ -24,7 +25,10 @@ impl Engine {
         let prompt = slot.prompt.shallow_clone()?;
         let ids = slot.request.prompt.clone();
         let boundary = slot.request.cache_boundary;
-        let (logits, read, piece) = self.prompt_chunk(s as i64, &prompt, &ids, done, k, boundary)?;
+        let end = self.chunk_end(ids.len(), done, boundary);
+        let media = self.slots.get(s).map(|x| x.request.media.as_slice()).unwrap_or_default();
+        let inject = media::injection(&[(media, done, end, 0)], &self.like, self.model.dtype())?;
+        let (logits, read, piece) = self.prompt_chunk(s as i64, &prompt, &ids, done, k, boundary, inject.as_ref())?;
         let slot = self.slots.get_mut(s)?;
         slot.phase = Phase::Prompt { done: done + read };
         slot.prompt_pieces.extend(piece);
@@ -57,9 +61,19 @@ impl Engine {
         let live = Liveness::Padding(device(&padded.live, DType::Bool)?.reshape(&[rows.len, 1, t])?);
         let wants: Vec<(usize, i64)> = group.iter().filter_map(|&s| self.prompt_k(s).map(|k| (s, k))).collect();
         let output = if wants.is_empty() { Output::Logits } else { Output::Hidden };
+        // Each row's soft tokens at its prompt's columns, right-aligned as the ids are.
+        let placed: Vec<(&[_], usize, usize, i64)> = group
+            .iter()
+            .filter_map(|&s| self.slots.get(s).map(|x| (s, x)))
+            .map(|(s, x)| {
+                let n = x.request.prompt.len();
+                (x.request.media.as_slice(), 0, n, (s - lo) as i64 * t + (t - n as i64))
+            })
+            .collect();
+        let inject = media::injection(&placed, &self.like, self.model.dtype())?;
         let out = self
             .model
-            .forward(&mut self.cache, rows, &ids, &pos, &live, Fill::Empty, output)?
+            .forward(&mut self.cache, rows, &ids, &pos, &live, Fill::Empty, output, inject.as_ref())?
             .ok_or_else(|| Error::Internal("a prompt forward returned no logits".into()))?;
         let logits = if wants.is_empty() {
             out.shallow_clone()?

@@ -8,6 +8,7 @@
 //! are bounded so that no single request can make those the cost of a step. The server's protocol
 //! reads these numbers for its JSON schema.
 
+use crate::engine::media::Media;
 use crate::engine::sampling::SamplingParams;
 use crate::error::{Error, Result};
 
@@ -84,6 +85,8 @@ pub struct Request {
     /// requests that share the prompt up to there (engine/prefix.rs): the end of the system turn and
     /// tool declarations that every user of an agent shares.
     pub cache_boundary: Option<usize>,
+    /// Soft tokens of images and audio in the prompt, sorted by position (engine/media.rs).
+    pub media: Vec<Media>,
 }
 
 impl Request {
@@ -220,6 +223,7 @@ mod tests {
             prompt_logprobs: None,
             cache_salt: None,
             cache_boundary: None,
+            media: Vec::new(),
         };
         assert!(r(LIMITS.max_stop_token_ids).check(100).is_ok());
         let e = r(LIMITS.max_stop_token_ids + 1).check(100).unwrap_err().to_string();

@@ -13,6 +13,7 @@
 use std::time::Instant;
 
 use crate::engine::grammar::Constraint;
+use crate::engine::media;
 use crate::engine::prompt_logprobs::Piece;
 use crate::engine::request::{Event, Finish, Request, Timing, TokenLogprobs};
 use crate::engine::schedule::followers;
@@ -129,7 +130,7 @@ impl Slot {
     /// tokens drawn since the last read point are not known here, so then `written` is more than the
     /// tokens known.
     pub(super) fn history(&self) -> (Vec<i64>, usize) {
-        let prompt = &self.request.prompt;
+        let prompt = media::keyed(&self.request.prompt, &self.request.media);
         match self.phase {
             Phase::Prompt { done } => (prompt[..done].to_vec(), done),
             Phase::Follow { .. } => (Vec::new(), 0),

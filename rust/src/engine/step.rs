@@ -80,7 +80,7 @@ pub(super) fn step(
         let v = slots.views(b)?;
         let live = if padded { Liveness::Padding(v.live3.shallow_clone()?) } else { Liveness::AllLive };
         let logits = model
-            .forward(cache, Rows::first(b), &v.next, &v.pos, &live, Fill::Partial, Output::Logits)?
+            .forward(cache, Rows::first(b), &v.next, &v.pos, &live, Fill::Partial, Output::Logits, None)?
             .ok_or_else(|| Error::Internal("a decode step returned no logits".into()))?;
         let chosen = sampler.choose(&logits, 0, b)?;
         // Only decoding rows move on; padding rows keep their position and sampling state.

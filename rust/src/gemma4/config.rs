@@ -86,6 +86,12 @@ pub struct Config {
     pub rms_norm_eps: f64,
     pub tie_word_embeddings: bool,
     pub eos_ids: Vec<i64>,
+    /// The pad id, which media positions read before their soft tokens replace them (M:2313-2321).
+    pub pad_token_id: i64,
+    /// The placeholder ids of the media the checkpoint's towers take (`image_token_id` with a
+    /// `vision_config`, `audio_token_id` with an `audio_config`; Gemma4Config's defaults); empty for text
+    /// only.
+    pub media_token_ids: Vec<i64>,
     pub quant: Option<QuantSpec>,
     pub moe: Option<MoeSpec>,
 }
@@ -360,10 +366,23 @@ impl Config {
             rms_norm_eps,
             tie_word_embeddings,
             eos_ids,
+            pad_token_id: get(m, "pad_token_id").map_or(Ok(0), |_| int(m, "pad_token_id"))?,
+            media_token_ids: media_token_ids(root)?,
             quant: quant_spec(root)?,
             moe: moe_spec(m)?,
         })
     }
+}
+
+/// The placeholder ids of the towers a multimodal config.json declares (`Config::media_token_ids`).
+fn media_token_ids(root: &Map<String, Value>) -> Result<Vec<i64>> {
+    let mut ids = Vec::new();
+    for (tower, key, default) in [("vision_config", "image_token_id", 258_880), ("audio_config", "audio_token_id", 258_881)] {
+        if get(root, tower).is_some() {
+            ids.push(get(root, key).map_or(Ok(default), |_| int(root, key))?);
+        }
+    }
+    Ok(ids)
 }
 
 /// The model types whose text model the engine computes: Gemma 4 (`gemma4`, `gemma4_text`) and the 12B

@@ -11,10 +11,12 @@
 //! those two files of that release as `M:<lines>` (modeling) and `C:<lines>` (configuration).
 
 pub mod attention;
+pub mod audio;
 pub mod cache;
 pub mod config;
 pub mod layer;
 pub mod linear;
+pub mod media;
 pub mod mlp;
 pub mod model;
 pub mod moe;
@@ -22,4 +24,5 @@ pub mod norm;
 pub mod parallel;
 pub mod rope;
 pub mod scratch;
+pub mod vision;
 pub mod weights;

@@ -13,6 +13,7 @@
 //! carries the softcap's 1 / cap and, when lm_head is that (tied) table, 1 / sqrt(H).
 
 use crate::error::{Error, Result};
+use crate::engine::media::Injection;
 use crate::ffi::aten_calls;
 use crate::gemma4::attention::{Attended, Fill, Liveness, Plan, Positions};
 use crate::gemma4::cache::Rows;
@@ -177,10 +178,38 @@ impl Model {
         ctx.add(&tok)?.mul_scalar(0.5f64.sqrt())?.unbind(1)
     }
 
+    /// The embeddings of flat `ids` and, with per-layer inputs, those. With `inject`, the media rows
+    /// read the pad id and then take the soft tokens (M:2310-2390): the embedding table's and the
+    /// per-layer table's pad rows, the soft tokens in place of the first, and the per-layer projection
+    /// of the merged embeddings.
+    fn embed(&self, ids: &Tensor, inject: Option<&Injection>) -> Result<(Tensor, Option<Vec<Tensor>>)> {
+        let padded;
+        let ids = match inject {
+            Some(inj) => {
+                let pad = Tensor::full(&inj.index.size()?, self.cfg.pad_token_id as f64, DType::I64, ids)?;
+                padded = ids.index_copy(0, &inj.index, &pad)?;
+                &padded
+            }
+            None => ids,
+        };
+        let x0 = self.embed_tokens.index_select(0, ids)?;
+        let x0 = if self.folded { x0 } else { x0.mul(&self.embed_scale)? };
+        let x0 = match inject {
+            Some(inj) => x0.index_copy(0, &inj.index, &inj.embeds)?,
+            None => x0,
+        };
+        let ple = match &self.per_layer {
+            Some(pl) => Some(self.per_layer_inputs(pl, ids, &x0)?),
+            None => None,
+        };
+        Ok((x0, ple))
+    }
+
     /// Run tokens `ids` at positions `pos` (`[rows, T]` int64 on the device, and `ids` flat,
     /// `[rows * T]`) of the slots `rows` through the model, writing their keys into `cache`; `live`
-    /// says which rows are real. Returns each row's next-token logits `[rows, vocab]` (after
-    /// softcap, compute dtype) for `Output::Logits`, or the hidden states for `Output::Hidden`.
+    /// says which rows are real; `inject` puts soft tokens of media at some of the flat rows
+    /// (`embed`). Returns each row's next-token logits `[rows, vocab]` (after softcap, compute dtype)
+    /// for `Output::Logits`, or the hidden states for `Output::Hidden`.
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &mut self,
@@ -191,16 +220,12 @@ impl Model {
         live: &Liveness,
         fill: Fill,
         output: Output,
+        inject: Option<&Injection>,
     ) -> Result<Option<Tensor>> {
         let n = rows.len;
         let t = ids.size()?[0] / n;
         cache.prepare(rows)?;
-        let x0 = self.embed_tokens.index_select(0, ids)?;
-        let x0 = if self.folded { x0 } else { x0.mul(&self.embed_scale)? };
-        let ple = match &self.per_layer {
-            Some(pl) => Some(self.per_layer_inputs(pl, ids, &x0)?),
-            None => None,
-        };
+        let (x0, ple) = self.embed(ids, inject)?;
         // Shards on one device share the first one's plans (their rings have one geometry).
         let planned = if self.local { 1 } else { self.likes.len() };
         let mut plans: Vec<[Option<Plan>; 2]> = Vec::with_capacity(planned);

@@ -499,6 +499,15 @@ impl Weights {
         Ok(Weights::new(main, emb, like, dtype, int4, onednn))
     }
 
+    /// Open `model_dir` for the media towers (gemma4/media.rs): names relative to `model.` (the
+    /// Gemma4ForConditionalGeneration layout: `vision_tower.*`, `embed_vision.*`, ...), dense ATen
+    /// linears in `dtype`, int4 weights dequantized at load.
+    pub fn open_media(model_dir: &Path, quant: Option<QuantSpec>, like: Tensor, dtype: DType) -> Result<Weights> {
+        let mut main = Checkpoint::open(model_dir, quant)?;
+        main.prefix = "model.";
+        Ok(Weights::new(main, None, like, dtype, Int4Path::Dequantized, false))
+    }
+
     fn new(
         main: Checkpoint,
         emb: Option<Checkpoint>,
