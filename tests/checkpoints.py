@@ -1081,10 +1081,12 @@ def build_multimodal_tokenizer() -> Tokenizer:
     return _byte_level_bpe(MULTIMODAL_SPECIAL_TOKENS, AGENT_VOCAB_SIZE, _AGENT_CORPUS, use_regex=False)
 
 
-def tiny_multimodal_config() -> PreTrainedConfig:
+def tiny_multimodal_config(bidirectional: bool = False) -> PreTrainedConfig:
     """A small ``Gemma4Config`` with both towers (Transformers 5.18 ``configuration_gemma4.py``).
 
-    Text: ``agent_text_config`` (E-series features, no bidirectional attention, as E2B/E4B). Vision: 2 layers,
+    Text: ``agent_text_config`` (E-series features, no bidirectional attention, as E2B/E4B; with
+    `bidirectional`, ``use_bidirectional_attention="vision"`` as the larger Gemma 4 models set it: sliding
+    layers read an image's soft tokens both ways). Vision: 2 layers,
     hidden 64, 2 heads of 32, 4-pixel patches pooled 2x2, a 64-entry position table, clipped linears and
     standardisation on. Audio: 2 conformer layers, hidden 64, 2 heads, subsampling channels (128, 8) over the
     feature extractor's 128 mel bins, chunks of 12 with 12 frames of left context, output 96. Media ids are
@@ -1100,8 +1102,9 @@ def tiny_multimodal_config() -> PreTrainedConfig:
     audio = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, subsampling_conv_channels=[128, 8],
                  conv_kernel_size=5, attention_chunk_size=12, attention_context_left=13, attention_context_right=0,
                  output_proj_dims=96, use_clipped_linears=True)
+    text = agent_text_config(use_bidirectional_attention="vision" if bidirectional else None)
     return Gemma4Config(
-        text_config=agent_text_config().to_dict(), vision_config=vision, audio_config=audio,
+        text_config=text.to_dict(), vision_config=vision, audio_config=audio,
         image_token_id=ids["<|image|>"], audio_token_id=ids["<|audio|>"], video_token_id=ids["<|video|>"],
         boi_token_id=ids["<|image>"], eoi_token_id=ids["<image|>"], boa_token_id=ids["<|audio>"],
         eoa_token_index=ids["<audio|>"],
@@ -1126,13 +1129,13 @@ def _init_media_tensor(name: str, shape: torch.Size, gen: torch.Generator) -> to
     raise ValueError(f"no init rule for tensor {name} of shape {tuple(shape)}")
 
 
-def random_multimodal_model(seed: int = MULTIMODAL_SEED):
+def random_multimodal_model(seed: int = MULTIMODAL_SEED, bidirectional: bool = False):
     """A deterministic random float32 ``Gemma4ForConditionalGeneration`` (``tiny_multimodal_config``) with
     bf16-representable weights: the text model's as ``random_model`` draws them, then the towers' parameters and
     their persistent buffers (clip bounds, standardisation) in sorted-name order from one generator."""
     from transformers import Gemma4ForConditionalGeneration
 
-    config = tiny_multimodal_config()
+    config = tiny_multimodal_config(bidirectional)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Gemma4ForConditionalGeneration(config)
@@ -1157,7 +1160,8 @@ def random_multimodal_model(seed: int = MULTIMODAL_SEED):
     return model
 
 
-def save_multimodal(out_dir: str | Path, template: str, seed: int = MULTIMODAL_SEED) -> Path:
+def save_multimodal(out_dir: str | Path, template: str, seed: int = MULTIMODAL_SEED,
+                    bidirectional: bool = False) -> Path:
     """Write a checkpoint with both towers as the hub lays Gemma 4 out: ``Gemma4ForConditionalGeneration``
     weights in bf16 (``model.language_model.*``, ``model.vision_tower.*``, ``model.audio_tower.*``,
     ``model.embed_vision.*``, ``model.embed_audio.*``), the tokenizer with MULTIMODAL_SPECIAL_TOKENS (its
@@ -1165,7 +1169,7 @@ def save_multimodal(out_dir: str | Path, template: str, seed: int = MULTIMODAL_S
     template, and Transformers' own processor configuration (``Gemma4Processor`` with the Pillow image
     processor at 4-pixel patches, 2x2 pooling and at most MULTIMODAL_MAX_SOFT_TOKENS soft tokens, and the
     default ``Gemma4AudioFeatureExtractor``; the video processor the class requires, at the same patches), saved
-    by ``save_pretrained``.
+    by ``save_pretrained``. `bidirectional`: see ``tiny_multimodal_config``.
     """
     from transformers.models.gemma4 import Gemma4Processor
     from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
@@ -1174,7 +1178,7 @@ def save_multimodal(out_dir: str | Path, template: str, seed: int = MULTIMODAL_S
 
     out_dir = Path(out_dir)
     with one_thread():
-        random_multimodal_model(seed).to(torch.bfloat16).save_pretrained(out_dir)
+        random_multimodal_model(seed, bidirectional).to(torch.bfloat16).save_pretrained(out_dir)
     extra = [t for t in MULTIMODAL_SPECIAL_TOKENS if t not in ("<pad>", "<bos>", "<turn|>")]
     _save_tokenizer(out_dir, build_multimodal_tokenizer(), AGENT_VOCAB_SIZE, "<turn|>", extra, template)
     config_path = out_dir / "tokenizer_config.json"
@@ -1273,6 +1277,15 @@ def multimodal_checkpoint(tmp_path_factory) -> Path:
     from tests.fetch_chat_templates import TOOL_ROLE, template_path
 
     return save_multimodal(tmp_path_factory.mktemp("multimodal"), template_path(TOOL_ROLE).read_text())
+
+
+@pytest.fixture(scope="session")
+def multimodal_bidirectional_checkpoint(tmp_path_factory) -> Path:
+    """``multimodal_checkpoint`` with ``use_bidirectional_attention="vision"``, as the 31B and 26B-A4B set it."""
+    from tests.fetch_chat_templates import TOOL_ROLE, template_path
+
+    return save_multimodal(tmp_path_factory.mktemp("multimodal-bidirectional"), template_path(TOOL_ROLE).read_text(),
+                           bidirectional=True)
 
 
 @pytest.fixture(scope="session")

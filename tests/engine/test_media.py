@@ -4,7 +4,9 @@ on the tiny checkpoint with both towers (tests/checkpoints.py `save_multimodal`)
 The prompts are what Transformers' own Gemma4Processor makes of a chat with images; the reference is the
 plain `Gemma4ForConditionalGeneration.from_pretrained(dir, dtype=torch.float32)` with `generate`. The
 engine gets the same ids and the soft tokens of `gemma_engine.Encoder`, placed over the image
-placeholders (`Request(media=...)`). Audio prompts are in test_audio_tower.py.
+placeholders (`Request(media=...)`). Audio prompts are in test_audio_tower.py. A second checkpoint sets
+`use_bidirectional_attention="vision"`, as the larger Gemma 4 models do: its sliding layers read an image's
+soft tokens both ways, and the engine's prompt chunks never cut an image.
 """
 
 import hashlib
@@ -23,16 +25,21 @@ CONTEXT = 512
 MIN_MARGIN = 1e-3
 
 
-@pytest.fixture(scope="module")
-def mm(multimodal_checkpoint):
-    """The checkpoint's processor (Gemma4Processor), reference, encoder and a float32 engine."""
-    d = str(multimodal_checkpoint)
+def load(d, **engine_kwargs) -> dict:
+    """A checkpoint's processor (Gemma4Processor), reference, encoder and a float32 engine."""
+    d = str(d)
     return {
         "processor": AutoProcessor.from_pretrained(d),
         "reference": ck.load_multimodal_reference(d),
         "encoder": gemma_engine.Encoder(d, dtype="float32"),
-        "engine": gemma_engine.Engine(d, dtype="float32", like=torch.zeros(1), context=CONTEXT, max_batch=4),
+        "engine": gemma_engine.Engine(d, dtype="float32", like=torch.zeros(1), context=CONTEXT, max_batch=4,
+                                      **engine_kwargs),
     }
+
+
+@pytest.fixture(scope="module")
+def mm(multimodal_checkpoint):
+    return load(multimodal_checkpoint)
 
 
 def chat_inputs(processor, images, text):
@@ -195,3 +202,30 @@ def test_media_that_break_the_rules_end_the_request_with_an_error_naming_them(mm
     with pytest.raises(ValueError, match="no vision tower"):
         gemma_engine.Encoder(str(agent_checkpoint), dtype="float32").image(torch.zeros(1, 4, 48),
                                                                            torch.zeros(1, 4, 2, dtype=torch.long))
+
+
+@pytest.mark.parametrize("chunk", [16, 256])
+def test_with_bidirectional_image_attention_prompts_read_in_chunks_or_groups_give_transformers_tokens(
+        multimodal_bidirectional_checkpoint, chunk):
+    """`use_bidirectional_attention="vision"`: Transformers' sliding layers let an image's soft tokens see
+    each other (`create_masks_for_vision_model`, fed the processor's mm_token_type_ids). The engine matches it
+    with 16-token chunks (each image read in one chunk past the budget) and with whole prompts read
+    together, and the same prompts read causally would not."""
+    mb = load(multimodal_bidirectional_checkpoint, prefill_chunk=chunk)
+    engine, eos = mb["engine"], set(mb["engine"].eos_ids)
+    images = [[ck.test_image(40, 30, 0)], [ck.test_image(20, 36, 1), ck.test_image(48, 48, 2)]]
+    requests, expected = [], {}
+    for i, imgs in enumerate(images):
+        inputs = chat_inputs(mb["processor"], imgs, "What is in this picture?")
+        tokens, logits = reference_greedy(mb["reference"], inputs)
+        assert ck.top2_margins(logits).min().item() > MIN_MARGIN
+        ids, media = inputs["input_ids"][0].tolist(), media_of(mb["encoder"], inputs, imgs)
+        requests.append(gemma_engine.Request(i, ids, MAX_NEW, media=media))
+        expected[i] = until_eos(tokens, eos)
+        assert kl(logits[0], engine.logits(ids, media=media)) <= 1e-5
+        causal = dict(inputs)
+        causal.pop("mm_token_type_ids")
+        assert reference_greedy(mb["reference"], causal, 4)[0] != tokens[:4] or kl(
+            logits[0], reference_greedy(mb["reference"], causal, 1)[1][0]) > 1e-3
+    served = serve(engine, requests)
+    assert {i: r.tokens for i, r in served.results.items()} == expected

@@ -19,6 +19,7 @@ impl Engine {
         if let Err(e) = self.check_request(&r) {
             return refuse(&r, e.to_string());
         }
+        media::mark_both_ways(&mut r.media, &r.prompt, &self.model.cfg.bidirectional_ids);
         let free = self.slots.free_list();
         if free.is_empty() {
             return refuse(&r, format!("all {} slots are busy", self.max_batch));

@@ -29,6 +29,8 @@ pub struct Media {
     embeds: Arc<Mutex<Tensor>>,
     /// The content's key (a hash of its bytes): equal keys, equal soft tokens.
     pub key: u64,
+    /// Sliding layers read these soft tokens both ways (`mark_both_ways`).
+    pub both_ways: bool,
 }
 
 impl std::fmt::Debug for Media {
@@ -40,7 +42,7 @@ impl std::fmt::Debug for Media {
 
 impl Media {
     pub fn new(start: usize, embeds: Tensor, key: u64) -> Media {
-        Media { start, embeds: Arc::new(Mutex::new(embeds)), key }
+        Media { start, embeds: Arc::new(Mutex::new(embeds)), key, both_ways: false }
     }
 
     /// A handle on the soft tokens.
@@ -66,6 +68,30 @@ pub struct Injection {
     pub index: Tensor,
     /// `[m, hidden]` in the compute dtype on the device.
     pub embeds: Tensor,
+    /// int64 `[rows, T]`: for each token of the forward the block it reads both ways (its item's start),
+    /// or -1; None when no item of the forward is read both ways.
+    pub blocks: Option<Tensor>,
+}
+
+/// Mark the items whose placeholder is one of `bidirectional` (the config's `bidirectional_ids`): images
+/// of a checkpoint whose sliding layers read an image both ways. `check` has passed.
+pub fn mark_both_ways(media: &mut [Media], prompt: &[i64], bidirectional: &[i64]) {
+    for m in media {
+        m.both_ways = bidirectional.contains(&prompt[m.start]);
+    }
+}
+
+/// Where a prompt chunk from `done` that would end at `end` must end so that no item read both ways is
+/// cut: at such an item's start when the chunk reaches into it from before, else at its end (a chunk
+/// that starts inside or at it reads it whole, past the chunk budget if it must).
+pub fn chunk_end(media: &[Media], done: usize, end: usize) -> Result<usize> {
+    for m in media.iter().filter(|m| m.both_ways) {
+        let stop = m.start + m.rows()?;
+        if m.start < end && end < stop {
+            return Ok(if m.start > done { m.start } else { stop });
+        }
+    }
+    Ok(end)
 }
 
 /// The checks on a request's media against its prompt: sorted, apart, inside the prompt, each
@@ -149,8 +175,31 @@ fn pieces(media: &[Media], from: usize, to: usize, offset: i64) -> Result<(Vec<i
     Ok((index, parts))
 }
 
-/// One forward's injection from `(media, from, to, offset)` per row; None when no row has media there.
-pub fn injection(rows: &[(&[Media], usize, usize, i64)], like: &Tensor, dtype: DType) -> Result<Option<Injection>> {
+/// The block of each flat row of a forward of `total` rows (`Injection::blocks`), or None when no item
+/// there is read both ways.
+fn blocks(rows: &[(&[Media], usize, usize, i64)], total: usize) -> Result<Option<Vec<i64>>> {
+    let mut out: Option<Vec<i64>> = None;
+    for &(media, from, to, offset) in rows {
+        for m in media.iter().filter(|m| m.both_ways) {
+            let (a, b) = (m.start.max(from), (m.start + m.rows()?).min(to));
+            let ids = out.get_or_insert_with(|| vec![-1; total]);
+            for p in a..b {
+                ids[(offset + (p - from) as i64) as usize] = m.start as i64;
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// One forward's injection from `(media, from, to, offset)` per row (the soft tokens of prompt positions
+/// `from..to` of that row's media at flat rows `offset..`), the forward `[rows, t]`; None when no row has
+/// media there.
+pub fn injection(
+    rows: &[(&[Media], usize, usize, i64)],
+    shape: [i64; 2],
+    like: &Tensor,
+    dtype: DType,
+) -> Result<Option<Injection>> {
     let (mut index, mut parts) = (Vec::new(), Vec::new());
     for &(media, from, to, offset) in rows {
         let (i, p) = pieces(media, from, to, offset)?;
@@ -161,7 +210,11 @@ pub fn injection(rows: &[(&[Media], usize, usize, i64)], like: &Tensor, dtype: D
         return Ok(None);
     }
     let embeds = Tensor::cat(&parts.iter().collect::<Vec<_>>(), 0)?.to_like(like, dtype)?;
-    Ok(Some(Injection { index: Tensor::from_i64(&index)?.to_like(like, DType::I64)?, embeds }))
+    let blocks = match blocks(rows, (shape[0] * shape[1]) as usize)? {
+        Some(b) => Some(Tensor::from_i64(&b)?.to_like(like, DType::I64)?.reshape(&shape)?),
+        None => None,
+    };
+    Ok(Some(Injection { index: Tensor::from_i64(&index)?.to_like(like, DType::I64)?, embeds, blocks }))
 }
 
 #[cfg(test)]
@@ -195,6 +248,19 @@ mod tests {
         assert!(e(&[item(1, 2, 1), item(1, 2, 2)]).contains("inside the item before"));
         assert!(e(&[item(1, 2, 1), item(4, 4, 2)]).contains("run past"));
         assert!(check(&[item(1, 2, 1)], &prompt, 4, &[]).unwrap_err().to_string().contains("text only"));
+    }
+
+    #[test]
+    fn chunks_never_cut_an_item_read_both_ways() {
+        let mut media = [item(10, 5, 1), item(20, 3, 2)];
+        assert_eq!(chunk_end(&media, 0, 12).unwrap(), 12);
+        media[0].both_ways = true;
+        assert_eq!(chunk_end(&media, 0, 12).unwrap(), 10);
+        assert_eq!(chunk_end(&media, 10, 12).unwrap(), 15);
+        assert_eq!(chunk_end(&media, 11, 14).unwrap(), 15);
+        assert_eq!(chunk_end(&media, 15, 21).unwrap(), 21);
+        let b = blocks(&[(&media[..], 8, 16, 0)], 8).unwrap().unwrap();
+        assert_eq!(b, vec![-1, -1, 10, 10, 10, 10, 10, -1]);
     }
 
     #[test]

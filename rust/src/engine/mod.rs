@@ -350,11 +350,12 @@ impl Engine {
     /// float32 next-token logits after `ids` with soft tokens `media` (engine/media.rs), read into slot
     /// 0 from empty, on the host as a tensor. Slot 0's rings are overwritten, so what the prefix cache
     /// knew of them is dropped.
-    pub fn logits(&mut self, ids: &[i64], media: &[media::Media]) -> Result<Tensor> {
+    pub fn logits(&mut self, ids: &[i64], mut media: Vec<media::Media>) -> Result<Tensor> {
         self.check_prompt(ids)?;
         let cfg = &self.model.cfg;
-        media::check(media, ids, cfg.hidden_size, &cfg.media_token_ids)?;
-        for m in media {
+        media::check(&media, ids, cfg.hidden_size, &cfg.media_token_ids)?;
+        media::mark_both_ways(&mut media, ids, &cfg.bidirectional_ids);
+        for m in &media {
             m.place(&self.like, self.model.dtype())?;
         }
         if let Some(p) = self.prefix.as_mut() {
@@ -363,9 +364,10 @@ impl Engine {
         let prompt = Tensor::from_i64(ids)?.to_like(&self.like, DType::I64)?;
         let mut done = 0;
         loop {
-            let end = self.chunk_end(ids.len(), done, None);
-            let inject = media::injection(&[(media, done, end, 0)], &self.like, self.model.dtype())?;
-            let (logits, read, _) = self.prompt_chunk(0, &prompt, ids, done, None, None, inject.as_ref())?;
+            let end = self.chunk_end(ids.len(), done, None, &media)?;
+            let shape = [1, (end - done) as i64];
+            let inject = media::injection(&[(&media, done, end, 0)], shape, &self.like, self.model.dtype())?;
+            let (logits, read, _) = self.prompt_chunk(0, &prompt, ids, done, end, None, inject.as_ref())?;
             done += read;
             if let Some(l) = logits {
                 // A tensor built from host bytes lives on the host: it names where the logits go.
@@ -376,16 +378,17 @@ impl Engine {
     }
 
     /// Where the chunk of an `n`-token prompt read from `done` ends: `prefill_chunk` tokens on, or the
-    /// prompt's end, or `boundary` when it lies ahead.
-    fn chunk_end(&self, n: usize, done: usize, boundary: Option<usize>) -> usize {
+    /// prompt's end, or `boundary` when it lies ahead; never inside an item of `media` read both ways
+    /// (media.rs `chunk_end`).
+    fn chunk_end(&self, n: usize, done: usize, boundary: Option<usize>, media: &[media::Media]) -> Result<usize> {
         let end = (done + self.prefill_chunk as usize).min(n);
-        boundary.filter(|b| *b > done).map_or(end, |b| end.min(b))
+        media::chunk_end(media, done, boundary.filter(|b| *b > done).map_or(end, |b| end.min(b)))
     }
 
-    /// Read the next chunk of `slot`'s prompt (`prompt` on the device, `ids_host` on the host, `done`
-    /// tokens read; the chunk ends at `chunk_end`), with the soft tokens `inject` places in it. Returns
-    /// the last position's logits `[1, vocab]` once the whole prompt is read, the tokens read, and the
-    /// chunk's scored rows when `prompt_k` is Some (`prompt_logprobs`).
+    /// Read positions `done..end` of `slot`'s prompt (`prompt` on the device, `ids_host` on the host),
+    /// with the soft tokens `inject` places in them. Returns the last position's logits `[1, vocab]` once
+    /// the whole prompt is read, the tokens read, and the chunk's scored rows when `prompt_k` is Some
+    /// (`prompt_logprobs`).
     #[allow(clippy::too_many_arguments)]
     fn prompt_chunk(
         &mut self,
@@ -393,12 +396,11 @@ impl Engine {
         prompt: &Tensor,
         ids_host: &[i64],
         done: usize,
+        end: usize,
         prompt_k: Option<i64>,
-        boundary: Option<usize>,
         inject: Option<&Injection>,
     ) -> Result<(Option<Tensor>, usize, Option<Piece>)> {
         let n = ids_host.len();
-        let end = self.chunk_end(n, done, boundary);
         let t = (end - done) as i64;
         let ids = prompt.narrow(0, done as i64, t)?;
         let pos = Positions::chunk(done as i64, end as i64, &self.like)?;

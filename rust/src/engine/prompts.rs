@@ -25,10 +25,11 @@ impl Engine {
         let prompt = slot.prompt.shallow_clone()?;
         let ids = slot.request.prompt.clone();
         let boundary = slot.request.cache_boundary;
-        let end = self.chunk_end(ids.len(), done, boundary);
         let media = self.slots.get(s).map(|x| x.request.media.as_slice()).unwrap_or_default();
-        let inject = media::injection(&[(media, done, end, 0)], &self.like, self.model.dtype())?;
-        let (logits, read, piece) = self.prompt_chunk(s as i64, &prompt, &ids, done, k, boundary, inject.as_ref())?;
+        let end = self.chunk_end(ids.len(), done, boundary, media)?;
+        let shape = [1, (end - done) as i64];
+        let inject = media::injection(&[(media, done, end, 0)], shape, &self.like, self.model.dtype())?;
+        let (logits, read, piece) = self.prompt_chunk(s as i64, &prompt, &ids, done, end, k, inject.as_ref())?;
         let slot = self.slots.get_mut(s)?;
         slot.phase = Phase::Prompt { done: done + read };
         slot.prompt_pieces.extend(piece);
@@ -70,7 +71,7 @@ impl Engine {
                 (x.request.media.as_slice(), 0, n, (s - lo) as i64 * t + (t - n as i64))
             })
             .collect();
-        let inject = media::injection(&placed, &self.like, self.model.dtype())?;
+        let inject = media::injection(&placed, [rows.len, t], &self.like, self.model.dtype())?;
         let out = self
             .model
             .forward(&mut self.cache, rows, &ids, &pos, &live, Fill::Empty, output, inject.as_ref())?

@@ -162,7 +162,9 @@ pub struct Plan {
 
 impl Plan {
     /// Plan a forward of `pos` for layers of `kind`, whose rings are `cache`'s. Computing it writes
-    /// nothing.
+    /// nothing. `blocks` (int64 `[rows, T]`, engine/media.rs `Injection::blocks`) lets a sliding layer's
+    /// queries see later keys of their own block (`bidirectional`).
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         kind: LayerType,
         pos: &Positions,
@@ -171,6 +173,7 @@ impl Plan {
         live: &Liveness,
         rope: &Rope,
         window: i64,
+        blocks: Option<&Tensor>,
     ) -> Result<Plan> {
         let writes = Writes::new(kind, pos, fill, cache.ring(kind), live)?;
         let sliding = (kind == LayerType::Sliding).then_some(window);
@@ -189,6 +192,13 @@ impl Plan {
                 visible(&keys(&Tensor::cat(&[&held, &pos.grid], 1)?)?, &pos.query, sliding)?
             }
         };
+        let mask = match (blocks, sliding, writes.source) {
+            (Some(b), Some(w), Source::Chunk | Source::RingAndChunk) => {
+                let ring_keys = mask.size()?[3] - pos.t;
+                bidirectional(&mask, b, &pos.grid, ring_keys, w)?
+            }
+            _ => mask,
+        };
         Ok(Plan { rope: rope.at(pos)?, mask, writes })
     }
 }
@@ -202,6 +212,26 @@ fn visible(k: &Tensor, q: &Tensor, window: Option<i64>) -> Result<Tensor> {
         Some(w) => keep.logical_and(&k.gt(&q.add_int(-w)?)?),
         None => Ok(keep),
     }
+}
+
+/// `mask` (`[rows, 1, T, ring_keys + T]`, the ring's keys first) with each query also seeing the later
+/// keys of its own block among the forward's: Transformers' sliding mask with a blockwise overlay,
+/// `(j <= i or block(i) == block(j) >= 0) and i - W < j` (masking_utils.py `blockwise_overlay`,
+/// `sliding_window_overlay`; modeling_gemma4.py `create_masks_for_vision_model`). A block never spans
+/// chunks (engine/media.rs `chunk_end`), so the ring's keys gain nothing.
+fn bidirectional(mask: &Tensor, blocks: &Tensor, grid: &Tensor, ring_keys: i64, window: i64) -> Result<Tensor> {
+    let [rows, t] = dims2(blocks)?;
+    let (bq, bk) = (blocks.reshape(&[rows, 1, t, 1])?, blocks.reshape(&[rows, 1, 1, t])?);
+    let same = bq.le(&bk)?.logical_and(&bk.le(&bq)?)?.logical_and(&bq.gt_scalar(-0.5)?)?;
+    let (q, k) = (grid.reshape(&[rows, 1, t, 1])?, grid.reshape(&[rows, 1, 1, t])?);
+    let chunk = same.logical_and(&k.gt(&q.add_int(-window)?)?)?;
+    let chunk = if ring_keys > 0 {
+        let none = Tensor::full(&[rows, 1, t, ring_keys], 0.0, DType::Bool, blocks)?;
+        Tensor::cat(&[&none, &chunk], 3)?
+    } else {
+        chunk
+    };
+    mask.logical_or(&chunk)
 }
 
 /// The keys and values in `layer`'s ring for `rows`, `[rows, kv_heads, ring + 1, d]` (views).

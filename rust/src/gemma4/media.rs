@@ -177,9 +177,6 @@ pub struct MediaConfig {
     pub eoi_token_id: i64,
     pub boa_token_id: i64,
     pub eoa_token_id: i64,
-    /// `text_config.use_bidirectional_attention == "vision"` (the 31B and 26B-A4B): sliding layers attend
-    /// both ways inside an image (M:2080-2140), which the engine's prompt reads do not do.
-    pub bidirectional_vision: bool,
 }
 
 impl MediaConfig {
@@ -191,9 +188,6 @@ impl MediaConfig {
                 Some(v) => v.as_object().map(Some).ok_or_else(|| Error::config(key, "must be an object")),
             }
         };
-        let text = section("text_config")?;
-        let bidirectional_vision =
-            text.and_then(|t| get(t, "use_bidirectional_attention")).and_then(|v| v.as_str()) == Some("vision");
         Ok(MediaConfig {
             vision: section("vision_config")?.map(VisionConfig::parse).transpose()?,
             audio: section("audio_config")?.map(AudioConfig::parse).transpose()?,
@@ -203,7 +197,6 @@ impl MediaConfig {
             eoi_token_id: int_or(root, "", "eoi_token_id", 258_882)?,
             boa_token_id: int_or(root, "", "boa_token_id", 256_000)?,
             eoa_token_id: int_or(root, "", "eoa_token_index", 258_883)?,
-            bidirectional_vision,
         })
     }
 }
@@ -313,13 +306,6 @@ impl Encoder {
     /// One `[soft_i, text_hidden]` tensor per image, in the compute dtype on the encoder's device.
     pub fn image(&self, pixel_values: &Tensor, position_ids: &Tensor) -> Result<Vec<Tensor>> {
         let (tower, embedder) = self.vision.as_ref().ok_or_else(|| Error::Input("this checkpoint has no vision tower: it does not take images".into()))?;
-        if self.cfg.bidirectional_vision {
-            return Err(Error::Input(
-                "this checkpoint's text model attends both ways inside an image (use_bidirectional_attention = \"vision\"); \
-                 the engine reads prompts causally, so it does not take images for it"
-                    .into(),
-            ));
-        }
         let pixels = pixel_values.to_like(&self.like, DType::F32)?;
         let positions = position_ids.to_like(&self.like, DType::I64)?;
         let host_positions = position_ids.to_dtype(DType::I64)?;

@@ -233,11 +233,17 @@ impl Model {
             let moved = if s == 0 { None } else { Some(pos.on(&self.likes[s])?) };
             let live_s = if s == 0 { None } else { Some(live.on(&self.likes[s])?) };
             let (pos_s, live_s) = (moved.as_ref().unwrap_or(pos), live_s.as_ref().unwrap_or(live));
+            let blocks = match inject.and_then(|i| i.blocks.as_ref()) {
+                Some(b) if s > 0 => Some(b.to_like(&self.likes[s], DType::I64)?),
+                Some(b) => Some(b.shallow_clone()?),
+                None => None,
+            };
             let mut per_type = [None, None];
             for kind in [LayerType::Sliding, LayerType::Full] {
                 if let Some(rope) = &self.ropes[s][kind.index()] {
                     let window = self.cfg.sliding_window;
-                    per_type[kind.index()] = Some(Plan::new(kind, pos_s, fill, shard_cache, live_s, rope, window)?);
+                    let plan = Plan::new(kind, pos_s, fill, shard_cache, live_s, rope, window, blocks.as_ref())?;
+                    per_type[kind.index()] = Some(plan);
                 }
             }
             plans.push(per_type);
