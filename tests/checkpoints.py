@@ -1161,7 +1161,7 @@ def random_multimodal_model(seed: int = MULTIMODAL_SEED, bidirectional: bool = F
 
 
 def save_multimodal(out_dir: str | Path, template: str, seed: int = MULTIMODAL_SEED,
-                    bidirectional: bool = False) -> Path:
+                    bidirectional: bool = False, w4a16_group: int | None = None) -> Path:
     """Write a checkpoint with both towers as the hub lays Gemma 4 out: ``Gemma4ForConditionalGeneration``
     weights in bf16 (``model.language_model.*``, ``model.vision_tower.*``, ``model.audio_tower.*``,
     ``model.embed_vision.*``, ``model.embed_audio.*``), the tokenizer with MULTIMODAL_SPECIAL_TOKENS (its
@@ -1169,7 +1169,10 @@ def save_multimodal(out_dir: str | Path, template: str, seed: int = MULTIMODAL_S
     template, and Transformers' own processor configuration (``Gemma4Processor`` with the Pillow image
     processor at 4-pixel patches, 2x2 pooling and at most MULTIMODAL_MAX_SOFT_TOKENS soft tokens, and the
     default ``Gemma4AudioFeatureExtractor``; the video processor the class requires, at the same patches), saved
-    by ``save_pretrained``. `bidirectional`: see ``tiny_multimodal_config``.
+    by ``save_pretrained``. `bidirectional`: see ``tiny_multimodal_config``. With `w4a16_group`, every
+    ``Linear`` of the text model and both towers (their clippable linears' inner ``linear``, the embedders'
+    projections, the audio tower's relative-position and output projections) is int4 pack-quantized with
+    that group size, as ``save_w4a16`` quantizes the text model.
     """
     from transformers.models.gemma4 import Gemma4Processor
     from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
@@ -1178,7 +1181,11 @@ def save_multimodal(out_dir: str | Path, template: str, seed: int = MULTIMODAL_S
 
     out_dir = Path(out_dir)
     with one_thread():
-        random_multimodal_model(seed, bidirectional).to(torch.bfloat16).save_pretrained(out_dir)
+        model = random_multimodal_model(seed, bidirectional).to(torch.bfloat16)
+        compressor = None if w4a16_group is None else _quantize_in_place(model, w4a16_config(w4a16_group))
+        model.save_pretrained(out_dir)
+    if compressor is not None:
+        compressor.update_config(str(out_dir))
     extra = [t for t in MULTIMODAL_SPECIAL_TOKENS if t not in ("<pad>", "<bos>", "<turn|>")]
     _save_tokenizer(out_dir, build_multimodal_tokenizer(), AGENT_VOCAB_SIZE, "<turn|>", extra, template)
     config_path = out_dir / "tokenizer_config.json"
@@ -1201,10 +1208,15 @@ def save_multimodal(out_dir: str | Path, template: str, seed: int = MULTIMODAL_S
 
 
 def load_multimodal_reference(model_dir: str | Path, dtype: torch.dtype = torch.float32):
-    """``Gemma4ForConditionalGeneration.from_pretrained(model_dir, dtype=dtype)`` in eval mode: the plain call."""
+    """``Gemma4ForConditionalGeneration.from_pretrained(model_dir, dtype=dtype)`` in eval mode: the plain call
+    (a W4A16 checkpoint decompressed at once, as ``load_hf_reference`` does)."""
     from transformers import Gemma4ForConditionalGeneration
 
-    return Gemma4ForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).eval()
+    model = Gemma4ForConditionalGeneration.from_pretrained(model_dir, dtype=dtype)
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.compressor.decompress_model(model)
+    return model.eval()
 
 
 def test_image(width: int, height: int, seed: int = 0):
@@ -1277,6 +1289,15 @@ def multimodal_checkpoint(tmp_path_factory) -> Path:
     from tests.fetch_chat_templates import TOOL_ROLE, template_path
 
     return save_multimodal(tmp_path_factory.mktemp("multimodal"), template_path(TOOL_ROLE).read_text())
+
+
+@pytest.fixture(scope="session")
+def multimodal_w4a16_checkpoint(tmp_path_factory) -> Path:
+    """``multimodal_checkpoint`` with every Linear, the towers' too, int4 pack-quantized in groups of 16."""
+    from tests.fetch_chat_templates import TOOL_ROLE, template_path
+
+    return save_multimodal(tmp_path_factory.mktemp("multimodal-w4a16"), template_path(TOOL_ROLE).read_text(),
+                           w4a16_group=16)
 
 
 @pytest.fixture(scope="session")

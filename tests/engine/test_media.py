@@ -229,3 +229,40 @@ def test_with_bidirectional_image_attention_prompts_read_in_chunks_or_groups_giv
             logits[0], reference_greedy(mb["reference"], causal, 1)[1][0]) > 1e-3
     served = serve(engine, requests)
     assert {i: r.tokens for i, r in served.results.items()} == expected
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_encoder_and_an_image_prompt_give_transformers_tokens(multimodal_checkpoint, mm, cases):
+    """The towers and the soft tokens' placement on CUDA in float32 against Transformers on the CPU."""
+    d, cuda = str(multimodal_checkpoint), torch.zeros(1, device="cuda")
+    encoder = gemma_engine.Encoder(d, like=cuda, dtype="float32")
+    engine = gemma_engine.Engine(d, like=cuda, dtype="float32", context=CONTEXT, max_batch=2)
+    images = [ck.test_image(40, 30, 0)]
+    inputs = chat_inputs(mm["processor"], images, "What is in this picture?")
+    media = media_of(encoder, inputs, images)
+    assert media[0][1].device.type == "cuda"
+    case = cases["one"]
+    served = serve(engine, [gemma_engine.Request(1, case["ids"], MAX_NEW, media=media)])
+    assert served.results[1].tokens == until_eos(case["tokens"], set(engine.eos_ids))
+    assert kl(case["logits"][0], engine.logits(case["ids"], media=media)) <= 1e-5
+
+
+def test_a_w4a16_checkpoint_with_quantized_towers_gives_transformers_tokens(multimodal_w4a16_checkpoint):
+    """Int4 pack-quantized tower linears (compressed-tensors, groups of 16) load dequantized, as Transformers'
+    plain load decompresses them."""
+    from safetensors import safe_open
+
+    files = list(multimodal_w4a16_checkpoint.glob("*.safetensors"))
+    with safe_open(str(files[0]), "pt") as f:
+        names = set(f.keys())
+    assert "model.vision_tower.encoder.layers.0.self_attn.q_proj.linear.weight_packed" in names
+    assert "model.embed_vision.embedding_projection.weight_packed" in names
+    mq = load(multimodal_w4a16_checkpoint)
+    images = [ck.test_image(40, 30, 0)]
+    inputs = chat_inputs(mq["processor"], images, "What is in this picture?")
+    tokens, logits = reference_greedy(mq["reference"], inputs)
+    assert ck.top2_margins(logits).min().item() > MIN_MARGIN
+    ids, media = inputs["input_ids"][0].tolist(), media_of(mq["encoder"], inputs, images)
+    served = serve(mq["engine"], [gemma_engine.Request(1, ids, MAX_NEW, media=media)])
+    assert served.results[1].tokens == until_eos(tokens, set(mq["engine"].eos_ids))
+    assert kl(logits[0], mq["engine"].logits(ids, media=media)) <= 1e-5
