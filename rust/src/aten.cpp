@@ -576,6 +576,7 @@ gt *aten_pad_dim(gt *t, int64_t dim, int64_t before, int64_t after, double value
 }
 gt *aten_masked_fill(gt *t, gt *mask, double value) { RET(t->t.masked_fill(mask->t, value)) }
 gt *aten_index_copy(gt *t, int64_t dim, gt *index, gt *src) { RET(t->t.index_copy(dim, index->t, src->t)) }
+gt *aten_isin(gt *t, gt *values) { RET(at::isin(t->t, values->t)) }
 gt *aten_layer_norm(gt *x, gt *weight, double eps) {
   PROTECT(
       std::optional<at::Tensor> w;

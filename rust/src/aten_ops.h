@@ -154,6 +154,8 @@ X(gt *, aten_pad_dim, (gt *t, int64_t dim, int64_t before, int64_t after, double
 X(gt *, aten_masked_fill, (gt *t, gt *mask, double value))
 /* A copy of `t` whose entries `index` along `dim` are `src`'s rows (`index_copy`). */
 X(gt *, aten_index_copy, (gt *t, int64_t dim, gt *index, gt *src))
+/* Whether each entry of `t` is one of `values`' (`torch.isin`). */
+X(gt *, aten_isin, (gt *t, gt *values))
 /* Layer norm over the last dim with an optional weight (NULL: none) and no bias. */
 X(gt *, aten_layer_norm, (gt *x, gt *weight, double eps))
 /* Convolutions without bias: `x` [N, C, H, W] (conv2d) or [N, C, L] (conv1d), `groups` channel groups. */

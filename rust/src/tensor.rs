@@ -276,6 +276,11 @@ impl Tensor {
         wrap("index_copy", ffi!("index_copy", ffi::aten_index_copy(self.ptr(), dim, index.ptr(), src.ptr())))
     }
 
+    /// Whether each entry is one of `values`' (`torch.isin`).
+    pub fn isin(&self, values: &Tensor) -> Result<Tensor> {
+        wrap("isin", ffi!("isin", ffi::aten_isin(self.ptr(), values.ptr())))
+    }
+
     /// Layer norm over the last dim, no bias.
     pub fn layer_norm(&self, weight: Option<&Tensor>, eps: f64) -> Result<Tensor> {
         let w = weight.map_or(std::ptr::null_mut(), |w| w.ptr());

@@ -4,7 +4,8 @@ on the tiny checkpoint with both towers (tests/checkpoints.py `save_multimodal`)
 The prompts are what Transformers' own Gemma4Processor makes of a chat with images; the reference is the
 plain `Gemma4ForConditionalGeneration.from_pretrained(dir, dtype=torch.float32)` with `generate`. The
 engine gets the same ids and the soft tokens of `gemma_engine.Encoder`, placed over the image
-placeholders (`Request(media=...)`). Audio prompts are in test_audio_tower.py. A second checkpoint sets
+placeholders (`Request(media=...)`); audio prompts likewise (the tower alone: test_audio_tower.py). A second
+checkpoint sets
 `use_bidirectional_attention="vision"`, as the larger Gemma 4 models do: its sliding layers read an image's
 soft tokens both ways, and the engine's prompt chunks never cut an image.
 """
@@ -266,3 +267,32 @@ def test_a_w4a16_checkpoint_with_quantized_towers_gives_transformers_tokens(mult
     served = serve(mq["engine"], [gemma_engine.Request(1, ids, MAX_NEW, media=media)])
     assert served.results[1].tokens == until_eos(tokens, set(mq["engine"].eos_ids))
     assert kl(logits[0], mq["engine"].logits(ids, media=media)) <= 1e-5
+
+
+def audio_chat_inputs(processor, clips, text):
+    """Gemma4Processor's tensors for one user turn holding audio `clips` then `text`."""
+    content = [{"type": "audio"} for _ in clips] + [{"type": "text", "text": text}]
+    prompt = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                           tokenize=False)
+    return processor(text=prompt, audio=clips, return_tensors="pt")
+
+
+def runs_of(ids, token):
+    """The starts of each run of `token` in `ids`."""
+    return [i for i, t in enumerate(ids) if t == token and (i == 0 or ids[i - 1] != t)]
+
+
+def test_an_audio_prompt_gives_transformers_greedy_tokens_and_first_token_distribution(mm):
+    clips = [ck.test_audio(1.3, 0), ck.test_audio(0.7, 1)]
+    inputs = audio_chat_inputs(mm["processor"], clips, "Transcribe this.")
+    tokens, logits = reference_greedy(mm["reference"], inputs)
+    assert ck.top2_margins(logits).min().item() > MIN_MARGIN
+    expected = until_eos(tokens, set(mm["engine"].eos_ids))
+    assert len(expected) == MAX_NEW, f"the reference ended early ({len(expected)} tokens)"
+    ids = inputs["input_ids"][0].tolist()
+    soft = mm["encoder"].audio(inputs["input_features"], inputs["input_features_mask"])
+    starts = runs_of(ids, mm["encoder"].audio_token_id)
+    media = [(s, t, 100 + i) for i, (s, t) in enumerate(zip(starts, soft, strict=True))]
+    served = serve(mm["engine"], [gemma_engine.Request(1, ids, MAX_NEW, media=media)])
+    assert served.results[1].tokens == expected
+    assert kl(logits[0], mm["engine"].logits(ids, media=media)) <= 1e-5

@@ -92,6 +92,10 @@ pub struct Config {
     /// `vision_config`, `audio_token_id` with an `audio_config`; Gemma4Config's defaults); empty for text
     /// only.
     pub media_token_ids: Vec<i64>,
+    /// The ids a multimodal checkpoint's text model reads as the pad id wherever they stand, generated
+    /// tokens too (image, video and audio placeholders: Gemma4Model's `get_placeholder_mask`, M:2213-2259,
+    /// 2313-2316); empty for a text-model config.
+    pub pad_mapped_ids: Vec<i64>,
     /// The placeholder ids whose runs sliding layers read both ways (`use_bidirectional_attention:
     /// "vision"`, the 31B and 26B-A4B: an image's or a video frame's soft tokens see each other, M:2080-2158);
     /// empty otherwise, as for the E-series.
@@ -372,6 +376,12 @@ impl Config {
             eos_ids,
             pad_token_id: get(m, "pad_token_id").map_or(Ok(0), |_| int(m, "pad_token_id"))?,
             media_token_ids: media_token_ids(root)?,
+            pad_mapped_ids: if get(root, "text_config").is_some() {
+                let id = |key: &str, default: i64| get(root, key).map_or(Ok(default), |_| int(root, key));
+                vec![id("image_token_id", 258_880)?, id("video_token_id", 258_884)?, id("audio_token_id", 258_881)?]
+            } else {
+                Vec::new()
+            },
             bidirectional_ids: if get(m, "use_bidirectional_attention").and_then(|v| v.as_str()) == Some("vision") {
                 let id = |key: &str, default: i64| get(root, key).map_or(Ok(default), |_| int(root, key));
                 vec![id("image_token_id", 258_880)?, id("video_token_id", 258_884)?]

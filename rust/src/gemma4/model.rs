@@ -52,6 +52,8 @@ pub struct Model {
     pub cfg: Config,
     embed_tokens: Tensor,
     embed_scale: Tensor,
+    /// `Config::pad_mapped_ids` on the device, when there are any.
+    pad_mapped: Option<Tensor>,
     per_layer: Option<PerLayerEmbeddings>,
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
@@ -148,6 +150,10 @@ impl Model {
                 if w.folds() && factor != 1.0 { norm.rescaled(factor, cfg.rms_norm_eps)? } else { norm }
             },
             embed_scale,
+            pad_mapped: match cfg.pad_mapped_ids.as_slice() {
+                [] => None,
+                ids => Some(Tensor::from_i64(ids)?.to_like(like, DType::I64)?),
+            },
             folded: w.folds(),
             embed_tokens,
             per_layer,
@@ -178,16 +184,15 @@ impl Model {
         ctx.add(&tok)?.mul_scalar(0.5f64.sqrt())?.unbind(1)
     }
 
-    /// The embeddings of flat `ids` and, with per-layer inputs, those. With `inject`, the media rows
-    /// read the pad id and then take the soft tokens (M:2310-2390): the embedding table's and the
-    /// per-layer table's pad rows, the soft tokens in place of the first, and the per-layer projection
-    /// of the merged embeddings.
+    /// The embeddings of flat `ids` and, with per-layer inputs, those. In a multimodal checkpoint the
+    /// media placeholder ids read the pad id wherever they stand (`Config::pad_mapped_ids`), and with
+    /// `inject` the media rows then take the soft tokens (M:2310-2390): the per-layer table's pad row, the
+    /// soft tokens in place of the embedding, and the per-layer projection of the merged embeddings.
     fn embed(&self, ids: &Tensor, inject: Option<&Injection>) -> Result<(Tensor, Option<Vec<Tensor>>)> {
         let padded;
-        let ids = match inject {
-            Some(inj) => {
-                let pad = Tensor::full(&inj.index.size()?, self.cfg.pad_token_id as f64, DType::I64, ids)?;
-                padded = ids.index_copy(0, &inj.index, &pad)?;
+        let ids = match &self.pad_mapped {
+            Some(placeholders) => {
+                padded = ids.masked_fill(&ids.isin(placeholders)?, self.cfg.pad_token_id as f64)?;
                 &padded
             }
             None => ids,
