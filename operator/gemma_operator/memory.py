@@ -13,8 +13,14 @@ Where the numbers come from:
   (google/gemma-4-E2B, -E4B, -12B, -26B-A4B, -31B), as ollama/ollama `x/models/gemma4/gemma4_test.go` (commit
   017eb8ae, TestParseTextConfigE2B, E4B, 12BUnified, 26B, 31B) copies them. Counted from them, the 31B has
   30.70 B parameters and the 26B-A4B 25.23 B, the totals of Google's Gemma 4 model card (30.7 B, 25.2 B); the
-  E-series and 12B counts (4.63, 7.46, 11.91 B) are of the text model alone: Google's totals include the vision
-  and audio encoders, which the engine does not load.
+  E-series and 12B counts (4.63, 7.46, 11.91 B) are of the text model alone.
+- Media towers (`Architecture.encoder_parameters`): the server loads a checkpoint's vision and audio towers
+  (gemma_server/media.py) on the first engine's first chip, dense in the compute dtype. The E-series' are
+  Transformers 5.18's Gemma4VisionConfig and Gemma4AudioConfig defaults (those of google/gemma-4-e2b-it; E4B's
+  towers are the same, its embedders project to its wider hidden size): 167,364,608 + 304,824,608 parameters
+  and the two embedders' projections, 0.48 B in all, which with the text model make Google's totals for E2B
+  and E4B (5.1 B, 8 B). The larger sizes' vision towers are not counted (their configs are not in the sources
+  above), so for them the runtime reserve has to hold the tower.
 - Weights: every matrix the engine loads, in the compute dtype (spec.engine.dtype), to which the loader
   converts dense weights (rust/src/gemma4/weights.rs). Norms, per-layer scalars and the router's vectors are
   left out: under 0.01 % of any size.
@@ -79,15 +85,30 @@ class Architecture(NamedTuple):
     head_dim: int = 256
     global_head_dim: int = 512
     vocab_size: int = 262144  # vocab_size, and vocab_size_per_layer_input where there are per-layer inputs
+    encoder_parameters: int = 0  # the vision and audio towers with their embedders, whole on the first shard
+
+
+# Transformers 5.18's default Gemma4VisionConfig and Gemma4AudioConfig (the E-series' towers; module docstring),
+# and the widths their embedders project from.
+VISION_TOWER_PARAMETERS = 167_364_608
+AUDIO_TOWER_PARAMETERS = 304_824_608
+VISION_WIDTH, AUDIO_WIDTH = 768, 1536
+
+
+def e_series_encoder(hidden_size: int) -> int:
+    """The E-series' towers and embedders (Gemma4MultimodalEmbedder: one projection each) for a text model of
+    `hidden_size`."""
+    return VISION_TOWER_PARAMETERS + AUDIO_TOWER_PARAMETERS + (VISION_WIDTH + AUDIO_WIDTH) * hidden_size
 
 
 ARCHITECTURES: dict[str, Architecture] = {
     "e2b": Architecture(hidden_size=1536, num_hidden_layers=35, full_attention_every=5, intermediate_size=6144,
                         num_attention_heads=8, num_key_value_heads=1, sliding_window=512, num_kv_shared_layers=20,
-                        use_double_wide_mlp=True, hidden_size_per_layer_input=256),
+                        use_double_wide_mlp=True, hidden_size_per_layer_input=256,
+                        encoder_parameters=e_series_encoder(1536)),
     "e4b": Architecture(hidden_size=2560, num_hidden_layers=42, full_attention_every=6, intermediate_size=10240,
                         num_attention_heads=8, num_key_value_heads=2, sliding_window=512, num_kv_shared_layers=18,
-                        hidden_size_per_layer_input=256),
+                        hidden_size_per_layer_input=256, encoder_parameters=e_series_encoder(2560)),
     "12b": Architecture(hidden_size=3840, num_hidden_layers=48, full_attention_every=6, intermediate_size=15360,
                         num_attention_heads=16, num_key_value_heads=8, sliding_window=1024, attention_k_eq_v=True,
                         num_global_key_value_heads=1),
@@ -140,12 +161,12 @@ def splits(a: Architecture, n: int) -> bool:
 
 def parameters(a: Architecture) -> int:
     """The text model's parameters, norms and scalars aside (one shard of one: the whole model)."""
-    return weight_bytes(a, "bf16", 1, 1, int4_packed=False)
+    return weight_bytes(a, "bf16", 1, 1, int4_packed=False) - a.encoder_parameters
 
 
 def weight_bytes(a: Architecture, quantization: str, dtype_bytes: int, n: int, *, int4_packed: bool) -> int:
     """Bytes of weights on the first of n shards: its share of the split matrices and the whole embeddings,
-    per-layer-input tables and router (module docstring).
+    per-layer-input tables, router and media towers (module docstring).
 
     Args:
         a: the architecture.
@@ -169,6 +190,7 @@ def weight_bytes(a: Architecture, quantization: str, dtype_bytes: int, n: int, *
     # embed_tokens (lm_head is tied to it: the first shard's vocabulary rows are a view of it) and
     # embed_tokens_per_layer (whole).
     dense += a.vocab_size * h + a.vocab_size * a.num_hidden_layers * ple
+    dense += a.encoder_parameters  # the towers load dense (rust/src/gemma4/weights.rs `Weights::open_media`)
     if quantization == "w4a16" and int4_packed:
         linear_bytes = linear // 2 + -(-linear // W4A16_GROUP) * dtype_bytes
     else:

@@ -260,5 +260,28 @@ def test_readme_table_is_what_the_plan_computes():
 def test_the_table_reads_like_the_plans():
     rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:] for line in memory.table().splitlines()[2:]}
     assert rows["31B"][:3] == ["no", "no", "N=8, 10 slots"]
-    assert rows["E2B"][0] == "N=1, 89 slots"
+    assert rows["E2B"][0] == "N=1, 75 slots"
     assert rows["12B"][3] == "no (6 slots at N=1)"
+
+
+def test_the_e_series_towers_are_transformers_default_towers_and_make_googles_totals():
+    """The towers' counts are those of Transformers' Gemma4VisionModel and Gemma4AudioModel at their default configs
+    (built on the meta device, nothing allocated), with the embedders' projections into each text width; with them
+    the E-series make Google's totals (E2B 5.1 B, E4B 8 B)."""
+    import torch
+    from transformers import Gemma4AudioConfig, Gemma4VisionConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4AudioModel, Gemma4VisionModel
+
+    with torch.device("meta"):
+        vision = sum(p.numel() for p in Gemma4VisionModel(Gemma4VisionConfig()).parameters())
+        audio = sum(p.numel() for p in Gemma4AudioModel(Gemma4AudioConfig()).parameters())
+    assert (vision, audio) == (memory.VISION_TOWER_PARAMETERS, memory.AUDIO_TOWER_PARAMETERS)
+    assert (Gemma4VisionConfig().hidden_size, Gemma4AudioConfig().output_proj_dims) == (
+        memory.VISION_WIDTH, memory.AUDIO_WIDTH)
+    e2b, e4b = memory.ARCHITECTURES["e2b"], memory.ARCHITECTURES["e4b"]
+    assert round((memory.parameters(e2b) + e2b.encoder_parameters) / 1e9, 1) == 5.1
+    assert round((memory.parameters(e4b) + e4b.encoder_parameters) / 1e9) == 8
+    # The plan puts them on the first chip in the compute dtype.
+    with_towers = memory.plan("e2b", "bf16", TPU_V6E, "1x1", 4096, 4, 1).weight_bytes
+    assert with_towers - memory.weight_bytes(e2b._replace(encoder_parameters=0), "bf16", 2, 1,
+                                             int4_packed=False) == 2 * e2b.encoder_parameters
