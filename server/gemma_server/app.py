@@ -2,10 +2,12 @@
 
 Routes (vLLM's `entrypoints/openai/api_server.py` set): POST /v1/chat/completions, POST /v1/completions,
 POST /v1/responses with GET and DELETE /v1/responses/{id} (OpenAI's Responses API: responses.py), POST
-/v1/messages (Anthropic's Messages API: messages.py), POST /tokenize, POST /detokenize (vLLM's shapes), GET
-/v1/models, GET /health (+ /ping), GET /live, GET /v1/engine, GET /version, GET /metrics, GET / (chat page),
-and /mcp (the Model Context Protocol's tools: mcp_server.py). The Responses and Messages routes turn their
-request into a chat request and take the same path.
+/v1/messages (Anthropic's Messages API: messages.py), POST /v1/audio/transcriptions and /v1/audio/translations
+(OpenAI's Audio API as chat requests holding the audio: transcriptions.py), POST /tokenize, POST /detokenize
+(vLLM's shapes), GET /v1/models, GET /health (+ /ping), GET /live, GET /v1/engine, GET /version, GET /metrics,
+GET / (chat page), and /mcp (the Model Context Protocol's tools: mcp_server.py). The Responses, Messages and
+audio routes turn their request into chat requests and take the same path; a chat request's images and audio
+become soft tokens there (media.py).
 Route bodies only parse, check, admit and hand over (`ServerState.start`, the one path every request takes);
 the work is in protocol.py (what a request means), chat_template.py (a request's prompt ids), serving.py
 (tokens -> responses) and scheduler.py (the queue and the engines).
@@ -20,7 +22,7 @@ the field, as vLLM's `validation_exception_handler` does. Each route declares th
 and /openapi.json is openapi.py's document of them.
 
 With `--api-key` the API routes (/v1/chat/completions, /v1/completions, /v1/responses[/{id}], /v1/messages,
-/v1/models, /tokenize, /detokenize, /mcp) need `Authorization: Bearer <key>` (compared in constant time), as
+/v1/audio/transcriptions, /v1/audio/translations, /v1/models, /tokenize, /detokenize, /mcp) need `Authorization: Bearer <key>` (compared in constant time), as
 vLLM's `--api-key` (/v1/messages also takes it as Anthropic's `X-Api-Key`); /metrics needs it with
 `--metrics-need-key`. The key is checked by ASGI middleware (`ApiKeyGate`) from the headers alone, before
 a byte of the body is read, parsed or logged: a client without it costs the server a header parse. /health,
@@ -50,12 +52,12 @@ import logging
 import re
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Form, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -63,9 +65,9 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
-from gemma_server import messages, openapi, responses
+from gemma_server import media, messages, openapi, responses, transcriptions
 from gemma_server.boot import Boot
-from gemma_server.chat_template import chat_prompt, encode, render_chat, tokenize_completion
+from gemma_server.chat_template import chat_prompt, encode, tokenize_completion
 from gemma_server.config import Config
 from gemma_server.connections import STALLED
 from gemma_server.errors import ApiError, as_api_error, bad_request, error_body, from_scheduler, invalid_request
@@ -115,6 +117,7 @@ class ServerState:
         # The paths that need the API key (none without --api-key): key_refused and /openapi.json read it.
         self.keyed = frozenset(["/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize",
                                 "/v1/responses", "/v1/responses/{response_id}", "/v1/messages", "/mcp",
+                                "/v1/audio/transcriptions", "/v1/audio/translations",
                                 *(["/metrics"] if config.metrics_need_key else [])] if config.api_key else [])
         # The same paths as one pattern over request paths: a template's `{parameter}` matches one segment.
         self._keyed_paths = re.compile("|".join(
@@ -137,6 +140,7 @@ class ServerState:
         self._reply_format: ReplyFormat | None = None
         self._reply_lock = threading.Lock()
         self.client_shares = ClientShares(config.max_requests_per_client)
+        self.media_limits = media.Limits.of(config)
 
     def _boot(self) -> None:
         try:
@@ -252,11 +256,37 @@ class ServerState:
                             headers={"WWW-Authenticate": "Bearer"})
         return None
 
+    async def chat_ids(self, body: ChatCompletionRequest, mark_boundary: bool,
+                       decoded: Sequence[media.Decoded] | None = None) -> tuple[list[int], int | None, tuple]:
+        """A chat request's prompt: the template rendered and tokenized off the event loop (chat_template.py),
+        then its images and audio read (media.read, unless `decoded` holds them already), encoded into soft
+        tokens (media.MediaEncoder) and placed (media.place).
+
+        Returns:
+            (ids, cache boundary or None, the engine's media items).
+        Raises:
+            ApiError: 400 naming the field: the template's refusal, a media part the checkpoint does not take
+                or that breaks a limit or cannot be read.
+        """
+        parts = body.media_parts()
+        loaded = self.loaded
+        if parts:  # what needs no reading is refused first: a kind the checkpoint lacks, too many, a URL not fetched
+            media.check_parts(parts, self.media_limits, loaded.modalities, loaded.media_missing)
+        ids, boundary = await asyncio.get_running_loop().run_in_executor(
+            None, chat_prompt, self.tokenizer, body, mark_boundary)
+        if not parts:
+            return ids, boundary, ()
+        items = list(decoded) if decoded is not None else await media.read(parts, self.media_limits)
+        soft = await loaded.media.encode(items)
+        ids, placed, boundary = media.place(ids, soft, loaded.media.tokens, boundary)
+        return ids, boundary, placed
+
     async def start(self, body: ChatCompletionRequest | CompletionRequest, chat: bool, client: str,
-                    gone: Callable[[], Cause]) -> list[Generation]:
+                    gone: Callable[[], Cause], decoded: Sequence[media.Decoded] | None = None) -> list[Generation]:
         """Admit, tokenize, constrain and queue one request: its choices, queued. The one path every way in
         takes (the HTTP routes and the MCP tools), so the limits, the client's share, the metrics and the
         cancellation of a choice whose reader left (`Generation.leave`, `gone` naming why) are the same.
+        `decoded`: the chat request's media parts already read (the transcription routes), in order.
 
         Raises:
             ApiError: 400 (a bad field), 404 (another model), 429 (the client's share is full).
@@ -281,15 +311,15 @@ class ServerState:
             tok = self.tokenizer
             # Rendering and tokenizing run off the event loop: a long prompt must not stall /live. A chat
             # prompt's cache boundary (the end of its system turn and tools) is marked when prefix caching is on.
-            loop = asyncio.get_running_loop()
             if chat:
-                ids, boundary = await loop.run_in_executor(None, chat_prompt, tok, body, config.enable_prefix_caching)
+                ids, boundary, placed = await self.chat_ids(body, config.enable_prefix_caching, decoded)
             else:
-                ids, boundary = await loop.run_in_executor(None, tokenize_completion, tok, body), None
+                ids, boundary, placed = await asyncio.get_running_loop().run_in_executor(
+                    None, tokenize_completion, tok, body), None, ()
             grammar, bias = await asyncio.to_thread(self.constrain, body, chat)
             loaded = self.boot.loaded
             params = body.engine_params(ids, loaded.context, loaded.vocab_size, config.default_temperature,
-                                        grammar=grammar, internal_bias=bias, cache_boundary=boundary)
+                                        grammar=grammar, internal_bias=bias, cache_boundary=boundary, media=placed)
             # Each choice gives its place in the client's share back when it is recorded, however it ends.
             ended = functools.partial(shares.give_back, client, 1)
             reply = self.reply_format()
@@ -313,7 +343,11 @@ class ServerState:
             info["build"].pop("module", None)
             info["build"].pop("torch_tpu_compile_cache_dir", None)
         s = self.scheduler
-        workers = self.boot.loaded.workers if self.boot.loaded else []
+        loaded = self.boot.loaded
+        workers = loaded.workers if loaded else []
+        if loaded is not None:
+            info["media"] = (loaded.media.describe() if loaded.media is not None
+                             else {"modalities": [], "missing": loaded.media_missing})
         info.update(
             model=config.shown_source, served_model_name=config.model_name, read_every=config.read_every,
             queue_limit=config.queue_limit, max_num_seqs=config.max_num_seqs, ready=self.not_ready_reason() is None,
@@ -578,6 +612,8 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
         async with mcp_lifespan() if mcp_lifespan else nullcontext():
             yield
         state.scheduler.stop()
+        if state.boot.loaded is not None and state.boot.loaded.media is not None:
+            state.boot.loaded.media.shutdown()
 
     app = FastAPI(title="gemma-rust-operator server", lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.server = state
@@ -590,7 +626,8 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
         if app.openapi_schema is None:
             loaded = state.boot.loaded
             limits = (openapi.ModelLimits(loaded.vocab_size, loaded.context, max_prompt_chars(loaded.context),
-                                          tools=state.reply_format().fmt is not None)
+                                          tools=state.reply_format().fmt is not None, modalities=loaded.modalities,
+                                          fetch=bool(config.fetch_hosts))
                       if loaded else None)
             doc = openapi.document(app, state.keyed, limits)
             if limits is None:
@@ -678,6 +715,16 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
         state.responses.delete(response_id, responses.owner_of(request.headers.get("authorization")))
         return {"id": response_id, "object": "response", "deleted": True}
 
+    @app.post("/v1/audio/transcriptions", response_model=None, responses=transcriptions.RESPONSES)
+    async def create_transcription(body: Annotated[transcriptions.TranscriptionForm, Form()],
+                                   request: Request) -> Response:
+        return await transcriptions.serve(state, body, request, "transcribe")
+
+    @app.post("/v1/audio/translations", response_model=None, responses=transcriptions.RESPONSES)
+    async def create_translation(body: Annotated[transcriptions.TranslationForm, Form()],
+                                 request: Request) -> Response:
+        return await transcriptions.serve(state, body, request, "translate")
+
     async def create_message(body: messages.MessagesRequest, request: Request) -> Response:
         """Anthropic's Messages API: the request as a chat request (messages.to_chat), admitted by the one
         path (`ServerState.start`), its reply as Anthropic's message or events (errors: messages.AnthropicRoute)."""
@@ -706,7 +753,7 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
             chat = body.as_chat()
             chat.check()
             chat.check_size(loaded.context)
-            ids = await asyncio.get_running_loop().run_in_executor(None, render_chat, loaded.tokenizer, chat)
+            ids, _, _ = await state.chat_ids(chat, mark_boundary=False)
         else:
             if len(body.prompt) > max_prompt_chars(loaded.context):
                 raise bad_request("prompt", f"The prompt is longer than {max_prompt_chars(loaded.context)} characters.")

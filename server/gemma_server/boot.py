@@ -8,7 +8,9 @@ many shards of each engine); each is loaded, warmed up and then run on its own w
 it); the weights and warmup stages hand those tasks to the workers and wait for all of them. Each stage's start, seconds and outcome
 are logged, exported as `gemma_boot_stage_seconds` and reported by GET /v1/engine. The weights stage also
 builds the checkpoint's `gemma_engine.Grammars` (its tokenizer.json, eos ids and vocabulary) once: every
-engine and every request's grammar check share it. A failed stage writes
+engine and every request's grammar check share it; and, for a checkpoint with a vision or audio tower, its
+media front end (media.MediaEncoder: Transformers' processors and one `gemma_engine.Encoder` on the first
+engine's device, on a thread of its own). A failed stage writes
 a one-line reason to the termination-message file (Kubernetes shows it as the container's last state, and
 the operator as a condition) and asks the process to exit non-zero, so the pod restarts with back-off.
 """
@@ -31,6 +33,7 @@ from typing import Any
 from gemma_server import build as build_mod
 from gemma_server import compile_cache
 from gemma_server.config import Config
+from gemma_server.media import MediaEncoder
 from gemma_server.metrics import Metrics, cache_config
 from gemma_server.scheduler import EngineWorker, Scheduler
 from gemma_server.sources import materialize, parse_source
@@ -87,6 +90,13 @@ class Loaded:
     vocab_size: int = 0
     grammars: Any = None  # gemma_engine.Grammars, or None (then grammars_missing says why)
     grammars_missing: str = "the engine was built without grammars"
+    media: Any = None  # media.MediaEncoder, or None (then media_missing says why)
+    media_missing: str = "the checkpoint has no vision or audio tower"
+
+    @property
+    def modalities(self) -> tuple[str, ...]:
+        """What the checkpoint takes besides text: a subset of ("image", "audio")."""
+        return self.media.modalities if self.media is not None else ()
 
 
 class StageFailed(Exception):
@@ -288,7 +298,10 @@ class Boot:
 
         sizes = run_on_workers(workers, load)
         context, vocab_size = sizes[0]
-        self.loaded = Loaded(tokenizer, workers, context, vocab_size, grammars, missing)
+        # One media encoder, on the first engine's device (the engines move the soft tokens to their own).
+        front, media_missing = MediaEncoder.load(self.gemma_engine, Path(model_dir), workers[0].device, c.dtype,
+                                                 self.metrics.observe_encoded)
+        self.loaded = Loaded(tokenizer, workers, context, vocab_size, grammars, missing, front, media_missing)
         self.state.model_dir = str(model_dir)
         self.state.layout = dict(workers[0].layout)
         self.state.device = ", ".join(w.device for w in workers)
@@ -297,7 +310,8 @@ class Boot:
         self.metrics.set_cache_config(cache_config(
             slots=sum(w.max_batch for w in workers), context=context, prefill_chunk=c.prefill_chunk,
             prefix_caching=bool(layout.get("prefix_caching")), sliding_window=layout.get("sliding_window")))
-        return f"{c.shown_source or 'the model directory'} on {self.state.device}, {c.max_num_seqs} slots each"
+        media = f"; takes {' and '.join(front.modalities)}" if front is not None and front.modalities else ""
+        return f"{c.shown_source or 'the model directory'} on {self.state.device}, {c.max_num_seqs} slots each{media}"
 
     def _warmup(self) -> str:
         assert self.loaded is not None

@@ -275,7 +275,11 @@ def client_texts(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) ->
                     for s in _strings(call["function"]["arguments"])]
         for result in m.get("tool_responses") or ():
             out += [(f"messages[{i}].content", s) for s in _strings(result["response"])]
-        out.append((f"messages[{i}].content", (m.get("content") or "").strip()))
+        content = m.get("content") or ""
+        if isinstance(content, list):  # a message with images or audio: the template trims each text item
+            out += [(f"messages[{i}].content", item["text"].strip()) for item in content if item["type"] == "text"]
+        else:
+            out.append((f"messages[{i}].content", content.strip()))
     return [(field, body) for field, body in out if body]
 
 

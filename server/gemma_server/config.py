@@ -155,6 +155,22 @@ class Config:
                                       "to finish after SIGTERM", minimum=0)
     api_key: str | None = setting(None, "GEMMA_API_KEY", "when set, every /v1 route needs `Authorization: Bearer "
                                   "<key>` (prefer the variable: a flag shows in ps)", flag_type=str)
+    max_images_per_request: int = setting(8, "GEMMA_MAX_IMAGES_PER_REQUEST", "images one request may hold (chat "
+                                          "image_url parts, Responses input_image); more are a 400", minimum=0)
+    max_image_pixels: int = setting(4096 * 4096, "GEMMA_MAX_IMAGE_PIXELS", "width x height of the largest image "
+                                    "decoded (read from its header first); larger is a 400", minimum=1)
+    max_audio_seconds: float = setting(300.0, "GEMMA_MAX_AUDIO_SECONDS", "seconds of audio one request may hold, "
+                                       "every clip together (read from the file's header first); more is a 400. "
+                                       "A chat clip is read for at most 30 s (the model's clip); a transcription "
+                                       "is read 30 s at a time", minimum=0)
+    max_media_bytes: int = setting(4 * 1024 * 1024, "GEMMA_MAX_MEDIA_BYTES", "bytes of one image or audio file as "
+                                   "sent (decoded from base64, uploaded or fetched); larger is a 400 (inline media "
+                                   "also count against --max-body-bytes)", minimum=1)
+    media_fetch_hosts: str = setting("", "GEMMA_MEDIA_FETCH_HOSTS", "comma-separated host names whose http(s) image "
+                                     "URLs the server fetches (exact names, any port; redirects are not followed); "
+                                     "empty: image_url takes data URLs only", flag_type=str)
+    media_fetch_timeout: float = setting(10.0, "GEMMA_MEDIA_FETCH_TIMEOUT", "seconds to fetch one image URL, "
+                                         "connection to last byte", minimum=0.1)
     responses_store_max_count: int = setting(1000, "GEMMA_RESPONSES_STORE_MAX_COUNT", "most /v1/responses "
                                              "responses kept for previous_response_id and GET (oldest out "
                                              "first; 0 keeps none)", minimum=0)
@@ -209,6 +225,11 @@ class Config:
     def mcp_hosts(self) -> list[str]:
         """--mcp-allowed-hosts as a list of names."""
         return [h.strip() for h in self.mcp_allowed_hosts.split(",") if h.strip()]
+
+    @property
+    def fetch_hosts(self) -> frozenset[str]:
+        """--media-fetch-hosts as a set of lower-case names (empty: no URL is fetched)."""
+        return frozenset(h.strip().lower() for h in self.media_fetch_hosts.split(",") if h.strip())
 
     @property
     def shown_source(self) -> str | None:

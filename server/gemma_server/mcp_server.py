@@ -4,7 +4,8 @@ Built on the official SDK (`mcp` 2.3.0, `mcp.server.mcpserver.MCPServer`) and se
 (`stateless_http=True`): no session id is kept between requests, so replicas behind one Service need no
 affinity. Tools:
 
-- `ask`: one chat turn; the text, finish reason, token counts, prompt-read seconds, decode tokens/s;
+- `ask`: one chat turn (optionally about an image, a data URL); the text, finish reason, token counts,
+  prompt-read seconds, decode tokens/s;
 - `stream`: the same, with a progress notification for each piece of text as it is decoded (progress =
   tokens so far, total = max_tokens) and the time to first token in the result;
 - `engine_info`: what GET /v1/engine says (build, versions, device, engines, slots, KV bytes);
@@ -51,6 +52,8 @@ Temperature = Annotated[float | None, Field(description="Sampling temperature, 0
                                                          "server's --default-temperature).", ge=0, le=2)]
 Schema = Annotated[dict[str, Any] | None, Field(description="A JSON schema the answer must follow (structured "
                                                             "outputs, as OpenAI's response_format json_schema).")]
+Image = Annotated[str | None, Field(description="An image the message is about, as a data URL "
+                                                "(data:image/png;base64,...), for a checkpoint with a vision tower.")]
 
 
 class Answer(BaseModel):
@@ -104,13 +107,16 @@ def transport_security(allowed_hosts: list[str]) -> TransportSecuritySettings:
 
 
 def chat_request(model: str, prompt: str, system: str | None, max_tokens: int, temperature: float | None,
-                 json_schema: dict[str, Any] | None) -> ChatCompletionRequest:
-    """The chat request a tool call means (pure).
+                 json_schema: dict[str, Any] | None, image: str | None = None) -> ChatCompletionRequest:
+    """The chat request a tool call means (pure): with an image, the user turn is the image, then the text.
 
     Raises:
         ToolError: the route's 400 for a field the request model refuses, naming it.
     """
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    content: str | list[dict[str, Any]] = prompt
+    if image is not None:
+        content = [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": prompt}]
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
     body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": max_tokens}
     if temperature is not None:
         body["temperature"] = temperature
@@ -167,18 +173,19 @@ def build(state: ServerState) -> MCPServer:
             raise tool_error(e) from e
         return answer(gen, "".join(text))
 
-    @server.tool(description="Ask the model one question and wait for the whole answer.")
+    @server.tool(description="Ask the model one question and wait for the whole answer; the question may be "
+                             "about an image (a data URL).")
     async def ask(ctx: Context, prompt: Prompt, system: System = None, max_tokens: MaxTokens = DEFAULT_MAX_TOKENS,
-                  temperature: Temperature = None, json_schema: Schema = None) -> Answer:
-        body = chat_request(state.config.model_name, prompt, system, max_tokens, temperature, json_schema)
+                  temperature: Temperature = None, json_schema: Schema = None, image: Image = None) -> Answer:
+        body = chat_request(state.config.model_name, prompt, system, max_tokens, temperature, json_schema, image)
         return await run(ctx, body, progress=False)
 
     @server.tool(description="Ask the model and receive its answer as it is written: a progress notification "
                              "per piece of text (progress: tokens so far; total: max_tokens), then the whole "
                              "answer with its time to first token. Cancelling the call stops the decode.")
     async def stream(ctx: Context, prompt: Prompt, system: System = None, max_tokens: MaxTokens = DEFAULT_MAX_TOKENS,
-                     temperature: Temperature = None, json_schema: Schema = None) -> Answer:
-        body = chat_request(state.config.model_name, prompt, system, max_tokens, temperature, json_schema)
+                     temperature: Temperature = None, json_schema: Schema = None, image: Image = None) -> Answer:
+        body = chat_request(state.config.model_name, prompt, system, max_tokens, temperature, json_schema, image)
         return await run(ctx, body, progress=True)
 
     @server.tool(description="The engine's build and boot report, as GET /v1/engine: build key and versions, "

@@ -24,7 +24,9 @@ the engines read: below `gemma_prompt_tokens` when the `n` choices of a request 
 `gemma_engine_ready`, `gemma_build_info`, `gemma_stalled_replies_total` (replies aborted because their client
 stopped reading: connections.py), `gemma_tool_call_parse_failures_total` (tool calls of an unconstrained
 reply that did not parse and came back as content), `gemma_grammar_compile_seconds` (the check of a
-request's grammar before it is queued).
+request's grammar before it is queued), `gemma_media_inputs_total{modality}` (images and audio clips encoded
+into soft tokens) and `gemma_media_encode_seconds{modality}` (one call of a tower, for all of one request's
+images or clips).
 
 Prefix caching, as vLLM exports it (`vllm/v1/metrics/loggers.py`): `gemma_prefix_cache_queries_total` and
 `gemma_prefix_cache_hits_total` count tokens (the prompt tokens of the requests the engines admitted, and
@@ -57,6 +59,7 @@ REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 STAGES = ("build", "import", "smoke", "weights", "warmup", "serving")
+MODALITIES = ("image", "audio")
 # gemma_cache_config_info's labels besides model_name: the ones endpoint pickers read from vLLM's
 # vllm:cache_config_info, with vLLM's spelling of their values (Python's str(): "True", "None").
 CACHE_CONFIG_LABELS = ("block_size", "num_gpu_blocks", "enable_prefix_caching", "sliding_window")
@@ -152,6 +155,17 @@ class Metrics:
             "tool calls) before it is queued.", labels,
             buckets=[0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0], registry=r,
         ).labels(m)
+        media_inputs = Counter(
+            "gemma_media_inputs", "Images and audio clips encoded into soft tokens.", labels + ["modality"],
+            registry=r,
+        )
+        encode_seconds = Histogram(
+            "gemma_media_encode_seconds", "Seconds of one tower call (one request's images, or its clips).",
+            labels + ["modality"], buckets=[0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0],
+            registry=r,
+        )
+        self.media_inputs = {k: media_inputs.labels(m, k) for k in MODALITIES}
+        self.media_encode_seconds = {k: encode_seconds.labels(m, k) for k in MODALITIES}
         success = Counter(
             "gemma_request_success", "Count of successfully processed requests.", labels + ["finished_reason"],
             registry=r,
@@ -269,6 +283,11 @@ class Metrics:
             self.request_decode_time.observe(decode)
             if generation_tokens > 1:
                 self.request_time_per_output_token.observe(decode / (generation_tokens - 1))
+
+    def observe_encoded(self, modality: str, items: int, seconds: float) -> None:
+        """One tower call: `items` images or clips of `modality` encoded in `seconds`."""
+        self.media_inputs[modality].inc(items)
+        self.media_encode_seconds[modality].observe(seconds)
 
     def observe_steps(self, stats: dict) -> None:
         """An engine's turns since its last read point: rows per decode step, prompt tokens, wall seconds."""

@@ -149,6 +149,8 @@ class ModelLimits:
     context: int
     prompt_chars: int
     tools: bool = True  # the tokenizer has Gemma 4's tool-call tokens
+    modalities: tuple[str, ...] = ()  # what the checkpoint takes besides text: "image", "audio"
+    fetch: bool = False  # image URLs are fetched (--media-fetch-hosts), not data URLs alone
 
 
 def document(app: FastAPI, keyed: frozenset[str], limits: ModelLimits | None) -> dict[str, Any]:
@@ -168,6 +170,10 @@ def document(app: FastAPI, keyed: frozenset[str], limits: ModelLimits | None) ->
     for path, operations in doc["paths"].items():
         for operation in operations.values():
             operation["responses"].pop("422", None)
+            content = operation.get("requestBody", {}).get("content", {})
+            if "application/x-www-form-urlencoded" in content:
+                # FastAPI names a form model's body urlencoded even when it holds a file (the audio routes).
+                content["multipart/form-data"] = content.pop("application/x-www-form-urlencoded")
             if path in keyed:
                 operation["security"] = [{"bearer": []}]
                 operation["responses"]["401"] = {"description": _DESCRIPTIONS[401], "content": {
@@ -184,7 +190,44 @@ def document(app: FastAPI, keyed: frozenset[str], limits: ModelLimits | None) ->
                                                  "description": "This checkpoint's tokenizer has no tool-call tokens."}
         if "DetokenizeRequest" in schemas:
             schemas["DetokenizeRequest"]["properties"]["tokens"]["items"] = token_id_schema(limits.vocab_size)
+        _write_media(doc, limits)
     return doc
+
+
+# The content parts of each kind of media (protocol.py's chat parts, responses.py's), and the routes that take
+# audio alone.
+MEDIA_PARTS = {"image": ("ImagePart", "InputImage"), "audio": ("AudioPart", "InputAudioPart")}
+AUDIO_PATHS = ("/v1/audio/transcriptions", "/v1/audio/translations")
+
+
+def _write_media(doc: dict[str, Any], limits: ModelLimits) -> None:
+    """What the loaded checkpoint takes: a part of a kind it has no tower for leaves the content unions (it
+    would be a 400), and without an audio tower so do the audio routes; without --media-fetch-hosts an image
+    URL is a data URL."""
+    schemas = doc["components"]["schemas"]
+    gone = {f"#/components/schemas/{name}" for kind, names in MEDIA_PARTS.items() if kind not in limits.modalities
+            for name in names}
+
+    def prune(node: Any) -> None:
+        if isinstance(node, dict):
+            for key in ("oneOf", "anyOf"):
+                if isinstance(node.get(key), list):
+                    node[key] = [i for i in node[key] if not (isinstance(i, dict) and i.get("$ref") in gone)]
+            for value in node.values():
+                prune(value)
+        elif isinstance(node, list):
+            for value in node:
+                prune(value)
+
+    if gone:
+        prune(schemas)
+        for ref in gone:
+            schemas.pop(ref.rsplit("/", 1)[1], None)
+    if "audio" not in limits.modalities:
+        for path in AUDIO_PATHS:
+            doc["paths"].pop(path, None)
+    if not limits.fetch and "ImageUrl" in schemas:
+        schemas["ImageUrl"]["properties"]["url"]["pattern"] = "^data:image/[^,]*;base64,"
 
 
 def _write_limits(properties: dict[str, Any], limits: ModelLimits) -> None:

@@ -27,6 +27,10 @@ gemma_server/grammars.py); auto leaves the reply free and the server parses its 
 `echo` (with `logprobs`, the prompt's log-probabilities; `max_tokens` 0 then returns only the prompt), as
 vLLM does for the lm-evaluation-harness.
 
+Images and audio: a user message's content parts may be OpenAI's `image_url` (a data URL; an http(s) URL
+where the server fetches from its host) and `input_audio` (base64 wav, mp3 or flac); `media_parts` lists
+them for media.py, which reads them, and `template_messages` gives the chat template their places.
+
 Prefix caching: both requests take vLLM's `cache_salt` (requests with different salts never share KV, so
 tenants cannot learn each other's prompts from timing), and responses report OpenAI's
 `usage.prompt_tokens_details.cached_tokens`.
@@ -44,9 +48,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from gemma_server.errors import bad_request
+from gemma_server.media import Part
 from gemma_server.openapi import (
     TOKEN_ID_KEY,
     best_of_rule,
@@ -118,11 +123,54 @@ class StreamOptions(BaseModel):
 
 
 class TextPart(BaseModel):
-    """A content part; only text parts are supported (`ChatCompletionRequest.check`)."""
+    """A text content part."""
 
-    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={"required": ["type", "text"]})
-    type: str = Field(json_schema_extra={"enum": ["text"]})
-    text: str | None = Field(default=None, json_schema_extra={"type": "string"})
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class ImageUrl(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    url: str = Field(description="A data URL (data:image/png;base64,...); an http(s) URL only on a server that "
+                                 "fetches from its host (--media-fetch-hosts).")
+    detail: Literal["auto", "low", "high"] | None = Field(
+        default=None, description="Accepted; every image is read at the checkpoint's processor size.")
+
+
+class ImagePart(BaseModel):
+    """An image (OpenAI's `image_url` part), in a user message, for a checkpoint with a vision tower."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+class InputAudio(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    data: str = Field(description="The file's bytes in base64.")
+    format: Literal["wav", "mp3", "flac"] = Field(description="Informative: the file is read by its content.")
+
+
+class AudioPart(BaseModel):
+    """A clip of at most 30 s (OpenAI's `input_audio` part), in a user message, for a checkpoint with an audio
+    tower."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+def _part_type(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return kind if isinstance(kind, str) else None
+
+
+ContentPart = Annotated[
+    Annotated[TextPart, Tag("text")] | Annotated[ImagePart, Tag("image_url")]
+    | Annotated[AudioPart, Tag("input_audio")],
+    Discriminator(_part_type, custom_error_type="invalid_part", custom_error_message=(
+        "A content part is text, image_url or input_audio."))]
 
 
 # Caps on the lists of a body are schema bounds (pydantic's max_length), so validation stops at the first
@@ -152,23 +200,27 @@ class MessageToolCall(BaseModel):
     function: FunctionCall
 
 
-# Per role, as `ChatCompletionRequest._check_tools` enforces it: a tool message has a tool_call_id, and only an
-# assistant message carries tool_calls.
+# Per role, as `ChatCompletionRequest._check_tools` and `_check_parts` enforce it: a tool message has a
+# tool_call_id, only an assistant message carries tool_calls, and only a user message images and audio.
 MESSAGE_ROLE_RULES = [
     {"anyOf": [{"properties": {"role": {"not": {"const": "tool"}}}},
                {"properties": {"tool_call_id": {"type": "string"}}, "required": ["tool_call_id"]}]},
     {"anyOf": [{"properties": {"role": {"const": "assistant"}}},
                {"properties": {"tool_calls": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}}}]},
+    {"anyOf": [{"properties": {"role": {"const": "user"}}},
+               {"properties": {"content": {"not": {"type": "array", "contains": {
+                   "type": "object", "properties": {"type": {"enum": ["image_url", "input_audio"]}},
+                   "required": ["type"]}}}}}]},
 ]
 
 
 class ChatMessage(BaseModel):
     """One message. An assistant message may carry `tool_calls` (its content then may be null); a `tool`
-    message answers one of them by `tool_call_id`."""
+    message answers one of them by `tool_call_id`; a user message may hold images and audio among its parts."""
 
     model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={"allOf": MESSAGE_ROLE_RULES})
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
+    content: str | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     name: str | None = None
     tool_calls: Annotated[list[MessageToolCall], Field(max_length=MAX_TOOL_CALLS)] | None = None
     tool_call_id: str | None = None
@@ -297,6 +349,8 @@ class EngineParams:
         cache_salt: the request's cache_salt: it shares cached KV only with requests of the same salt.
         cache_boundary: a prompt position the engine snapshots for later requests that share the prompt up
             to there (chat: the end of the system turn and the tool declarations), or None.
+        media: the soft tokens of the prompt's images and audio, (start, embeds [n, hidden], key) in prompt
+            order (media.place): they take positions start..start+n, which hold the placeholder id.
     """
 
     prompt_ids: tuple[int, ...]
@@ -312,6 +366,7 @@ class EngineParams:
     forced_calls: bool = False
     cache_salt: str | None = None
     cache_boundary: int | None = None
+    media: tuple[tuple[int, Any, int], ...] = ()
 
     def choice_sampling(self, index: int, fresh_seed: Callable[[], int]) -> dict[str, Any]:
         """SamplingParams keywords for choice `index`: a given seed s gives choice i the seed s + i (so
@@ -596,7 +651,7 @@ class GenerationRequest(OpenAIModel):
     def engine_params(
         self, prompt_ids: list[int], context: int, vocab_size: int, default_temperature: float = 1.0,
         grammar: str | None = None, internal_bias: dict[int, float] | None = None,
-        cache_boundary: int | None = None,
+        cache_boundary: int | None = None, media: tuple[tuple[int, Any, int], ...] = (),
     ) -> EngineParams:
         """Turn this request and its tokenized prompt into one engine decode. The caller ran `check()` first
         (app.py does, before it admits the request): the checks that need the prompt's ids are here.
@@ -610,6 +665,7 @@ class GenerationRequest(OpenAIModel):
             internal_bias: the server's own logit bias (tool_choice none forbids `<|tool_call>`); it wins
                 over the request's for its ids and does not count against the request's logit_bias cap.
             cache_boundary: where the prompt's shared part ends (chat_template.cache_boundary), or None.
+            media: the prompt's soft tokens (media.place), passed through.
         Returns:
             EngineParams with max_new capped at context - len(prompt) (vLLM's `get_max_tokens`).
         Raises:
@@ -648,7 +704,7 @@ class GenerationRequest(OpenAIModel):
         return EngineParams(tuple(prompt_ids), max_new, stop_ids, self.stop_strings(), sampling,
                             self.n or 1, self.logprobs_wanted(), grammar=grammar,
                             prompt_logprobs=self.prompt_logprobs_wanted(), cache_salt=self.cache_salt,
-                            cache_boundary=cache_boundary, **self._reply_kind())
+                            cache_boundary=cache_boundary, media=media, **self._reply_kind())
 
     def prompt_logprobs_wanted(self) -> int | None:
         """None, or how many top log-probabilities each prompt token carries (completions' echo)."""
@@ -721,7 +777,7 @@ class ChatCompletionRequest(GenerationRequest):
 
     def _prompt_chars(self) -> int:
         """Message text, tool calls, tools and schemas: all of it is rendered into the prompt or a grammar."""
-        chars = sum(len(m.get("content") or "") for m in self.template_messages())
+        chars = sum(content_chars(m["content"]) for m in self.template_messages())
         for m in self.messages:
             chars += sum(len(c.function.name) + len(c.function.arguments) for c in m.tool_calls or ())
         chars += sum(len(json.dumps(t.model_dump(exclude_none=True))) for t in self.tools or ())
@@ -817,23 +873,37 @@ class ChatCompletionRequest(GenerationRequest):
         self._check_tools()
         self.constraint()
         for i, m in enumerate(self.messages):
-            if isinstance(m.content, list):
-                for part in m.content:
-                    if part.type != "text" or part.text is None:
-                        raise bad_request(
-                            f"messages[{i}].content", f"Only text content parts are supported, not {part.type!r}."
-                        )
+            for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
+                if not isinstance(part, TextPart) and m.role != "user":
+                    raise bad_request(f"messages[{i}].content[{j}]", f"Only a user message holds images and audio, "
+                                                                     f"not a {m.role} message.")
+
+    def media_parts(self) -> list[Part]:
+        """The messages' images and audio, in prompt order, each named by its field."""
+        parts = []
+        for i, m in enumerate(self.messages):
+            for j, p in enumerate(m.content if isinstance(m.content, list) else ()):
+                if isinstance(p, ImagePart):
+                    parts.append(Part("image", f"messages[{i}].content[{j}]", p.image_url.url))
+                elif isinstance(p, AudioPart):
+                    parts.append(Part("audio", f"messages[{i}].content[{j}]", p.input_audio.data))
+        return parts
 
     def template_messages(self) -> list[dict[str, Any]]:
-        """Messages as the chat template wants them: text content parts joined into one string; an
-        assistant's tool calls with their arguments as objects (Gemma 4's templates render a mapping, as
+        """Messages as the chat template wants them: text content parts joined into one string, or, in a
+        message with images or audio, the template's content items (`{"type": "text", "text"}`, `{"type":
+        "image"}`, `{"type": "audio"}`: Google's Gemma 4 template writes `<|image|>` and `<|audio|>` for them);
+        an assistant's tool calls with their arguments as objects (Gemma 4's templates render a mapping, as
         vLLM's chat_utils does for them) and its reasoning_content; a tool message with its tool_call_id
         and name. (chat_template.gemma_turns then fits them to the checkpoint's template.)"""
         out = []
         for m in self.messages:
             content = m.content
-            if isinstance(content, list):
-                content = "".join(p.text or "" for p in content)
+            if isinstance(content, list) and all(isinstance(p, TextPart) for p in content):
+                content = "".join(p.text for p in content)
+            elif isinstance(content, list):
+                content = [{"type": "text", "text": p.text} if isinstance(p, TextPart)
+                           else {"type": "image" if isinstance(p, ImagePart) else "audio"} for p in content]
             message: dict[str, Any] = {"role": m.role, "content": content or ""}
             if m.tool_calls:
                 message["tool_calls"] = [
@@ -857,6 +927,13 @@ class ChatCompletionRequest(GenerationRequest):
 
     def _logprobs_field(self) -> str:
         return "top_logprobs" if self.top_logprobs else "logprobs"
+
+
+def content_chars(content: str | list[dict[str, Any]] | None) -> int:
+    """The text characters of a template message's content (a string, or content items)."""
+    if isinstance(content, list):
+        return sum(len(item.get("text") or "") for item in content)
+    return len(content or "")
 
 
 def _structured_chars(request: GenerationRequest) -> int:

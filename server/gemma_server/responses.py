@@ -9,7 +9,8 @@ messages the same way.
 A request becomes a `protocol.ChatCompletionRequest` (`to_chat`, pure): `instructions` a leading system
 message, `input` items chat messages (a message's text parts joined; `reasoning`, an assistant message and its
 `function_call` items one assistant message with reasoning_content and tool_calls; `function_call_output` a
-`tool` message, which chat_template.py puts where Gemma 4's template wants tool results), `tools` and
+`tool` message, which chat_template.py puts where Gemma 4's template wants tool results; a user message's
+`input_image` and `input_audio` parts chat's `image_url` and `input_audio` parts), `tools` and
 `tool_choice` chat's, `text.format` chat's response_format, `reasoning.effort` the template's
 enable_thinking, `max_output_tokens` max_tokens. It then takes the one path every request takes
 (`ServerState.start`: the same checks, client share, queue, metrics and cancellation as chat), and a 400 from
@@ -55,6 +56,7 @@ from gemma_server.protocol import (
     MAX_TOP_LOGPROBS,
     SEED,
     ChatCompletionRequest,
+    InputAudio,
     Integer,
     OpenAIModel,
 )
@@ -93,6 +95,21 @@ class Refusal(Strict):
     refusal: str
 
 
+class InputImage(Strict):
+    """An image in a user message: a data URL (an http(s) URL where the server fetches from its host)."""
+
+    type: Literal["input_image"]
+    image_url: str = Field(description="A data URL (data:image/png;base64,...); file ids are not supported.")
+    detail: Literal["auto", "low", "high", "original"] | None = None
+
+
+class InputAudioPart(Strict):
+    """A clip of at most 30 s in a user message (base64 wav, mp3 or flac)."""
+
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
 def _part_type(value: Any) -> str | None:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
     return kind if isinstance(kind, str) else None
@@ -100,9 +117,11 @@ def _part_type(value: Any) -> str | None:
 
 ContentPart = Annotated[
     Annotated[InputText, Tag("input_text")] | Annotated[OutputText, Tag("output_text")]
-    | Annotated[Refusal, Tag("refusal")],
+    | Annotated[Refusal, Tag("refusal")] | Annotated[InputImage, Tag("input_image")]
+    | Annotated[InputAudioPart, Tag("input_audio")],
     Discriminator(_part_type, custom_error_type="invalid_part", custom_error_message=(
-        "A content part is input_text, output_text or refusal; images and files are not supported."))]
+        "A content part is input_text, output_text, refusal, input_image or input_audio; files are not "
+        "supported."))]
 
 
 class MessageItem(Strict):
@@ -117,7 +136,24 @@ class MessageItem(Strict):
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.refusal if isinstance(p, Refusal) else p.text for p in self.content)
+        return "".join(p.refusal if isinstance(p, Refusal) else p.text for p in self.content
+                       if not isinstance(p, (InputImage, InputAudioPart)))
+
+    def chat_content(self) -> str | list[dict[str, Any]]:
+        """The content as chat's: the text, or with images or audio chat's parts, one for each part (so a
+        chat 400 naming `content[j]` names this message's part j)."""
+        if isinstance(self.content, str) or not any(isinstance(p, (InputImage, InputAudioPart))
+                                                    for p in self.content):
+            return self.text()
+        parts: list[dict[str, Any]] = []
+        for p in self.content:
+            if isinstance(p, InputImage):
+                parts.append({"type": "image_url", "image_url": {"url": p.image_url}})
+            elif isinstance(p, InputAudioPart):
+                parts.append({"type": "input_audio", "input_audio": p.input_audio.model_dump()})
+            else:
+                parts.append({"type": "text", "text": p.refusal if isinstance(p, Refusal) else p.text})
+        return parts
 
 
 class FunctionCallItem(Strict):
@@ -387,7 +423,7 @@ def input_messages(given: str | list) -> tuple[list[dict[str, Any]], list[str], 
             if isinstance(item, FunctionCallOutputItem):
                 out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
             else:
-                out.append({"role": item.role, "content": item.text()})
+                out.append({"role": item.role, "content": item.chat_content()})
             origins.append(f"input[{i}]")
     return out, origins, call_origins
 

@@ -27,7 +27,12 @@ import uvicorn
 
 from gemma_server.app import create_app
 from gemma_server.config import parse_config
-from tests.checkpoints import agent_checkpoint, chat_checkpoint, gemma4_checkpoint  # noqa: F401 - session fixtures
+from tests.checkpoints import (  # noqa: F401 - session fixtures
+    agent_checkpoint,
+    chat_checkpoint,
+    gemma4_checkpoint,
+    multimodal_checkpoint,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 CONTEXT = 1024  # the tiny checkpoint's max_position_embeddings
@@ -99,7 +104,8 @@ def start_in_process(model_dir: Path, *extra: str, boot_class=None, wait_ready: 
     thread.start()
     s = InProcessServer(f"http://127.0.0.1:{port}", app, server, thread)
     if wait_ready:
-        wait_for(lambda: get_status(s.base + "/health") == 200, 300, "/health 200")
+        wait_for(lambda: s.state.boot.state.failed or get_status(s.base + "/health") == 200, 300, "/health 200")
+        assert not s.state.boot.state.failed, s.state.boot.state.failed
     return s
 
 
@@ -127,6 +133,22 @@ def gemma4_server(gemma4_checkpoint) -> Iterator[InProcessServer]:  # noqa: F811
     """The real engine on the agent weights with Google's own Gemma 4 chat template (tool results read from
     the model turn), served in-process, greedy by default, as `agent_server` is."""
     s = start_in_process(gemma4_checkpoint, "--queue-limit", "16", "--max-num-seqs", "4", "--default-temperature", "0")
+    yield s
+    s.stop()
+
+
+# The media server's limits, low enough that a test crosses each with a small file.
+MEDIA_LIMITS = {"--max-images-per-request": 2, "--max-image-pixels": 200 * 150, "--max-audio-seconds": 4,
+                "--max-media-bytes": 300_000}
+
+
+@pytest.fixture(scope="session")
+def media_server(multimodal_checkpoint) -> Iterator[InProcessServer]:  # noqa: F811
+    """The real engine and media encoder on the checkpoint with both towers (Google's Gemma 4 template and
+    Transformers' processor config), served in-process in float32, greedy by default, with MEDIA_LIMITS."""
+    limits = [str(x) for item in MEDIA_LIMITS.items() for x in item]
+    s = start_in_process(multimodal_checkpoint, "--queue-limit", "16", "--max-num-seqs", "4",
+                         "--default-temperature", "0", *limits)
     yield s
     s.stop()
 

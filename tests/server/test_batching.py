@@ -230,6 +230,8 @@ def test_api_key_guards_the_api_and_leaves_probes_and_the_boot_report_open(chat_
         r = httpx.post(s.base + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 401
         assert r.json()["error"]["type"] == "authentication_error" and r.headers["www-authenticate"] == "Bearer"
+        for path in ("/v1/audio/transcriptions", "/v1/audio/translations"):  # refused before the form is read
+            assert httpx.post(s.base + path, files={"file": ("a.wav", b"RIFF")}).status_code == 401, path
         assert httpx.get(s.base + "/v1/models", headers={"Authorization": "Bearer nope"}).status_code == 401
         client = openai.OpenAI(base_url=s.base + "/v1", api_key="sesame", max_retries=0)
         assert client.models.list().data[0].id == s.state.config.model_name

@@ -61,7 +61,8 @@ def test_tools_are_listed_with_input_and_output_schemas(server):
     assert set(tools) == TOOLS
     ask = tools["ask"]
     assert ask.input_schema["required"] == ["prompt"]
-    assert set(ask.input_schema["properties"]) == {"prompt", "system", "max_tokens", "temperature", "json_schema"}
+    assert set(ask.input_schema["properties"]) == {"prompt", "system", "max_tokens", "temperature", "json_schema",
+                                                  "image"}
     assert {"text", "finish_reason", "completion_tokens", "decode_tokens_per_second"} <= set(
         ask.output_schema["properties"])
     assert tools["stream"].input_schema["properties"] == ask.input_schema["properties"]

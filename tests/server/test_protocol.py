@@ -151,12 +151,27 @@ def test_unknown_fields_are_ignored_and_logged(caplog):
     assert "ignored 2 unknown request fields: 'frobnicate', 'another'" in caplog.text
 
 
-def test_text_content_parts_are_joined_and_image_parts_refused():
+def test_text_content_parts_are_joined_and_media_parts_keep_their_places():
     req = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
                                                                        {"type": "text", "text": "b"}]}])
-    assert req.template_messages() == [{"role": "user", "content": "ab"}]
-    img = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
-    assert_400(img.check, "messages[0].content")
+    assert req.template_messages() == [{"role": "user", "content": "ab"}] and req.media_parts() == []
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    audio = {"type": "input_audio", "input_audio": {"data": "UklG", "format": "wav"}}
+    req = ChatCompletionRequest(messages=[
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Look: "}, image, audio, {"type": "text", "text": "?"}]}])
+    req.check()
+    assert req.template_messages()[1]["content"] == [{"type": "text", "text": "Look: "}, {"type": "image"},
+                                                     {"type": "audio"}, {"type": "text", "text": "?"}]
+    assert [(p.kind, p.param, p.source) for p in req.media_parts()] == [
+        ("image", "messages[1].content[1]", "data:image/png;base64,AAAA"),
+        ("audio", "messages[1].content[2]", "UklG")]
+    # Only a user message holds media; a part is whole (an image has its url, audio a known format).
+    assert_400(ChatCompletionRequest(messages=[{"role": "system", "content": [image]}]).check, "messages[0].content[0]")
+    for bad in ({"type": "image_url", "image_url": {}}, {**audio, "input_audio": {"data": "x", "format": "ogg"}},
+                {"type": "file", "file": {"file_id": "f"}}):
+        with pytest.raises(ValidationError):
+            ChatCompletionRequest(messages=[{"role": "user", "content": [bad]}])
 
 
 def test_bodies_are_read_as_json_schema_reads_them():

@@ -1,0 +1,684 @@
+"""Images and audio in a request: read, checked against the server's limits, pre-processed, turned into soft
+tokens and placed in the prompt.
+
+The path of one media part (a chat `image_url` or `input_audio` part, a Responses `input_image` or
+`input_audio`, a transcription's file):
+
+1. `Part` -> bytes: a data URL or base64 (`inline_bytes`), or, where the server is told to fetch
+   (`--media-fetch-hosts`), an http(s) URL whose host is on that list (`fetch`: no redirects, a byte cap, a
+   deadline). Every limit is a 400 naming the part and the flag.
+2. bytes -> `Decoded`: an image with Pillow (`decode_image`: its size read from the header before the pixels),
+   audio with libsndfile through soundfile (`decode_audio`: WAV, FLAC, MP3 or Ogg; its length read from the
+   header before the samples; channels averaged to mono; another rate than the model's 16 kHz resampled with
+   scipy's polyphase filter). Its `key` is 63 bits of the sha256 of what was decoded: the prefix cache
+   compares media positions by it (rust/python/gemma_engine `Request`'s `media`), so the same image resumes a
+   cached prompt and another does not.
+3. `Decoded` -> model inputs with Transformers 5.18's own Gemma 4 pre-processing, loaded from the
+   checkpoint's processor_config.json and called as `Gemma4Processor` calls it (processing_gemma4.py,
+   processing_utils.py `_process_images` / `_process_audio`): `Gemma4ImageProcessorPil`
+   (image_processing_pil_gemma4.py, the Pillow backend: no torchvision) gives `pixel_values`,
+   `image_position_ids` and `num_soft_tokens_per_image`; `Gemma4AudioFeatureExtractor`
+   (feature_extraction_gemma4.py) gives `input_features` and `input_features_mask` (`image_inputs`,
+   `audio_inputs`).
+4. model inputs -> `Soft` tokens: the engine's `gemma_engine.Encoder` (the towers and their projections into
+   the text model), which is `unsendable`: `MediaEncoder` builds it on a thread of its own and runs every
+   call there, off the event loop; the engine threads are untouched.
+5. The prompt: the checkpoint's chat template renders an image part as `<|image|>` and an audio part as
+   `<|audio|>` (Google's Gemma 4 template), and `expand` replaces each such id as `Gemma4Processor`
+   (`replace_image_token`, `replace_audio_token`) replaces the marker in the text: boi, the image token once
+   per soft token, eoi (boa, the audio token, eoa). The soft tokens then take those positions in the engine
+   (`Request(media=[(start, embeds, key)])`). A client's text cannot make a placeholder: the chat template's
+   client texts are tokenized with special tokens as plain text (chat_template.py).
+
+Pure functions hold the rules (`check_parts`, `inline_bytes`, `decode_*`, `expand`, `split_clip`); the side
+effects are at the edges (`fetch`, `MediaEncoder`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import hashlib
+import io
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from gemma_server.errors import ApiError, bad_request
+
+log = logging.getLogger(__name__)
+
+Kind = Literal["image", "audio"]
+# The model's audio rate: Gemma4AudioFeatureExtractor's `sampling_rate`.
+SAMPLE_RATE = 16_000
+# What Pillow may open (its other formats are refused before they are parsed).
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+# What libsndfile reads that a client sends: `SoundFile.format` names.
+AUDIO_FORMATS = ("WAV", "WAVEX", "FLAC", "MP3", "OGG")
+AUDIO_FORMAT_NAMES = "wav, flac, mp3 or ogg"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may hold (config.py's flags).
+
+    Attributes:
+        images: images per request.
+        image_pixels: width x height of one image.
+        audio_seconds: seconds of audio per request, every clip together.
+        item_bytes: bytes of one image or audio file as sent.
+        fetch_hosts: host names whose http(s) URLs are fetched; empty: none.
+        fetch_timeout: seconds to fetch one URL.
+    """
+
+    images: int
+    image_pixels: int
+    audio_seconds: float
+    item_bytes: int
+    fetch_hosts: frozenset[str] = frozenset()
+    fetch_timeout: float = 10.0
+
+    @classmethod
+    def of(cls, config) -> Limits:
+        return cls(config.max_images_per_request, config.max_image_pixels, config.max_audio_seconds,
+                   config.max_media_bytes, config.fetch_hosts, config.media_fetch_timeout)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One media part of a request, as sent.
+
+    Attributes:
+        kind: "image" or "audio".
+        param: the request field it is (`messages[0].content[1]`), named by its 400s.
+        source: a data URL or an http(s) URL (images), or base64 (audio; a data URL is taken too).
+    """
+
+    kind: Kind
+    param: str
+    source: str
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """A part's content, read.
+
+    Attributes:
+        kind, param: as the Part's.
+        value: an RGB-or-other `PIL.Image.Image` (loaded), or audio as float32 mono samples at SAMPLE_RATE.
+        key: 63 bits of the sha256 of the bytes decoded (the prefix cache's key of its positions).
+        seconds: the audio's length (0 for an image).
+    """
+
+    kind: Kind
+    param: str
+    value: Any
+    key: int
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Soft:
+    """A part's soft tokens: `embeds` [n, hidden] that take its n placeholder positions, and its key."""
+
+    kind: Kind
+    param: str
+    embeds: Any
+    key: int
+
+    @property
+    def count(self) -> int:
+        return int(self.embeds.shape[0])
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """The checkpoint's media token ids (config.json's `image_token_id`, `boi_token_id`, ...)."""
+
+    image: int
+    audio: int
+    boi: int
+    eoi: int
+    boa: int
+    eoa: int
+
+    def placeholder(self, kind: Kind) -> int:
+        return self.image if kind == "image" else self.audio
+
+    def frame(self, kind: Kind) -> tuple[int, int]:
+        """The ids an item's soft tokens stand between."""
+        return (self.boi, self.eoi) if kind == "image" else (self.boa, self.eoa)
+
+
+def content_key(data: bytes) -> int:
+    """63 bits of the sha256 of `data`: a key the engine takes as a non-negative 64-bit integer."""
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "big") >> 1
+
+
+# ---- the checks that need no decoding -----------------------------------------------------------------
+
+
+def check_parts(parts: Sequence[Part], limits: Limits, modalities: Sequence[str], missing: str) -> None:
+    """Refuse what can be refused before anything is read: a kind the checkpoint does not take, more images
+    than the limit, a URL the server does not fetch.
+
+    Args:
+        parts: the request's media parts, in order.
+        limits: the server's limits.
+        modalities: what the checkpoint takes ("image", "audio").
+        missing: why it takes no media at all (`MediaEncoder.load`'s reason), or "".
+    Raises:
+        ApiError: 400 naming the part.
+    """
+    images = 0
+    for part in parts:
+        if part.kind not in modalities:
+            why = (missing if not modalities and missing
+                   else f"the checkpoint has no {'vision' if part.kind == 'image' else 'audio'} tower")
+            raise bad_request(part.param, f"This model takes no {part.kind} input: {why}.")
+        if part.kind == "image":
+            images += 1
+            if images > limits.images:
+                raise bad_request(part.param, f"A request holds at most {limits.images} images "
+                                              f"(--max-images-per-request).")
+            if not part.source.startswith("data:"):
+                check_url(part.source, part.param, limits)
+
+
+def check_url(url: str, param: str, limits: Limits) -> None:
+    """An image URL the server may fetch: http(s), its host on --media-fetch-hosts.
+
+    Raises:
+        ApiError: 400 naming `param` and what to send instead.
+    """
+    import httpx
+
+    if not limits.fetch_hosts:
+        raise bad_request(param, "This server does not fetch image URLs (--media-fetch-hosts is empty): send the "
+                                 "image inline as a data URL (data:image/png;base64,...).")
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, TypeError, ValueError) as e:
+        raise bad_request(param, f"The image URL is not a URL: {e}") from None
+    if parsed.scheme not in ("http", "https"):
+        raise bad_request(param, "An image URL is a data URL or an http(s) URL.")
+    if parsed.host.lower() not in limits.fetch_hosts:
+        raise bad_request(param, f"The image URL's host {parsed.host[:100]!r} is not one this server fetches from "
+                                 f"(--media-fetch-hosts).")
+
+
+# ---- bytes ---------------------------------------------------------------------------------------------
+
+
+def inline_bytes(part: Part, max_bytes: int) -> bytes:
+    """The bytes of an inline part: a data URL (`data:<type>;base64,<data>`: an image part's type must be
+    image/*, an audio part's audio/* or none), or plain base64 (audio, as OpenAI's input_audio.data).
+
+    Raises:
+        ApiError: 400 naming the part: not base64, not a data URL of its kind, over `max_bytes`.
+    """
+    text = part.source
+    if text.startswith("data:"):
+        header, comma, text = text[5:].partition(",")
+        mime, *params = header.split(";")
+        if not comma or "base64" not in params:
+            raise bad_request(part.param, "A data URL must be base64: data:<type>;base64,<data>.")
+        if part.kind == "image" and not mime.startswith("image/"):
+            raise bad_request(part.param, f"An image's data URL has type image/..., not {mime[:40]!r}.")
+        if part.kind == "audio" and mime and not mime.startswith("audio/"):
+            raise bad_request(part.param, f"An audio data URL has type audio/..., not {mime[:40]!r}.")
+    elif part.kind == "image":
+        raise bad_request(part.param, "An image is a data URL (data:image/png;base64,...) or an http(s) URL.")
+    text = "".join(text.split())  # line breaks, as some encoders write them
+    # 4 characters of base64 hold 3 bytes: too long a text is refused before any of it is decoded.
+    if len(text) > 4 * (max_bytes // 3 + 1):
+        raise bad_request(part.param, f"The {part.kind} is larger than {max_bytes} bytes (--max-media-bytes).")
+    try:
+        data = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise bad_request(part.param, f"The {part.kind} data is not valid base64.") from None
+    if len(data) > max_bytes:
+        raise bad_request(part.param, f"The {part.kind} is {len(data)} bytes; at most {max_bytes} are taken "
+                                      f"(--max-media-bytes).")
+    if not data:
+        raise bad_request(part.param, f"The {part.kind} data is empty.")
+    return data
+
+
+async def fetch(part: Part, limits: Limits) -> bytes:
+    """GET an image URL that `check_url` allowed: status 200 only (no redirect is followed, so the host checked
+    is the host read), at most `limits.item_bytes` bytes, within `limits.fetch_timeout` seconds in all.
+
+    Raises:
+        ApiError: 400 naming the part: the host refused, a status other than 200, too many bytes, too slow.
+    """
+    import httpx
+
+    check_url(part.source, part.param, limits)
+    cap = limits.item_bytes
+    try:
+        async with asyncio.timeout(limits.fetch_timeout):
+            async with httpx.AsyncClient(follow_redirects=False, timeout=limits.fetch_timeout) as client:
+                async with client.stream("GET", part.source) as response:
+                    if response.status_code != 200:
+                        raise bad_request(part.param, f"Fetching the image URL got HTTP {response.status_code}.")
+                    declared = response.headers.get("content-length", "")
+                    if declared.isdigit() and int(declared) > cap:
+                        raise bad_request(part.param, f"The image URL's file is {declared} bytes; at most {cap} "
+                                                      f"are taken (--max-media-bytes).")
+                    chunks, size = [], 0
+                    async for chunk in response.aiter_bytes():
+                        size += len(chunk)
+                        if size > cap:
+                            raise bad_request(part.param, f"The image URL's file is larger than {cap} bytes "
+                                                          f"(--max-media-bytes).")
+                        chunks.append(chunk)
+    except TimeoutError:
+        raise bad_request(part.param, f"The image URL was not fetched within {limits.fetch_timeout:g} s "
+                                      f"(--media-fetch-timeout).") from None
+    except httpx.HTTPError as e:
+        raise bad_request(part.param, f"The image URL could not be fetched: {type(e).__name__}: {e}"[:300]) from None
+    return b"".join(chunks)
+
+
+# ---- decoding ------------------------------------------------------------------------------------------
+
+
+def decode_image(data: bytes, param: str, max_pixels: int):
+    """An image's pixels, loaded: its size is read from the header and checked before the pixels are decoded.
+
+    Returns:
+        the loaded `PIL.Image.Image` (the first frame of an animation), as the file has it (mode, size).
+    Raises:
+        ApiError: 400 naming `param`: not an image of IMAGE_FORMATS, larger than `max_pixels`, corrupt.
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
+    except UnidentifiedImageError:
+        raise bad_request(param, f"The image is not a {', '.join(IMAGE_FORMATS)} file Pillow can read.") from None
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+        raise bad_request(param, f"The image cannot be read: {e}"[:300]) from None
+    width, height = image.size
+    if width * height > max_pixels:
+        raise bad_request(param, f"The image is {width}x{height} = {width * height} pixels; at most {max_pixels} "
+                                 f"are taken (--max-image-pixels).")
+    if width < 1 or height < 1:
+        raise bad_request(param, f"The image is {width}x{height} pixels.")
+    try:
+        image.load()
+    except (OSError, SyntaxError, ValueError, EOFError, MemoryError, Image.DecompressionBombError) as e:
+        raise bad_request(param, f"The image is corrupt ({image.format}): {e}"[:300]) from None
+    return image
+
+
+def decode_audio(data: bytes, param: str, max_seconds: float, used: float = 0.0, rate: int = SAMPLE_RATE):
+    """Audio as float32 mono samples at `rate`: its length is read from the header and checked before the
+    samples are; channels are averaged; another rate is resampled (`resample`).
+
+    Args:
+        data: the file's bytes.
+        param: the request field it came from.
+        max_seconds: seconds of audio the whole request may hold.
+        used: seconds its earlier clips took.
+        rate: the rate to return.
+    Returns:
+        (samples, seconds): a 1-D float32 numpy array and the clip's length in seconds.
+    Raises:
+        ApiError: 400 naming `param`: not a file of AUDIO_FORMATS, empty, longer than `max_seconds`, corrupt.
+    """
+    import numpy as np
+    import soundfile
+
+    try:
+        sound = soundfile.SoundFile(io.BytesIO(data))
+    except (soundfile.SoundFileError, RuntimeError, TypeError, ValueError) as e:
+        raise bad_request(param, f"The audio is not a {AUDIO_FORMAT_NAMES} file libsndfile can read "
+                                 f"({' '.join(str(e).split()[-4:])})") from None
+    with sound:
+        if sound.format not in AUDIO_FORMATS:
+            raise bad_request(param, f"The audio is {sound.format_info or sound.format}; send {AUDIO_FORMAT_NAMES}.")
+        if sound.samplerate < 1 or sound.channels < 1:
+            raise bad_request(param, "The audio's header has no sample rate or no channels.")
+        left = max(max_seconds - used, 0.0)
+
+        def too_long(seconds: float) -> ApiError:
+            more = f"; the request's other audio took {used:.1f} s" if used else ""
+            return bad_request(param, f"The audio is {seconds:.1f} s long; a request holds at most {max_seconds:g} s "
+                                      f"of audio (--max-audio-seconds){more}.")
+
+        if sound.frames / sound.samplerate > left:
+            raise too_long(sound.frames / sound.samplerate)
+        try:
+            # At most the limit's frames, whatever the header said.
+            wave = sound.read(frames=int(left * sound.samplerate) + 1, dtype="float32", always_2d=True)
+        except (soundfile.SoundFileError, RuntimeError, ValueError, MemoryError) as e:
+            raise bad_request(param, f"The audio is corrupt ({sound.format}): {e}"[:300]) from None
+        source_rate = sound.samplerate
+    if len(wave) / source_rate > left:
+        raise too_long(len(wave) / source_rate)
+    if not len(wave):
+        raise bad_request(param, "The audio holds no samples.")
+    mono = wave.mean(axis=1, dtype=np.float32)
+    return resample(mono, source_rate, rate), len(wave) / source_rate
+
+
+def resample(wave, source_rate: int, rate: int = SAMPLE_RATE):
+    """`wave` at `rate`: scipy's polyphase resampler (`scipy.signal.resample_poly`, its default Kaiser-window
+    anti-aliasing filter), as float32; unchanged when the rates agree."""
+    import numpy as np
+
+    if source_rate == rate:
+        return np.ascontiguousarray(wave, dtype=np.float32)
+    from scipy.signal import resample_poly
+
+    g = math.gcd(source_rate, rate)
+    return resample_poly(wave, rate // g, source_rate // g).astype(np.float32)
+
+
+def decode(part: Part, data: bytes, limits: Limits, audio_used: float = 0.0) -> Decoded:
+    """A part's bytes, decoded and keyed (`decode_image`, `decode_audio`); `audio_used`: seconds of audio the
+    request's earlier parts took.
+
+    Raises:
+        ApiError: as the decoder.
+    """
+    if part.kind == "image":
+        return Decoded("image", part.param, decode_image(data, part.param, limits.image_pixels), content_key(data))
+    wave, seconds = decode_audio(data, part.param, limits.audio_seconds, audio_used)
+    return Decoded("audio", part.param, wave, content_key(data), seconds)
+
+
+async def read(parts: Sequence[Part], limits: Limits) -> list[Decoded]:
+    """A request's parts, fetched (`fetch`, on the event loop) or taken inline (`inline_bytes`) and decoded
+    (`decode`), the work on worker threads; in order, the audio counted against the request's seconds.
+
+    Raises:
+        ApiError: 400 naming the first part that breaks a limit or cannot be read.
+    """
+    out: list[Decoded] = []
+    used = 0.0
+    for part in parts:
+        if part.kind == "image" and not part.source.startswith("data:"):
+            data = await fetch(part, limits)
+            item = await asyncio.to_thread(decode, part, data, limits, used)
+        else:
+            item = await asyncio.to_thread(lambda p=part: decode(p, inline_bytes(p, limits.item_bytes), limits, used))
+        used += item.seconds
+        out.append(item)
+    return out
+
+
+def split_clip(wave, max_samples: int, window: int = SAMPLE_RATE // 10, search: int = 5 * SAMPLE_RATE) -> list:
+    """`wave` in clips of at most `max_samples`, each cut at the quietest `window` samples of the last
+    `search` samples before the limit (the lowest sum of squares), so a cut falls between words where there
+    is a pause: vLLM's `_find_split_point` (vllm/entrypoints/openai/speech_to_text.py) cuts long audio the
+    same way.
+
+    Returns:
+        views of `wave`, in order; together they are `wave`.
+    """
+    import numpy as np
+
+    clips, at = [], 0
+    while len(wave) - at > max_samples:
+        end = at + max_samples
+        lo = max(at + window, end - search)
+        region = np.asarray(wave[lo:end], dtype=np.float64) ** 2
+        if len(region) > window:
+            energy = np.convolve(region, np.ones(window), mode="valid")
+            end = lo + int(np.argmin(energy)) + window // 2
+        clips.append(wave[at:end])
+        at = end
+    clips.append(wave[at:])
+    return clips
+
+
+# ---- model inputs and the prompt ----------------------------------------------------------------------
+
+
+def image_inputs(processor, images: list) -> dict[str, Any]:
+    """Gemma4ImageProcessorPil over one request's images, as Gemma4Processor calls it (`do_convert_rgb`, its
+    default images_kwargs; one batch, padded to the most patches).
+
+    Returns:
+        {"pixel_values": float [n, patches, 3*p*p], "image_position_ids": int64 [n, patches, 2],
+         "num_soft_tokens_per_image": [n]} as torch tensors.
+    """
+    return dict(processor(images, do_convert_rgb=True, return_tensors="pt"))
+
+
+def audio_inputs(extractor, clips: list) -> dict[str, Any]:
+    """Gemma4AudioFeatureExtractor over one request's clips (16 kHz mono), as Gemma4Processor calls it (its
+    defaults: padded to the longest, truncated at 30 s, which `check_clip` refuses first).
+
+    Returns:
+        {"input_features": float [n, frames, mel], "input_features_mask": bool [n, frames]} as torch tensors.
+    """
+    return dict(extractor(clips, sampling_rate=SAMPLE_RATE, return_tensors="pt"))
+
+
+def expand(ids: Sequence[int], counts: Sequence[tuple[Kind, int]], tokens: Tokens) -> tuple[list[int], list[int]]:
+    """The prompt with each media placeholder (one `<|image|>` or `<|audio|>` id, as the chat template writes
+    it) replaced as Gemma4Processor's `replace_image_token` / `replace_audio_token` replace it: boi, the image
+    token `n` times, eoi (boa, the audio token `n` times, eoa).
+
+    Args:
+        ids: the rendered prompt's ids, one placeholder per media part.
+        counts: each part's (kind, soft tokens), in prompt order.
+        tokens: the checkpoint's media ids.
+    Returns:
+        (ids, starts): the expanded ids, and where each part's soft tokens start.
+    Raises:
+        ApiError: 400 when the placeholders are not the parts (the chat template did not place them).
+    """
+    marks = (tokens.image, tokens.audio)
+    where = [i for i, t in enumerate(ids) if t in marks]
+    kinds = ["image" if ids[i] == tokens.image else "audio" for i in where]
+    if kinds != [kind for kind, _ in counts]:
+        raise bad_request("messages", f"The chat template placed {len(where)} media markers for "
+                                      f"{len(counts)} media parts: this checkpoint's template does not render "
+                                      f"them as Gemma 4's does.")
+    out: list[int] = []
+    starts: list[int] = []
+    at = 0
+    for i, (kind, n) in zip(where, counts):
+        first, last = tokens.frame(kind)
+        out += ids[at:i]
+        out.append(first)
+        starts.append(len(out))
+        out += [tokens.placeholder(kind)] * n
+        out.append(last)
+        at = i + 1
+    out += ids[at:]
+    return out, starts
+
+
+def prompt_ids(tokenizer, request, counts: Sequence[tuple[Kind, int]], tokens: Tokens) -> tuple[list[int], list[int]]:
+    """The prompt ids the engine gets for a chat request (protocol.ChatCompletionRequest) whose media parts
+    give `counts` soft tokens: the checkpoint's template rendered and tokenized (chat_template.chat_prompt),
+    then `expand`ed. Pure: what the server sends, without the HTTP layer or an encoder.
+
+    Returns:
+        (ids, starts) as `expand`.
+    """
+    from gemma_server.chat_template import chat_prompt
+
+    ids, _ = chat_prompt(tokenizer, request, mark_boundary=False)
+    return expand(ids, counts, tokens)
+
+
+def place(ids: Sequence[int], soft: Sequence[Soft], tokens: Tokens,
+          boundary: int | None) -> tuple[list[int], tuple[tuple[int, Any, int], ...], int | None]:
+    """The prompt with its parts' soft tokens placed (`expand`): the ids, the engine's media items (start,
+    embeds, key) and the cache boundary (kept where it lies before the first part, else dropped)."""
+    expanded, starts = expand(ids, [(s.kind, s.count) for s in soft], tokens)
+    items = tuple((start, s.embeds, s.key) for start, s in zip(starts, soft))
+    if boundary is not None and starts and boundary >= starts[0] - 1:
+        boundary = None
+    return expanded, items, boundary
+
+
+# ---- the checkpoint's media front end (its side effects: files, a thread, the encoder) -----------------
+
+
+class MediaEncoder:
+    """A checkpoint's processors and the engine's `gemma_engine.Encoder`, which runs on a thread of its own
+    (it is `unsendable`: the thread that builds it is the only one that may call it).
+
+    Args:
+        pool: the encoder's one thread, where `encoder` was built.
+        encoder: the gemma_engine.Encoder (even its properties are read on `pool` only).
+        towers: what the encoder takes (its `modalities`).
+        tokens: its media token ids.
+        image_processor: Gemma4ImageProcessorPil, or None without images.
+        feature_extractor: Gemma4AudioFeatureExtractor, or None without audio.
+        on_encoded: called with (kind, items, seconds) after each tower call (metrics).
+    """
+
+    def __init__(self, pool: ThreadPoolExecutor, encoder: Any, towers: Sequence[str], tokens: Tokens,
+                 image_processor: Any, feature_extractor: Any,
+                 on_encoded: Callable[[str, int, float], None] = lambda kind, n, s: None) -> None:
+        self._pool = pool
+        self._encoder = encoder
+        self.tokens = tokens
+        self.image_processor = image_processor
+        self.feature_extractor = feature_extractor
+        self._on_encoded = on_encoded
+        self.modalities = tuple(m for m in towers if (m == "image" and image_processor is not None)
+                                or (m == "audio" and feature_extractor is not None))
+        # The longest clip the feature extractor reads (its `max_length`: 30 s); longer is truncated there.
+        self.clip_samples = 480_000 if feature_extractor is None else int(
+            getattr(feature_extractor, "max_length", None) or 480_000)
+
+    @classmethod
+    def load(cls, gemma_engine, model_dir: Path, device: str, dtype: str,
+             on_encoded: Callable[[str, int, float], None] = lambda kind, n, s: None,
+             ) -> tuple[MediaEncoder | None, str]:
+        """The media front end of the checkpoint in `model_dir`, its encoder on `device` in `dtype` (called on
+        the boot thread; the encoder is built on its own thread).
+
+        Returns:
+            (encoder, ""), or (None, why) for a checkpoint without towers or without a processor config.
+        Raises:
+            ValueError, OSError: a tower config or tensor the engine refuses (the boot stage fails on it).
+        """
+        import json
+
+        root = json.loads((Path(model_dir) / "config.json").read_text())
+        if not isinstance(root, dict) or not (root.get("vision_config") or root.get("audio_config")):
+            return None, ("the checkpoint has no vision or audio tower (its config.json has no vision_config or "
+                          "audio_config)")
+        loaded = processors(Path(model_dir), bool(root.get("vision_config")), bool(root.get("audio_config")))
+        if loaded[0] is None and loaded[1] is None:
+            return None, ("the checkpoint has no processor_config.json (Transformers' Gemma4Processor configuration) "
+                          "for its towers")
+        pool = ThreadPoolExecutor(1, thread_name_prefix="media-encoder")
+
+        def build():
+            import torch
+
+            e = gemma_engine.Encoder(str(model_dir), like=torch.zeros(1, device=device), dtype=dtype)
+            return e, list(e.modalities), Tokens(e.image_token_id, e.audio_token_id, e.boi_token_id,
+                                                 e.eoi_token_id, e.boa_token_id, e.eoa_token_id)
+
+        try:
+            encoder, towers, tokens = pool.submit(build).result()
+        except BaseException:
+            pool.shutdown(wait=False)
+            raise
+        return cls(pool, encoder, towers, tokens, *loaded, on_encoded=on_encoded), ""
+
+    def describe(self) -> dict[str, Any]:
+        """What /v1/engine shows of it."""
+        return {"modalities": list(self.modalities),
+                "image_max_soft_tokens": getattr(self.image_processor, "max_soft_tokens", None),
+                "audio_clip_seconds": self.clip_samples / SAMPLE_RATE if self.feature_extractor else None}
+
+    def check_clip(self, item: Decoded) -> None:
+        """A chat audio part is one clip the model reads whole: longer than the extractor's `max_length` is a
+        400 (Transformers would truncate it silently)."""
+        if item.kind == "audio" and len(item.value) > self.clip_samples:
+            raise bad_request(item.param, f"The audio is {item.seconds:.1f} s long; the model reads a clip of at most "
+                                          f"{self.clip_samples / SAMPLE_RATE:g} s (use /v1/audio/transcriptions for "
+                                          f"longer audio, or send it in several parts).")
+
+    async def encode(self, items: Sequence[Decoded]) -> list[Soft]:
+        """Soft tokens of a request's decoded parts, in order: pre-processed on a worker thread, then the towers
+        on the encoder's thread (images in one call, clips in one call).
+
+        Raises:
+            ApiError: 400 naming a part that the pre-processing or the encoder refuses, or that gives no soft
+                token (a clip too short to make one).
+        """
+        images = [d for d in items if d.kind == "image"]
+        clips = [d for d in items if d.kind == "audio"]
+        for clip in clips:
+            self.check_clip(clip)
+        out: dict[int, Soft] = {}
+        if images:
+            inputs = await _off_loop(images[0].param, image_inputs, self.image_processor, [d.value for d in images])
+            embeds = await self._tower(images[0].param, "image", len(images), inputs["pixel_values"],
+                                       inputs["image_position_ids"])
+            out.update({id(d): Soft("image", d.param, e, d.key) for d, e in zip(images, embeds)})
+        if clips:
+            inputs = await _off_loop(clips[0].param, audio_inputs, self.feature_extractor, [d.value for d in clips])
+            embeds = await self._tower(clips[0].param, "audio", len(clips), inputs["input_features"],
+                                       inputs["input_features_mask"])
+            out.update({id(d): Soft("audio", d.param, e, d.key) for d, e in zip(clips, embeds)})
+        soft = [out[id(d)] for d in items]
+        for s in soft:
+            if s.count < 1:
+                raise bad_request(s.param, f"The {s.kind} is too short to give the model a soft token.")
+        return soft
+
+    async def _tower(self, param: str, kind: Kind, n: int, *args: Any) -> list:
+        """`Encoder.image(*args)` or `Encoder.audio(*args)` on the encoder's thread; a ValueError (a tower the
+        checkpoint lacks, a shape the encoder refuses) is the request's 400."""
+        t0 = time.monotonic()
+        try:
+            embeds = await asyncio.wrap_future(self._pool.submit(lambda: getattr(self._encoder, kind)(*args)))
+        except ValueError as e:
+            raise bad_request(param, f"The {kind} encoder refused the input: {e}"[:500]) from None
+        self._on_encoded(kind, n, time.monotonic() - t0)
+        return list(embeds)
+
+    def shutdown(self) -> None:
+        """Drop the encoder on its own thread (PyO3 refuses an unsendable object dropped elsewhere), then the
+        thread."""
+        self._pool.submit(setattr, self, "_encoder", None)
+        self._pool.shutdown(wait=True)
+
+
+async def _off_loop(param: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` on a worker thread; what the pre-processing raises on a client's media is its 400."""
+    try:
+        return await asyncio.to_thread(fn, *args)
+    except ApiError:
+        raise
+    except (ValueError, TypeError, OSError, IndexError, ZeroDivisionError, RuntimeError) as e:
+        raise bad_request(param, f"The media could not be pre-processed: {type(e).__name__}: {e}"[:500]) from None
+
+
+def processors(model_dir: Path, vision: bool, audio: bool) -> tuple[Any, Any]:
+    """Transformers' Gemma 4 image processor (the Pillow backend) and audio feature extractor, from the
+    checkpoint's processor_config.json, for the towers it has; None for a tower without one."""
+    from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    def load(cls):
+        try:
+            return cls.from_pretrained(str(model_dir))
+        except (OSError, ValueError) as e:
+            log.warning("no %s for this checkpoint: %s", cls.__name__, e)
+            return None
+
+    return (load(Gemma4ImageProcessorPil) if vision else None,
+            load(Gemma4AudioFeatureExtractor) if audio else None)

@@ -1,0 +1,365 @@
+"""POST /v1/audio/transcriptions and POST /v1/audio/translations: OpenAI's Audio API, on the chat path.
+
+Design: the OpenAI API reference's "Create transcription" and "Create translation" and the shapes the openai
+SDK 3.57.0 reads (`openai/types/audio/`: transcription.py, transcription_verbose.py, translation.py,
+translation_verbose.py, transcription_segment.py, transcription_text_delta_event.py,
+transcription_text_done_event.py); vLLM's `vllm/entrypoints/openai/speech_to_text.py` serves the same routes
+with audio language models, cutting long audio into clips the model reads whole.
+
+Gemma 4 has no speech-to-text head: it transcribes when a chat turn asks it to. So a request's file is read
+once (media.decode_audio: wav, flac, mp3 or ogg, any rate, mono), cut into clips of at most the model's 30 s
+(media.split_clip, at a pause), and each clip becomes one chat request of the same model (`chat_request`: a
+user turn holding the clip and the instruction Google's Gemma audio guide and Gemma 3n model card use,
+"Transcribe the following speech segment in {language} into {language} text.", or "... into English text."
+to translate) that takes the one admission path (`ServerState.start`: the queue, the client's share, the
+metrics, cancellation). The clips run one after another and their texts are joined with a space. Each
+clip's reply is bounded (`max_tokens_for`), so a model that does not stop cannot write a whole context.
+
+Replies: `json` ({"text", "usage"} with the prompt's audio and text tokens), `text`, `verbose_json`
+({"language", "duration", "text", "segments"}: one segment per clip, with its times, tokens, mean
+log-probability and compression ratio as Whisper computes it; no_speech_prob is 0, the model having no such
+head). A transcription with `stream` sends `transcript.text.delta` events as the text is written and a
+`transcript.text.done` with the whole text and usage, then `data: [DONE]`; the first clip's first piece is
+awaited before the stream opens, so an early failure is a JSON error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import zlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from fastapi import Request, UploadFile
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from gemma_server import media, openapi
+from gemma_server.errors import as_api_error, bad_request, sse_error, sse_event
+from gemma_server.protocol import ChatCompletionRequest
+from gemma_server.serving import DONE_EVENT, ClientDisconnected, Generation, race_disconnect
+
+if TYPE_CHECKING:
+    from gemma_server.app import ServerState
+
+Task = Literal["transcribe", "translate"]
+# A clip's reply is at most this many tokens a second of audio, plus FLOOR_TOKENS: speech runs at two to four
+# words a second and a word is one to three of Gemma's tokens, so a transcript fits, and a model that does not
+# stop (or repeats itself) ends within a few hundred tokens instead of at the context.
+TOKENS_PER_SECOND = 16
+FLOOR_TOKENS = 32
+MAX_PROMPT_CHARS = 4096
+
+
+class TranscriptionForm(BaseModel):
+    """POST /v1/audio/transcriptions, a multipart form. Field order: the OpenAI API reference's."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    file: UploadFile = Field(description="The audio: wav, flac, mp3 or ogg, any rate and channels.")
+    model: str
+    language: str | None = Field(default=None, max_length=40, description=(
+        "The spoken language, ISO-639-1 (en) or its English name; absent: the instruction names none."))
+    prompt: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS, description=(
+        "Text the speech follows or whose spellings it uses; added to the instruction."))
+    response_format: Literal["json", "text", "verbose_json"] = "json"
+    stream: bool = False
+    temperature: float = Field(default=0.0, ge=0.0, le=1.0)
+    timestamp_granularities: list[Literal["segment"]] = Field(
+        default_factory=list, alias="timestamp_granularities[]", max_length=1,
+        description="segment (verbose_json's segments: one per clip of at most 30 s); word is not supported.")
+
+
+class TranslationForm(BaseModel):
+    """POST /v1/audio/translations, a multipart form: the speech in English text."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    file: UploadFile = Field(description="The audio: wav, flac, mp3 or ogg, any rate and channels.")
+    model: str
+    prompt: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
+    response_format: Literal["json", "text", "verbose_json"] = "json"
+    temperature: float = Field(default=0.0, ge=0.0, le=1.0)
+
+
+class TextResponse(BaseModel):
+    """`json`: OpenAI's Transcription / Translation."""
+
+    text: str
+    usage: dict[str, Any] | None = None
+
+
+class Segment(BaseModel):
+    """OpenAI's TranscriptionSegment: one clip."""
+
+    id: int
+    seek: int
+    start: float
+    end: float
+    text: str
+    tokens: list[int]
+    temperature: float
+    avg_logprob: float
+    compression_ratio: float
+    no_speech_prob: float
+
+
+class VerboseResponse(BaseModel):
+    """`verbose_json`: OpenAI's TranscriptionVerbose / TranslationVerbose."""
+
+    language: str
+    duration: float
+    text: str
+    segments: list[Segment]
+    usage: dict[str, Any]
+
+
+def language_name(code: str | None) -> str | None:
+    """The English name of a language given as an ISO-639-1 code or a name (Whisper's table in Transformers,
+    `models/whisper/tokenization_whisper.py` LANGUAGES), capitalised; None when none is given.
+
+    Raises:
+        ApiError: 400 naming `language` for one the table lacks.
+    """
+    if code is None or not code.strip():
+        return None
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES, TO_LANGUAGE_CODE
+
+    key = code.strip().lower()
+    name = LANGUAGES.get(key) or (key if key in TO_LANGUAGE_CODE else None)
+    if name is None:
+        raise bad_request("language", f"Unknown language {code[:40]!r}: give an ISO-639-1 code such as en or fr.")
+    return name.title()
+
+
+def instruction(task: Task, language: str | None, prompt: str | None) -> str:
+    """The user turn's text after the clip (Google's Gemma audio guide, ai.google.dev/gemma/docs/capabilities/
+    audio, and the Gemma 3n model card's speech prompts)."""
+    spoken = f" in {language}" if language else ""
+    if task == "translate":
+        text = f"Translate the following speech segment{spoken} into English text."
+    elif language:
+        text = f"Transcribe the following speech segment in {language} into {language} text."
+    else:
+        text = "Transcribe the following speech segment into text."
+    if prompt and prompt.strip():
+        text += f"\nThe text before it, or words it may use: {prompt.strip()}"
+    return text
+
+
+def max_tokens_for(seconds: float) -> int:
+    """The most tokens one clip's reply may take (TOKENS_PER_SECOND)."""
+    return FLOOR_TOKENS + math.ceil(TOKENS_PER_SECOND * seconds)
+
+
+def chat_request(model: str, task: Task, language: str | None, prompt: str | None, temperature: float,
+                 seconds: float, logprobs: bool) -> ChatCompletionRequest:
+    """The chat request of one clip (pure): a user turn of the clip and the instruction. The clip is given
+    to `ServerState.start` decoded, so its part carries no data here."""
+    content = [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}},
+               {"type": "text", "text": instruction(task, language, prompt)}]
+    return ChatCompletionRequest.model_validate({
+        "model": model, "messages": [{"role": "user", "content": content}], "temperature": temperature,
+        "max_tokens": max_tokens_for(seconds), "logprobs": logprobs})
+
+
+@dataclass
+class Clip:
+    """One clip's place in the file and, once read, its transcript."""
+
+    index: int
+    start: float
+    end: float
+    decoded: media.Decoded
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    audio_tokens: int = 0
+    output_tokens: int = 0
+
+    def segment(self, temperature: float) -> Segment:
+        raw = self.text.encode()
+        ratio = len(raw) / len(zlib.compress(raw)) if raw else 0.0  # Whisper's compression_ratio
+        mean = sum(self.logprobs) / len(self.logprobs) if self.logprobs else 0.0
+        return Segment(id=self.index, seek=round(self.start * 100), start=round(self.start, 3),
+                       end=round(self.end, 3), text=self.text, tokens=self.tokens, temperature=temperature,
+                       avg_logprob=mean, compression_ratio=ratio, no_speech_prob=0.0)
+
+
+def clips_of(wave, clip_samples: int) -> list[Clip]:
+    """The file's samples as clips the model reads whole (media.split_clip), each keyed by its samples."""
+    out, at = [], 0
+    for i, samples in enumerate(media.split_clip(wave, clip_samples)):
+        start, at = at, at + len(samples)
+        decoded = media.Decoded("audio", "file", samples, media.content_key(samples.tobytes()),
+                                len(samples) / media.SAMPLE_RATE)
+        out.append(Clip(i, start / media.SAMPLE_RATE, at / media.SAMPLE_RATE, decoded))
+    return out
+
+
+def usage(clips: list[Clip]) -> dict[str, Any]:
+    """OpenAI's token usage over the clips: the prompts' audio (soft) and text tokens, the replies'."""
+    prompt = sum(c.prompt_tokens for c in clips)
+    audio = sum(c.audio_tokens for c in clips)
+    out = sum(c.output_tokens for c in clips)
+    return {"type": "tokens", "input_tokens": prompt, "output_tokens": out, "total_tokens": prompt + out,
+            "input_token_details": {"audio_tokens": audio, "text_tokens": prompt - audio}}
+
+
+def joined(clips: list[Clip]) -> str:
+    return " ".join(c.text for c in clips if c.text)
+
+
+async def read_file(state: ServerState, form: TranscriptionForm | TranslationForm) -> tuple[list[Clip], float]:
+    """The uploaded file as clips and its length in seconds.
+
+    Raises:
+        ApiError: 400 naming `file`: a checkpoint without an audio tower, a file over --max-media-bytes or
+            --max-audio-seconds, one that cannot be read.
+    """
+    loaded = state.loaded
+    limits = state.media_limits
+    if "audio" not in loaded.modalities:
+        media.check_parts([media.Part("audio", "file", "")], limits, loaded.modalities, loaded.media_missing)
+    data = await form.file.read(limits.item_bytes + 1)
+    if len(data) > limits.item_bytes:
+        raise bad_request("file", f"The file is larger than {limits.item_bytes} bytes (--max-media-bytes).")
+    wave, seconds = await asyncio.to_thread(media.decode_audio, data, "file", limits.audio_seconds)
+    return clips_of(wave, loaded.media.clip_samples), seconds
+
+
+class Transcriber:
+    """One request's clips through the chat path, one after another.
+
+    Args:
+        state: the server.
+        request: the HTTP request (its client, its disconnect).
+        form: the form.
+        task: transcribe or translate.
+        clips: the file's clips (`read_file`).
+    """
+
+    def __init__(self, state: ServerState, request: Request, form: TranscriptionForm | TranslationForm,
+                 task: Task, clips: list[Clip]) -> None:
+        from gemma_server.app import client_of, gone_of
+
+        self.state = state
+        self.request = request
+        self.clips = clips
+        self.language = language_name(getattr(form, "language", None))
+        self._client, self._gone = client_of(request), gone_of(request)
+        self._bodies = [chat_request(state.config.model_name, task, self.language, form.prompt, form.temperature,
+                                     c.decoded.seconds, logprobs=form.response_format == "verbose_json")
+                        for c in clips]
+
+    async def start(self, clip: Clip) -> Generation:
+        """Queue one clip's chat request (`ServerState.start`)."""
+        gens = await self.state.start(self._bodies[clip.index], True, self._client, self._gone, [clip.decoded])
+        gen = gens[0]
+        clip.prompt_tokens = len(gen.params.prompt_ids)
+        clip.audio_tokens = sum(int(embeds.shape[0]) for _, embeds, _ in gen.params.media)
+        return gen
+
+    async def pieces(self, clip: Clip, gen: Generation) -> AsyncIterator[str]:
+        """The clip's text as it is written (its transcript, tokens and log-probabilities kept on `clip`)."""
+        parts: list[str] = []
+        async for piece in gen.pieces():
+            clip.tokens += [t for t, _, _ in piece.logprobs]
+            clip.logprobs += [lp for _, lp, _ in piece.logprobs]
+            text = piece.text if parts else piece.text.lstrip()  # the transcript starts at its first word
+            if text:
+                parts.append(text)
+                yield text
+        clip.text = "".join(parts).rstrip()
+        clip.output_tokens = gen.completion_tokens
+
+    async def run_all(self) -> None:
+        """Every clip to its end, in order; a client that leaves ends the clip it is on."""
+        for clip in self.clips:
+            gen = await self.start(clip)
+
+            async def drain(clip=clip, gen=gen) -> None:
+                async for _ in self.pieces(clip, gen):
+                    pass
+
+            await race_disconnect(self.request.receive, drain())
+
+
+async def serve(state: ServerState, form: TranscriptionForm | TranslationForm, request: Request,
+                task: Task) -> Response:
+    """POST /v1/audio/transcriptions (task "transcribe") or /v1/audio/translations ("translate")."""
+    state.check_model(form.model)
+    language_name(getattr(form, "language", None))  # an unknown language is a 400 before the file is read
+    clips, seconds = await read_file(state, form)
+    job = Transcriber(state, request, form, task, clips)
+    if getattr(form, "stream", False):
+        return await open_stream(job)
+    try:
+        await job.run_all()
+    except ClientDisconnected:
+        return Response(status_code=499)
+    text = joined(clips)
+    if form.response_format == "text":
+        return PlainTextResponse(text)
+    if form.response_format == "verbose_json":
+        language = "english" if task == "translate" else (job.language or "unknown").lower()
+        return JSONResponse(VerboseResponse(
+            language=language, duration=round(seconds, 3), text=text,
+            segments=[c.segment(form.temperature) for c in clips],
+            usage={"type": "duration", "seconds": round(seconds, 3)}).model_dump())
+    return JSONResponse(TextResponse(text=text, usage=usage(clips)).model_dump())
+
+
+async def open_stream(job: Transcriber) -> Response:
+    """The transcription's events (`transcript.text.delta`, then `transcript.text.done`), opened once the
+    first clip's first piece has come (an error before it is a JSON error with its status)."""
+    first_clip = job.clips[0]
+    gen = await job.start(first_clip)
+    texts = job.pieces(first_clip, gen)
+    try:
+        first = await race_disconnect(job.request.receive, anext(texts, None))
+    except ClientDisconnected:
+        gen.leave()
+        return Response(status_code=499)
+
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            if first is not None:
+                yield delta_event(first)
+            async for text in texts:
+                yield delta_event(text)
+            for clip in job.clips[1:]:
+                next_gen = await job.start(clip)
+                head = " " if joined(job.clips[:clip.index]) else ""
+                async for text in job.pieces(clip, next_gen):
+                    yield delta_event(head + text)
+                    head = ""
+            yield sse_event({"type": "transcript.text.done", "text": joined(job.clips), "usage": usage(job.clips)})
+        except Exception as e:  # noqa: BLE001 - the stream is open: the error becomes its last event
+            err = as_api_error(e)
+            yield sse_error(err.status, err.message, err.param)
+        finally:
+            await texts.aclose()
+        yield DONE_EVENT
+
+    from gemma_server.app import SSE_HEADERS
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+# The routes' statuses for the OpenAPI document: the JSON shapes, plain text, or the event stream.
+RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"model": TextResponse | VerboseResponse,
+          "description": "The text: `json` (text and usage), `verbose_json` (language, duration, text, segments), "
+                         "`text`; with `stream` (transcriptions), server-sent events `transcript.text.delta` and "
+                         "`transcript.text.done`, then `data: [DONE]`.",
+          "content": {"text/plain": {"schema": {"type": "string"}},
+                      "text/event-stream": {"schema": openapi.SSE_EVENT}}},
+    **openapi.errors(400, 404, 413, 429, 500, 503)}
+
+
+def delta_event(text: str) -> bytes:
+    return sse_event({"type": "transcript.text.delta", "delta": text})
