@@ -10,6 +10,8 @@ until Stop is held by tests/server/fakes.py's FakeGatedEngine behind the real se
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import re
 import threading
@@ -18,11 +20,13 @@ from collections.abc import Iterator
 import httpx
 import jsonschema
 import pytest
+import soundfile
 from playwright.sync_api import Browser, Page, Request, Route, expect, sync_playwright
 from prometheus_client.parser import text_string_to_metric_families
 
 from gemma_server.boot import Boot
 from gemma_server.errors import sse_error, sse_event
+from tests import checkpoints as ck
 from tests.server.conftest import start_in_process, wait_for
 from tests.server.fakes import fake_gated_boot
 from tests.server.test_agents import SCHEMAS, TOOLS
@@ -51,7 +55,10 @@ new MutationObserver((records) => {
 def browser() -> Iterator[Browser]:
     with sync_playwright() as p:
         # Chromium runs as root here: no user namespaces for its sandbox; /dev/shm may be small in containers.
-        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-dev-shm-usage"])
+        # The fake capture device (a beep) stands in for a microphone, granted without a prompt.
+        b = p.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-dev-shm-usage", "--use-fake-device-for-media-stream",
+            "--use-fake-ui-for-media-stream"])
         yield b
         b.close()
 
@@ -70,6 +77,13 @@ def new_page(browser: Browser, base: str, ready: bool = True) -> Page:
 @pytest.fixture
 def page(browser, server) -> Iterator[Page]:
     p = new_page(browser, server.base)
+    yield p
+    p.context.close()
+
+
+@pytest.fixture
+def media_page(browser, media_server) -> Iterator[Page]:
+    p = new_page(browser, media_server.base)
     yield p
     p.context.close()
 
@@ -360,3 +374,38 @@ def test_server_errors_are_shown_in_the_reply(page):
     assert meta["finish"] == "error", meta
     expect(page.locator("#reply-2-answer")).to_have_text("Hi")
     expect(page.locator("#reply-2-error")).to_have_text("Error 500: the engine failed this request")
+
+
+# ---------------------------------------------------------------- images and audio (the checkpoint with both towers)
+
+
+def test_an_attached_image_and_a_recording_go_out_as_parts_before_the_text(media_page, media_server, tmp_path):
+    bodies = chat_bodies(media_page)
+    picture = tmp_path / "cat.png"
+    ck.test_image(40, 30, seed=1).save(picture)
+    set_controls(media_page, max_tokens="6")
+    media_page.set_input_files("#attach", str(picture))
+    expect(media_page.locator("#attachments")).to_contain_text("cat.png")
+    meta = ask(media_page, "What is this?", 1)
+    assert meta["finish"] == "length" and meta["tokens"] == "6", meta
+    content = bodies[0]["messages"][0]["content"]
+    assert [p["type"] for p in content] == ["image_url", "text"] and content[1]["text"] == "What is this?"
+    assert base64.b64decode(content[0]["image_url"]["url"].split(",", 1)[1]) == picture.read_bytes()
+    expect(media_page.locator("#log .msg.user img")).to_have_count(1)
+    expect(media_page.locator("#attachments")).to_be_empty()  # sent once, not again with the next turn
+
+    # Record: the fake microphone's beep, sent as a 16 kHz mono wav the page encodes.
+    media_page.click("#record")
+    expect(media_page.locator("#record")).to_have_text("Stop recording")
+    media_page.wait_for_timeout(1200)
+    media_page.click("#record")
+    expect(media_page.locator("#attachments")).to_contain_text("recording.wav", timeout=TIMEOUT_MS)
+    meta = ask(media_page, "What did I say?", 2)
+    assert meta["finish"] == "length", meta
+    part = bodies[1]["messages"][2]["content"][0]
+    assert part["type"] == "input_audio" and part["input_audio"]["format"] == "wav"
+    samples, rate = soundfile.read(io.BytesIO(base64.b64decode(part["input_audio"]["data"])))
+    assert rate == 16_000 and samples.ndim == 1 and 0.5 < len(samples) / rate < 10 and abs(samples).max() > 0
+    # The earlier turn's image goes back with the conversation; the recording was counted as audio.
+    assert bodies[1]["messages"][0] == bodies[0]["messages"][0]
+    assert metric(media_server.base, "gemma_media_inputs_total", modality="audio") >= 1
