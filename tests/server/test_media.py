@@ -228,6 +228,14 @@ def test_chat_with_an_image_and_with_audio_answers_through_the_sdk(media_server,
     assert sample(media_server, "gemma_media_encode_seconds_count", modality="image") >= 2
 
 
+def test_the_choices_of_one_request_share_its_image(media_server, client, model):
+    before = sample(media_server, "gemma_media_inputs_total", modality="image")
+    r = client.chat.completions.create(model=model, messages=user(image_part(data_url(png(IMAGE)))), max_tokens=8,
+                                       n=3, temperature=0)
+    assert len({c.message.content for c in r.choices}) == 1 and r.usage.completion_tokens == 24
+    assert sample(media_server, "gemma_media_inputs_total", modality="image") == before + 1  # encoded once
+
+
 def test_the_same_image_resumes_the_prefix_cache_and_another_does_not(media_server):
     first = ck.test_image(36, 36, seed=11)
     other = ck.test_image(36, 36, seed=12)  # the same size: the same placeholder ids, another key
