@@ -137,6 +137,12 @@ POWERS = [
           "the pods select these nodes"),
     Power("podAnnotations", "spec.podAnnotations", "has($s.podAnnotations) ? $s.podAnnotations : {}", "{}", None,
           "the pods carry these annotations"),
+    # The server fetches image URLs on these hosts for any client of its API (gemma_server/media.py `fetch`): a
+    # GET from inside the cluster's network, on the author's choice of host.
+    Power("mediaFetchHosts", "spec.server.media.fetchHosts",
+          "has($s.server) && has($s.server.media) && has($s.server.media.fetchHosts) ? $s.server.media.fetchHosts "
+          ": []", "[]", None, "the pods fetch http(s) URLs on these hosts for any client of the API",
+          fix="leave it empty: clients then send images as data URLs"),
     # Not a pod's power but the same shape: KEDA (kedacore/keda v2.21.0, pkg/scalers/prometheus_scaler.go)
     # sends the credentials a TriggerAuthentication resolves to spec.autoscaling.prometheus.serverAddress,
     # which the author of the GemmaRustServer chooses.

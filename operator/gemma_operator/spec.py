@@ -23,7 +23,7 @@ Design notes:
 from __future__ import annotations
 
 import re
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
@@ -209,6 +209,30 @@ class EngineSpec(_Model):
         True, description="The TPU backend's defer-and-fuse execution (TORCH_TPU_DEFER_AND_FUSE).")
 
 
+class MediaSpec(_Model):
+    """The server's limits on images and audio (gemma_server/config.py, the GEMMA_MAX_* and GEMMA_MEDIA_FETCH_*
+    variables). Unset fields keep the server's own defaults, declared there once."""
+
+    max_images_per_request: int | None = Field(
+        None, description="Images one request may hold; more are a 400. Unset: the server's default (8).", ge=0,
+        le=64)
+    max_image_pixels: int | None = Field(
+        None, description="Width x height of the largest image the server decodes; larger is a 400. Unset: the "
+        "server's default (4096 x 4096).", ge=1, le=2**28)
+    max_audio_seconds: int | None = Field(
+        None, description="Seconds of audio one request may hold, every clip together; more is a 400. Unset: the "
+        "server's default (300).", ge=0, le=3600)
+    max_media_bytes: int | None = Field(
+        None, description="Bytes of one image or audio file as sent; larger is a 400. Unset: the server's default "
+        "(4 MiB).", ge=1, le=64 * 2**20)
+    fetch_hosts: list[Annotated[str, Field(pattern=DNS_SUBDOMAIN_RE, max_length=253)]] = Field(
+        default_factory=list, description="Host names whose http(s) image URLs the server fetches (exact names; "
+        "redirects are not followed). Empty: image_url takes data URLs only. Whoever can send requests can make "
+        "the pod GET URLs on these hosts, so list only hosts that serve images.", max_length=32)
+    fetch_timeout_seconds: int | None = Field(
+        None, description="Seconds to fetch one image URL. Unset: the server's default (10).", ge=1, le=300)
+
+
 class ServerSpec(_Model):
     port: int = Field(8000, description="HTTP port of the OpenAI API, /health, /live, /v1/engine, /metrics.",
                       ge=1024, le=65535)
@@ -230,6 +254,9 @@ class ServerSpec(_Model):
     api_key_secret: ApiKeySecretRef | None = Field(
         None, description="Secret with the API key clients must send (Authorization: Bearer KEY); it reaches "
         "the server as GEMMA_API_KEY. Without it the API is open to whoever reaches the Service.")
+    media: MediaSpec = Field(
+        default_factory=MediaSpec, description="Limits on the images and audio a request may hold (a checkpoint "
+        "with Gemma 4's vision and audio towers takes them).")
 
 
 class BuildCacheSpec(_Model):

@@ -52,6 +52,7 @@ ONE_POWER = {
     "tolerations": ({}, {"tolerations": [{"operator": "Exists"}]}),
     "nodeSelector": ({}, {"nodeSelector": {"a": "b"}}),
     "podAnnotations": ({}, {"podAnnotations": {"x": "y"}}),
+    "mediaFetchHosts": ({}, {"server": {"media": {"fetchHosts": ["images.example.com"]}}}),
 }
 # Powers that reach another object than the pod: the KEDA ScaledObject's trigger.
 KEDA = {"maxReplicas": 2, "target": 1, "prometheus": {"serverAddress": "http://p:9090"}}

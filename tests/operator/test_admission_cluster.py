@@ -45,6 +45,7 @@ POWERS = {
     "nodeSelector": ({"nodeSelector": {"node-role.kubernetes.io/control-plane": ""}}, None),
     "podAnnotations": ({"podAnnotations": {"container.apparmor.security.beta.kubernetes.io/server": "unconfined"}},
                        None),
+    "mediaFetchHosts": ({"server": {"media": {"fetchHosts": ["metadata.google.internal"]}}}, None),
     "prometheusAuthentication": ({"autoscaling": {"maxReplicas": 2, "target": 1, "prometheus": {
         "serverAddress": "http://collector.example.com", "authenticationRef": "prod-auth"}}},
         "or to get triggerauthentications/prod-auth there"),

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 from kubernetes.utils import parse_quantity
 
 from ..memory import placement
-from ..spec import TPU_METRICS_PORT, GcsFuseSpec, GemmaRustServerSpec, chips, is_tpu
+from ..spec import TPU_METRICS_PORT, GcsFuseSpec, GemmaRustServerSpec, MediaSpec, chips, is_tpu
 from .build_cache import build_cache_volume
 from .ownership import Meta, child_object, labels, selector_labels
 from .service import service_host
@@ -217,6 +217,19 @@ def mcp_hosts(meta: Meta) -> str:
     return ",".join(["localhost", "127.0.0.1", meta.name, svc, f"{svc}.svc", service_host(meta)])
 
 
+def media_env(media: MediaSpec) -> list[dict[str, str]]:
+    """The server's media limits that the spec sets (the rest keep the server's defaults, gemma_server/config.py)."""
+    values = {
+        "GEMMA_MAX_IMAGES_PER_REQUEST": media.max_images_per_request,
+        "GEMMA_MAX_IMAGE_PIXELS": media.max_image_pixels,
+        "GEMMA_MAX_AUDIO_SECONDS": media.max_audio_seconds,
+        "GEMMA_MAX_MEDIA_BYTES": media.max_media_bytes,
+        "GEMMA_MEDIA_FETCH_HOSTS": ",".join(media.fetch_hosts) or None,
+        "GEMMA_MEDIA_FETCH_TIMEOUT": media.fetch_timeout_seconds,
+    }
+    return [{"name": k, "value": str(v)} for k, v in values.items() if v is not None]
+
+
 def env(spec: GemmaRustServerSpec, meta: Meta, main: ModelMount, twin: ModelMount | None) -> list[dict[str, Any]]:
     """The server's environment (its documented GEMMA_* variables); the token and API key only via secretKeyRef."""
     e, srv, n_chips = spec.engine, spec.server, chips(spec.accelerator)
@@ -240,6 +253,7 @@ def env(spec: GemmaRustServerSpec, meta: Meta, main: ModelMount, twin: ModelMoun
         {"name": "GEMMA_MCP_ALLOWED_HOSTS", "value": mcp_hosts(meta)},
         # Unset: the server's own default (gemma_server/config.py), declared there once.
         *([{"name": "GEMMA_QUEUE_LIMIT", "value": str(srv.queue_limit)}] if srv.queue_limit is not None else []),
+        *media_env(srv.media),
         {"name": "GEMMA_SHUTDOWN_TIMEOUT", "value": str(shutdown_plan(spec).drain)},
         {"name": "GEMMA_BUILD_CACHE", "value": f"{CACHE_MOUNT}/build"},
         # torch_tpu's persistent compilation cache on the same volume, so a restart loads the compiled

@@ -357,3 +357,21 @@ def test_gcs_fuse_reads_in_parallel_and_caches_metadata_for_read_only_serving():
     assert options["file-cache:enable-parallel-downloads"] == "true"
     assert options["file-cache:parallel-downloads-per-file"] == "100"
     assert options["metadata-cache:ttl-secs"] == "-1" and volume["csi"]["readOnly"] is True
+
+
+def test_media_limits_reach_the_server_only_when_set():
+    # Unset, the server keeps its own defaults (gemma_server/config.py), declared there once.
+    assert not [k for k in env_of(tpu_spec()) if "MEDIA" in k or k.startswith(("GEMMA_MAX_IMAGE", "GEMMA_MAX_AUDIO"))]
+    env = env_of(tpu_spec(server={"media": {"maxImagesPerRequest": 2, "maxImagePixels": 1048576,
+                                            "maxAudioSeconds": 60, "maxMediaBytes": 2097152,
+                                            "fetchHosts": ["images.example.com", "cdn.example.org"],
+                                            "fetchTimeoutSeconds": 5}}))
+    assert (env["GEMMA_MAX_IMAGES_PER_REQUEST"], env["GEMMA_MAX_IMAGE_PIXELS"], env["GEMMA_MAX_AUDIO_SECONDS"],
+            env["GEMMA_MAX_MEDIA_BYTES"]) == ("2", "1048576", "60", "2097152")
+    assert env["GEMMA_MEDIA_FETCH_HOSTS"] == "images.example.com,cdn.example.org"
+    assert env["GEMMA_MEDIA_FETCH_TIMEOUT"] == "5"
+
+
+def test_a_fetch_host_that_is_not_a_dns_name_is_refused_naming_it():
+    with pytest.raises(ValueError, match="fetchHosts"):
+        tpu_spec(server={"media": {"fetchHosts": ["http://images.example.com/"]}})
