@@ -296,11 +296,12 @@ class Boot:
             worker.set_engine(engine)
             return engine.context, engine.vocab_size
 
-        sizes = run_on_workers(workers, load)
-        context, vocab_size = sizes[0]
-        # One media encoder, on the first engine's device (the engines move the soft tokens to their own).
+        # One media encoder, on the first engine's device (the engines move the soft tokens to their own), loaded
+        # first: each engine sizes its KV cache against the device's free memory, which must count the towers.
         front, media_missing = MediaEncoder.load(self.gemma_engine, Path(model_dir), workers[0].device, c.dtype,
                                                  self.metrics.observe_encoded)
+        sizes = run_on_workers(workers, load)
+        context, vocab_size = sizes[0]
         self.loaded = Loaded(tokenizer, workers, context, vocab_size, grammars, missing, front, media_missing)
         self.state.model_dir = str(model_dir)
         self.state.layout = dict(workers[0].layout)
