@@ -161,7 +161,8 @@ class AudioPart(BaseModel):
     input_audio: InputAudio
 
 
-def _part_type(value: Any) -> str | None:
+def part_type(value: Any) -> str | None:
+    """A content part's `type` (a dict's or a model's), for the parts' discriminators."""
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
     return kind if isinstance(kind, str) else None
 
@@ -169,7 +170,7 @@ def _part_type(value: Any) -> str | None:
 ContentPart = Annotated[
     Annotated[TextPart, Tag("text")] | Annotated[ImagePart, Tag("image_url")]
     | Annotated[AudioPart, Tag("input_audio")],
-    Discriminator(_part_type, custom_error_type="invalid_part", custom_error_message=(
+    Discriminator(part_type, custom_error_type="invalid_part", custom_error_message=(
         "A content part is text, image_url or input_audio."))]
 
 

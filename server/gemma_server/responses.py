@@ -59,6 +59,7 @@ from gemma_server.protocol import (
     InputAudio,
     Integer,
     OpenAIModel,
+    part_type,
 )
 from gemma_server.serving import Formatter, Generation, Output, Piece, merged, race_disconnect, usage
 from gemma_server.toolcalls import CallStart
@@ -110,16 +111,11 @@ class InputAudioPart(Strict):
     input_audio: InputAudio
 
 
-def _part_type(value: Any) -> str | None:
-    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return kind if isinstance(kind, str) else None
-
-
 ContentPart = Annotated[
     Annotated[InputText, Tag("input_text")] | Annotated[OutputText, Tag("output_text")]
     | Annotated[Refusal, Tag("refusal")] | Annotated[InputImage, Tag("input_image")]
     | Annotated[InputAudioPart, Tag("input_audio")],
-    Discriminator(_part_type, custom_error_type="invalid_part", custom_error_message=(
+    Discriminator(part_type, custom_error_type="invalid_part", custom_error_message=(
         "A content part is input_text, output_text, refusal, input_image or input_audio; files are not "
         "supported."))]
 
@@ -202,7 +198,7 @@ class ReasoningItem(Strict):
 def _item_type(value: Any) -> str | None:
     if isinstance(value, dict) and "type" not in value:
         return "message"  # OpenAI's EasyInputMessage has no type
-    return _part_type(value)
+    return part_type(value)
 
 
 InputItem = Annotated[
