@@ -273,8 +273,7 @@ class Encoder:
         One `[soft_i, hidden_size]` tensor per image (`get_image_features`' pooler output).
 
         Raises:
-            ValueError: no vision tower; inputs of the wrong shape; a checkpoint whose text model
-                attends both ways inside images (use_bidirectional_attention="vision").
+            ValueError: no vision tower; inputs of the wrong shape (named).
         """
     def audio(self, features: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
         """Soft tokens of audio clips as Gemma4AudioFeatureExtractor makes them: `features` float
