@@ -591,32 +591,32 @@ impl Encoder {
 
     #[getter]
     fn image_token_id(&self) -> i64 {
-        self.inner.cfg.image_token_id
+        self.inner.cfg.ids.image
     }
 
     #[getter]
     fn audio_token_id(&self) -> i64 {
-        self.inner.cfg.audio_token_id
+        self.inner.cfg.ids.audio
     }
 
     #[getter]
     fn boi_token_id(&self) -> i64 {
-        self.inner.cfg.boi_token_id
+        self.inner.cfg.ids.boi
     }
 
     #[getter]
     fn eoi_token_id(&self) -> i64 {
-        self.inner.cfg.eoi_token_id
+        self.inner.cfg.ids.eoi
     }
 
     #[getter]
     fn boa_token_id(&self) -> i64 {
-        self.inner.cfg.boa_token_id
+        self.inner.cfg.ids.boa
     }
 
     #[getter]
     fn eoa_token_id(&self) -> i64 {
-        self.inner.cfg.eoa_token_id
+        self.inner.cfg.ids.eoa
     }
 
     /// Soft tokens of images (see gemma_engine.pyi): one `[soft_i, hidden_size]` tensor per image.

@@ -160,17 +160,22 @@ pub fn keyed<'a>(prompt: &'a [i64], media: &[Media]) -> Cow<'a, [i64]> {
     Cow::Owned(ids)
 }
 
+/// The prompt positions of item `m` inside `from..to`, as a range (empty when it lies outside).
+fn overlap(m: &Media, from: usize, to: usize) -> Result<std::ops::Range<usize>> {
+    Ok(m.start.max(from)..(m.start + m.rows()?).min(to))
+}
+
 /// The soft tokens of prompt positions `from..to` of one row, placed at flat row `offset + (p - from)`:
 /// (flat rows, their soft-token pieces).
 fn pieces(media: &[Media], from: usize, to: usize, offset: i64) -> Result<(Vec<i64>, Vec<Tensor>)> {
     let (mut index, mut parts) = (Vec::new(), Vec::new());
     for m in media {
-        let (a, b) = (m.start.max(from), (m.start + m.rows()?).min(to));
-        if a >= b {
+        let span = overlap(m, from, to)?;
+        if span.is_empty() {
             continue;
         }
-        index.extend((a..b).map(|p| offset + (p - from) as i64));
-        parts.push(m.embeds()?.narrow(0, (a - m.start) as i64, (b - a) as i64)?);
+        parts.push(m.embeds()?.narrow(0, (span.start - m.start) as i64, span.len() as i64)?);
+        index.extend(span.map(|p| offset + (p - from) as i64));
     }
     Ok((index, parts))
 }
@@ -181,9 +186,8 @@ fn blocks(rows: &[(&[Media], usize, usize, i64)], total: usize) -> Result<Option
     let mut out: Option<Vec<i64>> = None;
     for &(media, from, to, offset) in rows {
         for m in media.iter().filter(|m| m.both_ways) {
-            let (a, b) = (m.start.max(from), (m.start + m.rows()?).min(to));
             let ids = out.get_or_insert_with(|| vec![-1; total]);
-            for p in a..b {
+            for p in overlap(m, from, to)? {
                 ids[(offset + (p - from) as i64) as usize] = m.start as i64;
             }
         }

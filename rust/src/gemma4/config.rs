@@ -104,7 +104,7 @@ pub struct Config {
     pub moe: Option<MoeSpec>,
 }
 
-fn get<'a>(m: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
+pub(crate) fn get<'a>(m: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
     m.get(key).filter(|v| !v.is_null())
 }
 
@@ -234,12 +234,7 @@ impl Config {
 
     /// Read `dir/config.json` (and the eos ids of `generation_config.json` when present).
     pub fn load(dir: &Path) -> Result<Config> {
-        let path = dir.join("config.json");
-        let text =
-            std::fs::read_to_string(&path).map_err(|source| Error::Io { path: path.display().to_string(), source })?;
-        let root: Value = serde_json::from_str(&text)
-            .map_err(|e| Error::Format { path: path.display().to_string(), msg: e.to_string() })?;
-        let mut cfg = Config::from_json(&root)?;
+        let mut cfg = Config::from_json(&read_json(&dir.join("config.json"))?)?;
         let gen_path = dir.join("generation_config.json");
         if let Ok(gen_text) = std::fs::read_to_string(&gen_path)
             && let Ok(generation) = serde_json::from_str::<Value>(&gen_text)
@@ -262,6 +257,7 @@ impl Config {
             None => root,
         };
         check_supported(m)?;
+        let ids = MediaIds::from_root(root)?;
 
         let vocab_size = positive(m, "vocab_size")?;
         let hidden_size = positive(m, "hidden_size")?;
@@ -375,18 +371,15 @@ impl Config {
             tie_word_embeddings,
             eos_ids,
             pad_token_id: get(m, "pad_token_id").map_or(Ok(0), |_| int(m, "pad_token_id"))?,
-            media_token_ids: media_token_ids(root)?,
-            pad_mapped_ids: if get(root, "text_config").is_some() {
-                let id = |key: &str, default: i64| get(root, key).map_or(Ok(default), |_| int(root, key));
-                vec![id("image_token_id", 258_880)?, id("video_token_id", 258_884)?, id("audio_token_id", 258_881)?]
-            } else {
-                Vec::new()
-            },
+            media_token_ids: [(get(root, "vision_config"), ids.image), (get(root, "audio_config"), ids.audio)]
+                .into_iter()
+                .filter_map(|(tower, id)| tower.map(|_| id))
+                .collect(),
+            pad_mapped_ids: if get(root, "text_config").is_some() { vec![ids.image, ids.video, ids.audio] } else { vec![] },
             bidirectional_ids: if get(m, "use_bidirectional_attention").and_then(|v| v.as_str()) == Some("vision") {
-                let id = |key: &str, default: i64| get(root, key).map_or(Ok(default), |_| int(root, key));
-                vec![id("image_token_id", 258_880)?, id("video_token_id", 258_884)?]
+                vec![ids.image, ids.video]
             } else {
-                Vec::new()
+                vec![]
             },
             quant: quant_spec(root)?,
             moe: moe_spec(m)?,
@@ -394,15 +387,39 @@ impl Config {
     }
 }
 
-/// The placeholder ids of the towers a multimodal config.json declares (`Config::media_token_ids`).
-fn media_token_ids(root: &Map<String, Value>) -> Result<Vec<i64>> {
-    let mut ids = Vec::new();
-    for (tower, key, default) in [("vision_config", "image_token_id", 258_880), ("audio_config", "audio_token_id", 258_881)] {
-        if get(root, tower).is_some() {
-            ids.push(get(root, key).map_or(Ok(default), |_| int(root, key))?);
-        }
+/// A `Gemma4Config`'s media token ids (configuration_gemma4.py, its defaults where config.json gives none):
+/// the placeholders and the markers around an image (boi, eoi) and a clip (boa, eoa).
+#[derive(Clone, Copy, Debug)]
+pub struct MediaIds {
+    pub image: i64,
+    pub video: i64,
+    pub audio: i64,
+    pub boi: i64,
+    pub eoi: i64,
+    pub boa: i64,
+    pub eoa: i64,
+}
+
+impl MediaIds {
+    /// From a config.json's top level.
+    pub fn from_root(root: &Map<String, Value>) -> Result<MediaIds> {
+        let id = |key: &str, default: i64| get(root, key).map_or(Ok(default), |_| int(root, key));
+        Ok(MediaIds {
+            image: id("image_token_id", 258_880)?,
+            video: id("video_token_id", 258_884)?,
+            audio: id("audio_token_id", 258_881)?,
+            boi: id("boi_token_id", 255_999)?,
+            eoi: id("eoi_token_id", 258_882)?,
+            boa: id("boa_token_id", 256_000)?,
+            eoa: id("eoa_token_index", 258_883)?,
+        })
     }
-    Ok(ids)
+}
+
+/// `path` read as JSON (a config.json).
+pub fn read_json(path: &Path) -> Result<Value> {
+    let text = std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.display().to_string(), source })?;
+    serde_json::from_str(&text).map_err(|e| Error::Format { path: path.display().to_string(), msg: e.to_string() })
 }
 
 /// The model types whose text model the engine computes: Gemma 4 (`gemma4`, `gemma4_text`) and the 12B

@@ -14,16 +14,12 @@ use serde_json::{Map, Value};
 
 use crate::error::{Error, Result};
 use crate::gemma4::audio::AudioTower;
-use crate::gemma4::config::Config;
+use crate::gemma4::config::{Config, MediaIds, get, read_json};
 use crate::gemma4::linear::Linear;
 use crate::gemma4::norm::RmsNorm;
 use crate::gemma4::vision::VisionTower;
 use crate::gemma4::weights::Weights;
 use crate::tensor::{DType, Tensor};
-
-fn get<'a>(m: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
-    m.get(key).filter(|v| !v.is_null())
-}
 
 fn int_or(m: &Map<String, Value>, section: &str, key: &str, default: i64) -> Result<i64> {
     match get(m, key) {
@@ -171,12 +167,7 @@ impl AudioConfig {
 pub struct MediaConfig {
     pub vision: Option<VisionConfig>,
     pub audio: Option<AudioConfig>,
-    pub image_token_id: i64,
-    pub audio_token_id: i64,
-    pub boi_token_id: i64,
-    pub eoi_token_id: i64,
-    pub boa_token_id: i64,
-    pub eoa_token_id: i64,
+    pub ids: MediaIds,
 }
 
 impl MediaConfig {
@@ -191,12 +182,7 @@ impl MediaConfig {
         Ok(MediaConfig {
             vision: section("vision_config")?.map(VisionConfig::parse).transpose()?,
             audio: section("audio_config")?.map(AudioConfig::parse).transpose()?,
-            image_token_id: int_or(root, "", "image_token_id", 258_880)?,
-            audio_token_id: int_or(root, "", "audio_token_id", 258_881)?,
-            boi_token_id: int_or(root, "", "boi_token_id", 255_999)?,
-            eoi_token_id: int_or(root, "", "eoi_token_id", 258_882)?,
-            boa_token_id: int_or(root, "", "boa_token_id", 256_000)?,
-            eoa_token_id: int_or(root, "", "eoa_token_index", 258_883)?,
+            ids: MediaIds::from_root(root)?,
         })
     }
 }
@@ -266,11 +252,7 @@ pub struct Encoder {
 impl Encoder {
     /// Load the towers `model_dir`'s config.json declares (none for a text-only checkpoint).
     pub fn load(model_dir: &Path, like: Tensor, dtype: DType) -> Result<Encoder> {
-        let path = model_dir.join("config.json");
-        let text =
-            std::fs::read_to_string(&path).map_err(|source| Error::Io { path: path.display().to_string(), source })?;
-        let root: Value = serde_json::from_str(&text)
-            .map_err(|e| Error::Format { path: path.display().to_string(), msg: e.to_string() })?;
+        let root = read_json(&model_dir.join("config.json"))?;
         let cfg = MediaConfig::from_json(&root)?;
         let text_cfg = Config::from_json(&root)?;
         let h = text_cfg.hidden_size;
