@@ -225,9 +225,8 @@ def test_with_bidirectional_image_attention_prompts_read_in_chunks_or_groups_giv
         expected[i] = until_eos(tokens, eos)
         assert kl(logits[0], engine.logits(ids, media=media)) <= 1e-5
         causal = dict(inputs)
-        causal.pop("mm_token_type_ids")
-        assert reference_greedy(mb["reference"], causal, 4)[0] != tokens[:4] or kl(
-            logits[0], reference_greedy(mb["reference"], causal, 1)[1][0]) > 1e-3
+        causal.pop("mm_token_type_ids")  # Transformers then reads the images causally
+        assert kl(logits[0], reference_greedy(mb["reference"], causal, 1)[1][0]) > 1e-2
     served = serve(engine, requests)
     assert {i: r.tokens for i, r in served.results.items()} == expected
 
