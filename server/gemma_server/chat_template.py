@@ -5,10 +5,16 @@ The template is the checkpoint's own (Transformers' `apply_chat_template`), neve
 request's chat_template_kwargs reach it only under the names it reads (vLLM's `resolve_chat_template_kwargs`
 in vllm/entrypoints/chat_utils.py). A control token typed into a message stays text: only the template's own
 markup becomes control tokens, so a message cannot forge a turn. The same holds for every other text of the
-client's that the template copies: tool descriptions, the string arguments of an assistant's tool calls and
-tool results (a `<|tool_call>` typed into a tool result stays text, so a tool's output cannot forge a call).
-Text the tokenizer cannot take (a lone UTF-16 surrogate from a JSON escape) is a 400 naming the field, not a
-500.
+client's that the template shows: tool descriptions, reasoning, the string arguments of an assistant's tool
+calls and tool results (a `<|tool_call>` typed into a tool result stays text, so a tool's output cannot forge a
+call). Where such text holds a control token's text, the template renders the conversation once more with a
+placeholder for each client text, and the prompt is spliced by position (`mark`, `splice`): the markup
+between placeholders is tokenized with control tokens, the client's texts as plain text, wherever the
+template puts them (Google's later Gemma 4 template writes a call's results before its turn's own content).
+What a template matches, sorts or reformats (names, ids, mapping keys, tool parameters, template variables)
+cannot hold a placeholder, so control-token text there is a 400 naming the field; and of a tool's function
+only its name, description and parameters reach the template. Text the tokenizer cannot take (a lone UTF-16
+surrogate from a JSON escape) is a 400 naming the field, not a 500.
 
 Tools reach the template as Transformers' `apply_chat_template(tools=...)` passes them (OpenAI's shape), and
 an assistant's tool-call arguments as objects: Gemma 4's templates render a mapping in its own call syntax
@@ -21,9 +27,11 @@ first published revision has no `tool` role: an OpenAI `tool` message would rend
 its own, after the model turn was closed, a shape the model never saw in training. For such a template each
 `tool` message becomes a `tool_responses` entry of the assistant message whose call it answers, and an
 assistant message after the results continues that turn; a template that renders `tool` messages itself
-(the later revision, the tests' own) gets them as they are. An assistant turn's `reasoning_content` reaches a
-template that reads it on the turns Gemma 4's templates render it on: those with tool calls after the last
-user turn.
+(the later revision, the tests' own) gets them as they are. For every template a `tool` message must answer
+a call of the assistant message before its run of results, under that call's function name
+(`answered_calls`): the later template would render an unanswered result under the message's own `name`.
+An assistant turn's `reasoning_content` reaches a template that reads it on the turns Gemma 4's templates
+render it on: those with tool calls after the last user turn.
 
 A chat prompt's cache boundary (`cache_boundary`) is where its leading system/developer turn and tool
 declarations end: the part every user of one agent shares. The engine snapshots its sliding-window KV
@@ -113,15 +121,17 @@ def template_shape(template: str | None) -> TemplateShape:
 
 def gemma_turns(messages: list[dict[str, Any]], template: str | None) -> list[dict[str, Any]]:
     """`messages` (ChatCompletionRequest.template_messages) fitted to the checkpoint's `template`: tool
-    results folded into the turn that called when it wants them there, and reasoning_content kept only where
-    it reads and renders it (on assistant turns with tool calls after the last user turn).
+    results checked against the calls they answer (`answered_calls`, for every template), folded into the turn
+    that called when the template wants them there, and reasoning_content kept only where it reads and renders
+    it (on assistant turns with tool calls after the last user turn).
 
     Raises:
-        ApiError: 400 naming `messages[i].tool_call_id` when a tool message answers no call (folding only).
+        ApiError: as `answered_calls`.
     """
     shape = template_shape(template)
+    answered = answered_calls(messages)
     if shape.folds_tool_results:
-        messages = fold_tool_results(messages)
+        messages = fold_tool_results(messages, answered)
     last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
     out = []
     for i, m in enumerate(messages):
@@ -131,44 +141,65 @@ def gemma_turns(messages: list[dict[str, Any]], template: str | None) -> list[di
     return out
 
 
-def fold_tool_results(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """OpenAI's `tool` messages as Gemma 4's `tool_responses` (pure; the input is not changed).
-
-    Each tool message becomes `{"name": <the answered call's function>, "response": <the content as a
-    mapping when it is a JSON object's text, else the text>}` on the assistant message whose `tool_calls`
-    holds its `tool_call_id`, which must be the assistant message before its run of tool messages. Results
-    are in the order of the calls they answer. An assistant message without tool calls that follows the
-    results continues that model turn: its content joins the turn's (Gemma 4's later template renders the two
-    messages the same way, as one turn).
+def answered_calls(messages: list[dict[str, Any]]) -> dict[int, tuple[int, int]]:
+    """For each `tool` message, the call it answers: (the calling assistant message's index, the call's
+    index in its `tool_calls`). A tool message answers a call of the assistant message before its run of
+    tool messages, by `tool_call_id`; its `name`, when given, is that call's function. Checked for every
+    template: Google's later Gemma 4 template renders an unanswered result under the tool message's own
+    `name` (`| default('unknown')`), a turn no call asked for.
 
     Raises:
         ApiError: 400 naming `messages[i].tool_call_id` for a tool message that answers no call of the
-            assistant message before it.
+            assistant message before it, or `messages[i].name` for a name that is not the call's function.
+    """
+    out: dict[int, tuple[int, int]] = {}
+    calling: int | None = None  # the assistant message whose results the tool messages give
+    for i, m in enumerate(messages):
+        if m["role"] != "tool":
+            calling = i if m["role"] == "assistant" and m.get("tool_calls") else None
+            continue
+        calls = messages[calling]["tool_calls"] if calling is not None else []
+        answered = next((k for k, c in enumerate(calls) if c.get("id") == m.get("tool_call_id")), None)
+        if answered is None:
+            raise bad_request(f"messages[{i}].tool_call_id",
+                              f"messages[{i}].tool_call_id {str(m.get('tool_call_id'))[:80]!r} answers no tool "
+                              "call of the assistant message before it.")
+        function = calls[answered]["function"]["name"]
+        if m.get("name") is not None and m["name"] != function:
+            raise bad_request(f"messages[{i}].name", f"messages[{i}].name {str(m['name'])[:80]!r} is not the "
+                                                     f"function of the call it answers ({function!r}).")
+        out[i] = (calling, answered)
+    return out
+
+
+def fold_tool_results(messages: list[dict[str, Any]], answered: dict[int, tuple[int, int]]) -> list[dict[str, Any]]:
+    """OpenAI's `tool` messages as Gemma 4's `tool_responses` (pure; the input is not changed).
+
+    Each tool message becomes `{"name": <the answered call's function>, "response": <the content as a
+    mapping when it is a JSON object's text, else the text>}` on the assistant message whose call it answers
+    (`answered`: `answered_calls`' reading of `messages`). Results are in the order of the calls they answer.
+    An assistant message without tool calls that follows the results continues that model turn: its content
+    joins the turn's (Gemma 4's later template renders the two messages the same way, as one turn).
     """
     out: list[dict[str, Any]] = []
-    calling: dict[str, Any] | None = None  # the assistant message whose results the tool messages give
+    folded: dict[int, dict[str, Any]] = {}  # a calling message's index -> its copy in `out`
     results: list[tuple[int, dict[str, Any]]] = []
     for i, m in enumerate(messages):
         if m["role"] == "tool":
-            calls = calling["tool_calls"] if calling else []
-            answered = next((k for k, c in enumerate(calls) if c.get("id") == m.get("tool_call_id")), None)
-            if answered is None:
-                raise bad_request(f"messages[{i}].tool_call_id",
-                                  f"messages[{i}].tool_call_id {str(m.get('tool_call_id'))[:80]!r} answers no tool "
-                                  "call of the assistant message before it.")
-            results.append((answered, {"name": calls[answered]["function"]["name"],
-                                       "response": tool_response(m.get("content") or "")}))
-            calling["tool_responses"] = [r for _, r in sorted(results, key=lambda r: r[0])]
+            calling, call = answered[i]
+            results.append((call, {"name": messages[calling]["tool_calls"][call]["function"]["name"],
+                                   "response": tool_response(m.get("content") or "")}))
+            folded[calling]["tool_responses"] = [r for _, r in sorted(results, key=lambda r: r[0])]
             continue
+        results = []
         previous = out[-1] if out else None
         if (m["role"] == "assistant" and not m.get("tool_calls") and previous is not None
                 and previous.get("tool_responses")):
             previous["content"] = "\n\n".join(t for t in (previous["content"], m["content"]) if t)
-            calling, results = None, []
             continue
         m = dict(m)
         out.append(m)
-        calling, results = (m, []) if m["role"] == "assistant" and m.get("tool_calls") else (None, [])
+        folded[i] = m
     return out
 
 
@@ -229,8 +260,33 @@ def render_messages(tokenizer, messages: list[dict[str, Any]], tools: list[dict[
     """The chat template over `messages` and `tools` with template variables `kwargs`, tokenized with the
     client's texts as literals (`render_chat`).
 
+    When no client text holds a control token's text, the rendered text is tokenized whole. Otherwise the
+    template renders once more with a placeholder for each client text (`mark`), and the prompt is spliced by
+    position (`splice`): the template's markup between the placeholders is tokenized with control tokens, each
+    client text as plain text. What the client sends but a template cannot show as text (names, ids, keys,
+    tool parameters, template variables) must hold no control token's text (`refuse_control_text`).
+
     Raises:
-        ApiError: as render_chat.
+        ApiError: as render_chat; 400 naming the field whose text holds a control token's text where no
+            placeholder can stand, or that the template changed.
+    """
+    controls = control_tokens(tokenizer)
+    text = apply_template(tokenizer, messages, tools, kwargs, add_generation_prompt)
+    marked = mark(messages, tools or [], kwargs, unused_marks(text))
+    refuse_control_text(marked.kept, controls)
+    if not any(c in body for _, body in marked.bodies for c in controls):
+        return encode(tokenizer, text, "messages", add_special_tokens=False)
+    with_marks = apply_template(tokenizer, marked.messages, marked.tools or None, kwargs, add_generation_prompt)
+    return splice(tokenizer, text, with_marks, marked, controls)
+
+
+def apply_template(tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                   kwargs: dict[str, Any], add_generation_prompt: bool) -> str:
+    """Transformers' `apply_chat_template(tokenize=False)`, its refusals as 400s.
+
+    Raises:
+        ApiError: 400 naming `chat_template_kwargs` (variables that do not fit) or `messages` (the template
+            raised).
     """
     import jinja2
 
@@ -238,71 +294,165 @@ def render_messages(tokenizer, messages: list[dict[str, Any]], tools: list[dict[
     if tools is not None:
         kwargs["tools"] = tools
     try:
-        text = tokenizer.apply_chat_template(
+        return tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs,
         )
     except TypeError as e:
         raise bad_request("chat_template_kwargs", f"Bad chat_template_kwargs: {e}") from e
     except (jinja2.TemplateError, ValueError, ArithmeticError, LookupError) as e:
         raise bad_request("messages", f"The chat template rejected the messages: {e}") from e
-    controls = control_tokens(tokenizer)
-    refuse_control_text(tools or [], controls)
-    literals = client_texts(messages, tools or [])
-    if not any(c in body for _, body in literals for c in controls):
-        return encode(tokenizer, text, "messages", add_special_tokens=False)
-    return encode_with_literal_contents(tokenizer, text, literals)
 
 
-def client_texts(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[tuple[str, str]]:
-    """(field, text) of every client text the template copies, in the order Gemma 4's templates render them:
-    a leading system message, the tools' descriptions (the system turn declares them), then each message: an
-    assistant's reasoning_content, its tool calls' argument keys and strings (keys sorted as Jinja's
-    `dictsort` sorts them) and its folded tool results' (`fold_tool_results`), then the content. (The field of
-    a folded result is the turn's; messages here are the template's, after folding.)"""
-    out: list[tuple[str, str]] = []
-    rest = list(enumerate(messages))
-    if rest and rest[0][1]["role"] in ("system", "developer"):
-        out.append(("messages[0].content", rest.pop(0)[1]["content"].strip()))
-    for i, tool in enumerate(tools):
-        description = tool.get("function", {}).get("description")
-        if description:
-            out.append((f"tools[{i}].function.description", description))
-    for i, m in rest:
-        if m.get("reasoning_content"):
-            out.append((f"messages[{i}].reasoning_content", m["reasoning_content"]))
-        for j, call in enumerate(m.get("tool_calls") or ()):
-            out += [(f"messages[{i}].tool_calls[{j}].function.arguments", s)
-                    for s in _strings(call["function"]["arguments"])]
-        for result in m.get("tool_responses") or ():
-            out += [(f"messages[{i}].content", s) for s in _strings(result["response"])]
-        content = m.get("content") or ""
-        if isinstance(content, list):  # a message with images or audio: the template trims each text item
-            out += [(f"messages[{i}].content", item["text"].strip()) for item in content if item["type"] == "text"]
-        else:
-            out.append((f"messages[{i}].content", content.strip()))
-    return [(field, body) for field, body in out if body]
+@dataclass(frozen=True)
+class Marked:
+    """A conversation with each client text replaced by a placeholder (`mark`).
+
+    Attributes:
+        messages, tools: the template's inputs, each client text a placeholder: its own leading and trailing
+            white space, then `open` + its index + `close` (so a template's `trim` trims what it would trim of
+            the text itself, and the placeholder stands for the stripped text).
+        bodies: (field, stripped text) by index.
+        kept: (field, string) of what stays as it is: names, ids, keys, tool parameters, template variables.
+        open, close: the two characters that enclose an index.
+    """
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]]
+    bodies: list[tuple[str, str]]
+    kept: list[tuple[str, str]]
+    open: str
+    close: str
+
+
+def unused_marks(text: str) -> tuple[str, str]:
+    """Two characters of Unicode's Private Use Area that `text` (a rendered prompt: the template's markup and
+    every client text it shows) does not hold."""
+    free = (chr(c) for c in range(0xE000, 0xF900) if chr(c) not in text)
+    return next(free), next(free)
+
+
+# Keys of a message the template matches on or that are enums: kept, not replaced (`mark`).
+_MESSAGE_KEPT = frozenset({"role", "tool_call_id", "name"})
+
+
+def mark(messages: list[dict[str, Any]], tools: list[dict[str, Any]], kwargs: dict[str, Any],
+         marks: tuple[str, str]) -> Marked:
+    """`messages` and `tools` (the template's, after `gemma_turns`) with every client text the template may
+    show as text replaced by a placeholder (pure; the inputs are not changed): a message's content (a string
+    or its text items), its reasoning, its tool calls' argument values, its folded tool results' values, and a
+    tool's description. Names, ids, roles, mapping keys, tool parameters and template variables are kept and
+    listed, since a template compares, sorts or reformats them."""
+    open_, close = marks
+    bodies: list[tuple[str, str]] = []
+    kept: list[tuple[str, str]] = []
+
+    def text(value: str, field: str) -> str:
+        core = value.strip()
+        if not core:
+            return value
+        lead, trail = value[:len(value) - len(value.lstrip())], value[len(value.rstrip()):]
+        bodies.append((field, core))
+        return f"{lead}{open_}{len(bodies) - 1}{close}{trail}"
+
+    def value(v: Any, field: str) -> Any:
+        if isinstance(v, str):
+            return text(v, field)
+        if isinstance(v, dict):
+            kept.extend((field, str(k)) for k in v)
+            return {k: value(x, field) for k, x in v.items()}
+        if isinstance(v, list):
+            return [value(x, field) for x in v]
+        return v
+
+    def keep(v: Any, field: str) -> Any:
+        kept.extend((field, s) for s in _strings(v))
+        return v
+
+    def message(m: dict[str, Any], i: int) -> dict[str, Any]:
+        field = f"messages[{i}]"
+        out: dict[str, Any] = {}
+        for key, v in m.items():
+            if key in _MESSAGE_KEPT:
+                out[key] = keep(v, f"{field}.{key}")
+            elif key == "content" and isinstance(v, list):
+                out[key] = [{**item, "text": text(item["text"], f"{field}.content")} if item.get("type") == "text"
+                            else item for item in v]
+            elif key == "tool_calls":
+                out[key] = [{**c, "id": keep(c.get("id"), f"{field}.tool_calls[{j}].id"),
+                             "function": {"name": keep(c["function"]["name"], f"{field}.tool_calls[{j}].function"),
+                                          "arguments": value(c["function"]["arguments"],
+                                                             f"{field}.tool_calls[{j}].function.arguments")}}
+                            for j, c in enumerate(v)]
+            elif key == "tool_responses":
+                out[key] = [{"name": keep(r["name"], f"{field}.tool_responses"),
+                             "response": value(r["response"], f"{field}.content")} for r in v]
+            else:
+                out[key] = value(v, f"{field}.{key}")
+        return out
+
+    def tool(t: dict[str, Any], i: int) -> dict[str, Any]:
+        function = dict(t.get("function") or {})
+        field = f"tools[{i}].function"
+        if isinstance(function.get("description"), str):
+            function["description"] = text(function["description"], f"{field}.description")
+        for key in function.keys() - {"description"}:
+            keep(function[key], f"{field}.{key}")
+        return {**t, "function": function}
+
+    marked_messages = [message(m, i) for i, m in enumerate(messages)]
+    marked_tools = [tool(t, i) for i, t in enumerate(tools)]
+    for key, v in kwargs.items():
+        keep(v, f"chat_template_kwargs.{key}")
+    return Marked(marked_messages, marked_tools, bodies, kept, open_, close)
 
 
 def _strings(value: Any) -> list[str]:
-    """The keys and strings of a JSON value in render order (mappings by case-insensitive key)."""
+    """Every key and string of a JSON value."""
     if isinstance(value, str):
         return [value]
     if isinstance(value, dict):
-        return [s for k in sorted(value, key=lambda k: str(k).lower()) for s in [str(k), *_strings(value[k])]]
+        return [s for k, v in value.items() for s in [str(k), *_strings(v)]]
     if isinstance(value, list):
         return [s for v in value for s in _strings(v)]
     return []
 
 
-def refuse_control_text(tools: list[dict[str, Any]], controls: list[str]) -> None:
-    """A tool's name or parameter schema holding a control token's text is a 400: the template writes
-    them into the system turn as they are, and they have no place that needs one."""
-    for i, tool in enumerate(tools):
-        function = tool.get("function", {})
-        for field, value in (("name", function.get("name", "")), ("parameters", function.get("parameters"))):
-            if any(c in s for s in _strings(value) for c in controls):
-                raise bad_request(f"tools[{i}].function.{field}",
-                                  f"tools[{i}].function.{field} holds a control token's text.")
+def refuse_control_text(kept: list[tuple[str, str]], controls: list[str]) -> None:
+    """A client string that the template copies as it is (a name, an id, a mapping key, a tool's parameter
+    schema, a template variable) holding a control token's text is a 400: it has no place that needs one,
+    and no placeholder can stand for it (a template sorts keys and matches names).
+
+    Raises:
+        ApiError: 400 naming the field.
+    """
+    for field, s in kept:
+        if any(c in s for c in controls):
+            raise bad_request(field, f"{field} holds a control token's text.")
+
+
+def splice(tokenizer, text: str, with_marks: str, marked: Marked, controls: list[str]) -> list[int]:
+    """The ids of `text` (the template's rendering) cut where `with_marks` (its rendering of `marked`) has
+    placeholders: the markup between them tokenized with control tokens, each client text as plain text.
+
+    Raises:
+        ApiError: 400 naming the first field holding a control token's text when the pieces do not make
+            `text` (the template changed or moved a client text, so it cannot be told from the markup).
+    """
+    import re
+
+    pieces = re.split(f"{re.escape(marked.open)}([0-9]+){re.escape(marked.close)}", with_marks)
+    markup, indices = pieces[0::2], [int(k) for k in pieces[1::2]]
+    if any(k >= len(marked.bodies) for k in indices) or "".join(
+            piece for pair in zip(markup, [marked.bodies[k][1] for k in indices] + [""]) for piece in pair) != text:
+        field = next(field for field, body in marked.bodies if any(c in body for c in controls))
+        raise bad_request(field, f"{field} holds control-token text that the chat template changed; remove it.")
+    ids: list[int] = []
+    for k, piece in zip(indices + [None], markup):
+        ids += encode(tokenizer, piece, "messages", add_special_tokens=False)
+        if k is not None:
+            field, body = marked.bodies[k]
+            ids += encode(tokenizer, body, field, add_special_tokens=False, split_special=True)
+    return ids
 
 
 # Variables the server (or Transformers' apply_chat_template) sets itself: not a request's to set.
@@ -343,26 +493,6 @@ def template_variables(template: str) -> frozenset[str]:
 def control_tokens(tokenizer) -> list[str]:
     """The strings the tokenizer turns into special (control) tokens."""
     return [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
-
-
-def encode_with_literal_contents(tokenizer, text: str, literals: list[tuple[str, str]]) -> list[int]:
-    """Tokenize rendered chat `text` with the template's markup as control tokens and each client text
-    (`client_texts`: (field, text), found in order in `text`) with special tokens split into plain text.
-
-    Raises:
-        ApiError: 400 naming the field whose text the template changed or moved (it cannot be told from
-            the markup then, so it is refused rather than read as control tokens).
-    """
-    ids: list[int] = []
-    at = 0
-    for field, body in literals:
-        found = text.find(body, at)
-        if found < 0:
-            raise bad_request(field, "This text holds control-token text that the chat template changed; remove it.")
-        ids += encode(tokenizer, text[at:found], "messages", add_special_tokens=False)
-        ids += encode(tokenizer, body, field, add_special_tokens=False, split_special=True)
-        at = found + len(body)
-    return ids + encode(tokenizer, text[at:], "messages", add_special_tokens=False)
 
 
 def encode(tokenizer, text: str, param: str, add_special_tokens: bool, split_special: bool = False) -> list[int]:

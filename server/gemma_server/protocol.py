@@ -238,6 +238,10 @@ class FunctionDefinition(BaseModel):
     strict: bool | None = None
 
 
+# What of a tool's function the chat template sees (`template_tools`).
+TEMPLATE_FUNCTION_KEYS = frozenset({"name", "description", "parameters"})
+
+
 class Tool(BaseModel):
     """A function the model may call (OpenAI's `tools[]`)."""
 
@@ -794,10 +798,15 @@ class ChatCompletionRequest(GenerationRequest):
         return self.tool_choice or ("auto" if self.tools else "none")
 
     def template_tools(self) -> list[dict[str, Any]] | None:
-        """The tools as the chat template and the grammars read them (OpenAI's shape, unset fields out)."""
+        """The tools as the chat template and the grammars read them: OpenAI's shape with a function's name,
+        description and parameters only (unset ones out). Other keys a client adds never reach the template:
+        Google's Gemma 4 templates render a `function.response` declaration's description, and no OpenAI
+        client sends one."""
         if not self.tools:
             return None
-        return [t.model_dump(exclude_none=True) for t in self.tools]
+        return [{"type": "function", "function": t.function.model_dump(include=TEMPLATE_FUNCTION_KEYS,
+                                                                        exclude_none=True)}
+                for t in self.tools]
 
     def constraint(self) -> Constraint | None:
         """tool_choice required or named: the calls (a grammar of them); else response_format json_object or
