@@ -67,7 +67,7 @@ from starlette.routing import Route
 
 from gemma_server import media, messages, openapi, responses, transcriptions
 from gemma_server.boot import Boot
-from gemma_server.chat_template import chat_prompt, encode, tokenize_completion
+from gemma_server.chat_template import CacheMarks, chat_prompt, encode, tokenize_completion
 from gemma_server.config import Config
 from gemma_server.connections import STALLED
 from gemma_server.errors import ApiError, as_api_error, bad_request, error_body, from_scheduler, invalid_request
@@ -256,14 +256,14 @@ class ServerState:
                             headers={"WWW-Authenticate": "Bearer"})
         return None
 
-    async def chat_ids(self, body: ChatCompletionRequest, mark_boundary: bool,
-                       decoded: Sequence[media.Decoded] | None = None) -> tuple[list[int], int | None, tuple]:
+    async def chat_ids(self, body: ChatCompletionRequest, mark: bool,
+                       decoded: Sequence[media.Decoded] | None = None) -> tuple[list[int], CacheMarks, tuple]:
         """A chat request's prompt: the template rendered and tokenized off the event loop (chat_template.py),
         then its images and audio read (media.read, unless `decoded` holds them already), encoded into soft
         tokens (media.MediaEncoder) and placed (media.place).
 
         Returns:
-            (ids, cache boundary or None, the engine's media items).
+            (ids, the cache marks (chat_template.CacheMarks; none without `mark`), the engine's media items).
         Raises:
             ApiError: 400 naming the field: the template's refusal, a media part the checkpoint does not take
                 or that breaks a limit or cannot be read.
@@ -272,14 +272,14 @@ class ServerState:
         loaded = self.loaded
         if parts:  # what needs no reading is refused first: a kind the checkpoint lacks, too many, a URL not fetched
             media.check_parts(parts, self.media_limits, loaded.modalities, loaded.media_missing)
-        ids, boundary = await asyncio.get_running_loop().run_in_executor(
-            None, chat_prompt, self.tokenizer, body, mark_boundary)
+        ids, marks = await asyncio.get_running_loop().run_in_executor(
+            None, chat_prompt, self.tokenizer, body, mark)
         if not parts:
-            return ids, boundary, ()
+            return ids, marks, ()
         items = list(decoded) if decoded is not None else await media.read(parts, self.media_limits)
         soft = await loaded.media.encode(items)
-        ids, placed, boundary = media.place(ids, soft, loaded.media.tokens, boundary)
-        return ids, boundary, placed
+        ids, placed, marks = media.place(ids, soft, loaded.media.tokens, marks)
+        return ids, marks, placed
 
     async def start(self, body: ChatCompletionRequest | CompletionRequest, chat: bool, client: str,
                     gone: Callable[[], Cause], decoded: Sequence[media.Decoded] | None = None) -> list[Generation]:
@@ -310,16 +310,18 @@ class ServerState:
         try:
             tok = self.tokenizer
             # Rendering and tokenizing run off the event loop: a long prompt must not stall /live. A chat
-            # prompt's cache boundary (the end of its system turn and tools) is marked when prefix caching is on.
+            # prompt's cache marks (the end of its system turn and tools, where its next turn departs) are
+            # found when prefix caching is on.
             if chat:
-                ids, boundary, placed = await self.chat_ids(body, config.enable_prefix_caching, decoded)
+                ids, marks, placed = await self.chat_ids(body, config.enable_prefix_caching, decoded)
             else:
-                ids, boundary, placed = await asyncio.get_running_loop().run_in_executor(
-                    None, tokenize_completion, tok, body), None, ()
+                ids, marks, placed = await asyncio.get_running_loop().run_in_executor(
+                    None, tokenize_completion, tok, body), CacheMarks(), ()
             grammar, bias = await asyncio.to_thread(self.constrain, body, chat)
             loaded = self.boot.loaded
             params = body.engine_params(ids, loaded.context, loaded.vocab_size, config.default_temperature,
-                                        grammar=grammar, internal_bias=bias, cache_boundary=boundary, media=placed)
+                                        grammar=grammar, internal_bias=bias, cache_boundary=marks.boundary,
+                                        next_turn=marks.next_turn, media=placed)
             # Each choice gives its place in the client's share back when it is recorded, however it ends.
             ended = functools.partial(shares.give_back, client, 1)
             reply = self.reply_format()
@@ -753,7 +755,7 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
             chat = body.as_chat()
             chat.check()
             chat.check_size(loaded.context)
-            ids, _, _ = await state.chat_ids(chat, mark_boundary=False)
+            ids, _, _ = await state.chat_ids(chat, mark=False)
         else:
             if len(body.prompt) > max_prompt_chars(loaded.context):
                 raise bad_request("prompt", f"The prompt is longer than {max_prompt_chars(loaded.context)} characters.")

@@ -64,23 +64,41 @@ def render_chat(tokenizer, request: ChatCompletionRequest) -> list[int]:
         ApiError: 400 naming `messages` when the template rejects the conversation (e.g. roles that do
             not alternate) or `chat_template_kwargs` when those do not fit.
     """
-    return chat_prompt(tokenizer, request, mark_boundary=False)[0]
+    return chat_prompt(tokenizer, request, mark=False)[0]
 
 
-def chat_prompt(tokenizer, request: ChatCompletionRequest, mark_boundary: bool = True) -> tuple[list[int], int | None]:
-    """The request's prompt ids (`render_chat`) and, when `mark_boundary`, its cache boundary.
+@dataclass(frozen=True)
+class CacheMarks:
+    """Where the engine keeps copies of a chat prompt's sliding-window rings for later requests (prefix
+    caching; rust/python/gemma_engine `Request`'s `cache_boundary` and `next_turn`).
+
+    Attributes:
+        boundary: where the part every user of one agent shares ends (`cache_boundary`), or None.
+        next_turn: where the conversation's next turn departs from this prompt, when that is before its
+            last token (`next_turn`), or None.
+    """
+
+    boundary: int | None = None
+    next_turn: int | None = None
+
+
+def chat_prompt(tokenizer, request: ChatCompletionRequest, mark: bool = True) -> tuple[list[int], CacheMarks]:
+    """The request's prompt ids (`render_chat`) and, when `mark`, its cache marks.
 
     Returns:
-        (ids, boundary): boundary is `cache_boundary`'s answer, or None without `mark_boundary`.
+        (ids, marks): `cache_boundary`'s and `next_turn`'s answers, both None without `mark`.
     Raises:
         ApiError: as render_chat.
     """
     kwargs = template_kwargs(tokenizer, request.chat_template_kwargs or {})
-    messages = gemma_turns(request.template_messages(), tokenizer.chat_template)
+    sent = request.template_messages()
+    messages = gemma_turns(sent, tokenizer.chat_template)
     tools = request.template_tools()
     ids = render_messages(tokenizer, messages, tools, kwargs, request.add_generation_prompt)
-    boundary = cache_boundary(tokenizer, messages, tools, kwargs, ids) if mark_boundary else None
-    return ids, boundary
+    if not mark:
+        return ids, CacheMarks()
+    return ids, CacheMarks(cache_boundary(tokenizer, messages, tools, kwargs, ids),
+                           next_turn(tokenizer, sent, tools, kwargs, ids))
 
 
 @dataclass(frozen=True)
@@ -253,6 +271,48 @@ def cache_boundary(tokenizer, messages: list[dict[str, Any]], tools: list[dict[s
     if not 1 < len(prefix) < len(prompt_ids) or prompt_ids[:len(prefix)] != prefix:
         return None
     return len(prefix)
+
+
+# Stand-in replies (`next_turn`): two that begin differently, so that a tokenizer merging a reply's first
+# characters into the markup before them cannot move the point past where a real reply departs.
+STAND_IN_REPLIES = ("A", "0")
+
+
+def next_turn(tokenizer, sent: list[dict[str, Any]], tools: list[dict[str, Any]] | None, kwargs: dict[str, Any],
+              prompt_ids: list[int]) -> int | None:
+    """Where the conversation's next turn departs from this prompt: the conversation with a stand-in reply
+    appended, fitted and rendered as the next request will render it (same tools and template variables),
+    and its longest common prefix with `prompt_ids` (the least over STAND_IN_REPLIES). A template may end
+    the generation prompt with markup that its rendering of the reply drops: Google's Gemma 4 template ends
+    it with an empty thought channel when thinking is off (`<|turn>model\n<|channel>thought\n<channel|>`)
+    and renders the reply after `<|turn>model\n` alone, so the next turn departs a few tokens before this
+    prompt's end. The engine keeps a copy of its sliding-window rings there, which it could not rebuild
+    later (rust/src/engine/prefix.rs). Any template works: the point is read from its own rendering.
+
+    Args:
+        tokenizer: the checkpoint's tokenizer (with its chat template).
+        sent: the messages as the request sent them (ChatCompletionRequest.template_messages, before
+            `gemma_turns`).
+        tools, kwargs: as the prompt rendered them.
+        prompt_ids: the prompt's ids.
+    Returns:
+        the point d, 1 <= d < len(prompt_ids) - 1, or None: the next turn keeps the whole prompt (or all but
+        its last token, which the engine reads again anyway), the conversation ends with an assistant
+        message (a prefill the reply continues), or the template refuses the stand-in.
+    """
+    if not sent or sent[-1]["role"] == "assistant":
+        return None
+    points = []
+    for reply in STAND_IN_REPLIES:
+        turn = gemma_turns([*sent, {"role": "assistant", "content": reply}], tokenizer.chat_template)
+        try:
+            ids = render_messages(tokenizer, turn, tools, kwargs, add_generation_prompt=False)
+        except ApiError:
+            return None
+        points.append(next((i for i, (a, b) in enumerate(zip(prompt_ids, ids)) if a != b), min(len(ids),
+                                                                                             len(prompt_ids))))
+    point = min(points)
+    return point if 1 <= point < len(prompt_ids) - 1 else None
 
 
 def render_messages(tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,

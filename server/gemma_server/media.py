@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import binascii
 import hashlib
 import io
@@ -511,19 +512,28 @@ def prompt_ids(tokenizer, request, counts: Sequence[tuple[Kind, int]], tokens: T
     """
     from gemma_server.chat_template import chat_prompt
 
-    ids, _ = chat_prompt(tokenizer, request, mark_boundary=False)
+    ids, _ = chat_prompt(tokenizer, request, mark=False)
     return expand(ids, counts, tokens)
 
 
-def place(ids: Sequence[int], soft: Sequence[Soft], tokens: Tokens,
-          boundary: int | None) -> tuple[list[int], tuple[tuple[int, Any, int], ...], int | None]:
+def place(ids: Sequence[int], soft: Sequence[Soft], tokens: Tokens, marks):
     """The prompt with its parts' soft tokens placed (`expand`): the ids, the engine's media items (start,
-    embeds, key) and the cache boundary (kept where it lies before the first part, else dropped)."""
+    embeds, key) and the cache marks (chat_template.CacheMarks) moved to the expanded prompt: the boundary
+    kept where it lies before the first part, else dropped; the next turn moved past the parts before it.
+
+    Returns:
+        (ids, items, marks).
+    """
     expanded, starts = expand(ids, [(s.kind, s.count) for s in soft], tokens)
     items = tuple((start, s.embeds, s.key) for start, s in zip(starts, soft))
+    boundary, next_turn = marks.boundary, marks.next_turn
     if boundary is not None and starts and boundary >= starts[0] - 1:
         boundary = None
-    return expanded, items, boundary
+    if next_turn is not None:
+        # Each placeholder before it became its frame: the soft tokens and the two ids around them.
+        where = [i for i, t in enumerate(ids) if t in (tokens.image, tokens.audio)]
+        next_turn += sum(s.count + 1 for at, s in zip(where, soft) if at < next_turn)
+    return expanded, items, dataclasses.replace(marks, boundary=boundary, next_turn=next_turn)
 
 
 # ---- the checkpoint's media front end (its side effects: files, a thread, the encoder) -----------------

@@ -354,6 +354,8 @@ class EngineParams:
         cache_salt: the request's cache_salt: it shares cached KV only with requests of the same salt.
         cache_boundary: a prompt position the engine snapshots for later requests that share the prompt up
             to there (chat: the end of the system turn and the tool declarations), or None.
+        next_turn: the prompt position where the conversation's next turn departs from it, which the
+            engine snapshots too (chat_template.next_turn), or None.
         media: the soft tokens of the prompt's images and audio, (start, embeds [n, hidden], key) in prompt
             order (media.place): they take positions start..start+n, which hold the placeholder id.
     """
@@ -371,6 +373,7 @@ class EngineParams:
     forced_calls: bool = False
     cache_salt: str | None = None
     cache_boundary: int | None = None
+    next_turn: int | None = None
     media: tuple[tuple[int, Any, int], ...] = ()
 
     def choice_sampling(self, index: int, fresh_seed: Callable[[], int]) -> dict[str, Any]:
@@ -657,6 +660,7 @@ class GenerationRequest(OpenAIModel):
         self, prompt_ids: list[int], context: int, vocab_size: int, default_temperature: float = 1.0,
         grammar: str | None = None, internal_bias: dict[int, float] | None = None,
         cache_boundary: int | None = None, media: tuple[tuple[int, Any, int], ...] = (),
+        next_turn: int | None = None,
     ) -> EngineParams:
         """Turn this request and its tokenized prompt into one engine decode. The caller ran `check()` first
         (app.py does, before it admits the request): the checks that need the prompt's ids are here.
@@ -671,6 +675,8 @@ class GenerationRequest(OpenAIModel):
                 over the request's for its ids and does not count against the request's logit_bias cap.
             cache_boundary: where the prompt's shared part ends (chat_template.cache_boundary), or None.
             media: the prompt's soft tokens (media.place), passed through.
+            next_turn: where the conversation's next turn departs from the prompt (chat_template.next_turn),
+                or None.
         Returns:
             EngineParams with max_new capped at context - len(prompt) (vLLM's `get_max_tokens`).
         Raises:
@@ -709,7 +715,8 @@ class GenerationRequest(OpenAIModel):
         return EngineParams(tuple(prompt_ids), max_new, stop_ids, self.stop_strings(), sampling,
                             self.n or 1, self.logprobs_wanted(), grammar=grammar,
                             prompt_logprobs=self.prompt_logprobs_wanted(), cache_salt=self.cache_salt,
-                            cache_boundary=cache_boundary, media=media, **self._reply_kind())
+                            cache_boundary=cache_boundary, next_turn=next_turn, media=media,
+                            **self._reply_kind())
 
     def prompt_logprobs_wanted(self) -> int | None:
         """None, or how many top log-probabilities each prompt token carries (completions' echo)."""

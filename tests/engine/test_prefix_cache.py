@@ -329,18 +329,74 @@ def test_a_request_scoring_its_prompt_takes_no_hit(engines):
     assert scored.finish == "length" and cached(scored) == 0
 
 
+@pytest.mark.parametrize("field", ["cache_boundary", "next_turn"])
 @pytest.mark.parametrize("boundary", [0, len(PROMPTS["parity"])])
-def test_a_cache_boundary_outside_the_prompt_is_refused_naming_it(engines, boundary):
+def test_a_cache_mark_outside_the_prompt_is_refused_naming_it(engines, boundary, field):
     engine = engines("dense")
-    got, _ = one(engine, 1, PROMPTS["parity"], 4, cache_boundary=boundary)
-    assert got.finish == "error" and "cache_boundary" in got.error
+    got, _ = one(engine, 1, PROMPTS["parity"], 4, **{field: boundary})
+    assert got.finish == "error" and field in got.error
+
+
+# What a chat template's generation prompt may end with that its rendering of the reply drops (Gemma 4's
+# empty thought channel with thinking off: `<|channel>thought\n<channel|>`).
+SUFFIX = [9, 8, 7, 6]
+
+
+@pytest.mark.parametrize("kind", KIND_PARAMS)
+def test_a_turn_that_drops_the_prompts_last_tokens_resumes_where_next_turn_says(engines, reference, kind):
+    """Each prompt ends with SUFFIX, which the next turn does not repeat: the next turn shares the prompt up
+    to the suffix, the reply, then goes on. The prompt is longer than the sliding window, so its rings wrapped:
+    only a snapshot at `next_turn` serves that point, and every later turn resumes exactly there, with the
+    tokens of a read of the whole prompt (Transformers'). Without the mark nothing past the prompt's start is
+    reused."""
+    marked, unmarked = engines(kind), engines(kind)
+    head = PROMPTS["parity"]
+    for turn in range(3):
+        prompt = head + SUFFIX
+        got, served = one(marked, turn, prompt, 6, next_turn=len(head))
+        plain, _ = one(unmarked, turn, prompt, 6)
+        assert (got.tokens, got.finish) == reference(kind, prompt, 6) == (plain.tokens, plain.finish), turn
+        if turn:
+            assert cached(got) == len(shared) and served.prompt_tokens_read == len(prompt) - len(shared), turn
+            assert cached(plain) == 0, turn
+        shared = head
+        head = head + got.tokens + [END] + user_message(turn)
+        assert len(head) + len(SUFFIX) < CONTEXT - 6 and len(shared) > W
+
+
+def test_the_same_prompt_again_with_next_turn_resumes_there(engines, reference):
+    """With `next_turn` no snapshot is kept at the prompt's end: a regenerated reply reads the prompt's last
+    few tokens again, and its tokens are the first's."""
+    engine = engines("dense")
+    prompt = PROMPTS["repeat"]
+    first, _ = one(engine, 1, prompt, 10, next_turn=len(prompt) - len(SUFFIX))
+    second, served = one(engine, 2, prompt, 10, next_turn=len(prompt) - len(SUFFIX))
+    assert first.tokens == second.tokens and (second.tokens, second.finish) == reference("dense", prompt, 10)
+    assert cached(second) == len(prompt) - len(SUFFIX) and served.prompt_tokens_read == len(SUFFIX)
+
+
+def test_both_marks_are_kept_a_shared_system_prompt_and_the_next_turn(engines, reference):
+    """A prompt with both marks is read in chunks ending at each: another user reuses the system prompt, the
+    same conversation's next turn reuses everything before the suffix."""
+    engine = engines("dense", max_batch=2)
+    system = PROMPTS["long"][:30]
+    user = system + user_message(1, 8)
+    first, _ = one(engine, 1, user + SUFFIX, 5, cache_boundary=len(system), next_turn=len(user))
+    other, _ = one(engine, 2, system + user_message(2, 8) + SUFFIX, 5, cache_boundary=len(system),
+                   next_turn=len(system) + 9)
+    nxt = user + first.tokens + [END] + user_message(3) + SUFFIX
+    again, _ = one(engine, 3, nxt, 5, cache_boundary=len(system), next_turn=len(nxt) - len(SUFFIX))
+    assert cached(first) == 0 and cached(other) == len(system) and cached(again) == len(user)
+    for result, prompt in ((other, system + user_message(2, 8) + SUFFIX), (again, nxt)):
+        assert (result.tokens, result.finish) == reference("dense", prompt, 5)
 
 
 @pytest.mark.parametrize("read_every, chunk", [(1, 5), (3, 16)])
 def test_random_overlapping_sessions_draw_the_same_tokens_with_caching_on_and_off(engines, read_every, chunk):
     """Sessions drawn from a fixed seed: each step continues, forks (inside the last reply or prompt), or
     repeats one of the earlier prompts, in batches of up to four requests over three slots, greedy and
-    seeded, some salted, some with a boundary. Every request's tokens must equal caching off's."""
+    seeded, some salted, some with a boundary, some with a next-turn mark. Every request's tokens must equal
+    caching off's."""
     import random
 
     rng = random.Random(1234 + read_every)
@@ -360,6 +416,8 @@ def test_random_overlapping_sessions_draw_the_same_tokens_with_caching_on_and_of
             extra = {"cache_salt": rng.choice([None, None, "t"])}
             if len(prompt) > 10 and rng.random() < 0.3:
                 extra["cache_boundary"] = rng.randint(1, len(prompt) - 1)
+            if len(prompt) > 10 and rng.random() < 0.3:
+                extra["next_turn"] = rng.randint(1, len(prompt) - 1)
             batch.append(dict(id=rid, ids=prompt, max_new=rng.randint(1, 8), sampling=sampling, **extra))
             rid += 1
         got = serve(on, [gemma_engine.Request(**r) for r in batch], read_every).results

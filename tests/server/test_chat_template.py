@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from gemma_server.chat_template import chat_prompt
+from gemma_server.chat_template import CacheMarks, chat_prompt
 from gemma_server.protocol import ChatCompletionRequest
 
 SYSTEM = {"role": "system", "content": "You answer in one short sentence."}
@@ -28,7 +28,8 @@ def chat_tokenizer(chat_checkpoint):
 
 
 def boundary(tokenizer, messages, tools=None, **kw) -> tuple[list[int], int | None]:
-    return chat_prompt(tokenizer, ChatCompletionRequest(messages=messages, tools=tools, **kw))
+    ids, marks = chat_prompt(tokenizer, ChatCompletionRequest(messages=messages, tools=tools, **kw))
+    return ids, marks.boundary
 
 
 def first_user_turn(tokenizer, ids: list[int]) -> int:
@@ -81,5 +82,5 @@ def test_no_boundary_when_the_shared_part_renders_differently_once_more_messages
 
 def test_the_boundary_is_not_marked_when_prefix_caching_is_off(agent_tokenizer):
     request = ChatCompletionRequest(messages=[SYSTEM, USER], tools=TOOLS)
-    ids, b = chat_prompt(agent_tokenizer, request, mark_boundary=False)
-    assert b is None and ids == chat_prompt(agent_tokenizer, request)[0]
+    ids, marks = chat_prompt(agent_tokenizer, request, mark=False)
+    assert marks == CacheMarks() and ids == chat_prompt(agent_tokenizer, request)[0]

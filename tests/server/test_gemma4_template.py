@@ -277,7 +277,8 @@ def test_a_template_with_its_own_tool_role_gets_the_messages_as_they_are(tool_ro
 def test_the_cache_boundary_of_a_folded_prompt_is_the_end_of_the_system_turn(gemma4_tokenizer):
     messages = [SYSTEM, USER, {"role": "assistant", "content": None, "tool_calls": [WEATHER_CALL]},
                 {"role": "tool", "tool_call_id": "call_w", "content": "sunny"}]
-    ids, boundary = chat_prompt(gemma4_tokenizer, ChatCompletionRequest(messages=messages, tools=TOOLS))
+    ids, marks = chat_prompt(gemma4_tokenizer, ChatCompletionRequest(messages=messages, tools=TOOLS))
+    boundary = marks.boundary
     text = gemma4_tokenizer.apply_chat_template([SYSTEM], tools=TOOLS, tokenize=False)
     system_turn = gemma4_tokenizer.encode(text, add_special_tokens=False)
     assert boundary == len(system_turn) and ids[:boundary] == system_turn
@@ -309,3 +310,61 @@ def test_an_agent_loop_on_gemma4s_template_calls_reads_the_result_and_reuses_the
                                             tool_choice="none")
     assert second.choices[0].finish_reason in ("stop", "length")
     assert second.usage.prompt_tokens_details.cached_tokens > 0
+
+
+# ---- where the next turn departs (chat_template.next_turn) ------------------------------------------------
+
+
+def reply_ids(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("thinking", [False, True], ids=["thinking-off", "thinking-on"])
+def test_the_next_turn_departs_where_the_template_renders_the_reply(gemma4_tokenizer, tool_role_tokenizer,
+                                                                   thinking):
+    """With thinking off (the templates' default) the prompt ends with an empty thought channel that the next
+    turn's rendering of the reply drops: the next turn departs after `<|turn>model\\n`, and `next_turn` is that
+    point, exactly the common prefix of this prompt and the real next request's. With thinking on, the prompt
+    ends at `<|turn>model\\n` and the next turn keeps all of it (no mark)."""
+    kwargs = {"chat_template_kwargs": {"enable_thinking": True}} if thinking else {}
+    for tokenizer in (gemma4_tokenizer, tool_role_tokenizer):
+        ids, marks = chat_prompt(tokenizer, ChatCompletionRequest(messages=[SYSTEM, USER], tools=TOOLS, **kwargs))
+        later, _ = chat_prompt(tokenizer, ChatCompletionRequest(
+            messages=[SYSTEM, USER, {"role": "assistant", "content": "It is sunny in Paris."},
+                      {"role": "user", "content": "And tomorrow?"}], tools=TOOLS, **kwargs))
+        shared = next((i for i, (a, b) in enumerate(zip(ids, later)) if a != b), len(ids))
+        if thinking:
+            assert marks.next_turn is None and shared == len(ids)
+        else:
+            assert tokenizer.decode(ids[marks.next_turn:]) == "<|channel>thought\n<channel|>"
+            assert marks.next_turn == shared
+        assert marks.boundary is not None and marks.boundary < shared
+
+
+def test_after_a_tool_result_the_next_turn_departs_where_each_revision_renders_the_answer(gemma4_tokenizer,
+                                                                                         tool_role_tokenizer):
+    """After a tool result the model goes on in its own turn. The first revision still ends the prompt with an
+    empty thought channel that the answer's rendering drops; the later one ends it at `<tool_response|>`, and
+    the answer follows the prompt as it is (no mark). Either way the mark is the real next request's
+    common prefix."""
+    messages = [SYSTEM, USER, {"role": "assistant", "content": None, "tool_calls": [WEATHER_CALL]},
+                {"role": "tool", "tool_call_id": "call_w", "content": "sunny"}]
+    for tokenizer, ends_with_channel in ((gemma4_tokenizer, True), (tool_role_tokenizer, False)):
+        ids, marks = chat_prompt(tokenizer, ChatCompletionRequest(messages=messages, tools=TOOLS))
+        answered, _ = chat_prompt(tokenizer, ChatCompletionRequest(
+            messages=[*messages, {"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "Thanks"}],
+            tools=TOOLS))
+        shared = next((i for i, (a, b) in enumerate(zip(ids, answered)) if a != b), len(ids))
+        if ends_with_channel:
+            assert marks.next_turn == shared < len(ids)
+            assert tokenizer.decode(ids[:shared]).endswith("<tool_response|>")
+        else:
+            assert marks.next_turn is None and shared == len(ids)
+
+
+def test_no_next_turn_mark_for_a_prefill_or_without_marks(gemma4_tokenizer):
+    prefill = ChatCompletionRequest(messages=[USER, {"role": "assistant", "content": "It is"}],
+                                    add_generation_prompt=False)
+    assert chat_prompt(gemma4_tokenizer, prefill)[1].next_turn is None
+    plain = ChatCompletionRequest(messages=[SYSTEM, USER], tools=TOOLS)
+    assert chat_prompt(gemma4_tokenizer, plain, mark=False)[1].next_turn is None

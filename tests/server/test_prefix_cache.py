@@ -188,3 +188,102 @@ def test_a_repeated_prompt_goes_back_to_the_engine_that_holds_it(chat_checkpoint
             assert cached(reply.usage) == reply.usage.prompt_tokens - 1
     finally:
         s.stop()
+
+
+# ---- chat turns on Google's Gemma 4 templates (chat_template.next_turn) ------------------------------------
+
+SYSTEM = {"role": "system", "content": "You are a careful assistant. Answer briefly."}
+FOLLOW_UPS = ("Tell me more.", "And then?", "Why so?")
+
+
+def prompt_ids(server, messages: list[dict], **extra) -> list[int]:
+    r = httpx.post(server.base + "/tokenize", json={"messages": messages, **extra}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+
+def common(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def converse(server, first_user: dict, thinking: bool, turns: int = 3, **extra) -> list[tuple[int, int, int]]:
+    """A greedy conversation through the openai SDK under a fresh cache_salt: each turn sends the history, the
+    reply and a follow-up. Returns per turn after the first (prompt tokens, tokens it shares with the previous
+    turn's prompt, cached tokens), after checking the counters on /metrics moved by the usage numbers."""
+    client, model = openai_client(server), server.state.config.model_name
+    body = {"cache_salt": fresh_salt(), **({"chat_template_kwargs": {"enable_thinking": True}} if thinking else {})}
+    messages, previous, out = [SYSTEM, first_user], None, []
+    wait_for(lambda: not server.state.scheduler.busy(), 60, "no request running or waiting")
+    queries, hits = sample(server, "gemma_prefix_cache_queries_total"), sample(server, "gemma_prefix_cache_hits_total")
+    usages = []
+    for turn in range(turns):
+        ids = prompt_ids(server, messages, **{k: v for k, v in body.items() if k != "cache_salt"}, **extra)
+        r = client.chat.completions.create(model=model, messages=messages, max_tokens=12, extra_body=body, **extra)
+        usages.append(r.usage)
+        assert r.usage.prompt_tokens == len(ids)
+        if previous is not None:
+            out.append((len(ids), common(previous, ids), cached(r.usage)))
+        previous = ids
+        messages = [*messages, r.choices[0].message.model_dump(exclude_none=True),
+                    {"role": "user", "content": FOLLOW_UPS[turn % len(FOLLOW_UPS)]}]
+    assert sample(server, "gemma_prefix_cache_queries_total") - queries == sum(u.prompt_tokens for u in usages)
+    assert sample(server, "gemma_prefix_cache_hits_total") - hits == sum(cached(u) for u in usages)
+    return out
+
+
+def assert_reuses_what_it_shares(turns: list[tuple[int, int, int]]) -> None:
+    """Turn N reads from the cache at least 90 % of what its prompt shares with turn N-1's; every prompt is
+    longer than the tiny checkpoints' 12-token sliding window, so only a snapshot at the right place serves."""
+    for n, shared, hit in turns:
+        assert shared > 12 and hit >= 0.9 * shared and hit < n, (n, shared, hit)
+
+
+@pytest.mark.parametrize("thinking", [False, True], ids=["thinking-off", "thinking-on"])
+def test_each_chat_turn_reuses_what_it_shares_with_the_last_on_googles_first_template(gemma4_server, thinking):
+    assert_reuses_what_it_shares(converse(gemma4_server, {"role": "user", "content": "What is a TPU?"}, thinking))
+
+
+@pytest.mark.parametrize("thinking", [False, True], ids=["thinking-off", "thinking-on"])
+def test_each_image_turn_reuses_what_it_shares_with_the_last_on_googles_later_template(media_server, thinking):
+    """The later revision of Google's template (the multimodal checkpoint's), an image in the first turn: its
+    soft tokens stay in every later prompt, and each turn resumes past them."""
+    from tests import checkpoints as ck
+    from tests.server.test_media import data_url, image_part, png
+
+    first = {"role": "user", "content": [image_part(data_url(png(ck.test_image(40, 30, seed=1)))),
+                                         {"type": "text", "text": "What is in this picture?"}]}
+    assert_reuses_what_it_shares(converse(media_server, first, thinking))
+
+
+WEATHER_TOOL = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather of a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                   "required": ["city"]}}}]
+
+
+@pytest.mark.parametrize("thinking", [False, True], ids=["thinking-off", "thinking-on"])
+def test_a_tool_round_trip_and_the_next_turn_reuse_what_they_share(gemma4_server, thinking):
+    """A forced call, its result (folded into the model turn by the first template), the answer, a new user
+    turn: the result turn and the next turn each reuse at least 90 % of what they share with the turn before."""
+    client, model = openai_client(gemma4_server), gemma4_server.state.config.model_name
+    body = {"cache_salt": fresh_salt(), **({"chat_template_kwargs": {"enable_thinking": True}} if thinking else {})}
+    kwargs = {k: v for k, v in body.items() if k != "cache_salt"}
+    messages = [SYSTEM, {"role": "user", "content": "Weather in Paris?"}]
+    call = client.chat.completions.create(model=model, messages=messages, tools=WEATHER_TOOL, max_tokens=40,
+                                          tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                          extra_body=body)
+    previous = prompt_ids(gemma4_server, messages, tools=WEATHER_TOOL, **kwargs)
+    tool_call = call.choices[0].message.tool_calls[0]
+    messages += [call.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": tool_call.id, "content": '{"temp": 4}'}]
+    turns = []
+    for follow_up in ("Thanks. And tomorrow?", None):
+        ids = prompt_ids(gemma4_server, messages, tools=WEATHER_TOOL, **kwargs)
+        r = client.chat.completions.create(model=model, messages=messages, tools=WEATHER_TOOL, max_tokens=8,
+                                           tool_choice="none", extra_body=body)
+        turns.append((len(ids), common(previous, ids), cached(r.usage)))
+        previous = ids
+        if follow_up:
+            messages += [{"role": "assistant", "content": r.choices[0].message.content or ""},
+                         {"role": "user", "content": follow_up}]
+    assert_reuses_what_it_shares(turns)

@@ -212,6 +212,14 @@ class Request:
     while it reads the prompt, so that later requests sharing ids[:cache_boundary] can resume there (the
     end of the system turn and tool declarations every user of an agent shares). Outside that range the
     request ends "error" at admission, naming `cache_boundary`. Ignored with prefix caching off.
+
+    `next_turn`: a prompt position in 1..len(ids)-1 where the conversation's next turn will depart from
+    this prompt (the server renders the next turn with the chat template to find it), kept the same way:
+    a template may end a prompt with markup that its rendering of the reply drops (Gemma 4's empty
+    thought channel), so the next turn shares all but the prompt's last few tokens. The same range and
+    errors as `cache_boundary`, naming `next_turn`. The prompt is read in chunks that end at both marks.
+    With `next_turn` the engine keeps no snapshot at the prompt's end, so the same prompt sent again (a
+    regenerated reply) resumes at `next_turn` and reads the prompt's last few tokens again.
     """
 
     def __init__(
@@ -226,6 +234,7 @@ class Request:
         cache_salt: str | None = None,
         cache_boundary: int | None = None,
         media: Sequence[tuple[int, torch.Tensor, int]] = (),
+        next_turn: int | None = None,
     ) -> None: ...
     @property
     def id(self) -> int: ...
@@ -237,6 +246,8 @@ class Request:
     def cache_salt(self) -> str | None: ...
     @property
     def cache_boundary(self) -> int | None: ...
+    @property
+    def next_turn(self) -> int | None: ...
 
 class Encoder:
     """The vision and audio towers of a Gemma 4 checkpoint with their projections into the text model
@@ -373,8 +384,8 @@ class Engine:
                 that starts with the same tokens (and the same `cache_salt`) read only the rest of its
                 prompt (`Event.cached_tokens` says how much it reused). Exact: the tokens are those
                 of a read of the whole prompt. Each slot then also holds two snapshots of its
-                sliding-window rings (at its prompt's end and at `Request.cache_boundary`), so a
-                request can resume there; layout()["snapshot_bytes_per_slot"] gives their size.
+                sliding-window rings (where the next turn departs: at `Request.next_turn`, else at its
+                prompt's end; and at `Request.cache_boundary`), so a request can resume there; layout()["snapshot_bytes_per_slot"] gives their size.
                 Requests go to the free slot with the longest valid prefix, or the least recently
                 used one; without it, to the lowest free slot.
             tensor_parallel_size: split the model over this many shards (vLLM's column- and

@@ -145,7 +145,7 @@ pub struct PyRequest {
 impl PyRequest {
     #[new]
     #[pyo3(signature = (id, ids, max_new, stop_ids=Vec::new(), sampling=None, grammar=None, prompt_logprobs=None,
-                        cache_salt=None, cache_boundary=None, media=Vec::new()))]
+                        cache_salt=None, cache_boundary=None, media=Vec::new(), next_turn=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         id: u64,
@@ -158,6 +158,7 @@ impl PyRequest {
         cache_salt: Option<String>,
         cache_boundary: Option<usize>,
         media: Vec<(usize, Bound<'_, PyAny>, u64)>,
+        next_turn: Option<usize>,
     ) -> PyResult<Self> {
         let params = sampling.map(|s| s.get().inner.clone()).unwrap_or_default();
         let media = media_arg(&media)?;
@@ -171,6 +172,7 @@ impl PyRequest {
             prompt_logprobs,
             cache_salt,
             cache_boundary,
+            next_turn,
             media,
         };
         Ok(PyRequest { inner })
@@ -199,6 +201,11 @@ impl PyRequest {
     #[getter]
     fn cache_boundary(&self) -> Option<usize> {
         self.inner.cache_boundary
+    }
+
+    #[getter]
+    fn next_turn(&self) -> Option<usize> {
+        self.inner.next_turn
     }
 }
 
@@ -475,6 +482,7 @@ impl Engine {
             prompt_logprobs: None,
             cache_salt: None,
             cache_boundary: None,
+            next_turn: None,
             media: Vec::new(),
         };
         let mut failed: Option<PyErr> = None;

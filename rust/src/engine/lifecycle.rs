@@ -4,7 +4,7 @@
 
 use super::{Engine, Fault};
 use crate::engine::media;
-use crate::engine::prefix::{Hit, Mark};
+use crate::engine::prefix::{self, Hit, Mark};
 use crate::engine::request::{Event, Finish, Request, Timing};
 use crate::engine::slots::{End, Phase, Slot};
 use crate::error::{Error, Result};
@@ -65,13 +65,19 @@ impl Engine {
         let room = (self.context - r.prompt.len() as i64) as usize;
         let limit = (r.max_new as usize).min(room);
         if self.prefix.is_none() {
-            r.cache_boundary = None; // nothing to snapshot, and the prompt may be read in a group
+            // Nothing to snapshot, and the prompt may be read in a group.
+            (r.cache_boundary, r.next_turn) = (None, None);
         }
-        let at_boundary = r.cache_boundary == Some(cached) && leader.is_none();
+        // A mark where the hit ends is snapshotted now: no chunk will end there.
+        let at_marks: Vec<Mark> = if leader.is_none() {
+            prefix::marks(&r).filter(|&(_, c)| c == cached).map(|(m, _)| m).collect()
+        } else {
+            Vec::new()
+        };
         self.slots.admit(s, r, prompt, phase, limit, grammar);
-        match at_boundary.then(|| self.snapshot(s, Mark::Boundary, cached)) {
-            Some(Err(e)) => self.end(s, End::Fail, Some(&e)).map(Some),
-            _ => Ok(None),
+        match at_marks.into_iter().try_for_each(|m| self.snapshot(s, m, cached)) {
+            Err(e) => self.end(s, End::Fail, Some(&e)).map(Some),
+            Ok(()) => Ok(None),
         }
     }
 

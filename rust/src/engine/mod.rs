@@ -378,8 +378,8 @@ impl Engine {
     }
 
     /// Where the chunk of an `n`-token prompt read from `done` ends: `prefill_chunk` tokens on, or the
-    /// prompt's end, or `boundary` when it lies ahead; never inside an item of `media` read both ways
-    /// (media.rs `chunk_end`).
+    /// prompt's end, or `boundary` (the next snapshot mark, prefix.rs) when it lies ahead; never inside
+    /// an item of `media` read both ways (media.rs `chunk_end`).
     fn chunk_end(&self, n: usize, done: usize, boundary: Option<usize>, media: &[media::Media]) -> Result<usize> {
         let end = (done + self.prefill_chunk as usize).min(n);
         media::chunk_end(media, done, boundary.filter(|b| *b > done).map_or(end, |b| end.min(b)))

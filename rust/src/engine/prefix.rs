@@ -13,11 +13,20 @@
 //!   resume at `P = H` or `P = H - 1` (position `H - 1` is then written again, with the same key), or
 //!   anywhere while it never wrapped (`H <= ring`); anywhere else it holds keys of the wrong
 //!   positions. So the sliding rings are also copied (`Mark`) where the next request is likely to
-//!   resume: at the end of every prompt (the next chat turn starts there, since chat templates drop
-//!   or re-render the previous reply, and a regenerated reply re-reads the same prompt), and at the
+//!   resume: where the conversation's next turn departs from the prompt (`Mark::Turn`), and at the
 //!   boundary the caller marks (`Request::cache_boundary`: the end of the system turn and tool
-//!   declarations that every user of an agent shares). A snapshot taken at `c` resumes at `c`, `c - 1`,
-//!   or anywhere up to `c` while `c <= ring`.
+//!   declarations that every user of an agent shares). The next turn departs where the caller says
+//!   (`Request::next_turn`: a chat template may end a prompt with markup that its rendering of the
+//!   reply drops, as Gemma 4's empty thought channel with thinking off), else at the prompt's end (a
+//!   template that re-renders nothing of the prompt; a regenerated reply re-reads the same prompt).
+//!   A snapshot taken at `c` resumes at `c`, `c - 1`, or anywhere up to `c` while `c <= ring`. A
+//!   prompt is read in chunks that end at its marks (engine/schedule.rs), since a snapshot is the
+//!   rings as a read left them.
+//!
+//!   Two rows, not a third at the prompt's end beside `next_turn`: a regenerated reply of a prompt
+//!   with `next_turn` resumes there and reads the prompt's last few tokens again (4 on Gemma 4's
+//!   template), where a third copy of every sliding ring would cost each slot 50 % more snapshot
+//!   memory (8 to 20 % of the slots the operator's memory plan fits, E2B to 12B).
 //! - KV-shared layers store nothing: they read their donor's ring, restored with it.
 //!
 //! This is vLLM's rule for sliding-window layers ("the last sliding_window - 1 tokens must be
@@ -33,19 +42,32 @@
 //! prompt). Eviction is least recently used; a slot's history is dropped when the slot is
 //! overwritten, after `Engine::logits`, and when a forward of its request failed.
 
+use crate::engine::request::Request;
+
 /// A slot's snapshot rows (gemma4/cache.rs `SNAPSHOTS`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Mark {
     /// At `Request::cache_boundary`.
     Boundary = 0,
-    /// At the end of the prompt.
-    PromptEnd = 1,
+    /// Where the next turn departs: at `Request::next_turn`, else at the end of the prompt.
+    Turn = 1,
 }
 
+/// Snapshots a slot keeps, one per `Mark`.
+const MARKS: usize = crate::gemma4::cache::SNAPSHOTS as usize;
+
 impl Mark {
+    const ALL: [Mark; MARKS] = [Mark::Boundary, Mark::Turn];
+
     pub(super) fn row(self) -> i64 {
         self as i64
     }
+}
+
+/// The positions inside its prompt where request `r` asks for snapshots (its chunks end there); the
+/// prompt's end, `Mark::Turn` without `next_turn`, is not among them.
+pub(super) fn marks(r: &Request) -> impl Iterator<Item = (Mark, usize)> {
+    [(Mark::Boundary, r.cache_boundary), (Mark::Turn, r.next_turn)].into_iter().filter_map(|(m, c)| Some((m, c?)))
 }
 
 /// What a free slot's rings hold.
@@ -57,7 +79,7 @@ pub(super) struct History {
     /// known on the host (a request cancelled between read points).
     pub(super) written: usize,
     /// Per `Mark`: the position its snapshot was taken at (the sliding rings after writing `0..c`).
-    pub(super) snaps: [Option<usize>; 2],
+    pub(super) snaps: [Option<usize>; MARKS],
     pub(super) salt: Option<String>,
     /// The clock of its last use (0: never used).
     pub(super) last_used: u64,
@@ -77,7 +99,7 @@ impl History {
         let cap = common.min(prompt.len().saturating_sub(1));
         let exact = self.tokens.len() == self.written;
         let in_place = (self.written <= ring || exact && resumes(cap, self.written, ring)).then_some((cap, None));
-        let snapshots = [Mark::Boundary, Mark::PromptEnd].into_iter().filter_map(|m| {
+        let snapshots = Mark::ALL.into_iter().filter_map(|m| {
             let c = self.snaps[m as usize]?;
             let p = cap.min(c);
             resumes(p, c, ring).then_some((p, Some(m)))
@@ -153,7 +175,7 @@ impl PrefixCache {
     /// Until `retire`, its history offers no hit.
     pub(super) fn claim(&mut self, s: usize, donor: Option<usize>, at: usize) {
         self.clock += 1;
-        let mut snaps = [None, None];
+        let mut snaps = [None; MARKS];
         if let Some(d) = donor {
             snaps = self.histories[d].snaps.map(|c| c.filter(|c| *c <= at));
         }
@@ -188,8 +210,22 @@ impl PrefixCache {
 mod tests {
     use super::*;
 
-    fn history(tokens: Vec<i64>, written: usize, snaps: [Option<usize>; 2]) -> History {
+    fn history(tokens: Vec<i64>, written: usize, snaps: [Option<usize>; MARKS]) -> History {
         History { tokens, written, snaps, salt: None, last_used: 1 }
+    }
+
+    #[test]
+    fn the_next_turns_snapshot_serves_a_turn_that_drops_the_prompts_last_tokens() {
+        // A 20-token prompt whose last 4 tokens the next turn re-renders differently (next_turn at
+        // 16), then a reply of 10: 30 written, ring of 8, so the ring wrapped.
+        let h = history((0..30).collect(), 30, [None, Some(16)]);
+        // The next turn shares the first 16 tokens, then the reply as it renders it, then more.
+        let next: Vec<i64> = (0..16).chain(100..140).collect();
+        assert_eq!(h.hit(&next, 8), Some((16, Some(Mark::Turn))));
+        // A snapshot at the prompt's end instead serves nothing: 16 < 20 - 1 and the ring wrapped.
+        assert_eq!(history((0..30).collect(), 30, [None, Some(20)]).hit(&next, 8), None);
+        // The same prompt again (a regenerated reply) resumes at next_turn, 4 tokens before its end.
+        assert_eq!(h.hit(&(0..20).collect::<Vec<_>>(), 8), Some((16, Some(Mark::Turn))));
     }
 
     #[test]
@@ -220,9 +256,9 @@ mod tests {
         let h = history((0..10).collect(), 10, [Some(3), Some(6)]);
         // A new prompt sharing the first 7 tokens: the prompt-end snapshot at 6.
         let p: Vec<i64> = (0..7).chain([99, 98]).collect();
-        assert_eq!(h.hit(&p, 4), Some((6, Some(Mark::PromptEnd))));
+        assert_eq!(h.hit(&p, 4), Some((6, Some(Mark::Turn))));
         // The same 6-token prompt again: 5 = c - 1, from the snapshot.
-        assert_eq!(h.hit(&(0..6).collect::<Vec<_>>(), 4), Some((5, Some(Mark::PromptEnd))));
+        assert_eq!(h.hit(&(0..6).collect::<Vec<_>>(), 4), Some((5, Some(Mark::Turn))));
         // Sharing 4 tokens: 4 < 6 - 1 and 6 > ring, so the prompt-end snapshot cannot serve; the
         // boundary snapshot at 3 (<= ring) serves 3.
         let p: Vec<i64> = (0..4).chain([99, 98]).collect();
@@ -233,7 +269,7 @@ mod tests {
     fn a_history_whose_tail_is_unknown_resumes_only_where_the_ring_never_wrapped_or_from_a_snapshot() {
         // 10 positions written, only the first 7 known (a cancel between read points).
         let h = history((0..7).collect(), 10, [None, Some(6)]);
-        assert_eq!(h.hit(&(0..12).collect::<Vec<_>>(), 4), Some((6, Some(Mark::PromptEnd))));
+        assert_eq!(h.hit(&(0..12).collect::<Vec<_>>(), 4), Some((6, Some(Mark::Turn))));
         assert_eq!(h.hit(&(0..12).collect::<Vec<_>>(), 16), Some((7, None)));
     }
 
@@ -261,7 +297,7 @@ mod tests {
         assert_eq!(c.target(&[0, 1], None), 0);
         // Claiming keeps the donor's snapshots at or before the hit only.
         c.mark(0, Mark::Boundary, 2);
-        c.mark(0, Mark::PromptEnd, 3);
+        c.mark(0, Mark::Turn, 3);
         c.claim(2, Some(0), 2);
         assert_eq!(c.history(2).snaps, [Some(2), None]);
         c.drop_history(0);

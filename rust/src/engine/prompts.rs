@@ -3,7 +3,7 @@
 
 use super::Engine;
 use crate::engine::media;
-use crate::engine::prefix::Mark;
+use crate::engine::prefix::{self, Mark};
 use crate::engine::prompt_logprobs;
 use crate::engine::read_point::Drawn;
 use crate::engine::request::{Event, Finish};
@@ -24,17 +24,18 @@ impl Engine {
         let Phase::Prompt { done } = slot.phase else { return Err(Error::Internal("slot is not reading".into())) };
         let prompt = slot.prompt.shallow_clone()?;
         let ids = slot.request.prompt.clone();
-        let boundary = slot.request.cache_boundary;
+        let marks: Vec<(Mark, usize)> = prefix::marks(&slot.request).collect();
         let media = self.slots.get(s).map(|x| x.request.media.as_slice()).unwrap_or_default();
-        let end = self.chunk_end(ids.len(), done, boundary, media)?;
+        let next_mark = marks.iter().map(|&(_, c)| c).filter(|&c| c > done).min();
+        let end = self.chunk_end(ids.len(), done, next_mark, media)?;
         let shape = [1, (end - done) as i64];
         let inject = media::injection(&[(media, done, end, 0)], shape, &self.like, self.model.dtype())?;
         let (logits, read, piece) = self.prompt_chunk(s as i64, &prompt, &ids, done, end, k, inject.as_ref())?;
         let slot = self.slots.get_mut(s)?;
         slot.phase = Phase::Prompt { done: done + read };
         slot.prompt_pieces.extend(piece);
-        if boundary == Some(done + read) {
-            self.snapshot(s, Mark::Boundary, done + read)?;
+        for (mark, _) in marks.into_iter().filter(|&(_, c)| c == done + read) {
+            self.snapshot(s, mark, done + read)?;
         }
         if let Some(logits) = logits {
             self.prompt_done(s, &logits)?;
@@ -103,7 +104,9 @@ impl Engine {
         let n = self.slots.get(s).map_or(0, |slot| slot.request.prompt.len()) as i64;
         let pieces = std::mem::take(&mut self.slots.get_mut(s)?.prompt_pieces);
         let scored = prompt_logprobs::to_host(&pieces)?;
-        self.snapshot(s, Mark::PromptEnd, n as usize)?;
+        if self.slots.get(s).is_some_and(|slot| slot.request.next_turn.is_none()) {
+            self.snapshot(s, Mark::Turn, n as usize)?;
+        }
         let fs = followers(self.slots.all(), s);
         for &f in &fs {
             self.cache.copy_slot(s as i64, f as i64)?;

@@ -85,6 +85,12 @@ pub struct Request {
     /// requests that share the prompt up to there (engine/prefix.rs): the end of the system turn and
     /// tool declarations that every user of an agent shares.
     pub cache_boundary: Option<usize>,
+    /// A prompt position (`1..len`) where the conversation's next turn will depart from this prompt,
+    /// where the engine also keeps a copy of the sliding rings (engine/prefix.rs). The caller knows it
+    /// from the chat template: Gemma 4's ends a prompt with an empty thought channel that the next
+    /// turn's rendering of the reply does not have, so the next turn shares all but the prompt's last
+    /// few tokens.
+    pub next_turn: Option<usize>,
     /// Soft tokens of images and audio in the prompt, sorted by position (engine/media.rs).
     pub media: Vec<Media>,
 }
@@ -103,12 +109,14 @@ impl Request {
         if let Some(k) = self.prompt_logprobs.filter(|k| !(0..=max_top).contains(k)) {
             return Err(Error::Input(format!("prompt_logprobs must be in [0, {max_top}] (max_top_logprobs), got {k}")));
         }
-        if let Some(b) = self.cache_boundary.filter(|b| *b == 0 || *b >= self.prompt.len()) {
-            return Err(Error::Input(format!(
-                "cache_boundary must be a prompt position in [1, {}] (the prompt has {} tokens), got {b}",
-                self.prompt.len().saturating_sub(1),
-                self.prompt.len()
-            )));
+        for (field, mark) in [("cache_boundary", self.cache_boundary), ("next_turn", self.next_turn)] {
+            if let Some(b) = mark.filter(|b| *b == 0 || *b >= self.prompt.len()) {
+                return Err(Error::Input(format!(
+                    "{field} must be a prompt position in [1, {}] (the prompt has {} tokens), got {b}",
+                    self.prompt.len().saturating_sub(1),
+                    self.prompt.len()
+                )));
+            }
         }
         let max = LIMITS.max_stop_token_ids;
         if self.stop_ids.len() > max {
@@ -223,6 +231,7 @@ mod tests {
             prompt_logprobs: None,
             cache_salt: None,
             cache_boundary: None,
+            next_turn: None,
             media: Vec::new(),
         };
         assert!(r(LIMITS.max_stop_token_ids).check(100).is_ok());

@@ -3,17 +3,18 @@
 //!
 //! Design from vLLM's `v1/core/sched/scheduler.py` (a token budget per step, first come first served).
 
+use crate::engine::prefix;
 use crate::engine::slots::{Phase, Slot};
 
 /// A slot still reading its prompt: admission order, slot, tokens read, prompt length, and whether
-/// a cache boundary lies ahead (its chunks end there, engine/prefix.rs).
+/// a snapshot mark lies ahead (its chunks end there, engine/prefix.rs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub(super) struct Unread {
     pub(super) seq: u64,
     pub(super) slot: usize,
     pub(super) done: usize,
     pub(super) len: usize,
-    pub(super) boundary_ahead: bool,
+    pub(super) mark_ahead: bool,
 }
 
 /// The slots still reading their prompts.
@@ -24,14 +25,14 @@ pub(super) fn unread(slots: &[Option<Slot>]) -> Vec<Unread> {
         .filter_map(|(i, s)| {
             let s = s.as_ref()?;
             let Phase::Prompt { done } = s.phase else { return None };
-            let boundary_ahead = s.request.cache_boundary.is_some_and(|b| b > done);
-            Some(Unread { seq: s.seq, slot: i, done, len: s.request.prompt.len(), boundary_ahead })
+            let mark_ahead = prefix::marks(&s.request).any(|(_, c)| c > done);
+            Some(Unread { seq: s.seq, slot: i, done, len: s.request.prompt.len(), mark_ahead })
         })
         .collect()
 }
 
 /// The slots the next prompt forward reads (engine module docs): the oldest unread prompt, and, when
-/// it starts, fits `budget` tokens whole and has no cache boundary ahead, the next unread ones in
+/// it starts, fits `budget` tokens whole and has no snapshot mark ahead, the next unread ones in
 /// admission order while each does too, and the forward's rectangle (the slots from the lowest to
 /// the highest, times the longest prompt) stays within `budget`. Several slots are read whole; one
 /// alone may be read in chunks.
@@ -39,13 +40,13 @@ pub(super) fn prompt_group(mut reading: Vec<Unread>, budget: usize) -> Vec<usize
     reading.sort();
     let Some(first) = reading.first().copied() else { return Vec::new() };
     let mut group = vec![first.slot];
-    if first.done > 0 || first.len > budget || first.boundary_ahead {
+    if first.done > 0 || first.len > budget || first.mark_ahead {
         return group;
     }
     let (mut lo, mut hi, mut longest) = (first.slot, first.slot, first.len);
     for u in &reading[1..] {
         let (l, h, t) = (lo.min(u.slot), hi.max(u.slot), longest.max(u.len));
-        if u.done > 0 || u.boundary_ahead || (h - l + 1) * t > budget {
+        if u.done > 0 || u.mark_ahead || (h - l + 1) * t > budget {
             break;
         }
         group.push(u.slot);
@@ -95,7 +96,7 @@ mod tests {
     use super::*;
 
     fn unread(seq: u64, slot: usize, done: usize, len: usize) -> Unread {
-        Unread { seq, slot, done, len, boundary_ahead: false }
+        Unread { seq, slot, done, len, mark_ahead: false }
     }
 
     #[test]
@@ -112,8 +113,8 @@ mod tests {
         assert_eq!(prompt_group(vec![unread(1, 0, 0, 10), unread(2, 3, 0, 10)], 39), vec![0]);
         assert_eq!(prompt_group(vec![unread(1, 0, 0, 10), unread(2, 3, 0, 10)], 40), vec![0, 3]);
         assert_eq!(prompt_group(Vec::new(), 256), Vec::<usize>::new());
-        // A prompt with a cache boundary ahead is read alone, in chunks that end there.
-        let marked = Unread { boundary_ahead: true, ..unread(2, 1, 0, 20) };
+        // A prompt with a snapshot mark ahead is read alone, in chunks that end there.
+        let marked = Unread { mark_ahead: true, ..unread(2, 1, 0, 20) };
         assert_eq!(prompt_group(vec![unread(1, 0, 0, 10), marked], 256), vec![0]);
         assert_eq!(prompt_group(vec![Unread { seq: 0, ..marked }, unread(1, 0, 0, 10)], 256), vec![1]);
     }
