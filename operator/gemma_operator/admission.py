@@ -32,8 +32,9 @@ its replicas anyway. Their one exception, a KEDA TriggerAuthentication or Cluste
 by the spec, is a power above. Scale to zero (spec.autoscaling.minReplicas 0, idleSeconds, wakeTimeoutSeconds)
 adds none: the KEDA HTTP add-on's interceptor routes for the whole cluster, but the HTTPScaledObject's hosts are
 derived, never taken from the spec, and each names the server's namespace (builders.autoscaling.service_hosts),
-so no server can draw another's requests; the add-on's scaler address is the operator's setting
-(GEMMA_OPERATOR_KEDA_HTTP_SCALER), not a spec field, so a spec cannot point KEDA at an address of its choosing.
+while the CRD admits no dot in a server's name (spec.NAME_RULES), so no server can draw another's requests;
+the add-on's scaler address is the operator's setting (GEMMA_OPERATOR_KEDA_HTTP_SCALER), not a spec field, so a
+spec cannot point KEDA at an address of its choosing.
 The CRD's CEL refuses what cannot work (minReplicas 0 with provider HPA; behind an InferencePool, without the
 Prometheus that reads the picker's queue).
 

@@ -6,7 +6,8 @@ and fails when the checked-in file is stale.
 The pydantic JSON schema is turned into a Kubernetes *structural* schema: `$ref`s are inlined, `Optional`
 unions collapse to the inner type, `int | str` becomes `x-kubernetes-int-or-string`, titles go, and an
 object field with nested defaults gets `default: {}` so the API server fills those defaults even when the
-user leaves the whole object out. CEL rules from `spec.CEL_RULES` become `x-kubernetes-validations`.
+user leaves the whole object out. CEL rules from `spec.CEL_RULES` become `x-kubernetes-validations`, and
+`spec.NAME_RULES` (on metadata.name) those of the schema's root.
 Status is schemaless (`x-kubernetes-preserve-unknown-fields`) apart from the fields the scale subresource
 and printer columns read, because the operator alone writes it.
 """
@@ -18,7 +19,8 @@ from typing import Any
 
 import yaml
 
-from .spec import API_GROUP, API_VERSION, CEL_RULES, KIND, PLURAL, SHORT_NAMES, SINGULAR, GemmaRustServerSpec
+from .spec import (API_GROUP, API_VERSION, CEL_RULES, KIND, NAME_RULES, PLURAL, SHORT_NAMES, SINGULAR,
+                   GemmaRustServerSpec)
 
 _KEEP = {"type", "description", "default", "enum", "pattern", "minimum", "maximum", "minLength", "maxLength",
          "minItems", "maxItems", "maxProperties", "properties", "required", "items", "additionalProperties",
@@ -185,6 +187,8 @@ def build_crd() -> dict[str, Any]:
                         "spec": spec_schema(),
                         "status": status_schema(),
                     },
+                    # At the root, where a rule may read metadata.name (spec.NAME_RULES).
+                    "x-kubernetes-validations": NAME_RULES,
                 }},
                 "subresources": {
                     "status": {},

@@ -84,6 +84,9 @@ MODEL_SOURCE_MESSAGE = (
 PARENT_SEGMENT_RE = r"(^|/)\.\.(/|$)"
 PARENT_SEGMENT_MESSAGE = "model source must not contain '..' path segments"
 DNS_LABEL_RE = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+# A DNS-1035 label (Kubernetes apimachinery pkg/util/validation/validation.go, dns1035LabelFmt and
+# DNS1035LabelMaxLength 63): what a Service's name must be (ValidateServiceName), and so a server's.
+DNS_1035_LABEL_RE = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN_RE = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 QUANTITY_RE = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
 
@@ -528,6 +531,21 @@ CEL_RULES[GemmaRustServerSpec] = [
          "a ReadWriteOnce build cache PVC can serve one replica: set spec.buildCache.accessMode to "
          "ReadWriteMany, spec.buildCache.type to emptyDir, or spec.autoscaling.maxReplicas to 1",
          ".buildCache.accessMode"),
+]
+
+
+# The server's own name, checked at the root of the CRD's schema: a rule there may read metadata.name (Kubernetes
+# docs, "Extend the Kubernetes API with CustomResourceDefinitions", Validation rules: a rule scoped to the root
+# may select apiVersion, kind, metadata.name and metadata.generateName). The API server alone holds a custom
+# resource's name to a DNS-1123 subdomain, which may have dots; but the name is also the Service's, which must be
+# a DNS-1035 label, and with the namespace it makes the host names the KEDA HTTP add-on's interceptor routes for
+# the whole cluster (builders.autoscaling.service_hosts), where a dot would let `a.b` in namespace `svc` claim the
+# host `a.b.svc` of server `a` in namespace `b`.
+NAME_MESSAGE = ("metadata.name must be a DNS-1035 label, as the server's Service name is: at most 63 lower-case "
+                "letters, digits and '-', starting with a letter and ending with a letter or digit (no dots), "
+                "e.g. gemma-4-e2b")
+NAME_RULES = [
+    _cel(f"size(self.metadata.name) <= 63 && self.metadata.name.matches(r'{DNS_1035_LABEL_RE}')", NAME_MESSAGE),
 ]
 
 

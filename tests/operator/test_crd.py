@@ -77,3 +77,24 @@ def test_cel_rules_of_a_defaulted_object_hold_for_its_default():
 
     (rule,) = CEL_RULES[GatewaySpec]
     assert rule["rule"].startswith("!has(self.inferencePool) ||")
+
+
+def test_a_servers_name_must_be_a_dns_1035_label_by_a_rule_at_the_schemas_root():
+    """The rule sits at the root, the one place a CRD's CEL may read metadata.name; its pattern and bound are those
+    of a Service name, so a name with a dot (which would claim another namespace's host in the KEDA HTTP add-on's
+    routing table) is refused. tests/operator/test_crd_cluster.py runs it on the real API server."""
+    import re
+
+    root = yaml.safe_load(CRD_FILE.read_text())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    (rule,) = root["x-kubernetes-validations"]
+    assert rule["message"].startswith("metadata.name must be a DNS-1035 label")
+    assert "e.g. gemma-4-e2b" in rule["message"]
+    bound, pattern = re.fullmatch(
+        r"size\(self\.metadata\.name\) <= (\d+) && self\.metadata\.name\.matches\(r'(.+)'\)", rule["rule"]).groups()
+
+    def admitted(name: str) -> bool:
+        return len(name) <= int(bound) and re.search(pattern, name) is not None
+
+    assert [n for n in ("gemma", "gemma-4-e2b", "a", "a" * 63, "g9") if not admitted(n)] == []
+    assert [n for n in ("a.b", "gemma.svc", "a.b.svc.cluster", "1gemma", "-a", "a-", "Gemma", "a_b", "a" * 64)
+            if admitted(n)] == []

@@ -12,7 +12,8 @@ request, held while a pod boots:
   (interceptor/forward_wait_func.go) and the add-on's scaler reports them to KEDA, which wakes the server;
 - through the Gateway, by the endpoint picker's flow control (builders.endpoint_picker), which queues requests
   while the pool has no ready pod; its queue gauge (GIE v1.5.0 pkg/epp/metrics/metrics.go,
-  inference_extension_flow_control_queue_size, labelled inference_pool) is a Prometheus trigger of ours.
+  inference_extension_flow_control_queue_size, labelled inference_pool) is a Prometheus trigger of ours, held to
+  this server's namespace (and cluster) as the server's own query is (`series_scope`).
 After idleSeconds with no request in flight and no queue, KEDA scales the server back to zero (cooldownPeriod).
 """
 
@@ -31,19 +32,44 @@ def quantity(value: float) -> str:
     return f"{round(value * 1000)}m"
 
 
+def series_scope(spec: GemmaRustServerSpec, meta: Meta) -> str:
+    """The PromQL label matchers that hold a query to series scraped in this server's namespace, and with
+    `prometheus.cluster` in this cluster: the scope every query of this server's ScaledObject starts with, so
+    none of them can reach beyond it. `namespace` is the target label both GKE Managed Prometheus
+    (PodMonitoring) and the Prometheus Operator (ServiceMonitor) attach: the namespace of the scraped pod.
+    `cluster` is the target label that Managed Service for Prometheus attaches (prometheus-engine, its
+    protected target labels: project_id, location, cluster, namespace, job, instance); it keeps the series of
+    another cluster of the project out, since monitoring.googleapis.com's query endpoint reads them all."""
+    prometheus = spec.autoscaling.prometheus
+    cluster = f'cluster="{prometheus.cluster}",' if prometheus and prometheus.cluster else ""
+    return f'{cluster}namespace="{meta.namespace}"'
+
+
 def metric_query(spec: GemmaRustServerSpec, meta: Meta) -> str:
     """PromQL for KEDA: the metric summed over this server's pods. KEDA's Prometheus trigger targets an
     AverageValue by default (kedacore/keda v2.21.0, pkg/scalers/prometheus_scaler.go), so the HPA it makes
-    divides this sum by the replicas. `namespace` and `pod` are the target labels both GKE Managed
-    Prometheus (PodMonitoring) and the Prometheus Operator (ServiceMonitor) attach; a Deployment's pods
-    are named <deployment>-<replicaset hash>-<suffix>. With `prometheus.cluster`, the `cluster` target label
-    that Managed Service for Prometheus attaches (prometheus-engine, its protected target labels: project_id,
-    location, cluster, namespace, job, instance) keeps a same-named server of another cluster of the project
-    out of the sum."""
+    divides this sum by the replicas. Within `series_scope`, a Deployment's pods are named
+    <deployment>-<replicaset hash>-<suffix>."""
     name = AUTOSCALING_METRICS[spec.autoscaling.metric]
-    prometheus = spec.autoscaling.prometheus
-    cluster = f'cluster="{prometheus.cluster}",' if prometheus and prometheus.cluster else ""
-    return f'sum({name}{{{cluster}namespace="{meta.namespace}",pod=~"{meta.name}-[a-z0-9]+-[a-z0-9]+"}})'
+    return f'sum({name}{{{series_scope(spec, meta)},pod=~"{meta.name}-[a-z0-9]+-[a-z0-9]+"}})'
+
+
+# The endpoint picker's flow-control queue gauge (GIE v1.5.0 pkg/epp/metrics/metrics.go, subsystem
+# inference_extension; llm-d-router keeps GIE's metrics package).
+PICKER_QUEUE_METRIC = "inference_extension_flow_control_queue_size"
+
+
+def picker_queue_query(spec: GemmaRustServerSpec, meta: Meta) -> str:
+    """PromQL for KEDA: the requests the endpoint picker holds for this server's InferencePool, which wake it
+    from zero. The gauge's own labels are fairness_id, priority, inference_pool, model_name and target_model_name
+    (GIE v1.5.0 pkg/epp/metrics/metrics.go, flowControlQueueSize), and inference_pool is the bare pool name the
+    picker was started with (cmd/epp/runner/runner.go, --pool-name): alone it matches a same-named pool of any
+    namespace or cluster, and any scraped series that carries such a label, which would wake this server and
+    drive it to maxReplicas. So the query takes `series_scope` too. The series' `namespace` is the picker pod's,
+    the namespace of this server: the InferencePool's endpointPickerRef names a Service with no namespace of its
+    own (GIE v1.5.0 api/v1/inferencepool_types.go, EndpointPickerRef), so the picker's Service, and the pods it
+    selects, are in the pool's namespace."""
+    return f'sum({PICKER_QUEUE_METRIC}{{{series_scope(spec, meta)},inference_pool="{meta.name}"}})'
 
 
 def hpa_metric_name(spec: GemmaRustServerSpec) -> str:
@@ -61,9 +87,6 @@ def hpa_metric_name(spec: GemmaRustServerSpec) -> str:
 # headers once a request is sent. A completion that is not streamed sends its headers when it is done.
 RESPONSE_HEADER_TIMEOUT = "3600s"
 SKIP_SCALED_OBJECT = "httpscaledobject.keda.sh/skip-scaledobject-creation"
-# The endpoint picker's flow-control queue gauge (GIE v1.5.0 pkg/epp/metrics/metrics.go, subsystem
-# inference_extension; llm-d-router keeps GIE's metrics package).
-PICKER_QUEUE_METRIC = "inference_extension_flow_control_queue_size"
 
 
 def scales_to_zero(spec: GemmaRustServerSpec) -> bool:
@@ -75,7 +98,10 @@ def service_hosts(meta: Meta) -> list[str]:
     """The Host header values the interceptor routes to this server: the Service's DNS names with its namespace
     (Kubernetes DNS for Services: <service>.<namespace>, .svc, .svc.cluster.local). Not the bare name, which a
     server of the same name in another namespace would claim too: the interceptor's routing table is the
-    cluster's, and every name here is one only this namespace's Service has."""
+    cluster's, and every name here is one only this namespace's Service has. That holds because neither part
+    has a dot: a namespace name is a DNS-1123 label, and the CRD admits only a DNS-1035 label as a server's
+    name (spec.NAME_RULES). A server named `a.b` in namespace `svc` would otherwise claim `a.b.svc`, the host
+    of server `a` in namespace `b`."""
     short = f"{meta.name}.{meta.namespace}"
     return [short, f"{short}.svc", f"{short}.svc.cluster.local"]
 
@@ -105,8 +131,7 @@ def _triggers(spec: GemmaRustServerSpec, meta: Meta) -> list[dict[str, Any]]:
         triggers.append({"type": "external-push", "metadata": {
             "scalerAddress": meta.keda_http_scaler, "httpScaledObject": meta.name}})
         if spec.gateway.inference_pool and prometheus:
-            triggers.append(_prometheus_trigger(
-                scaling, f'sum({PICKER_QUEUE_METRIC}{{inference_pool="{meta.name}"}})', "1"))
+            triggers.append(_prometheus_trigger(scaling, picker_queue_query(spec, meta), "1"))
     return triggers
 
 

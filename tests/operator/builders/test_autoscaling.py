@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from gemma_operator.builders.autoscaling import build_hpa, build_scaled_object
+from gemma_operator.builders.autoscaling import build_hpa, build_scaled_object, metric_query, picker_queue_query
+from gemma_operator.spec import GemmaRustServerSpec
 
 from tests.charts.promql_check import parse_promql, promql_check, selects  # noqa: F401 - the fixture
 
@@ -150,19 +151,48 @@ def test_the_http_scaled_object_routes_the_services_names_and_holds_requests_whi
                  "timeouts": {"conditionWait": "900s", "responseHeader": "3600s"}}}
 
 
-def test_behind_a_gateway_the_pickers_queue_wakes_it_too(promql_check):
-    spec = tpu_spec(accelerator={"type": "cpu"}, gateway={"inferencePool": True, "endpointPicker": {"name": "epp"}},
-                    autoscaling={"maxReplicas": 2, "target": 4, "prometheus": {"serverAddress": "http://p:9090"},
-                                 **ZERO})
-    triggers = build_scaled_object(spec, META)["spec"]["triggers"]
+def behind_a_gateway(**prometheus) -> GemmaRustServerSpec:
+    return tpu_spec(accelerator={"type": "cpu"}, gateway={"inferencePool": True, "endpointPicker": {"name": "epp"}},
+                    autoscaling={"maxReplicas": 2, "target": 4,
+                                 "prometheus": {"serverAddress": "http://p:9090", **prometheus}, **ZERO})
+
+
+def test_behind_a_gateway_the_pickers_queue_wakes_it_too():
+    triggers = build_scaled_object(behind_a_gateway(), META)["spec"]["triggers"]
     assert [t["type"] for t in triggers] == ["prometheus", "external-push", "prometheus"]
-    queue = triggers[2]["metadata"]
-    assert queue["threshold"] == "1" and queue["serverAddress"] == "http://p:9090"
-    (parsed,) = parse_promql(promql_check, [queue["query"]])
-    (selector,) = parsed["selectors"]
+    assert triggers[2]["metadata"] == {
+        "serverAddress": "http://p:9090", "threshold": "1",
+        "query": 'sum(inference_extension_flow_control_queue_size{namespace="serving",inference_pool="gemma"})'}
+    with_cluster = build_scaled_object(behind_a_gateway(cluster="prod-us"), META)["spec"]["triggers"]
+    assert with_cluster[2]["metadata"]["query"] == (
+        'sum(inference_extension_flow_control_queue_size{cluster="prod-us",namespace="serving",'
+        'inference_pool="gemma"})')
+
+
+def test_the_wake_query_has_the_server_querys_scope(promql_check):
+    """Parsed by Prometheus's own parser: the picker's queue selects only this namespace's (and cluster's) series
+    of this pool, the same namespace and cluster matchers as the server's own query (one helper makes both). The
+    picker runs in the server's namespace, and its gauge has no namespace label of its own, so `namespace` is the
+    picker pod's target label."""
+    spec = behind_a_gateway(cluster="prod-us")
+    (queue, server) = parse_promql(promql_check, [picker_queue_query(spec, META), metric_query(spec, META)])
+    (selector,) = queue["selectors"]
     assert selector["metric"] == "inference_extension_flow_control_queue_size"
-    assert selects(selector["matchers"], {"inference_pool": "gemma"})
-    assert not selects(selector["matchers"], {"inference_pool": "other"})
+
+    def scope(matchers):
+        return sorted((m["name"], m["type"], m["value"]) for m in matchers if m["name"] in ("cluster", "namespace"))
+
+    assert scope(selector["matchers"]) == scope(server["selectors"][0]["matchers"]) == [
+        ("cluster", "=", "prod-us"), ("namespace", "=", "serving")]
+    series = {
+        "this pool's picker": {"cluster": "prod-us", "namespace": "serving", "inference_pool": "gemma"},
+        "a same-named pool of another tenant": {"cluster": "prod-us", "namespace": "tenant-b",
+                                                "inference_pool": "gemma"},
+        "a same-named pool of another cluster": {"cluster": "staging-us", "namespace": "serving",
+                                                 "inference_pool": "gemma"},
+        "another pool here": {"cluster": "prod-us", "namespace": "serving", "inference_pool": "other"},
+    }
+    assert {w for w, labels in series.items() if selects(selector["matchers"], labels)} == {"this pool's picker"}
 
 
 @pytest.mark.parametrize("autoscaling,message", [
@@ -185,3 +215,29 @@ def test_two_servers_of_one_name_in_two_namespaces_claim_no_common_host():
     from gemma_operator.builders.autoscaling import service_hosts
 
     assert not set(service_hosts(META)) & set(service_hosts(META._replace(namespace="other")))
+
+
+def test_no_two_servers_with_names_the_crd_admits_claim_a_common_host():
+    """With dots, `a.b` in namespace `svc` claims `a.b.svc`, the host of `a` in `b`, and `a.b.svc.cluster` in
+    namespace `local` claims `a.b.svc.cluster.local`: the CRD's name rule (spec.NAME_RULES) refuses those names.
+    Among the names it admits and the namespaces Kubernetes admits (DNS-1123 labels), none collides."""
+    import itertools
+    import re
+
+    from gemma_operator.builders.autoscaling import service_hosts
+    from gemma_operator.spec import DNS_1035_LABEL_RE, DNS_LABEL_RE
+
+    dotted = {(n, ns): set(service_hosts(META._replace(name=n, namespace=ns)))
+              for n, ns in (("a", "b"), ("a.b", "svc"), ("a.b.svc.cluster", "local"))}
+    assert dotted[("a", "b")] & dotted[("a.b", "svc")] == {"a.b.svc"}
+    assert dotted[("a", "b")] & dotted[("a.b.svc.cluster", "local")] == {"a.b.svc.cluster.local"}
+    assert not re.search(DNS_1035_LABEL_RE, "a.b") and not re.search(DNS_1035_LABEL_RE, "a.b.svc.cluster")
+
+    words = ("a", "b", "svc", "local", "cluster", "a-b", "svc-cluster")
+    servers = [(n, ns) for n, ns in itertools.product(words, repeat=2)
+               if re.search(DNS_1035_LABEL_RE, n) and re.search(DNS_LABEL_RE, ns)]
+    owners: dict[str, tuple[str, str]] = {}
+    for server in servers:
+        for host in service_hosts(META._replace(name=server[0], namespace=server[1])):
+            assert owners.setdefault(host, server) == server, (host, owners[host], server)
+    assert len(owners) == 3 * len(servers) == 3 * 49
