@@ -52,8 +52,8 @@ import logging
 import re
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager, nullcontext
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -65,7 +65,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
-from gemma_server import media, messages, openapi, responses, transcriptions
+from gemma_server import media, media_worker, messages, openapi, responses, transcriptions
 from gemma_server.boot import Boot
 from gemma_server.chat_template import CacheMarks, chat_prompt, encode, tokenize_completion
 from gemma_server.config import Config
@@ -123,7 +123,9 @@ class ServerState:
         self._keyed_paths = re.compile("|".join(
             re.sub(r"\\\{[^/]+?\\\}", "[^/]+", re.escape(path)) for path in sorted(self.keyed)) or "(?!)")
         self.responses = responses.ResponseStore(config.responses_store_max_count,
-                                                 config.responses_store_max_bytes, config.responses_store_max_age)
+                                                 config.responses_store_max_bytes, config.responses_store_max_age,
+                                                 config.responses_store_max_count_per_key,
+                                                 config.responses_store_max_bytes_per_key)
         self.metrics = m = Metrics(config.model_name, config.context)
         self.scheduler = Scheduler(config.queue_limit, StepObserver(
             on_waiting=m.num_requests_waiting.set, on_running=m.num_requests_running.set,
@@ -141,12 +143,16 @@ class ServerState:
         self._reply_lock = threading.Lock()
         self.client_shares = ClientShares(config.max_requests_per_client)
         self.media_limits = media.Limits.of(config)
+        # The processes that decode images and audio (media_worker.py), started once the checkpoint's towers are.
+        self.media_workers = media_worker.Workers.of(config)
 
     def _boot(self) -> None:
         try:
             self.boot.run()
         except BaseException:  # noqa: BLE001 - the boot records and reports its own failure
-            pass
+            return
+        if self.boot.loaded is not None and self.boot.loaded.media is not None:
+            self.media_workers.start()
 
     def _boot_failed(self, reason: str) -> None:
         self.exit_code = 1
@@ -256,17 +262,19 @@ class ServerState:
                             headers={"WWW-Authenticate": "Bearer"})
         return None
 
-    async def chat_ids(self, body: ChatCompletionRequest, mark: bool,
-                       decoded: Sequence[media.Decoded] | None = None) -> tuple[list[int], CacheMarks, tuple]:
+    async def chat_ids(self, body: ChatCompletionRequest, mark: bool, decoded: Sequence[media.Decoded] | None = None,
+                       receive: Callable[[], Awaitable[dict]] | None = None) -> tuple[list[int], CacheMarks, tuple]:
         """A chat request's prompt: the template rendered and tokenized off the event loop (chat_template.py),
-        then its images and audio read (media.read, unless `decoded` holds them already), encoded into soft
-        tokens (media.MediaEncoder) and placed (media.place).
+        then its images and audio read and decoded in a media worker (unless `decoded` holds them already),
+        encoded into soft tokens (media.soft_tokens) and placed (media.place). With `receive` (the request's
+        ASGI receive), a client that leaves while its media are read stops that work: its decode is killed.
 
         Returns:
             (ids, the cache marks (chat_template.CacheMarks; none without `mark`), the engine's media items).
         Raises:
             ApiError: 400 naming the field: the template's refusal, a media part the checkpoint does not take
                 or that breaks a limit or cannot be read.
+            ClientDisconnected: the client left while its media were read.
         """
         parts = body.media_parts()
         loaded = self.loaded
@@ -276,22 +284,25 @@ class ServerState:
             None, chat_prompt, self.tokenizer, body, mark)
         if not parts:
             return ids, marks, ()
-        items = list(decoded) if decoded is not None else await media.read(parts, self.media_limits)
-        soft = await loaded.media.encode(items)
+        work = media.soft_tokens(loaded.media, self.media_workers, parts, self.media_limits, decoded)
+        soft = await (race_disconnect(receive, work) if receive is not None else work)
         ids, placed, marks = media.place(ids, soft, loaded.media.tokens, marks)
         return ids, marks, placed
 
     async def start(self, body: ChatCompletionRequest | CompletionRequest, chat: bool, client: str,
-                    gone: Callable[[], Cause], decoded: Sequence[media.Decoded] | None = None) -> list[Generation]:
+                    gone: Callable[[], Cause], decoded: Sequence[media.Decoded] | None = None,
+                    receive: Callable[[], Awaitable[dict]] | None = None) -> list[Generation]:
         """Admit, tokenize, constrain and queue one request: its choices, queued. The one path every way in
         takes (the HTTP routes and the MCP tools), so the limits, the client's share, the metrics and the
         cancellation of a choice whose reader left (`Generation.leave`, `gone` naming why) are the same.
-        `decoded`: the chat request's media parts already read (the transcription routes), in order.
+        `decoded`: the chat request's media parts already read (the transcription routes), in order;
+        `receive`: the HTTP request's ASGI receive, so a client that leaves stops its media work (`chat_ids`).
 
         Raises:
             ApiError: 400 (a bad field), 404 (another model), 429 (the client's share is full).
             SchedulerError: the queue is full, the server loads, drains or has no engine (`from_scheduler`
                 makes it the 429 or 503 a client sees).
+            ClientDisconnected: the client left while its media were read (a 499 nobody reads).
         """
         arrival = time.monotonic()
         config = self.config
@@ -313,7 +324,7 @@ class ServerState:
             # prompt's cache marks (the end of its system turn and tools, where its next turn departs) are
             # found when prefix caching is on.
             if chat:
-                ids, marks, placed = await self.chat_ids(body, config.enable_prefix_caching, decoded)
+                ids, marks, placed = await self.chat_ids(body, config.enable_prefix_caching, decoded, receive)
             else:
                 ids, marks, placed = await asyncio.get_running_loop().run_in_executor(
                     None, tokenize_completion, tok, body), CacheMarks(), ()
@@ -335,6 +346,29 @@ class ServerState:
             raise
         return choices
 
+    @contextmanager
+    def queue_place(self, client: str) -> Iterator[None]:
+        """One place in the queue and in the client's share, held while a request reads media outside `start`
+        (/tokenize, a transcription's file): media are read only after admission on every route, so a flood of
+        them is a 429, not a pile of bodies waiting for the media workers.
+
+        Raises:
+            SchedulerError: as `start`'s admission: the client's share or the queue is full (429), the server
+                loads, drains or has no engine (503).
+        """
+        sched, shares = self.scheduler, self.client_shares
+        shares.take(client, 1, sched.capacity() + sched.queue_limit)
+        try:
+            sched.admit(1)
+        except BaseException:
+            shares.give_back(client, 1)
+            raise
+        try:
+            yield
+        finally:
+            sched.release(1)
+            shares.give_back(client, 1)
+
     def engine_report(self) -> dict[str, Any]:
         """GET /v1/engine's body (and the MCP tool engine_info's): the boot's report, the serving settings,
         the engines; filesystem paths only with --expose-paths."""
@@ -348,8 +382,8 @@ class ServerState:
         loaded = self.boot.loaded
         workers = loaded.workers if loaded else []
         if loaded is not None:
-            info["media"] = (loaded.media.describe() if loaded.media is not None
-                             else {"modalities": [], "missing": loaded.media_missing})
+            info["media"] = ({**loaded.media.describe(), "decoding": self.media_workers.describe()}
+                             if loaded.media is not None else {"modalities": [], "missing": loaded.media_missing})
         info.update(
             model=config.shown_source, served_model_name=config.model_name, read_every=config.read_every,
             queue_limit=config.queue_limit, max_num_seqs=config.max_num_seqs, ready=self.not_ready_reason() is None,
@@ -401,7 +435,7 @@ async def serve_response(state: ServerState, body: responses.ResponsesRequest, r
         earlier = state.responses.get(body.previous_response_id, owner, "previous_response_id").conversation
     chat = responses.to_chat(body, earlier)
     try:
-        gens = await state.start(chat.request, True, client_of(request), gone_of(request))
+        gens = await state.start(chat.request, True, client_of(request), gone_of(request), receive=request.receive)
     except ApiError as e:
         raise responses.rename(e, chat) from e
     gen = gens[0]
@@ -614,6 +648,7 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
         async with mcp_lifespan() if mcp_lifespan else nullcontext():
             yield
         state.scheduler.stop()
+        state.media_workers.shutdown()
         if state.boot.loaded is not None and state.boot.loaded.media is not None:
             state.boot.loaded.media.shutdown()
 
@@ -660,6 +695,10 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
         return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
                             headers=headers)
 
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # the client left before its reply began: nobody reads this
+
     @app.exception_handler(SchedulerError)
     async def _refused(request: Request, exc: SchedulerError) -> JSONResponse:
         err = from_scheduler(exc)
@@ -671,7 +710,7 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
         return JSONResponse(err.body(), status_code=err.status)
 
     async def generate(request: Request, body: ChatCompletionRequest | CompletionRequest, chat: bool) -> Response:
-        gens = await state.start(body, chat, client_of(request), gone_of(request))
+        gens = await state.start(body, chat, client_of(request), gone_of(request), receive=request.receive)
         tok = state.tokenizer
         params = gens[0].params
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -701,7 +740,8 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
     # phase, follows them with the id the POST returned).
     created = openapi.generation(responses.ResponseObject)
     created[200] = {**created[200], "links": {
-        op: {"operationId": op, "parameters": {"response_id": "$response.body#/id"}}
+        op: {"operationId": op, "parameters": {"response_id": "$response.body#/id"},
+             "description": "For a stored response only: one created with store false is not kept (404)."}
         for op in ("get_response", "delete_response")}}
 
     @app.post("/v1/responses", response_model=None, responses=created)
@@ -732,7 +772,8 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
         path (`ServerState.start`), its reply as Anthropic's message or events (errors: messages.AnthropicRoute)."""
         translation = messages.to_chat(body)
         try:
-            gens = await state.start(translation.chat, True, client_of(request), gone_of(request))
+            gens = await state.start(translation.chat, True, client_of(request), gone_of(request),
+                                     receive=request.receive)
         except ApiError as e:
             raise translation.names.error(e) from None
         fmt = messages.MessageFormatter(state.config.model_name)
@@ -746,8 +787,8 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
     app.router.add_api_route("/v1/messages", create_message, methods=["POST"], response_model=None,
                              responses=messages.RESPONSES, route_class_override=messages.AnthropicRoute)
 
-    @app.post("/tokenize", response_model=TokenizeResponse, responses=openapi.errors(400, 404, 413, 503))
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=openapi.errors(400, 404, 413, 429, 503))
+    async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
         state.check_model(body.model)
         body.check()
         loaded = state.loaded
@@ -755,7 +796,9 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
             chat = body.as_chat()
             chat.check()
             chat.check_size(loaded.context)
-            ids, _, _ = await state.chat_ids(chat, mark=False)
+            # Media are read with a place in the queue (`queue_place`), as a chat request's are.
+            with state.queue_place(client_of(request)) if chat.media_parts() else nullcontext():
+                ids, _, _ = await state.chat_ids(chat, mark=False, receive=request.receive)
         else:
             if len(body.prompt) > max_prompt_chars(loaded.context):
                 raise bad_request("prompt", f"The prompt is longer than {max_prompt_chars(loaded.context)} characters.")

@@ -171,12 +171,38 @@ class Config:
                                      "empty: image_url takes data URLs only", flag_type=str)
     media_fetch_timeout: float = setting(10.0, "GEMMA_MEDIA_FETCH_TIMEOUT", "seconds to fetch one image URL, "
                                          "connection to last byte", minimum=0.1)
+    max_media_decoded_bytes: int = setting(256 * 1024 * 1024, "GEMMA_MAX_MEDIA_DECODED_BYTES", "bytes one "
+                                           "request's images and audio may decode to, every part together: an "
+                                           "image 4 a pixel (RGB), audio 4 a sample of each channel, read from "
+                                           "each file's header before it is decoded; more is a 400", minimum=1)
+    max_jpeg_scans: int = setting(100, "GEMMA_MAX_JPEG_SCANS", "scans one JPEG may hold, counted from its markers "
+                                  "before it is decoded (each progressive scan is a pass over the whole image; "
+                                  "encoders write at most 18); more is a 400", minimum=1)
+    media_workers: int = setting(2, "GEMMA_MEDIA_WORKERS", "processes that decode images and audio; a request "
+                                 "holds one while its media are decoded, pre-processed and encoded, and others "
+                                 "wait for one", minimum=1)
+    media_decode_timeout: float = setting(10.0, "GEMMA_MEDIA_DECODE_TIMEOUT", "seconds, of wall clock and of CPU, "
+                                          "that decoding one image or audio file may take; past it the worker is "
+                                          "killed and replaced, and the request is a 400", minimum=0.1)
+    media_worker_memory: int = setting(1024 * 1024 * 1024, "GEMMA_MEDIA_WORKER_MEMORY", "bytes a media worker may "
+                                       "allocate beyond its libraries (its RLIMIT_AS); a file that needs more to "
+                                       "decode is a 400", minimum=64 * 1024 * 1024)
     responses_store_max_count: int = setting(1000, "GEMMA_RESPONSES_STORE_MAX_COUNT", "most /v1/responses "
-                                             "responses kept for previous_response_id and GET (oldest out "
-                                             "first; 0 keeps none)", minimum=0)
+                                             "responses kept for previous_response_id and GET, all API keys "
+                                             "together; past it, the key that holds the most loses its oldest "
+                                             "(0 keeps none)", minimum=0)
     responses_store_max_bytes: int = setting(64 * 1024 * 1024, "GEMMA_RESPONSES_STORE_MAX_BYTES", "most bytes "
-                                             "of JSON the stored responses and their conversations take in all",
-                                             minimum=0)
+                                             "of memory the stored responses and their conversations take, all "
+                                             "API keys together; past it, the key that holds the most loses its "
+                                             "oldest", minimum=0)
+    responses_store_max_count_per_key: int = setting(
+        250, "GEMMA_RESPONSES_STORE_MAX_COUNT_PER_KEY", "most stored responses of one API key (the request's bearer "
+        "token); past it, that key's oldest goes, so one client's stores evict only its own. Without --api-key "
+        "every bearer token is a key of its own, and a client may send many, so this bounds a token, not a "
+        "client; with --api-key every client shares the one key, so this is the whole store's cap", minimum=0)
+    responses_store_max_bytes_per_key: int = setting(
+        16 * 1024 * 1024, "GEMMA_RESPONSES_STORE_MAX_BYTES_PER_KEY", "most bytes of memory the stored responses "
+        "of one API key take (as --responses-store-max-count-per-key)", minimum=0)
     responses_store_max_age: float = setting(3600.0, "GEMMA_RESPONSES_STORE_MAX_AGE", "seconds a stored "
                                              "response is kept", minimum=0)
     enable_mcp: bool = setting(True, "GEMMA_ENABLE_MCP", "serve the Model Context Protocol at /mcp (streamable "

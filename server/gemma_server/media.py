@@ -1,25 +1,45 @@
-"""Images and audio in a request: read, checked against the server's limits, pre-processed, turned into soft
-tokens and placed in the prompt.
+"""Images and audio in a request: read, budgeted from their headers, decoded in a worker process,
+pre-processed, turned into soft tokens and placed in the prompt.
+
+A media file is a program its decoder runs: a 76-byte WAV header may claim millions of samples a second, a
+100 KB FLAC may hold minutes of eight channels at any rate, a progressive JPEG may repeat its scans, each a
+pass over the whole image (libjpeg-turbo's report "Two Issues with the JPEG Standard", LJT-01-003). So every
+cost that a header states is checked before a pixel or sample is decoded, and what the header cannot bound
+runs in a worker process that can be stopped (media_worker.py).
 
 The path of one media part (a chat `image_url` or `input_audio` part, a Responses `input_image` or
 `input_audio`, a transcription's file):
 
 1. `Part` -> bytes: a data URL or base64 (`inline_bytes`), or, where the server is told to fetch
    (`--media-fetch-hosts`), an http(s) URL whose host is on that list (`fetch`: no redirects, a byte cap, a
-   deadline). Every limit is a 400 naming the part and the flag.
-2. bytes -> `Decoded`: an image with Pillow (`decode_image`: its size read from the header before the pixels),
-   audio with libsndfile through soundfile (`decode_audio`: WAV, FLAC, MP3 or Ogg; its length read from the
-   header before the samples; channels averaged to mono; another rate than the model's 16 kHz resampled with
-   scipy's polyphase filter). Its `key` is 63 bits of the sha256 of what was decoded: the prefix cache
-   compares media positions by it (rust/python/gemma_engine `Request`'s `media`), so the same image resumes a
-   cached prompt and another does not.
+   deadline). It asks for `Accept-Encoding: identity`, reads the raw body (httpx's `aiter_raw`) and refuses a
+   body with any other Content-Encoding, so the cap counts every byte that is decoded: httpx 0.28 would
+   otherwise inflate it on the event loop, one decoder per coding listed (`_models.py` `_get_content_decoder`),
+   before any cap saw it. Every limit is a 400 naming the part and the flag.
+2. bytes -> `Decoded`, in a worker process (media_worker.py: a memory and CPU limit of its own, a deadline,
+   killed when its client leaves), the budgets read from the header first:
+   - an image with Pillow (`decode_image`): width x height against --max-image-pixels; its decoded size
+     (4 bytes a pixel, Pillow's RGB) against what the request has left of --max-media-decoded-bytes; a JPEG's
+     scans counted from its markers (`jpeg_scans`) against --max-jpeg-scans; then the pixels, converted to
+     RGB as Gemma4Processor's `do_convert_rgb` converts them (transformers image_transforms.convert_to_rgb);
+   - audio with libsndfile through soundfile (`decode_audio`: WAV, FLAC, MP3 or Ogg): its sample rate one of
+     AUDIO_RATES and at most MAX_AUDIO_CHANNELS channels (a 400 naming them otherwise); its frames against
+     the request's seconds (--max-audio-seconds), a chat clip's 30 s, and its samples (frames x channels x 4
+     bytes of float32) against --max-media-decoded-bytes; then at most that many frames + 1 are read, in
+     blocks averaged to mono as they come (so a header that lies cannot make it read more, nor hold more
+     than a block of its channels), and another rate than the model's 16 kHz is resampled with scipy's
+     polyphase filter, whose length grows with the rates' ratio and is bounded by the rate set (`resample`).
+   Its `key` is 63 bits of the sha256 of what was decoded: the prefix cache compares media positions by it
+   (rust/python/gemma_engine `Request`'s `media`), so the same image resumes a cached prompt and another does
+   not. A transcription's file is cut into the clips the model reads whole there too (`cut_clips`).
 3. `Decoded` -> model inputs with Transformers 5.18's own Gemma 4 pre-processing, loaded from the
    checkpoint's processor_config.json and called as `Gemma4Processor` calls it (processing_gemma4.py,
    processing_utils.py `_process_images` / `_process_audio`): `Gemma4ImageProcessorPil`
    (image_processing_pil_gemma4.py, the Pillow backend: no torchvision) gives `pixel_values`,
    `image_position_ids` and `num_soft_tokens_per_image`; `Gemma4AudioFeatureExtractor`
    (feature_extraction_gemma4.py) gives `input_features` and `input_features_mask` (`image_inputs`,
-   `audio_inputs`).
+   `audio_inputs`). They run on the encoder's own pre-processing threads, never on the event loop or on
+   asyncio's default executor (which renders and tokenizes every prompt).
 4. model inputs -> `Soft` tokens: the engine's `gemma_engine.Encoder` (the towers and their projections into
    the text model), which is `unsendable`: `MediaEncoder` builds it on a thread of its own and runs every
    call there, off the event loop; the engine threads are untouched.
@@ -30,8 +50,13 @@ The path of one media part (a chat `image_url` or `input_audio` part, a Response
    (`Request(media=[(start, embeds, key)])`). A client's text cannot make a placeholder: the chat template's
    client texts are tokenized with special tokens as plain text (chat_template.py).
 
-Pure functions hold the rules (`check_parts`, `inline_bytes`, `decode_*`, `expand`, `split_clip`); the side
-effects are at the edges (`fetch`, `MediaEncoder`).
+`soft_tokens` runs 1-4 for one request: the URLs fetched first, then, holding one of the workers' places
+(`media_worker.Workers.place`), the parts decoded in order, pre-processed and encoded, so at most
+--media-workers requests hold decoded media at once. A MemoryError anywhere on this path is a 400 naming the
+part, never a 500.
+
+Pure functions hold the rules (`check_parts`, `inline_bytes`, `jpeg_scans`, `decode_*`, `resample`,
+`expand`, `split_clip`); the side effects are at the edges (`fetch`, the workers, `MediaEncoder`).
 """
 
 from __future__ import annotations
@@ -40,18 +65,23 @@ import asyncio
 import base64
 import dataclasses
 import binascii
+import functools
 import hashlib
 import io
 import logging
 import math
+import re
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from gemma_server.errors import ApiError, bad_request
+
+if TYPE_CHECKING:
+    from gemma_server.media_worker import Workers
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +93,31 @@ IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 # What libsndfile reads that a client sends: `SoundFile.format` names.
 AUDIO_FORMATS = ("WAV", "WAVEX", "FLAC", "MP3", "OGG")
 AUDIO_FORMAT_NAMES = "wav, flac, mp3 or ogg"
+# The sample rates a client's audio may have: telephony's 8 kHz to 48 kHz, the rates of WAV, FLAC, MP3
+# (MPEG-1, -2 and 2.5 layer III: 8 to 48 kHz), Vorbis and Opus (48 kHz) files as recorders and browsers write
+# them. Resampling one of them to 16 kHz designs a filter of 2 * 10 * max(up, down) + 1 taps (scipy 1.17
+# signal/_signaltools.py `resample_poly`, up/down the rates' ratio in lowest terms): at most 12,801 (11,025
+# Hz: 640/441), where a header's 8,388,617 Hz asked for 167,772,341.
+AUDIO_RATES = (8_000, 11_025, 12_000, 16_000, 22_050, 24_000, 32_000, 44_100, 48_000)
+# Mono and stereo: what speech is recorded in (the model hears one channel: they are averaged).
+MAX_AUDIO_CHANNELS = 2
+# Decoded bytes a budget counts: a pixel as Pillow holds RGB (4 bytes), a sample as libsndfile gives float32.
+PIXEL_BYTES = 4
+SAMPLE_BYTES = 4
+# Frames read from a sound file at a time (averaged to mono as they come).
+READ_FRAMES = 1 << 16
+# What libsndfile (1.2) gives as the frame count of a stream that does not state it: SF_COUNT_MAX.
+UNKNOWN_FRAMES = (1 << 63) - 1
+# The most scans a JPEG may hold by default (--max-jpeg-scans). Encoders write few: libjpeg's progressive
+# script (jcparam.c `jpeg_simple_progression`, which Pillow's JpegEncode.c calls for `progressive=True`) has
+# 10 scans for YCbCr and 2 + 4 per component otherwise, 18 for CMYK, the most components Pillow reads;
+# mozjpeg's has 11. Each scan is a pass over the whole image (13.6 ms at 4096 x 4096 on a 2-core EPYC), and
+# the format lets a file repeat them; libjpeg-turbo's own fuzzers stop at 500 (TJPARAM_SCANLIMIT).
+MAX_JPEG_SCANS = 100
+# --max-media-decoded-bytes's default, for callers of the pure functions that give no Limits.
+DECODED_BYTES = 256 * 1024 * 1024
+# Threads that run Transformers' processors (the requests that hold a worker's place take turns on them).
+PREP_THREADS = 2
 
 
 @dataclass(frozen=True)
@@ -76,6 +131,9 @@ class Limits:
         item_bytes: bytes of one image or audio file as sent.
         fetch_hosts: host names whose http(s) URLs are fetched; empty: none.
         fetch_timeout: seconds to fetch one URL.
+        decoded_bytes: bytes the request's parts decode to, all together (PIXEL_BYTES a pixel, SAMPLE_BYTES a
+            sample of every channel).
+        jpeg_scans: scans one JPEG may hold.
     """
 
     images: int
@@ -84,11 +142,14 @@ class Limits:
     item_bytes: int
     fetch_hosts: frozenset[str] = frozenset()
     fetch_timeout: float = 10.0
+    decoded_bytes: int = DECODED_BYTES
+    jpeg_scans: int = MAX_JPEG_SCANS
 
     @classmethod
     def of(cls, config) -> Limits:
         return cls(config.max_images_per_request, config.max_image_pixels, config.max_audio_seconds,
-                   config.max_media_bytes, config.fetch_hosts, config.media_fetch_timeout)
+                   config.max_media_bytes, config.fetch_hosts, config.media_fetch_timeout,
+                   config.max_media_decoded_bytes, config.max_jpeg_scans)
 
 
 @dataclass(frozen=True)
@@ -112,9 +173,10 @@ class Decoded:
 
     Attributes:
         kind, param: as the Part's.
-        value: an RGB-or-other `PIL.Image.Image` (loaded), or audio as float32 mono samples at SAMPLE_RATE.
+        value: an RGB `PIL.Image.Image` (loaded), or audio as float32 mono samples at SAMPLE_RATE.
         key: 63 bits of the sha256 of the bytes decoded (the prefix cache's key of its positions).
         seconds: the audio's length (0 for an image).
+        size: the bytes its decoding counted against --max-media-decoded-bytes.
     """
 
     kind: Kind
@@ -122,6 +184,7 @@ class Decoded:
     value: Any
     key: int
     seconds: float = 0.0
+    size: int = 0
 
 
 @dataclass(frozen=True)
@@ -254,10 +317,14 @@ def inline_bytes(part: Part, max_bytes: int) -> bytes:
 
 async def fetch(part: Part, limits: Limits) -> bytes:
     """GET an image URL that `check_url` allowed: status 200 only (no redirect is followed, so the host checked
-    is the host read), at most `limits.item_bytes` bytes, within `limits.fetch_timeout` seconds in all.
+    is the host read), the body as sent (`Accept-Encoding: identity`; any other Content-Encoding is refused,
+    and the raw bytes are read, so nothing is inflated), at most `limits.item_bytes` bytes, within
+    `limits.fetch_timeout` seconds in all. Only I/O runs here, on the event loop: the bytes are decoded in a
+    worker process.
 
     Raises:
-        ApiError: 400 naming the part: the host refused, a status other than 200, too many bytes, too slow.
+        ApiError: 400 naming the part: the host refused, a status other than 200, a Content-Encoding, too many
+            bytes, too slow.
     """
     import httpx
 
@@ -265,16 +332,22 @@ async def fetch(part: Part, limits: Limits) -> bytes:
     cap = limits.item_bytes
     try:
         async with asyncio.timeout(limits.fetch_timeout):
-            async with httpx.AsyncClient(follow_redirects=False, timeout=limits.fetch_timeout) as client:
-                async with client.stream("GET", part.source) as response:
+            async with httpx.AsyncClient(follow_redirects=False, timeout=limits.fetch_timeout,
+                                         verify=_tls_context()) as client:
+                async with client.stream("GET", part.source, headers={"Accept-Encoding": "identity"}) as response:
                     if response.status_code != 200:
                         raise bad_request(part.param, f"Fetching the image URL got HTTP {response.status_code}.")
+                    encoding = response.headers.get("content-encoding", "").strip().lower()
+                    if any(coding.strip() not in ("", "identity") for coding in encoding.split(",")):
+                        raise bad_request(part.param, f"The image URL's file came with Content-Encoding "
+                                                      f"{encoding[:60]!r}; the server asks for identity and "
+                                                      f"reads only the file's own bytes.")
                     declared = response.headers.get("content-length", "")
                     if declared.isdigit() and int(declared) > cap:
                         raise bad_request(part.param, f"The image URL's file is {declared} bytes; at most {cap} "
                                                       f"are taken (--max-media-bytes).")
                     chunks, size = [], 0
-                    async for chunk in response.aiter_bytes():
+                    async for chunk in response.aiter_raw():
                         size += len(chunk)
                         if size > cap:
                             raise bad_request(part.param, f"The image URL's file is larger than {cap} bytes "
@@ -288,24 +361,90 @@ async def fetch(part: Part, limits: Limits) -> bytes:
     return b"".join(chunks)
 
 
-# ---- decoding ------------------------------------------------------------------------------------------
+@functools.cache
+def _tls_context():
+    """httpx's default TLS context (certifi's CAs), built once: building it reads the CA bundle, tens of
+    milliseconds on the event loop for every fetch otherwise."""
+    import httpx
+
+    return httpx.create_ssl_context()
 
 
-def decode_image(data: bytes, param: str, max_pixels: int):
-    """An image's pixels, loaded: its size is read from the header and checked before the pixels are decoded.
+# ---- decoding (in a worker process: media_worker.py) ---------------------------------------------------
 
+
+def over_budget(param: str, what: str, size: int, left: int, limits: Limits) -> ApiError:
+    """The 400 of a part whose decoded size is more than the request has left of --max-media-decoded-bytes."""
+    more = f"; the request's other media took {limits.decoded_bytes - left}" if left < limits.decoded_bytes else ""
+    return bad_request(param, f"The {what} decodes to {size} bytes; a request's media may decode to at most "
+                              f"{limits.decoded_bytes} bytes (--max-media-decoded-bytes){more}.")
+
+
+# A JPEG marker (ITU-T T.81 B.1.1.2, B.1.1.5): 0xFF, any fill 0xFFs, then a code other than a stuffed zero
+# or a restart marker, which live inside a scan's entropy-coded data; libjpeg's jdmarker.c `next_marker`
+# skips the same bytes to find a segment. The look-behind starts a match only at the first 0xFF of a run, so
+# the search is linear whatever the bytes.
+_JPEG_MARKER = re.compile(rb"(?<!\xff)\xff+([^\x00\xd0-\xd7\xff])")
+# Markers without a length (T.81 Table B.1): SOI and TEM; EOI ends the stream.
+_JPEG_STANDALONE = (0xD8, 0x01)
+_JPEG_EOI, _JPEG_SOS = 0xD9, 0xDA
+
+
+def jpeg_scans(data: bytes, stop: int) -> int:
+    """The scans of a JPEG stream (its SOS segments before the first EOI), counted from its markers alone as
+    libjpeg's jdmarker.c reads them: each segment skipped by its length, each scan's entropy-coded data up to
+    the next marker. Counting stops once it reaches `stop`.
+
+    Args:
+        data: the file.
+        stop: the count at which to stop (the limit + 1).
     Returns:
-        the loaded `PIL.Image.Image` (the first frame of an animation), as the file has it (mode, size).
+        the scans counted, at most `stop`.
+    """
+    view = memoryview(data)
+    count, at = 0, 2  # after SOI
+    while count < stop:
+        # A search from `at` in the view that starts there, so the look-behind cannot see the byte before it.
+        m = _JPEG_MARKER.search(view[at:])
+        if m is None:
+            break
+        code = m.group(1)[0]
+        if code == _JPEG_EOI:
+            break
+        at += m.end()
+        if code in _JPEG_STANDALONE:
+            continue
+        if at + 2 > len(data):
+            break
+        at += int.from_bytes(view[at:at + 2], "big")  # a length of 0 or 1 still moves on: `at` passed the code
+        count += code == _JPEG_SOS
+    return count
+
+
+def decode_image(data: bytes, param: str, max_pixels: int, limits: Limits | None = None, decoded_used: int = 0):
+    """An image's pixels, in RGB: its size and (a JPEG's) scans are read and checked before the pixels are
+    decoded; then it is converted as Transformers' `convert_to_rgb` (Gemma4Processor's `do_convert_rgb`) does.
+
+    Args:
+        data: the file's bytes.
+        param: the request field it came from.
+        max_pixels: width x height it may have.
+        limits: the request's limits (its decoded bytes and JPEG scans; the defaults without).
+        decoded_used: bytes the request's earlier parts decoded to.
+    Returns:
+        the loaded RGB `PIL.Image.Image` (the first frame of an animation).
     Raises:
-        ApiError: 400 naming `param`: not an image of IMAGE_FORMATS, larger than `max_pixels`, corrupt.
+        ApiError: 400 naming `param`: not an image of IMAGE_FORMATS, larger than `max_pixels` or the decoded
+            bytes left, a JPEG of more scans than the limit, corrupt.
     """
     from PIL import Image, UnidentifiedImageError
 
+    limits = limits or Limits(1, max_pixels, 0.0, len(data))
     try:
         image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
     except UnidentifiedImageError:
         raise bad_request(param, f"The image is not a {', '.join(IMAGE_FORMATS)} file Pillow can read.") from None
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+    except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as e:
         raise bad_request(param, f"The image cannot be read: {e}"[:300]) from None
     width, height = image.size
     if width * height > max_pixels:
@@ -313,16 +452,28 @@ def decode_image(data: bytes, param: str, max_pixels: int):
                                  f"are taken (--max-image-pixels).")
     if width < 1 or height < 1:
         raise bad_request(param, f"The image is {width}x{height} pixels.")
+    left = limits.decoded_bytes - decoded_used
+    if width * height * PIXEL_BYTES > left:
+        raise over_budget(param, f"image ({width}x{height})", width * height * PIXEL_BYTES, left, limits)
+    # Pillow reads a JPEG (and an MPO's first frame) from the file's first byte to its first EOI.
+    if image.format in ("JPEG", "MPO") and jpeg_scans(data, limits.jpeg_scans + 1) > limits.jpeg_scans:
+        raise bad_request(param, f"The JPEG holds more than {limits.jpeg_scans} scans (--max-jpeg-scans); "
+                                 f"encoders write at most 18 (libjpeg's progressive script).")
     try:
         image.load()
-    except (OSError, SyntaxError, ValueError, EOFError, MemoryError, Image.DecompressionBombError) as e:
+        if image.mode != "RGB":
+            image = image.convert("RGB")
+    except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as e:
         raise bad_request(param, f"The image is corrupt ({image.format}): {e}"[:300]) from None
     return image
 
 
-def decode_audio(data: bytes, param: str, max_seconds: float, used: float = 0.0, rate: int = SAMPLE_RATE):
-    """Audio as float32 mono samples at `rate`: its length is read from the header and checked before the
-    samples are; channels are averaged; another rate is resampled (`resample`).
+def decode_audio(data: bytes, param: str, max_seconds: float, used: float = 0.0, rate: int = SAMPLE_RATE, *,
+                 clip_seconds: float | None = None, limits: Limits | None = None,
+                 decoded_used: int = 0) -> tuple[Any, float, int]:
+    """Audio as float32 mono samples at `rate`: its rate, channels, length and decoded size are read from the
+    header and checked before a sample is decoded; then at most that many frames + 1 are read, a block at a
+    time, each averaged to mono as it comes, and another rate is resampled (`resample`).
 
     Args:
         data: the file's bytes.
@@ -330,91 +481,186 @@ def decode_audio(data: bytes, param: str, max_seconds: float, used: float = 0.0,
         max_seconds: seconds of audio the whole request may hold.
         used: seconds its earlier clips took.
         rate: the rate to return.
+        clip_seconds: the longest clip the model reads whole (a chat part: the feature extractor's 30 s;
+            None for a transcription's file, which is cut into clips).
+        limits: the request's limits (its decoded bytes; the default without).
+        decoded_used: bytes the request's earlier parts decoded to.
     Returns:
-        (samples, seconds): a 1-D float32 numpy array and the clip's length in seconds.
+        (samples, seconds, size): a 1-D float32 numpy array, the clip's length in seconds, and the bytes its
+        decoding counted (frames x channels x SAMPLE_BYTES).
     Raises:
-        ApiError: 400 naming `param`: not a file of AUDIO_FORMATS, empty, longer than `max_seconds`, corrupt.
+        ApiError: 400 naming `param`: not a file of AUDIO_FORMATS, another sample rate than AUDIO_RATES, more
+            channels than MAX_AUDIO_CHANNELS, longer than the seconds or the clip, more samples than the
+            decoded bytes left, empty, corrupt.
     """
     import numpy as np
     import soundfile
 
+    limits = limits or Limits(0, 1, max_seconds, len(data))
     try:
         sound = soundfile.SoundFile(io.BytesIO(data))
     except (soundfile.SoundFileError, RuntimeError, TypeError, ValueError) as e:
         raise bad_request(param, f"The audio is not a {AUDIO_FORMAT_NAMES} file libsndfile can read "
                                  f"({' '.join(str(e).split()[-4:])})") from None
     with sound:
+        source_rate, channels = sound.samplerate, sound.channels
         if sound.format not in AUDIO_FORMATS:
             raise bad_request(param, f"The audio is {sound.format_info or sound.format}; send {AUDIO_FORMAT_NAMES}.")
-        if sound.samplerate < 1 or sound.channels < 1:
-            raise bad_request(param, "The audio's header has no sample rate or no channels.")
+        if source_rate not in AUDIO_RATES:
+            raise bad_request(param, f"The audio's sample rate is {source_rate} Hz; the server reads audio at "
+                                     f"{', '.join(f'{r:,}' for r in AUDIO_RATES)} Hz (resample it to one, e.g. "
+                                     f"the model's 16,000).")
+        if not 1 <= channels <= MAX_AUDIO_CHANNELS:
+            raise bad_request(param, f"The audio has {channels} channels; the server reads at most "
+                                     f"{MAX_AUDIO_CHANNELS} (mono or stereo: mix it down first).")
         left = max(max_seconds - used, 0.0)
 
-        def too_long(seconds: float) -> ApiError:
+        def too_long(length: str, frames: int) -> ApiError:
             more = f"; the request's other audio took {used:.1f} s" if used else ""
-            return bad_request(param, f"The audio is {seconds:.1f} s long; a request holds at most {max_seconds:g} s "
-                                      f"of audio (--max-audio-seconds){more}.")
+            return bad_request(param, f"The audio is {length}; a request holds at most {max_seconds:g} s of audio "
+                                      f"(--max-audio-seconds){more}.")
 
-        if sound.frames / sound.samplerate > left:
-            raise too_long(sound.frames / sound.samplerate)
+        def too_large(length: str, frames: int) -> ApiError:
+            return over_budget(param, f"audio ({'at least ' if length.startswith('more') else ''}{frames} frames x "
+                                      f"{channels} channels)", frames * channels * SAMPLE_BYTES,
+                               limits.decoded_bytes - decoded_used, limits)
+
+        # The most frames each limit allows; the header's count is checked against them before decoding, and
+        # the read stops one frame past the least of them, whatever the header said.
+        allowed = [(math.floor(left * source_rate), too_long),
+                   ((limits.decoded_bytes - decoded_used) // (channels * SAMPLE_BYTES), too_large)]
+        if clip_seconds is not None:
+            allowed.insert(1, (math.floor(clip_seconds * source_rate),
+                               lambda length, frames: clip_too_long(param, length, clip_seconds)))
+        # A stream that does not state its length (a FLAC whose STREAMINFO says 0 samples) reads as
+        # UNKNOWN_FRAMES: only the read's own bound below holds it.
+        for most, refuse in allowed:
+            if UNKNOWN_FRAMES > sound.frames > most:
+                raise refuse(f"{sound.frames / source_rate:.1f} s long", sound.frames)
+        most = min(m for m, _ in allowed)
+        blocks, read = [], 0
+        block = np.empty((min(READ_FRAMES, most + 1), channels), dtype=np.float32)
         try:
-            # At most the limit's frames, whatever the header said.
-            wave = sound.read(frames=int(left * sound.samplerate) + 1, dtype="float32", always_2d=True)
-        except (soundfile.SoundFileError, RuntimeError, ValueError, MemoryError) as e:
+            while read <= most:
+                got = sound.read(min(len(block), most + 1 - read), dtype="float32", always_2d=True, out=block)
+                if not len(got):
+                    break
+                blocks.append(got.mean(axis=1, dtype=np.float32))
+                read += len(got)
+        except (soundfile.SoundFileError, RuntimeError, ValueError) as e:
             raise bad_request(param, f"The audio is corrupt ({sound.format}): {e}"[:300]) from None
-        source_rate = sound.samplerate
-    if len(wave) / source_rate > left:
-        raise too_long(len(wave) / source_rate)
-    if not len(wave):
+    for most, refuse in allowed:
+        if read > most:  # the header said less, or nothing: the read stopped one frame past the limit
+            raise refuse(f"more than {most / source_rate:.1f} s long", most + 1)
+    if not read:
         raise bad_request(param, "The audio holds no samples.")
-    mono = wave.mean(axis=1, dtype=np.float32)
-    return resample(mono, source_rate, rate), len(wave) / source_rate
+    mono = np.concatenate(blocks) if len(blocks) > 1 else blocks[0]
+    del blocks
+    return resample(mono, source_rate, rate), read / source_rate, read * channels * SAMPLE_BYTES
+
+
+def clip_too_long(param: str, length: str, clip_seconds: float) -> ApiError:
+    """The 400 of a chat audio part `length` long ("31.2 s long") when the model reads a clip of at most
+    `clip_seconds` whole (Transformers would truncate it silently)."""
+    return bad_request(param, f"The audio is {length}; the model reads a clip of at most "
+                              f"{clip_seconds:g} s (use /v1/audio/transcriptions for longer audio, or send it in "
+                              f"several parts).")
 
 
 def resample(wave, source_rate: int, rate: int = SAMPLE_RATE):
     """`wave` at `rate`: scipy's polyphase resampler (`scipy.signal.resample_poly`, its default Kaiser-window
-    anti-aliasing filter), as float32; unchanged when the rates agree."""
+    anti-aliasing filter), as float32; unchanged when the rates agree. The filter has 2 * 10 * max(up, down)
+    + 1 taps for the rates' ratio up/down in lowest terms, so only the rates of AUDIO_RATES are taken: at
+    most 12,801 taps, and a cost per output sample that does not grow with what a header claims.
+
+    Raises:
+        ValueError: `source_rate` is not one of AUDIO_RATES (decode_audio refuses those first).
+    """
     import numpy as np
 
     if source_rate == rate:
         return np.ascontiguousarray(wave, dtype=np.float32)
+    if source_rate not in AUDIO_RATES:
+        raise ValueError(f"cannot resample from {source_rate} Hz: not one of {AUDIO_RATES}")
     from scipy.signal import resample_poly
 
     g = math.gcd(source_rate, rate)
     return resample_poly(wave, rate // g, source_rate // g).astype(np.float32)
 
 
-def decode(part: Part, data: bytes, limits: Limits, audio_used: float = 0.0) -> Decoded:
-    """A part's bytes, decoded and keyed (`decode_image`, `decode_audio`); `audio_used`: seconds of audio the
-    request's earlier parts took.
+def resample_taps(source_rate: int, rate: int = SAMPLE_RATE) -> int:
+    """The length of the filter `resample_poly` designs from `source_rate` to `rate` (scipy 1.17
+    `_signaltools.py`: half_len = 10 * max(up, down))."""
+    g = math.gcd(source_rate, rate)
+    return 2 * 10 * max(rate // g, source_rate // g) + 1
+
+
+def decode(part: Part, data: bytes, limits: Limits, audio_used: float = 0.0, decoded_used: int = 0,
+           clip_seconds: float | None = None) -> Decoded:
+    """A part's bytes, decoded and keyed (`decode_image`, `decode_audio`), counted against what the request's
+    earlier parts used: `audio_used` seconds, `decoded_used` decoded bytes. `clip_seconds`: the longest clip
+    an audio part may be.
 
     Raises:
         ApiError: as the decoder.
     """
     if part.kind == "image":
-        return Decoded("image", part.param, decode_image(data, part.param, limits.image_pixels), content_key(data))
-    wave, seconds = decode_audio(data, part.param, limits.audio_seconds, audio_used)
-    return Decoded("audio", part.param, wave, content_key(data), seconds)
+        image = decode_image(data, part.param, limits.image_pixels, limits, decoded_used)
+        return Decoded("image", part.param, image, content_key(data), 0.0,
+                       image.size[0] * image.size[1] * PIXEL_BYTES)
+    wave, seconds, size = decode_audio(data, part.param, limits.audio_seconds, audio_used, clip_seconds=clip_seconds,
+                                       limits=limits, decoded_used=decoded_used)
+    return Decoded("audio", part.param, wave, content_key(data), seconds, size)
 
 
-async def read(parts: Sequence[Part], limits: Limits) -> list[Decoded]:
-    """A request's parts, fetched (`fetch`, on the event loop) or taken inline (`inline_bytes`) and decoded
-    (`decode`), the work on worker threads; in order, the audio counted against the request's seconds.
+def cut_clips(wave, max_samples: int, param: str = "file") -> list[Decoded]:
+    """A long recording (16 kHz mono) as the clips the model reads whole (`split_clip`), each keyed by its
+    samples: a transcription's file."""
+    return [Decoded("audio", param, clip, content_key(clip.tobytes()), len(clip) / SAMPLE_RATE)
+            for clip in split_clip(wave, max_samples)]
+
+
+async def fetch_urls(parts: Sequence[Part], limits: Limits) -> dict[int, bytes]:
+    """The bytes of every image URL part (`fetch`), by the part's index: network I/O only, done before the
+    request takes a worker's place."""
+    return {i: await fetch(part, limits) for i, part in enumerate(parts)
+            if part.kind == "image" and not part.source.startswith("data:")}
+
+
+async def read(parts: Sequence[Part], limits: Limits, workers: Workers, fetched: dict[int, bytes],
+               clip_seconds: float | None) -> list[Decoded]:
+    """A request's parts decoded in a worker process (`media_worker.Workers.decode`: the inline ones from their
+    base64 there too, the fetched ones from `fetched`), in order, each counted against what the earlier ones
+    used of the request's seconds and decoded bytes. Called holding one of the workers' places.
 
     Raises:
         ApiError: 400 naming the first part that breaks a limit or cannot be read.
     """
     out: list[Decoded] = []
-    used = 0.0
-    for part in parts:
-        if part.kind == "image" and not part.source.startswith("data:"):
-            data = await fetch(part, limits)
-            item = await asyncio.to_thread(decode, part, data, limits, used)
-        else:
-            item = await asyncio.to_thread(lambda p=part: decode(p, inline_bytes(p, limits.item_bytes), limits, used))
-        used += item.seconds
+    seconds, size = 0.0, 0
+    for i, part in enumerate(parts):
+        item = await workers.decode(part, fetched.get(i), limits, seconds, size,
+                                    clip_seconds if part.kind == "audio" else None)
+        seconds += item.seconds
+        size += item.size
         out.append(item)
     return out
+
+
+async def soft_tokens(front: MediaEncoder, workers: Workers, parts: Sequence[Part], limits: Limits,
+                      decoded: Sequence[Decoded] | None = None) -> list[Soft]:
+    """One request's media parts as soft tokens: its URLs fetched (`fetch_urls`), then, holding one of the
+    workers' places, its parts decoded (`read`, unless `decoded` holds them already: a transcription's clip),
+    pre-processed and encoded (`MediaEncoder.encode`). Cancelling it (the client left) kills the decode.
+
+    Raises:
+        ApiError: 400 naming the part that breaks a limit or cannot be read.
+    """
+    fetched = await fetch_urls(parts, limits) if decoded is None else {}
+    async with workers.place():
+        items = (list(decoded) if decoded is not None
+                 else await read(parts, limits, workers, fetched, front.clip_samples / SAMPLE_RATE))
+        return await front.encode(items)
 
 
 def split_clip(wave, max_samples: int, window: int = SAMPLE_RATE // 10, search: int = 5 * SAMPLE_RATE) -> list:
@@ -541,7 +787,8 @@ def place(ids: Sequence[int], soft: Sequence[Soft], tokens: Tokens, marks):
 
 class MediaEncoder:
     """A checkpoint's processors and the engine's `gemma_engine.Encoder`, which runs on a thread of its own
-    (it is `unsendable`: the thread that builds it is the only one that may call it).
+    (it is `unsendable`: the thread that builds it is the only one that may call it). The processors run on
+    PREP_THREADS threads of its own.
 
     Args:
         pool: the encoder's one thread, where `encoder` was built.
@@ -562,6 +809,7 @@ class MediaEncoder:
         self.image_processor = image_processor
         self.feature_extractor = feature_extractor
         self._on_encoded = on_encoded
+        self._prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="media-prep")
         self.modalities = tuple(m for m in towers if (m == "image" and image_processor is not None)
                                 or (m == "audio" and feature_extractor is not None))
         # The longest clip the feature extractor reads (its `max_length`: 30 s); longer is truncated there.
@@ -614,15 +862,13 @@ class MediaEncoder:
 
     def check_clip(self, item: Decoded) -> None:
         """A chat audio part is one clip the model reads whole: longer than the extractor's `max_length` is a
-        400 (Transformers would truncate it silently)."""
+        400 (Transformers would truncate it silently). `decode_audio` refuses it from the header first."""
         if item.kind == "audio" and len(item.value) > self.clip_samples:
-            raise bad_request(item.param, f"The audio is {item.seconds:.1f} s long; the model reads a clip of at most "
-                                          f"{self.clip_samples / SAMPLE_RATE:g} s (use /v1/audio/transcriptions for "
-                                          f"longer audio, or send it in several parts).")
+            raise clip_too_long(item.param, f"{item.seconds:.1f} s long", self.clip_samples / SAMPLE_RATE)
 
     async def encode(self, items: Sequence[Decoded]) -> list[Soft]:
-        """Soft tokens of a request's decoded parts, in order: pre-processed on a worker thread, then the towers
-        on the encoder's thread (images in one call, clips in one call).
+        """Soft tokens of a request's decoded parts, in order: pre-processed on the pre-processing threads, then
+        the towers on the encoder's thread (images in one call, clips in one call).
 
         Raises:
             ApiError: 400 naming a part that the pre-processing or the encoder refuses, or that gives no soft
@@ -634,12 +880,14 @@ class MediaEncoder:
             self.check_clip(clip)
         out: dict[int, Soft] = {}
         if images:
-            inputs = await _off_loop(images[0].param, image_inputs, self.image_processor, [d.value for d in images])
+            inputs = await _off_loop(self._prep, images[0].param, image_inputs, self.image_processor,
+                                     [d.value for d in images])
             embeds = await self._tower(images[0].param, "image", len(images), inputs["pixel_values"],
                                        inputs["image_position_ids"])
             out.update({id(d): Soft("image", d.param, e, d.key) for d, e in zip(images, embeds)})
         if clips:
-            inputs = await _off_loop(clips[0].param, audio_inputs, self.feature_extractor, [d.value for d in clips])
+            inputs = await _off_loop(self._prep, clips[0].param, audio_inputs, self.feature_extractor,
+                                     [d.value for d in clips])
             embeds = await self._tower(clips[0].param, "audio", len(clips), inputs["input_features"],
                                        inputs["input_features_mask"])
             out.update({id(d): Soft("audio", d.param, e, d.key) for d, e in zip(clips, embeds)})
@@ -651,28 +899,34 @@ class MediaEncoder:
 
     async def _tower(self, param: str, kind: Kind, n: int, *args: Any) -> list:
         """`Encoder.image(*args)` or `Encoder.audio(*args)` on the encoder's thread; a ValueError (a tower the
-        checkpoint lacks, a shape the encoder refuses) is the request's 400."""
+        checkpoint lacks, a shape the encoder refuses) or a MemoryError is the request's 400."""
         t0 = time.monotonic()
         try:
             embeds = await asyncio.wrap_future(self._pool.submit(lambda: getattr(self._encoder, kind)(*args)))
         except ValueError as e:
             raise bad_request(param, f"The {kind} encoder refused the input: {e}"[:500]) from None
+        except MemoryError:
+            raise bad_request(param, f"The {kind} encoder ran out of memory on this input.") from None
         self._on_encoded(kind, n, time.monotonic() - t0)
         return list(embeds)
 
     def shutdown(self) -> None:
         """Drop the encoder on its own thread (PyO3 refuses an unsendable object dropped elsewhere), then the
-        thread."""
+        thread, and the pre-processing threads."""
         self._pool.submit(setattr, self, "_encoder", None)
         self._pool.shutdown(wait=True)
+        self._prep.shutdown(wait=False, cancel_futures=True)
 
 
-async def _off_loop(param: str, fn: Callable[..., Any], *args: Any) -> Any:
-    """`fn(*args)` on a worker thread; what the pre-processing raises on a client's media is its 400."""
+async def _off_loop(executor: ThreadPoolExecutor, param: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` on `executor` (never asyncio's default one, which renders and tokenizes every prompt); what
+    the pre-processing raises on a client's media, a MemoryError included, is its 400."""
     try:
-        return await asyncio.to_thread(fn, *args)
+        return await asyncio.wrap_future(executor.submit(fn, *args))
     except ApiError:
         raise
+    except MemoryError:
+        raise bad_request(param, "The media ran out of memory in pre-processing.") from None
     except (ValueError, TypeError, OSError, IndexError, ZeroDivisionError, RuntimeError) as e:
         raise bad_request(param, f"The media could not be pre-processed: {type(e).__name__}: {e}"[:500]) from None
 

@@ -25,10 +25,12 @@ Streaming sends the SDK's event sequence, each `event: <type>` with a `sequence_
 `response.completed` or `response.incomplete`. An error after the stream opened is an `error` event.
 
 Stored responses (`store`, default true as OpenAI's): `ResponseStore` keeps each response and the
-conversation that led to it in memory, bounded by count, bytes and age, visible only to the bearer token
-that made it (a hash of it is kept, never the token), so `previous_response_id` continues a conversation
-(its instructions are not carried over, as OpenAI documents) and GET/DELETE read and remove it; an id that is
-not there (or not the caller's) is a 404 naming it.
+conversation that led to it in memory, as compact JSON bytes so that the bytes it counts are the memory they
+take, bounded by count, bytes and age for each API key and for all together (past the whole store's caps, the
+key that holds the most loses its oldest, so one client's stores evict its own), and `metadata` by OpenAI's
+bounds. Each is visible only to the bearer token that made it (a hash of it is kept, never the token), so
+`previous_response_id` continues a conversation (its instructions are not carried over, as OpenAI documents)
+and GET/DELETE read and remove it; an id that is not there (or not the caller's) is a 404 naming it.
 """
 
 from __future__ import annotations
@@ -67,7 +69,11 @@ from gemma_server.toolcalls import CallStart
 NAME = {"pattern": f"^{FUNCTION_NAME.pattern}$"}
 MAX_INPUT_ITEMS = 2 * MAX_MESSAGES  # calls and their outputs are items of their own
 MAX_PARTS = 1024
+# `metadata`'s bounds, OpenAI's (the API reference's Metadata: 16 pairs, keys of at most 64 characters, values of
+# at most 512), which also bound what a stored response keeps of it.
 MAX_METADATA = 16
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
 
 
 # ---- request ------------------------------------------------------------------------------------------
@@ -156,7 +162,7 @@ class FunctionCallItem(Strict):
     """A call the model made, sent back as input (`call_id` pairs it with its output)."""
 
     type: Literal["function_call"]
-    call_id: str = Field(json_schema_extra={"minLength": 1})
+    call_id: str = Field(min_length=1)
     name: str = Field(json_schema_extra=NAME)
     arguments: str = Field(description="The arguments: a JSON object's text.")
     id: str | None = None
@@ -167,7 +173,7 @@ class FunctionCallOutputItem(Strict):
     """A tool's result for the call `call_id`."""
 
     type: Literal["function_call_output"]
-    call_id: str = Field(json_schema_extra={"minLength": 1})
+    call_id: str = Field(min_length=1)
     output: str | Annotated[list[InputText], Field(max_length=MAX_PARTS)]
     id: str | None = None
     status: str | None = None
@@ -275,7 +281,10 @@ class ResponsesRequest(OpenAIModel):
     instructions: str | None = None
     max_output_tokens: Integer | None = documented(minimum=1)
     metadata: Annotated[dict[str, str], Field(max_length=MAX_METADATA)] | None = documented(
-        maxProperties=MAX_METADATA)
+        maxProperties=MAX_METADATA, propertyNames={"maxLength": MAX_METADATA_KEY},
+        additionalProperties={"type": "string", "maxLength": MAX_METADATA_VALUE},
+        description=f"At most {MAX_METADATA} pairs, keys of at most {MAX_METADATA_KEY} characters, values of at "
+                    f"most {MAX_METADATA_VALUE}; echoed in the response, and stored with it.")
     model: str | None = None
     parallel_tool_calls: bool | None = None
     previous_response_id: str | None = None
@@ -313,6 +322,13 @@ class ResponsesRequest(OpenAIModel):
                                             "is refused (truncation disabled).")
         if isinstance(self.input, list) and not self.input:
             raise bad_request("input", "input must hold at least one item.")
+        for key, value in (self.metadata or {}).items():
+            if len(key) > MAX_METADATA_KEY:
+                raise bad_request("metadata", f"metadata keys have at most {MAX_METADATA_KEY} characters, got one of "
+                                              f"{len(key)} ({key[:MAX_METADATA_KEY]!r}...).")
+            if len(value) > MAX_METADATA_VALUE:
+                raise bad_request("metadata", f"metadata values have at most {MAX_METADATA_VALUE} characters, got "
+                                              f"{len(value)} for {key!r}.")
         fmt = self.text.format if self.text else None
         if fmt is not None and fmt.type == "json_schema" and (fmt.name is None or fmt.schema_ is None):
             raise bad_request("text.format", "text.format json_schema needs name and schema.")
@@ -728,42 +744,109 @@ def owner_of(authorization: str | None) -> str:
     return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-@dataclass
+def _pack(value: Any) -> bytes:
+    """`value` as compact JSON in UTF-8 (a lone surrogate, which a JSON request may carry, kept as it is)."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
+
+
+def _unpack(data: bytes) -> Any:
+    return json.loads(data.decode("utf-8", "surrogatepass"))
+
+
+# What the store's bookkeeping takes, on CPython 3.11 (64-bit), measured with tracemalloc (tests/server/
+# test_responses.py holds the counted bytes to the memory a batch of entries takes): an entry besides its two
+# byte strings (the Stored object, its id, a str keying two ordered dicts, and their nodes and slots), and an
+# owner (its hash, a _Holding and its ordered dict, its slot in the store's dict of owners).
+ENTRY_BYTES = 240
+OWNER_BYTES = 384
+
+
+@dataclass(frozen=True, slots=True)
 class Stored:
+    """One stored response: whose it is, when it was stored, and the response and the conversation that led to
+    it as compact JSON bytes, decoded when read (`response`, `conversation`). Kept as Python objects they would
+    take 4 to 5.5 times their JSON's length; kept as bytes, what the store counts (`size`) is what they take."""
+
     owner: str
     created: float
-    response: dict[str, Any]
-    conversation: list[dict[str, Any]]
-    size: int
+    response_json: bytes
+    conversation_json: bytes
+
+    @property
+    def response(self) -> dict[str, Any]:
+        return _unpack(self.response_json)
+
+    @property
+    def conversation(self) -> list[dict[str, Any]]:
+        return _unpack(self.conversation_json)
+
+    @property
+    def size(self) -> int:
+        """Bytes of memory it holds: its two byte strings as CPython keeps them, and ENTRY_BYTES."""
+        return sys.getsizeof(self.response_json) + sys.getsizeof(self.conversation_json) + ENTRY_BYTES
+
+
+@dataclass(eq=False, slots=True)
+class _Holding:
+    """One owner's part of the store: its ids, oldest first, and the bytes they and this bookkeeping take."""
+
+    owner: str  # the one copy of the owner's hash that its entries share
+    ids: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    size: int = OWNER_BYTES
 
 
 class ResponseStore:
-    """Stored responses in memory, oldest out first: at most `max_count` of them, `max_bytes` of JSON in all,
-    none older than `max_age` seconds. Thread-safe (the routes run on the event loop, tests read it).
+    """Stored responses in memory, with caps on each owner (an API key: `owner_of`) and on all of them.
+
+    One owner keeps at most `max_count_per_key` responses and `max_bytes_per_key` bytes; past either, its own
+    oldest goes. All owners together keep at most `max_count` and `max_bytes`; past either, the owner that holds
+    the most (responses for the count, bytes for the bytes; of two that hold as much, the one whose oldest is
+    older) loses its oldest, so a client that floods the store evicts its own responses, not another's smaller
+    share. None is kept longer than `max_age` seconds. Bytes are memory: each response and its conversation are
+    kept as compact JSON bytes (`Stored`). Thread-safe (the routes run on the event loop, tests read it).
 
     Args:
-        max_count, max_bytes, max_age: the caps (--responses-store-max-count, -max-bytes, -max-age).
+        max_count, max_bytes, max_age: the caps of the whole store (--responses-store-max-count, -max-bytes,
+            -max-age).
+        max_count_per_key, max_bytes_per_key: the caps of one owner (--responses-store-max-count-per-key,
+            -max-bytes-per-key); None: the whole store's.
         clock: seconds (time.monotonic; tests pass their own).
     """
 
-    def __init__(self, max_count: int, max_bytes: int, max_age: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, max_count: int, max_bytes: int, max_age: float, max_count_per_key: int | None = None,
+                 max_bytes_per_key: int | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.max_count, self.max_bytes, self.max_age = max_count, max_bytes, max_age
+        self.max_count_per_key = max_count if max_count_per_key is None else max_count_per_key
+        self.max_bytes_per_key = max_bytes if max_bytes_per_key is None else max_bytes_per_key
         self._clock = clock
-        self._items: OrderedDict[str, Stored] = OrderedDict()
+        self._items: OrderedDict[str, Stored] = OrderedDict()  # every owner's, oldest first
+        self._owners: dict[str, _Holding] = {}
         self._bytes = 0
         self._lock = threading.Lock()
 
     def put(self, owner: str, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
-        """Keep `response` and the conversation that led to it (with its own reply at the end); a response
-        larger than max_bytes alone is not kept."""
-        size = len(json.dumps(response)) + len(json.dumps(conversation)) + sys.getsizeof(response["id"])
+        """Keep `response` and the conversation that led to it (with its own reply at the end); one larger than
+        the owner's or the whole store's byte cap alone is not kept, and evicts nothing."""
+        response_json, conversation_json = _pack(response), _pack(conversation)
         with self._lock:
-            if size > self.max_bytes:
+            self._drop(response["id"])
+            holding = self._owners.get(owner) or _Holding(owner)
+            stored = Stored(holding.owner, self._clock(), response_json, conversation_json)
+            if (OWNER_BYTES + stored.size > min(self.max_bytes, self.max_bytes_per_key)
+                    or min(self.max_count, self.max_count_per_key) == 0):
                 return
-            self._items[response["id"]] = Stored(owner, self._clock(), response, conversation, size)
-            self._bytes += size
-            self._evict()
+            if owner not in self._owners:
+                self._owners[owner] = holding
+                self._bytes += holding.size
+            self._items[response["id"]] = stored
+            holding.ids[response["id"]] = None
+            holding.size += stored.size
+            self._bytes += stored.size
+            self._expire()
+            while len(holding.ids) > self.max_count_per_key or holding.size > self.max_bytes_per_key:
+                self._drop(next(iter(holding.ids)))
+            while len(self._items) > self.max_count or self._bytes > self.max_bytes:
+                self._drop(next(iter(self._largest(self._bytes > self.max_bytes).ids)))
 
     def get(self, response_id: str, owner: str, param: str = "response_id") -> Stored:
         """The caller's stored response.
@@ -773,7 +856,7 @@ class ResponseStore:
                 evicted, or another key's).
         """
         with self._lock:
-            self._evict()
+            self._expire()
             stored = self._items.get(response_id)
         if stored is None or stored.owner != owner:
             raise ApiError(404, f"No response with id {response_id[:80]!r} is stored for this API key.", param)
@@ -783,20 +866,45 @@ class ResponseStore:
         """Remove the caller's stored response. Raises: ApiError 404 as `get`."""
         self.get(response_id, owner)
         with self._lock:
-            stored = self._items.pop(response_id, None)
-            if stored is not None:
-                self._bytes -= stored.size
+            self._drop(response_id)
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._items)
 
-    def _evict(self) -> None:
-        """Drop what is past a cap, oldest first (the caller holds the lock)."""
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of memory the stored responses take, as the caps count them."""
+        with self._lock:
+            return self._bytes
+
+    def held(self, owner: str) -> tuple[int, int]:
+        """How many responses `owner` holds, and their bytes."""
+        with self._lock:
+            holding = self._owners.get(owner)
+            return (len(holding.ids), holding.size) if holding else (0, 0)
+
+    def _largest(self, by_bytes: bool) -> _Holding:
+        """The owner that holds the most bytes (`by_bytes`) or responses; of those that hold as much, the one
+        whose oldest response is oldest (the caller holds the lock)."""
+        return max(self._owners.values(), key=lambda h: (h.size if by_bytes else len(h.ids),
+                                                         -self._items[next(iter(h.ids))].created))
+
+    def _expire(self) -> None:
+        """Drop what is older than max_age, oldest first (the caller holds the lock)."""
         oldest = self._clock() - self.max_age
-        while self._items:
-            first = next(iter(self._items.values()))
-            if len(self._items) <= self.max_count and self._bytes <= self.max_bytes and first.created >= oldest:
-                return
-            _, gone = self._items.popitem(last=False)
-            self._bytes -= gone.size
+        while self._items and next(iter(self._items.values())).created < oldest:
+            self._drop(next(iter(self._items)))
+
+    def _drop(self, response_id: str) -> None:
+        """Remove one response if it is there (the caller holds the lock)."""
+        stored = self._items.pop(response_id, None)
+        if stored is None:
+            return
+        holding = self._owners[stored.owner]
+        del holding.ids[response_id]
+        holding.size -= stored.size
+        self._bytes -= stored.size
+        if not holding.ids:
+            del self._owners[stored.owner]
+            self._bytes -= holding.size

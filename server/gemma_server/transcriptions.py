@@ -7,8 +7,10 @@ transcription_text_done_event.py); vLLM's `vllm/entrypoints/openai/speech_to_tex
 with audio language models, cutting long audio into clips the model reads whole.
 
 Gemma 4 has no speech-to-text head: it transcribes when a chat turn asks it to. So a request's file is read
-once (media.decode_audio: wav, flac, mp3 or ogg, any rate, mono), cut into clips of at most the model's 30 s
-(media.split_clip, at a pause), and each clip becomes one chat request of the same model (`chat_request`: a
+once, with a place in the queue and one of the media workers' places, in a media worker process
+(media_worker.Workers.decode_file: media.decode_audio, wav, flac, mp3 or ogg at one of media.AUDIO_RATES,
+mono or stereo, averaged to mono), cut there into clips of at most the model's 30 s (media.split_clip, at a
+pause), and each clip becomes one chat request of the same model (`chat_request`: a
 user turn holding the clip and the instruction Google's Gemma audio guide and Gemma 3n model card use,
 "Transcribe the following speech segment in {language} into {language} text.", or "... into English text."
 to translate) that takes the one admission path (`ServerState.start`: the queue, the client's share, the
@@ -25,7 +27,6 @@ awaited before the stream opens, so an early failure is a JSON error.
 
 from __future__ import annotations
 
-import asyncio
 import math
 import zlib
 from collections.abc import AsyncIterator
@@ -189,14 +190,12 @@ class Clip:
                        avg_logprob=mean, compression_ratio=ratio, no_speech_prob=0.0)
 
 
-def clips_of(wave, clip_samples: int) -> list[Clip]:
-    """The file's samples as clips the model reads whole (media.split_clip), each keyed by its samples."""
+def clips_of(decoded: list[media.Decoded]) -> list[Clip]:
+    """The file's clips (media.cut_clips, in order) with their places in it."""
     out, at = [], 0
-    for i, samples in enumerate(media.split_clip(wave, clip_samples)):
-        start, at = at, at + len(samples)
-        decoded = media.Decoded("audio", "file", samples, media.content_key(samples.tobytes()),
-                                len(samples) / media.SAMPLE_RATE)
-        out.append(Clip(i, start / media.SAMPLE_RATE, at / media.SAMPLE_RATE, decoded))
+    for i, clip in enumerate(decoded):
+        start, at = at, at + len(clip.value)
+        out.append(Clip(i, start / media.SAMPLE_RATE, at / media.SAMPLE_RATE, clip))
     return out
 
 
@@ -213,12 +212,16 @@ def joined(clips: list[Clip]) -> str:
     return " ".join(c.text for c in clips if c.text)
 
 
-async def read_file(state: ServerState, form: TranscriptionForm | TranslationForm) -> tuple[list[Clip], float]:
-    """The uploaded file as clips and its length in seconds.
+async def read_file(state: ServerState, form: TranscriptionForm | TranslationForm,
+                    client: str) -> tuple[list[Clip], float]:
+    """The uploaded file as clips and its length in seconds: decoded and cut in a media worker, holding a
+    place in the queue (`ServerState.queue_place`) and one of the workers' places.
 
     Raises:
-        ApiError: 400 naming `file`: a checkpoint without an audio tower, a file over --max-media-bytes or
-            --max-audio-seconds, one that cannot be read.
+        ApiError: 400 naming `file`: a checkpoint without an audio tower, a file over --max-media-bytes,
+            --max-audio-seconds or --max-media-decoded-bytes, another rate or more channels than the server
+            reads, one that cannot be read or takes longer than --media-decode-timeout.
+        SchedulerError: the queue or the client's share is full (429), the server drains (503).
     """
     loaded = state.loaded
     limits = state.media_limits
@@ -227,8 +230,10 @@ async def read_file(state: ServerState, form: TranscriptionForm | TranslationFor
     data = await form.file.read(limits.item_bytes + 1)
     if len(data) > limits.item_bytes:
         raise bad_request("file", f"The file is larger than {limits.item_bytes} bytes (--max-media-bytes).")
-    wave, seconds = await asyncio.to_thread(media.decode_audio, data, "file", limits.audio_seconds)
-    return clips_of(wave, loaded.media.clip_samples), seconds
+    with state.queue_place(client):
+        async with state.media_workers.place():
+            seconds, decoded = await state.media_workers.decode_file(data, "file", limits, loaded.media.clip_samples)
+    return clips_of(decoded), seconds
 
 
 class Transcriber:
@@ -257,7 +262,8 @@ class Transcriber:
 
     async def start(self, clip: Clip) -> Generation:
         """Queue one clip's chat request (`ServerState.start`)."""
-        gens = await self.state.start(self._bodies[clip.index], True, self._client, self._gone, [clip.decoded])
+        gens = await self.state.start(self._bodies[clip.index], True, self._client, self._gone, [clip.decoded],
+                                      receive=self.request.receive)
         gen = gens[0]
         clip.prompt_tokens = len(gen.params.prompt_ids)
         clip.audio_tokens = sum(int(embeds.shape[0]) for _, embeds, _ in gen.params.media)
@@ -293,7 +299,12 @@ async def serve(state: ServerState, form: TranscriptionForm | TranslationForm, r
     """POST /v1/audio/transcriptions (task "transcribe") or /v1/audio/translations ("translate")."""
     state.check_model(form.model)
     language_name(getattr(form, "language", None))  # an unknown language is a 400 before the file is read
-    clips, seconds = await read_file(state, form)
+    from gemma_server.app import client_of
+
+    try:  # a client that leaves while its file decodes stops the decode (its worker is killed)
+        clips, seconds = await race_disconnect(request.receive, read_file(state, form, client_of(request)))
+    except ClientDisconnected:
+        return Response(status_code=499)
     job = Transcriber(state, request, form, task, clips)
     if getattr(form, "stream", False):
         return await open_stream(job)
@@ -338,6 +349,8 @@ async def open_stream(job: Transcriber) -> Response:
                     yield delta_event(head + text)
                     head = ""
             yield sse_event({"type": "transcript.text.done", "text": joined(job.clips), "usage": usage(job.clips)})
+        except ClientDisconnected:  # the client left while a later clip was read: nobody reads on
+            return
         except Exception as e:  # noqa: BLE001 - the stream is open: the error becomes its last event
             err = as_api_error(e)
             yield sse_error(err.status, err.message, err.param)

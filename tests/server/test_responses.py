@@ -11,7 +11,9 @@ a previous response's conversation, thinking), the test holds the response's `us
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
+import tracemalloc
 from typing import Annotated, Literal
 
 import httpx
@@ -247,7 +249,7 @@ def test_with_an_api_key_every_responses_route_needs_it(gemma4_checkpoint):
 
 def test_the_store_keeps_its_count_bytes_and_age_caps():
     now = [0.0]
-    store = ResponseStore(max_count=2, max_bytes=1_000, max_age=60, clock=lambda: now[0])
+    store = ResponseStore(max_count=2, max_bytes=3_000, max_age=60, clock=lambda: now[0])
 
     def put(i: int, size: int = 10) -> None:
         store.put("me", {"id": f"resp_{i}", "output": [], "pad": "x" * size}, [])
@@ -260,14 +262,143 @@ def test_the_store_keeps_its_count_bytes_and_age_caps():
     assert store.get("resp_3", "me").response["id"] == "resp_3"
     with pytest.raises(ApiError):
         store.get("resp_3", "someone else")
-    put(4, size=800)  # past the byte cap with the others: the oldest go
+    put(4, size=2_000)  # past the byte cap with the others: the oldest go
     assert len(store) == 1 and store.get("resp_4", "me")
-    put(5, size=2_000)  # larger than the whole store: not kept, nothing lost
+    put(5, size=4_000)  # larger than the whole store: not kept, nothing lost
     assert len(store) == 1
     now[0] = 61.0
     with pytest.raises(ApiError):
         store.get("resp_4", "me")
-    assert len(store) == 0
+    assert len(store) == 0 and store.total_bytes == 0
+
+
+def stored_ids(store: ResponseStore, owner: str, ids) -> list[str]:
+    kept = []
+    for response_id in ids:
+        try:
+            kept.append(store.get(response_id, owner).response["id"])
+        except ApiError:
+            pass
+    return kept
+
+
+def test_one_keys_flood_evicts_its_own_responses_never_anothers():
+    """The attack's shape, at a small size: past the whole store's count, the key that holds the most loses its
+    oldest. The victim's 3 responses stay through the flooder's 60; the flooder keeps its 17 newest."""
+    now = [0.0]
+    store = ResponseStore(max_count=20, max_bytes=10**9, max_age=3600, clock=lambda: now[0])
+
+    def put(owner: str, i: int) -> str:
+        now[0] += 0.01
+        store.put(owner, {"id": f"resp_{owner}_{i}", "output": []}, [{"role": "user", "content": "hi"}])
+        return f"resp_{owner}_{i}"
+
+    victim = [put("victim", i) for i in range(3)]
+    flood = [put("flooder", i) for i in range(60)]
+    assert stored_ids(store, "victim", victim) == victim
+    assert stored_ids(store, "flooder", flood) == flood[-17:]
+    assert len(store) == 20 and store.held("victim")[0] == 3 and store.held("flooder")[0] == 17
+
+
+def test_past_the_byte_cap_the_key_holding_the_most_bytes_loses_its_oldest():
+    now = [0.0]
+    store = ResponseStore(max_count=1000, max_bytes=200_000, max_age=3600, clock=lambda: now[0])
+
+    def put(owner: str, i: int, size: int) -> str:
+        now[0] += 0.01
+        store.put(owner, {"id": f"resp_{owner}_{i}", "output": [], "pad": "x" * size}, [])
+        return f"resp_{owner}_{i}"
+
+    victim = [put("victim", i, 20_000) for i in range(3)]
+    flood = [put("flooder", i, 30_000) for i in range(40)]
+    assert stored_ids(store, "victim", victim) == victim
+    kept = stored_ids(store, "flooder", flood)
+    assert kept == flood[-len(kept):] and len(kept) == 4  # 3 x 20 kB + 4 x 30 kB with their bookkeeping
+    assert store.total_bytes <= 200_000
+
+
+def test_of_two_keys_holding_as_much_the_one_with_the_older_response_loses_it():
+    now = [0.0]
+    store = ResponseStore(max_count=4, max_bytes=10**9, max_age=3600, clock=lambda: now[0])
+    for owner in ("a", "b", "a", "b"):
+        now[0] += 1
+        store.put(owner, {"id": f"resp_{owner}_{now[0]:g}", "output": []}, [])
+    now[0] += 1
+    store.put("c", {"id": "resp_c", "output": []}, [])
+    assert stored_ids(store, "a", ["resp_a_1", "resp_a_3"]) == ["resp_a_3"]
+    assert stored_ids(store, "b", ["resp_b_2", "resp_b_4"]) == ["resp_b_2", "resp_b_4"]
+
+
+def test_a_keys_own_caps_evict_its_own_oldest_first():
+    now = [0.0]
+    store = ResponseStore(max_count=100, max_bytes=10**9, max_age=3600, max_count_per_key=5,
+                          max_bytes_per_key=60_000, clock=lambda: now[0])
+
+    def put(owner: str, i: int, size: int = 10) -> str:
+        now[0] += 0.01
+        store.put(owner, {"id": f"resp_{owner}_{i}", "output": [], "pad": "x" * size}, [])
+        return f"resp_{owner}_{i}"
+
+    other = [put("other", i) for i in range(2)]
+    mine = [put("me", i) for i in range(8)]
+    assert stored_ids(store, "me", mine) == mine[-5:] and stored_ids(store, "other", other) == other
+    big = [put("me", 100 + i, 25_000) for i in range(3)]  # 3 x 25 kB is past the key's 60 kB
+    assert stored_ids(store, "me", mine + big) == big[-2:]
+    assert store.held("me")[1] <= 60_000 and stored_ids(store, "other", other) == other
+    put("me", 200, 70_000)  # larger than the key's cap alone: not kept, nothing of its own lost
+    assert stored_ids(store, "me", big) == big[-2:] and len(store) == 4
+
+
+def test_a_stored_response_comes_back_as_it_was_put():
+    store = ResponseStore(max_count=10, max_bytes=10**6, max_age=60)
+    response = {"id": "resp_1", "output": [{"text": "日本語 and \ud800 alone", "logprobs": [-0.125, -1e-9]}],
+                "metadata": {"k": "v"}, "usage": None}
+    conversation = [{"role": "user", "content": [{"type": "text", "text": "ünïcode"}]}]
+    store.put("me", response, conversation)
+    stored = store.get("resp_1", "me")
+    assert stored.response == response and stored.conversation == conversation
+
+
+def test_the_counted_bytes_are_the_memory_stored_responses_take():
+    """tracemalloc's count of what the store holds after a batch of 40 responses of 100 kB (and their
+    conversations) is within 10% of the bytes the caps count: the byte cap bounds memory, not JSON text."""
+    store = ResponseStore(max_count=1000, max_bytes=10**9, max_age=3600)
+    batch = [({"id": f"resp_{i}", "output": [{"type": "message", "content": [{"type": "output_text",
+              "text": f"{i} " + "word " * 20_000, "logprobs": [{"token": "w", "logprob": -0.5}] * 500}]}]},
+              [{"role": "user", "content": "question " * 5_000}, {"role": "assistant", "content": "word " * 20_000}])
+             for i in range(40)]
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i, (response, conversation) in enumerate(batch):
+            store.put(f"owner-{i % 4}", response, conversation)
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(store) == 40 and store.total_bytes > 40 * 200_000
+    assert 0.9 <= store.total_bytes / grown <= 1.1, (store.total_bytes, grown)
+
+
+def test_a_flooding_key_through_the_server_evicts_only_its_own(gemma4_checkpoint):
+    """The attack through the real server and the openai SDK: with room for 6 responses, one bearer token's 10
+    stores leave another token's 2 readable; the flooder's own oldest went."""
+    server = start_in_process(gemma4_checkpoint, "--responses-store-max-count", "6",
+                              "--responses-store-max-count-per-key", "6")
+    try:
+        model = server.state.config.model_name
+        victim = openai.OpenAI(base_url=server.base + "/v1", api_key="victim", max_retries=0)
+        flooder = openai.OpenAI(base_url=server.base + "/v1", api_key="flooder", max_retries=0)
+        kept = [victim.responses.create(model=model, input="keep me", max_output_tokens=1).id for _ in range(2)]
+        flood = [flooder.responses.create(model=model, input="flood", max_output_tokens=1).id for _ in range(10)]
+        assert [victim.responses.retrieve(i).id for i in kept] == kept
+        for gone in flood[:6]:
+            with pytest.raises(openai.NotFoundError):
+                flooder.responses.retrieve(gone)
+        assert [flooder.responses.retrieve(i).id for i in flood[6:]] == flood[6:]
+    finally:
+        server.stop()
 
 
 # ---------------------------------------------------------------- errors and admission
@@ -280,6 +411,12 @@ def test_the_store_keeps_its_count_bytes_and_age_caps():
                                                    "arguments": "[1]"}]}, "input[1].arguments"),
     ({"input": "hi", "tool_choice": {"type": "function", "name": "nope"}, "tools": TOOLS}, "tool_choice"),
     ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]}, "input[0].tool_call_id"),
+    # An empty call_id (the document says minLength 1), on a call and on its output.
+    ({"input": [{"role": "user", "content": "x"}, {"type": "function_call", "call_id": "", "name": "f",
+                                                   "arguments": "{}"}]}, "input[1].call_id"),
+    ({"input": [{"role": "user", "content": "x"}, {"type": "function_call", "call_id": "c", "name": "f",
+                                                   "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "", "output": "1"}]}, "input[2].call_id"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "hi", "truncation": "auto"}, "truncation"),
     ({"input": [], "max_output_tokens": 4}, "input"),
@@ -291,6 +428,24 @@ def test_a_bad_request_is_a_400_naming_the_responses_field(gemma4_server, body, 
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error"
     assert error["param"] == param, r.text
+
+
+def test_metadata_past_openais_bounds_is_a_400_naming_metadata(gemma4_server, client, model):
+    """OpenAI's bounds (16 pairs, keys of 64 characters, values of 512), refused through the openai SDK's
+    `responses.create(metadata=...)`; at the bounds, the metadata is echoed and stored; the document says so."""
+    for metadata, says in (({f"k{i}": "v" for i in range(17)}, "at most 16 items"),
+                           ({"k" * 65: "v"}, "metadata keys have at most 64 characters, got one of 65"),
+                           ({"k": "v" * 513}, "metadata values have at most 512 characters, got 513 for 'k'")):
+        with pytest.raises(openai.BadRequestError) as seen:
+            client.responses.create(model=model, input="hi", max_output_tokens=1, metadata=metadata)
+        assert seen.value.body["param"] == "metadata" and says in seen.value.body["message"], seen.value.body
+    at_the_bounds = {f"{i:02d}" + "k" * 62: "v" * 512 for i in range(16)}
+    r = client.responses.create(model=model, input="hi", max_output_tokens=1, metadata=at_the_bounds)
+    assert r.metadata == at_the_bounds and client.responses.retrieve(r.id).metadata == at_the_bounds
+    document = httpx.get(gemma4_server.base + "/openapi.json", timeout=30).json()
+    declared = document["components"]["schemas"]["ResponsesRequest"]["properties"]["metadata"]
+    assert declared["maxProperties"] == 16 and declared["propertyNames"] == {"maxLength": 64}
+    assert declared["additionalProperties"] == {"type": "string", "maxLength": 512}
 
 
 def test_the_chat_checks_name_the_responses_fields():
