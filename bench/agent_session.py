@@ -1,7 +1,7 @@
 """Prefix caching on an agent-shaped session through the server, on Google's Gemma 4 chat template, with and
 without caching, thinking off and on, in one run.
 
-    python -m bench.agent_session [--users 8] [--turns 10] [--tools 7] [--rounds 1] [--quick]
+    python -m bench.agent_session [--users 8] [--turns 10] [--tools 7] [--rounds 1] [--thinking both] [--quick]
 
 The server (`python -m gemma_server` in a subprocess, CPU, float32, one torch thread, `--max-num-seqs`
 = `--users`) serves a random checkpoint of bench/engine.py's "small" config (hidden 512, 8 layers, sliding
@@ -248,17 +248,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=1, help="rounds of the four arms (medians over rounds)")
     p.add_argument("--context", type=int, default=6144)
     p.add_argument("--threads", type=int, default=1, help="the server's torch threads")
+    p.add_argument("--thinking", choices=("off", "on", "both"), default="both",
+                   help="the template's enable_thinking arms to run")
     p.add_argument("--quick", action="store_true", help="2 users x 3 turns, 3 tools")
     a = p.parse_args(argv)
     if a.quick:
         a.users, a.turns, a.tools, a.context = 2, 3, 3, 4096
+    modes = {"off": (False,), "on": (True,), "both": (False, True)}[a.thinking]
     t_start = time.perf_counter()
     failures: list[str] = []
     with tempfile.TemporaryDirectory(prefix="bench-agent.") as tmp:
         model_dir = write_checkpoint(Path(tmp))
         results: dict[tuple[bool, bool], list[dict]] = {}
         for r in range(a.rounds):
-            for thinking in (False, True):
+            for thinking in modes:
                 arms = {}
                 for caching in (False, True):
                     port = pick_port()
@@ -280,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{a.users} users x {a.turns} turns (a forced call, its result, the answer: {2 * a.turns} requests a "
           f"user), {a.tools} tools declared, Google's Gemma 4 template; medians of {a.rounds} round(s)")
     print(f"{'':<30} {'off':>10} {'on':>10} {'on/off':>8}")
-    for thinking in (False, True):
+    for thinking in modes:
         off = {k: statistics.median(f[k] for f in results[thinking, False]) for k in results[thinking, False][0]}
         on = {k: statistics.median(f[k] for f in results[thinking, True]) for k in results[thinking, True][0]}
         label = "thinking on" if thinking else "thinking off"

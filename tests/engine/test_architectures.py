@@ -13,8 +13,8 @@
 On each, 32 greedy tokens equal Transformers' and the first token's KL(hf || engine) <= 1e-5, W4A16 too
 where compressed-tensors quantizes the architecture (its "Linear" target: attention, MLP, the router's
 projection; the experts are 3D parameters, not Linear modules, and stay bfloat16); in bfloat16, read a
-token at a time, the engine is no further from float32 than Transformers' own bfloat16 run (twice its KL
-at most, as tests/engine/test_parity.py holds the E-series). A config.json as the hub ships it (no
+token at a time, the engine is no further from float32 than Transformers' own bfloat16 run (its KL times
+ck.BF16_DRIFT_FACTOR at most, as tests/engine/test_parity.py holds the E-series). A config.json as the hub ships it (no
 `per_layer_config`, `global_head_dim` and `num_global_key_value_heads` instead) gives the same geometry,
 as Transformers' own config derives it. An MoE layer's ATen calls do not depend on the number of experts.
 """
@@ -116,7 +116,8 @@ def test_greedy_tokens_and_first_token_match_transformers(arch_run, onednn):
 
 def test_bfloat16_stays_as_close_to_float32_as_transformers_own(arch_run):
     """The prompt read a token at a time (the decode step's path) in bfloat16, as test_parity.py holds the
-    E-series: the engine drifts from Transformers' float32 no more than twice Transformers' own bfloat16."""
+    E-series: the engine drifts from Transformers' float32 no further than Transformers' own bfloat16 does
+    (within ck.BF16_DRIFT_FACTOR)."""
     from transformers import DynamicCache
 
     model_dir, (_, hf_logits) = arch_run
@@ -128,7 +129,8 @@ def test_bfloat16_stays_as_close_to_float32_as_transformers_own(arch_run):
     e = gemma_engine.Engine(str(model_dir), None, like=torch.zeros(1), context=128, dtype="bfloat16",
                             packed_int4=False, prefill_chunk=1)
     hf_drift, rust_drift = kl(hf_logits[0], hf_bf16), kl(hf_logits[0], e.logits(ck.PARITY_PROMPT))
-    assert 0 < hf_drift and rust_drift <= 2 * hf_drift, f"KL from float32: engine {rust_drift:.3e}, Transformers {hf_drift:.3e}"
+    assert 0 < hf_drift and rust_drift <= ck.BF16_DRIFT_FACTOR * hf_drift, \
+        f"KL from float32: engine {rust_drift:.3e}, Transformers {hf_drift:.3e}"
 
 
 def test_a_hub_config_without_per_layer_config_gives_the_same_geometry(arch_run, tmp_path):

@@ -38,22 +38,26 @@ def test_packed_int4_reads_the_dequantized_logits_when_the_weights_are_exact_in_
     logits agree bit for bit except where the two kernels sum a row in a different order. A packing fault
     (nibble order, scale layout, group mapping) changes every weight, so it shows at every prefix.
 
-    How often the order differs is the CPU's (measured on an Intel Xeon with AMX: 5 of 64 prefix lengths
-    come out a rounding apart, and greedy decoding parts at the third token, at a top-2 margin of one
-    bfloat16 step). So the logits are compared along the dequantized path's greedy tokens, each prefix
-    read as a prompt, and one rounding does not send the two paths down different texts."""
+    How often the order differs is the CPU's kernels' (measured on an Intel Xeon with AMX: 5 of 64 prefix
+    lengths come out a rounding apart, and greedy decoding parts at the third token, at a top-2 margin of one
+    bfloat16 step; on an AMD EPYC with AVX2 only, whose int4 and bfloat16 matmuls tile the sums otherwise, 39
+    of 64, the prompt's own logits still equal). So the logits are compared along the dequantized path's
+    greedy tokens, each prefix read as a prompt, and one rounding does not send the two paths down different
+    texts; a packing fault makes every prefix differ, the prompt's first."""
     context = len(ck.PARITY_PROMPT) + ck.GENERATE_TOKENS + 1
     packed = _engine(exact_scale_dirs, kind, packed_int4=True, context=context)
     dequantized = _engine(exact_scale_dirs, kind, packed_int4=False, context=context)
     assert packed.weights()["int4"] == "packed"
-    tokens = dequantized.decode(ck.PARITY_PROMPT, ck.GENERATE_TOKENS)[0]
-    # Enough prefixes to compare: the random model may draw an eos id before GENERATE_TOKENS (in bfloat16
-    # it does at the 28th token on the emb4 checkpoint); a fault shows at every prefix.
-    assert len(tokens) >= ck.GENERATE_TOKENS // 4
+    # The dequantized path's greedy tokens, each the argmax of its own logits, past an eos id too: the random
+    # model may draw one early (in bfloat16 at the 28th token on the emb4 checkpoint on a Xeon, at the 8th on
+    # the w4a16 one on an AVX2 EPYC), and a fault shows at every prefix.
+    tokens: list[int] = []
+    for _ in range(ck.GENERATE_TOKENS):
+        tokens.append(int(dequantized.logits(ck.PARITY_PROMPT + tokens).argmax()))
     prefixes = [ck.PARITY_PROMPT + tokens[:i] for i in range(len(tokens))]
     same = [torch.equal(packed.logits(ids), dequantized.logits(ids)) for ids in prefixes]
     assert same[0], "the prompt's next-token logits differ"
-    assert sum(same) >= 3 * len(same) // 4, f"{len(same) - sum(same)} of {len(same)} prefixes differ"
+    assert sum(same) >= len(same) // 4, f"{len(same) - sum(same)} of {len(same)} prefixes differ"
     assert packed.decode(ck.PARITY_PROMPT, 1)[0] == tokens[:1]
 
 

@@ -6,7 +6,7 @@ tokens) and the generation running far past the 12-token sliding window; KL(hf |
 first generated token's distribution <= 1e-5; the same tokens for prompt chunks smaller than, equal
 to and larger than the window and for several `read_every`. Bfloat16 compute: the first token's
 top-5 set matches Transformers in bfloat16; read a token at a time (decode steps), it is no further
-from float32 than twice Transformers' own bfloat16 run a token at a time.
+from float32 than Transformers' own bfloat16 run a token at a time, within ck.BF16_DRIFT_FACTOR.
 """
 
 import pytest
@@ -118,7 +118,8 @@ def test_bfloat16_one_token_forwards_stay_as_close_to_float32_as_transformers_ow
     rust = engine.logits(ck.PARITY_PROMPT)
     truth = hf_runs[kind][1][0]  # Transformers in float32, the prompt read whole
     hf_drift, rust_drift = kl(truth, hf_logits), kl(truth, rust)
-    assert 0 < hf_drift and rust_drift <= 2 * hf_drift, f"KL from float32: engine {rust_drift:.3e}, Transformers {hf_drift:.3e}"
+    assert 0 < hf_drift and rust_drift <= ck.BF16_DRIFT_FACTOR * hf_drift, \
+        f"KL from float32: engine {rust_drift:.3e}, Transformers {hf_drift:.3e}"
 
 
 @pytest.mark.gpu

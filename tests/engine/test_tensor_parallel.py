@@ -23,8 +23,9 @@ TOKENS = 32
 # The largest logit difference from TP 1 allowed. Not 1e-5: these random models amplify float32 rounding so
 # that TP 1 differs from itself by more when only the matmul kernel changes (oneDNN against ATen's, the
 # logits in (-30, 30)): 1.4e-4 (E-series), 9.2e-4 (31B W4A16), 5.9e-4 (MoE). Measured TP 2 / TP 4 against
-# TP 1: at most 1.4e-3 (MoE, TP 4), KL(TP 1 || TP N) at most 8.2e-8.
-LOGIT_BOUND = 2e-3
+# TP 1: at most 1.4e-3 (MoE, TP 4) on an Intel Xeon with AMX, 2.6e-3 (31B W4A16, TP 4) on an AMD EPYC with
+# AVX2 only, where KL(TP 1 || TP N) was 6.5e-8 (at most 8.2e-8 anywhere).
+LOGIT_BOUND = 4e-3
 # (config, checkpoint kind, weight seed) as test_architectures.RUNS: the E-series (KV heads replicated at
 # TP 4: 2 of them), K=V with one KV head (replicated at TP 2 and 4), MoE, the 12B shape, and W4A16 (its
 # row-parallel o_proj and down_proj split by scale groups).
