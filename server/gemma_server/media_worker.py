@@ -275,6 +275,11 @@ class Worker:
         return code
 
 
+def _started(future: Future[Worker]) -> bool:
+    """Whether a worker's start has finished with a worker (not failed, not cancelled)."""
+    return future.done() and not future.cancelled() and future.exception() is None
+
+
 class Workers:
     """The server's media workers: `size` places, each with a worker (started, or starting in the background).
 
@@ -317,16 +322,9 @@ class Workers:
         """What /v1/engine shows of them: the settings, how many are ready (started, idle or in a job; a fresh
         one imports its decoders first, seconds), and how many were replaced."""
         with self._lock:
-            ready = len(self._busy) + sum(f.done() and not f.cancelled() and f.exception() is None
-                                          for f in self._idle)
+            ready = len(self._busy) + sum(map(_started, self._idle))
         return {"workers": self.size, "ready": ready, "decode_timeout": self.timeout, "worker_memory": self.memory,
                 "replaced": self.replaced}
-
-    def pids(self) -> list[int]:
-        """The process ids of the workers started and alive (tests read their memory)."""
-        with self._lock:
-            idle = [f.result() for f in self._idle if f.done() and not f.cancelled() and f.exception() is None]
-            return [w.pid for w in [*idle, *self._busy] if w.proc.poll() is None]
 
     async def decode(self, part: media.Part, data: bytes | None, limits: media.Limits, audio_used: float,
                      decoded_used: int, clip_seconds: float | None) -> media.Decoded:
@@ -396,7 +394,7 @@ class Workers:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the media workers are shut down")
-            ready = [f for f in self._idle if f.done() and not f.cancelled() and f.exception() is None]
+            ready = [f for f in self._idle if _started(f)]
             future = ready[0] if ready else (self._idle[0] if self._idle else None)
             if future is not None:
                 self._idle.remove(future)
@@ -447,7 +445,7 @@ class Workers:
         for worker in busy:
             worker.kill()
         for future in futures:
-            future.add_done_callback(lambda f: not f.cancelled() and f.exception() is None and f.result().kill())
+            future.add_done_callback(lambda f: _started(f) and f.result().kill())
         self._io.shutdown(wait=False, cancel_futures=True)
 
 

@@ -36,7 +36,8 @@ from PIL import Image
 from gemma_server import media
 from gemma_server.media_worker import Workers
 from tests import checkpoints as ck
-from tests.server.conftest import Spawned, get_status, openai_client, spawn_server, wait_for
+from tests.server.conftest import Spawned, get_status, spawn_server, wait_for
+from tests.server.test_media import refused
 
 # The guarded server's limits: scans enough to let a scan bomb reach a worker (to be stopped there), and a
 # deadline well past any real decode (a 4096 x 4096 JPEG of 100 scans decodes in 1.4 s here).
@@ -131,15 +132,6 @@ def ready(s: Spawned) -> bool:
     """Both media workers started and ready (a fresh one imports its decoders first: seconds on a busy
     machine), so a timed decode does not wait for one to start."""
     return len(workers_of(s)) == 2 and decoding(s)["ready"] == 2
-
-
-def refused(r: httpx.Response, param: str, *words: str) -> str:
-    """Assert `r` is a 400 in OpenAI's shape naming `param`, its message holding `words`; the message."""
-    assert r.status_code == 400, r.text
-    error = r.json()["error"]
-    assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", 400, param), error
-    assert all(w in error["message"] for w in words), error["message"]
-    return error["message"]
 
 
 def timed(fn, *args, **kwargs):
