@@ -10,6 +10,8 @@
 #   $(CACHE)/chat-templates      Google's Gemma 4 chat templates, from a pinned llama-cpp-python sdist
 #   $(CACHE)/base-images         Debian root filesystems for local stand-ins of the images' bases
 #                                (tests/images/base_images.py), keyed by recipe
+#   $(CACHE)/inductor            Inductor's and AOTAutograd's caches of compiled decode steps
+#                                (keyed by graph and torch version), shared by every test and bench
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -27,6 +29,7 @@ export UV_LINK_MODE := hardlink
 export CARGO_TARGET_DIR := $(CACHE)/cargo/torch-$(TORCH_VERSION)-$(PYTHON)
 export VIRTUAL_ENV := $(CURDIR)/$(VENV)
 export GEMMA_CACHE := $(CACHE)
+export TORCHINDUCTOR_CACHE_DIR ?= $(CACHE)/inductor
 
 # Stamps make a second run with nothing changed skip set-up.
 PY_STAMP     := $(VENV)/.deps-stamp

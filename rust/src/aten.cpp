@@ -8,6 +8,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/GradMode.h>
+#include <torch/library.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <cmath>
@@ -175,6 +176,37 @@ at::Tensor rms_norm_cpu(const at::Tensor &x, const std::optional<at::Tensor> &we
                             y.mutable_data_ptr<scalar_t>(), xc.numel() / d, d, static_cast<float>(eps));
   });
   return y;
+}
+
+// `rms_norm_cpu` as the dispatcher op `gemma::rms_norm`, so a dispatcher-level capture of a step (the compiled
+// step, rust/python/gemma_engine/compiling.py) records the call that eager runs, with the same arithmetic, and
+// a compiler calls it back as an extern kernel; its Meta kernel gives the output's shape to fake tensors.
+// `gemma::grouped_mm` is `at::_grouped_mm` (aten_grouped_mm says why) with a Meta kernel that takes float32.
+TORCH_LIBRARY(gemma, m) {
+  m.def("rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor");
+  m.def("grouped_mm(Tensor a, Tensor b, Tensor offs) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(gemma, CPU, m) {
+  m.impl("rms_norm", rms_norm_cpu);
+  m.impl("grouped_mm", [](const at::Tensor &a, const at::Tensor &b, const at::Tensor &offs) {
+    return at::_grouped_mm(a, b, offs);
+  });
+}
+TORCH_LIBRARY_IMPL(gemma, Meta, m) {
+  m.impl("rms_norm", [](const at::Tensor &x, const std::optional<at::Tensor> &, double) {
+    return at::empty_like(x, x.options().memory_format(at::MemoryFormat::Contiguous));
+  });
+  // [S, in] x [G, in, out] -> [S, out]
+  m.impl("grouped_mm", [](const at::Tensor &a, const at::Tensor &b, const at::Tensor &) {
+    return at::empty({a.size(0), b.size(2)}, a.options());
+  });
+}
+
+at::Tensor one_pass_rms_norm(const at::Tensor &x, const std::optional<at::Tensor> &weight, double eps) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("gemma::rms_norm", "")
+                             .typed<at::Tensor(const at::Tensor &, const std::optional<at::Tensor> &, double)>();
+  return op.call(x, weight, eps);
 }
 
 // The query rows per sequence up to which 16-bit attention on the CPU runs `few_row_attention`.
@@ -348,7 +380,19 @@ gt *aten_sum(gt *a) { RET(a->t.sum()) }
 gt *aten_sum_dim(gt *a, int64_t dim) { RET(a->t.sum(dim)) }
 gt *aten_floor_divide_int(gt *a, int64_t v) { RET(at::div(a->t, v, "floor")) }
 gt *aten_histc(gt *a, int64_t bins, double lo, double hi) { RET(at::histc(a->t, bins, lo, hi)) }
-gt *aten_grouped_mm(gt *a, gt *b, gt *offs) { RET(at::_grouped_mm(a->t, b->t, offs->t)) }
+// `at::_grouped_mm` through `gemma::grouped_mm` where its 2-D x 3-D form runs in float32 on the CPU: ATen's
+// CPU kernel takes float32, but torch 2.14's Meta kernel for `_grouped_mm` refuses it
+// (torch/_meta_registrations.py `_meta_grouped_mm_common`), which would stop a capture's fake-tensor pass.
+gt *aten_grouped_mm(gt *a, gt *b, gt *offs) {
+  PROTECT(
+      if (a->t.device().is_cpu() && a->t.scalar_type() == at::kFloat && a->t.dim() == 2 && b->t.dim() == 3) {
+        static const auto op = c10::Dispatcher::singleton()
+                                   .findSchemaOrThrow("gemma::grouped_mm", "")
+                                   .typed<at::Tensor(const at::Tensor &, const at::Tensor &, const at::Tensor &)>();
+        return box(op.call(a->t, b->t, offs->t));
+      } return box(at::_grouped_mm(a->t, b->t, offs->t));)
+  return nullptr;
+}
 
 double aten_item_double(gt *a) {
   PROTECT(return a->t.item<double>();)
@@ -368,7 +412,7 @@ gt *aten_rms_norm(gt *x, gt *weight, double eps) {
       const auto &xt = x->t;
       if (xt.device().is_cpu() && at::isFloatingType(xt.scalar_type()) && xt.dim() > 0 &&
           xt.numel() <= kOnePassNormValues) {
-        return box(rms_norm_cpu(xt, w, eps));
+        return box(one_pass_rms_norm(xt, w, eps));
       }
       return box(at::rms_norm(xt, {xt.size(-1)}, w, eps));)
   return nullptr;

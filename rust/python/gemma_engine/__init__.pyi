@@ -10,7 +10,7 @@ Tensor arguments (`like`, `a`, `b`, `t`) must be torch.Tensor: anything else is 
 """
 
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -341,6 +341,7 @@ class Engine:
         prefix_caching: bool = True,
         tensor_parallel_size: int = 1,
         shard_devices: list[torch.Tensor] | None = None,
+        compiler: Callable[[str, Callable[[], list[torch.Tensor]]], Callable[[], list[torch.Tensor]]] | None = None,
     ) -> None:
         """Load a checkpoint directory (config.json + *.safetensors).
 
@@ -397,6 +398,11 @@ class Engine:
             shard_devices: one tensor per shard naming its device, the first on `like`'s (default: every
                 shard on `like`'s device, the CPU mode the tests run); the reductions copy partial outputs
                 to `like`'s device. CUDA graphs are off when the shards span devices.
+            compiler: capture and compile each decode-step shape (gemma_engine.compiling.StepCompiler, or any
+                `compiler(step_name, run) -> replay` with a `backend_name`): a shape's first step runs
+                eagerly, its second is recorded (`run()` runs it) and compiled, later ones call `replay()`.
+                A compiler that raises leaves that shape eager (`compile_report()["fallbacks"]`). Compiled
+                steps replace the CUDA graphs.
         Raises:
             ValueError: bad config key, missing or misshapen tensor (named, with
                 the expected shape), bad dtype, context, prefill_chunk or max_batch < 1,
@@ -436,6 +442,19 @@ class Engine:
     @property
     def captured_steps(self) -> int:
         """CUDA graphs of decode steps captured so far (0 off CUDA or with cuda_graphs=False)."""
+    def reset_prefix_cache(self) -> None:
+        """Forget what every slot's rings hold (vLLM's `reset_prefix_cache`): later requests find no prefix
+        hit and take the lowest free slots (a batch of b requests then runs in bucket b)."""
+    def use_compiled(self, on: bool) -> None:
+        """Replay compiled decode steps (True) or run them eagerly (False); new shapes are captured either
+        way.
+
+        Raises:
+            ValueError: the engine was made without a compiler.
+        """
+    def compile_report(self) -> dict[str, Any] | None:
+        """{"backend": str, "active": bool, "captured": int, "fallbacks": [(step, reason)]}, or None without
+        a compiler."""
     @property
     def layer_calls(self) -> list[int]:
         """ATen calls each decoder layer made in the engine's last forward."""

@@ -5,6 +5,7 @@
 //! the engine checks them before any model code runs; the callbacks re-attach. One `From<Error> for PyErr` picks the
 //! exception class. README.md lists each Python crossing.
 
+mod compiler;
 mod functions;
 
 use std::collections::HashMap;
@@ -330,7 +331,7 @@ impl Engine {
     #[new]
     #[pyo3(signature = (model_dir, emb_dir=None, like=None, context=8192, dtype="bfloat16", prefill_chunk=256,
                         max_batch=1, packed_int4=None, cuda_graphs=true, onednn=None, grammars=None,
-                        prefix_caching=true, tensor_parallel_size=1, shard_devices=None))]
+                        prefix_caching=true, tensor_parallel_size=1, shard_devices=None, compiler=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -348,6 +349,7 @@ impl Engine {
         prefix_caching: bool,
         tensor_parallel_size: i64,
         shard_devices: Option<Vec<Bound<'_, PyAny>>>,
+        compiler: Option<Py<PyAny>>,
     ) -> PyResult<Engine> {
         let grammars = grammars.map(|g| g.get().inner.clone());
         let dtype = parse_dtype(dtype)?;
@@ -382,7 +384,9 @@ impl Engine {
                 .with_grammars(grammars)
             })
         })?;
-        Ok(Engine { inner })
+        let compiler =
+            compiler.map(|hook| Box::new(compiler::PyCompiler { hook }) as Box<dyn engine::compiled::Compiler>);
+        Ok(Engine { inner: inner.with_compiler(compiler) })
     }
 
     #[getter]
@@ -431,6 +435,33 @@ impl Engine {
     #[getter]
     fn captured_steps(&self) -> usize {
         self.inner.captured_steps()
+    }
+
+    /// Forget every slot's cached prefix (vLLM's reset_prefix_cache): the next requests take the lowest
+    /// free slots.
+    fn reset_prefix_cache(&mut self) {
+        self.inner.reset_prefix_cache();
+    }
+
+    /// Replay compiled decode steps (True) or run them eagerly (False); new shapes are captured either
+    /// way.
+    ///
+    /// Raises:
+    ///     ValueError: the engine was made without a compiler.
+    fn use_compiled(&mut self, on: bool) -> PyResult<()> {
+        Ok(self.inner.use_compiled(on)?)
+    }
+
+    /// {"backend", "active", "captured", "fallbacks": [(step, reason)]}, or None without a compiler.
+    fn compile_report<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some((backend, active, captured, fallbacks)) = self.inner.compile_report() else { return Ok(None) };
+        let d = PyDict::new(py);
+        d.set_item("backend", backend)?;
+        d.set_item("active", active)?;
+        d.set_item("captured", captured)?;
+        let f: Vec<(String, String)> = fallbacks.into_iter().map(|f| (f.step, f.reason)).collect();
+        d.set_item("fallbacks", f)?;
+        Ok(Some(d))
     }
 
     /// ATen calls each layer made in the last forward.
@@ -637,7 +668,8 @@ impl Encoder {
         pixel_values: &Bound<'py, PyAny>,
         position_ids: &Bound<'py, PyAny>,
     ) -> PyResult<Vec<Bound<'py, PyAny>>> {
-        let (pixels, positions) = (tensor_arg(pixel_values, "pixel_values")?, tensor_arg(position_ids, "position_ids")?);
+        let (pixels, positions) =
+            (tensor_arg(pixel_values, "pixel_values")?, tensor_arg(position_ids, "position_ids")?);
         let inner = &mut self.inner;
         let out = py.detach(move || no_grad(|| inner.image(&pixels, &positions)))?;
         out.iter().map(|t| t.to_python(py)).collect()

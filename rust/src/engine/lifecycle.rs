@@ -28,7 +28,8 @@ impl Engine {
         let keyed = media::keyed(&r.prompt, &r.media).into_owned();
         let reading_it = |x: &Option<Slot>| {
             x.as_ref().is_some_and(|x| {
-                matches!(x.phase, Phase::Prompt { .. }) && *media::keyed(&x.request.prompt, &x.request.media) == keyed[..]
+                matches!(x.phase, Phase::Prompt { .. })
+                    && *media::keyed(&x.request.prompt, &x.request.media) == keyed[..]
             })
         };
         let leader = self.slots.all().iter().position(reading_it);

@@ -110,7 +110,10 @@ pub fn check(media: &[Media], prompt: &[i64], hidden: i64, placeholders: &[i64])
         }
         let rows = size[0] as usize;
         if m.start < end {
-            return Err(Error::Input(format!("media[{i}] starts at {} inside the item before it (sorted, apart)", m.start)));
+            return Err(Error::Input(format!(
+                "media[{i}] starts at {} inside the item before it (sorted, apart)",
+                m.start
+            )));
         }
         if m.start + rows > prompt.len() {
             return Err(Error::Input(format!(
@@ -226,7 +229,11 @@ mod tests {
     use super::*;
 
     fn item(start: usize, rows: i64, key: u64) -> Media {
-        Media::new(start, Tensor::full(&[rows, 4], key as f64, DType::F32, &Tensor::from_i64(&[0]).unwrap()).unwrap(), key)
+        Media::new(
+            start,
+            Tensor::full(&[rows, 4], key as f64, DType::F32, &Tensor::from_i64(&[0]).unwrap()).unwrap(),
+            key,
+        )
     }
 
     #[test]

@@ -62,6 +62,7 @@
 //! Design from vLLM's `v1/core/sched/scheduler.py` (continuous batching, chunked prefill
 //! interleaved with decodes).
 
+pub mod compiled;
 pub mod grammar;
 mod lifecycle;
 pub mod media;
@@ -84,6 +85,7 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 
+use crate::engine::compiled::{Compiled, Compiler, Fallback};
 use crate::engine::grammar::{Constraint, Grammars};
 use crate::engine::media::Injection;
 use crate::engine::prefix::PrefixCache;
@@ -136,6 +138,8 @@ pub struct Engine {
     ended: Vec<Event>,
     /// Some on a CUDA device with `Settings::cuda_graphs`.
     graphs: Option<Graphs>,
+    /// Some with a compiler (`with_compiler`): decode steps captured and compiled (compiled.rs).
+    compiled: Option<Compiled>,
     /// A failure a test asked for (`inject_fault_for_tests`): where, and which request.
     fault: Option<(Fault, u64)>,
     /// The token environment grammar-constrained requests compile against (`with_grammars`).
@@ -203,6 +207,7 @@ impl Engine {
             .then(Graphs::default);
         Ok(Engine {
             graphs,
+            compiled: None,
             fault: None,
             grammars: None,
             prefix,
@@ -236,6 +241,37 @@ impl Engine {
         }
         self.grammars = grammars;
         Ok(self)
+    }
+
+    /// Capture and compile each decode step's shape with `compiler` (compiled.rs). Its compiled steps
+    /// replace the CUDA graphs of the eager path.
+    pub fn with_compiler(mut self, compiler: Option<Box<dyn Compiler>>) -> Engine {
+        self.compiled = compiler.map(Compiled::new);
+        self
+    }
+
+    /// Forget what every slot's rings hold (vLLM's `reset_prefix_cache`): later requests find no hit and take
+    /// the lowest free slots. Between runs only (`run` holds the engine).
+    pub fn reset_prefix_cache(&mut self) {
+        if let Some(p) = self.prefix.as_mut() {
+            for s in 0..self.max_batch as usize {
+                p.drop_history(s);
+            }
+        }
+    }
+
+    /// Replay compiled steps (true), or run every step eagerly while still capturing new shapes
+    /// (false): the way a caller times both. An error without a compiler.
+    pub fn use_compiled(&mut self, on: bool) -> Result<()> {
+        let c = self.compiled.as_mut().ok_or_else(|| Error::Input("this engine has no compiler".into()))?;
+        c.active = on;
+        Ok(())
+    }
+
+    /// The compiled path's state: backend, whether replays are on, keys compiled, and the keys that
+    /// fell back to eager with why. None without a compiler.
+    pub fn compile_report(&self) -> Option<(String, bool, usize, Vec<Fallback>)> {
+        self.compiled.as_ref().map(|c| (c.backend(), c.active, c.captured(), c.fallbacks().to_vec()))
     }
 
     pub fn config(&self) -> &Config {
@@ -408,7 +444,8 @@ impl Engine {
         let rows = Rows::one(slot);
         let Some(k) = prompt_k else {
             let output = if end == n { Output::Logits } else { Output::Nothing };
-            let logits = self.model.forward(&mut self.cache, rows, &ids, &pos, &Liveness::AllLive, fill, output, inject)?;
+            let logits =
+                self.model.forward(&mut self.cache, rows, &ids, &pos, &Liveness::AllLive, fill, output, inject)?;
             return Ok((logits, end - done, None));
         };
         let hidden = self
@@ -556,10 +593,11 @@ impl Engine {
             // Outside the step (and its CUDA graph): the graph reads the device buffer this fills.
             self.sampler.upload_masks(0, b)?;
         }
-        let Engine { model, cache, sampler, slots, graphs, like, .. } = self;
-        let chosen = match graphs {
-            None => step(model, cache, sampler, slots, key)?,
-            Some(g) => g.step(key, like, || step(model, cache, sampler, slots, key))?,
+        let Engine { model, cache, sampler, slots, graphs, compiled, like, .. } = self;
+        let chosen = match (compiled, graphs) {
+            (Some(c), _) => c.step(key, || step(model, cache, sampler, slots, key))?,
+            (None, None) => step(model, cache, sampler, slots, key)?,
+            (None, Some(g)) => g.step(key, like, || step(model, cache, sampler, slots, key))?,
         };
         self.drawn.push(Drawn { chosen, rows: rows.to_vec() });
         self.stepped = true;

@@ -361,7 +361,11 @@ impl Slots {
     pub(super) fn advance(&mut self, b: i64, tokens: &Tensor, padded: bool) -> Result<()> {
         let v = self.views(b)?;
         v.next.copy_(tokens)?;
-        if padded { v.positions.add_(&v.live)? } else { v.positions.add_int_(1)? }
+        if padded {
+            v.positions.add_(&v.live)?
+        } else {
+            v.positions.add_int_(1)?
+        }
         let go_on = v.keep.gather(1, &tokens.reshape(&[b, 1])?)?;
         v.live2.copy_(&v.live2.logical_and(&go_on)?)
     }

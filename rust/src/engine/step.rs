@@ -32,6 +32,28 @@ pub(super) struct StepKey {
     pub(super) stages: Stages,
 }
 
+impl std::fmt::Display for StepKey {
+    /// `decode b=4 padded greedy`, `decode b=1 draw+grammar+logprobs5`: the name a captured step
+    /// goes by in logs and `/v1/engine`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = self.stages;
+        let mut parts: Vec<String> = [
+            (s.bias, "bias"),
+            (s.repetition, "repetition"),
+            (s.presence_frequency, "presence_frequency"),
+            (s.draw, "draw"),
+            (s.grammar, "grammar"),
+        ]
+        .iter()
+        .filter(|(on, _)| *on)
+        .map(|(_, name)| name.to_string())
+        .collect();
+        parts.extend(s.logprobs.map(|k| format!("logprobs{k}")));
+        let stages = if parts.is_empty() { "greedy".to_string() } else { parts.join("+") };
+        write!(f, "decode b={}{} {stages}", self.b, if self.padded { " padded" } else { "" })
+    }
+}
+
 /// A decode step's inputs for slots `0..b`: views of the slots' device tensors (`Slots`).
 pub(super) struct StepViews {
     /// The bucket: slots `0..b`.

@@ -375,7 +375,11 @@ impl Config {
                 .into_iter()
                 .filter_map(|(tower, id)| tower.map(|_| id))
                 .collect(),
-            pad_mapped_ids: if get(root, "text_config").is_some() { vec![ids.image, ids.video, ids.audio] } else { vec![] },
+            pad_mapped_ids: if get(root, "text_config").is_some() {
+                vec![ids.image, ids.video, ids.audio]
+            } else {
+                vec![]
+            },
             bidirectional_ids: if get(m, "use_bidirectional_attention").and_then(|v| v.as_str()) == Some("vision") {
                 vec![ids.image, ids.video]
             } else {
@@ -418,7 +422,8 @@ impl MediaIds {
 
 /// `path` read as JSON (a config.json).
 pub fn read_json(path: &Path) -> Result<Value> {
-    let text = std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.display().to_string(), source })?;
+    let text =
+        std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.display().to_string(), source })?;
     serde_json::from_str(&text).map_err(|e| Error::Format { path: path.display().to_string(), msg: e.to_string() })
 }
 

@@ -24,21 +24,27 @@ use crate::tensor::{DType, Tensor};
 fn int_or(m: &Map<String, Value>, section: &str, key: &str, default: i64) -> Result<i64> {
     match get(m, key) {
         None => Ok(default),
-        Some(v) => v.as_i64().ok_or_else(|| Error::config(format!("{section}.{key}"), format!("must be an integer, got {v}"))),
+        Some(v) => {
+            v.as_i64().ok_or_else(|| Error::config(format!("{section}.{key}"), format!("must be an integer, got {v}")))
+        }
     }
 }
 
 fn float_or(m: &Map<String, Value>, section: &str, key: &str, default: f64) -> Result<f64> {
     match get(m, key) {
         None => Ok(default),
-        Some(v) => v.as_f64().ok_or_else(|| Error::config(format!("{section}.{key}"), format!("must be a number, got {v}"))),
+        Some(v) => {
+            v.as_f64().ok_or_else(|| Error::config(format!("{section}.{key}"), format!("must be a number, got {v}")))
+        }
     }
 }
 
 fn bool_or(m: &Map<String, Value>, section: &str, key: &str, default: bool) -> Result<bool> {
     match get(m, key) {
         None => Ok(default),
-        Some(v) => v.as_bool().ok_or_else(|| Error::config(format!("{section}.{key}"), format!("must be true or false, got {v}"))),
+        Some(v) => v
+            .as_bool()
+            .ok_or_else(|| Error::config(format!("{section}.{key}"), format!("must be true or false, got {v}"))),
     }
 }
 
@@ -69,12 +75,18 @@ impl VisionConfig {
         let s = "vision_config";
         let act = str_or(m, "hidden_activation", "gelu_pytorch_tanh");
         if act != "gelu_pytorch_tanh" {
-            return Err(Error::config(format!("{s}.hidden_activation"), format!("{act:?} is not supported (gelu_pytorch_tanh)")));
+            return Err(Error::config(
+                format!("{s}.hidden_activation"),
+                format!("{act:?} is not supported (gelu_pytorch_tanh)"),
+            ));
         }
         let rope = get(m, "rope_parameters").and_then(|v| v.as_object());
         let rope_type = rope.and_then(|r| r.get("rope_type")).and_then(|v| v.as_str()).unwrap_or("axial");
         if rope_type != "axial" {
-            return Err(Error::config(format!("{s}.rope_parameters.rope_type"), format!("{rope_type:?} is not supported (axial)")));
+            return Err(Error::config(
+                format!("{s}.rope_parameters.rope_type"),
+                format!("{rope_type:?} is not supported (axial)"),
+            ));
         }
         let rope_theta = rope.and_then(|r| r.get("rope_theta")).and_then(|v| v.as_f64()).unwrap_or(100.0);
         let hidden_size = int_or(m, s, "hidden_size", 768)?;
@@ -101,7 +113,10 @@ impl VisionConfig {
             ));
         }
         if cfg.head_dim % 4 != 0 {
-            return Err(Error::config(format!("{s}.head_dim"), format!("must be a multiple of 4 (2-D RoPE), got {}", cfg.head_dim)));
+            return Err(Error::config(
+                format!("{s}.head_dim"),
+                format!("must be a multiple of 4 (2-D RoPE), got {}", cfg.head_dim),
+            ));
         }
         Ok(cfg)
     }
@@ -139,7 +154,12 @@ impl AudioConfig {
             None => [128, 32],
             Some(v) => match v.as_array().map(|a| a.iter().filter_map(|x| x.as_i64()).collect::<Vec<_>>()).as_deref() {
                 Some(&[a, b]) => [a, b],
-                _ => return Err(Error::config(format!("{s}.subsampling_conv_channels"), format!("must be two integers, got {v}"))),
+                _ => {
+                    return Err(Error::config(
+                        format!("{s}.subsampling_conv_channels"),
+                        format!("must be two integers, got {v}"),
+                    ));
+                }
             },
         };
         Ok(AudioConfig {
@@ -258,7 +278,9 @@ impl Encoder {
         let h = text_cfg.hidden_size;
         let w = Weights::open_media(model_dir, text_cfg.quant.clone(), like.shallow_clone()?, dtype)?;
         let vision = match &cfg.vision {
-            Some(v) => Some((VisionTower::load(&w, v)?, Embedder::load(&w, "embed_vision", v.hidden_size, h, v.rms_norm_eps)?)),
+            Some(v) => {
+                Some((VisionTower::load(&w, v)?, Embedder::load(&w, "embed_vision", v.hidden_size, h, v.rms_norm_eps)?))
+            }
             None => None,
         };
         let audio = match &cfg.audio {
@@ -287,7 +309,10 @@ impl Encoder {
     /// `position_ids` `[n, patches, 2]` (x, y; padding patches -1), as Gemma4ImageProcessor makes them.
     /// One `[soft_i, text_hidden]` tensor per image, in the compute dtype on the encoder's device.
     pub fn image(&self, pixel_values: &Tensor, position_ids: &Tensor) -> Result<Vec<Tensor>> {
-        let (tower, embedder) = self.vision.as_ref().ok_or_else(|| Error::Input("this checkpoint has no vision tower: it does not take images".into()))?;
+        let (tower, embedder) = self
+            .vision
+            .as_ref()
+            .ok_or_else(|| Error::Input("this checkpoint has no vision tower: it does not take images".into()))?;
         let pixels = pixel_values.to_like(&self.like, DType::F32)?;
         let positions = position_ids.to_like(&self.like, DType::I64)?;
         let host_positions = position_ids.to_dtype(DType::I64)?;
@@ -299,7 +324,10 @@ impl Encoder {
     /// frame), as Gemma4AudioFeatureExtractor makes them. One `[soft_i, text_hidden]` tensor per clip (its
     /// valid soft tokens), in the compute dtype on the encoder's device.
     pub fn audio(&self, features: &Tensor, mask: &Tensor) -> Result<Vec<Tensor>> {
-        let (tower, embedder) = self.audio.as_ref().ok_or_else(|| Error::Input("this checkpoint has no audio tower: it does not take audio".into()))?;
+        let (tower, embedder) = self
+            .audio
+            .as_ref()
+            .ok_or_else(|| Error::Input("this checkpoint has no audio tower: it does not take audio".into()))?;
         let features = features.to_like(&self.like, self.dtype)?;
         let mask = mask.to_like(&self.like, DType::Bool)?;
         let (hidden, out_mask) = tower.forward(&features, &mask)?;

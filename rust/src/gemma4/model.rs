@@ -12,8 +12,8 @@
 //! products the reference makes per token), and as lm_head is linear, the final norm's weight
 //! carries the softcap's 1 / cap and, when lm_head is that (tied) table, 1 / sqrt(H).
 
-use crate::error::{Error, Result};
 use crate::engine::media::Injection;
+use crate::error::{Error, Result};
 use crate::ffi::aten_calls;
 use crate::gemma4::attention::{Attended, Fill, Liveness, Plan, Positions};
 use crate::gemma4::cache::Rows;

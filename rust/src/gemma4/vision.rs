@@ -58,7 +58,14 @@ impl VisionLayer {
     }
 
     /// `x` `[n * P, H]`; `rope` (cos, sin) `[n, P, 1, d]`; `mask` bool `[n, 1, 1, P]` (true: a real patch).
-    fn forward(&self, x: &Tensor, cfg: &VisionConfig, shape: (i64, i64), rope: &(Tensor, Tensor), mask: &Tensor) -> Result<Tensor> {
+    fn forward(
+        &self,
+        x: &Tensor,
+        cfg: &VisionConfig,
+        shape: (i64, i64),
+        rope: &(Tensor, Tensor),
+        mask: &Tensor,
+    ) -> Result<Tensor> {
         let (n, p) = shape;
         let d = cfg.head_dim;
         let heads = |t: Tensor, count: i64| t.reshape(&[n, p, count, d]);
@@ -170,7 +177,9 @@ impl VisionTower {
         }
         let limit = self.cfg.position_embedding_size;
         if let Some(bad) = pos.iter().find(|&&v| v < -1 || v >= limit) {
-            return Err(Error::Input(format!("a patch position is {bad}; positions must be in [0, {limit}) or -1 for padding")));
+            return Err(Error::Input(format!(
+                "a patch position is {bad}; positions must be in [0, {limit}) or -1 for padding"
+            )));
         }
         Ok(())
     }
@@ -213,7 +222,8 @@ impl VisionTower {
             let (weights, kept) = pooling_weights(&pos[(i * p * 2) as usize..((i + 1) * p * 2) as usize], k, length);
             let w = Tensor::from_f32(&weights, &[length, p])?.to_like(x, DType::F32)?;
             let pooled = w.matmul(&x.narrow(0, i, 1)?.reshape(&[p, self.cfg.hidden_size])?.to_dtype(DType::F32)?)?;
-            let pooled = pooled.to_dtype(self.dtype)?.to_dtype(DType::F32)?.mul_scalar((self.cfg.hidden_size as f64).sqrt())?;
+            let pooled =
+                pooled.to_dtype(self.dtype)?.to_dtype(DType::F32)?.mul_scalar((self.cfg.hidden_size as f64).sqrt())?;
             let index = Tensor::from_i64(&kept)?.to_like(x, DType::I64)?;
             let pooled = pooled.index_select(0, &index)?;
             let pooled = match &self.standardize {

@@ -1,0 +1,220 @@
+"""The compiled decode step: the Rust model's ATen calls recorded at the dispatcher and compiled.
+
+`Engine(..., compiler=StepCompiler("inductor"))` makes the engine hand each decode-step shape to
+the compiler once (rust/src/engine/compiled.rs says when). The compiler
+
+1. runs the eager step under `torch.fx.experimental.proxy_tensor.make_fx` (a TorchDispatchMode, so
+   it records the ATen calls the engine's C++ shim makes, with the GIL released or not, exactly as
+   it records Python's), which gives an FX graph of ATen ops;
+2. makes every tensor the step touched but did not create (weights, the KV rings, the slots' tokens
+   and positions, the sampler's state, the grammar masks; make_fx records them as constants) an
+   input of the graph (`lift_constants`): one input per storage, the whole storage flat, and each
+   tensor re-made from it by narrow / view / select / permute / unsqueeze / expand, the views
+   functionalization can follow, so in-place writes to the cache are writes to an input;
+3. hands the graph and those inputs to a dynamo backend by name (`torch._dynamo.lookup_backend`:
+   "inductor" on CUDA and the CPU, "tpu" once torch_tpu is imported), the contract every backend
+   keeps (`backend(gm, example_inputs) -> callable`), and returns a zero-argument callable that runs
+   the compiled step on the same tensors.
+
+Nothing a request writes is baked in: the step's host values are its shape key (bucket, padding,
+sampling stages), and every tensor it reads is an input read at each call.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("inductor", "tpu")
+
+_aten = torch.ops.aten
+_VIEW_OPS = {
+    "narrow": _aten.narrow.default,
+    "view": _aten.view.default,
+    "select": _aten.select.int,
+    "permute": _aten.permute.default,
+    "unsqueeze": _aten.unsqueeze.default,
+    "squeeze": _aten.squeeze.dim,
+    "expand": _aten.expand.default,
+}
+
+
+def view_chain(size: list[int], stride: list[int], offset: int, numel: int) -> list[tuple[str, tuple]]:
+    """The view ops that make the tensor (size, stride, storage offset) from a flat `[numel]` base.
+
+    Works for every view made by narrowing, selecting, permuting, reshaping a contiguous region,
+    unsqueezing and expanding: strides that nest (each divides the next larger one). Raises
+    ValueError for any other layout (the capture then falls back to eager with that reason).
+    """
+    if any(s == 0 for s in size):
+        raise ValueError(f"an empty tensor {size} cannot be re-made from its storage")
+    real = [d for d in range(len(size)) if size[d] != 1 and stride[d] != 0]
+    order = sorted(real, key=lambda d: -stride[d])
+    st = [stride[d] for d in order]
+    sz = [size[d] for d in order]
+    if order:
+        for a, b in zip(st, st[1:], strict=False):
+            if a % b or a == b:
+                raise ValueError(f"strides {stride} do not nest")
+        inner = st[-1]
+        parent = [sz[0]] + [a // b for a, b in zip(st, st[1:], strict=False)] + ([inner] if inner > 1 else [])
+        rest = offset % st[0]
+        start0 = offset - rest
+        starts = [0]
+        for s in st[1:] + ([1] if inner > 1 else []):
+            starts.append(rest // s)
+            rest %= s
+        span = sz[0] * st[0]
+        if start0 + span > numel:
+            raise ValueError(f"a view {size} at offset {offset} runs past its storage of {numel} elements")
+        ops: list[tuple[str, tuple]] = [("narrow", (0, start0, span)), ("view", (parent,))]
+        for j in range(1, len(parent)):
+            size_j = sz[j] if j < len(sz) else 1
+            if starts[j] + size_j > parent[j]:
+                raise ValueError(f"a view {size} with strides {stride} does not nest in its storage")
+            if (starts[j], size_j) != (0, parent[j]):
+                ops.append(("narrow", (j, starts[j], size_j)))
+        if inner > 1:
+            ops.append(("select", (len(parent) - 1, 0)))
+        perm = sorted(range(len(order)), key=lambda i: order[i])
+        if perm != list(range(len(order))):
+            ops.append(("permute", (perm,)))
+    else:
+        ops = [("narrow", (0, offset, 1)), ("squeeze", (0,))]
+    ops += [("unsqueeze", (d,)) for d in range(len(size)) if d not in real]
+    if any(stride[d] == 0 and size[d] != 1 for d in range(len(size))):
+        ops.append(("expand", (list(size),)))
+    return ops
+
+
+def lift_constants(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
+    """Turn the graph's tensor constants into inputs, in place; returns the inputs, in order.
+
+    One input per (storage, dtype): the storage's whole extent as a flat tensor; each constant
+    becomes the chain of views (`view_chain`) of its input that it was of its storage.
+    """
+    graph = gm.graph
+    # oneDNN's packed weights (opaque, no storage to view) stay constants: they never change, and
+    # Inductor lowers `mkldnn._linear_pointwise` only over a constant weight, as its freezing makes.
+    attrs = [n for n in graph.nodes if n.op == "get_attr" and not getattr(gm, n.target).is_mkldnn]
+    first = next(iter(graph.nodes))
+    inputs: list[torch.Tensor] = []
+    bases: dict[tuple, torch.fx.Node] = {}
+
+    def key(t: torch.Tensor) -> tuple:
+        return (t.untyped_storage().data_ptr(), t.dtype, t.device)
+
+    for node in attrs:
+        t = getattr(gm, node.target)
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"constant {node.target} is a {type(t).__name__}, not a tensor")
+        if key(t) not in bases:
+            with graph.inserting_before(first):
+                bases[key(t)] = graph.placeholder(f"input{len(inputs)}")
+            inputs.append(t.as_strided((_numel(t),), (1,), 0))
+    for node in attrs:
+        t = getattr(gm, node.target)
+        x = bases[key(t)]
+        with graph.inserting_before(node):
+            for name, args in view_chain(list(t.size()), list(t.stride()), t.storage_offset(), _numel(t)):
+                x = graph.call_function(_VIEW_OPS[name], (x, *args))
+        node.replace_all_uses_with(x)
+        graph.erase_node(node)
+    for target in {n.target for n in attrs}:
+        delattr(gm, target)
+    graph.lint()
+    gm.recompile()
+    return inputs
+
+
+def _numel(t: torch.Tensor) -> int:
+    """Elements of `t`'s dtype its storage holds."""
+    return t.untyped_storage().nbytes() // t.element_size()
+
+
+def capture(run: Callable[[], list[torch.Tensor]]) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
+    """Run `run` once, recorded at the dispatcher; the graph (constants lifted) and its inputs."""
+    gm = make_fx(run, tracing_mode="real")()
+    return gm, lift_constants(gm)
+
+
+@dataclass
+class StepCompiler:
+    """The engine's compiler hook (`Engine(compiler=...)`): records a step and compiles it.
+
+    `backend` is a dynamo backend, by name ("inductor"; "tpu" after `import torch_tpu`) or itself. `clone_outputs`
+    copies a replay's outputs (Inductor's CUDA graphs reuse their output memory at the next replay;
+    the engine keeps a step's tokens until the next read point).
+    """
+
+    backend: str | Callable = "inductor"
+    clone_outputs: bool = False
+    options: dict = field(default_factory=dict)
+    #: (step name, compile seconds) of each compile, in order.
+    compiled: list[tuple[str, float]] = field(default_factory=list)
+    #: The graphs handed to the backend, by step name (kept for tests and debugging).
+    graphs: dict[str, torch.fx.GraphModule] = field(default_factory=dict)
+    #: (step name, reason) of each capture or compile that failed, in order.
+    fallbacks: list[tuple[str, str]] = field(default_factory=list)
+    #: Called as on_fallback(step name, reason) when a capture or compile fails (the engine then runs that
+    #: step eagerly): a metric's hook.
+    on_fallback: Callable[[str, str], None] | None = None
+
+    @property
+    def backend_name(self) -> str:
+        return self.backend if isinstance(self.backend, str) else self.backend.__name__
+
+    def __call__(self, name: str, run: Callable[[], list[torch.Tensor]]) -> Callable[[], list[torch.Tensor]]:
+        started = time.perf_counter()
+        try:
+            gm, inputs = capture(run)
+            self.graphs[name] = gm
+            compiled = self.compile(gm, inputs)
+        except Exception as e:
+            reason = f"{type(e).__name__}: {e}"
+            log.warning("step %s runs eagerly: its capture or compile failed: %s", name, reason)
+            self.fallbacks.append((name, reason))
+            if self.on_fallback is not None:
+                self.on_fallback(name, reason)
+            raise
+        self.compiled.append((name, time.perf_counter() - started))
+        log.info("compiled %s with %s in %.1f s (%d inputs)", name, self.backend_name, self.compiled[-1][1], len(inputs))
+        clone = self.clone_outputs
+
+        def replay() -> list[torch.Tensor]:
+            out = compiled(*inputs)
+            return [t.clone() for t in out] if clone else list(out)
+
+        return replay
+
+    def describe(self) -> dict:
+        """{"backend", "compiled": [(step, seconds)], "fallbacks": [(step, reason)]}: safe to read from any
+        thread while the engine runs."""
+        return {"backend": self.backend_name, "compiled": [(n, round(t, 3)) for n, t in list(self.compiled)],
+                "fallbacks": list(self.fallbacks)}
+
+    def compile(self, gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Callable:
+        """`backend(gm, inputs)` inside a tracing context whose fake mode has a ShapeEnv, as dynamo calls a
+        backend (Inductor's FX graph cache and AOTAutograd's cache are bypassed without one, so every restart
+        would compile again); `options` patch Inductor's config for the call (e.g. "triton.cudagraphs")."""
+        from torch._guards import TracingContext, tracing
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        backend = torch._dynamo.lookup_backend(self.backend)
+        with tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv()))):
+            if self.options and self.backend == "inductor":
+                import torch._inductor.config as inductor_config
+
+                with inductor_config.patch(self.options):
+                    return backend(gm, inputs)
+            if self.options:
+                return backend(gm, inputs, options=self.options)
+            return backend(gm, inputs)

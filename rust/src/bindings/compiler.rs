@@ -1,0 +1,93 @@
+//! The engine's `Compiler` over a Python object (`gemma_engine.compiling.StepCompiler`): the engine
+//! hands it the eager step as a Python callable; it records the step at the dispatcher, compiles it,
+//! and returns a zero-argument callable that replays it.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyCFunction, PyList, PyTuple};
+
+use crate::engine::compiled::{Compiler, Replay};
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+
+/// `hook(name, run) -> replay`, with `hook.backend_name` its backend's name.
+pub struct PyCompiler {
+    pub hook: Py<PyAny>,
+}
+
+struct PyReplay(Py<PyAny>);
+
+type Eager = dyn FnMut() -> Result<Vec<Tensor>>;
+
+/// The eager step, reachable from Python only while `capture` runs (`alive`).
+struct EagerPtr(*mut Eager);
+
+// SAFETY: the pointer is used only on the thread that made it (the engine's, inside `capture`, where
+// the hook calls `run` synchronously); `alive` turns false before the closure it points to ends.
+unsafe impl Send for EagerPtr {}
+// SAFETY: as for Send: one thread, while `alive`.
+unsafe impl Sync for EagerPtr {}
+
+impl EagerPtr {
+    /// SAFETY: only while the capture that made it runs, on its thread.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn eager(&self) -> &mut Eager {
+        // SAFETY: the caller's contract.
+        unsafe { &mut *self.0 }
+    }
+}
+
+fn callback(e: impl std::fmt::Display) -> Error {
+    Error::Callback(e.to_string())
+}
+
+fn tensors(list: &Bound<'_, PyAny>) -> Result<Vec<Tensor>> {
+    let list = list.cast::<PyList>().map_err(|e| callback(format!("a compiled step must return a list: {e}")))?;
+    list.iter().map(|t| Tensor::from_python(&t)).collect()
+}
+
+impl Compiler for PyCompiler {
+    fn capture(&mut self, name: &str, eager: &mut dyn FnMut() -> Result<Vec<Tensor>>) -> Result<Box<dyn Replay>> {
+        let alive = Arc::new(AtomicBool::new(true));
+        let short: *mut (dyn FnMut() -> Result<Vec<Tensor>> + '_) = eager;
+        // SAFETY: only the lifetime is erased; `alive` guards every use (see EagerPtr).
+        let ptr = EagerPtr(unsafe {
+            std::mem::transmute::<*mut (dyn FnMut() -> Result<Vec<Tensor>> + '_), *mut Eager>(short)
+        });
+        let guard = alive.clone();
+        let replay = Python::attach(|py| -> PyResult<Py<PyAny>> {
+            let run = PyCFunction::new_closure(py, None, None, move |args: &Bound<'_, PyTuple>, _kwargs| {
+                if !guard.load(Ordering::SeqCst) {
+                    return Err(PyRuntimeError::new_err("a captured step's eager run was called after its capture"));
+                }
+                // SAFETY: `capture` is still on the stack (guard), on this thread.
+                let eager = unsafe { ptr.eager() };
+                let out = eager().map_err(PyErr::from)?;
+                let py = args.py();
+                let list = out.iter().map(|t| t.to_python(py)).collect::<PyResult<Vec<_>>>()?;
+                Ok(PyList::new(py, list)?.unbind())
+            })?;
+            self.hook.call1(py, (name, run))
+        });
+        alive.store(false, Ordering::SeqCst);
+        Ok(Box::new(PyReplay(replay.map_err(callback)?)))
+    }
+
+    fn backend(&self) -> String {
+        Python::attach(|py| {
+            self.hook
+                .getattr(py, "backend_name")
+                .and_then(|b| b.extract::<String>(py))
+                .unwrap_or_else(|e| format!("<{e}>"))
+        })
+    }
+}
+
+impl Replay for PyReplay {
+    fn call(&self) -> Result<Vec<Tensor>> {
+        Python::attach(|py| tensors(self.0.call0(py).map_err(callback)?.bind(py)))
+    }
+}

@@ -1,0 +1,147 @@
+//! The compiled decode step: each `StepKey`'s ATen calls recorded once at the dispatcher and replayed
+//! through a compiled callable (Inductor on CUDA and the CPU, torch_tpu's `tpu` backend on a TPU).
+//!
+//! The Rust model stays the one source of the computation. A `Compiler` (the Python side,
+//! `gemma_engine.compiling.StepCompiler`, passed in through the bindings) runs the eager step once
+//! under PyTorch's dispatcher-level tracing (`torch.fx.experimental.proxy_tensor.make_fx`, a
+//! TorchDispatchMode, which sees the calls the C++ shim makes as it sees Python's), turns every
+//! tensor the step touched but did not create into an input of the graph, and hands the graph to the
+//! device's compiler. A step reads only tensors that live as long as the engine and host values fixed
+//! by its key (the contract the CUDA graphs of step.rs already keep), so the graph's inputs are the
+//! same tensors at every call and nothing a request wrote is baked into it.
+//!
+//! Per key: the first step runs eagerly (it makes the lazily built views and buffers, as a CUDA
+//! graph's warm-up does), the second is captured (it runs, recorded, and returns its own result), and
+//! later ones replay. A capture that fails leaves that key eager for good, with its reason kept
+//! (`Compiled::fallbacks`) for the caller to log and count; it never fails a request.
+
+use std::collections::{HashMap, HashSet};
+
+use crate::engine::sampling::Chosen;
+use crate::engine::step::StepKey;
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+
+/// A replayable compiled step: each call runs the step's device work once and returns its outputs.
+pub trait Replay: Send {
+    fn call(&self) -> Result<Vec<Tensor>>;
+}
+
+/// Records and compiles a step.
+pub trait Compiler: Send {
+    /// Run `eager` once under dispatcher-level tracing and compile what it recorded. `eager` must be
+    /// called exactly once; an error it returns is returned from here unchanged.
+    fn capture(&mut self, name: &str, eager: &mut dyn FnMut() -> Result<Vec<Tensor>>) -> Result<Box<dyn Replay>>;
+
+    /// The backend's name, as `/v1/engine` shows it ("inductor", "tpu", ...).
+    fn backend(&self) -> String;
+}
+
+/// Why a key runs eagerly although compiling is on.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Fallback {
+    pub step: String,
+    pub reason: String,
+}
+
+pub struct Compiled {
+    compiler: Box<dyn Compiler>,
+    seen: HashSet<StepKey>,
+    replays: HashMap<StepKey, Box<dyn Replay>>,
+    failed: HashSet<StepKey>,
+    fallbacks: Vec<Fallback>,
+    /// Replay captured keys (true) or run every step eagerly (false; captures still happen).
+    pub(super) active: bool,
+}
+
+impl Compiled {
+    pub fn new(compiler: Box<dyn Compiler>) -> Compiled {
+        Compiled {
+            compiler,
+            seen: HashSet::new(),
+            replays: HashMap::new(),
+            failed: HashSet::new(),
+            fallbacks: Vec::new(),
+            active: true,
+        }
+    }
+
+    /// The step of `key`, whose device work `eager` does: run, captured, or replayed (module docs).
+    pub(super) fn step(&mut self, key: StepKey, mut eager: impl FnMut() -> Result<Chosen>) -> Result<Chosen> {
+        if let Some(replay) = self.replays.get(&key).filter(|_| self.active) {
+            return from_outputs(replay.call()?, key.stages.logprobs.is_some());
+        }
+        if self.seen.insert(key) || self.failed.contains(&key) || self.replays.contains_key(&key) {
+            return eager();
+        }
+        let mut ran: Option<Result<Chosen>> = None;
+        let captured = self.compiler.capture(&key.to_string(), &mut || {
+            let chosen = eager();
+            let outputs = match &chosen {
+                Ok(c) => Ok(to_outputs(c)?),
+                Err(e) => Err(Error::Internal(e.to_string())),
+            };
+            ran = Some(chosen);
+            outputs
+        });
+        match (captured, ran) {
+            // The step itself failed: the same error an eager step would give.
+            (_, Some(Err(e))) => Err(e),
+            (Ok(replay), Some(Ok(chosen))) => {
+                self.replays.insert(key, replay);
+                Ok(chosen)
+            }
+            (Err(e), ran) => {
+                self.failed.insert(key);
+                self.fallbacks.push(Fallback { step: key.to_string(), reason: e.to_string() });
+                match ran {
+                    Some(r) => r,
+                    // Tracing stopped the step part way: its writes so far (this position's keys) are
+                    // the ones the eager run repeats, and nothing else moved (slots and sampler advance
+                    // last), so running it again is the step.
+                    None => eager(),
+                }
+            }
+            (Ok(_), None) => Err(Error::Internal(format!("the compiler never ran step {key}"))),
+        }
+    }
+
+    /// Keys captured and compiled so far.
+    pub fn captured(&self) -> usize {
+        self.replays.len()
+    }
+
+    pub fn fallbacks(&self) -> &[Fallback] {
+        &self.fallbacks
+    }
+
+    pub fn backend(&self) -> String {
+        self.compiler.backend()
+    }
+}
+
+/// `Chosen` as a graph's outputs: the tokens, then the three log-probability tensors when asked.
+fn to_outputs(c: &Chosen) -> Result<Vec<Tensor>> {
+    let mut out = vec![c.tokens.shallow_clone()?];
+    if let Some((a, b, d)) = &c.logprobs {
+        out.extend([a.shallow_clone()?, b.shallow_clone()?, d.shallow_clone()?]);
+    }
+    Ok(out)
+}
+
+fn from_outputs(mut out: Vec<Tensor>, logprobs: bool) -> Result<Chosen> {
+    let want = if logprobs { 4 } else { 1 };
+    if out.len() != want {
+        return Err(Error::Internal(format!("a compiled step returned {} tensors, expected {want}", out.len())));
+    }
+    let logprobs = if logprobs {
+        let d = out.pop();
+        let b = out.pop();
+        let a = out.pop();
+        a.zip(b).zip(d).map(|((a, b), d)| (a, b, d))
+    } else {
+        None
+    };
+    let tokens = out.pop().ok_or_else(|| Error::Internal("a compiled step returned no tokens".into()))?;
+    Ok(Chosen { tokens, logprobs })
+}

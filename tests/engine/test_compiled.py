@@ -1,0 +1,238 @@
+"""The compiled decode step (rust/src/engine/compiled.rs, rust/python/gemma_engine/compiling.py): the Rust
+model's step recorded at the dispatcher and compiled by Inductor, against the same engine run eagerly.
+
+A captured step is replayed for other requests, slots, positions and sampling parameters than the ones it
+was recorded with, so equal tokens across a busy scripted run (staggered arrivals, a seeded sampled request
+with log-probabilities, a second turn resumed from the first's cache, a grammar-constrained request) are the
+proof that nothing a request wrote was baked into the graph. Both engines multiply with ATen's matmul
+(`onednn=False`): a compiled engine on the CPU does (README "Compiled step").
+"""
+
+import json
+
+import jsonschema
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+import gemma_engine
+from gemma_engine.compiling import StepCompiler, capture, view_chain
+from tests import checkpoints as ck
+from tests.checkpoints import FULL, SLIDING
+from tests.engine.test_architectures import CONFIGS
+from tests.engine.test_batching import PROMPTS, Script
+
+CONTEXT = 128
+# float32, compiled against eager: Inductor reorders reductions, and a capture takes ATen's RMSNorm where
+# eager takes the shim's one-pass kernel (rust/src/aten.cpp). Relative past a magnitude of 1: the 31B-shaped
+# models' top log-probabilities reach -25, where float32's spacing is 1.9e-6 (measured there: 1.1e-5).
+LOGPROB_BOUND = 1e-5
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= LOGPROB_BOUND * max(1.0, abs(b))
+
+
+def _engine(model_dir, compiler=None, **kwargs) -> gemma_engine.Engine:
+    kwargs = {"like": torch.zeros(1), "context": CONTEXT, "dtype": "float32", "onednn": False, **kwargs}
+    return gemma_engine.Engine(str(model_dir), compiler=compiler, **kwargs)
+
+
+# ----------------------------------------------------------------------------- re-making views of a storage
+
+@pytest.mark.parametrize("make", [
+    lambda b: b.narrow(0, 1, 2).narrow(1, 0, 3),      # a KV ring's rows and key heads
+    lambda b: b.narrow(0, 0, 2).narrow(1, 3, 3),      # ... and its value heads
+    lambda b: b[:, 2],                                 # a select
+    lambda b: b.narrow(3, 1, 2),                       # the innermost dimension cut
+    lambda b: b.transpose(1, 2).narrow(0, 1, 1),       # permuted
+    lambda b: b.view(-1)[7:9].view(2, 1, 1),           # a reshaped contiguous piece
+    lambda b: b[:, :, 0:1].expand(4, 6, 4, 5),         # expanded
+    lambda b: b[3, 5, 8, 4],                           # one element
+    lambda b: b,                                       # the whole
+], ids=["rows-keys", "rows-values", "select", "inner", "permuted", "reshaped", "expanded", "element", "whole"])
+def test_view_chain_remakes_a_view_from_its_flat_storage(make):
+    base = torch.arange(4 * 6 * 9 * 5.0).reshape(4, 6, 9, 5)
+    view = make(base)
+    flat = base.view(-1)
+    x = flat
+    for name, args in view_chain(list(view.size()), list(view.stride()), view.storage_offset(), flat.numel()):
+        x = getattr(x, name)(*args)
+    assert x.size() == view.size() and x.storage_offset() == view.storage_offset()
+    assert [s for s, n in zip(x.stride(), x.size()) if n != 1] == [s for s, n in zip(view.stride(), view.size()) if n != 1]
+    assert torch.equal(view, x)
+    base.mul_(-1)  # both see a write to the storage: x is a view of it, not a copy
+    assert torch.equal(view, x) and x.max() <= 0
+
+
+def test_view_chain_refuses_a_layout_it_cannot_remake_naming_it():
+    base = torch.zeros(64)
+    overlapping = base.as_strided((3, 4), (2, 2))
+    with pytest.raises(ValueError, match="strides"):
+        view_chain([3, 4], [2, 2], 0, base.numel())
+    with pytest.raises(ValueError, match="runs past"):
+        view_chain([4, 4], [16, 1], 60, 64)
+    assert overlapping.shape == (3, 4)
+
+
+def test_capture_lifts_every_tensor_the_step_did_not_create_into_an_input():
+    cache = torch.zeros(2, 4, 8)
+    rows = cache.narrow(0, 1, 1)  # a view made before the capture, as the engine's are
+    pos = torch.tensor([3])
+    weight = torch.randn(8, 8)
+
+    def step():
+        x = torch.ones(1, 4, 8) @ weight
+        rows.index_put_((torch.zeros(1, dtype=torch.long), torch.arange(4), pos), x[0, :, :1].T.squeeze(0))
+        pos.add_(1)
+        return [x.sum(-1)]
+
+    gm, inputs = capture(step)
+    assert [n for n in gm.graph.nodes if n.op == "get_attr"] == []
+    assert len([n for n in gm.graph.nodes if n.op == "placeholder"]) == len(inputs) == 3
+    cache.zero_()
+    pos.fill_(5)  # new state: the graph reads it, it was not baked in
+    gm(*inputs)
+    assert int(pos) == 6 and cache[1, :, 5].abs().sum() > 0 and cache[1, :, 3].abs().sum() == 0
+
+
+# ----------------------------------------------------------------------------- compiled = eager, busy runs
+
+def _busy() -> dict:
+    """Two greedy requests read in chunks of 5 and decoded together; a seeded sampled request with top-3
+    log-probabilities queued behind them, taking the first slot to free; and, after those end, a second turn
+    of the first request that resumes its cache (two slots: buckets 1 and 2)."""
+    sampled = gemma_engine.SamplingParams(temperature=0.9, top_p=0.95, seed=7, logprobs=3)
+    return {
+        0: [gemma_engine.Request(0, PROMPTS["parity"], 24), gemma_engine.Request(1, PROMPTS["other"], 12)],
+        2: [gemma_engine.Request(2, PROMPTS["short"], 16, sampling=sampled)],
+        40: [gemma_engine.Request(3, PROMPTS["parity"] + PROMPTS["short"][1:], 12)],
+    }
+
+
+def _assert_same(eager: dict, compiled: dict):
+    for rid, want in eager.items():
+        got = compiled[rid]
+        assert (got.tokens, got.finish) == (want.tokens, want.finish), rid
+        assert len(got.logprobs) == len(want.logprobs), rid
+        for (c_got, top_got), (c_want, top_want) in zip(got.logprobs, want.logprobs):
+            assert _close(c_got, c_want), (rid, c_got, c_want)
+            assert [t for t, _ in top_got] == [t for t, _ in top_want], rid
+            assert all(_close(a, b) for (_, a), (_, b) in zip(top_got, top_want)), (rid, top_got, top_want)
+
+
+@pytest.fixture(scope="module")
+def small_checkpoint(tmp_path_factory):
+    """The tiny config cut to 4 layers (sliding, full, then a KV-shared one of each): every kind of layer, and
+    half the kernels to compile (Inductor takes ~20 s a step shape on this 2-core machine)."""
+    config = ck.tiny_text_config(num_hidden_layers=4, num_kv_shared_layers=2, layer_types=[SLIDING, FULL] * 2)
+    return ck.save_dense(tmp_path_factory.mktemp("compiled_small"), ck.SEED, config)
+
+
+def _busy_run(model_dir, backend):
+    eager = Script(_busy()).run(_engine(model_dir, max_batch=2, prefill_chunk=5), read_every=2)
+    compiler = StepCompiler(backend)
+    engine = _engine(model_dir, compiler, max_batch=2, prefill_chunk=5)
+    script = Script(_busy())
+    compiled = script.run(engine, read_every=2)
+    report = engine.compile_report()
+    assert report["fallbacks"] == [] and report["active"]
+    # Each key ran eagerly once, was captured on its second step and replayed after that.
+    assert report["captured"] == len(compiler.compiled) >= 4, compiler.compiled
+    assert max(script.batch_sizes()) == 2
+    assert sum(s["cache_hits"] for s in script.stats) >= len(PROMPTS["parity"]) - 1  # the second turn resumed
+    _assert_same(eager, compiled)
+
+
+def test_inductor_compiled_steps_give_the_eager_tokens_and_logprobs_in_a_busy_run(small_checkpoint):
+    _busy_run(small_checkpoint, "inductor")
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_every_architectures_captured_steps_give_the_eager_tokens_in_a_busy_run(name, tmp_path_factory):
+    """The capture on every architecture (K=V attention, the MoE block's grouped products, the 12B's unified
+    layers): the graphs run by AOTAutograd's eager backend, the functionalized graph Inductor starts from (its
+    kernels are the test above's; compiling each architecture's seven step shapes with Inductor would take
+    minutes here)."""
+    build, _ = CONFIGS[name]
+    _busy_run(ck.save_dense(tmp_path_factory.mktemp(f"compiled_{name}"), 172, build()), "aot_eager")
+
+
+def test_a_seeded_request_draws_the_same_tokens_on_replayed_steps_as_alone_eagerly(small_checkpoint):
+    """Sampling parameters are step inputs: two seeded requests with other temperatures and seeds replay the
+    graphs a first one's steps compiled."""
+    def run(engine, seed, temperature):
+        params = gemma_engine.SamplingParams(temperature=temperature, top_k=40, seed=seed)
+        return engine.decode(PROMPTS["parity"], 24, sampling=params)[0]
+
+    compiled = _engine(small_checkpoint, StepCompiler("inductor"))
+    eager = _engine(small_checkpoint)
+    settings = [(1, 2.0), (2, 4.0), (3, 8.0)]  # hot enough that the random model's draws differ
+    firsts = [run(compiled, seed, t) for seed, t in settings]
+    assert compiled.compile_report()["captured"] >= 1
+    assert firsts == [run(eager, seed, t) for seed, t in settings]
+    assert len(set(map(tuple, firsts))) == 3
+
+
+def test_grammar_constrained_requests_give_the_eager_tokens_compiled(chat_checkpoint):
+    from tests.engine.test_grammar import EOS, SCHEMA, STRICT
+
+    grammars = gemma_engine.Grammars(str(chat_checkpoint / "tokenizer.json"), EOS, ck.CHAT_VOCAB_SIZE)
+    tok = Tokenizer.from_file(str(chat_checkpoint / "tokenizer.json"))
+    prompt = tok.encode("<start_of_turn>user\nAnswer in JSON.<end_of_turn>\n<start_of_turn>model\n").ids
+    requests = lambda: {0: [gemma_engine.Request(0, prompt, 96, grammar=STRICT),  # noqa: E731
+                            gemma_engine.Request(1, prompt[:-3], 24)]}
+    kwargs = {"context": 256, "grammars": grammars, "max_batch": 2}
+    eager = Script(requests()).run(_engine(chat_checkpoint, **kwargs))
+    engine = _engine(chat_checkpoint, StepCompiler("inductor"), **kwargs)
+    compiled = Script(requests()).run(engine)
+    assert engine.compile_report()["fallbacks"] == []
+    _assert_same(eager, compiled)
+    jsonschema.validate(json.loads(tok.decode(compiled[0].tokens)), SCHEMA)
+
+
+# ----------------------------------------------------------------------------- fallback, switching, backends
+
+def failing_backend_fake(gm, example_inputs):
+    """A fake backend: refuses every graph, as a compiler that cannot lower an op does."""
+    raise RuntimeError("this fake backend compiles nothing")
+
+
+def test_a_capture_that_fails_runs_eagerly_and_says_why(small_checkpoint):
+    compiler = StepCompiler(failing_backend_fake)
+    engine = _engine(small_checkpoint, compiler)
+    tokens = engine.decode(PROMPTS["parity"], 16)[0]
+    assert tokens == _engine(small_checkpoint).decode(PROMPTS["parity"], 16)[0]
+    report = engine.compile_report()
+    assert report["captured"] == 0
+    [(step, reason)] = report["fallbacks"]
+    assert step == "decode b=1 greedy" and "this fake backend compiles nothing" in reason
+
+
+def test_use_compiled_switches_between_replays_and_eager_steps(small_checkpoint):
+    engine = _engine(small_checkpoint, StepCompiler("inductor"))
+    want = engine.decode(PROMPTS["parity"], 12)[0]
+    engine.use_compiled(False)
+    assert engine.compile_report()["active"] is False
+    assert engine.decode(PROMPTS["parity"], 12)[0] == want
+    engine.use_compiled(True)
+    assert engine.decode(PROMPTS["parity"], 12)[0] == want
+    with pytest.raises(ValueError, match="no compiler"):
+        _engine(small_checkpoint).use_compiled(True)
+    assert _engine(small_checkpoint).compile_report() is None
+
+
+def test_every_backend_is_handed_the_same_graph(small_checkpoint):
+    """torch_tpu's `tpu` backend takes what Inductor takes: one graph of ATen ops, every tensor an input.
+    A fake recording backend stands in for it here (no TPU)."""
+    handed = {}
+
+    def recording_backend_fake(gm, example_inputs):
+        handed["graph"], handed["inputs"] = gm.code, [(t.shape, t.dtype) for t in example_inputs]
+        return gm.forward
+
+    inductor = StepCompiler("inductor")
+    recorded = _engine(small_checkpoint, StepCompiler(recording_backend_fake)).decode(PROMPTS["parity"], 4)[0]
+    assert _engine(small_checkpoint, inductor).decode(PROMPTS["parity"], 4)[0] == recorded
+    assert inductor.graphs["decode b=1 greedy"].code == handed["graph"]
+    assert all(len(shape) == 1 for shape, _ in handed["inputs"])  # flat storages
