@@ -210,6 +210,11 @@ class EngineSpec(_Model):
     dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="Compute dtype.")
     defer_and_fuse: bool = Field(
         True, description="The TPU backend's defer-and-fuse execution (TORCH_TPU_DEFER_AND_FUSE).")
+    compile: Literal["off", "on", "auto"] = Field(
+        "off", description="Record each decode-step shape at the dispatcher and compile it (torch_tpu's tpu "
+        "backend on a TPU, Inductor on GPU and CPU), in a boot stage of its own (Compiling); auto times both "
+        "ways at boot and keeps the faster. Compiled artifacts are cached on the build-cache volume "
+        "(GEMMA_COMPILE).")
 
 
 class MediaSpec(_Model):

@@ -4,7 +4,7 @@ No I/O and no clock here: the caller passes the time (`now`) and what it observe
 and compare the result with golden dicts (tests/operator/test_status.py).
 
 Phases (one per custom resource, the least advanced of its booting pods):
-    Pending -> Scheduling -> Building -> SmokeTesting -> LoadingWeights -> WarmingUp -> Ready
+    Pending -> Scheduling -> Building -> SmokeTesting -> LoadingWeights -> Compiling -> WarmingUp -> Ready
     plus Degraded (something is wrong but pods may serve), Failed (nothing serves and it will not by itself),
     Stopped (replicas: 0).
 A server that scales to zero (spec.autoscaling.minReplicas 0) is `Idle` at zero instead of Stopped, and
@@ -14,7 +14,7 @@ still shows its boot stage); `status.wake` keeps when the last wake began, when 
 `Scheduling` covers a pod waiting for a node (the scheduler's own message is shown, e.g.
 "0/4 nodes are available: 2 Insufficient google.com/tpu") and a scheduled pod whose container is not
 running yet. The boot stages come from the server's `GET /v1/engine` (`stage`: build, import, smoke,
-weights, warmup, serving), as the poller kept each report (poller.keep_engine_fields bounds and redacts it
+weights, compile, warmup, serving), as the poller kept each report (poller.keep_engine_fields bounds and redacts it
 once, where it is read; nothing here normalises it again).
 
 Conditions follow the Kubernetes API conventions and KServe's LLMInferenceService: `Ready` (False carries
@@ -41,16 +41,16 @@ from typing import Any, NamedTuple
 from . import pods
 from .redact import redact
 
-PENDING, SCHEDULING, BUILDING, SMOKE_TESTING, LOADING_WEIGHTS, WARMING_UP, READY = (
-    "Pending", "Scheduling", "Building", "SmokeTesting", "LoadingWeights", "WarmingUp", "Ready")
+PENDING, SCHEDULING, BUILDING, SMOKE_TESTING, LOADING_WEIGHTS, COMPILING, WARMING_UP, READY = (
+    "Pending", "Scheduling", "Building", "SmokeTesting", "LoadingWeights", "Compiling", "WarmingUp", "Ready")
 DEGRADED, FAILED, STOPPED = "Degraded", "Failed", "Stopped"
 IDLE, WAKING = "Idle", "Waking"  # a server that scales to zero: at zero, and booting from zero
-BOOT_ORDER = [PENDING, SCHEDULING, BUILDING, SMOKE_TESTING, LOADING_WEIGHTS, WARMING_UP, READY]
+BOOT_ORDER = [PENDING, SCHEDULING, BUILDING, SMOKE_TESTING, LOADING_WEIGHTS, COMPILING, WARMING_UP, READY]
 
 # gemma_server's /v1/engine stage names -> our phase.
 ENGINE_STAGE_PHASE = {
     "build": BUILDING, "import": BUILDING, "smoke": SMOKE_TESTING, "weights": LOADING_WEIGHTS,
-    "warmup": WARMING_UP, "serving": WARMING_UP,  # serving but the readiness probe has not passed yet
+    "compile": COMPILING, "warmup": WARMING_UP, "serving": WARMING_UP,  # serving but the readiness probe has not passed yet
 }
 
 # Container waiting reasons that will not clear by waiting.

@@ -381,6 +381,10 @@ class ServerState:
         s = self.scheduler
         loaded = self.boot.loaded
         workers = loaded.workers if loaded else []
+        if info.get("compile") is not None:
+            compilers = self.boot.compilers
+            for i, engine in enumerate(info["compile"]["engines"]):
+                engine.update(compilers[i].describe() if i in compilers else {})
         if loaded is not None:
             info["media"] = ({**loaded.media.describe(), "decoding": self.media_workers.describe()}
                              if loaded.media is not None else {"modalities": [], "missing": loaded.media_missing})

@@ -1,4 +1,4 @@
-"""Boot stages: build -> import -> smoke -> weights -> warmup -> serving.
+"""Boot stages: build -> import -> smoke -> weights -> compile -> warmup -> serving.
 
 The stages run on a boot thread while uvicorn already answers: /health is 503 with the current stage until
 warmup ends, like llama.cpp's "Loading model" (vLLM's /health answers the same way while its engine starts).
@@ -41,6 +41,9 @@ from gemma_server.sources import materialize, parse_source
 log = logging.getLogger(__name__)
 
 WARMUP_TOKENS = 4
+COMPILE_TOKENS = 6  # tokens of each compile-stage request: 5 steps, read every other one
+COMPILE_ATTEMPTS = 4  # sampled batches tried per bucket until one decodes all its tokens
+TIMED_TOKENS = 32  # --compile auto: tokens decoded each way, twice, to choose
 DEFER_AND_FUSE_VAR = "TORCH_TPU_DEFER_AND_FUSE"
 TPU_COMPILE_CACHE_VAR = "TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT"
 
@@ -68,6 +71,10 @@ class BootState:
     model_dir: str | None = None
     load_seconds: float | None = None
     warmup_seconds: float | None = None
+    #: --compile's outcome at boot: mode, backend, per engine whether it replays compiled steps and, with auto,
+    #: the two timings it chose by (None with --compile off). /v1/engine adds each engine's compiler's live
+    #: account (steps compiled while serving, fallbacks).
+    compile: dict[str, Any] | None = None
     failed: str | None = None
 
     def as_json(self) -> dict[str, Any]:
@@ -138,6 +145,8 @@ class Boot:
         self.groups: list[list[str]] = []
         self.state = BootState(device=config.device, dtype=config.dtype, context=config.context)
         self.loaded: Loaded | None = None
+        #: Each engine's compiler hook (gemma_engine.compiling.StepCompiler) by worker index, with --compile.
+        self.compilers: dict[int, Any] = {}
         self._lock = threading.Lock()
 
     # ---- bookkeeping ---------------------------------------------------------------------------
@@ -194,6 +203,7 @@ class Boot:
         self._stage("import", self._import)
         self._stage("smoke", self._smoke)
         self._stage("weights", self._weights)
+        self._stage("compile", self._compile, skip="--compile off" if c.compile == "off" else None)
         self._stage("warmup", self._warmup)
         assert self.loaded is not None
         self.scheduler.start(self.loaded.workers, c.read_every)
@@ -289,9 +299,11 @@ class Boot:
                 str(model_dir), str(emb_dir) if emb_dir else None, torch.zeros(1, device=worker.device),
                 context=c.context, dtype=c.dtype, prefill_chunk=c.prefill_chunk, max_batch=c.max_num_seqs,
                 packed_int4=None if c.packed_int4 else False, cuda_graphs=c.cuda_graphs,
-                onednn={"auto": None, "on": True, "off": False}[c.onednn], grammars=grammars,
-                prefix_caching=c.enable_prefix_caching, tensor_parallel_size=c.tensor_parallel_size,
-                shard_devices=[torch.zeros(1, device=d) for d in shards],
+                onednn=False if c.compile != "off" else {"auto": None, "on": True, "off": False}[c.onednn],
+                grammars=grammars, prefix_caching=c.enable_prefix_caching,
+                tensor_parallel_size=c.tensor_parallel_size, shard_devices=[torch.zeros(1, device=d) for d in shards],
+                compiler=self.compilers.setdefault(worker.index, self.step_compiler(worker.device))
+                if c.compile != "off" else None,
             )
             worker.set_engine(engine)
             return engine.context, engine.vocab_size
@@ -313,6 +325,69 @@ class Boot:
             prefix_caching=bool(layout.get("prefix_caching")), sliding_window=layout.get("sliding_window")))
         media = f"; takes {' and '.join(front.modalities)}" if front is not None and front.modalities else ""
         return f"{c.shown_source or 'the model directory'} on {self.state.device}, {c.max_num_seqs} slots each{media}"
+
+    def step_compiler(self, device: str):
+        """The engine's compiler hook on `device` (gemma_engine.compiling): torch_tpu's `tpu` backend on a tpu,
+        Inductor elsewhere (with its CUDA graphs on cuda, whose replays reuse their outputs' memory)."""
+        from gemma_engine.compiling import StepCompiler
+
+        kind = device.split(":")[0]
+        if kind in ("tpu", "privateuseone"):
+            return StepCompiler("tpu", on_fallback=self.metrics.observe_compile_fallback)
+        cuda = kind == "cuda"
+        return StepCompiler("inductor", clone_outputs=cuda, options={"triton.cudagraphs": True} if cuda else {},
+                            on_fallback=self.metrics.observe_compile_fallback)
+
+    def _compile(self) -> str:
+        """Capture and compile every decode-step bucket (1, 2, 4, ... slots, and --max-num-seqs), greedy and
+        sampled, the first step after a read point and the later ones, on every engine: each bucket is filled
+        with that many requests, decoded together (`compile_batch`; a shape's second step is captured,
+        compiled.rs). With --compile auto, then time one request's decode both ways and keep the faster.
+        Other sampling stages (penalties, bias, log-probabilities, grammars) compile on their second step
+        while serving."""
+        assert self.loaded is not None
+        c = self.config
+        vocab = self.loaded.vocab_size
+
+        def compile_one(w: EngineWorker) -> dict[str, Any]:
+            import gemma_engine
+
+            first = 0
+            for b in buckets(w.engine.max_batch):
+                for sampled in (False, True):
+                    # A sampled request may draw an eos before its steps ran twice: then again, other prompts.
+                    for _ in range(COMPILE_ATTEMPTS):
+                        sampling = gemma_engine.SamplingParams(temperature=0.7, seed=first) if sampled else None
+                        full = compile_batch(gemma_engine, w.engine, b, sampling, vocab, first)
+                        first += b
+                        if full:
+                            break
+            w.engine.reset_prefix_cache()  # nothing a compile-stage request wrote is offered as a prefix
+            report: dict[str, Any] = {}
+            if c.compile == "auto":
+                ids = compile_prompt(0, vocab)
+                timed: dict[str, list[float]] = {}
+                for on in (False, True, False, True):
+                    w.engine.use_compiled(on)
+                    t0 = time.perf_counter()
+                    tokens = w.engine.decode(ids, TIMED_TOKENS, read_every=c.read_every)[0]
+                    ms = (time.perf_counter() - t0) * 1000 / max(len(tokens), 1)
+                    timed.setdefault("compiled" if on else "eager", []).append(ms)
+                best = {k: min(v) for k, v in timed.items()}
+                w.engine.use_compiled(best["compiled"] < best["eager"])
+                report["ms_per_token"] = {k: round(v, 3) for k, v in best.items()}
+            report["active"] = w.engine.compile_report()["active"]
+            return report
+
+        reports = run_on_workers(self.loaded.workers, compile_one)
+        compilers = [self.compilers[w.index] for w in self.loaded.workers]
+        self.state.compile = {"mode": c.compile, "backend": compilers[0].backend_name, "engines": reports}
+        active = sum(r["active"] for r in reports)
+        compiled = sum(len(x.compiled) for x in compilers)
+        fallbacks = sum(len(x.fallbacks) for x in compilers)
+        timing = "; ".join(f"{r['ms_per_token']}" for r in reports if "ms_per_token" in r)
+        return (f"{compilers[0].backend_name}: {compiled} steps compiled, {fallbacks} fell back; {active} of "
+                f"{len(reports)} engines replay them" + (f" (ms a token: {timing})" if timing else ""))
 
     def _warmup(self) -> str:
         assert self.loaded is not None
@@ -412,6 +487,45 @@ def eager_mode_name(torch) -> str:
     except (AttributeError, RuntimeError):
         return "unknown"
     return str(getattr(mode, "name", mode))
+
+
+def buckets(max_batch: int) -> list[int]:
+    """The decode-step batch sizes of an engine of `max_batch` slots (rust/src/engine/step.rs `buckets`)."""
+    return [b for b in (1 << i for i in range(max_batch.bit_length())) if b < max_batch] + [max_batch]
+
+
+def compile_prompt(k: int, vocab: int) -> list[int]:
+    """The k-th compile-stage prompt: 8 ids whose first differs from the others' (no prefix-cache hit among the
+    requests of one batch, which would move one to another slot and bucket)."""
+    return [(k * 7919 + i * 104729 + 3) % vocab for i in range(8)]
+
+
+def compile_batch(gemma_engine, engine, b: int, sampling, vocab: int, first: int) -> bool:
+    """`b` requests decoding COMPILE_TOKENS together in slots 0..b-1 (bucket b), tokens read every other step, so
+    each bucket's first step after a read point and the next one each run twice, and so are captured. Their
+    prompts are compile_prompt(first), compile_prompt(first + 1), ...: a caller passes a `first` no earlier
+    batch used. Returns whether every request decoded all its tokens (none drew an eos first)."""
+    requests = [gemma_engine.Request(k, compile_prompt(first + k, vocab), COMPILE_TOKENS, sampling=sampling)
+                for k in range(b)]
+    engine.reset_prefix_cache()  # so they take slots 0..b-1 (a free slot's history would send one elsewhere)
+    ended: dict[int, str] = {}
+
+    def poll(free: int, idle: bool):
+        nonlocal requests
+        if not requests and len(ended) == b:
+            return None
+        handed, requests = requests, []
+        return handed, []
+
+    def on_events(events, stats) -> None:
+        for e in events:
+            if e.finish is not None:
+                if e.finish not in ("length", "stop"):
+                    raise RuntimeError(f"a compile-stage request ended {e.finish}: {e.error}")
+                ended[e.id] = e.finish
+
+    engine.run(poll, on_events, 2)
+    return all(f == "length" for f in ended.values())
 
 
 def run_on_workers(workers: list[EngineWorker], task: Callable[[EngineWorker], Any]) -> list[Any]:

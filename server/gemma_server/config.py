@@ -118,6 +118,11 @@ class Config:
                           "on the cpu in float32, and in bfloat16 where oneDNN computes bfloat16 on this cpu, "
                           "where it is much faster than ATen's matmul for a decode step's few rows; /v1/engine's "
                           "linear_note says why not; on: require it; off: ATen's matmul)", choices=("auto", "on", "off"))
+    compile: str = setting("off", "GEMMA_COMPILE", "record each decode-step shape at the dispatcher and compile it "
+                           "(Inductor on cuda and the cpu, torch_tpu's tpu backend on a tpu; a compiled engine "
+                           "multiplies with ATen's matmul, never oneDNN's packed weights): on: replay the compiled "
+                           "steps; auto: compile, time both at boot and keep the faster (/v1/engine's compile says "
+                           "which); off: eager ATen calls", choices=("off", "on", "auto"))
     default_temperature: float = setting(1.0, "GEMMA_DEFAULT_TEMPERATURE", "temperature of a request that sets "
                                          "none (OpenAI's default is 1; 0 makes such requests greedy)", minimum=0)
     served_model_name: str | None = setting(None, "GEMMA_SERVED_MODEL_NAME", "the model id clients send "

@@ -25,8 +25,9 @@ the engines read: below `gemma_prompt_tokens` when the `n` choices of a request 
 stopped reading: connections.py), `gemma_tool_call_parse_failures_total` (tool calls of an unconstrained
 reply that did not parse and came back as content), `gemma_grammar_compile_seconds` (the check of a
 request's grammar before it is queued), `gemma_media_inputs_total{modality}` (images and audio clips encoded
-into soft tokens) and `gemma_media_encode_seconds{modality}` (one call of a tower, for all of one request's
-images or clips).
+into soft tokens), `gemma_media_encode_seconds{modality}` (one call of a tower, for all of one request's
+images or clips) and `gemma_compile_fallbacks_total` (decode-step shapes whose capture or compile failed
+under --compile, which then run eagerly; the log says why).
 
 Prefix caching, as vLLM exports it (`vllm/v1/metrics/loggers.py`): `gemma_prefix_cache_queries_total` and
 `gemma_prefix_cache_hits_total` count tokens (the prompt tokens of the requests the engines admitted, and
@@ -58,7 +59,7 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 FINISHED_REASONS = ("stop", "length", "abort", "error")
-STAGES = ("build", "import", "smoke", "weights", "warmup", "serving")
+STAGES = ("build", "import", "smoke", "weights", "compile", "warmup", "serving")
 MODALITIES = ("image", "audio")
 # gemma_cache_config_info's labels besides model_name: the ones endpoint pickers read from vLLM's
 # vllm:cache_config_info, with vLLM's spelling of their values (Python's str(): "True", "None").
@@ -220,6 +221,10 @@ class Metrics:
             "chunk).", labels, buckets=[0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0],
             registry=r,
         ).labels(m)
+        self.compile_fallbacks = Counter(
+            "gemma_compile_fallbacks", "Decode-step shapes whose capture or compile failed (--compile): they run "
+            "eagerly; the log names each with its reason.", labels, registry=r,
+        ).labels(m)
         self.engine_ready = Gauge(
             "gemma_engine_ready", "1 when the engine has warmed up and serves; 0 while booting, draining or dead.",
             labels, registry=r,
@@ -283,6 +288,10 @@ class Metrics:
             self.request_decode_time.observe(decode)
             if generation_tokens > 1:
                 self.request_time_per_output_token.observe(decode / (generation_tokens - 1))
+
+    def observe_compile_fallback(self, step: str, reason: str) -> None:
+        """A decode-step shape that runs eagerly although --compile is on."""
+        self.compile_fallbacks.inc()
 
     def observe_encoded(self, modality: str, items: int, seconds: float) -> None:
         """One tower call: `items` images or clips of `modality` encoded in `seconds`."""

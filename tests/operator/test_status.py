@@ -84,7 +84,7 @@ def test_scheduled_pod_with_container_starting_is_still_scheduling():
 
 @pytest.mark.parametrize("stage,phase", [
     ("build", "Building"), ("import", "Building"), ("smoke", "SmokeTesting"), ("weights", "LoadingWeights"),
-    ("warmup", "WarmingUp"), ("serving", "WarmingUp"), (None, "Building")])
+    ("compile", "Compiling"), ("warmup", "WarmingUp"), ("serving", "WarmingUp"), (None, "Building")])
 def test_engine_stage_sets_the_boot_phase(stage, phase):
     engine = {"g-1": {"stage": stage, "stages": [{"stage": "build", "status": "ok", "seconds": 12.3456}]}} \
         if stage else {}

@@ -289,8 +289,8 @@ def test_health_live_and_engine_report_after_boot(server, chat_checkpoint):
     assert info["model"] is None and "model_dir" not in info and "module" not in info["build"]
     assert httpx.get(server.base + "/v1/models").json()["data"][0]["root"] is None
     assert [(s["stage"], s["status"]) for s in info["stages"]] == [
-        ("build", "skipped"), ("import", "ok"), ("smoke", "ok"), ("weights", "ok"), ("warmup", "ok"),
-        ("serving", "running")]
+        ("build", "skipped"), ("import", "ok"), ("smoke", "ok"), ("weights", "ok"), ("compile", "skipped"),
+        ("warmup", "ok"), ("serving", "running")]
     assert all(s["seconds"] is not None for s in info["stages"])
     assert set(info["build"]) >= {"torch", "rustc", "python", "crate"}
     assert info["layout"]["context"] == CONTEXT

@@ -46,7 +46,7 @@ def test_health_is_503_until_warmup_then_200(spawn, chat_checkpoint, tmp_path):
     wait_for(lambda: get_status(s.base + "/health") == 200, 120, "/health 200 after warmup")
     info = engine_info(s.base)
     assert info["stage"] == "serving"
-    assert [x["status"] for x in info["stages"]] == ["skipped", "ok", "ok", "ok", "ok", "running"]
+    assert [x["status"] for x in info["stages"]] == ["skipped", "ok", "ok", "ok", "skipped", "ok", "running"]
     assert info["model_dir"] == str(gcs / "bucket" / "chat")
     metrics = httpx.get(s.base + "/metrics").text
     assert 'gemma_boot_stage_seconds{model_name="chat",stage="weights"}' in metrics
@@ -187,3 +187,42 @@ def test_onednn_setting_picks_what_multiplies_the_dense_weights(spawn, chat_chec
         s.proc.terminate()
         s.proc.wait(60)
     assert texts[0] == texts[1] and texts[0]
+
+
+@pytest.mark.parametrize("mode", ["on", "auto"])
+def test_compile_stage_compiles_the_step_and_the_replies_are_the_eager_engines(
+        spawn, chat_checkpoint, direct_engine, tokenizer, mode):
+    """--compile on replays the compiled one-slot steps; auto times both ways and keeps the faster. Either way
+    the reply through the openai SDK is the eager engine's, and /v1/engine and /metrics say what compiled."""
+    import openai
+
+    s = spawn("--model", str(chat_checkpoint), "--use-installed-engine", "--compile", mode, "--max-num-seqs", "2",
+              *COMMON)
+    wait_for(lambda: get_status(s.base + "/health") == 200, 600, "/health 200 after the compile stage")
+    info = engine_info(s.base)
+    stages = {x["stage"]: x for x in info["stages"]}
+    assert list(stages) == ["build", "import", "smoke", "weights", "compile", "warmup", "serving"]
+    assert stages["compile"]["status"] == "ok" and "steps compiled, 0 fell back" in stages["compile"]["message"]
+    report = info["compile"]
+    assert (report["mode"], report["backend"]) == (mode, "inductor")
+    [engine] = report["engines"]
+    assert engine["fallbacks"] == []
+    # Every bucket (1 and 2 slots), greedy and sampled, the first step after a read point and the later ones.
+    assert {f"decode b={b}{padded} {stages}" for b in (1, 2) for padded in ("", " padded")
+            for stages in ("greedy", "draw")} == {name for name, _ in engine["compiled"]}, engine
+    if mode == "auto":
+        timed = engine["ms_per_token"]
+        assert set(timed) == {"eager", "compiled"} and engine["active"] == (timed["compiled"] < timed["eager"])
+    else:
+        assert engine["active"] is True and "ms_per_token" not in engine
+
+    prompt = "The ocean covers"
+    tokens, _, _, _ = direct_engine.decode(tokenizer.encode(prompt), 10)
+    client = openai.OpenAI(base_url=s.base + "/v1", api_key="unused", timeout=120)
+    reply = client.completions.create(model="chat", prompt=prompt, max_tokens=10)
+    assert reply.choices[0].text == tokenizer.decode(tokens, skip_special_tokens=True)
+    metrics = httpx.get(s.base + "/metrics").text
+    assert 'gemma_compile_fallbacks_total{model_name="chat"} 0.0' in metrics
+    assert 'gemma_boot_stage_seconds{model_name="chat",stage="compile"}' in metrics
+    s.sigterm()
+    assert s.wait_exit(30) == 0

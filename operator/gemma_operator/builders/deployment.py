@@ -247,6 +247,10 @@ def env(spec: GemmaRustServerSpec, meta: Meta, main: ModelMount, twin: ModelMoun
         {"name": "GEMMA_PREFILL_CHUNK", "value": str(e.prefill_chunk)},
         {"name": "GEMMA_READ_EVERY", "value": str(e.read_every)},
         {"name": "GEMMA_DTYPE", "value": e.dtype},
+        {"name": "GEMMA_COMPILE", "value": e.compile},
+        # Inductor's caches (its FX graphs and AOTAutograd's, keyed by the graph) on the build-cache volume, so a
+        # restart with --compile loads the compiled steps instead of compiling them again.
+        {"name": "TORCHINDUCTOR_CACHE_DIR", "value": f"{CACHE_MOUNT}/inductor"},
         *([{"name": "GEMMA_SERVED_MODEL_NAME", "value": srv.served_model_name}] if srv.served_model_name else []),
         {"name": "GEMMA_PORT", "value": str(srv.port)},
         {"name": "GEMMA_PROBE_PORT", "value": str(srv.probe_port)},

@@ -42,6 +42,8 @@ def test_tpu_deployment_matches_golden():
                             {"name": "GEMMA_PREFILL_CHUNK", "value": "256"},
                             {"name": "GEMMA_READ_EVERY", "value": "4"},
                             {"name": "GEMMA_DTYPE", "value": "bfloat16"},
+                            {"name": "GEMMA_COMPILE", "value": "off"},
+                            {"name": "TORCHINDUCTOR_CACHE_DIR", "value": "/var/cache/gemma/inductor"},
                             {"name": "GEMMA_SERVED_MODEL_NAME", "value": "gemma-4"},
                             {"name": "GEMMA_PORT", "value": "8000"},
                             {"name": "GEMMA_PROBE_PORT", "value": "8001"},
@@ -183,6 +185,14 @@ def test_queue_limit_reaches_the_server_only_when_set():
     # Unset, the server keeps its own default (gemma_server/config.py, GEMMA_QUEUE_LIMIT), declared there once.
     assert "GEMMA_QUEUE_LIMIT" not in env_of(tpu_spec())
     assert env_of(tpu_spec(server={"queueLimit": 128}))["GEMMA_QUEUE_LIMIT"] == "128"
+
+
+def test_compile_reaches_the_server_with_inductors_cache_on_the_build_cache_volume():
+    assert env_of(tpu_spec())["GEMMA_COMPILE"] == "off"
+    env = env_of(tpu_spec(engine={"compile": "auto"}))
+    assert env["GEMMA_COMPILE"] == "auto" and env["TORCHINDUCTOR_CACHE_DIR"].startswith(env["GEMMA_BUILD_CACHE"][:-5])
+    with pytest.raises(pydantic.ValidationError, match="compile"):
+        tpu_spec(engine={"compile": "sometimes"})
 
 
 def test_flex_start_and_compute_class_selectors():
