@@ -16,7 +16,7 @@ import torch
 from tokenizers import Tokenizer
 
 import gemma_engine
-from gemma_engine.compiling import StepCompiler, capture, view_chain
+from gemma_engine.compiling import StepCompiler, capture, chain_from, natural_shape, view_chain
 from tests import checkpoints as ck
 from tests.checkpoints import FULL, SLIDING
 from tests.engine.test_architectures import CONFIGS
@@ -65,6 +65,32 @@ def test_view_chain_remakes_a_view_from_its_flat_storage(make):
     assert torch.equal(view, x) and x.max() <= 0
 
 
+@pytest.mark.parametrize("make", [
+    lambda b: b.narrow(0, 1, 2).narrow(1, 0, 3),
+    lambda b: b.narrow(0, 0, 2).narrow(1, 3, 3),
+    lambda b: b[:, 2],
+    lambda b: b.narrow(3, 1, 2),
+    lambda b: b.transpose(1, 2).narrow(0, 1, 1),
+    lambda b: b[:, :, 0:1].expand(4, 6, 4, 5),
+    lambda b: b,
+], ids=["rows-keys", "rows-values", "select", "inner", "permuted", "expanded", "whole"])
+def test_a_narrowed_view_is_remade_from_its_storage_in_the_rings_own_shape(make):
+    """The KV rings' views are narrowings of the ring: they are re-made from an input of the ring's shape,
+    through which Inductor writes in place (a reshaped flat storage makes it copy the whole ring)."""
+    base = torch.arange(4 * 6 * 9 * 5.0).reshape(4, 6, 9, 5)
+    keys = base.narrow(0, 1, 2).narrow(1, 0, 3)
+    assert natural_shape(list(keys.size()), list(keys.stride()), base.numel()) == [4, 6, 9, 5]
+    view = make(base)
+    ops = chain_from([4, 6, 9, 5], list(view.size()), list(view.stride()), view.storage_offset())
+    assert ops is not None and all(name != "view" for name, _ in ops)
+    x = base
+    for name, args in ops:
+        x = getattr(x, name)(*args)
+    assert torch.equal(x, view) and x.storage_offset() == view.storage_offset()
+    assert chain_from([4, 6, 9, 5], [2, 1, 1], [1, 1, 1], 7) is not None  # a reshaped piece: not a narrowing
+    assert chain_from([4, 6, 9, 5], [10], [1], 7) is None
+
+
 def test_view_chain_refuses_a_layout_it_cannot_remake_naming_it():
     base = torch.zeros(64)
     overlapping = base.as_strided((3, 4), (2, 2))
@@ -90,6 +116,8 @@ def test_capture_lifts_every_tensor_the_step_did_not_create_into_an_input():
     gm, inputs = capture(step)
     assert [n for n in gm.graph.nodes if n.op == "get_attr"] == []
     assert len([n for n in gm.graph.nodes if n.op == "placeholder"]) == len(inputs) == 3
+    # The cache whole, in the shape its view narrows ([1, 4, 8] rows of 8: [8, 8]), not flat.
+    assert [tuple(t.shape) for t in inputs if t.data_ptr() == cache.data_ptr()] == [(8, 8)]
     cache.zero_()
     pos.fill_(5)  # new state: the graph reads it, it was not baked in
     gm(*inputs)
@@ -228,11 +256,13 @@ def test_every_backend_is_handed_the_same_graph(small_checkpoint):
     handed = {}
 
     def recording_backend_fake(gm, example_inputs):
-        handed["graph"], handed["inputs"] = gm.code, [(t.shape, t.dtype) for t in example_inputs]
+        handed["graph"], handed["inputs"] = gm.code, list(example_inputs)
         return gm.forward
 
     inductor = StepCompiler("inductor")
     recorded = _engine(small_checkpoint, StepCompiler(recording_backend_fake)).decode(PROMPTS["parity"], 4)[0]
     assert _engine(small_checkpoint, inductor).decode(PROMPTS["parity"], 4)[0] == recorded
     assert inductor.graphs["decode b=1 greedy"].code == handed["graph"]
-    assert all(len(shape) == 1 for shape, _ in handed["inputs"])  # flat storages
+    # Each input is a whole storage (weights, rings, slot and sampler tables), contiguous from its start.
+    assert all(t.is_contiguous() and t.storage_offset() == 0 and t.numel() * t.element_size()
+               == t.untyped_storage().nbytes() for t in handed["inputs"])

@@ -8,9 +8,10 @@ the compiler once (rust/src/engine/compiled.rs says when). The compiler
    it records Python's), which gives an FX graph of ATen ops;
 2. makes every tensor the step touched but did not create (weights, the KV rings, the slots' tokens
    and positions, the sampler's state, the grammar masks; make_fx records them as constants) an
-   input of the graph (`lift_constants`): one input per storage, the whole storage flat, and each
+   input of the graph (`lift_constants`): one input per storage, the whole storage, and each
    tensor re-made from it by narrow / view / select / permute / unsqueeze / expand, the views
-   functionalization can follow, so in-place writes to the cache are writes to an input;
+   functionalization can follow, so in-place writes to the cache are writes to an input (and
+   Inductor makes them in place: no step copies the cache);
 3. hands the graph and those inputs to a dynamo backend by name (`torch._dynamo.lookup_backend`:
    "inductor" on CUDA and the CPU, "tpu" once torch_tpu is imported), the contract every backend
    keeps (`backend(gm, example_inputs) -> callable`), and returns a zero-argument callable that runs
@@ -94,36 +95,92 @@ def view_chain(size: list[int], stride: list[int], offset: int, numel: int) -> l
     return ops
 
 
+def natural_shape(size: list[int], stride: list[int], numel: int) -> list[int] | None:
+    """The contiguous shape of a whole storage of `numel` elements of which (size, stride) is a view made by
+    narrowing (a KV ring's rows and heads: the ring tensor's own shape), or None when there is none."""
+    real = sorted((d for d in range(len(size)) if size[d] != 1 and stride[d] != 0), key=lambda d: -stride[d])
+    st = [stride[d] for d in real]
+    if not st or st[-1] != 1 or numel % st[0] or any(a % b or a == b for a, b in zip(st, st[1:], strict=False)):
+        return None
+    return [numel // st[0]] + [a // b for a, b in zip(st, st[1:], strict=False)]
+
+
+def chain_from(base: list[int], size: list[int], stride: list[int], offset: int) -> list[tuple[str, tuple]] | None:
+    """The view ops that make (size, stride, offset) from a contiguous tensor of shape `base` by narrowing its
+    dimensions, or None when the view is not such a narrowing (then it is made from the flat storage)."""
+    base_stride = [1] * len(base)
+    for j in range(len(base) - 2, -1, -1):
+        base_stride[j] = base_stride[j + 1] * base[j + 1]
+    real = [d for d in range(len(size)) if size[d] != 1 and stride[d] != 0]
+    dim_of = {}
+    for d in real:
+        if stride[d] not in base_stride or base_stride.index(stride[d]) in dim_of.values():
+            return None
+        dim_of[d] = base_stride.index(stride[d])
+    starts, rest = [], offset
+    for s in base_stride:
+        starts.append(rest // s)
+        rest -= starts[-1] * s
+    ops: list[tuple[str, tuple]] = []
+    mapped = {j: d for d, j in dim_of.items()}
+    for j, n in enumerate(base):
+        length = size[mapped[j]] if j in mapped else 1
+        if starts[j] + length > n:
+            return None
+        if (starts[j], length) != (0, n):
+            ops.append(("narrow", (j, starts[j], length)))
+    ops += [("squeeze", (j,)) for j in reversed(range(len(base))) if j not in mapped]
+    order = sorted(real, key=lambda d: dim_of[d])  # the kept dims, in the base's order
+    perm = sorted(range(len(order)), key=lambda i: order[i])
+    if perm != list(range(len(order))):
+        ops.append(("permute", (perm,)))
+    ops += [("unsqueeze", (d,)) for d in range(len(size)) if d not in real]
+    if any(stride[d] == 0 and size[d] != 1 for d in range(len(size))):
+        ops.append(("expand", (list(size),)))
+    return ops
+
+
 def lift_constants(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
     """Turn the graph's tensor constants into inputs, in place; returns the inputs, in order.
 
-    One input per (storage, dtype): the storage's whole extent as a flat tensor; each constant
-    becomes the chain of views (`view_chain`) of its input that it was of its storage.
+    One input per (storage, dtype), the whole storage: in the contiguous shape its largest constant narrows
+    (`natural_shape`: a KV ring's own shape), else flat. Each constant becomes the chain of views of its input
+    that it is of its storage: narrowings of that shape (`chain_from`), else `view_chain` of the flat storage.
+    The shape matters to the compiler: Inductor writes an `index_put_` through narrowings of an input in place,
+    but copies the whole storage for one through a reshaped flat storage.
     """
     graph = gm.graph
     # oneDNN's packed weights (opaque, no storage to view) stay constants: they never change, and
     # Inductor lowers `mkldnn._linear_pointwise` only over a constant weight, as its freezing makes.
     attrs = [n for n in graph.nodes if n.op == "get_attr" and not getattr(gm, n.target).is_mkldnn]
     first = next(iter(graph.nodes))
-    inputs: list[torch.Tensor] = []
-    bases: dict[tuple, torch.fx.Node] = {}
 
     def key(t: torch.Tensor) -> tuple:
         return (t.untyped_storage().data_ptr(), t.dtype, t.device)
 
+    groups: dict[tuple, list[torch.Tensor]] = {}
     for node in attrs:
         t = getattr(gm, node.target)
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"constant {node.target} is a {type(t).__name__}, not a tensor")
-        if key(t) not in bases:
-            with graph.inserting_before(first):
-                bases[key(t)] = graph.placeholder(f"input{len(inputs)}")
-            inputs.append(t.as_strided((_numel(t),), (1,), 0))
+        groups.setdefault(key(t), []).append(t)
+    inputs: list[torch.Tensor] = []
+    bases: dict[tuple, tuple[torch.fx.Node, list[int]]] = {}
+    for k, tensors in groups.items():
+        t = max(tensors, key=torch.Tensor.numel)
+        shape = natural_shape(list(t.size()), list(t.stride()), _numel(t)) or [_numel(t)]
+        with graph.inserting_before(first):
+            bases[k] = (graph.placeholder(f"input{len(inputs)}"), shape)
+        inputs.append(t.as_strided(shape, torch.empty(shape, device="meta").stride(), 0))
     for node in attrs:
         t = getattr(gm, node.target)
-        x = bases[key(t)]
+        x, shape = bases[key(t)]
+        size, stride, offset = list(t.size()), list(t.stride()), t.storage_offset()
+        chain = chain_from(shape, size, stride, offset)
+        if chain is None:
+            chain = ([("view", ([-1],))] if len(shape) > 1 else []) + view_chain(size, stride, offset, _numel(t))
         with graph.inserting_before(node):
-            for name, args in view_chain(list(t.size()), list(t.stride()), t.storage_offset(), _numel(t)):
+            for name, args in chain:
                 x = graph.call_function(_VIEW_OPS[name], (x, *args))
         node.replace_all_uses_with(x)
         graph.erase_node(node)
