@@ -45,7 +45,7 @@ DOCKER_BUILD_FLAGS ?= --network host
 # dockerd started for the command and stopped after it (tests/images/docker_engine.sh).
 WITH_DOCKER  := bash tests/images/docker_engine.sh
 
-.PHONY: help setup engine rust-check chat-templates test test-fast demo bench bench-architectures bench-server bench-operator bench-agent bench-fuzz bench-soak k8s k8s-crds lock crds clean images base-images
+.PHONY: help setup engine rust-check chat-templates test test-fast demo bench bench-architectures bench-server bench-operator bench-agent bench-compiled bench-fuzz bench-soak k8s k8s-crds lock crds clean images base-images
 
 help:
 	@echo "make demo   build everything and run the demo (see README)"
@@ -108,6 +108,10 @@ bench-operator: setup
 # Prefix caching on an agent session through the server, on Google's Gemma 4 template (cached and not).
 bench-agent: setup chat-templates
 	$(PY) -m bench.agent_session
+
+# The compiled decode step against eager, and the read bound (README "The compiled decode step").
+bench-compiled: setup
+	$(PY) -m bench.compiled
 
 # The long run of requests generated from the server's OpenAPI document (tests/server/test_openapi.py is the
 # short one), and minutes of concurrent streaming load with the server's invariants checked afterwards.

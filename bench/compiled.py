@@ -1,0 +1,202 @@
+"""Compiled decode step against eager, and both against the device's read bound, in one run.
+
+    python -m bench.compiled [--config small|tiny|e2b-layers|e2b] [--device cpu|cuda] [--dtype float32|bfloat16]
+                             [--batches 1,8,32] [--new 32] [--repeats 3] [--spec-gbps N] [--transformers]
+
+1. **The read bound, measured right**: one float32 buffer of `--bound-gib` (default 1 GiB), read by a plain
+   `sum` `--passes` times (default 20) between two device events (`torch.cuda.Event` on CUDA; on the CPU,
+   where there are none, the wall clock around the same loop), so launch and sync cost nothing beside the
+   bytes. Printed as GB/s and, with `--spec-gbps` or a known GPU (H100 SXM 3,350 GB/s, H200 4,800 GB/s), as
+   a share of the device's specification.
+2. **Decode at batch 1, 8, 32** (slots decoding together): the engine eager (oneDNN's packed weights where
+   it picks them, the engine's default), the engine eager on ATen's matmul (what a compiled engine
+   multiplies with on the CPU), and the engine compiled (`gemma_engine.compiling.StepCompiler`, Inductor);
+   with `--transformers`, Transformers' `generate` with its static cache and the forward under
+   `torch.compile` (the strong baseline; batch 1). Decode tok/s = the batch's tokens after the first over
+   the seconds they took (from `Engine.run`'s own step timings), median of `--repeats`; each side's
+   effective GB/s (weight bytes a step reads x steps per second) and its share of the read bound.
+3. **Prompt read** (tokens per second of a `--prompt`-token prompt, eager on both engines: the compiled
+   path covers decode steps; prompt chunks run eagerly).
+
+The weights are random (bench/engine.py's initialisation); the compiled engine's tokens are compared
+with the eager ones on ATen's matmul and the agreement printed (tests/engine/test_compiled.py holds it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.engine import make_config, random_model, step_read_bytes, sync
+
+SPEC_GBPS = {"H100": 3350.0, "H200": 4800.0}  # HBM3 / HBM3e, NVIDIA's data sheets (SXM)
+
+
+def read_bound(device: str, gib: float = 1.0, passes: int = 20) -> float:
+    """Bytes per second a read-only kernel (`sum`) reaches over `gib` GiB, `passes` passes between two
+    device events (the wall clock on the CPU)."""
+    data = torch.ones(int(gib * 2**30) // 4, device=device, dtype=torch.float32)
+    out = data.sum()  # first touch
+    sync(device)
+    if device.startswith("cuda"):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(passes):
+            out = data.sum()
+        end.record()
+        end.synchronize()
+        seconds = start.elapsed_time(end) / 1000
+    else:
+        t0 = time.perf_counter()
+        for _ in range(passes):
+            out = data.sum()
+        seconds = time.perf_counter() - t0
+    assert float(out) == data.numel()
+    return data.numel() * 4 * passes / seconds
+
+
+def spec_gbps(device: str, given: float | None) -> float | None:
+    if given:
+        return given
+    if device.startswith("cuda"):
+        name = torch.cuda.get_device_name(device)
+        return next((v for k, v in SPEC_GBPS.items() if k in name), None)
+    return None
+
+
+def prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
+    return [[2] + [(37 * i + 11 * b + 5) % (vocab - 10) + 3 for i in range(length - 1)] for b in range(batch)]
+
+
+def decode_rate(engine, batch: int, length: int, new: int, vocab: int) -> tuple[float, list[list[int]]]:
+    """Decode tok/s of `batch` requests decoding together (tokens after each one's first, over the seconds of
+    the turns that decoded them), and their tokens."""
+    import gemma_engine
+
+    reqs = [gemma_engine.Request(i, p, new) for i, p in enumerate(prompts(batch, length, vocab))]
+    tokens: dict[int, list[int]] = {i: [] for i in range(batch)}
+    seconds = [0.0]
+    pending = list(reqs)
+
+    def poll(free, idle):
+        nonlocal pending
+        if not pending and all(len(t) >= new for t in tokens.values()):
+            return None
+        new_reqs, pending = pending[:free], pending[free:]
+        return new_reqs, []
+
+    def on_events(events, stats):
+        for e in events:
+            tokens[e.id] += e.tokens
+        if stats.get("batch_sizes") and not stats.get("prompt_tokens"):
+            seconds[0] += stats["seconds"]
+
+    engine.run(poll, on_events, 1)
+    decoded = sum(len(t) - 1 for t in tokens.values())
+    return decoded / seconds[0], [tokens[i] for i in range(batch)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="small")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="default: float32 on the cpu, bfloat16 on cuda")
+    ap.add_argument("--batches", default="1,8", help="comma-separated batch sizes (e.g. 1,8,32)")
+    ap.add_argument("--new", type=int, default=32, help="tokens each request decodes")
+    ap.add_argument("--prompt", type=int, default=64, help="prompt tokens of each request")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads on the cpu")
+    ap.add_argument("--bound-gib", type=float, default=1.0)
+    ap.add_argument("--passes", type=int, default=20)
+    ap.add_argument("--spec-gbps", type=float, default=None, help="the device's memory bandwidth by its spec")
+    ap.add_argument("--transformers", action="store_true", help="add Transformers (static cache, torch.compile)")
+    args = ap.parse_args(argv)
+    import gemma_engine
+    from gemma_engine.compiling import StepCompiler
+
+    torch.set_num_threads(args.threads)
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    batches = [int(b) for b in args.batches.split(",")]
+    config = make_config(args.config)
+    model = random_model(config, args.device).to(getattr(torch, dtype))
+    bound = read_bound(args.device, args.bound_gib, args.passes)
+    spec = spec_gbps(args.device, args.spec_gbps)
+    share = f" = {100 * bound / 1e9 / spec:.1f} % of the {spec:,.0f} GB/s spec" if spec else ""
+    print(f"read bound: {bound / 1e9:,.1f} GB/s ({args.bound_gib} GiB x {args.passes} passes of sum){share}")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        context = args.prompt + args.new + 8
+        common = dict(like=torch.zeros(1, device=args.device), context=context, dtype=dtype,
+                      prefix_caching=False, max_batch=max(batches))
+        compiler = StepCompiler("inductor", clone_outputs=args.device.startswith("cuda"),
+                                options={"triton.cudagraphs": True} if args.device.startswith("cuda") else {})
+        engines = {
+            "eager": gemma_engine.Engine(tmp, **common),
+            "eager aten": gemma_engine.Engine(tmp, onednn=False, **common),
+            "compiled": gemma_engine.Engine(tmp, onednn=False, compiler=compiler, **common),
+        }
+        step_bytes = {name: step_read_bytes(e, config, dtype) for name, e in engines.items()}
+        # Warm-up: every batch's shapes run (and compile) before any timing.
+        t0 = time.perf_counter()
+        for b in batches:
+            for e in engines.values():
+                decode_rate(e, b, args.prompt, 6, config.vocab_size)
+        print(f"warm-up (compiles {len(compiler.compiled)} step shapes): {time.perf_counter() - t0:.1f} s; "
+              f"fallbacks: {engines['compiled'].compile_report()['fallbacks']}")
+        hf = None
+        if args.transformers:
+            from bench.engine import hf_runner
+
+            model.forward = torch.compile(model.forward, dynamic=False)
+            hf = hf_runner(model, args.device, prompts(1, args.prompt, config.vocab_size)[0], args.new, "static",
+                           compile_=True)
+
+        by_batch: dict[int, dict[str, float]] = {}
+        for b in batches:
+            rates: dict[str, list[float]] = {name: [] for name in engines}
+            agree = []
+            for _ in range(args.repeats):  # interleaved rounds
+                for name, e in engines.items():
+                    rate, tokens = decode_rate(e, b, args.prompt, args.new, config.vocab_size)
+                    rates[name].append(rate)
+                    if name == "eager aten":
+                        want = tokens
+                    if name == "compiled":
+                        agree.append(sum(t == w for t, w in zip(tokens, want)))
+                if hf is not None and b == 1:
+                    rates.setdefault("transformers compiled", []).append(hf()[1])
+            print(f"\nbatch {b}: decode tok/s, median of {args.repeats} (compiled = eager aten tokens in "
+                  f"{min(agree)}/{b} requests)")
+            med = {name: statistics.median(v) for name, v in rates.items()}
+            by_batch[b] = med
+            for name, rate in med.items():
+                gbps = rate / b * step_bytes.get(name, step_bytes["eager aten"]) / 1e9
+                spec_share = f", {100 * gbps / spec:.1f} % of spec" if spec else ""
+                print(f"  {name:22s} {rate:9.1f} tok/s  {gbps:8.2f} GB/s = {100 * gbps * 1e9 / bound:5.1f} % of the "
+                      f"read bound{spec_share}")
+            print(f"  compiled / eager aten: {med['compiled'] / med['eager aten']:.2f}x; compiled / eager: "
+                  f"{med['compiled'] / med['eager']:.2f}x")
+            if "transformers compiled" in med:
+                print(f"  compiled / transformers compiled: {med['compiled'] / med['transformers compiled']:.2f}x")
+        if 1 in by_batch:
+            for b in (b for b in batches if b > 1):
+                print(f"batch {b} / batch 1 decode tok/s: " + ", ".join(
+                    f"{name} {by_batch[b][name] / by_batch[1][name]:.2f}x" for name in engines))
+
+        read = {name: [] for name in ("eager", "eager aten")}
+        for _ in range(args.repeats):
+            for name in read:
+                _, _, read_s, _ = engines[name].decode(prompts(1, args.prompt, config.vocab_size)[0], 1)
+                read[name].append(args.prompt / read_s)
+        print("prompt read tok/s (eager; prompt chunks are not compiled): " +
+              ", ".join(f"{k} {statistics.median(v):,.0f}" for k, v in read.items()))
+
+
+if __name__ == "__main__":
+    main()
