@@ -186,6 +186,17 @@ def test_the_same_prompt_again_resumes_one_token_before_its_end_from_the_snapsho
     assert cached(second) == len(prompt) - 1 and served.prompt_tokens_read == 1
 
 
+def test_reset_prefix_cache_forgets_every_history_and_fills_the_lowest_slots(engines, reference):
+    """vLLM's reset_prefix_cache: the same prompt again after a reset is read whole, and gives the same tokens."""
+    engine = engines("dense")
+    prompt = PROMPTS["repeat"]
+    first, _ = one(engine, 1, prompt, 10)
+    engine.reset_prefix_cache()
+    again, served = one(engine, 2, prompt, 10)
+    assert cached(again) == 0 and served.prompt_tokens_read == len(prompt)
+    assert again.tokens == first.tokens and (again.tokens, again.finish) == reference("dense", prompt, 10)
+
+
 def test_a_match_ending_inside_the_previous_reply_resumes_at_the_prompt_end(engines, reference):
     engine = engines("dense", max_batch=1)
     prompt = PROMPTS["other"]

@@ -7,15 +7,33 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyCFunction, PyList, PyTuple};
+use pyo3::types::{PyCFunction, PyDict, PyList, PyTuple};
 
-use crate::engine::compiled::{Compiler, Replay};
+use crate::engine::compiled::{Compiler, Fallback, Replay};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
 /// `hook(name, run) -> replay`, with `hook.backend_name` its backend's name.
 pub struct PyCompiler {
     pub hook: Py<PyAny>,
+}
+
+/// The engine's compiler for a Python hook.
+pub fn boxed(hook: Py<PyAny>) -> Box<dyn Compiler> {
+    Box::new(PyCompiler { hook })
+}
+
+/// `Engine.compile_report()`'s dict: backend, active, captured, fallbacks as (step, reason) pairs.
+pub fn report<'py>(
+    py: Python<'py>,
+    (backend, active, captured, fallbacks): (String, bool, usize, Vec<Fallback>),
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("backend", backend)?;
+    d.set_item("active", active)?;
+    d.set_item("captured", captured)?;
+    d.set_item("fallbacks", fallbacks.into_iter().map(|f| (f.step, f.reason)).collect::<Vec<_>>())?;
+    Ok(d)
 }
 
 struct PyReplay(Py<PyAny>);
