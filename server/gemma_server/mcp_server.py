@@ -72,7 +72,8 @@ class Answer(BaseModel):
 class EndpointStatus(BaseModel):
     ready: bool
     reason: str | None = Field(description="Why the server is not ready (boot stage, draining, engine error).")
-    stage: str = Field(description="The boot stage: build, import, smoke, weights, warmup, serving.")
+    stage: str = Field(description="The boot stage: build, import, smoke, weights, compile (with --compile), "
+                                   "warmup, serving.")
     draining: bool
     queued: int = Field(description="Requests admitted but not yet in an engine's slot.")
     running: int = Field(description="Sequence slots occupied.")
