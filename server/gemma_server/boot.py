@@ -295,6 +295,8 @@ class Boot:
             import torch
 
             shards = self.groups[worker.index]
+            if c.compile != "off":
+                self.compilers[worker.index] = self.step_compiler(worker.device)
             engine = self.gemma_engine.Engine(
                 str(model_dir), str(emb_dir) if emb_dir else None, torch.zeros(1, device=worker.device),
                 context=c.context, dtype=c.dtype, prefill_chunk=c.prefill_chunk, max_batch=c.max_num_seqs,
@@ -302,8 +304,7 @@ class Boot:
                 onednn=False if c.compile != "off" else {"auto": None, "on": True, "off": False}[c.onednn],
                 grammars=grammars, prefix_caching=c.enable_prefix_caching,
                 tensor_parallel_size=c.tensor_parallel_size, shard_devices=[torch.zeros(1, device=d) for d in shards],
-                compiler=self.compilers.setdefault(worker.index, self.step_compiler(worker.device))
-                if c.compile != "off" else None,
+                compiler=self.compilers.get(worker.index),
             )
             worker.set_engine(engine)
             return engine.context, engine.vocab_size
