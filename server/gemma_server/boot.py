@@ -354,7 +354,7 @@ class Boot:
             import gemma_engine
 
             first = 0
-            for b in buckets(w.engine.max_batch):
+            for b in w.engine.buckets:
                 for sampled in (False, True):
                     # A sampled request may draw an eos before its steps ran twice: then again, other prompts.
                     for _ in range(COMPILE_ATTEMPTS):
@@ -488,11 +488,6 @@ def eager_mode_name(torch) -> str:
     except (AttributeError, RuntimeError):
         return "unknown"
     return str(getattr(mode, "name", mode))
-
-
-def buckets(max_batch: int) -> list[int]:
-    """The decode-step batch sizes of an engine of `max_batch` slots (rust/src/engine/step.rs `buckets`)."""
-    return [b for b in (1 << i for i in range(max_batch.bit_length())) if b < max_batch] + [max_batch]
 
 
 def compile_prompt(k: int, vocab: int) -> list[int]:

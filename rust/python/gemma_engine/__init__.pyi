@@ -428,6 +428,9 @@ class Engine:
     @property
     def max_batch(self) -> int: ...
     @property
+    def buckets(self) -> list[int]:
+        """The decode-step batch sizes: powers of two below max_batch, then max_batch."""
+    @property
     def dtype(self) -> str: ...
     @property
     def device(self) -> str: ...

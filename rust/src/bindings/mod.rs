@@ -408,6 +408,12 @@ impl Engine {
         self.inner.max_batch()
     }
 
+    /// The decode-step batch sizes: powers of two below max_batch, then max_batch.
+    #[getter]
+    fn buckets(&self) -> Vec<i64> {
+        self.inner.buckets()
+    }
+
     #[getter]
     fn dtype(&self) -> &'static str {
         self.inner.dtype().name()

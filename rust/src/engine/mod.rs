@@ -286,6 +286,11 @@ impl Engine {
         self.max_batch
     }
 
+    /// The decode-step batch sizes (step.rs `buckets`).
+    pub fn buckets(&self) -> Vec<i64> {
+        step::buckets(self.max_batch)
+    }
+
     pub fn dtype(&self) -> DType {
         self.model.dtype()
     }
