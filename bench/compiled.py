@@ -9,8 +9,9 @@
    bytes. Printed as GB/s and, with `--spec-gbps` or a known GPU (H100 SXM 3,350 GB/s, H200 4,800 GB/s), as
    a share of the device's specification.
 2. **Decode at batch 1, 8, 32** (slots decoding together): the engine eager (oneDNN's packed weights where
-   it picks them, the engine's default), the engine eager on ATen's matmul (what a compiled engine
-   multiplies with on the CPU), and the engine compiled (`gemma_engine.compiling.StepCompiler`, Inductor);
+   it picks them, the engine's default; its CUDA graphs on CUDA), on the CPU the engine eager on ATen's
+   matmul too (what a compiled engine multiplies with there), and the engine compiled
+   (`gemma_engine.compiling.StepCompiler`, Inductor; on CUDA each compiled step replayed as a CUDA graph);
    with `--transformers`, Transformers' `generate` with its static cache and the forward under
    `torch.compile` (the strong baseline; batch 1). Decode tok/s = the batch's tokens after the first over
    the seconds they took (from `Engine.run`'s own step timings), median of `--repeats`; each side's
@@ -101,6 +102,15 @@ def decode_rate(engine, batch: int, length: int, new: int, vocab: int) -> tuple[
     return decoded / seconds[0], [tokens[i] for i in range(batch)]
 
 
+def report(rates: dict[str, float], batch: int, step_bytes: dict[str, int], bound: float, spec: float | None) -> None:
+    """Each side's tok/s, the GB/s its weight reads make, and their share of the read bound (and of the spec)."""
+    for name, rate in rates.items():
+        gbps = rate / batch * step_bytes.get(name, step_bytes["eager"]) / 1e9
+        spec_share = f", {100 * gbps / spec:.1f} % of spec" if spec else ""
+        print(f"  {name:22s} {rate:9.1f} tok/s  {gbps:8.2f} GB/s = {100 * gbps * 1e9 / bound:5.1f} % of the "
+              f"read bound{spec_share}")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="small")
@@ -134,68 +144,61 @@ def main(argv: list[str] | None = None) -> None:
         context = args.prompt + args.new + 8
         common = dict(like=torch.zeros(1, device=args.device), context=context, dtype=dtype,
                       prefix_caching=False, max_batch=max(batches))
-        compiler = StepCompiler("inductor", clone_outputs=args.device.startswith("cuda"),
-                                options={"triton.cudagraphs": True} if args.device.startswith("cuda") else {})
-        engines = {
-            "eager": gemma_engine.Engine(tmp, **common),
-            "eager aten": gemma_engine.Engine(tmp, onednn=False, **common),
-            "compiled": gemma_engine.Engine(tmp, onednn=False, compiler=compiler, **common),
-        }
+        compiler = StepCompiler("inductor")
+        engines = {"eager": gemma_engine.Engine(tmp, **common)}
+        if args.device == "cpu":  # oneDNN is the CPU's; elsewhere eager runs ATen's matmul already
+            engines["eager aten"] = gemma_engine.Engine(tmp, onednn=False, **common)
+        engines["compiled"] = gemma_engine.Engine(tmp, onednn=False, compiler=compiler, **common)
+        same = "eager aten" if "eager aten" in engines else "eager"  # what the compiled engine runs, eagerly
         step_bytes = {name: step_read_bytes(e, config, dtype) for name, e in engines.items()}
-        # Warm-up: every batch's shapes run (and compile) before any timing.
-        t0 = time.perf_counter()
-        for b in batches:
-            for e in engines.values():
-                decode_rate(e, b, args.prompt, 6, config.vocab_size)
-        print(f"warm-up (compiles {len(compiler.compiled)} step shapes): {time.perf_counter() - t0:.1f} s; "
-              f"fallbacks: {engines['compiled'].compile_report()['fallbacks']}")
-        hf = None
-        if args.transformers:
-            from bench.engine import hf_runner
-
-            model.forward = torch.compile(model.forward, dynamic=False)
-            hf = hf_runner(model, args.device, prompts(1, args.prompt, config.vocab_size)[0], args.new, "static",
-                           compile_=True)
-
         by_batch: dict[int, dict[str, float]] = {}
         for b in batches:
+            # Warm-up: this batch's step shape runs (and compiles) on every engine before it is timed.
+            t0, before = time.perf_counter(), len(compiler.compiled)
+            for e in engines.values():
+                decode_rate(e, b, args.prompt, 6, config.vocab_size)
+            print(f"\nbatch {b}: warm-up {time.perf_counter() - t0:.1f} s (compiled {len(compiler.compiled) - before} "
+                  f"step shapes; fallbacks: {engines['compiled'].compile_report()['fallbacks']})", flush=True)
             rates: dict[str, list[float]] = {name: [] for name in engines}
             agree = []
             for _ in range(args.repeats):  # interleaved rounds
                 for name, e in engines.items():
                     rate, tokens = decode_rate(e, b, args.prompt, args.new, config.vocab_size)
                     rates[name].append(rate)
-                    if name == "eager aten":
+                    if name == same:
                         want = tokens
                     if name == "compiled":
                         agree.append(sum(t == w for t, w in zip(tokens, want)))
-                if hf is not None and b == 1:
-                    rates.setdefault("transformers compiled", []).append(hf()[1])
-            print(f"\nbatch {b}: decode tok/s, median of {args.repeats} (compiled = eager aten tokens in "
+            print(f"batch {b}: decode tok/s, median of {args.repeats} (compiled = {same} tokens in "
                   f"{min(agree)}/{b} requests)")
-            med = {name: statistics.median(v) for name, v in rates.items()}
-            by_batch[b] = med
-            for name, rate in med.items():
-                gbps = rate / b * step_bytes.get(name, step_bytes["eager aten"]) / 1e9
-                spec_share = f", {100 * gbps / spec:.1f} % of spec" if spec else ""
-                print(f"  {name:22s} {rate:9.1f} tok/s  {gbps:8.2f} GB/s = {100 * gbps * 1e9 / bound:5.1f} % of the "
-                      f"read bound{spec_share}")
-            print(f"  compiled / eager aten: {med['compiled'] / med['eager aten']:.2f}x; compiled / eager: "
-                  f"{med['compiled'] / med['eager']:.2f}x")
-            if "transformers compiled" in med:
-                print(f"  compiled / transformers compiled: {med['compiled'] / med['transformers compiled']:.2f}x")
+            by_batch[b] = {name: statistics.median(v) for name, v in rates.items()}
+            report(by_batch[b], b, step_bytes, bound, spec)
+            print("  " + "; ".join(f"compiled / {name}: {by_batch[b]['compiled'] / by_batch[b][name]:.2f}x"
+                                   for name in engines if name != "compiled"), flush=True)
         if 1 in by_batch:
             for b in (b for b in batches if b > 1):
                 print(f"batch {b} / batch 1 decode tok/s: " + ", ".join(
                     f"{name} {by_batch[b][name] / by_batch[1][name]:.2f}x" for name in engines))
 
-        read = {name: [] for name in ("eager", "eager aten")}
+        read = {name: [] for name in engines if name != "compiled"}
         for _ in range(args.repeats):
             for name in read:
                 _, _, read_s, _ = engines[name].decode(prompts(1, args.prompt, config.vocab_size)[0], 1)
                 read[name].append(args.prompt / read_s)
         print("prompt read tok/s (eager; prompt chunks are not compiled): " +
               ", ".join(f"{k} {statistics.median(v):,.0f}" for k, v in read.items()))
+
+        if args.transformers:  # last: its torch.compile takes long, and nothing above needs it
+            from bench.engine import hf_runner
+
+            model.forward = torch.compile(model.forward, dynamic=False)
+            hf = hf_runner(model, args.device, prompts(1, args.prompt, config.vocab_size)[0], args.new, "static",
+                           compile_=True)
+            ours = by_batch.get(1, {}).get("compiled")
+            theirs = statistics.median(hf()[1] for _ in range(args.repeats))
+            report({"transformers compiled": theirs}, 1, step_bytes, bound, spec)
+            if ours:
+                print(f"  compiled / transformers compiled (batch 1): {ours / theirs:.2f}x")
 
 
 if __name__ == "__main__":

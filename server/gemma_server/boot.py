@@ -329,15 +329,13 @@ class Boot:
 
     def step_compiler(self, device: str):
         """The engine's compiler hook on `device` (gemma_engine.compiling): torch_tpu's `tpu` backend on a tpu,
-        Inductor elsewhere (with its CUDA graphs on cuda, whose replays reuse their outputs' memory)."""
+        Inductor elsewhere (on cuda the engine captures each compiled step as a CUDA graph)."""
         from gemma_engine.compiling import StepCompiler
 
         kind = device.split(":")[0]
         if kind in ("tpu", "privateuseone"):
             return StepCompiler("tpu", on_fallback=self.metrics.observe_compile_fallback)
-        cuda = kind == "cuda"
-        return StepCompiler("inductor", clone_outputs=cuda, options={"triton.cudagraphs": True} if cuda else {},
-                            on_fallback=self.metrics.observe_compile_fallback)
+        return StepCompiler("inductor", on_fallback=self.metrics.observe_compile_fallback)
 
     def _compile(self) -> str:
         """Capture and compile every decode-step bucket (1, 2, 4, ... slots, and --max-num-seqs), greedy and

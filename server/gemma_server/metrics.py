@@ -223,7 +223,8 @@ class Metrics:
         ).labels(m)
         self.compile_fallbacks = Counter(
             "gemma_compile_fallbacks", "Decode-step shapes whose capture or compile failed (--compile): they run "
-            "eagerly; the log names each with its reason.", labels, registry=r,
+            "eagerly; or, on CUDA, whose compiled step's CUDA graph failed: replayed without one. The log names "
+            "each with its reason.", labels, registry=r,
         ).labels(m)
         self.engine_ready = Gauge(
             "gemma_engine_ready", "1 when the engine has warmed up and serves; 0 while booting, draining or dead.",

@@ -174,6 +174,24 @@ def test_inductor_compiled_steps_give_the_eager_tokens_and_logprobs_in_a_busy_ru
     _busy_run(small_checkpoint, "inductor")
 
 
+@pytest.mark.gpu
+def test_on_cuda_compiled_steps_are_replayed_as_cuda_graphs_and_give_the_eager_tokens(small_checkpoint):
+    """On CUDA a compiled step's replay is captured as a CUDA graph of its own (one launch a step, as the eager
+    path's graphs): the busy run through Inductor's Triton kernels gives the eager engine's tokens and
+    log-probabilities, that engine's CUDA graphs included."""
+    cuda = {"like": torch.zeros(1, device="cuda"), "max_batch": 2, "prefill_chunk": 5}
+    eager_engine = _engine(small_checkpoint, **cuda)
+    eager = Script(_busy()).run(eager_engine, read_every=2)
+    compiler = StepCompiler("inductor")
+    engine = _engine(small_checkpoint, compiler, **cuda)
+    compiled = Script(_busy()).run(engine, read_every=2)
+    report = engine.compile_report()
+    assert report["fallbacks"] == [] and report["captured"] == len(compiler.compiled) >= 4, compiler.compiled
+    assert eager_engine.captured_steps > 0
+    assert engine.captured_steps > 0  # only compiled replays are graphs in this engine: its eager steps are not
+    _assert_same(eager, compiled)
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_every_architectures_captured_steps_give_the_eager_tokens_in_a_busy_run(name, tmp_path_factory):
     """The capture on every architecture (K=V attention, the MoE block's grouped products, the 12B's unified
@@ -233,6 +251,31 @@ def test_a_capture_that_fails_runs_eagerly_and_says_why(small_checkpoint):
     assert report["captured"] == 0
     [(step, reason)] = report["fallbacks"]
     assert step == "decode b=1 greedy" and "this fake backend compiles nothing" in reason
+
+
+def syncing_backend_fake(gm, example_inputs):
+    """A fake backend whose compiled step reads a value back to the host at every call (as a kernel that sizes
+    its output from data would): it runs, but cannot be captured as a CUDA graph."""
+    def run(*args):
+        out = gm(*args)
+        float(args[0].sum())  # refused while the stream captures
+        return out
+
+    return run
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_compiled_step_whose_cuda_graph_fails_replays_without_one_and_says_why(small_checkpoint):
+    cuda = {"like": torch.zeros(1, device="cuda")}
+    compiler = StepCompiler(syncing_backend_fake)
+    engine = _engine(small_checkpoint, compiler, **cuda)
+    tokens = engine.decode(PROMPTS["parity"], 16)[0]
+    assert tokens == _engine(small_checkpoint, **cuda).decode(PROMPTS["parity"], 16)[0]
+    report = engine.compile_report()
+    assert report["captured"] == 1 and engine.captured_steps == 0
+    [(step, reason)] = report["fallbacks"]
+    assert step == "decode b=1 greedy (CUDA graph)" and "captur" in reason, reason
+    assert compiler.fallbacks == [(step, reason)]  # the hook was told: its log line and metric
 
 
 def test_use_compiled_switches_between_replays_and_eager_steps(small_checkpoint):

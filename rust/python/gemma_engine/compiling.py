@@ -206,13 +206,12 @@ def capture(run: Callable[[], list[torch.Tensor]]) -> tuple[torch.fx.GraphModule
 class StepCompiler:
     """The engine's compiler hook (`Engine(compiler=...)`): records a step and compiles it.
 
-    `backend` is a dynamo backend, by name ("inductor"; "tpu" after `import torch_tpu`) or itself. `clone_outputs`
-    copies a replay's outputs (Inductor's CUDA graphs reuse their output memory at the next replay;
-    the engine keeps a step's tokens until the next read point).
+    `backend` is a dynamo backend, by name ("inductor"; "tpu" after `import torch_tpu`) or itself. On CUDA the
+    engine captures each replay as a CUDA graph itself (rust/src/engine/compiled.rs): Inductor's own CUDA graphs
+    skip a graph that mutates inputs, as every step does its KV rings.
     """
 
     backend: str | Callable = "inductor"
-    clone_outputs: bool = False
     options: dict = field(default_factory=dict)
     #: (step name, compile seconds) of each compile, in order.
     compiled: list[tuple[str, float]] = field(default_factory=list)
@@ -235,21 +234,23 @@ class StepCompiler:
             self.graphs[name] = gm
             compiled = self.compile(gm, inputs)
         except Exception as e:
-            reason = f"{type(e).__name__}: {e}"
-            log.warning("step %s runs eagerly: its capture or compile failed: %s", name, reason)
-            self.fallbacks.append((name, reason))
-            if self.on_fallback is not None:
-                self.on_fallback(name, reason)
+            self.fell_back(name, f"its capture or compile failed: {type(e).__name__}: {e}")
             raise
         self.compiled.append((name, time.perf_counter() - started))
         log.info("compiled %s with %s in %.1f s (%d inputs)", name, self.backend_name, self.compiled[-1][1], len(inputs))
-        clone = self.clone_outputs
 
         def replay() -> list[torch.Tensor]:
-            out = compiled(*inputs)
-            return [t.clone() for t in out] if clone else list(out)
+            return list(compiled(*inputs))
 
         return replay
+
+    def fell_back(self, name: str, reason: str) -> None:
+        """A step that does not run as compiled (the engine calls this too, when a compiled step's CUDA graph
+        fails): logged, kept, and passed to `on_fallback`."""
+        log.warning("step %s does not run compiled: %s", name, reason)
+        self.fallbacks.append((name, reason))
+        if self.on_fallback is not None:
+            self.on_fallback(name, reason)
 
     def describe(self) -> dict:
         """{"backend", "compiled": [(step, seconds)], "fallbacks": [(step, reason)]}: safe to read from any
@@ -260,7 +261,7 @@ class StepCompiler:
     def compile(self, gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Callable:
         """`backend(gm, inputs)` inside a tracing context whose fake mode has a ShapeEnv, as dynamo calls a
         backend (Inductor's FX graph cache and AOTAutograd's cache are bypassed without one, so every restart
-        would compile again); `options` patch Inductor's config for the call (e.g. "triton.cudagraphs")."""
+        would compile again); `options` patch Inductor's config for the call (e.g. "max_autotune")."""
         from torch._guards import TracingContext, tracing
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.fx.experimental.symbolic_shapes import ShapeEnv

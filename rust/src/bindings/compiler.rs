@@ -13,7 +13,7 @@ use crate::engine::compiled::{Compiler, Fallback, Replay};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
-/// `hook(name, run) -> replay`, with `hook.backend_name` its backend's name.
+/// `hook(name, run) -> replay`, with `hook.backend_name` its backend's name and `hook.fell_back(step, reason)`.
 pub struct PyCompiler {
     pub hook: Py<PyAny>,
 }
@@ -101,6 +101,17 @@ impl Compiler for PyCompiler {
                 .and_then(|b| b.extract::<String>(py))
                 .unwrap_or_else(|e| format!("<{e}>"))
         })
+    }
+
+    fn fell_back(&mut self, step: &str, reason: &str) {
+        // A hook without `fell_back` (or one that raises) is not told; compile_report() lists the fallback.
+        let _ = self.tell(step, reason);
+    }
+}
+
+impl PyCompiler {
+    fn tell(&self, step: &str, reason: &str) -> PyResult<()> {
+        Python::attach(|py| self.hook.call_method1(py, "fell_back", (step, reason)).map(drop))
     }
 }
 

@@ -14,11 +14,17 @@
 //! graph's warm-up does), the second is captured (it runs, recorded, and returns its own result), and
 //! later ones replay. A capture that fails leaves that key eager for good, with its reason kept
 //! (`Compiled::fallbacks`) for the caller to log and count; it never fails a request.
+//!
+//! On CUDA with CUDA graphs on, a key's compiled replay is then captured as a CUDA graph of its own
+//! (step.rs's `Graphs`: run once, captured, replayed), so a compiled step is one launch as an eager one
+//! is. Inductor's own CUDA graphs cannot do it: they skip a graph that mutates an input not known to be
+//! static (torch 2.14, `torch/_inductor/cudagraph_utils.py`, `check_for_mutation`), and every KV ring
+//! is such an input here.
 
 use std::collections::{HashMap, HashSet};
 
 use crate::engine::sampling::Chosen;
-use crate::engine::step::StepKey;
+use crate::engine::step::{Graphs, StepKey};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -35,6 +41,10 @@ pub trait Compiler: Send {
 
     /// The backend's name, as `/v1/engine` shows it ("inductor", "tpu", ...).
     fn backend(&self) -> String;
+
+    /// Told when a compiled step runs without its CUDA graph (its capture failed), so the hook logs and
+    /// counts it as it does a capture of its own that failed.
+    fn fell_back(&mut self, step: &str, reason: &str);
 }
 
 /// Why a key runs eagerly although compiling is on.
@@ -49,27 +59,55 @@ pub struct Compiled {
     seen: HashSet<StepKey>,
     replays: HashMap<StepKey, Box<dyn Replay>>,
     failed: HashSet<StepKey>,
+    /// Keys whose replay could not be captured as a CUDA graph: replayed without one.
+    ungraphed: HashSet<StepKey>,
     fallbacks: Vec<Fallback>,
-    /// Replay captured keys (true) or run every step eagerly (false; captures still happen).
+    /// Some where the eager path has CUDA graphs: the compiled replays captured as CUDA graphs.
+    graphs: Option<Graphs>,
+    /// Replay captured keys (true) or run every step as an engine without a compiler does (false).
     pub(super) active: bool,
 }
 
 impl Compiled {
-    pub fn new(compiler: Box<dyn Compiler>) -> Compiled {
+    pub(super) fn new(compiler: Box<dyn Compiler>, graphs: Option<Graphs>) -> Compiled {
         Compiled {
             compiler,
+            graphs,
             seen: HashSet::new(),
             replays: HashMap::new(),
             failed: HashSet::new(),
+            ungraphed: HashSet::new(),
             fallbacks: Vec::new(),
             active: true,
         }
     }
 
-    /// The step of `key`, whose device work `eager` does: run, captured, or replayed (module docs).
-    pub(super) fn step(&mut self, key: StepKey, mut eager: impl FnMut() -> Result<Chosen>) -> Result<Chosen> {
-        if let Some(replay) = self.replays.get(&key).filter(|_| self.active) {
-            return from_outputs(replay.call()?, key.stages.logprobs.is_some());
+    /// The step of `key`, whose device work `eager` does: run, captured, or replayed, the replay through
+    /// a CUDA graph on `like`'s device where there are graphs (module docs).
+    pub(super) fn step(
+        &mut self,
+        key: StepKey,
+        like: &Tensor,
+        mut eager: impl FnMut() -> Result<Chosen>,
+    ) -> Result<Chosen> {
+        if let Some(replay) = self.replays.get(&key) {
+            let run = || from_outputs(replay.call()?, key.stages.logprobs.is_some());
+            let Some(graphs) = self.graphs.as_mut().filter(|_| !self.ungraphed.contains(&key)) else {
+                return run();
+            };
+            let capturing = graphs.will_capture(&key);
+            return match graphs.step(key, like, run) {
+                // Nothing ran while capturing (a capture records, the device does nothing), so running the
+                // replay without a graph is the step.
+                Err(e) if capturing => {
+                    let fallback = Fallback { step: format!("{key} (CUDA graph)"), reason: e.to_string() };
+                    self.compiler.fell_back(&fallback.step, &fallback.reason);
+                    self.fallbacks.push(fallback);
+                    self.ungraphed.insert(key);
+                    run()
+                }
+                chosen => chosen,
+            };
         }
         if self.seen.insert(key) || self.failed.contains(&key) || self.replays.contains_key(&key) {
             return eager();
@@ -109,6 +147,11 @@ impl Compiled {
     /// Keys captured and compiled so far.
     pub fn captured(&self) -> usize {
         self.replays.len()
+    }
+
+    /// Compiled replays captured as CUDA graphs so far (0 off CUDA).
+    pub fn cuda_graphs(&self) -> usize {
+        self.graphs.as_ref().map_or(0, |g| g.captured())
     }
 
     pub fn fallbacks(&self) -> &[Fallback] {

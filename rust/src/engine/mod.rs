@@ -243,10 +243,11 @@ impl Engine {
         Ok(self)
     }
 
-    /// Capture and compile each decode step's shape with `compiler` (compiled.rs). Its compiled steps
-    /// replace the CUDA graphs of the eager path.
+    /// Capture and compile each decode step's shape with `compiler` (compiled.rs). Where the eager path
+    /// has CUDA graphs, each compiled step is captured as one too (graphs of its own).
     pub fn with_compiler(mut self, compiler: Option<Box<dyn Compiler>>) -> Engine {
-        self.compiled = compiler.map(Compiled::new);
+        let graphs = self.graphs.is_some();
+        self.compiled = compiler.map(|c| Compiled::new(c, graphs.then(Graphs::default)));
         self
     }
 
@@ -316,9 +317,9 @@ impl Engine {
         self.model.layer_calls().to_vec()
     }
 
-    /// The CUDA graphs captured so far (0 off CUDA).
+    /// The CUDA graphs captured so far, of eager and compiled steps (0 off CUDA).
     pub fn captured_steps(&self) -> usize {
-        self.graphs.as_ref().map_or(0, |g| g.captured())
+        self.graphs.as_ref().map_or(0, |g| g.captured()) + self.compiled.as_ref().map_or(0, |c| c.cuda_graphs())
     }
 
     pub fn layout(&self) -> Layout {
@@ -599,10 +600,11 @@ impl Engine {
             self.sampler.upload_masks(0, b)?;
         }
         let Engine { model, cache, sampler, slots, graphs, compiled, like, .. } = self;
-        let chosen = match (compiled, graphs) {
-            (Some(c), _) => c.step(key, || step(model, cache, sampler, slots, key))?,
-            (None, None) => step(model, cache, sampler, slots, key)?,
-            (None, Some(g)) => g.step(key, like, || step(model, cache, sampler, slots, key))?,
+        let mut eager = || step(model, cache, sampler, slots, key);
+        let chosen = match (compiled.as_mut().filter(|c| c.active), graphs) {
+            (Some(c), _) => c.step(key, like, eager)?,
+            (None, Some(g)) => g.step(key, like, eager)?,
+            (None, None) => eager()?,
         };
         self.drawn.push(Drawn { chosen, rows: rows.to_vec() });
         self.stepped = true;

@@ -149,6 +149,11 @@ impl Graphs {
         out.copy()
     }
 
+    /// Whether the next step of `key` is the one captured.
+    pub(super) fn will_capture(&self, key: &StepKey) -> bool {
+        self.seen.contains(key) && !self.captured.contains_key(key)
+    }
+
     /// The graphs captured so far.
     pub(super) fn captured(&self) -> usize {
         self.captured.len()
