@@ -417,6 +417,21 @@ gt *aten_rms_norm(gt *x, gt *weight, double eps) {
       return box(at::rms_norm(xt, {xt.size(-1)}, w, eps));)
   return nullptr;
 }
+// Through the dispatcher's functional collectives, `_c10d_functional::all_reduce` then `wait_tensor` (torch
+// 2.14 torch/csrc/distributed/c10d/Functional.cpp), the ops torch.distributed's functional API
+// (torch/distributed/_functional_collectives.py) calls: a dispatcher-level capture of a step records them, and
+// Inductor and torch_tpu lower them inside a compiled graph. Called boxed: the group's schema type changed
+// from `str` to `Any` across releases.
+at::Tensor all_reduce_sum(const at::Tensor &t, const char *group) {
+  static const auto all_reduce = c10::Dispatcher::singleton().findSchemaOrThrow("_c10d_functional::all_reduce", "");
+  static const auto wait = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("_c10d_functional::wait_tensor", "")
+                               .typed<at::Tensor(const at::Tensor &)>();
+  c10::Stack stack{t, std::string("sum"), std::string(group)};
+  all_reduce.callBoxed(&stack);
+  return wait.call(stack.at(0).toTensor());
+}
+gt *aten_all_reduce_sum(gt *t, const char *group) { RET(all_reduce_sum(t->t, group)) }
 gt *aten_argmax(gt *a, int64_t dim, int keepdim) { RET(at::argmax(a->t, dim, keepdim != 0)) }
 
 gt *aten_sub(gt *a, gt *b) { RET(a->t - b->t) }

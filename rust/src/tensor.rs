@@ -530,6 +530,13 @@ impl Tensor {
         wrap("rms_norm", ffi!("rms_norm", ffi::aten_rms_norm(self.ptr(), w, eps)))
     }
 
+    /// The sum of this tensor over the ranks of torch.distributed's process group `group` (its
+    /// `group_name`), as a dispatcher op a capture records (aten.cpp).
+    pub fn all_reduce_sum(&self, group: &str) -> Result<Tensor> {
+        let group = std::ffi::CString::new(group).map_err(|_| Error::Input("a group name holds a NUL".into()))?;
+        wrap("all_reduce", ffi!("all_reduce", ffi::aten_all_reduce_sum(self.ptr(), group.as_ptr())))
+    }
+
     pub fn argmax(&self, dim: i64, keepdim: bool) -> Result<Tensor> {
         wrap("argmax", ffi!("argmax", ffi::aten_argmax(self.ptr(), dim, keepdim as i32)))
     }

@@ -54,6 +54,16 @@ def matmul_sum(a: torch.Tensor, b: torch.Tensor) -> float:
 def add_(t: torch.Tensor, value: float) -> None:
     """Add `value` to `t` in place from Rust: proves tensors share storage."""
 
+def all_reduce_sum(t: torch.Tensor, group_name: str) -> torch.Tensor:
+    """The sum of `t` over the ranks of torch.distributed's process group `group_name` (as
+    `torch.distributed.group.WORLD.group_name`), called from Rust through the dispatcher op
+    `_c10d_functional.all_reduce`: the collective path tensor parallelism across processes takes, which a
+    dispatcher-level capture records. For tests of that path.
+
+    Raises:
+        ValueError: no process group of that name, or a tensor its backend cannot reduce (torch's message).
+    """
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
     """The engine's RMSNorm over the last dim, as Gemma 4 computes it: in float32,
     `x * (mean(x**2) + eps) ** -0.5 * weight`, rounded once to x's dtype. On the CPU, up to 4,096

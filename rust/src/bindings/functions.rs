@@ -115,6 +115,24 @@ pub(super) fn rms_norm<'py>(
     y.to_python(py)
 }
 
+/// The sum of `t` over the ranks of torch.distributed's process group `group_name` (as
+/// `torch.distributed.group.WORLD.group_name`), called from Rust through the dispatcher op
+/// `_c10d_functional.all_reduce` (aten.cpp): the collective path tensor parallelism across processes takes,
+/// which a dispatcher-level capture records. For tests of that path.
+///
+/// Raises:
+///     ValueError: no process group of that name, or a tensor its backend cannot reduce (torch's message).
+#[pyfunction]
+pub(super) fn all_reduce_sum<'py>(
+    py: Python<'py>,
+    t: &Bound<'py, PyAny>,
+    group_name: &str,
+) -> PyResult<Bound<'py, PyAny>> {
+    let t = tensor_arg(t, "t")?;
+    let y = no_grad(|| t.all_reduce_sum(group_name)).map_err(|e| input_error("all_reduce_sum", e))?;
+    y.to_python(py)
+}
+
 /// The engine's attention, `softmax(q k^T * scale + mask) v` with grouped KV heads (attention.rs;
 /// the few-row 16-bit CPU path in aten.cpp), for tests against `scaled_dot_product_attention`.
 #[pyfunction]

@@ -1,0 +1,80 @@
+"""Collectives called from Rust through PyTorch's dispatcher (rust/src/aten.cpp, `aten_all_reduce_sum`): the path
+tensor parallelism across processes takes, a process per device, each holding its shard.
+
+Two gloo ranks, each a process of its own (as torchrun starts them), reduce through the engine's shim: the sum
+is every rank's, and a dispatcher-level capture (`make_fx`, as the compiled step records a step) sees the
+functional collectives `_c10d_functional.all_reduce` and `wait_tensor`, the ops Inductor and torch_tpu lower
+inside a compiled graph, and its replay reduces again.
+"""
+
+import socket
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import gemma_engine
+
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_input(rank: int) -> torch.Tensor:
+    return torch.arange(6.0).reshape(2, 3) * (rank + 1) + rank
+
+
+def _rank(rank: int, port: int, out_dir: str) -> None:
+    """One rank: reduce eagerly, capture the reduction, replay the capture; each result saved for the test."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=60))
+    try:
+        group = dist.group.WORLD.group_name
+        x = _rank_input(rank)
+        eager = gemma_engine.all_reduce_sum(x, group)
+        gm = make_fx(lambda t: gemma_engine.all_reduce_sum(t, group), tracing_mode="real")(x)
+        ops = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+        replayed = gm(x)
+        try:
+            gemma_engine.all_reduce_sum(x, "no-such-group")
+            refused = None
+        except ValueError as e:
+            refused = str(e)
+        torch.save({"eager": eager, "ops": ops, "replayed": replayed, "input": x, "refused": refused},
+                   f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("collectives")
+    mp.spawn(_rank, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+
+
+def test_an_all_reduce_from_rust_sums_every_ranks_tensor(ranks):
+    want = sum(_rank_input(r) for r in range(WORLD))
+    for rank, r in enumerate(ranks):
+        assert torch.equal(r["input"], _rank_input(rank))  # its own input untouched
+        assert torch.equal(r["eager"], want)
+
+
+def test_a_capture_records_the_functional_collective_and_its_replay_reduces_again(ranks):
+    want = sum(_rank_input(r) for r in range(WORLD))
+    for r in ranks:
+        assert r["ops"] == ["_c10d_functional.all_reduce.default", "_c10d_functional.wait_tensor.default"]
+        assert torch.equal(r["replayed"], want)
+
+
+def test_an_unknown_group_is_a_value_error_naming_it(ranks):
+    for r in ranks:
+        assert r["refused"] is not None and "all_reduce_sum" in r["refused"] and "no-such-group" in r["refused"]
