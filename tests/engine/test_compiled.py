@@ -202,6 +202,50 @@ def test_every_architectures_captured_steps_give_the_eager_tokens_in_a_busy_run(
     _busy_run(ck.save_dense(tmp_path_factory.mktemp(f"compiled_{name}"), 172, build()), "aot_eager")
 
 
+def test_image_prompts_batched_beside_a_text_prompt_give_the_eager_tokens_compiled(multimodal_checkpoint):
+    """Media in the batch: two image prompts (their soft tokens enter at the prompt reads) decode in the same
+    captured steps as a text prompt. Through AOTAutograd's eager backend, as the architectures above."""
+    from transformers import AutoProcessor
+
+    from tests.engine.test_media import chat_inputs, media_of
+    from tests.engine.test_prefix_cache import serve
+
+    d = str(multimodal_checkpoint)
+    processor, encoder = AutoProcessor.from_pretrained(d), gemma_engine.Encoder(d, dtype="float32")
+    images = [ck.test_image(40, 30, 0), ck.test_image(20, 36, 1), ck.test_image(48, 48, 2)]
+    one = chat_inputs(processor, images[:1], "What is in this picture?")
+    two = chat_inputs(processor, images[1:], "Compare them.")
+
+    def requests():
+        return [gemma_engine.Request(1, one["input_ids"][0].tolist(), 24, media=media_of(encoder, one, images[:1])),
+                gemma_engine.Request(2, [2, 3, 40, 41, 42, 43, 4], 16),
+                gemma_engine.Request(3, two["input_ids"][0].tolist(), 24, media=media_of(encoder, two, images[1:]))]
+
+    kwargs = {"context": 512, "max_batch": 4}
+    eager = serve(_engine(d, **kwargs), requests())
+    engine = _engine(d, StepCompiler("aot_eager"), **kwargs)
+    compiled = serve(engine, requests())
+    assert engine.compile_report()["captured"] >= 1 and engine.compile_report()["fallbacks"] == []
+    for rid in (1, 2, 3):
+        assert compiled.results[rid].tokens == eager.results[rid].tokens and eager.results[rid].tokens, rid
+
+
+def test_tensor_parallel_shards_give_the_eager_tokens_compiled(small_checkpoint):
+    """Two shards (the CPU mode of tensor_parallel_size): the captured step holds both shards' work and their
+    reductions; its tokens are the eager sharded engine's and the unsplit one's."""
+    def run(engine):
+        return Script(_busy()).run(engine, read_every=2)
+
+    kwargs = {"max_batch": 2, "prefill_chunk": 5}
+    unsplit = run(_engine(small_checkpoint, **kwargs))
+    eager = run(_engine(small_checkpoint, tensor_parallel_size=2, **kwargs))
+    engine = _engine(small_checkpoint, StepCompiler("inductor"), tensor_parallel_size=2, **kwargs)
+    compiled = run(engine)
+    assert engine.compile_report()["captured"] >= 4 and engine.compile_report()["fallbacks"] == []
+    _assert_same(eager, compiled)
+    assert {rid: r.tokens for rid, r in compiled.items()} == {rid: r.tokens for rid, r in unsplit.items()}
+
+
 def test_a_seeded_request_draws_the_same_tokens_on_replayed_steps_as_alone_eagerly(small_checkpoint):
     """Sampling parameters are step inputs: two seeded requests with other temperatures and seeds replay the
     graphs a first one's steps compiled."""
