@@ -200,15 +200,26 @@ def hf_runner(model, device: str, prompt: list[int], new: int, cache: str | None
     """run() -> (read tok/s, decode tok/s, tokens) for Transformers' generate with `cache`.
 
     `compile_=False` keeps generate from compiling the forward (it does so on its own for a static
-    cache on an accelerator): both sides then run eagerly, op by op.
+    cache on an accelerator): both sides then run eagerly, op by op. A compiled static cache is one
+    `StaticCache` of the longest run's length, reset before each generate (the pattern of
+    transformers' cache_utils.py StaticCache docstring), so every call has the same cache shapes and the
+    compiled forward is not compiled again for each generate length.
     """
     ids = torch.tensor([prompt], device=device)
     kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, disable_compile=not compile_)
-    if cache:
+    static = None
+    if cache == "static" and compile_:
+        from transformers import StaticCache
+
+        static = StaticCache(config=model.config, max_cache_len=len(prompt) + new)
+        kwargs["past_key_values"] = static
+    elif cache:
         kwargs["cache_implementation"] = cache
 
     @torch.no_grad()
     def generate(n: int):
+        if static is not None:
+            static.reset()
         sync(device)
         t = time.perf_counter()
         out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
