@@ -45,7 +45,7 @@ DOCKER_BUILD_FLAGS ?= --network host
 # dockerd started for the command and stopped after it (tests/images/docker_engine.sh).
 WITH_DOCKER  := bash tests/images/docker_engine.sh
 
-.PHONY: help setup engine rust-check chat-templates test test-fast demo bench bench-architectures bench-server bench-operator bench-agent bench-compiled bench-fuzz bench-soak k8s k8s-crds lock crds clean images base-images
+.PHONY: help setup engine engine-wheel rust-check chat-templates test test-fast demo bench bench-architectures bench-server bench-operator bench-agent bench-compiled bench-fuzz bench-soak k8s k8s-crds lock crds clean images base-images
 
 help:
 	@echo "make demo   build everything and run the demo (see README)"
@@ -70,6 +70,24 @@ $(ENGINE_STAMP): $(PY_STAMP) $(RUST_SOURCES)
 
 setup: $(PY_STAMP) $(ENGINE_STAMP)
 engine: $(ENGINE_STAMP)
+
+# A wheel of the engine for another torch and Python than .venv's (a GPU host's: the module is built against
+# the torch it will load), into dist/: `make engine-wheel WHEEL_TORCH=2.11.0 WHEEL_PYTHON=/path/to/python3.12`
+# (that Python must be on this machine: uv does not download one here). Built in an environment of its own holding that torch, with the CUDA
+# compiler's crt/ headers (nvidia-cuda-crt, matching the torch's CUDA) so the build has CUDA graphs.
+WHEEL_TORCH    ?= $(TORCH_VERSION)
+WHEEL_PYTHON   ?= $(PYTHON)
+WHEEL_CUDA_CRT ?= 13.0.*
+WHEEL_PYVER     = $(shell $(WHEEL_PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+WHEEL_ENV       = $(CACHE)/wheel-env/torch-$(WHEEL_TORCH)-py$(WHEEL_PYVER)
+engine-wheel: | $(UV)
+	[ -x $(WHEEL_ENV)/bin/python ] || $(UV) venv --quiet --python $(WHEEL_PYTHON) $(WHEEL_ENV)
+	$(UV) pip install --quiet --python $(WHEEL_ENV)/bin/python torch==$(WHEEL_TORCH) \
+	  "nvidia-cuda-crt==$(WHEEL_CUDA_CRT)" $$(grep '^maturin==' requirements/dev.lock)
+	VIRTUAL_ENV=$(WHEEL_ENV) PYO3_PYTHON=$(WHEEL_ENV)/bin/python \
+	  CARGO_TARGET_DIR=$(CACHE)/cargo/torch-$(WHEEL_TORCH)-python$(WHEEL_PYVER) \
+	  $(WHEEL_ENV)/bin/maturin build --quiet --release --auditwheel skip --manifest-path rust/Cargo.toml \
+	  --interpreter $(WHEEL_ENV)/bin/python --out dist
 
 # The crate's own checks: clippy with warnings as errors (the crate's internals are private, so an unused
 # shim entry, wrapper or field is dead code that fails here) and its Rust unit tests.
