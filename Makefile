@@ -84,10 +84,14 @@ engine-wheel: | $(UV)
 	[ -x $(WHEEL_ENV)/bin/python ] || $(UV) venv --quiet --python $(WHEEL_PYTHON) $(WHEEL_ENV)
 	$(UV) pip install --quiet --python $(WHEEL_ENV)/bin/python torch==$(WHEEL_TORCH) \
 	  "nvidia-cuda-crt==$(WHEEL_CUDA_CRT)" $$(grep '^maturin==' requirements/dev.lock)
+	# build.rs writes python/gemma_engine/_build.py (the torch a build needs): touched, it runs again and writes
+	# this torch's into the wheel; .venv's is put back after.
+	keep=$$(mktemp); cp rust/python/gemma_engine/_build.py $$keep 2>/dev/null || :; status=0; touch rust/build.rs; \
 	VIRTUAL_ENV=$(WHEEL_ENV) PYO3_PYTHON=$(WHEEL_ENV)/bin/python \
 	  CARGO_TARGET_DIR=$(CACHE)/cargo/torch-$(WHEEL_TORCH)-python$(WHEEL_PYVER) \
 	  $(WHEEL_ENV)/bin/maturin build --quiet --release --auditwheel skip --manifest-path rust/Cargo.toml \
-	  --interpreter $(WHEEL_ENV)/bin/python --out dist
+	  --interpreter $(WHEEL_ENV)/bin/python --out dist || status=$$?; \
+	if [ -s $$keep ]; then cp $$keep rust/python/gemma_engine/_build.py; fi; rm -f $$keep; exit $$status
 
 # The crate's own checks: clippy with warnings as errors (the crate's internals are private, so an unused
 # shim entry, wrapper or field is dead code that fails here) and its Rust unit tests.

@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 WARMUP_TOKENS = 4
 COMPILE_TOKENS = 6  # tokens of each compile-stage request: 5 steps, read every other one
 COMPILE_ATTEMPTS = 4  # sampled batches tried per bucket until one decodes all its tokens
-TIMED_TOKENS = 32  # --compile auto: tokens decoded each way, twice, to choose
+TIMED_TOKENS = 32  # --compile auto: tokens each request decodes, each way, twice, to choose per bucket
 DEFER_AND_FUSE_VAR = "TORCH_TPU_DEFER_AND_FUSE"
 TPU_COMPILE_CACHE_VAR = "TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT"
 
@@ -71,8 +71,8 @@ class BootState:
     model_dir: str | None = None
     load_seconds: float | None = None
     warmup_seconds: float | None = None
-    #: --compile's outcome at boot: mode, backend, per engine whether it replays compiled steps and, with auto,
-    #: the two timings it chose by (None with --compile off). /v1/engine adds each engine's compiler's live
+    #: --compile's outcome at boot: mode, backend, per engine whether it replays compiled steps, the buckets that
+    #: run eagerly and, with auto, each bucket's two timings it chose by (None with --compile off). /v1/engine adds each engine's compiler's live
     #: account (steps compiled while serving, fallbacks).
     compile: dict[str, Any] | None = None
     failed: str | None = None
@@ -341,7 +341,8 @@ class Boot:
         """Capture and compile every decode-step bucket (1, 2, 4, ... slots, and --max-num-seqs), greedy and
         sampled, the first step after a read point and the later ones, on every engine: each bucket is filled
         with that many requests, decoded together (`compile_batch`; a shape's second step is captured,
-        compiled.rs). With --compile auto, then time one request's decode both ways and keep the faster.
+        compiled.rs). With --compile auto, then time each bucket's decode steps both ways and keep the faster per
+        bucket.
         Other sampling stages (penalties, bias, log-probabilities, grammars) compile on their second step
         while serving."""
         assert self.loaded is not None
@@ -364,18 +365,10 @@ class Boot:
             w.engine.reset_prefix_cache()  # nothing a compile-stage request wrote is offered as a prefix
             report: dict[str, Any] = {}
             if c.compile == "auto":
-                ids = compile_prompt(0, vocab)
-                timed: dict[str, list[float]] = {}
-                for on in (False, True, False, True):
-                    w.engine.use_compiled(on)
-                    w.engine.reset_prefix_cache()  # the same slot and bucket each time
-                    tokens, _, _, decode_s = w.engine.decode(ids, TIMED_TOKENS, read_every=c.read_every)
-                    ms = decode_s * 1000 / max(len(tokens) - 1, 1)  # the steps after the first token
-                    timed.setdefault("compiled" if on else "eager", []).append(ms)
-                best = {k: min(v) for k, v in timed.items()}
-                w.engine.use_compiled(best["compiled"] < best["eager"])
-                report["ms_per_token"] = {k: round(v, 3) for k, v in best.items()}
-            report["active"] = w.engine.compile_report()["active"]
+                report["ms_per_step"] = [choose_per_bucket(gemma_engine, w.engine, b, vocab, c.read_every)
+                                         for b in w.engine.buckets]
+            state = w.engine.compile_report()
+            report["active"], report["eager_buckets"] = state["active"], state["eager_buckets"]
             return report
 
         reports = run_on_workers(self.loaded.workers, compile_one)
@@ -384,9 +377,9 @@ class Boot:
         active = sum(r["active"] for r in reports)
         compiled = sum(len(x.compiled) for x in compilers)
         fallbacks = sum(len(x.fallbacks) for x in compilers)
-        timing = "; ".join(f"{r['ms_per_token']}" for r in reports if "ms_per_token" in r)
+        eager = "; ".join(f"buckets {r['eager_buckets']} measured faster eagerly" for r in reports if r["eager_buckets"])
         return (f"{compilers[0].backend_name}: {compiled} steps compiled, {fallbacks} fell back; {active} of "
-                f"{len(reports)} engines replay them" + (f" (ms a token: {timing})" if timing else ""))
+                f"{len(reports)} engines replay them" + (f" ({eager})" if eager else ""))
 
     def _warmup(self) -> str:
         assert self.loaded is not None
@@ -520,6 +513,43 @@ def compile_batch(gemma_engine, engine, b: int, sampling, vocab: int, first: int
 
     engine.run(poll, on_events, 2)
     return all(f == "length" for f in ended.values())
+
+
+def choose_per_bucket(gemma_engine, engine, b: int, vocab: int, read_every: int) -> dict[str, Any]:
+    """Time bucket `b`'s decode steps eagerly and compiled, twice each, alternating; keep the faster way for that
+    bucket (`use_compiled(on, b)`). Returns {"bucket", "eager", "compiled"} in ms a step (the better of two)."""
+    timed: dict[str, list[float]] = {"eager": [], "compiled": []}
+    for on in (False, True, False, True):
+        engine.use_compiled(on, b)
+        timed["compiled" if on else "eager"].append(ms_per_step(gemma_engine, engine, b, vocab, read_every))
+    best = {k: min(v) for k, v in timed.items()}
+    engine.use_compiled(best["compiled"] < best["eager"], b)
+    return {"bucket": b, **{k: round(v, 3) for k, v in best.items()}}
+
+
+def ms_per_step(gemma_engine, engine, b: int, vocab: int, read_every: int) -> float:
+    """Milliseconds a decode step of `b` greedy requests decoding TIMED_TOKENS together in slots 0..b-1 (the
+    engine's own timing of the turns that ran decode steps alone)."""
+    requests = [gemma_engine.Request(k, compile_prompt(k, vocab), TIMED_TOKENS) for k in range(b)]
+    engine.reset_prefix_cache()  # the same slots each time
+    seconds, steps, ended = 0.0, 0, set()
+
+    def poll(free: int, idle: bool):
+        nonlocal requests
+        if not requests and len(ended) == b:
+            return None
+        handed, requests = requests, []
+        return handed, []
+
+    def on_events(events, stats) -> None:
+        nonlocal seconds, steps
+        ended.update(e.id for e in events if e.finish is not None)
+        if stats.get("batch_sizes") and not stats.get("prompt_tokens"):
+            seconds += stats["seconds"]
+            steps += len(stats["batch_sizes"])
+
+    engine.run(poll, on_events, read_every)
+    return seconds * 1000 / max(steps, 1)
 
 
 def run_on_workers(workers: list[EngineWorker], task: Callable[[EngineWorker], Any]) -> list[Any]:

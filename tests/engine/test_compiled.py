@@ -335,6 +335,34 @@ def test_use_compiled_switches_between_replays_and_eager_steps(small_checkpoint)
     assert _engine(small_checkpoint).compile_report() is None
 
 
+def test_use_compiled_per_bucket_runs_that_buckets_steps_without_the_replays(small_checkpoint):
+    """`--compile auto` keeps the faster way per bucket: a bucket switched off runs as without a compiler (no replay
+    is called), the others replay, and the tokens stay the same."""
+    calls = []
+
+    def counting_backend_fake(gm, example_inputs):
+        def run(*args):
+            calls.append(1)
+            return gm(*args)
+
+        return run
+
+    # Without prefix caching each request takes slot 0 (with it, a repeated prompt may take another slot).
+    engine = _engine(small_checkpoint, StepCompiler(counting_backend_fake), max_batch=2, prefix_caching=False)
+    want = engine.decode(PROMPTS["parity"], 12)[0]  # one request in slot 0: bucket 1
+    replayed = len(calls)
+    assert replayed > 0
+    engine.use_compiled(False, 1)
+    report = engine.compile_report()
+    assert report["eager_buckets"] == [1] and report["active"] is True
+    assert engine.decode(PROMPTS["parity"], 12)[0] == want and len(calls) == replayed
+    engine.use_compiled(True, 1)
+    assert engine.decode(PROMPTS["parity"], 12)[0] == want and len(calls) > replayed
+    assert engine.compile_report()["eager_buckets"] == []
+    with pytest.raises(ValueError, match=r"bucket 3 is not one of this engine's buckets \[1, 2\]"):
+        engine.use_compiled(False, 3)
+
+
 def test_every_backend_is_handed_the_same_graph(small_checkpoint):
     """torch_tpu's `tpu` backend takes what Inductor takes: one graph of ATen ops, every tensor an input.
     A fake recording backend stands in for it here (no TPU)."""

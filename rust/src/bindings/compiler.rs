@@ -9,7 +9,7 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyCFunction, PyDict, PyList, PyTuple};
 
-use crate::engine::compiled::{Compiler, Fallback, Replay};
+use crate::engine::compiled::{CompileReport, Compiler, Replay};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -23,16 +23,14 @@ pub fn boxed(hook: Py<PyAny>) -> Box<dyn Compiler> {
     Box::new(PyCompiler { hook })
 }
 
-/// `Engine.compile_report()`'s dict: backend, active, captured, fallbacks as (step, reason) pairs.
-pub fn report<'py>(
-    py: Python<'py>,
-    (backend, active, captured, fallbacks): (String, bool, usize, Vec<Fallback>),
-) -> PyResult<Bound<'py, PyDict>> {
+/// `Engine.compile_report()`'s dict: backend, active, captured, eager_buckets, fallbacks as (step, reason) pairs.
+pub fn report(py: Python<'_>, r: CompileReport) -> PyResult<Bound<'_, PyDict>> {
     let d = PyDict::new(py);
-    d.set_item("backend", backend)?;
-    d.set_item("active", active)?;
-    d.set_item("captured", captured)?;
-    d.set_item("fallbacks", fallbacks.into_iter().map(|f| (f.step, f.reason)).collect::<Vec<_>>())?;
+    d.set_item("backend", r.backend)?;
+    d.set_item("active", r.active)?;
+    d.set_item("captured", r.captured)?;
+    d.set_item("eager_buckets", r.eager_buckets)?;
+    d.set_item("fallbacks", r.fallbacks.into_iter().map(|f| (f.step, f.reason)).collect::<Vec<_>>())?;
     Ok(d)
 }
 

@@ -448,16 +448,18 @@ impl Engine {
         self.inner.reset_prefix_cache();
     }
 
-    /// Replay compiled decode steps (True) or run them eagerly (False); new shapes are captured either
-    /// way.
+    /// Replay compiled decode steps (True) or run them as an engine without a compiler does, capturing
+    /// nothing (False): every bucket's, or with `bucket` that bucket's alone.
     ///
     /// Raises:
-    ///     ValueError: the engine was made without a compiler.
-    fn use_compiled(&mut self, on: bool) -> PyResult<()> {
-        Ok(self.inner.use_compiled(on)?)
+    ///     ValueError: the engine was made without a compiler, or has no such bucket.
+    #[pyo3(signature = (on, bucket=None))]
+    fn use_compiled(&mut self, on: bool, bucket: Option<i64>) -> PyResult<()> {
+        Ok(self.inner.use_compiled(on, bucket)?)
     }
 
-    /// {"backend", "active", "captured", "fallbacks": [(step, reason)]}, or None without a compiler.
+    /// {"backend", "active", "captured", "eager_buckets", "fallbacks": [(step, reason)]}, or None without a
+    /// compiler.
     fn compile_report<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
         self.inner.compile_report().map(|r| compiler::report(py, r)).transpose()
     }

@@ -21,7 +21,7 @@
 //! static (torch 2.14, `torch/_inductor/cudagraph_utils.py`, `check_for_mutation`), and every KV ring
 //! is such an input here.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 
 use crate::engine::sampling::Chosen;
 use crate::engine::step::{Graphs, StepKey};
@@ -66,6 +66,17 @@ pub struct Compiled {
     graphs: Option<Graphs>,
     /// Replay captured keys (true) or run every step as an engine without a compiler does (false).
     pub(super) active: bool,
+    /// Buckets whose steps run as without a compiler while `active` (`--compile auto` measured them faster so).
+    pub(super) eager_buckets: BTreeSet<i64>,
+}
+
+/// What `Engine::compile_report` tells.
+pub struct CompileReport {
+    pub backend: String,
+    pub active: bool,
+    pub captured: usize,
+    pub eager_buckets: Vec<i64>,
+    pub fallbacks: Vec<Fallback>,
 }
 
 impl Compiled {
@@ -79,6 +90,22 @@ impl Compiled {
             ungraphed: HashSet::new(),
             fallbacks: Vec::new(),
             active: true,
+            eager_buckets: BTreeSet::new(),
+        }
+    }
+
+    /// Whether a step of `bucket` slots replays compiled steps (else it runs as without a compiler).
+    pub(super) fn replays(&self, bucket: i64) -> bool {
+        self.active && !self.eager_buckets.contains(&bucket)
+    }
+
+    pub(super) fn report(&self) -> CompileReport {
+        CompileReport {
+            backend: self.backend(),
+            active: self.active,
+            captured: self.captured(),
+            eager_buckets: self.eager_buckets.iter().copied().collect(),
+            fallbacks: self.fallbacks.clone(),
         }
     }
 
@@ -152,10 +179,6 @@ impl Compiled {
     /// Compiled replays captured as CUDA graphs so far (0 off CUDA).
     pub fn cuda_graphs(&self) -> usize {
         self.graphs.as_ref().map_or(0, |g| g.captured())
-    }
-
-    pub fn fallbacks(&self) -> &[Fallback] {
-        &self.fallbacks
     }
 
     pub fn backend(&self) -> String {

@@ -85,7 +85,7 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 
-use crate::engine::compiled::{Compiled, Compiler, Fallback};
+use crate::engine::compiled::{CompileReport, Compiled, Compiler};
 use crate::engine::grammar::{Constraint, Grammars};
 use crate::engine::media::Injection;
 use crate::engine::prefix::PrefixCache;
@@ -261,18 +261,30 @@ impl Engine {
         }
     }
 
-    /// Replay compiled steps (true), or run every step eagerly while still capturing new shapes
-    /// (false): the way a caller times both. An error without a compiler.
-    pub fn use_compiled(&mut self, on: bool) -> Result<()> {
+    /// Replay compiled steps (true), or run steps as an engine without a compiler does, capturing nothing
+    /// (false): every step, or with `bucket` the steps of that bucket alone (the way a caller times both
+    /// and keeps the faster per bucket). An error without a compiler or for a bucket the engine lacks.
+    pub fn use_compiled(&mut self, on: bool, bucket: Option<i64>) -> Result<()> {
+        let buckets = self.buckets();
         let c = self.compiled.as_mut().ok_or_else(|| Error::Input("this engine has no compiler".into()))?;
-        c.active = on;
+        match bucket {
+            None => c.active = on,
+            Some(b) if !buckets.contains(&b) => {
+                return Err(Error::Input(format!("bucket {b} is not one of this engine's buckets {buckets:?}")));
+            }
+            Some(b) if on => {
+                c.eager_buckets.remove(&b);
+            }
+            Some(b) => {
+                c.eager_buckets.insert(b);
+            }
+        }
         Ok(())
     }
 
-    /// The compiled path's state: backend, whether replays are on, keys compiled, and the keys that
-    /// fell back to eager with why. None without a compiler.
-    pub fn compile_report(&self) -> Option<(String, bool, usize, Vec<Fallback>)> {
-        self.compiled.as_ref().map(|c| (c.backend(), c.active, c.captured(), c.fallbacks().to_vec()))
+    /// The compiled path's state (`CompileReport`); None without a compiler.
+    pub fn compile_report(&self) -> Option<CompileReport> {
+        self.compiled.as_ref().map(Compiled::report)
     }
 
     pub fn config(&self) -> &Config {
@@ -601,7 +613,7 @@ impl Engine {
         }
         let Engine { model, cache, sampler, slots, graphs, compiled, like, .. } = self;
         let mut eager = || step(model, cache, sampler, slots, key);
-        let chosen = match (compiled.as_mut().filter(|c| c.active), graphs) {
+        let chosen = match (compiled.as_mut().filter(|c| c.replays(b)), graphs) {
             (Some(c), _) => c.step(key, like, eager)?,
             (None, Some(g)) => g.step(key, like, eager)?,
             (None, None) => eager()?,
