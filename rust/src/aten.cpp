@@ -432,6 +432,25 @@ at::Tensor all_reduce_sum(const at::Tensor &t, const char *group) {
   return wait.call(stack.at(0).toTensor());
 }
 gt *aten_all_reduce_sum(gt *t, const char *group) { RET(all_reduce_sum(t->t, group)) }
+
+// `all_gather_into_tensor` stacks the ranks' tensors along dim 0; a vocabulary-parallel head needs them along
+// the last: [size * rows, ..., v] -> [size, rows, ..., v] -> moved to [rows, ..., size, v] -> [rows, ..., size * v].
+at::Tensor all_gather_last(const at::Tensor &t, int64_t size, const char *group) {
+  static const auto gather =
+      c10::Dispatcher::singleton().findSchemaOrThrow("_c10d_functional::all_gather_into_tensor", "");
+  static const auto wait = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("_c10d_functional::wait_tensor", "")
+                               .typed<at::Tensor(const at::Tensor &)>();
+  c10::Stack stack{t.contiguous(), size, std::string(group)};
+  gather.callBoxed(&stack);
+  auto stacked = wait.call(stack.at(0).toTensor());
+  std::vector<int64_t> split{size};
+  split.insert(split.end(), t.sizes().begin(), t.sizes().end());
+  std::vector<int64_t> joined(t.sizes().begin(), t.sizes().end());
+  joined.back() *= size;
+  return stacked.view(split).movedim(0, -2).reshape(joined);
+}
+gt *aten_all_gather_last(gt *t, int64_t size, const char *group) { RET(all_gather_last(t->t, size, group)) }
 gt *aten_argmax(gt *a, int64_t dim, int keepdim) { RET(at::argmax(a->t, dim, keepdim != 0)) }
 
 gt *aten_sub(gt *a, gt *b) { RET(a->t - b->t) }

@@ -77,6 +77,8 @@ X(gt *, aten_sin, (gt *a))
 X(gt *, aten_rms_norm, (gt *x, gt *weight, double eps))
 /* The sum of `t` over the ranks of torch.distributed's process group named `group`: a new tensor. */
 X(gt *, aten_all_reduce_sum, (gt *t, const char *group))
+/* The ranks' `t` of the group (`size` ranks) side by side along the last dimension, rank order: a new tensor. */
+X(gt *, aten_all_gather_last, (gt *t, int64_t size, const char *group))
 X(gt *, aten_argmax, (gt *a, int64_t dim, int keepdim))
 X(gt *, aten_sub, (gt *a, gt *b))
 X(gt *, aten_div, (gt *a, gt *b))

@@ -537,6 +537,13 @@ impl Tensor {
         wrap("all_reduce", ffi!("all_reduce", ffi::aten_all_reduce_sum(self.ptr(), group.as_ptr())))
     }
 
+    /// The `size` ranks' tensors of torch.distributed's process group `group`, side by side along the last
+    /// dimension in rank order (a vocabulary-parallel head's logits), as dispatcher ops a capture records.
+    pub fn all_gather_last(&self, size: i64, group: &str) -> Result<Tensor> {
+        let group = std::ffi::CString::new(group).map_err(|_| Error::Input("a group name holds a NUL".into()))?;
+        wrap("all_gather", ffi!("all_gather", ffi::aten_all_gather_last(self.ptr(), size, group.as_ptr())))
+    }
+
     pub fn argmax(&self, dim: i64, keepdim: bool) -> Result<Tensor> {
         wrap("argmax", ffi!("argmax", ffi::aten_argmax(self.ptr(), dim, keepdim as i32)))
     }

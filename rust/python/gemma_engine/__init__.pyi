@@ -54,6 +54,16 @@ def matmul_sum(a: torch.Tensor, b: torch.Tensor) -> float:
 def add_(t: torch.Tensor, value: float) -> None:
     """Add `value` to `t` in place from Rust: proves tensors share storage."""
 
+def all_gather_last(t: torch.Tensor, size: int, group_name: str) -> torch.Tensor:
+    """The ranks' `t` of torch.distributed's process group `group_name` (of `size` ranks) side by side along
+    the last dimension, in rank order (how a vocabulary-parallel head joins its logits), called from Rust
+    through the dispatcher op `_c10d_functional.all_gather_into_tensor`. For tests of that path.
+
+    Raises:
+        ValueError: no process group of that name, a size that is not the group's, or a tensor its backend
+            cannot gather (torch's message).
+    """
+
 def all_reduce_sum(t: torch.Tensor, group_name: str) -> torch.Tensor:
     """The sum of `t` over the ranks of torch.distributed's process group `group_name` (as
     `torch.distributed.group.WORLD.group_name`), called from Rust through the dispatcher op

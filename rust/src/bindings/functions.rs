@@ -133,6 +133,25 @@ pub(super) fn all_reduce_sum<'py>(
     y.to_python(py)
 }
 
+/// The ranks' `t` of torch.distributed's process group `group_name` (of `size` ranks) side by side along the
+/// last dimension, in rank order (how a vocabulary-parallel head joins its logits), called from Rust through
+/// the dispatcher op `_c10d_functional.all_gather_into_tensor`. For tests of that path.
+///
+/// Raises:
+///     ValueError: no process group of that name, a size that is not the group's, or a tensor its backend
+///         cannot gather (torch's message).
+#[pyfunction]
+pub(super) fn all_gather_last<'py>(
+    py: Python<'py>,
+    t: &Bound<'py, PyAny>,
+    size: i64,
+    group_name: &str,
+) -> PyResult<Bound<'py, PyAny>> {
+    let t = tensor_arg(t, "t")?;
+    let y = no_grad(|| t.all_gather_last(size, group_name)).map_err(|e| input_error("all_gather_last", e))?;
+    y.to_python(py)
+}
+
 /// The engine's attention, `softmax(q k^T * scale + mask) v` with grouped KV heads (attention.rs;
 /// the few-row 16-bit CPU path in aten.cpp), for tests against `scaled_dot_product_attention`.
 #[pyfunction]

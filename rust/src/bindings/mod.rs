@@ -593,7 +593,8 @@ impl Engine {
 #[pyo3(name = "_native")]
 fn gemma_engine_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     use functions::{
-        add_, all_reduce_sum, aten_calls, attention, build_info, limits, matmul_sum, rms_norm, sample, smoke, uniform,
+        add_, all_gather_last, all_reduce_sum, aten_calls, attention, build_info, limits, matmul_sum, rms_norm, sample,
+        smoke, uniform,
     };
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("BUILD", build_info(m.py())?)?;
@@ -607,6 +608,7 @@ fn gemma_engine_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(attention, m)?)?;
     m.add_function(wrap_pyfunction!(all_reduce_sum, m)?)?;
+    m.add_function(wrap_pyfunction!(all_gather_last, m)?)?;
     m.add_class::<Engine>()?;
     m.add_class::<encoder::Encoder>()?;
     m.add_class::<PySamplingParams>()?;
