@@ -72,8 +72,8 @@ class BootState:
     load_seconds: float | None = None
     warmup_seconds: float | None = None
     #: --compile's outcome at boot: mode, backend, per engine whether it replays compiled steps, the buckets that
-    #: run eagerly and, with auto, each bucket's two timings it chose by (None with --compile off). /v1/engine adds each engine's compiler's live
-    #: account (steps compiled while serving, fallbacks).
+    #: run eagerly and, with auto, each bucket's two timings it chose by (None with --compile off). /v1/engine
+    #: adds each engine's compiler's live account (steps compiled while serving, fallbacks).
     compile: dict[str, Any] | None = None
     failed: str | None = None
 
@@ -377,7 +377,7 @@ class Boot:
         active = sum(r["active"] for r in reports)
         compiled = sum(len(x.compiled) for x in compilers)
         fallbacks = sum(len(x.fallbacks) for x in compilers)
-        eager = "; ".join(f"buckets {r['eager_buckets']} measured faster eagerly" for r in reports if r["eager_buckets"])
+        eager = "; ".join(f"buckets {r['eager_buckets']} ran faster eagerly" for r in reports if r["eager_buckets"])
         return (f"{compilers[0].backend_name}: {compiled} steps compiled, {fallbacks} fell back; {active} of "
                 f"{len(reports)} engines replay them" + (f" ({eager})" if eager else ""))
 
@@ -494,62 +494,51 @@ def compile_batch(gemma_engine, engine, b: int, sampling, vocab: int, first: int
     batch used. Returns whether every request decoded all its tokens (none drew an eos first)."""
     requests = [gemma_engine.Request(k, compile_prompt(first + k, vocab), COMPILE_TOKENS, sampling=sampling)
                 for k in range(b)]
-    engine.reset_prefix_cache()  # so they take slots 0..b-1 (a free slot's history would send one elsewhere)
-    ended: dict[int, str] = {}
+    ended, _ = run_in_slots(engine, requests, 2)
+    return all(f == "length" for f in ended.values())
+
+
+def choose_per_bucket(gemma_engine, engine, b: int, vocab: int, read_every: int) -> dict[str, Any]:
+    """Time bucket `b`'s decode steps eagerly and compiled, twice each, alternating; keep the faster way for that
+    bucket (`use_compiled(on, b)`). Returns {"bucket", "eager", "compiled"} in ms a step (the better of two): `b`
+    greedy requests decoding TIMED_TOKENS together, timed by the engine (the turns that ran decode steps alone)."""
+    timed: dict[str, list[float]] = {"eager": [], "compiled": []}
+    for on in (False, True, False, True):
+        engine.use_compiled(on, b)
+        requests = [gemma_engine.Request(k, compile_prompt(k, vocab), TIMED_TOKENS) for k in range(b)]
+        _, (seconds, steps) = run_in_slots(engine, requests, read_every)
+        timed["compiled" if on else "eager"].append(seconds * 1000 / max(steps, 1))
+    best = {k: min(v) for k, v in timed.items()}
+    engine.use_compiled(best["compiled"] < best["eager"], b)
+    return {"bucket": b, **{k: round(v, 3) for k, v in best.items()}}
+
+
+def run_in_slots(engine, requests: list, read_every: int) -> tuple[dict[int, str], tuple[float, int]]:
+    """Run `requests` together from slot 0 up (the prefix cache reset first: a free slot's history would send one
+    elsewhere) until each ends. Returns each one's finish, and the seconds and count of the decode steps of the
+    turns that ran no prompt. A request that ends other than "length" or "stop" raises, naming why."""
+    engine.reset_prefix_cache()
+    pending, ended, decode = list(requests), {}, [0.0, 0]
 
     def poll(free: int, idle: bool):
-        nonlocal requests
-        if not requests and len(ended) == b:
+        nonlocal pending
+        if not pending and len(ended) == len(requests):
             return None
-        handed, requests = requests, []
+        handed, pending = pending, []
         return handed, []
 
     def on_events(events, stats) -> None:
         for e in events:
             if e.finish is not None:
                 if e.finish not in ("length", "stop"):
-                    raise RuntimeError(f"a compile-stage request ended {e.finish}: {e.error}")
+                    raise RuntimeError(f"a {e.finish} end of a boot-stage request: {e.error}")
                 ended[e.id] = e.finish
-
-    engine.run(poll, on_events, 2)
-    return all(f == "length" for f in ended.values())
-
-
-def choose_per_bucket(gemma_engine, engine, b: int, vocab: int, read_every: int) -> dict[str, Any]:
-    """Time bucket `b`'s decode steps eagerly and compiled, twice each, alternating; keep the faster way for that
-    bucket (`use_compiled(on, b)`). Returns {"bucket", "eager", "compiled"} in ms a step (the better of two)."""
-    timed: dict[str, list[float]] = {"eager": [], "compiled": []}
-    for on in (False, True, False, True):
-        engine.use_compiled(on, b)
-        timed["compiled" if on else "eager"].append(ms_per_step(gemma_engine, engine, b, vocab, read_every))
-    best = {k: min(v) for k, v in timed.items()}
-    engine.use_compiled(best["compiled"] < best["eager"], b)
-    return {"bucket": b, **{k: round(v, 3) for k, v in best.items()}}
-
-
-def ms_per_step(gemma_engine, engine, b: int, vocab: int, read_every: int) -> float:
-    """Milliseconds a decode step of `b` greedy requests decoding TIMED_TOKENS together in slots 0..b-1 (the
-    engine's own timing of the turns that ran decode steps alone)."""
-    requests = [gemma_engine.Request(k, compile_prompt(k, vocab), TIMED_TOKENS) for k in range(b)]
-    engine.reset_prefix_cache()  # the same slots each time
-    seconds, steps, ended = 0.0, 0, set()
-
-    def poll(free: int, idle: bool):
-        nonlocal requests
-        if not requests and len(ended) == b:
-            return None
-        handed, requests = requests, []
-        return handed, []
-
-    def on_events(events, stats) -> None:
-        nonlocal seconds, steps
-        ended.update(e.id for e in events if e.finish is not None)
         if stats.get("batch_sizes") and not stats.get("prompt_tokens"):
-            seconds += stats["seconds"]
-            steps += len(stats["batch_sizes"])
+            decode[0] += stats["seconds"]
+            decode[1] += len(stats["batch_sizes"])
 
     engine.run(poll, on_events, read_every)
-    return seconds * 1000 / max(steps, 1)
+    return ended, (decode[0], decode[1])
 
 
 def run_on_workers(workers: list[EngineWorker], task: Callable[[EngineWorker], Any]) -> list[Any]:
