@@ -13,7 +13,7 @@
 //! Per key: the first step runs eagerly (it makes the lazily built views and buffers, as a CUDA
 //! graph's warm-up does), the second is captured (it runs, recorded, and returns its own result), and
 //! later ones replay. A capture that fails leaves that key eager for good, with its reason kept
-//! (`Compiled::fallbacks`) for the caller to log and count; it never fails a request.
+//! (the fallbacks of `Engine::compile_report`) for the caller to log and count; it never fails a request.
 //!
 //! On CUDA with CUDA graphs on, a key's compiled replay is then captured as a CUDA graph of its own
 //! (step.rs's `Graphs`: run once, captured, replayed), so a compiled step is one launch as an eager one
