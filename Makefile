@@ -73,8 +73,9 @@ engine: $(ENGINE_STAMP)
 
 # A wheel of the engine for another torch and Python than .venv's (a GPU host's: the module is built against
 # the torch it will load), into dist/: `make engine-wheel WHEEL_TORCH=2.11.0 WHEEL_PYTHON=/path/to/python3.12`
-# (that Python must be on this machine: uv does not download one here). Built in an environment of its own holding that torch, with the CUDA
-# compiler's crt/ headers (nvidia-cuda-crt, matching the torch's CUDA) so the build has CUDA graphs.
+# (that Python must be on this machine: uv does not download one here). Built in an environment of its own
+# holding that torch, with the CUDA compiler's crt/ headers (nvidia-cuda-crt, matching the torch's CUDA) so the
+# build has CUDA graphs.
 WHEEL_TORCH    ?= $(TORCH_VERSION)
 WHEEL_PYTHON   ?= $(PYTHON)
 WHEEL_CUDA_CRT ?= 13.0.*

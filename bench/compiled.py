@@ -29,7 +29,6 @@ import argparse
 import statistics
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 

@@ -417,33 +417,33 @@ gt *aten_rms_norm(gt *x, gt *weight, double eps) {
       return box(at::rms_norm(xt, {xt.size(-1)}, w, eps));)
   return nullptr;
 }
-// Through the dispatcher's functional collectives, `_c10d_functional::all_reduce` then `wait_tensor` (torch
-// 2.14 torch/csrc/distributed/c10d/Functional.cpp), the ops torch.distributed's functional API
-// (torch/distributed/_functional_collectives.py) calls: a dispatcher-level capture of a step records them, and
-// Inductor and torch_tpu lower them inside a compiled graph. Called boxed: the group's schema type changed
-// from `str` to `Any` across releases.
-at::Tensor all_reduce_sum(const at::Tensor &t, const char *group) {
-  static const auto all_reduce = c10::Dispatcher::singleton().findSchemaOrThrow("_c10d_functional::all_reduce", "");
+
+// Collectives go through the dispatcher's functional collectives (`_c10d_functional::all_reduce`,
+// `all_gather_into_tensor`, then `wait_tensor`; torch 2.14 torch/csrc/distributed/c10d/Functional.cpp), the ops
+// torch.distributed's functional API (torch/distributed/_functional_collectives.py) calls: a dispatcher-level
+// capture of a step records them, and Inductor and torch_tpu lower them inside a compiled graph. Called boxed:
+// the group's schema type changed from `str` to `Any` across releases.
+//
+// A functional collective `op` called boxed on `stack`, then waited on: its result.
+at::Tensor collective(const c10::OperatorHandle &op, c10::Stack stack) {
   static const auto wait = c10::Dispatcher::singleton()
                                .findSchemaOrThrow("_c10d_functional::wait_tensor", "")
                                .typed<at::Tensor(const at::Tensor &)>();
-  c10::Stack stack{t, std::string("sum"), std::string(group)};
-  all_reduce.callBoxed(&stack);
+  op.callBoxed(&stack);
   return wait.call(stack.at(0).toTensor());
+}
+at::Tensor all_reduce_sum(const at::Tensor &t, const char *group) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("_c10d_functional::all_reduce", "");
+  return collective(op, {t, std::string("sum"), std::string(group)});
 }
 gt *aten_all_reduce_sum(gt *t, const char *group) { RET(all_reduce_sum(t->t, group)) }
 
 // `all_gather_into_tensor` stacks the ranks' tensors along dim 0; a vocabulary-parallel head needs them along
 // the last: [size * rows, ..., v] -> [size, rows, ..., v] -> moved to [rows, ..., size, v] -> [rows, ..., size * v].
 at::Tensor all_gather_last(const at::Tensor &t, int64_t size, const char *group) {
-  static const auto gather =
+  static const auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("_c10d_functional::all_gather_into_tensor", "");
-  static const auto wait = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("_c10d_functional::wait_tensor", "")
-                               .typed<at::Tensor(const at::Tensor &)>();
-  c10::Stack stack{t.contiguous(), size, std::string(group)};
-  gather.callBoxed(&stack);
-  auto stacked = wait.call(stack.at(0).toTensor());
+  auto stacked = collective(op, {t.contiguous(), size, std::string(group)});
   std::vector<int64_t> split{size};
   split.insert(split.end(), t.sizes().begin(), t.sizes().end());
   std::vector<int64_t> joined(t.sizes().begin(), t.sizes().end());

@@ -533,14 +533,14 @@ impl Tensor {
     /// The sum of this tensor over the ranks of torch.distributed's process group `group` (its
     /// `group_name`), as a dispatcher op a capture records (aten.cpp).
     pub fn all_reduce_sum(&self, group: &str) -> Result<Tensor> {
-        let group = std::ffi::CString::new(group).map_err(|_| Error::Input("a group name holds a NUL".into()))?;
+        let group = group_name(group)?;
         wrap("all_reduce", ffi!("all_reduce", ffi::aten_all_reduce_sum(self.ptr(), group.as_ptr())))
     }
 
     /// The `size` ranks' tensors of torch.distributed's process group `group`, side by side along the last
     /// dimension in rank order (a vocabulary-parallel head's logits), as dispatcher ops a capture records.
     pub fn all_gather_last(&self, size: i64, group: &str) -> Result<Tensor> {
-        let group = std::ffi::CString::new(group).map_err(|_| Error::Input("a group name holds a NUL".into()))?;
+        let group = group_name(group)?;
         wrap("all_gather", ffi!("all_gather", ffi::aten_all_gather_last(self.ptr(), size, group.as_ptr())))
     }
 
@@ -658,6 +658,11 @@ impl CudaGraph {
     pub fn replay(&self) -> Result<()> {
         status(ffi!("graph_replay", ffi::aten_graph_replay(self.0.as_ptr())))
     }
+}
+
+/// A process group's name as the shim takes it.
+fn group_name(group: &str) -> Result<std::ffi::CString> {
+    std::ffi::CString::new(group).map_err(|_| Error::Input(format!("a process group name holds a NUL: {group:?}")))
 }
 
 /// Autograd off for the guard's lifetime on this thread (`at::NoGradGuard`).

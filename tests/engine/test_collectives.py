@@ -5,13 +5,12 @@ Two gloo ranks, each a process of its own (as torchrun starts them), reduce and 
 shim: the sum is every rank's, the gathered logits are the shards side by side, and a dispatcher-level capture
 (`make_fx`, as the compiled step records a step) sees the functional collectives (`_c10d_functional.all_reduce`,
 `all_gather_into_tensor`, `wait_tensor`), the ops Inductor and torch_tpu lower inside a compiled graph, and its
-replay reduces again. A rank that is gone fails its peer's collective within the group's timeout.
+replay reduces again. A rank that is gone fails its peer's collective in bounded time instead of hanging.
 """
 
 import os
-import time
-
 import socket
+import time
 from datetime import timedelta
 
 import pytest
@@ -122,7 +121,8 @@ def _rank_that_loses_its_peer(rank: int, port: int, out_dir: str) -> None:
     os._exit(0)  # the group's teardown would wait on the peer that is gone
 
 
-def test_a_collective_whose_peer_is_gone_fails_within_the_groups_timeout(tmp_path):
+def test_a_collective_whose_peer_is_gone_fails_instead_of_waiting(tmp_path):
+    """Bounded by the group's timeout with slack (gloo reports the closed connection at once: 0.02 s here)."""
     mp.spawn(_rank_that_loses_its_peer, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     lost = torch.load(tmp_path / "lost.pt")
     assert lost["error"] is not None and "all_reduce_sum" in lost["error"], lost

@@ -215,11 +215,12 @@ def test_image_prompts_batched_beside_a_text_prompt_give_the_eager_tokens_compil
     images = [ck.test_image(40, 30, 0), ck.test_image(20, 36, 1), ck.test_image(48, 48, 2)]
     one = chat_inputs(processor, images[:1], "What is in this picture?")
     two = chat_inputs(processor, images[1:], "Compare them.")
+    one_media, two_media = media_of(encoder, one, images[:1]), media_of(encoder, two, images[1:])
 
     def requests():
-        return [gemma_engine.Request(1, one["input_ids"][0].tolist(), 24, media=media_of(encoder, one, images[:1])),
+        return [gemma_engine.Request(1, one["input_ids"][0].tolist(), 24, media=one_media),
                 gemma_engine.Request(2, [2, 3, 40, 41, 42, 43, 4], 16),
-                gemma_engine.Request(3, two["input_ids"][0].tolist(), 24, media=media_of(encoder, two, images[1:]))]
+                gemma_engine.Request(3, two["input_ids"][0].tolist(), 24, media=two_media)]
 
     kwargs = {"context": 512, "max_batch": 4}
     eager = serve(_engine(d, **kwargs), requests())

@@ -103,13 +103,7 @@ impl Compiler for PyCompiler {
 
     fn fell_back(&mut self, step: &str, reason: &str) {
         // A hook without `fell_back` (or one that raises) is not told; compile_report() lists the fallback.
-        let _ = self.tell(step, reason);
-    }
-}
-
-impl PyCompiler {
-    fn tell(&self, step: &str, reason: &str) -> PyResult<()> {
-        Python::attach(|py| self.hook.call_method1(py, "fell_back", (step, reason)).map(drop))
+        let _ = Python::attach(|py| self.hook.call_method1(py, "fell_back", (step, reason)));
     }
 }
 

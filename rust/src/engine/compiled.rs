@@ -136,7 +136,7 @@ impl Compiled {
                 chosen => chosen,
             };
         }
-        if self.seen.insert(key) || self.failed.contains(&key) || self.replays.contains_key(&key) {
+        if self.seen.insert(key) || self.failed.contains(&key) {
             return eager();
         }
         let mut ran: Option<Result<Chosen>> = None;
