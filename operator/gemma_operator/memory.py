@@ -198,15 +198,16 @@ def weight_bytes(a: Architecture, quantization: str, dtype_bytes: int, n: int, *
     return linear_bytes + dense * dtype_bytes
 
 
-def kv_bytes_per_slot(a: Architecture, dtype_bytes: int, n: int, context: int) -> int:
-    """Bytes of KV cache one slot takes on each of n shards (rust/src/gemma4/cache.rs `CacheSize`)."""
+def kv_bytes_per_slot(a: Architecture, dtype_bytes: int, n: int, context: int, snapshots: bool = PREFIX_CACHING) -> int:
+    """Bytes of KV cache one slot takes on each of n shards (rust/src/gemma4/cache.rs `CacheSize`); without
+    `snapshots`, its rings alone (the chunk row of a compiling engine)."""
     total = 0
     for layer in _layers(a):
         if not layer.own_kv:
             continue
         ring = context if layer.full else min(a.sliding_window, context)
         rings = 2 * shard_kv_heads(layer.kv_heads, n) * (ring + 1) * layer.head_dim * dtype_bytes
-        total += rings * (1 + (SNAPSHOTS if PREFIX_CACHING and not layer.full else 0))
+        total += rings * (1 + (SNAPSHOTS if snapshots and not layer.full else 0))
     return total
 
 
@@ -222,7 +223,8 @@ class Plan(NamedTuple):
     max_num_seqs: int
     weight_bytes: int  # the first shard's weights
     kv_bytes_per_slot: int  # one slot's KV cache on one shard
-    total_bytes: int  # weight_bytes + max_num_seqs * kv_bytes_per_slot
+    chunk_row_bytes: int  # with spec.engine.compile: one more row of rings, where compiled prompt chunks run
+    total_bytes: int  # weight_bytes + max_num_seqs * kv_bytes_per_slot + chunk_row_bytes
     hbm_bytes: int  # one chip's HBM
     usable_bytes: int  # hbm_bytes less RUNTIME_RESERVE
     slots: int  # slots of `context` that fit beside the weights (0 when the weights alone do not), at most MAX_NUM_SEQS
@@ -245,17 +247,20 @@ def _int4_packed(dtype: str) -> bool:
 class _Footprint(NamedTuple):
     weights: int
     kv: int
+    chunk_row: int
     usable: int
 
     def slots(self) -> int:
-        return min(MAX_NUM_SEQS, max(0, (self.usable - self.weights) // self.kv))
+        return min(MAX_NUM_SEQS, max(0, (self.usable - self.weights - self.chunk_row) // self.kv))
 
 
-def _footprint(size: str, quantization: str, accelerator_type: str, context: int, n: int, dtype: str) -> _Footprint:
+def _footprint(size: str, quantization: str, accelerator_type: str, context: int, n: int, dtype: str,
+               compiled: bool) -> _Footprint:
     a, b = ARCHITECTURES[size], DTYPE_BYTES[dtype]
     usable = int(TPU_HBM_GIB[accelerator_type] * GIB * (1 - RUNTIME_RESERVE))
+    chunk_row = kv_bytes_per_slot(a, b, n, context, snapshots=False) if compiled else 0
     return _Footprint(weight_bytes(a, quantization, b, n, int4_packed=_int4_packed(dtype)),
-                      kv_bytes_per_slot(a, b, n, context), usable)
+                      kv_bytes_per_slot(a, b, n, context), chunk_row, usable)
 
 
 def divisors(c: int) -> list[int]:
@@ -264,20 +269,20 @@ def divisors(c: int) -> list[int]:
 
 
 def _smallest_fitting(size: str, quantization: str, accelerator_type: str, topology: str, context: int,
-                      max_num_seqs: int, dtype: str) -> int | None:
+                      max_num_seqs: int, dtype: str, compiled: bool) -> int | None:
     for n in divisors(TPU_TOPOLOGY_CHIPS[accelerator_type][topology]):
         if not splits(ARCHITECTURES[size], n):
             continue
-        if _footprint(size, quantization, accelerator_type, context, n, dtype).slots() >= max_num_seqs:
+        if _footprint(size, quantization, accelerator_type, context, n, dtype, compiled).slots() >= max_num_seqs:
             return n
     return None
 
 
 def _ways_to_fit(size: str, quantization: str, accelerator_type: str, topology: str, context: int, max_num_seqs: int,
-                 n: int, dtype: str) -> list[str]:
+                 n: int, dtype: str, compiled: bool) -> list[str]:
     """What would make it fit, each a change of spec fields on its own."""
     def fp(typ: str, x: int, m: int, quant: str = quantization) -> _Footprint:
-        return _footprint(size, quant, typ, x, m, dtype)
+        return _footprint(size, quant, typ, x, m, dtype, compiled)
 
     ways = []
     c = TPU_TOPOLOGY_CHIPS[accelerator_type][topology]
@@ -289,7 +294,7 @@ def _ways_to_fit(size: str, quantization: str, accelerator_type: str, topology: 
         for topo, topo_chips in TPU_TOPOLOGY_CHIPS[tpu].items():
             if tpu == accelerator_type and topo_chips <= c:
                 continue
-            fit_n = _smallest_fitting(size, quantization, tpu, topo, context, max_num_seqs, dtype)
+            fit_n = _smallest_fitting(size, quantization, tpu, topo, context, max_num_seqs, dtype, compiled)
             if fit_n:
                 kind = "" if tpu == accelerator_type else f"spec.accelerator.type {tpu} with "
                 ways.append(f"{kind}spec.accelerator.topology {topo} ({topo_chips} chips, tensorParallelSize {fit_n})")
@@ -311,7 +316,7 @@ def _ways_to_fit(size: str, quantization: str, accelerator_type: str, topology: 
 
 
 def plan(size: str, quantization: str, accelerator_type: str, topology: str, context: int, max_num_seqs: int,
-         tensor_parallel_size: int, dtype: str = "bfloat16") -> Plan:
+         tensor_parallel_size: int, dtype: str = "bfloat16", compiled: bool = False) -> Plan:
     """The memory of one engine of a pod, on its fullest chip (pure).
 
     Args:
@@ -323,6 +328,8 @@ def plan(size: str, quantization: str, accelerator_type: str, topology: str, con
         max_num_seqs: slots per engine (spec.engine.maxNumSeqs).
         tensor_parallel_size: chips per engine, N.
         dtype: the compute dtype (spec.engine.dtype).
+        compiled: spec.engine.compile is on or auto: the engine holds one more row of rings, where compiled
+            prompt chunks run (rust/src/engine/chunks.rs).
     Returns:
         The plan, with an explanation that names the sizes and, when it does not fit, what would.
     Raises:
@@ -331,16 +338,17 @@ def plan(size: str, quantization: str, accelerator_type: str, topology: str, con
     n, c = tensor_parallel_size, TPU_TOPOLOGY_CHIPS[accelerator_type][topology]
     if c % n:
         raise ValueError(f"tensor-parallel size {n} does not divide the {c} chips of {topology}")
-    fp = _footprint(size, quantization, accelerator_type, context, n, dtype)
+    fp = _footprint(size, quantization, accelerator_type, context, n, dtype, compiled)
     hbm = TPU_HBM_GIB[accelerator_type] * GIB
-    total = fp.weights + max_num_seqs * fp.kv
+    total = fp.weights + max_num_seqs * fp.kv + fp.chunk_row
     fits = total <= fp.usable
     model = f"Gemma 4 {size.upper()} ({quantization})"
     where = f"{TPU_NAMES[accelerator_type]} {topology}"
     dequantized = (f" (int4 dequantized to {dtype} at load, as the engine does on a TPU)"
                    if quantization == "w4a16" and not _int4_packed(dtype) else "")
+    chunk_row = f" + {_size(fp.chunk_row)} for compiled prompt chunks" if fp.chunk_row else ""
     held = (f"{_size(fp.weights)} of weights{dequantized} and {max_num_seqs} x {_size(fp.kv)} of KV cache at "
-            f"context {context}, {_size(total)}")
+            f"context {context}{chunk_row}, {_size(total)}")
     room = (f"the {_size(fp.usable)} usable of its {TPU_HBM_GIB[accelerator_type]} GiB HBM "
             f"({RUNTIME_RESERVE:.0%} kept for the runtime)")
     if fits:
@@ -348,12 +356,12 @@ def plan(size: str, quantization: str, accelerator_type: str, topology: str, con
                        f"within {room}; {_count(fp.slots(), 'slot')} would fit")
     else:
         why = "the weights alone do not fit" if fp.slots() == 0 else f"{_count(fp.slots(), 'slot')} would fit"
-        ways = _ways_to_fit(size, quantization, accelerator_type, topology, context, max_num_seqs, n, dtype)
+        ways = _ways_to_fit(size, quantization, accelerator_type, topology, context, max_num_seqs, n, dtype, compiled)
         explanation = (f"{model} does not fit {where} with tensorParallelSize {n}: a chip would hold {held}, over "
                        f"{room}; {why}. " + ("It fits with any one of: " + "; ".join(ways) if ways else
                                              "No TPU slice the operator knows holds it at this context"))
-    return Plan(size, quantization, where, c, n, context, max_num_seqs, fp.weights, fp.kv, total, hbm, fp.usable,
-                fp.slots(), fits, explanation)
+    return Plan(size, quantization, where, c, n, context, max_num_seqs, fp.weights, fp.kv, fp.chunk_row, total, hbm,
+                fp.usable, fp.slots(), fits, explanation)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -405,13 +413,16 @@ def placement(spec: GemmaRustServerSpec) -> Placement:
         return Placement(e.tensor_parallel_size or 1, None)
     topology = accel.topology or "1x1"
 
+    compiled = e.compile != "off"
+
     def at(n: int) -> Plan:
-        return plan(model.size, model.quantization, accel.type, topology, e.context, e.max_num_seqs, n, e.dtype)
+        return plan(model.size, model.quantization, accel.type, topology, e.context, e.max_num_seqs, n, e.dtype,
+                    compiled)
 
     if e.tensor_parallel_size:
         return Placement(e.tensor_parallel_size, at(e.tensor_parallel_size))
     n = _smallest_fitting(model.size, model.quantization, accel.type, topology, e.context, e.max_num_seqs,
-                          e.dtype) or chips(accel)
+                          e.dtype, compiled) or chips(accel)
     return Placement(n, at(n))
 
 
@@ -429,7 +440,7 @@ def table(context: int = 8192, max_num_seqs: int = 8) -> str:
     for size in MODEL_SIZES:
         row = [size.upper()]
         for t, topo in slices:
-            n = _smallest_fitting(size, "bf16", t, topo, context, max_num_seqs, "bfloat16")
+            n = _smallest_fitting(size, "bf16", t, topo, context, max_num_seqs, "bfloat16", False)
             if n:
                 row.append(f"N={n}, {plan(size, 'bf16', t, topo, context, max_num_seqs, n).slots} slots")
                 continue

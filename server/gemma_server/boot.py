@@ -341,8 +341,9 @@ class Boot:
         """Capture and compile every decode-step bucket (1, 2, 4, ... slots, and --max-num-seqs), greedy and
         sampled, the first step after a read point and the later ones, on every engine: each bucket is filled
         with that many requests, decoded together (`compile_batch`; a shape's second step is captured,
-        compiled.rs). With --compile auto, then time each bucket's decode steps both ways and keep the faster per
-        bucket.
+        compiled.rs). Then every prompt-chunk bucket, as a prompt's first chunk and a later one
+        (`compile_chunks`). With --compile auto, then time each bucket's decode steps both ways and keep the
+        faster per bucket.
         Other sampling stages (penalties, bias, log-probabilities, grammars) compile on their second step
         while serving."""
         assert self.loaded is not None
@@ -362,6 +363,7 @@ class Boot:
                         first += b
                         if full:
                             break
+            compile_chunks(gemma_engine, w.engine, vocab, first)
             w.engine.reset_prefix_cache()  # nothing a compile-stage request wrote is offered as a prefix
             report: dict[str, Any] = {}
             if c.compile == "auto":
@@ -378,7 +380,8 @@ class Boot:
         compiled = sum(len(x.compiled) for x in compilers)
         fallbacks = sum(len(x.fallbacks) for x in compilers)
         eager = "; ".join(f"buckets {r['eager_buckets']} ran faster eagerly" for r in reports if r["eager_buckets"])
-        return (f"{compilers[0].backend_name}: {compiled} steps compiled, {fallbacks} fell back; {active} of "
+        return (f"{compilers[0].backend_name}: {compiled} steps and prompt chunks compiled, {fallbacks} fell back; "
+                f"{active} of "
                 f"{len(reports)} engines replay them" + (f" ({eager})" if eager else ""))
 
     def _warmup(self) -> str:
@@ -481,10 +484,21 @@ def eager_mode_name(torch) -> str:
     return str(getattr(mode, "name", mode))
 
 
-def compile_prompt(k: int, vocab: int) -> list[int]:
-    """The k-th compile-stage prompt: 8 ids whose first differs from the others' (no prefix-cache hit among the
-    requests of one batch, which would move one to another slot and bucket)."""
-    return [(k * 7919 + i * 104729 + 3) % vocab for i in range(8)]
+def compile_prompt(k: int, vocab: int, length: int = 8) -> list[int]:
+    """The k-th compile-stage prompt: `length` ids whose first differs from the others' (no prefix-cache hit among
+    the requests of one batch, which would move one to another slot and bucket)."""
+    return [(k * 7919 + i * 104729 + 3) % vocab for i in range(length)]
+
+
+def compile_chunks(gemma_engine, engine, vocab: int, first: int) -> None:
+    """Capture every prompt-chunk bucket (`engine.chunk_buckets`; rust/src/engine/chunks.rs) as a prompt's first
+    chunk and as a later one: a prompt of t tokens is a first chunk of t, one of prefill_chunk + t tokens a first
+    chunk of prefill_chunk and then a later one of t. Each is read twice by one request alone (a shape's second
+    run is captured); prompts of `first` on, none past the context (such chunks never run)."""
+    buckets = engine.chunk_buckets
+    lengths = [n for t in buckets for n in (t, buckets[-1] + t) if n < engine.context]
+    for k, n in enumerate(n for n in lengths for _ in range(2)):
+        run_in_slots(engine, [gemma_engine.Request(k, compile_prompt(first + k, vocab, n), 1)], 2)
 
 
 def compile_batch(gemma_engine, engine, b: int, sampling, vocab: int, first: int) -> bool:

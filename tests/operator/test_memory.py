@@ -56,6 +56,20 @@ def test_31b_over_eight_v5e_chips_by_hand():
     assert (p.hbm_bytes, p.usable_bytes) == (16 * GIB, int(16 * GIB * 0.9))
     # (14.4 GiB usable - 9.5 GiB of weights) / 460 MiB a slot.
     assert (p.fits, p.slots, p.chips, p.accelerator) == (True, 10, 8, "v5e 2x4")
+    assert p.chunk_row_bytes == 0
+
+
+def test_a_compiling_engines_plan_counts_the_chunk_row_its_prompt_chunks_run_on():
+    # spec.engine.compile on: one more row of rings, without the sliding rings' snapshots (rust/src/gemma4/cache.rs
+    # `CacheSize::chunk_row_bytes`): 50 x 2,099,200 + 10 x 16,779,264 bytes on each shard of the 31B over 8.
+    p = memory.plan("31b", "bf16", TPU_V5E, "2x4", 8192, 8, 8, compiled=True)
+    assert p.chunk_row_bytes == 50 * 2_099_200 + 10 * 16_779_264 == 272_752_640
+    assert p.total_bytes == p.weight_bytes + 8 * p.kv_bytes_per_slot + p.chunk_row_bytes
+    assert "+ 260.1 MiB for compiled prompt chunks" in p.explanation
+    assert p.slots == 10  # (14.4 GiB - 9.5 GiB - 260 MiB) / 460 MiB = 10.4
+    on = memory.placement(spec(accelerator={"type": TPU_V5E, "topology": "2x4"}, compile="on", tensorParallelSize=8))
+    off = memory.placement(spec(accelerator={"type": TPU_V5E, "topology": "2x4"}, tensorParallelSize=8))
+    assert (on.plan.chunk_row_bytes, off.plan.chunk_row_bytes) == (272_752_640, 0)
 
 
 def test_w4a16_weights_take_half_a_byte_and_a_scale_per_group_only_where_int4_stays_packed():

@@ -197,19 +197,23 @@ def test_compile_stage_compiles_the_step_and_the_replies_are_the_eager_engines(
     import openai
 
     s = spawn("--model", str(chat_checkpoint), "--use-installed-engine", "--compile", mode, "--max-num-seqs", "2",
-              *COMMON)
+              "--prefill-chunk", "32", *COMMON)
     wait_for(lambda: get_status(s.base + "/health") == 200, 600, "/health 200 after the compile stage")
     info = engine_info(s.base)
     stages = {x["stage"]: x for x in info["stages"]}
     assert list(stages) == ["build", "import", "smoke", "weights", "compile", "warmup", "serving"]
-    assert stages["compile"]["status"] == "ok" and "steps compiled, 0 fell back" in stages["compile"]["message"]
+    message = stages["compile"]["message"]
+    assert stages["compile"]["status"] == "ok" and "steps and prompt chunks compiled, 0 fell back" in message
     report = info["compile"]
     assert (report["mode"], report["backend"]) == (mode, "inductor")
     [engine] = report["engines"]
     assert engine["fallbacks"] == []
-    # Every bucket (1 and 2 slots), greedy and sampled, the first step after a read point and the later ones.
-    assert {f"decode b={b}{padded} {stages}" for b in (1, 2) for padded in ("", " padded")
-            for stages in ("greedy", "draw")} == {name for name, _ in engine["compiled"]}, engine
+    # Every bucket (1 and 2 slots), greedy and sampled, the first step after a read point and the later ones;
+    # every prompt-chunk bucket (16 and 32 columns), a prompt's first chunk and a later one.
+    steps = {f"decode b={b}{padded} {stages}" for b in (1, 2) for padded in ("", " padded")
+             for stages in ("greedy", "draw")}
+    chunks = {f"prompt t={t} {which}" for t in (16, 32) for which in ("first", "later")}
+    assert steps | chunks == {name for name, _ in engine["compiled"]}, engine
     assert engine["active"] is True
     if mode == "auto":  # each bucket timed both ways; the ones measured faster eagerly run eagerly
         timed = engine["ms_per_step"]

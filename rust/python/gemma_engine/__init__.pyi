@@ -452,6 +452,10 @@ class Engine:
     def buckets(self) -> list[int]:
         """The decode-step batch sizes: powers of two below max_batch, then max_batch."""
     @property
+    def chunk_buckets(self) -> list[int]:
+        """The lengths compiled prompt chunks run at: powers of two from 16 below prefill_chunk, then
+        prefill_chunk; empty for an engine made without a compiler."""
+    @property
     def dtype(self) -> str: ...
     @property
     def device(self) -> str: ...

@@ -364,6 +364,7 @@ impl Engine {
             onednn,
             prefix_caching,
             tensor_parallel_size,
+            chunk_row: compiler.is_some(),
         };
         let shard_likes = match shard_devices {
             None => None,
@@ -412,6 +413,13 @@ impl Engine {
     #[getter]
     fn buckets(&self) -> Vec<i64> {
         self.inner.buckets()
+    }
+
+    /// The lengths compiled prompt chunks run at: powers of two from 16 below prefill_chunk, then
+    /// prefill_chunk; empty for an engine made without a compiler.
+    #[getter]
+    fn chunk_buckets(&self) -> Vec<i64> {
+        self.inner.chunk_buckets()
     }
 
     #[getter]

@@ -1,5 +1,6 @@
 //! The compiled decode step: each `StepKey`'s ATen calls recorded once at the dispatcher and replayed
-//! through a compiled callable (Inductor on CUDA and the CPU, torch_tpu's `tpu` backend on a TPU).
+//! through a compiled callable (Inductor on CUDA and the CPU, torch_tpu's `tpu` backend on a TPU); prompt
+//! chunks the same way, per `ChunkKey` (chunks.rs says what their inputs are).
 //!
 //! The Rust model stays the one source of the computation. A `Compiler` (the Python side,
 //! `gemma_engine.compiling.StepCompiler`, passed in through the bindings) runs the eager step once
@@ -22,7 +23,10 @@
 //! is such an input here.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
+use std::fmt::Display;
+use std::hash::Hash;
 
+use crate::engine::chunks::ChunkKey;
 use crate::engine::sampling::Chosen;
 use crate::engine::step::{Graphs, StepKey};
 use crate::error::{Error, Result};
@@ -54,11 +58,73 @@ pub struct Fallback {
     pub reason: String,
 }
 
+/// Per key of one kind (decode steps, prompt chunks): run, captured, or replayed (module docs).
+struct Captures<K> {
+    seen: HashSet<K>,
+    replays: HashMap<K, Box<dyn Replay>>,
+    failed: HashSet<K>,
+}
+
+impl<K> Default for Captures<K> {
+    fn default() -> Self {
+        Captures { seen: HashSet::new(), replays: HashMap::new(), failed: HashSet::new() }
+    }
+}
+
+impl<K: Copy + Eq + Hash + Display> Captures<K> {
+    /// The run of `key` that is not a replay: its first (eager), its second (captured with `compiler`,
+    /// `outputs` naming what the graph returns), or any of a key whose capture failed (eager, the
+    /// failure kept in `fallbacks` once).
+    fn run<R>(
+        &mut self,
+        compiler: &mut dyn Compiler,
+        fallbacks: &mut Vec<Fallback>,
+        key: K,
+        mut eager: impl FnMut() -> Result<R>,
+        outputs: impl Fn(&R) -> Result<Vec<Tensor>>,
+    ) -> Result<R> {
+        if self.seen.insert(key) || self.failed.contains(&key) {
+            return eager();
+        }
+        let mut ran: Option<Result<R>> = None;
+        let captured = compiler.capture(&key.to_string(), &mut || {
+            let result = eager();
+            let out = match &result {
+                Ok(r) => Ok(outputs(r)?),
+                Err(e) => Err(Error::Internal(e.to_string())),
+            };
+            ran = Some(result);
+            out
+        });
+        match (captured, ran) {
+            // The step itself failed: the same error an eager step would give.
+            (_, Some(Err(e))) => Err(e),
+            (Ok(replay), Some(Ok(r))) => {
+                self.replays.insert(key, replay);
+                Ok(r)
+            }
+            (Err(e), ran) => {
+                self.failed.insert(key);
+                fallbacks.push(Fallback { step: key.to_string(), reason: e.to_string() });
+                match ran {
+                    Some(r) => r,
+                    // Tracing stopped the step part way: its writes so far (this position's keys) are
+                    // the ones the eager run repeats, and nothing else moved (slots and sampler advance
+                    // last), so running it again is the step.
+                    None => eager(),
+                }
+            }
+            (Ok(_), None) => Err(Error::Internal(format!("the compiler never ran step {key}"))),
+        }
+    }
+}
+
 pub struct Compiled {
     compiler: Box<dyn Compiler>,
-    seen: HashSet<StepKey>,
-    replays: HashMap<StepKey, Box<dyn Replay>>,
-    failed: HashSet<StepKey>,
+    steps: Captures<StepKey>,
+    chunks: Captures<ChunkKey>,
+    /// Per chunk bucket, the int64 buffer its graph reads its ids and positions from (chunks.rs).
+    pub(super) chunk_inputs: HashMap<i64, Tensor>,
     /// Keys whose replay could not be captured as a CUDA graph: replayed without one.
     ungraphed: HashSet<StepKey>,
     fallbacks: Vec<Fallback>,
@@ -84,9 +150,9 @@ impl Compiled {
         Compiled {
             compiler,
             graphs,
-            seen: HashSet::new(),
-            replays: HashMap::new(),
-            failed: HashSet::new(),
+            steps: Captures::default(),
+            chunks: Captures::default(),
+            chunk_inputs: HashMap::new(),
             ungraphed: HashSet::new(),
             fallbacks: Vec::new(),
             active: true,
@@ -115,9 +181,9 @@ impl Compiled {
         &mut self,
         key: StepKey,
         like: &Tensor,
-        mut eager: impl FnMut() -> Result<Chosen>,
+        eager: impl FnMut() -> Result<Chosen>,
     ) -> Result<Chosen> {
-        if let Some(replay) = self.replays.get(&key) {
+        if let Some(replay) = self.steps.replays.get(&key) {
             let run = || from_outputs(replay.call()?, key.stages.logprobs.is_some());
             let Some(graphs) = self.graphs.as_mut().filter(|_| !self.ungraphed.contains(&key)) else {
                 return run();
@@ -136,44 +202,22 @@ impl Compiled {
                 chosen => chosen,
             };
         }
-        if self.seen.insert(key) || self.failed.contains(&key) {
-            return eager();
-        }
-        let mut ran: Option<Result<Chosen>> = None;
-        let captured = self.compiler.capture(&key.to_string(), &mut || {
-            let chosen = eager();
-            let outputs = match &chosen {
-                Ok(c) => Ok(to_outputs(c)?),
-                Err(e) => Err(Error::Internal(e.to_string())),
-            };
-            ran = Some(chosen);
-            outputs
-        });
-        match (captured, ran) {
-            // The step itself failed: the same error an eager step would give.
-            (_, Some(Err(e))) => Err(e),
-            (Ok(replay), Some(Ok(chosen))) => {
-                self.replays.insert(key, replay);
-                Ok(chosen)
-            }
-            (Err(e), ran) => {
-                self.failed.insert(key);
-                self.fallbacks.push(Fallback { step: key.to_string(), reason: e.to_string() });
-                match ran {
-                    Some(r) => r,
-                    // Tracing stopped the step part way: its writes so far (this position's keys) are
-                    // the ones the eager run repeats, and nothing else moved (slots and sampler advance
-                    // last), so running it again is the step.
-                    None => eager(),
-                }
-            }
-            (Ok(_), None) => Err(Error::Internal(format!("the compiler never ran step {key}"))),
-        }
+        let Compiled { compiler, steps, fallbacks, .. } = self;
+        steps.run(compiler.as_mut(), fallbacks, key, eager, to_outputs)
     }
 
-    /// Keys captured and compiled so far.
+    /// The prompt chunk of `key`, whose device work `eager` does (chunks.rs): run, captured, or replayed.
+    pub(super) fn chunk(&mut self, key: ChunkKey, eager: impl FnMut() -> Result<Vec<Tensor>>) -> Result<Vec<Tensor>> {
+        if let Some(replay) = self.chunks.replays.get(&key) {
+            return replay.call();
+        }
+        let Compiled { compiler, chunks, fallbacks, .. } = self;
+        chunks.run(compiler.as_mut(), fallbacks, key, eager, |out| out.iter().map(Tensor::shallow_clone).collect())
+    }
+
+    /// Decode steps and prompt chunks captured and compiled so far.
     pub fn captured(&self) -> usize {
-        self.replays.len()
+        self.steps.replays.len() + self.chunks.replays.len()
     }
 
     /// Compiled replays captured as CUDA graphs so far (0 off CUDA).

@@ -62,6 +62,7 @@
 //! Design from vLLM's `v1/core/sched/scheduler.py` (continuous batching, chunked prefill
 //! interleaved with decodes).
 
+mod chunks;
 pub mod compiled;
 pub mod grammar;
 mod lifecycle;
@@ -196,9 +197,10 @@ impl Engine {
         let linear_note = if loaded.onednn { None } else { settings.kernels().onednn_note(settings.dtype, &device) };
         let b = settings.max_batch;
         let caching = settings.prefix_caching;
-        let per_shard = ShardedCache::size_per_shard(&model.cfg, n, settings.context, b, settings.dtype, caching);
-        memory::check_cache(&if local { per_shard.times(n) } else { per_shard }, settings.context, free()?)?;
-        let cache = ShardedCache::new(&model.cfg, settings.context, b, &shard_likes, settings.dtype, caching)?;
+        let (context, dtype, row) = (settings.context, settings.dtype, settings.chunk_row);
+        let per_shard = ShardedCache::size_per_shard(&model.cfg, n, context, b, dtype, caching, row);
+        memory::check_cache(&if local { per_shard.times(n) } else { per_shard }, context, free()?)?;
+        let cache = ShardedCache::new(&model.cfg, context, b, &shard_likes, dtype, caching, row)?;
         let sampler = Sampler::new(b, model.cfg.vocab_size, &like)?;
         let slots = Slots::new(b, model.cfg.vocab_size, &like)?;
         let prefix = caching.then(|| PrefixCache::new(b as usize, cache.ring(LayerType::Sliding) as usize));
@@ -344,6 +346,7 @@ impl Engine {
             self.max_batch,
             self.model.dtype(),
             self.prefix.is_some(),
+            self.cache.chunk_row().is_some(),
         )
         .times(shards);
         Layout {
@@ -455,9 +458,13 @@ impl Engine {
         inject: Option<&Injection>,
     ) -> Result<(Option<Tensor>, usize, Option<Piece>)> {
         let n = ids_host.len();
+        if self.compiles_chunk(inject.is_some(), prompt_k.is_some()) {
+            let logits = self.compiled_chunk(slot, ids_host, done, end)?;
+            return Ok(((end == n).then_some(logits), end - done, None));
+        }
         let t = (end - done) as i64;
         let ids = prompt.narrow(0, done as i64, t)?;
-        let pos = Positions::chunk(done as i64, end as i64, &self.like)?;
+        let pos = Positions::chunk(done as i64, end as i64, self.cache.ring(LayerType::Sliding), &self.like)?;
         let fill = if done == 0 { Fill::Empty } else { Fill::Partial };
         let rows = Rows::one(slot);
         let Some(k) = prompt_k else {
@@ -668,6 +675,7 @@ mod tests {
             onednn: None,
             prefix_caching: true,
             tensor_parallel_size: 1,
+            chunk_row: false,
         };
         assert!(s.check().unwrap_err().to_string().contains("max_batch"));
         assert!(Settings { max_batch: 2, ..s }.check().is_ok());

@@ -48,6 +48,9 @@ pub struct Settings {
     pub prefix_caching: bool,
     /// Shards the model is split over (gemma4/parallel.rs); 1 for none.
     pub tensor_parallel_size: i64,
+    /// Hold one more row of rings, where compiled prompt chunks run (engine/chunks.rs): set for an
+    /// engine that gets a compiler.
+    pub chunk_row: bool,
 }
 
 impl Settings {

@@ -23,7 +23,7 @@
 //! right keys), and then leaves its last min(T, ring) keys in the ring.
 
 use crate::error::{Error, Result};
-use crate::gemma4::cache::{KvCache, Rows};
+use crate::gemma4::cache::{KvCache, Rows, held_before};
 use crate::gemma4::config::{Config, LayerSpec, LayerType};
 use crate::gemma4::linear::Linear;
 use crate::gemma4::norm::RmsNorm;
@@ -69,8 +69,9 @@ pub struct Positions {
     pub grid3: Tensor,
     /// `[rows, 1, T, 1]`: the query side of a mask.
     pub query: Tensor,
-    /// The first position, when the host knows it (one row reading a prompt chunk).
-    pub first: Option<i64>,
+    /// For one row reading a later prompt chunk: the positions its sliding ring holds before the chunk
+    /// (`cache::held_before`), int64 `[1, ring + 1]`.
+    pub held: Option<Tensor>,
 }
 
 impl Positions {
@@ -84,19 +85,26 @@ impl Positions {
             grid3: grid.reshape(&[rows, 1, t])?,
             query: grid.reshape(&[rows, 1, t, 1])?,
             grid: grid.shallow_clone()?,
-            first: None,
+            held: None,
         })
     }
 
     /// The same positions on `like`'s device (a tensor-parallel shard's).
     pub fn on(&self, like: &Tensor) -> Result<Positions> {
-        Ok(Positions { first: self.first, ..Positions::new(&self.grid.to_like(like, DType::I64)?)? })
+        let held = self.held.as_ref().map(|h| h.to_like(like, DType::I64)).transpose()?;
+        Ok(Positions { held, ..Positions::new(&self.grid.to_like(like, DType::I64)?)? })
     }
 
-    /// Positions `start..end` of one row, on the device of `like`.
-    pub fn chunk(start: i64, end: i64, like: &Tensor) -> Result<Positions> {
+    /// Positions `start..end` of one row, on the device of `like`, whose sliding rings hold `ring`
+    /// entries.
+    pub fn chunk(start: i64, end: i64, ring: i64, like: &Tensor) -> Result<Positions> {
         let grid = Tensor::arange(start, end, DType::I64, like)?.unsqueeze(0)?;
-        Ok(Positions { first: Some(start), ..Positions::new(&grid)? })
+        let held = if start > 0 {
+            Some(Tensor::from_i64(&held_before(ring, start))?.to_like(like, DType::I64)?.reshape(&[1, ring + 1])?)
+        } else {
+            None
+        };
+        Ok(Positions { held, ..Positions::new(&grid)? })
     }
 }
 
@@ -186,10 +194,9 @@ impl Plan {
             Source::Ring => visible(cache.ring_order(kind), &pos.query, None)?,
             Source::Chunk => visible(&keys(&pos.grid)?, &pos.query, sliding)?,
             Source::RingAndChunk => {
-                let first = pos.first.ok_or_else(|| Error::Internal("a later prompt chunk of unknown start".into()))?;
-                let held = Tensor::from_i64(&cache.held_before(kind, first))?.to_like(&pos.grid, DType::I64)?;
-                let held = held.reshape(&[1, cache.ring(kind) + 1])?;
-                visible(&keys(&Tensor::cat(&[&held, &pos.grid], 1)?)?, &pos.query, sliding)?
+                let held =
+                    pos.held.as_ref().ok_or_else(|| Error::Internal("a later prompt chunk of unknown start".into()))?;
+                visible(&keys(&Tensor::cat(&[held, &pos.grid], 1)?)?, &pos.query, sliding)?
             }
         };
         let mask = match (blocks, sliding, writes.source) {

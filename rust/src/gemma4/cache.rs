@@ -109,6 +109,9 @@ pub struct KvCache {
     ring_order: [Tensor; 2],
     ring: [i64; 2],
     views: HashMap<Rows, RowsViews>,
+    /// Some(max_batch) when the rings have one row more than the slots: where a compiled prompt chunk runs
+    /// (engine/chunks.rs), so its graph reads and writes one fixed row whichever slot it reads for.
+    chunk_row: Option<i64>,
 }
 /// The cache geometry, computable before anything is allocated.
 #[derive(Clone, Copy, Debug)]
@@ -118,21 +121,28 @@ pub struct CacheSize {
     /// The snapshots' part of `bytes_per_slot` (0 without snapshots).
     pub snapshot_bytes_per_slot: i64,
     pub max_batch: i64,
+    /// One more row of rings, without snapshots (`KvCache::chunk_row`).
+    pub chunk_row: bool,
 }
 
 impl CacheSize {
-    pub fn of(cfg: &Config, context: i64, max_batch: i64, dtype: DType, snapshots: bool) -> CacheSize {
+    pub fn of(cfg: &Config, context: i64, max_batch: i64, dtype: DType, snapshots: bool, chunk_row: bool) -> CacheSize {
         let ring = ring_sizes(cfg, context);
         let bytes = |l: &LayerSpec| 2 * l.num_kv_heads * (ring[l.kind.index()] + 1) * l.head_dim * dtype.size();
         let own = || cfg.layers.iter().filter(|l| l.kv_source.is_none());
         let kv: i64 = own().map(bytes).sum();
         let sliding: i64 = own().filter(|l| l.kind == LayerType::Sliding).map(bytes).sum();
         let snaps = if snapshots { SNAPSHOTS * sliding } else { 0 };
-        CacheSize { bytes_per_slot: kv + snaps, snapshot_bytes_per_slot: snaps, max_batch }
+        CacheSize { bytes_per_slot: kv + snaps, snapshot_bytes_per_slot: snaps, max_batch, chunk_row }
     }
 
     pub fn total(&self) -> i64 {
-        self.bytes_per_slot * self.max_batch
+        self.bytes_per_slot * self.max_batch + self.chunk_row_bytes()
+    }
+
+    /// The chunk row's rings (0 without one).
+    pub fn chunk_row_bytes(&self) -> i64 {
+        if self.chunk_row { self.bytes_per_slot - self.snapshot_bytes_per_slot } else { 0 }
     }
 
     /// `n` such caches together (tensor-parallel shards on one device).
@@ -140,7 +150,7 @@ impl CacheSize {
         CacheSize {
             bytes_per_slot: self.bytes_per_slot * n,
             snapshot_bytes_per_slot: self.snapshot_bytes_per_slot * n,
-            max_batch: self.max_batch,
+            ..*self
         }
     }
 }
@@ -151,7 +161,8 @@ pub fn ring_sizes(cfg: &Config, context: i64) -> [i64; 2] {
 }
 
 impl KvCache {
-    /// The rings of `max_batch` slots, and their snapshots when `snapshots` (prefix caching).
+    /// The rings of `max_batch` slots, and their snapshots when `snapshots` (prefix caching); with
+    /// `chunk_row` one more row of rings (`chunk_row`).
     pub fn new(
         cfg: &Config,
         context: i64,
@@ -159,8 +170,10 @@ impl KvCache {
         like: &Tensor,
         dtype: DType,
         snapshots: bool,
+        chunk_row: bool,
     ) -> Result<KvCache> {
         let ring = ring_sizes(cfg, context);
+        let rows = max_batch + i64::from(chunk_row);
         let layers = cfg
             .layers
             .iter()
@@ -171,7 +184,7 @@ impl KvCache {
                 let h = l.num_kv_heads;
                 let heads = |n: i64| Tensor::arange(0, n, DType::I64, like)?.reshape(&[1, n, 1]);
                 Ok(Some(LayerKv {
-                    kv: Tensor::full(&[max_batch, 2 * h, ring[l.kind.index()] + 1, l.head_dim], 0.0, dtype, like)?,
+                    kv: Tensor::full(&[rows, 2 * h, ring[l.kind.index()] + 1, l.head_dim], 0.0, dtype, like)?,
                     kv_heads: h,
                     heads: heads(h)?,
                     heads2: heads(2 * h)?,
@@ -194,7 +207,14 @@ impl KvCache {
             let values: Vec<i64> = (0..ring).chain([EMPTY]).collect();
             Tensor::from_i64(&values)?.to_like(like, DType::I64)?.reshape(&[1, 1, 1, ring + 1])
         };
-        Ok(KvCache { layers, snaps, ring_order: [order(ring[0])?, order(ring[1])?], ring, views: HashMap::new() })
+        let ring_order = [order(ring[0])?, order(ring[1])?];
+        let chunk_row = chunk_row.then_some(max_batch);
+        Ok(KvCache { layers, snaps, ring_order, ring, views: HashMap::new(), chunk_row })
+    }
+
+    /// The row of rings past the slots where compiled prompt chunks run, when there is one.
+    pub fn chunk_row(&self) -> Option<i64> {
+        self.chunk_row
     }
 
     pub fn ring(&self, kind: LayerType) -> i64 {
@@ -242,12 +262,6 @@ impl KvCache {
         &self.ring_order[kind.index()]
     }
 
-    /// The positions the `ring` + 1 entries of a sliding ring hold before a row reads a prompt chunk
-    /// that starts at position `start` (module docs), on the host.
-    pub fn held_before(&self, kind: LayerType, start: i64) -> Vec<i64> {
-        held_before(self.ring[kind.index()], start)
-    }
-
     /// Keys and values of `layer` for `rows`, `[rows, kv_heads, ring + 1, head_dim]` (views).
     pub fn kv(&self, layer: usize, rows: Rows) -> Result<Option<(&Tensor, &Tensor)>> {
         Ok(self.views(rows)?.kv[layer].as_ref().map(|l| (&l.k, &l.v)))
@@ -271,6 +285,14 @@ impl KvCache {
         }
         for snap in self.snaps.iter().flatten() {
             snap.narrow(0, to * SNAPSHOTS, SNAPSHOTS)?.copy_(&snap.narrow(0, from * SNAPSHOTS, SNAPSHOTS)?)?;
+        }
+        Ok(())
+    }
+
+    /// Copy row `from`'s rings to row `to`, without snapshots (a slot's rings to the chunk row and back).
+    pub fn copy_rings(&mut self, from: i64, to: i64) -> Result<()> {
+        for l in self.layers.iter().flatten() {
+            l.kv.narrow(0, to, 1)?.copy_(&l.kv.narrow(0, from, 1)?)?;
         }
         Ok(())
     }
@@ -310,9 +332,10 @@ fn dims4(t: &Tensor) -> Result<[i64; 4]> {
     }
 }
 
-/// `KvCache::held_before` for a ring of `ring` entries: entry `j` holds the latest position before
-/// `start` equal to `j` mod `ring`, if there is one.
-fn held_before(ring: i64, start: i64) -> Vec<i64> {
+/// The positions the `ring` + 1 entries of a sliding ring hold before a row reads a prompt chunk that
+/// starts at position `start` (module docs): entry `j` holds the latest position before `start` equal
+/// to `j` mod `ring`, if there is one.
+pub fn held_before(ring: i64, start: i64) -> Vec<i64> {
     let last = start - 1;
     let held = |j: i64| match last - (last - j).rem_euclid(ring) {
         p if p < 0 => EMPTY,

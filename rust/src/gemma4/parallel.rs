@@ -146,12 +146,15 @@ impl ShardedCache {
         likes: &[Tensor],
         dtype: DType,
         snapshots: bool,
+        chunk_row: bool,
     ) -> Result<ShardedCache> {
         let size = likes.len() as i64;
         let shards = Tp::group(size)
             .iter()
             .zip(likes)
-            .map(|(tp, like)| KvCache::new(&shard_config(cfg, *tp), context, max_batch, like, dtype, snapshots))
+            .map(|(tp, like)| {
+                KvCache::new(&shard_config(cfg, *tp), context, max_batch, like, dtype, snapshots, chunk_row)
+            })
             .collect::<Result<Vec<_>>>()?;
         Ok(ShardedCache { shards })
     }
@@ -164,8 +167,18 @@ impl ShardedCache {
         max_batch: i64,
         dtype: DType,
         snaps: bool,
+        chunk_row: bool,
     ) -> CacheSize {
-        CacheSize::of(&shard_config(cfg, Tp { rank: 0, size }), context, max_batch, dtype, snaps)
+        CacheSize::of(&shard_config(cfg, Tp { rank: 0, size }), context, max_batch, dtype, snaps, chunk_row)
+    }
+
+    /// The row of rings where compiled prompt chunks run (`KvCache::chunk_row`), when there is one.
+    pub fn chunk_row(&self) -> Option<i64> {
+        self.shards[0].chunk_row()
+    }
+
+    pub fn copy_rings(&mut self, from: i64, to: i64) -> Result<()> {
+        self.shards.iter_mut().try_for_each(|c| c.copy_rings(from, to))
     }
 
     pub fn ring(&self, kind: LayerType) -> i64 {
