@@ -105,6 +105,7 @@ def _forward_logits(model, prompt: list[int], tokens: list[int]) -> torch.Tensor
 class Outcome:
     tokens: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
+    prompt_logprobs: list | None = None
     finish: str | None = None
     error: str | None = None
 
@@ -147,6 +148,7 @@ class Script:
             assert o.finish is None, f"request {e.id} got an event after it ended {o.finish}"
             o.tokens += e.tokens
             o.logprobs += e.logprobs
+            o.prompt_logprobs = o.prompt_logprobs or e.prompt_logprobs
             assert len(e.logprobs) in (0, len(e.tokens))
             if e.finish is not None:
                 o.finish, o.error = e.finish, e.error

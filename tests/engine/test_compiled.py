@@ -341,6 +341,37 @@ def test_on_cuda_a_compiled_step_whose_cuda_graph_fails_replays_without_one_and_
     assert compiler.fallbacks == [(step, reason)]  # the hook was told: its log line and metric
 
 
+def test_a_compiling_engine_holds_one_more_row_of_rings_for_its_prompt_chunks(small_checkpoint):
+    eager = _engine(small_checkpoint, max_batch=2, prefill_chunk=40)
+    compiled = _engine(small_checkpoint, StepCompiler("aot_eager"), max_batch=2, prefill_chunk=40)
+    e, c = eager.layout(), compiled.layout()
+    assert c["kv_bytes_per_slot"] == e["kv_bytes_per_slot"]
+    assert c["kv_bytes"] == e["kv_bytes"] + e["kv_bytes_per_slot"] - e["snapshot_bytes_per_slot"]  # no snapshots
+    assert (eager.chunk_buckets, compiled.chunk_buckets) == ([], [16, 32, 40])
+
+
+def test_chunks_that_score_their_prompt_run_eagerly_and_the_rest_compiled(small_checkpoint):
+    """Prompt log-probabilities need every position's hidden state, not a compiled chunk's last logits: such
+    chunks run as without a compiler (rust/src/engine/chunks.rs), and give the eager engine's values."""
+    def run(engine, scored):
+        requests = [gemma_engine.Request(k, PROMPTS["long"][: 30 + k], 2, prompt_logprobs=1 if scored else None)
+                    for k in range(2)]
+        return Script({0: requests[:1], 6: requests[1:]}).run(engine)
+
+    kwargs = {"max_batch": 1, "prefill_chunk": 16, "prefix_caching": False}  # each prompt read from its start
+    compiler = StepCompiler("aot_eager")
+    engine = _engine(small_checkpoint, compiler, **kwargs)
+    want = run(_engine(small_checkpoint, **kwargs), True)
+    got = run(engine, True)
+    assert not [name for name, _ in compiler.compiled if name.startswith("prompt")], compiler.compiled
+    for rid, w in want.items():
+        assert got[rid].tokens == w.tokens and len(got[rid].prompt_logprobs) == len(w.prompt_logprobs) == 29 + rid
+        assert all(_close(a, b) for (a, _), (b, _) in zip(got[rid].prompt_logprobs, w.prompt_logprobs))
+    run(engine, False)
+    assert {name for name, _ in compiler.compiled if name.startswith("prompt")} == {
+        "prompt t=16 first", "prompt t=16 later"}, compiler.compiled
+
+
 def test_use_compiled_switches_between_replays_and_eager_steps(small_checkpoint):
     engine = _engine(small_checkpoint, StepCompiler("inductor"))
     want = engine.decode(PROMPTS["parity"], 12)[0]

@@ -423,7 +423,9 @@ class Engine:
                 eagerly, its second is recorded (`run()` runs it) and compiled, later ones call `replay()`.
                 A compiler that raises leaves that shape eager (`compile_report()["fallbacks"]`). With CUDA
                 graphs, each compiled step's replay is captured as one (`fell_back(step, reason)` is called on
-                the compiler when that capture fails and the replay runs without a graph).
+                the compiler when that capture fails and the replay runs without a graph). Prompt chunks of a
+                prompt read alone are captured the same way per length bucket (`chunk_buckets`), left-padded,
+                on one more row of KV rings the engine then holds (`layout()["kv_bytes"]` counts it).
         Raises:
             ValueError: bad config key, missing or misshapen tensor (named, with
                 the expected shape), bad dtype, context, prefill_chunk or max_batch < 1,
@@ -474,16 +476,17 @@ class Engine:
         """Forget what every slot's rings hold (vLLM's `reset_prefix_cache`): later requests find no prefix
         hit and take the lowest free slots (a batch of b requests then runs in bucket b)."""
     def use_compiled(self, on: bool, bucket: int | None = None) -> None:
-        """Replay compiled decode steps (True) or run them as an engine without a compiler does, capturing
-        nothing (False): every bucket's, or with `bucket` that bucket's alone (`--compile auto` keeps the
-        faster way per bucket).
+        """Replay compiled decode steps and prompt chunks (True) or run them as an engine without a compiler
+        does, capturing nothing (False): every bucket's, or with `bucket` that decode bucket's alone
+        (`--compile auto` keeps the faster way per bucket).
 
         Raises:
             ValueError: the engine was made without a compiler, or has no such bucket.
         """
     def compile_report(self) -> dict[str, Any] | None:
-        """{"backend": str, "active": bool, "captured": int, "eager_buckets": [int] (buckets that run as
-        without a compiler while active), "fallbacks": [(step, reason)]}, or None without a compiler."""
+        """{"backend": str, "active": bool, "captured": int (decode steps and prompt chunks), "eager_buckets":
+        [int] (buckets that run as without a compiler while active), "fallbacks": [(step, reason)]}, or None
+        without a compiler."""
     @property
     def layer_calls(self) -> list[int]:
         """ATen calls each decoder layer made in the engine's last forward."""
