@@ -21,7 +21,7 @@ use crate::engine::grammar::Grammars;
 use crate::engine::media::Media;
 use crate::engine::request::{Event, Io, Request, StepStats, TokenLogprobs};
 use crate::engine::sampling::SamplingParams;
-use crate::engine::{self, Settings, parse_dtype};
+use crate::engine::{self, Rank, Settings, parse_dtype};
 use crate::error::Error;
 use crate::tensor::{Tensor, no_grad};
 
@@ -332,7 +332,8 @@ impl Engine {
     #[new]
     #[pyo3(signature = (model_dir, emb_dir=None, like=None, context=8192, dtype="bfloat16", prefill_chunk=256,
                         max_batch=1, packed_int4=None, cuda_graphs=true, onednn=None, grammars=None,
-                        prefix_caching=true, tensor_parallel_size=1, shard_devices=None, compiler=None))]
+                        prefix_caching=true, tensor_parallel_size=1, shard_devices=None, compiler=None,
+                        tensor_parallel_rank=None, tensor_parallel_group=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -351,6 +352,8 @@ impl Engine {
         tensor_parallel_size: i64,
         shard_devices: Option<Vec<Bound<'_, PyAny>>>,
         compiler: Option<Py<PyAny>>,
+        tensor_parallel_rank: Option<i64>,
+        tensor_parallel_group: Option<String>,
     ) -> PyResult<Engine> {
         let grammars = grammars.map(|g| g.get().inner.clone());
         let dtype = parse_dtype(dtype)?;
@@ -364,6 +367,15 @@ impl Engine {
             onednn,
             prefix_caching,
             tensor_parallel_size,
+            rank: match (tensor_parallel_rank, tensor_parallel_group) {
+                (None, None) => None,
+                (Some(rank), Some(group)) => Some(Rank { rank, group }),
+                _ => {
+                    return Err(PyValueError::new_err(
+                        "tensor_parallel_rank and tensor_parallel_group are given together, or neither",
+                    ));
+                }
+            },
             chunk_row: compiler.is_some(),
         };
         let shard_likes = match shard_devices {

@@ -102,11 +102,11 @@ use crate::gemma4::attention::{Fill, Liveness, Positions};
 use crate::gemma4::cache::Rows;
 use crate::gemma4::config::{Config, LayerType};
 use crate::gemma4::model::{Model, Output};
-use crate::gemma4::parallel::{ShardedCache, check_divisible, on_one_device};
+use crate::gemma4::parallel::{ShardedCache, Split, check_divisible, on_one_device};
 use crate::gemma4::weights::{Loaded, Weights};
 use crate::tensor::{CudaGraph, DType, Tensor};
 
-pub use settings::{Layout, Settings, WeightsInfo, parse_dtype};
+pub use settings::{Layout, Rank, Settings, WeightsInfo, parse_dtype};
 
 /// Where `Engine::inject_fault_for_tests` makes the engine fail one request: its admission (after
 /// its checks passed), the prompt forward that reads it, or a decode step that runs it.
@@ -170,8 +170,16 @@ impl Engine {
         let n = settings.tensor_parallel_size;
         check_divisible(&cfg, n)?;
         let device = like.device()?;
+        let split = match &settings.rank {
+            None => Split::InProcess { size: n },
+            Some(r) => Split::Rank { rank: r.rank, size: n, group: r.group.clone() },
+        };
+        let held = split.shards().len();
         let shard_likes = match shard_likes {
-            None => (0..n).map(|_| like.shallow_clone()).collect::<Result<Vec<_>>>()?,
+            Some(_) if settings.rank.is_some() => {
+                return Err(Error::Input("a tensor-parallel rank holds one shard, on `like`'s device".into()));
+            }
+            None => (0..held).map(|_| like.shallow_clone()).collect::<Result<Vec<_>>>()?,
             Some(l) if l.len() as i64 != n => {
                 return Err(Error::Input(format!("{} shard devices for tensor_parallel_size {n}", l.len())));
             }
@@ -182,7 +190,8 @@ impl Engine {
             }
             Some(l) => l,
         };
-        let local = on_one_device(&shard_likes)?;
+        // A rank holds one shard of n (its device's share), as a shard on a device of its own does.
+        let local = settings.rank.is_none() && on_one_device(&shard_likes)?;
         // Opening reads the files' headers only: the weights are checked before any is loaded.
         let shards = shard_likes
             .iter()
@@ -192,7 +201,7 @@ impl Engine {
             })
             .collect::<Result<Vec<_>>>()?;
         memory::check_weights(&shards[0].estimate(), n, local, free()?)?;
-        let model = Model::load(cfg, &shards, settings.context)?;
+        let model = Model::load(cfg, &shards, split.clone(), settings.context)?;
         let loaded = shards.iter().map(Weights::loaded).reduce(Loaded::plus).unwrap_or_default();
         let linear_note = if loaded.onednn { None } else { settings.kernels().onednn_note(settings.dtype, &device) };
         let b = settings.max_batch;
@@ -200,7 +209,7 @@ impl Engine {
         let (context, dtype, row) = (settings.context, settings.dtype, settings.chunk_row);
         let per_shard = ShardedCache::size_per_shard(&model.cfg, n, context, b, dtype, caching, row);
         memory::check_cache(&if local { per_shard.times(n) } else { per_shard }, context, free()?)?;
-        let cache = ShardedCache::new(&model.cfg, context, b, &shard_likes, dtype, caching, row)?;
+        let cache = ShardedCache::new(&model.cfg, context, b, &shard_likes, &split, dtype, caching, row)?;
         let sampler = Sampler::new(b, model.cfg.vocab_size, &like)?;
         let slots = Slots::new(b, model.cfg.vocab_size, &like)?;
         let prefix = caching.then(|| PrefixCache::new(b as usize, cache.ring(LayerType::Sliding) as usize));
@@ -675,9 +684,13 @@ mod tests {
             onednn: None,
             prefix_caching: true,
             tensor_parallel_size: 1,
+            rank: None,
             chunk_row: false,
         };
         assert!(s.check().unwrap_err().to_string().contains("max_batch"));
-        assert!(Settings { max_batch: 2, ..s }.check().is_ok());
+        assert!(Settings { max_batch: 2, ..s.clone() }.check().is_ok());
+        let rank = Some(Rank { rank: 2, group: "0".into() });
+        let err = Settings { max_batch: 2, tensor_parallel_size: 2, rank, ..s }.check().unwrap_err();
+        assert!(err.to_string().contains("tensor_parallel_rank must be in 0..2, got 2"), "{err}");
     }
 }

@@ -31,8 +31,17 @@ pub fn parse_dtype(name: &str) -> Result<DType> {
     }
 }
 
+/// One process's place in a tensor-parallel group of processes (`Settings::rank`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rank {
+    /// 0 to `tensor_parallel_size - 1`: the shard this process holds.
+    pub rank: i64,
+    /// The torch.distributed process group the ranks' collectives run over, by its `group_name`.
+    pub group: String,
+}
+
 /// The engine's settings besides the checkpoint.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct Settings {
     pub context: i64,
     pub dtype: DType,
@@ -48,6 +57,9 @@ pub struct Settings {
     pub prefix_caching: bool,
     /// Shards the model is split over (gemma4/parallel.rs); 1 for none.
     pub tensor_parallel_size: i64,
+    /// Some: this process holds one shard, `rank` of `tensor_parallel_size`, and its layers' partial
+    /// outputs meet the other ranks' in collectives (`Split::Rank`); None: every shard in this process.
+    pub rank: Option<Rank>,
     /// Hold one more row of rings, where compiled prompt chunks run (engine/chunks.rs): set for an
     /// engine that gets a compiler.
     pub chunk_row: bool,
@@ -60,6 +72,12 @@ impl Settings {
         {
             if v < 1 {
                 return Err(Error::Input(format!("{name} must be >= 1, got {v}")));
+            }
+        }
+        if let Some(r) = &self.rank {
+            let n = self.tensor_parallel_size;
+            if !(0..n).contains(&r.rank) {
+                return Err(Error::Input(format!("tensor_parallel_rank must be in 0..{n}, got {}", r.rank)));
             }
         }
         Ok(())

@@ -17,7 +17,7 @@ use crate::gemma4::linear::Linear;
 use crate::gemma4::mlp::Mlp;
 use crate::gemma4::moe::{Experts, Routing};
 use crate::gemma4::norm::RmsNorm;
-use crate::gemma4::parallel::{Tp, reduce};
+use crate::gemma4::parallel::Split;
 use crate::gemma4::scratch::Scratch;
 use crate::gemma4::weights::Weights;
 use crate::tensor::Tensor;
@@ -98,7 +98,7 @@ impl Scalar {
 
 impl DecoderLayer {
     /// `shards` each shard's weights; the first also loads the parts kept whole.
-    pub fn load(shards: &[Weights], cfg: &Config, i: usize) -> Result<DecoderLayer> {
+    pub fn load(shards: &[Weights], split: &Split, cfg: &Config, i: usize) -> Result<DecoderLayer> {
         let w = shards.first().ok_or_else(|| crate::error::Error::Internal("a layer of no shards".into()))?;
         let spec = cfg.layers[i].clone();
         let p = format!("layers.{i}");
@@ -122,7 +122,7 @@ impl DecoderLayer {
             None
         };
         let post_feedforward_layernorm = norm("post_feedforward_layernorm")?;
-        let group = Tp::group(shards.len() as i64);
+        let group = split.shards();
         let moe = match &cfg.moe {
             Some(spec) => Some(MoeBranch {
                 routing: Routing::load(w, &p, h, eps, spec)?,
@@ -167,7 +167,14 @@ impl DecoderLayer {
 
     /// `xs` `[rows * T, hidden]`; `ple` this layer's per-layer input `[rows * T, P]`; `io` one entry
     /// per shard (the first on `xs`'s device).
-    pub fn forward(&self, xs: &Tensor, ple: Option<&Tensor>, rows: Rows, io: &mut [ShardIo]) -> Result<Tensor> {
+    pub fn forward(
+        &self,
+        xs: &Tensor,
+        ple: Option<&Tensor>,
+        rows: Rows,
+        io: &mut [ShardIo],
+        split: &Split,
+    ) -> Result<Tensor> {
         let residual = xs;
         let normed = self.input_layernorm.forward(xs)?;
         let local = io.iter().all(|s| s.local);
@@ -180,7 +187,7 @@ impl DecoderLayer {
                 a.forward(&x, s.plan, self.index, rows, s.cache, s.attended, s.scratch.as_deref_mut())
             })
             .collect::<Result<Vec<_>>>()?;
-        let h = reduce(attended, xs, local)?;
+        let h = split.sum(attended, xs, local)?;
         let xs = residual.add(&self.post_attention_layernorm.forward(&h)?)?;
 
         let ff = self.pre_feedforward_layernorm.forward(&xs)?;
@@ -191,7 +198,7 @@ impl DecoderLayer {
                     .iter()
                     .zip(io.iter_mut())
                     .map(|(m, s)| m.forward(&s.input(&ff)?, s.scratch.as_deref_mut()));
-                reduce(parts.collect::<Result<Vec<_>>>()?, &xs, local)?
+                split.sum(parts.collect::<Result<Vec<_>>>()?, &xs, local)?
             }
             Some(b) => {
                 // The router and the experts read the residual stream, not the MLP's input (M:1414-1426).
@@ -203,13 +210,15 @@ impl DecoderLayer {
                         e.forward(&s.input(&routed.x)?, &s.input(&routed.weights)?, &s.input(&routed.ids)?)?;
                     parts.push([mlp, experts]);
                 }
-                let [mlp, experts] = match parts.len() {
-                    1 => parts.pop().ok_or_else(|| crate::error::Error::Internal("no shard".into()))?,
+                let [mlp, experts] = match (parts.len(), split) {
+                    (1, Split::InProcess { .. }) => {
+                        parts.pop().ok_or_else(|| crate::error::Error::Internal("no shard".into()))?
+                    }
                     // One reduction over both branches, side by side.
                     _ => {
                         let h = xs.size()?[1];
                         let joined = parts.iter().map(|[m, e]| Tensor::cat(&[m, e], -1)).collect::<Result<Vec<_>>>()?;
-                        reduce(joined, &xs, local)?.split_array(&[h, h], -1)?
+                        split.sum(joined, &xs, local)?.split_array(&[h, h], -1)?
                     }
                 };
                 b.post_mlp_norm.forward(&mlp)?.add(&b.post_moe_norm.forward(&experts)?)?

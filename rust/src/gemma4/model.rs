@@ -21,7 +21,7 @@ use crate::gemma4::config::{Config, LayerType};
 use crate::gemma4::layer::{DecoderLayer, ShardIo};
 use crate::gemma4::linear::Linear;
 use crate::gemma4::norm::RmsNorm;
-use crate::gemma4::parallel::{ShardedCache, Tp, gather, on_one_device};
+use crate::gemma4::parallel::{ShardedCache, Split, on_one_device};
 use crate::gemma4::rope::Rope;
 use crate::gemma4::scratch::Scratch;
 use crate::gemma4::weights::Weights;
@@ -65,6 +65,8 @@ pub struct Model {
     likes: Vec<Tensor>,
     /// Every shard is on the first one's device.
     local: bool,
+    /// The shards this process holds of the group, and how their partial outputs meet.
+    split: Split,
     dtype: DType,
     /// float32 (`Weights::folds`): the tables and the norms carry the constants the module docs list.
     folded: bool,
@@ -86,9 +88,9 @@ fn type_head_dim(cfg: &Config, kind: LayerType) -> Result<Option<i64>> {
 }
 
 impl Model {
-    /// `shards` each tensor-parallel shard's weights (one for no parallelism); the first also loads the
-    /// parts kept whole.
-    pub fn load(cfg: Config, shards: &[Weights], context: i64) -> Result<Model> {
+    /// `shards` the weights of each tensor-parallel shard `split` gives this process (one for no
+    /// parallelism, and one a rank); the first also loads the parts kept whole.
+    pub fn load(cfg: Config, shards: &[Weights], split: Split, context: i64) -> Result<Model> {
         let w = shards.first().ok_or_else(|| Error::Internal("a model of no shards".into()))?;
         let (v, h, l, p) = (cfg.vocab_size, cfg.hidden_size, cfg.num_layers as i64, cfg.ple_dim);
         let like = &w.like;
@@ -114,8 +116,9 @@ impl Model {
         } else {
             None
         };
-        let layers = (0..cfg.num_layers).map(|i| DecoderLayer::load(shards, &cfg, i)).collect::<Result<Vec<_>>>()?;
-        let group = Tp::group(shards.len() as i64);
+        let layers =
+            (0..cfg.num_layers).map(|i| DecoderLayer::load(shards, &split, &cfg, i)).collect::<Result<Vec<_>>>()?;
+        let group = split.shards();
         // Each shard's vocabulary rows; tied, they are rows of the embedding table.
         let lm_head = group
             .iter()
@@ -165,6 +168,7 @@ impl Model {
             scratch: likes.iter().map(|l| Scratch::new(l, w.dtype)).collect::<Result<_>>()?,
             likes,
             local,
+            split,
             cfg,
         })
     }
@@ -279,7 +283,7 @@ impl Model {
                 });
             }
             let before = aten_calls();
-            xs = layer.forward(&xs, ple.as_ref().map(|p| &p[i]), rows, &mut shard_io)?;
+            xs = layer.forward(&xs, ple.as_ref().map(|p| &p[i]), rows, &mut shard_io, &self.split)?;
             self.layer_calls[i] = aten_calls() - before;
         }
         match output {
@@ -313,7 +317,7 @@ impl Model {
                 head.forward(&x)
             })
             .collect::<Result<Vec<_>>>()?;
-        let logits = gather(slices, xs, self.local)?;
+        let logits = self.split.gather(slices, xs, self.local)?;
         match self.cfg.final_logit_softcapping {
             // Folded: the final norm's weight carries the 1 / cap (see `load`).
             Some(cap) if self.folded => logits.tanh()?.mul_scalar(cap),

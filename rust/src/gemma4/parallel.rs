@@ -64,6 +64,53 @@ impl Tp {
     }
 }
 
+/// Which shards of a tensor-parallel group this process holds, and how their partial outputs meet.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Split {
+    /// Every shard of a group of `size` in this process (`size` 1: no split): partials are copied to the
+    /// first shard's device and added there (`reduce`, `gather`).
+    InProcess { size: i64 },
+    /// Shard `rank` of `size`, one per process: partials meet in `_c10d_functional` collectives over
+    /// the process group torch.distributed names `group`, as vLLM's `RowParallelLinear` ends in
+    /// `tensor_model_parallel_all_reduce` (`vllm/model_executor/layers/linear.py`).
+    Rank { rank: i64, size: i64, group: String },
+}
+
+impl Split {
+    /// The shards this process holds.
+    pub fn shards(&self) -> Vec<Tp> {
+        match self {
+            Split::InProcess { size } => Tp::group(*size),
+            Split::Rank { rank, size, .. } => vec![Tp { rank: *rank, size: *size }],
+        }
+    }
+
+    /// The sum of every shard's partial output (`partials`: this process's), on `leader`'s device
+    /// (`local`: every shard of this process is there).
+    pub fn sum(&self, partials: Vec<Tensor>, leader: &Tensor, local: bool) -> Result<Tensor> {
+        match self {
+            Split::InProcess { .. } => reduce(partials, leader, local),
+            Split::Rank { group, .. } => one(partials)?.all_reduce_sum(group),
+        }
+    }
+
+    /// Every shard's slice of the last dim side by side (the logits' vocabulary), on `leader`'s device.
+    pub fn gather(&self, slices: Vec<Tensor>, leader: &Tensor, local: bool) -> Result<Tensor> {
+        match self {
+            Split::InProcess { .. } => gather(slices, leader, local),
+            Split::Rank { group, size, .. } => one(slices)?.all_gather_last(*size, group),
+        }
+    }
+}
+
+/// The one part a process of a `Split::Rank` holds.
+fn one(parts: Vec<Tensor>) -> Result<Tensor> {
+    match <[Tensor; 1]>::try_from(parts) {
+        Ok([p]) => Ok(p),
+        Err(parts) => Err(Error::Internal(format!("a rank holds one shard, got {}", parts.len()))),
+    }
+}
+
 /// Refuse a tensor-parallel size the model's shapes do not split into, naming the numbers.
 pub fn check_divisible(cfg: &Config, size: i64) -> Result<()> {
     let key = "tensor_parallel_size";
@@ -114,7 +161,7 @@ fn to_leader(x: Tensor, leader: &Tensor, local: bool) -> Result<Tensor> {
 
 /// The sum of the shards' partial outputs, on `leader`'s device (`local`: every shard is there). One
 /// shard's output is the sum, with no call.
-pub fn reduce(partials: Vec<Tensor>, leader: &Tensor, local: bool) -> Result<Tensor> {
+fn reduce(partials: Vec<Tensor>, leader: &Tensor, local: bool) -> Result<Tensor> {
     let mut parts = partials.into_iter();
     let first = parts.next().ok_or_else(|| Error::Internal("a reduction over no shards".into()))?;
     let mut sum = to_leader(first, leader, local)?;
@@ -125,7 +172,7 @@ pub fn reduce(partials: Vec<Tensor>, leader: &Tensor, local: bool) -> Result<Ten
 }
 
 /// The shards' slices of the last dim side by side, on `leader`'s device (the logits' vocabulary).
-pub fn gather(slices: Vec<Tensor>, leader: &Tensor, local: bool) -> Result<Tensor> {
+fn gather(slices: Vec<Tensor>, leader: &Tensor, local: bool) -> Result<Tensor> {
     if slices.len() == 1 {
         return slices.into_iter().next().ok_or_else(|| Error::Internal("no slices".into()));
     }
@@ -139,17 +186,19 @@ pub struct ShardedCache {
 }
 
 impl ShardedCache {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         cfg: &Config,
         context: i64,
         max_batch: i64,
         likes: &[Tensor],
+        split: &Split,
         dtype: DType,
         snapshots: bool,
         chunk_row: bool,
     ) -> Result<ShardedCache> {
-        let size = likes.len() as i64;
-        let shards = Tp::group(size)
+        let shards = split
+            .shards()
             .iter()
             .zip(likes)
             .map(|(tp, like)| {
