@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import gemma_engine
-from gemma_engine.distributed import follow, lead, request
+from gemma_engine.distributed import follow, lead
 from tests import checkpoints as ck
 from tests.engine.test_batching import PROMPTS, Script
 
@@ -34,45 +34,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _arrivals() -> dict[int, list[dict]]:
-    """Poll call -> request specs: two greedy requests together, a seeded sampled one queued behind them, and a
-    second turn of the first after it ends (a prefix-cache resume)."""
-    sampled = {"temperature": 0.9, "top_p": 0.95, "seed": 7}
-    return {
-        0: [{"id": 0, "ids": PROMPTS["parity"], "max_new": 24}, {"id": 1, "ids": PROMPTS["other"], "max_new": 12}],
-        2: [{"id": 2, "ids": PROMPTS["short"], "max_new": 16, "sampling": sampled}],
-        40: [{"id": 3, "ids": PROMPTS["parity"] + PROMPTS["short"][1:], "max_new": 12},
-             {"id": 4, "ids": PROMPTS["long"], "max_new": 40}],
-    }
-
-
 CANCEL = (44, 4)  # at poll call 44, cancel request 4
 
 
-class SpecScript(Script):
-    """`Script` whose poll hands request specs (what `lead` broadcasts) and cancels request 4 at CANCEL[0]."""
-
-    def poll(self, free, idle):
-        got = super().poll(free, idle)
-        if got is None:
-            return None
-        return [self.specs[r.id] for r in got[0]], got[1]
-
-
-def _cancel(call: int, _) -> list[int]:
-    return [CANCEL[1]] if call == CANCEL[0] else []
-
-
-def _script() -> SpecScript:
-    """The script rank 0 leads."""
-    script = SpecScript({call: [request(s) for s in ss] for call, ss in _arrivals().items()}, cancel=_cancel)
-    script.specs = {s["id"]: s for ss in _arrivals().values() for s in ss}
-    return script
-
-
-def _unsplit_script() -> Script:
-    """The same script for one engine of its own."""
-    return Script({call: [request(s) for s in ss] for call, ss in _arrivals().items()}, cancel=_cancel)
+def _script() -> Script:
+    """Two greedy requests together, a seeded sampled one with log-probabilities queued behind them, and after
+    they end a second turn of the first (a prefix-cache resume) beside a long request cancelled part way."""
+    sampled = gemma_engine.SamplingParams(temperature=0.9, top_p=0.95, seed=7, logprobs=2)
+    arrivals = {
+        0: [gemma_engine.Request(0, PROMPTS["parity"], 24), gemma_engine.Request(1, PROMPTS["other"], 12)],
+        2: [gemma_engine.Request(2, PROMPTS["short"], 16, sampling=sampled)],
+        40: [gemma_engine.Request(3, PROMPTS["parity"] + PROMPTS["short"][1:], 12),
+             gemma_engine.Request(4, PROMPTS["long"], 40)],
+    }
+    return Script(arrivals, cancel=lambda call, _: [CANCEL[1]] if call == CANCEL[0] else [])
 
 
 def _engine(model_dir: str, rank: int | None = None) -> gemma_engine.Engine:
@@ -129,13 +104,14 @@ def model_dir(tmp_path_factory):
 
 
 def test_a_follower_makes_the_leaders_steps_and_the_outcomes_are_one_engines(model_dir, tmp_path):
-    want = _unsplit_script().run(_engine(str(model_dir)), read_every=2)
+    want = _script().run(_engine(str(model_dir)), read_every=2)
     got, codes = _run(model_dir, tmp_path / "rank0.pt")
     assert codes == [0, 0] and got["raised"] is None
     assert want[4].finish == "cancelled" and want[2].tokens and sum(len(o.tokens) for o in want.values()) > 60
     for rid, w in want.items():
         tokens, finish, error, logprobs = got["outcomes"][rid]
         assert (tokens, finish, error) == (w.tokens, w.finish, w.error), rid
+        assert [t for _, top in logprobs for t, _ in top] == [t for _, top in w.logprobs for t, _ in top], rid
 
 
 def test_a_follower_that_dies_mid_stream_fails_the_leaders_requests_within_a_bounded_time(model_dir, tmp_path):

@@ -268,6 +268,8 @@ class Request:
     def cache_boundary(self) -> int | None: ...
     @property
     def next_turn(self) -> int | None: ...
+    def __reduce__(self) -> tuple[type[Request], tuple]:
+        """Pickled as its constructor's arguments, soft tokens included (requests cross to other ranks)."""
 
 class Encoder:
     """The vision and audio towers of a Gemma 4 checkpoint with their projections into the text model
@@ -362,6 +364,8 @@ class Engine:
         tensor_parallel_size: int = 1,
         shard_devices: list[torch.Tensor] | None = None,
         compiler: Callable[[str, Callable[[], list[torch.Tensor]]], Callable[[], list[torch.Tensor]]] | None = None,
+        tensor_parallel_rank: int | None = None,
+        tensor_parallel_group: str | None = None,
     ) -> None:
         """Load a checkpoint directory (config.json + *.safetensors).
 
@@ -426,6 +430,11 @@ class Engine:
                 the compiler when that capture fails and the replay runs without a graph). Prompt chunks of a
                 prompt read alone are captured the same way per length bucket (`chunk_buckets`), left-padded,
                 on one more row of KV rings the engine then holds (`layout()["kv_bytes"]` counts it).
+            tensor_parallel_rank, tensor_parallel_group: together, this process holds shard
+                `tensor_parallel_rank` of `tensor_parallel_size` alone (the parts kept whole too), and its
+                layers' partial outputs meet the other ranks' in `_c10d_functional` all-reduces and an
+                all-gather of the logits over the torch.distributed group of that `group_name` (every rank
+                must then run the same engine calls: gemma_engine.distributed). No shard_devices.
         Raises:
             ValueError: bad config key, missing or misshapen tensor (named, with
                 the expected shape), bad dtype, context, prefill_chunk or max_batch < 1,
@@ -433,7 +442,9 @@ class Engine:
                 the int4 kernels, onednn=True off the CPU, in float16, without oneDNN or,
                 in bfloat16, without its bfloat16 support, grammars of another vocab_size,
                 a tensor_parallel_size that does not divide the heads, KV heads (nor is a multiple of
-                them), intermediate sizes or vocabulary (the numbers named),
+                them), intermediate sizes or vocabulary (the numbers named), a tensor_parallel_rank outside
+                0..tensor_parallel_size or without its group (or the group without it), shard_devices with a
+                rank,
                 weights that the device's free memory cannot hold (estimated from the files' headers before
                 any is loaded: the first device keeps the embeddings, per-layer inputs, norms and routers
                 whole and its share of the rest), or a KV cache of max_batch x kv_bytes_per_slot (snapshots

@@ -5,8 +5,8 @@ and its layers' partial outputs meet the other ranks' in collectives inside the 
 same steps in the same order. `Engine.run` decides its steps from what its `poll` returns and nothing else
 (admission and slots, prompt chunks, decode buckets, read points, grammar masks and seeded draws; the logits every
 rank draws from are the same all-gathered ones), so rank 0 alone talks to the scheduler: `lead` broadcasts what
-each of its polls returned (the new requests as their constructor arguments, and the ids to cancel) over a
-control group, and `follow` makes every other rank's poll return it. A follower never sees HTTP or the
+each of its polls returned (the new requests, pickled as their constructor's arguments, and the ids to cancel)
+over a control group, and `follow` makes every other rank's poll return it. A follower never sees HTTP or the
 scheduler; it receives one small message a poll, as vLLM's workers execute the scheduler's output of each step
 (vllm/v1/executor/multiproc_executor.py broadcasts it to the workers through a shared-memory queue).
 
@@ -24,18 +24,7 @@ import torch.distributed as dist
 
 import gemma_engine
 
-#: A request as the keyword arguments of `gemma_engine.Request`, with `sampling` (when given) as those of
-#: `gemma_engine.SamplingParams`: what crosses to the followers.
-RequestSpec = dict[str, Any]
-Poll = Callable[[int, bool], tuple[Sequence[RequestSpec], Sequence[int]] | None]
-
-
-def request(spec: RequestSpec) -> gemma_engine.Request:
-    """The engine's request for `spec`."""
-    sampling = spec.get("sampling")
-    if isinstance(sampling, dict):
-        spec = {**spec, "sampling": gemma_engine.SamplingParams(**sampling)}
-    return gemma_engine.Request(**spec)
+Poll = Callable[[int, bool], tuple[Sequence[gemma_engine.Request], Sequence[int]] | None]
 
 
 def _broadcast(message: Any, group: dist.ProcessGroup | None) -> Any:
@@ -47,13 +36,13 @@ def _broadcast(message: Any, group: dist.ProcessGroup | None) -> Any:
 
 def lead(engine: gemma_engine.Engine, poll: Poll, on_events: Callable, read_every: int = 1,
          control: dist.ProcessGroup | None = None) -> None:
-    """Run `engine` on rank 0 as `Engine.run` does, `poll` returning request specs; every poll's result goes to the
-    followers first. Raises when a broadcast fails (a rank is gone)."""
+    """Run `engine` on rank 0 as `Engine.run` does; every poll's result goes to the followers first. Raises when a
+    broadcast fails (a rank is gone)."""
     def shared_poll(free: int, idle: bool):
         got = poll(free, idle)
-        message = None if got is None else ([dict(s) for s in got[0]], list(got[1]))
+        message = None if got is None else (list(got[0]), list(got[1]))
         _broadcast(message, control)
-        return None if message is None else ([request(s) for s in message[0]], message[1])
+        return message
 
     engine.run(shared_poll, on_events, read_every)
 
@@ -63,7 +52,6 @@ def follow(engine: gemma_engine.Engine, read_every: int = 1, control: dist.Proce
     """Run `engine` on a rank other than 0: each poll returns what rank 0's returned, until it ends the loop.
     Raises when a broadcast fails (rank 0 is gone)."""
     def follower_poll(free: int, idle: bool):
-        message = _broadcast(None, control)
-        return None if message is None else ([request(s) for s in message[0]], message[1])
+        return _broadcast(None, control)
 
     engine.run(follower_poll, on_events, read_every)

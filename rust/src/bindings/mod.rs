@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
+use pyo3::types::{PyDict, PyList, PyTuple};
 
 use crate::engine::grammar::Grammars;
 use crate::engine::media::Media;
@@ -97,6 +97,17 @@ impl PySamplingParams {
 
     fn __repr__(&self) -> String {
         format!("{:?}", self.inner)
+    }
+
+    /// Pickled as its constructor's arguments.
+    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyTuple>)> {
+        let p = &slf.get().inner;
+        let bias: HashMap<i64, f64> = p.logit_bias.iter().copied().collect();
+        let penalties = (p.presence_penalty, p.frequency_penalty, p.repetition_penalty);
+        let (presence, frequency, repetition) = penalties;
+        let args =
+            (p.temperature, p.top_k, p.top_p, p.min_p, p.seed, presence, frequency, repetition, bias, p.logprobs);
+        Ok((slf.get_type().into_any(), args.into_pyobject(slf.py())?))
     }
 }
 
@@ -208,6 +219,30 @@ impl PyRequest {
     #[getter]
     fn next_turn(&self) -> Option<usize> {
         self.inner.next_turn
+    }
+
+    /// Pickled as its constructor's arguments (gemma_engine.distributed hands requests to the other ranks).
+    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyTuple>)> {
+        let py = slf.py();
+        let r = &slf.get().inner;
+        let sampling = Py::new(py, PySamplingParams { inner: r.params.clone() })?;
+        let media =
+            r.media.iter().map(|m| Ok((m.start, m.embeds()?.to_python(py)?, m.key))).collect::<PyResult<Vec<_>>>()?;
+        let args = (
+            r.id,
+            r.prompt.clone(),
+            r.max_new,
+            r.stop_ids.clone(),
+            sampling,
+            r.grammar.clone(),
+            r.prompt_logprobs,
+            r.cache_salt.clone(),
+            r.cache_boundary,
+            media,
+            r.next_turn,
+        )
+            .into_pyobject(py)?;
+        Ok((slf.get_type().into_any(), args))
     }
 }
 
