@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import gemma_engine
-from gemma_engine.distributed import follow, lead
+from gemma_engine.distributed import follow, lead, start
 from tests import checkpoints as ck
 from tests.engine.test_batching import PROMPTS, Script
 
@@ -127,3 +127,24 @@ def test_a_follower_that_dies_mid_stream_fails_the_leaders_requests_within_a_bou
     finishes = {rid: o[1] for rid, o in got["outcomes"].items()}
     assert all(o[2] for o in got["outcomes"].values() if o[1] == "failed"), finishes  # each with its reason
     assert "length" not in finishes.values(), finishes  # it died before any request could end
+
+
+def test_a_leader_over_follower_processes_makes_every_engine_call_on_every_rank(model_dir):
+    """`start`: rank 1 a process of its own serving rank 0's calls; decode, logits, a cache reset and a scripted
+    run through rank 0's `Leader` give one unsplit engine's results, and `close` ends the follower."""
+    recipe = {"model_dir": str(model_dir), "devices": ["cpu"] * WORLD, "grammars": None, "compile_backend": None,
+              "engine": {"context": 256, "dtype": "float32", "max_batch": 2, "prefill_chunk": 5}}
+    one = _engine(str(model_dir))
+    want = (one.decode(PROMPTS["parity"], 12)[0], one.logits(PROMPTS["other"]), _script().run(one, read_every=2))
+    leader = start(recipe, WORLD, f"tcp://127.0.0.1:{_free_port()}", timeout_s=TIMEOUT_S * 6)
+    try:
+        assert leader.layout()["tensor_parallel_size"] == 1  # rank 0 reads its own engine: one shard
+        tokens, logits = leader.decode(PROMPTS["parity"], 12)[0], leader.logits(PROMPTS["other"])
+        leader.reset_prefix_cache()
+        got = _script().run(leader, read_every=2)
+    finally:
+        leader.close()
+    assert tokens == want[0] and (logits - want[1]).abs().max() < 1e-3
+    assert {rid: (o.tokens, o.finish) for rid, o in got.items()} == {
+        rid: (o.tokens, o.finish) for rid, o in want[2].items()}
+    assert not dist.is_initialized()

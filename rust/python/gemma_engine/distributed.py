@@ -55,3 +55,114 @@ def follow(engine: gemma_engine.Engine, read_every: int = 1, control: dist.Proce
         return _broadcast(None, control)
 
     engine.run(follower_poll, on_events, read_every)
+
+
+# The engine calls that run the model or change its state: every rank must make them, in the same order. Rank 0's
+# other calls (layout, weights, compile_report, ...) read its own engine, from any thread.
+MIRRORED = frozenset({"run", "decode", "logits", "reset_prefix_cache", "use_compiled"})
+
+
+class Leader:
+    """Rank 0's engine, standing in for `gemma_engine.Engine`: a `MIRRORED` call is sent to the followers (`serve`)
+    before rank 0 makes it, `run` through `lead`; every other attribute is rank 0's engine's. Calls come from one
+    thread at a time (the engine's worker), as they do to an Engine."""
+
+    def __init__(self, engine: gemma_engine.Engine, followers: Sequence[Any] = (),
+                 control: dist.ProcessGroup | None = None):
+        self._engine, self._followers, self._control = engine, list(followers), control
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._engine, name)
+        if name not in MIRRORED:
+            return attr
+        if name == "run":
+            def run(poll: Poll, on_events: Callable, read_every: int = 1) -> None:
+                _broadcast(("run", (read_every,), {}), self._control)
+                lead(self._engine, poll, on_events, read_every, self._control)
+            return run
+
+        def mirrored(*args, **kwargs):
+            _broadcast((name, args, kwargs), self._control)
+            return attr(*args, **kwargs)
+        return mirrored
+
+    def close(self, timeout: float = 30.0) -> None:
+        """End the followers' loops, wait for their processes (killing any still there after `timeout`) and leave
+        the group. Safe to call once the followers are gone."""
+        try:
+            _broadcast(None, self._control)
+        except RuntimeError:
+            pass  # a follower is gone: the others' next collective fails them
+        for p in self._followers:
+            p.join(timeout)
+            if p.is_alive():
+                p.kill()
+        dist.destroy_process_group()
+
+
+def serve(engine: gemma_engine.Engine, control: dist.ProcessGroup | None = None) -> None:
+    """A follower's loop: make every call rank 0's `Leader` sends, `run` through `follow`, until it closes."""
+    while (message := _broadcast(None, control)) is not None:
+        name, args, kwargs = message
+        if name == "run":
+            follow(engine, args[0], control)
+        else:
+            getattr(engine, name)(*args, **kwargs)
+
+
+def make_engine(recipe: dict[str, Any], rank: int, world: int, **overrides) -> gemma_engine.Engine:
+    """Rank `rank`'s engine from `recipe` (picklable: it crosses to the follower processes): "model_dir", "emb_dir",
+    "devices" (one per rank), "engine" (Engine's other keyword arguments), "grammars" ((tokenizer.json, eos ids,
+    vocab size) or None) and "compile_backend" (a StepCompiler backend or None). `overrides` replace what the
+    recipe makes (rank 0's own grammars and compiler)."""
+    import torch
+
+    made: dict[str, Any] = {}
+    if recipe.get("grammars"):
+        made["grammars"] = gemma_engine.Grammars(*recipe["grammars"])
+    if recipe.get("compile_backend"):
+        from gemma_engine.compiling import StepCompiler
+
+        made["compiler"] = StepCompiler(recipe["compile_backend"])
+    made.update(overrides)
+    return gemma_engine.Engine(
+        recipe["model_dir"], recipe.get("emb_dir"), torch.zeros(1, device=recipe["devices"][rank]),
+        tensor_parallel_size=world, tensor_parallel_rank=rank, tensor_parallel_group=dist.group.WORLD.group_name,
+        **recipe["engine"], **made)
+
+
+# How long a follower waits for rank 0's next message: rank 0's poll blocks while no request runs, for as long as
+# none comes. A rank that dies still fails the others at once (its connections close); one that hangs inside a step
+# fails them within the collectives' own timeout.
+CONTROL_TIMEOUT_S = 7 * 24 * 3600
+
+
+def _init(rank: int, world: int, init_method: str, backend: str, timeout_s: float) -> dist.ProcessGroup:
+    """Join the group (its collectives bounded by `timeout_s`); returns the control group for the pickled messages
+    (gloo, bounded by CONTROL_TIMEOUT_S)."""
+    from datetime import timedelta
+
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=CONTROL_TIMEOUT_S))
+
+
+def _follower(rank: int, world: int, init_method: str, backend: str, timeout_s: float, recipe: dict) -> None:
+    control = _init(rank, world, init_method, backend, timeout_s)
+    serve(make_engine(recipe, rank, world), control)
+
+
+def start(recipe: dict[str, Any], world: int, init_method: str, backend: str = "gloo", timeout_s: float = 600.0,
+          **overrides) -> Leader:
+    """Start ranks 1..world-1 as processes of their own, join them as rank 0 in this process, and return rank 0's
+    engine as a `Leader` (`make_engine` for the recipe; `overrides` for rank 0's engine alone). `timeout_s` bounds
+    every collective: a rank that hangs fails the others' within it."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    followers = [ctx.Process(target=_follower, args=(r, world, init_method, backend, timeout_s, recipe), daemon=True)
+                 for r in range(1, world)]
+    for p in followers:
+        p.start()
+    control = _init(0, world, init_method, backend, timeout_s)
+    return Leader(make_engine(recipe, 0, world, **overrides), followers, control)
