@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import platform
+import socket
 import sys
 import threading
 import time
@@ -289,6 +290,9 @@ class Boot:
 
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         grammars, missing = build_grammars(self.gemma_engine, Path(model_dir))
+        if c.tensor_parallel_processes and c.tensor_parallel_size > 1 and len(self.groups) > 1:
+            raise ValueError(f"--tensor-parallel-processes runs one engine a pod, not {len(self.groups)}: set "
+                             f"--devices to --tensor-parallel-size")
         workers = [EngineWorker(i, group[0], self.scheduler) for i, group in enumerate(self.groups)]
 
         def load(worker: EngineWorker) -> tuple[int, int]:
@@ -297,15 +301,19 @@ class Boot:
             shards = self.groups[worker.index]
             if c.compile != "off":
                 self.compilers[worker.index] = self.step_compiler(worker.device)
-            engine = self.gemma_engine.Engine(
-                str(model_dir), str(emb_dir) if emb_dir else None, torch.zeros(1, device=worker.device),
+            settings = dict(
                 context=c.context, dtype=c.dtype, prefill_chunk=c.prefill_chunk, max_batch=c.max_num_seqs,
                 packed_int4=None if c.packed_int4 else False, cuda_graphs=c.cuda_graphs,
                 onednn=False if c.compile != "off" else {"auto": None, "on": True, "off": False}[c.onednn],
-                grammars=grammars, prefix_caching=c.enable_prefix_caching,
-                tensor_parallel_size=c.tensor_parallel_size, shard_devices=[torch.zeros(1, device=d) for d in shards],
-                compiler=self.compilers.get(worker.index),
-            )
+                prefix_caching=c.enable_prefix_caching)
+            own = {"grammars": grammars, "compiler": self.compilers.get(worker.index)}
+            if c.tensor_parallel_processes and c.tensor_parallel_size > 1:
+                engine = start_ranks(c, model_dir, emb_dir, shards, settings, **own)
+            else:
+                engine = self.gemma_engine.Engine(
+                    str(model_dir), str(emb_dir) if emb_dir else None, torch.zeros(1, device=worker.device),
+                    tensor_parallel_size=c.tensor_parallel_size,
+                    shard_devices=[torch.zeros(1, device=d) for d in shards], **settings, **own)
             worker.set_engine(engine)
             return engine.context, engine.vocab_size
 
@@ -400,6 +408,32 @@ class Boot:
         outcome as a line, or None when torch_tpu's cache is not shared through a local one."""
         dirs = compile_cache_dirs(self.config)
         return compile_cache.publish_quietly(dirs[1], dirs[0]) if dirs else None
+
+
+RANK_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}  # torch.distributed's backend for the ranks' collectives
+
+
+def start_ranks(c: Config, model_dir: Path, emb_dir: Path | None, devices: list[str], settings: dict[str, Any],
+                **own) -> Any:
+    """One engine as `len(devices)` ranks, a process each (gemma_engine.distributed.start): this process rank 0 on
+    devices[0], holding `own` (its grammars and compiler hook), the others made from the same recipe.
+
+    Raises:
+        ValueError: a device with no backend here.
+    """
+    from gemma_engine.distributed import start
+
+    backend = RANK_BACKENDS.get(c.device)
+    if backend is None:
+        raise ValueError(f"--tensor-parallel-processes on {c.device}: ranks run on {', '.join(RANK_BACKENDS)} here")
+    vocab_size, eos = model_vocabulary(model_dir)
+    recipe = {"model_dir": str(model_dir), "emb_dir": str(emb_dir) if emb_dir else None, "devices": devices,
+              "engine": settings, "compile_backend": own["compiler"].backend_name if own.get("compiler") else None,
+              "grammars": (str(model_dir / "tokenizer.json"), eos, vocab_size) if own.get("grammars") else None}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return start(recipe, len(devices), f"tcp://127.0.0.1:{port}", backend, **own)
 
 
 def model_vocabulary(model_dir: Path) -> tuple[int, list[int]]:

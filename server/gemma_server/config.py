@@ -94,6 +94,10 @@ class Config:
                                         "(tensor parallelism: heads, MLP and expert features, vocabulary); "
                                         "--devices D runs D / N engines (on cpu, N shards of each engine)",
                                         minimum=1)
+    tensor_parallel_processes: bool = setting(False, "GEMMA_TENSOR_PARALLEL_PROCESSES", "with "
+                                              "--tensor-parallel-size N > 1: a process per shard, this one rank 0 "
+                                              "(gloo on cpu, NCCL on cuda; one engine), 1 or 0",
+                                              flag_type=parse_switch)
     context: int = setting(8192, "GEMMA_CONTEXT", "most tokens (prompt + generated) per request", minimum=1)
     max_num_seqs: int = setting(8, "GEMMA_MAX_NUM_SEQS", "sequence slots per engine: requests decoded together "
                                 "in one batch", minimum=1)

@@ -138,7 +138,7 @@ def test_a_leader_over_follower_processes_makes_every_engine_call_on_every_rank(
     want = (one.decode(PROMPTS["parity"], 12)[0], one.logits(PROMPTS["other"]), _script().run(one, read_every=2))
     leader = start(recipe, WORLD, f"tcp://127.0.0.1:{_free_port()}", timeout_s=TIMEOUT_S * 6)
     try:
-        assert leader.layout()["tensor_parallel_size"] == 1  # rank 0 reads its own engine: one shard
+        assert leader.layout()["tensor_parallel_rank"] == 0  # rank 0 reads its own engine
         tokens, logits = leader.decode(PROMPTS["parity"], 12)[0], leader.logits(PROMPTS["other"])
         leader.reset_prefix_cache()
         got = _script().run(leader, read_every=2)

@@ -90,7 +90,8 @@ def test_ranks_give_the_unsplit_models_tokens_logits_and_busy_outcomes(run, worl
     want_logits = one.logits(ck.PARITY_PROMPT)
     want_busy = busy_outcome(engine(model_dir, 1, max_batch=4, prefill_chunk=5), hf_tokens)
     results = ranks(model_dir, hf_tokens, world, tmp_path)
-    for r in results:
+    for rank, r in enumerate(results):
+        assert r["layout"]["tensor_parallel_rank"] == rank
         assert (r["tokens"], r["finish"]) == (hf_tokens, "length")
         divergence, difference = kl(want_logits, r["logits"]), (r["logits"] - want_logits).abs().max().item()
         assert divergence <= 1e-6 and difference <= LOGIT_BOUND, (divergence, difference)
@@ -99,8 +100,9 @@ def test_ranks_give_the_unsplit_models_tokens_logits_and_busy_outcomes(run, worl
         got, want = torch.tensor([c for c, _ in prompt_lp]), torch.tensor([c for c, _ in want_lp])
         assert torch.allclose(got, want, rtol=1e-3, atol=LOGIT_BOUND), (got - want).abs().max()
         # A rank holds its shard's rings: a 1 / world share of what TP 1 holds, or more where KV heads replicate.
-        assert r["layout"]["tensor_parallel_size"] == 1
-        assert r["layout"]["kv_bytes"] <= one.layout()["kv_bytes"]
+        split = engine(model_dir, world).layout()
+        assert (r["layout"]["tensor_parallel_size"], r["layout"]["kv_bytes"]) == (world, split["kv_bytes"] // world)
+        assert r["layout"]["kv_bytes"] < one.layout()["kv_bytes"]
     assert all(torch.equal(r["logits"], results[0]["logits"]) for r in results)  # the same sums on every rank
 
 

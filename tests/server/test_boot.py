@@ -232,3 +232,53 @@ def test_compile_stage_compiles_the_step_and_the_replies_are_the_eager_engines(
     assert 'gemma_boot_stage_seconds{model_name="chat",stage="compile"}' in metrics
     s.sigterm()
     assert s.wait_exit(30) == 0
+
+
+def _rank_processes(server_pid: int) -> list[int]:
+    """The server's children that multiprocessing spawned (its tensor-parallel ranks), from /proc."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == server_pid and b"spawn_main" in cmdline:
+            found.append(int(entry))
+    return found
+
+
+def test_tensor_parallel_ranks_in_processes_answer_as_the_unsplit_engine_and_a_lost_rank_fails_the_server(
+        spawn, chat_checkpoint, direct_engine, tokenizer):
+    """--tensor-parallel-size 2 --tensor-parallel-processes 1 on the cpu: this server is rank 0 and rank 1 a process
+    of its own (gemma_engine.distributed), every boot stage's engine call made on both. Replies through the openai
+    SDK, one constrained by a JSON schema, are the unsplit engine's; /v1/engine says 2 shards. Rank 1 killed, the
+    next request is answered with an error, not left waiting, and the server turns unready."""
+    import signal
+
+    import openai
+
+    s = spawn("--model", str(chat_checkpoint), "--use-installed-engine", "--tensor-parallel-size", "2",
+              "--tensor-parallel-processes", "1", "--max-num-seqs", "2", *COMMON)
+    wait_for(lambda: get_status(s.base + "/health") == 200, 600, "/health 200 with two ranks")
+    [engine] = engine_info(s.base)["engines"]
+    assert engine["tensor_parallel_size"] == 2, engine
+    client = openai.OpenAI(base_url=s.base + "/v1", api_key="unused", timeout=120, max_retries=0)
+    for prompt in ("The ocean covers", "Tell me a story"):
+        tokens, _, _, _ = direct_engine.decode(tokenizer.encode(prompt), 10)
+        reply = client.completions.create(model="chat", prompt=prompt, max_tokens=10)
+        assert reply.choices[0].text == tokenizer.decode(tokens, skip_special_tokens=True)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    reply = client.chat.completions.create(
+        model="chat", messages=[{"role": "user", "content": "a number"}], max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}})
+    assert set(json.loads(reply.choices[0].message.content)) == {"a"}
+
+    [rank1] = _rank_processes(s.proc.pid)
+    os.kill(rank1, signal.SIGKILL)
+    with pytest.raises(openai.APIError):
+        client.completions.create(model="chat", prompt="The ocean covers", max_tokens=10)
+    wait_for(lambda: get_status(s.base + "/health") == 503, 30, "/health 503 once rank 1 is gone")

@@ -502,10 +502,12 @@ class Engine:
     def layer_calls(self) -> list[int]:
         """ATen calls each decoder layer made in the engine's last forward."""
 
-    def layout(self) -> dict[str, int]:
+    def layout(self) -> dict[str, int | bool | None]:
         """{"full_rings", "sliding_rings", "shared_layers", "context", "sliding_window",
         "max_batch", "kv_bytes_per_slot", "kv_bytes", "prefix_caching", "snapshot_bytes_per_slot",
-        "tensor_parallel_size"}; with tensor parallelism the byte counts are every shard's together.
+        "tensor_parallel_size", "tensor_parallel_rank"}; with tensor parallelism the byte counts are those
+        of the shards this process holds: every shard's together, or a rank's own (tensor_parallel_rank, else
+        None).
 
         kv_bytes_per_slot = sum over the layers with their own K/V of
         2 * kv_heads * (ring + 1) * head_dim * dtype bytes (ring = context for full layers,

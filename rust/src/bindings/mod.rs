@@ -526,7 +526,8 @@ impl Engine {
     }
 
     /// {"full_rings", "sliding_rings", "shared_layers", "context", "sliding_window", "max_batch",
-    /// "kv_bytes_per_slot", "kv_bytes", "prefix_caching", "snapshot_bytes_per_slot", "tensor_parallel_size"}.
+    /// "kv_bytes_per_slot", "kv_bytes", "prefix_caching", "snapshot_bytes_per_slot", "tensor_parallel_size",
+    /// "tensor_parallel_rank"}.
     fn layout<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let l = self.inner.layout();
         let d = PyDict::new(py);
@@ -541,6 +542,7 @@ impl Engine {
         d.set_item("prefix_caching", l.prefix_caching)?;
         d.set_item("snapshot_bytes_per_slot", l.snapshot_bytes_per_slot)?;
         d.set_item("tensor_parallel_size", l.tensor_parallel_size)?;
+        d.set_item("tensor_parallel_rank", l.tensor_parallel_rank)?;
         Ok(d)
     }
 

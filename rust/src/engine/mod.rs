@@ -347,17 +347,17 @@ impl Engine {
 
     pub fn layout(&self) -> Layout {
         let cfg = &self.model.cfg;
-        let shards = self.cache.shards.len() as i64;
+        let (split, held) = (self.model.split(), self.cache.shards.len() as i64);
         let size = ShardedCache::size_per_shard(
             cfg,
-            shards,
+            split.size(),
             self.context,
             self.max_batch,
             self.model.dtype(),
             self.prefix.is_some(),
             self.cache.chunk_row().is_some(),
         )
-        .times(shards);
+        .times(held);
         Layout {
             full_rings: self.cache.own_rings(LayerType::Full, cfg),
             sliding_rings: self.cache.own_rings(LayerType::Sliding, cfg),
@@ -369,7 +369,8 @@ impl Engine {
             kv_bytes: size.total(),
             prefix_caching: self.prefix.is_some(),
             snapshot_bytes_per_slot: size.snapshot_bytes_per_slot,
-            tensor_parallel_size: shards,
+            tensor_parallel_size: split.size(),
+            tensor_parallel_rank: split.rank(),
         }
     }
 

@@ -17,8 +17,11 @@ pub struct Layout {
     pub kv_bytes: i64,
     pub prefix_caching: bool,
     pub snapshot_bytes_per_slot: i64,
-    /// Tensor-parallel shards (the byte counts are all shards' together).
+    /// Shards the model is split over (the byte counts are those this process holds: every shard's, or a
+    /// rank's own).
     pub tensor_parallel_size: i64,
+    /// The shard this process holds when it is one rank of a group of processes.
+    pub tensor_parallel_rank: Option<i64>,
 }
 
 /// Parse a compute dtype name.

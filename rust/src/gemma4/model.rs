@@ -326,6 +326,11 @@ impl Model {
         }
     }
 
+    /// The shards of the group this process holds.
+    pub fn split(&self) -> &Split {
+        &self.split
+    }
+
     /// ATen calls each layer made in the last forward.
     pub fn layer_calls(&self) -> &[u64] {
         &self.layer_calls

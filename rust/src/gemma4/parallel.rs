@@ -85,6 +85,21 @@ impl Split {
         }
     }
 
+    /// Shards in the whole group.
+    pub fn size(&self) -> i64 {
+        match self {
+            Split::InProcess { size } | Split::Rank { size, .. } => *size,
+        }
+    }
+
+    /// This process's rank, when it is one of a group of processes.
+    pub fn rank(&self) -> Option<i64> {
+        match self {
+            Split::InProcess { .. } => None,
+            Split::Rank { rank, .. } => Some(*rank),
+        }
+    }
+
     /// The sum of every shard's partial output (`partials`: this process's), on `leader`'s device
     /// (`local`: every shard of this process is there).
     pub fn sum(&self, partials: Vec<Tensor>, leader: &Tensor, local: bool) -> Result<Tensor> {
