@@ -309,6 +309,7 @@ class Boot:
             own = {"grammars": grammars, "compiler": self.compilers.get(worker.index)}
             if c.tensor_parallel_processes and c.tensor_parallel_size > 1:
                 engine = start_ranks(c, model_dir, emb_dir, shards, settings, **own)
+                engine.on_lost = lambda why, w=worker: self.scheduler.worker_died(w, why)
             else:
                 engine = self.gemma_engine.Engine(
                     str(model_dir), str(emb_dir) if emb_dir else None, torch.zeros(1, device=worker.device),

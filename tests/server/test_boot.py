@@ -254,8 +254,9 @@ def test_tensor_parallel_ranks_in_processes_answer_as_the_unsplit_engine_and_a_l
         spawn, chat_checkpoint, direct_engine, tokenizer):
     """--tensor-parallel-size 2 --tensor-parallel-processes 1 on the cpu: this server is rank 0 and rank 1 a process
     of its own (gemma_engine.distributed), every boot stage's engine call made on both. Replies through the openai
-    SDK, one constrained by a JSON schema, are the unsplit engine's; /v1/engine says 2 shards. Rank 1 killed, the
-    next request is answered with an error, not left waiting, and the server turns unready."""
+    SDK, one constrained by a JSON schema, are the unsplit engine's; /v1/engine says 2 shards. Rank 1 killed while
+    the server is idle, it turns unready at once (a watcher on the rank processes) and a request gets an error,
+    not a wait."""
     import signal
 
     import openai
@@ -279,6 +280,6 @@ def test_tensor_parallel_ranks_in_processes_answer_as_the_unsplit_engine_and_a_l
 
     [rank1] = _rank_processes(s.proc.pid)
     os.kill(rank1, signal.SIGKILL)
+    wait_for(lambda: get_status(s.base + "/health") == 503, 30, "/health 503 once rank 1 is gone")
     with pytest.raises(openai.APIError):
         client.completions.create(model="chat", prompt="The ocean covers", max_tokens=10)
-    wait_for(lambda: get_status(s.base + "/health") == 503, 30, "/health 503 once rank 1 is gone")

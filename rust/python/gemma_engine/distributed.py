@@ -17,6 +17,7 @@ with the reason) and the next broadcast raises out of `lead` and `follow`: the c
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -70,6 +71,21 @@ class Leader:
     def __init__(self, engine: gemma_engine.Engine, followers: Sequence[Any] = (),
                  control: dist.ProcessGroup | None = None):
         self._engine, self._followers, self._control = engine, list(followers), control
+        self._closing = False
+        #: Called as on_lost(reason) from a watcher thread when a follower process exits before `close`: an idle
+        #: engine would otherwise notice only at its next collective.
+        self.on_lost: Callable[[str], None] | None = None
+        if self._followers:
+            threading.Thread(target=self._watch, name="rank-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        from multiprocessing.connection import wait
+
+        [gone] = wait([p.sentinel for p in self._followers])[:1]
+        rank, p = next((r, p) for r, p in enumerate(self._followers, 1) if p.sentinel == gone)
+        p.join(1)
+        if not self._closing and self.on_lost is not None:
+            self.on_lost(f"tensor-parallel rank {rank} exited (code {p.exitcode})")
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._engine, name)
@@ -89,6 +105,7 @@ class Leader:
     def close(self, timeout: float = 30.0) -> None:
         """End the followers' loops, wait for their processes (killing any still there after `timeout`) and leave
         the group. Safe to call once the followers are gone."""
+        self._closing = True
         try:
             _broadcast(None, self._control)
         except RuntimeError:
