@@ -13,6 +13,7 @@ scheduler; it receives one small message a poll, as vLLM's workers execute the s
 Failure: a rank that dies makes the next collective of every other rank fail (gloo: at once, "Connection reset
 by peer"; any backend: within the group's timeout), so the engine fails the requests it was running ("failed",
 with the reason) and the next broadcast raises out of `lead` and `follow`: the caller turns unready and restarts.
+An idle rank 0 makes no collective; `Leader` watches its follower processes and tells `on_lost` at once.
 """
 
 from __future__ import annotations
