@@ -141,6 +141,7 @@ def test_properties_and_layout(engine, dense_checkpoint):
         "prefix_caching": True,
         "snapshot_bytes_per_slot": snapshots,
         "tensor_parallel_size": 1,
+        "tensor_parallel_rank": None,
     }
     off = gemma_engine.Engine(str(dense_checkpoint), like=torch.zeros(1), context=CONTEXT, dtype="float32",
                               prefix_caching=False)
