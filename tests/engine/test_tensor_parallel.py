@@ -100,30 +100,36 @@ def test_shard_devices_must_match_the_size_and_start_on_likes_device(dense_check
         engine(dense_checkpoint, 2, shard_devices=[torch.zeros(1, device="meta"), torch.zeros(1)])
 
 
+def busy_outcome(e: gemma_engine.Engine, hf_tokens: list[int]) -> tuple[dict, int, list]:
+    """A busy run on engine `e` (made with max_batch=4, prefill_chunk=5): staggered batched requests, a follower, a
+    resumed second turn, a seeded sampled request and prompt log-probabilities. Returns each request's tokens and
+    finish, the cache hits, and request 1's prompt log-probabilities."""
+    from tests.engine.test_batching import PROMPTS
+    from tests.engine.test_prompt_logprobs import Recorder
+
+    first = ck.PARITY_PROMPT + hf_tokens[:8]
+    sampled = gemma_engine.SamplingParams(temperature=0.9, top_p=0.95, seed=7)
+    requests = {0: [gemma_engine.Request(0, first, 12), gemma_engine.Request(4, first, 6)],  # 4 follows 0
+                2: [gemma_engine.Request(1, PROMPTS["other"], 12, prompt_logprobs=0),
+                    gemma_engine.Request(3, PROMPTS["short"], 12, sampling=sampled)],
+                40: [gemma_engine.Request(2, first + PROMPTS["short"][1:], 12)]}
+    script = Recorder(requests)
+    outcomes = script.run(e, read_every=3)
+    hits = sum(s["cache_hits"] for s in script.stats)
+    return {rid: (o.tokens, o.finish) for rid, o in outcomes.items()}, hits, script.prompt_lp[1]
+
+
 def test_the_runtime_on_shards_batches_resumes_and_scores_as_on_one(run):
     """Each shard owns its KV rings, so the engine's slot operations (a history resumed from a slot's rings
     and their snapshot, a follower's copy) must reach every shard: staggered batched requests, a resumed second
     turn, a seeded sampled request and prompt log-probabilities at TP 2 equal TP 1's."""
-    from tests.engine.test_batching import PROMPTS
-    from tests.engine.test_prompt_logprobs import Recorder
-
     model_dir, hf_tokens, _ = run
-    first = ck.PARITY_PROMPT + hf_tokens[:8]
-    sampled = gemma_engine.SamplingParams(temperature=0.9, top_p=0.95, seed=7)
 
     def outcome(tp: int):
-        requests = {0: [gemma_engine.Request(0, first, 12), gemma_engine.Request(4, first, 6)],  # 4 follows 0
-                    2: [gemma_engine.Request(1, PROMPTS["other"], 12, prompt_logprobs=0),
-                        gemma_engine.Request(3, PROMPTS["short"], 12, sampling=sampled)],
-                    40: [gemma_engine.Request(2, first + PROMPTS["short"][1:], 12)]}
-        e = engine(model_dir, tp, max_batch=4, prefill_chunk=5)
-        script = Recorder(requests)
-        outcomes = script.run(e, read_every=3)
-        hits = sum(s["cache_hits"] for s in script.stats)
-        return {rid: (o.tokens, o.finish) for rid, o in outcomes.items()}, hits, script.prompt_lp[1]
+        return busy_outcome(engine(model_dir, tp, max_batch=4, prefill_chunk=5), hf_tokens)
 
     (one, one_hits, one_lp), (two, two_hits, two_lp) = outcome(1), outcome(2)
-    assert two == one and two_hits == one_hits >= len(first) - 1
+    assert two == one and two_hits == one_hits >= len(ck.PARITY_PROMPT + hf_tokens[:8]) - 1
     got, want = torch.tensor([c for c, _ in two_lp]), torch.tensor([c for c, _ in one_lp])
     # Relative too, as test_architectures.py holds these models' prompt logprobs (down to -29 here; measured
     # up to 3.6e-3 apart, 1.6e-4 relative, on the 31B shape).

@@ -19,10 +19,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import gemma_engine
 from tests import checkpoints as ck
 from tests.engine.test_architectures import SAVERS, kl
-from tests.engine.test_tensor_parallel import ALL_CONFIGS, LOGIT_BOUND, RUNS, TOKENS, engine
+from tests.engine.test_tensor_parallel import ALL_CONFIGS, LOGIT_BOUND, RUNS, TOKENS, busy_outcome, engine
 
 pytestmark = pytest.mark.slow
 
@@ -31,24 +30,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def busy_outcome(e: gemma_engine.Engine, hf_tokens: list[int]) -> tuple[dict, int, list]:
-    """test_tensor_parallel's busy run on engine `e`: (each request's tokens and finish, cache hits, request 1's
-    prompt log-probabilities)."""
-    from tests.engine.test_batching import PROMPTS
-    from tests.engine.test_prompt_logprobs import Recorder
-
-    first = ck.PARITY_PROMPT + hf_tokens[:8]
-    sampled = gemma_engine.SamplingParams(temperature=0.9, top_p=0.95, seed=7)
-    requests = {0: [gemma_engine.Request(0, first, 12), gemma_engine.Request(4, first, 6)],  # 4 follows 0
-                2: [gemma_engine.Request(1, PROMPTS["other"], 12, prompt_logprobs=0),
-                    gemma_engine.Request(3, PROMPTS["short"], 12, sampling=sampled)],
-                40: [gemma_engine.Request(2, first + PROMPTS["short"][1:], 12)]}
-    script = Recorder(requests)
-    outcomes = script.run(e, read_every=3)
-    hits = sum(s["cache_hits"] for s in script.stats)
-    return {rid: (o.tokens, o.finish) for rid, o in outcomes.items()}, hits, script.prompt_lp[1]
 
 
 def _rank(rank: int, world: int, port: int, model_dir: str, hf_tokens: list[int], out_dir: str) -> None:
