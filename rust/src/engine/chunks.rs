@@ -14,7 +14,7 @@
 //! - slot: every compiled chunk runs on the cache's chunk row (`KvCache::chunk_row`, allocated when
 //!   the engine has a compiler). A later chunk first copies its slot's rings there; every chunk copies
 //!   the row back to its slot after it. Each copy moves one slot's rings (`Layout::kv_bytes_per_slot`
-//!   less snapshots), small beside a chunk's forward over the whole model;
+//!   less snapshots; not timed apart from the chunk here);
 //! - whether it is the prompt's first chunk: the key's `later` (the first attends over the chunk
 //!   alone, a later one over its rings too: attention.rs `Source`).
 //!
@@ -87,7 +87,7 @@ impl Engine {
         if self.cache.chunk_row().is_some() { buckets(self.prefill_chunk) } else { Vec::new() }
     }
 
-    /// Whether a chunk that places media or scores its prompt runs compiled (module docs).
+    /// Whether slot's next chunk runs compiled: never one that places media or scores its prompt (module docs).
     pub(super) fn compiles_chunk(&self, media: bool, prompt_logprobs: bool) -> bool {
         !media
             && !prompt_logprobs
