@@ -1,5 +1,5 @@
-"""The larger Gemma 4 architectures on the CPU, in one run: the Rust engine against Transformers, tensor
-parallelism against none, and the MoE step's ATen calls against the number of experts.
+"""The larger Gemma 4 architectures on the CPU, in one run: the Rust engine against Transformers, and the MoE
+step's ATen calls against the number of experts (tensor parallelism, a process a rank: bench/tensor_parallel.py).
 
     python -m bench.architectures [--repeats 3] [--dtype float32|bfloat16] [--threads N]
 
@@ -12,10 +12,8 @@ For each architecture (small random configs of each shape: the E-series, the 31B
 * decode: tokens / second over 64 greedy tokens after the prompt (Transformers: `generate` with its default
   dynamic cache, minus its prompt read; the engine: `Engine.decode`, minus its prompt read);
 
-with the engine / Transformers ratios; then the engine at `tensor_parallel_size` 2 against 1 (the CPU mode:
-both shards on this CPU, run one after the other, so the ratio is the split's overhead: more, smaller
-matrix products and the reductions, not a speed-up); then the ATen calls of one MoE layer's decode step with 4,
-8 and 32 experts (`Engine.layer_calls`), which stay the same.
+with the engine / Transformers ratios; then the ATen calls of one MoE layer's decode step with 4, 8 and 32
+experts (`Engine.layer_calls`), which stay the same.
 
 The weights are random; the tokens are meaningless (parity is tests/engine/test_architectures.py).
 """
@@ -66,9 +64,9 @@ def median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def engine(model_dir: Path, dtype: str, tp: int = 1) -> gemma_engine.Engine:
+def engine(model_dir: Path, dtype: str) -> gemma_engine.Engine:
     return gemma_engine.Engine(str(model_dir), like=torch.zeros(1), context=1024, dtype=dtype,
-                               tensor_parallel_size=tp, prefill_chunk=256)
+                               prefill_chunk=256)
 
 
 def rust_rates(e: gemma_engine.Engine, repeats: int) -> tuple[float, float]:
@@ -117,13 +115,10 @@ def main() -> None:
             model_dir = ck.save_dense(out / name.split()[0], ck.SEED, build())
             rust_prompt, rust_decode = rust_rates(engine(model_dir, args.dtype), args.repeats)
             hf_prompt, hf_decode = hf_rates(model_dir, dtype, args.repeats)
-            _, tp2_decode = rust_rates(engine(model_dir, args.dtype, tp=2), args.repeats)
-            rows.append((name, rust_prompt, hf_prompt, rust_decode, hf_decode, tp2_decode))
-        print(f"{'architecture':16} {'prompt tok/s':>24} {'ratio':>6} {'decode tok/s':>22} {'ratio':>6} "
-              f"{'TP2 decode':>11} {'TP2/TP1':>8}")
-        for name, rp, hp, rd, hd, t2 in rows:
-            print(f"{name:16} {rp:11.0f} vs {hp:9.0f} {rp / hp:6.2f} {rd:10.1f} vs {hd:8.1f} {rd / hd:6.2f} "
-                  f"{t2:11.1f} {t2 / rd:8.2f}")
+            rows.append((name, rust_prompt, hf_prompt, rust_decode, hf_decode))
+        print(f"{'architecture':16} {'prompt tok/s':>24} {'ratio':>6} {'decode tok/s':>22} {'ratio':>6}")
+        for name, rp, hp, rd, hd in rows:
+            print(f"{name:16} {rp:11.0f} vs {hp:9.0f} {rp / hp:6.2f} {rd:10.1f} vs {hd:8.1f} {rd / hd:6.2f}")
         calls = {n: moe_layer_calls(out, n) for n in (4, 8, 32)}
         print("MoE layer, ATen calls a decode step: " + ", ".join(f"{n} experts {c}" for n, c in calls.items()))
 

@@ -36,7 +36,7 @@ Where the numbers come from:
 - Tensor parallelism, as rust/src/gemma4/parallel.rs splits the model: a shard holds heads / N query heads
   with their KV heads (kv_heads / N, or the one they share when there are fewer KV heads than shards) and
   their rings, 1 / N of every MLP's and expert's width and of lm_head's vocabulary; the embeddings, the
-  per-layer-input tables and the router stay whole on the first shard. That chip fills first; the plan counts it.
+  per-layer-input tables and the router are whole on every rank, a process a chip. The plan counts one chip.
 - HBM per chip: spec.TPU_HBM_GIB, of which RUNTIME_RESERVE is kept for what the plan does not count (the TPU
   runtime and compiled programs, activations, a prompt chunk's logits).
 """

@@ -290,31 +290,29 @@ class Boot:
 
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         grammars, missing = build_grammars(self.gemma_engine, Path(model_dir))
-        if c.tensor_parallel_processes and c.tensor_parallel_size > 1 and len(self.groups) > 1:
-            raise ValueError(f"--tensor-parallel-processes runs one engine a pod, not {len(self.groups)}: set "
-                             f"--devices to --tensor-parallel-size")
         workers = [EngineWorker(i, group[0], self.scheduler) for i, group in enumerate(self.groups)]
+        settings = dict(
+            context=c.context, dtype=c.dtype, prefill_chunk=c.prefill_chunk, max_batch=c.max_num_seqs,
+            packed_int4=None if c.packed_int4 else False, cuda_graphs=c.cuda_graphs,
+            onednn=False if c.compile != "off" else {"auto": None, "on": True, "off": False}[c.onednn],
+            prefix_caching=c.enable_prefix_caching)
+        if c.compile != "off":
+            self.compilers = {w.index: self.step_compiler(w.device) for w in workers}
+        # Split engines: every rank past each engine's first starts now, in one world (its shards load meanwhile).
+        seats = start_ranks(c, model_dir, emb_dir, self.groups, settings, bool(grammars), self.compilers) \
+            if c.tensor_parallel_size > 1 else None
 
         def load(worker: EngineWorker) -> tuple[int, int]:
             import torch
 
-            shards = self.groups[worker.index]
-            if c.compile != "off":
-                self.compilers[worker.index] = self.step_compiler(worker.device)
-            settings = dict(
-                context=c.context, dtype=c.dtype, prefill_chunk=c.prefill_chunk, max_batch=c.max_num_seqs,
-                packed_int4=None if c.packed_int4 else False, cuda_graphs=c.cuda_graphs,
-                onednn=False if c.compile != "off" else {"auto": None, "on": True, "off": False}[c.onednn],
-                prefix_caching=c.enable_prefix_caching)
             own = {"grammars": grammars, "compiler": self.compilers.get(worker.index)}
-            if c.tensor_parallel_processes and c.tensor_parallel_size > 1:
-                engine = start_ranks(c, model_dir, emb_dir, shards, settings, **own)
+            if seats is not None:
+                engine = seats[worker.index].lead(**own)
                 engine.on_lost = lambda why, w=worker: self.scheduler.worker_died(w, why)
             else:
                 engine = self.gemma_engine.Engine(
                     str(model_dir), str(emb_dir) if emb_dir else None, torch.zeros(1, device=worker.device),
-                    tensor_parallel_size=c.tensor_parallel_size,
-                    shard_devices=[torch.zeros(1, device=d) for d in shards], **settings, **own)
+                    **settings, **own)
             worker.set_engine(engine)
             return engine.context, engine.vocab_size
 
@@ -411,30 +409,35 @@ class Boot:
         return compile_cache.publish_quietly(dirs[1], dirs[0]) if dirs else None
 
 
-RANK_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}  # torch.distributed's backend for the ranks' collectives
+# torch.distributed's backend for the ranks' collectives: torch_tpu 0.2.0 registers "tpu" (`_loader.py`,
+# `Backend.register_backend("tpu", ...)`) when it is imported, which the server does first on a tpu.
+RANK_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "tpu": "tpu"}
 
 
-def start_ranks(c: Config, model_dir: Path, emb_dir: Path | None, devices: list[str], settings: dict[str, Any],
-                **own) -> Any:
-    """One engine as `len(devices)` ranks, a process each (gemma_engine.distributed.start): this process rank 0 on
-    devices[0], holding `own` (its grammars and compiler hook), the others made from the same recipe.
+def start_ranks(c: Config, model_dir: Path, emb_dir: Path | None, groups: list[list[str]], settings: dict[str, Any],
+                grammars: bool, compilers: dict[int, Any]) -> list[Any]:
+    """Every engine as `len(group)` ranks on its group's devices, a process each but the first, which is this one
+    (gemma_engine.distributed.start): each engine's seat, whose `lead` makes rank 0's engine. The other ranks make
+    theirs from a recipe: the same settings, the tokenizer's grammars when `grammars`, the compiler's backend.
 
     Raises:
-        ValueError: a device with no backend here.
+        ValueError: a device with no torch.distributed backend here.
     """
     from gemma_engine.distributed import start
 
     backend = RANK_BACKENDS.get(c.device)
     if backend is None:
-        raise ValueError(f"--tensor-parallel-processes on {c.device}: ranks run on {', '.join(RANK_BACKENDS)} here")
+        raise ValueError(f"--tensor-parallel-size {c.tensor_parallel_size} on {c.device}: ranks run on "
+                         f"{', '.join(RANK_BACKENDS)} here")
     vocab_size, eos = model_vocabulary(model_dir)
-    recipe = {"model_dir": str(model_dir), "emb_dir": str(emb_dir) if emb_dir else None, "devices": devices,
-              "engine": settings, "compile_backend": own["compiler"].backend_name if own.get("compiler") else None,
-              "grammars": (str(model_dir / "tokenizer.json"), eos, vocab_size) if own.get("grammars") else None}
+    recipes = [{"model_dir": str(model_dir), "emb_dir": str(emb_dir) if emb_dir else None, "devices": devices,
+                "engine": settings, "compile_backend": compilers[g].backend_name if g in compilers else None,
+                "grammars": (str(model_dir / "tokenizer.json"), eos, vocab_size) if grammars else None}
+               for g, devices in enumerate(groups)]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    return start(recipe, len(devices), f"tcp://127.0.0.1:{port}", backend, **own)
+    return start(recipes, f"tcp://127.0.0.1:{port}", backend)
 
 
 def model_vocabulary(model_dir: Path) -> tuple[int, list[int]]:

@@ -91,13 +91,10 @@ class Config:
     devices: str | None = setting(None, "GEMMA_DEVICES", "engines to run, one per device: a count or 'all' "
                                   "(default: all on cuda and tpu, 1 on cpu)", flag_type=_devices)
     tensor_parallel_size: int = setting(1, "GEMMA_TENSOR_PARALLEL_SIZE", "devices each engine is split over "
-                                        "(tensor parallelism: heads, MLP and expert features, vocabulary); "
-                                        "--devices D runs D / N engines (on cpu, N shards of each engine)",
+                                        "(tensor parallelism: heads, MLP and expert features, vocabulary), a "
+                                        "process per device, this one each engine's rank 0 (gloo on cpu, NCCL "
+                                        "on cuda); --devices D runs D / N engines (on cpu, D engines of N ranks)",
                                         minimum=1)
-    tensor_parallel_processes: bool = setting(False, "GEMMA_TENSOR_PARALLEL_PROCESSES", "with "
-                                              "--tensor-parallel-size N > 1: a process per shard, this one rank 0 "
-                                              "(gloo on cpu, NCCL on cuda; one engine), 1 or 0",
-                                              flag_type=parse_switch)
     context: int = setting(8192, "GEMMA_CONTEXT", "most tokens (prompt + generated) per request", minimum=1)
     max_num_seqs: int = setting(8, "GEMMA_MAX_NUM_SEQS", "sequence slots per engine: requests decoded together "
                                 "in one batch", minimum=1)

@@ -603,11 +603,12 @@ class Scheduler:
     # ---- worker side -----------------------------------------------------------------------------
 
     def poll(self, worker: EngineWorker, free: int, idle: bool) -> tuple[list[Job], list[int]] | None:
-        """A worker's read point: its new jobs and cancels, or None when the server stops."""
+        """A worker's read point: its new jobs and cancels, or None when the server stops or the engine was found
+        dead meanwhile (a lost tensor-parallel rank, reported from a watcher while the engine idled)."""
         with self._cond:
             worker.free = free
             while True:
-                if self._stopping:
+                if self._stopping or worker.dead:
                     return None
                 cancels = []
                 for job in worker.active.values():
@@ -674,7 +675,7 @@ class Scheduler:
     def worker_died(self, worker: EngineWorker, reason: str) -> None:
         """Fail the dead engine's requests; with no engine left, fail the queue too."""
         with self._cond:
-            worker.dead = reason
+            worker.dead = worker.dead or reason  # the first report names the cause
             failed, worker.active = list(worker.active.values()), {}
             if all(w.dead for w in self.workers):
                 self.dead = reason

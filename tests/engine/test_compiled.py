@@ -9,6 +9,9 @@ proof that nothing a request wrote was baked into the graph. Both engines multip
 """
 
 import json
+import os
+from datetime import timedelta
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
@@ -249,20 +252,45 @@ def test_image_prompts_batched_beside_a_text_prompt_give_the_eager_tokens_compil
         assert compiled.results[rid].tokens == eager.results[rid].tokens and eager.results[rid].tokens, rid
 
 
-def test_tensor_parallel_shards_give_the_eager_tokens_compiled(small_checkpoint):
-    """Two shards (the CPU mode of tensor_parallel_size): the captured step holds both shards' work and their
-    reductions; its tokens are the eager sharded engine's and the unsplit one's."""
-    def run(engine):
-        return Script(_busy()).run(engine, read_every=2)
+def _compiled_rank(rank: int, port: int, model_dir: str, out_dir: str) -> None:
+    """Rank `rank` of 2 (gloo): the busy script on its shard, eagerly and compiled; outcomes saved."""
+    import torch.distributed as dist
 
-    kwargs = {"max_batch": 2, "prefill_chunk": 5}
-    unsplit = run(_engine(small_checkpoint, **kwargs))
-    eager = run(_engine(small_checkpoint, tensor_parallel_size=2, **kwargs))
-    engine = _engine(small_checkpoint, StepCompiler("inductor"), tensor_parallel_size=2, **kwargs)
-    compiled = run(engine)
-    assert engine.compile_report()["captured"] >= 4 and engine.compile_report()["fallbacks"] == []
-    _assert_same(eager, compiled)
-    assert {rid: r.tokens for rid, r in compiled.items()} == {rid: r.tokens for rid, r in unsplit.items()}
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=600))
+    try:
+        kwargs = {"max_batch": 2, "prefill_chunk": 5, "tensor_parallel_size": 2, "tensor_parallel_rank": rank,
+                  "tensor_parallel_group": dist.group.WORLD.group_name}
+        eager = Script(_busy()).run(_engine(model_dir, **kwargs), read_every=2)
+        engine = _engine(model_dir, StepCompiler("inductor"), **kwargs)
+        compiled = Script(_busy()).run(engine, read_every=2)
+        plain = {rid: SimpleNamespace(tokens=o.tokens, finish=o.finish, logprobs=o.logprobs)
+                 for rid, o in {**{("eager", k): v for k, v in eager.items()},
+                                **{("compiled", k): v for k, v in compiled.items()}}.items()}
+        torch.save({"outcomes": plain, "report": engine.compile_report()}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tensor_parallel_ranks_give_the_eager_tokens_compiled(small_checkpoint, tmp_path):
+    """Two ranks (gloo, a process each): each rank's captured step holds its shard's work and the
+    `_c10d_functional` all-reduces and all-gather the Rust model calls; its tokens and log-probabilities are the
+    eager rank's, and the tokens the unsplit engine's."""
+    import torch.multiprocessing as mp
+
+    from tests.engine.test_tensor_parallel import _free_port
+
+    unsplit = Script(_busy()).run(_engine(small_checkpoint, max_batch=2, prefill_chunk=5), read_every=2)
+    mp.spawn(_compiled_rank, args=(_free_port(), str(small_checkpoint), str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        saved = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        report, outcomes = saved["report"], saved["outcomes"]
+        assert report["captured"] >= 4 and report["fallbacks"] == [], report
+        eager = {rid: o for (kind, rid), o in outcomes.items() if kind == "eager"}
+        compiled = {rid: o for (kind, rid), o in outcomes.items() if kind == "compiled"}
+        _assert_same(eager, compiled)
+        assert {rid: r.tokens for rid, r in compiled.items()} == {rid: r.tokens for rid, r in unsplit.items()}
 
 
 def test_a_seeded_request_draws_the_same_tokens_on_replayed_steps_as_alone_eagerly(small_checkpoint):

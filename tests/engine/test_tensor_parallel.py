@@ -1,17 +1,27 @@
-"""Tensor parallelism (`Engine(tensor_parallel_size=N)`, rust/src/gemma4/parallel.rs) in the CPU mode: N shards
-on the CPU, each with its share of the heads, the MLPs' and experts' intermediate features and the vocabulary.
+"""Tensor parallelism (`Engine(tensor_parallel_size=N, tensor_parallel_rank=r, tensor_parallel_group=name)`,
+rust/src/gemma4/parallel.rs): each rank a process of its own (as torchrun starts them) holding one shard, its
+share of the heads, the MLPs' and experts' intermediate features and the vocabulary; its layers' partial outputs
+summed by all-reduces and the logits' vocabulary gathered by an all-gather, both `_c10d_functional` ops called
+from the Rust model through the dispatcher, over gloo on the CPU.
 
-On every tiny architecture (the E-series config, and the 31B, 26B-A4B and 12B shapes of test_architectures.py),
-dense and W4A16, TP 2 and 4 give TP 1's 32 greedy tokens and float32 logits within 1e-5, and those tokens are
-Transformers' own. The shards hold parts, not copies: the weight bytes of TP 4 stay within the replicated
-pieces of TP 1's, and so do the KV cache's. A size the shapes do not split into is a ValueError naming the
-numbers.
+Every rank is given the same requests and runs the same steps (gemma_engine.distributed makes followers of the
+ranks past the first; tests/engine/test_distributed.py): on every tiny architecture (the E-series config, and the
+31B, 26B-A4B and 12B shapes of test_architectures.py), dense and W4A16, 2 and 4 ranks give TP 1's and
+Transformers' 32 greedy tokens, float32 logits within `LOGIT_BOUND`, and in a busy run (staggered batched
+requests, a follower, a resumed second turn, a seeded sampled request, prompt log-probabilities) TP 1's
+outcomes; every rank the same. A rank holds parts, not copies. A size the shapes do not split into is a
+ValueError naming the numbers.
 """
 
 import json
+import os
+import socket
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 import gemma_engine
 from tests import checkpoints as ck
@@ -40,64 +50,9 @@ def tiny_e_series():
 ALL_CONFIGS = {**{name: build for name, (build, _) in CONFIGS.items()}, "e_series": tiny_e_series}
 
 
-@pytest.fixture(scope="module", params=RUNS, ids=[f"{name}-{kind}" for name, kind, _ in RUNS])
-def run(request, tmp_path_factory):
-    name, kind, seed = request.param
-    model_dir = SAVERS[kind](tmp_path_factory.mktemp(f"tp_{name}_{kind}"), seed, ALL_CONFIGS[name]())
-    tokens, _ = ck.greedy_reference(ck.load_hf_reference(model_dir), ck.PARITY_PROMPT, TOKENS)
-    return model_dir, tokens, name
-
-
 def engine(model_dir, tp: int, **kwargs) -> gemma_engine.Engine:
     return gemma_engine.Engine(str(model_dir), like=torch.zeros(1), context=128, dtype="float32",
                                tensor_parallel_size=tp, **kwargs)
-
-
-@pytest.mark.parametrize("tp", [2, 4])
-def test_shards_give_the_unsplit_models_tokens_and_logits(run, tp):
-    model_dir, hf_tokens, _ = run
-    one, split = engine(model_dir, 1), engine(model_dir, tp)
-    tokens, finish, _, _ = split.decode(ck.PARITY_PROMPT, TOKENS)
-    assert len(hf_tokens) == TOKENS and finish == "length"
-    assert tokens == hf_tokens == one.decode(ck.PARITY_PROMPT, TOKENS)[0]
-    split_logits, one_logits = split.logits(ck.PARITY_PROMPT), one.logits(ck.PARITY_PROMPT)
-    divergence, difference = kl(one_logits, split_logits), (split_logits - one_logits).abs().max().item()
-    assert divergence <= 1e-6 and difference <= LOGIT_BOUND, (divergence, difference)
-
-
-def test_shards_hold_parts_of_the_model_not_copies(run):
-    """Four shards that each held the whole model would hold 4x its bytes. What TP 4 adds to TP 1's is what
-    must be whole on every shard: the k/v projections of layers with fewer than 4 KV heads (2 or 1 here),
-    replicated to the shards whose query heads read them (measured 1.15x on the E-series); the KV cache
-    grows by the same replication and no more."""
-    model_dir, _, _ = run
-    one, four = engine(model_dir, 1, onednn=False), engine(model_dir, 4, onednn=False)
-    w1, w4 = one.weights()["bytes"], four.weights()["bytes"]
-    assert w1 <= w4 < 1.5 * w1, (w1, w4)
-    config = json.loads((model_dir / "config.json").read_text())
-    kv_heads = [config["num_key_value_heads"]] + [
-        entry.get("num_key_value_heads", config["num_key_value_heads"])
-        for entry in (config.get("per_layer_config") or {}).values()]
-    kv1, kv4 = one.layout()["kv_bytes"], four.layout()["kv_bytes"]
-    # A layer with k KV heads < 4 holds 4 of them over the 4 shards: its bytes times 4 / k.
-    assert kv1 < kv4 <= 4 // min(kv_heads) * kv1, (kv1, kv4, kv_heads)
-
-
-@pytest.mark.parametrize("tp, message", [
-    (3, "3 does not divide num_attention_heads \\(4\\)"),
-    (8, "8 does not divide num_attention_heads \\(4\\)"),
-    (0, "tensor_parallel_size: must be in 1..=64, got 0"),
-])
-def test_a_size_the_shapes_do_not_split_into_is_refused_naming_the_numbers(dense_checkpoint, tp, message):
-    with pytest.raises(ValueError, match=message):
-        engine(dense_checkpoint, tp)
-
-
-def test_shard_devices_must_match_the_size_and_start_on_likes_device(dense_checkpoint):
-    with pytest.raises(ValueError, match="1 shard devices for tensor_parallel_size 2"):
-        engine(dense_checkpoint, 2, shard_devices=[torch.zeros(1)])
-    with pytest.raises(ValueError, match=r"the first shard device must be `like`'s \(cpu\)"):
-        engine(dense_checkpoint, 2, shard_devices=[torch.zeros(1, device="meta"), torch.zeros(1)])
 
 
 def busy_outcome(e: gemma_engine.Engine, hf_tokens: list[int]) -> tuple[dict, int, list]:
@@ -119,29 +74,105 @@ def busy_outcome(e: gemma_engine.Engine, hf_tokens: list[int]) -> tuple[dict, in
     return {rid: (o.tokens, o.finish) for rid, o in outcomes.items()}, hits, script.prompt_lp[1]
 
 
-def test_the_runtime_on_shards_batches_resumes_and_scores_as_on_one(run):
-    """Each shard owns its KV rings, so the engine's slot operations (a history resumed from a slot's rings
-    and their snapshot, a follower's copy) must reach every shard: staggered batched requests, a resumed second
-    turn, a seeded sampled request and prompt log-probabilities at TP 2 equal TP 1's."""
-    model_dir, hf_tokens, _ = run
-
-    def outcome(tp: int):
-        return busy_outcome(engine(model_dir, tp, max_batch=4, prefill_chunk=5), hf_tokens)
-
-    (one, one_hits, one_lp), (two, two_hits, two_lp) = outcome(1), outcome(2)
-    assert two == one and two_hits == one_hits >= len(ck.PARITY_PROMPT + hf_tokens[:8]) - 1
-    got, want = torch.tensor([c for c, _ in two_lp]), torch.tensor([c for c, _ in one_lp])
-    # Relative too, as test_architectures.py holds these models' prompt logprobs (down to -29 here; measured
-    # up to 3.6e-3 apart, 1.6e-4 relative, on the 31B shape).
-    assert torch.allclose(got, want, rtol=1e-3, atol=LOGIT_BOUND), (got - want).abs().max()
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
-def test_a_shard_whose_columns_cut_a_scale_group_gets_them_dequantized(tmp_path):
-    """An MLP of 96 features in int4 groups of 32 over 2 shards: each down_proj shard takes 48 input columns,
+def _rank(rank: int, world: int, port: int, model_dir: str, hf_tokens: list[int], out_dir: str, busy: bool) -> None:
+    """One rank: its shard's engine decodes, reads logits and (`busy`) runs the busy script; results saved."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    try:
+        kwargs = {"tensor_parallel_rank": rank, "tensor_parallel_group": dist.group.WORLD.group_name}
+        e = engine(model_dir, world, onednn=False, **kwargs)
+        tokens, finish, _, _ = e.decode(ck.PARITY_PROMPT, TOKENS)
+        result = {"tokens": tokens, "finish": finish, "logits": e.logits(ck.PARITY_PROMPT),
+                  "layout": e.layout(), "weights": e.weights()}
+        if busy:
+            result["busy"] = busy_outcome(engine(model_dir, world, max_batch=4, prefill_chunk=5, **kwargs), hf_tokens)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def ranks(model_dir, hf_tokens: list[int], world: int, out, busy: bool = True) -> list[dict]:
+    """What each of `world` gloo ranks, a spawned process each, got."""
+    mp.spawn(_rank, args=(world, _free_port(), str(model_dir), hf_tokens, str(out), busy), nprocs=world, join=True)
+    return [torch.load(out / f"rank{r}.pt") for r in range(world)]
+
+
+@pytest.fixture(scope="module", params=RUNS, ids=[f"{name}-{kind}" for name, kind, _ in RUNS])
+def run(request, tmp_path_factory):
+    name, kind, seed = request.param
+    model_dir = SAVERS[kind](tmp_path_factory.mktemp(f"tp_{name}_{kind}"), seed, ALL_CONFIGS[name]())
+    tokens, _ = ck.greedy_reference(ck.load_hf_reference(model_dir), ck.PARITY_PROMPT, TOKENS)
+    return model_dir, tokens
+
+
+def _kv_heads(model_dir) -> list[int]:
+    config = json.loads((model_dir / "config.json").read_text())
+    return [config["num_key_value_heads"]] + [entry.get("num_key_value_heads", config["num_key_value_heads"])
+                                              for entry in (config.get("per_layer_config") or {}).values()]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_give_the_unsplit_models_tokens_logits_and_busy_outcomes_holding_parts(run, world, tmp_path):
+    model_dir, hf_tokens = run
+    one = engine(model_dir, 1, onednn=False)
+    want_logits = one.logits(ck.PARITY_PROMPT)
+    want_busy = busy_outcome(engine(model_dir, 1, max_batch=4, prefill_chunk=5), hf_tokens)
+    results = ranks(model_dir, hf_tokens, world, tmp_path)
+    kv1, w1 = one.layout()["kv_bytes"], one.weights()["bytes"]
+    for rank, r in enumerate(results):
+        assert r["layout"]["tensor_parallel_rank"] == rank and r["layout"]["tensor_parallel_size"] == world
+        assert (r["tokens"], r["finish"]) == (hf_tokens, "length")
+        divergence, difference = kl(want_logits, r["logits"]), (r["logits"] - want_logits).abs().max().item()
+        assert divergence <= 1e-6 and difference <= LOGIT_BOUND, (divergence, difference)
+        (outcomes, hits, prompt_lp), (want_outcomes, want_hits, want_lp) = r["busy"], want_busy
+        assert outcomes == want_outcomes and hits == want_hits >= len(ck.PARITY_PROMPT + hf_tokens[:8]) - 1
+        got, want = torch.tensor([c for c, _ in prompt_lp]), torch.tensor([c for c, _ in want_lp])
+        # Relative too, as test_architectures.py holds these models' prompt logprobs (down to -29 here; measured
+        # up to 3.6e-3 apart, 1.6e-4 relative, on the 31B shape).
+        assert torch.allclose(got, want, rtol=1e-3, atol=LOGIT_BOUND), (got - want).abs().max()
+        # Parts, not copies: a rank holds less than the whole model, and its rings a 1 / world share of TP 1's,
+        # more only where a layer has fewer KV heads than ranks (k of them: replicated world / k times).
+        assert r["weights"]["bytes"] < w1, (r["weights"]["bytes"], w1)
+        kv = r["layout"]["kv_bytes"]
+        assert kv1 <= kv * world <= world // min(min(_kv_heads(model_dir)), world) * kv1, (kv, kv1)
+    assert all(torch.equal(r["logits"], results[0]["logits"]) for r in results)  # the same sums on every rank
+
+
+def test_a_rank_whose_columns_cut_a_scale_group_gets_them_dequantized(tmp_path):
+    """An MLP of 96 features in int4 groups of 32 over 2 ranks: each down_proj shard takes 48 input columns,
     which cut a group. The loader dequantizes that part first (rust/src/gemma4/weights.rs `Part::slice`), as the
-    26B-A4B's 2112-wide MLP needs over 8 shards in groups of 128; the tokens are TP 1's and Transformers'."""
+    26B-A4B's 2112-wide MLP needs over 8 ranks in groups of 128; the tokens are TP 1's and Transformers'."""
     config = ck.tiny_text_config(intermediate_size=96, use_double_wide_mlp=False)
     model_dir = ck.save_w4a16(tmp_path / "w4a16", seed=ck.SEED, config=config)
     hf_tokens, _ = ck.greedy_reference(ck.load_hf_reference(model_dir), ck.PARITY_PROMPT, TOKENS)
-    tokens = {tp: engine(model_dir, tp).decode(ck.PARITY_PROMPT, TOKENS)[0] for tp in (1, 2)}
-    assert len(tokens[1]) >= 8 and tokens[2] == tokens[1] == hf_tokens[:len(tokens[1])]
+    one = engine(model_dir, 1, onednn=False).decode(ck.PARITY_PROMPT, TOKENS)[0]
+    assert len(one) >= 8 and one == hf_tokens[:len(one)]
+    assert [r["tokens"] for r in ranks(model_dir, hf_tokens, 2, tmp_path, busy=False)] == [one, one]
+
+
+@pytest.mark.parametrize("tp, message", [
+    (3, "3 does not divide num_attention_heads \\(4\\)"),
+    (8, "8 does not divide num_attention_heads \\(4\\)"),
+])
+def test_a_size_the_shapes_do_not_split_into_is_refused_naming_the_numbers(dense_checkpoint, tp, message):
+    with pytest.raises(ValueError, match=message):
+        engine(dense_checkpoint, tp, tensor_parallel_rank=0, tensor_parallel_group="unused")
+    with pytest.raises(ValueError, match="tensor_parallel_size: must be in 1..=64, got 0"):
+        engine(dense_checkpoint, 0)
+
+
+def test_a_rank_outside_the_group_half_a_rank_and_a_split_without_ranks_are_refused(dense_checkpoint):
+    with pytest.raises(ValueError, match="tensor_parallel_rank must be in 0..2, got 2"):
+        engine(dense_checkpoint, 2, tensor_parallel_rank=2, tensor_parallel_group="0")
+    with pytest.raises(ValueError, match="given together, or neither"):
+        engine(dense_checkpoint, 2, tensor_parallel_rank=0)
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 runs a process per shard: give each its "
+                                         "tensor_parallel_rank and tensor_parallel_group"):
+        engine(dense_checkpoint, 2)

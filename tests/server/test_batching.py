@@ -197,24 +197,6 @@ def test_two_engines_on_the_cpu_share_the_requests(chat_checkpoint, direct_engin
         s.stop()
 
 
-def test_an_engine_split_over_two_shards_answers_as_the_unsplit_one(chat_checkpoint, direct_engine, tokenizer):
-    """--tensor-parallel-size 2 on the cpu: one engine of two shards (rust/src/gemma4/parallel.rs), the same
-    greedy replies as the unsplit engine."""
-    s = start_in_process(chat_checkpoint, "--tensor-parallel-size", "2", "--max-num-seqs", "2",
-                         "--default-temperature", "0")
-    try:
-        info = httpx.get(s.base + "/v1/engine").json()
-        assert [(e["device"], e["tensor_parallel_size"]) for e in info["engines"]] == [("cpu", 2)]
-        client = openai.OpenAI(base_url=s.base + "/v1", api_key="unused", max_retries=0)
-        name = s.state.config.model_name
-        for p in PROMPTS[:2]:
-            expected = direct_engine.decode(chat_ids(tokenizer, p), 30)[0]
-            reply = ask(client, name, p, max_tokens=30).choices[0].message.content
-            assert reply == tokenizer.decode(expected, skip_special_tokens=True)
-    finally:
-        s.stop()
-
-
 def test_shard_groups_split_the_devices_in_order_and_refuse_a_size_that_does_not_divide_them():
     from gemma_server.boot import shard_groups
 

@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -250,27 +251,32 @@ def _rank_processes(server_pid: int) -> list[int]:
     return found
 
 
-def test_tensor_parallel_ranks_in_processes_answer_as_the_unsplit_engine_and_a_lost_rank_fails_the_server(
+def test_tensor_parallel_ranks_answer_as_the_unsplit_engine_and_lost_ranks_fail_their_engines(
         spawn, chat_checkpoint, direct_engine, tokenizer):
-    """--tensor-parallel-size 2 --tensor-parallel-processes 1 on the cpu: this server is rank 0 and rank 1 a process
-    of its own (gemma_engine.distributed), every boot stage's engine call made on both. Replies through the openai
-    SDK, one constrained by a JSON schema, are the unsplit engine's; /v1/engine says 2 shards. Rank 1 killed while
-    the server is idle, it turns unready at once (a watcher on the rank processes) and a request gets an error,
+    """--devices 2 --tensor-parallel-size 2 on the cpu: two engines of two ranks, this server rank 0 of both and each
+    rank 1 a process of its own (gemma_engine.distributed), every boot stage's engine call made on both ranks.
+    Replies through the openai SDK, one constrained by a JSON schema, are the unsplit engine's; /v1/engine says 2
+    ranks an engine. One engine's rank 1 killed while idle, that engine is dead at once (a watcher on the rank
+    processes) and the other serves; the other's killed too, the server turns unready and a request gets an error,
     not a wait."""
     import signal
 
     import openai
 
-    s = spawn("--model", str(chat_checkpoint), "--use-installed-engine", "--tensor-parallel-size", "2",
-              "--tensor-parallel-processes", "1", "--max-num-seqs", "2", *COMMON)
-    wait_for(lambda: get_status(s.base + "/health") == 200, 600, "/health 200 with two ranks")
-    [engine] = engine_info(s.base)["engines"]
-    assert engine["tensor_parallel_size"] == 2, engine
+    s = spawn("--model", str(chat_checkpoint), "--use-installed-engine", "--devices", "2",
+              "--tensor-parallel-size", "2", "--max-num-seqs", "2", *COMMON)
+    wait_for(lambda: get_status(s.base + "/health") == 200, 600, "/health 200 with two engines of two ranks")
+    engines = engine_info(s.base)["engines"]
+    assert [e["tensor_parallel_size"] for e in engines] == [2, 2], engines
     client = openai.OpenAI(base_url=s.base + "/v1", api_key="unused", timeout=120, max_retries=0)
-    for prompt in ("The ocean covers", "Tell me a story"):
-        tokens, _, _, _ = direct_engine.decode(tokenizer.encode(prompt), 10)
-        reply = client.completions.create(model="chat", prompt=prompt, max_tokens=10)
-        assert reply.choices[0].text == tokenizer.decode(tokens, skip_special_tokens=True)
+    # Four at once: a request goes to the engine with the most free slots, so both engines answer.
+    prompts = ["The ocean covers", "Tell me a story", "Rivers run", "Mountains are"]
+    with ThreadPoolExecutor(4) as pool:
+        replies = list(pool.map(lambda p: client.completions.create(model="chat", prompt=p, max_tokens=30), prompts))
+    for prompt, reply in zip(prompts, replies):
+        tokens, _, _, _ = direct_engine.decode(tokenizer.encode(prompt), 30)
+        assert reply.choices[0].text == tokenizer.decode(tokens, skip_special_tokens=True), prompt
+    assert all(e["served"] >= 1 for e in engine_info(s.base)["engines"]), engine_info(s.base)
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
               "additionalProperties": False}
     reply = client.chat.completions.create(
@@ -278,8 +284,12 @@ def test_tensor_parallel_ranks_in_processes_answer_as_the_unsplit_engine_and_a_l
         response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}})
     assert set(json.loads(reply.choices[0].message.content)) == {"a"}
 
-    [rank1] = _rank_processes(s.proc.pid)
-    os.kill(rank1, signal.SIGKILL)
-    wait_for(lambda: get_status(s.base + "/health") == 503, 30, "/health 503 once rank 1 is gone")
+    first, second = _rank_processes(s.proc.pid)
+    os.kill(first, signal.SIGKILL)
+    wait_for(lambda: sum(bool(e["dead"]) for e in engine_info(s.base)["engines"]) == 1, 30, "one engine dead")
+    assert get_status(s.base + "/health") == 200
+    assert client.completions.create(model="chat", prompt="The ocean covers", max_tokens=10).choices[0].text
+    os.kill(second, signal.SIGKILL)
+    wait_for(lambda: get_status(s.base + "/health") == 503, 30, "/health 503 once every engine lost a rank")
     with pytest.raises(openai.APIError):
         client.completions.create(model="chat", prompt="The ocean covers", max_tokens=10)

@@ -362,7 +362,6 @@ class Engine:
         grammars: Grammars | None = None,
         prefix_caching: bool = True,
         tensor_parallel_size: int = 1,
-        shard_devices: list[torch.Tensor] | None = None,
         compiler: Callable[[str, Callable[[], list[torch.Tensor]]], Callable[[], list[torch.Tensor]]] | None = None,
         tensor_parallel_rank: int | None = None,
         tensor_parallel_group: str | None = None,
@@ -413,15 +412,12 @@ class Engine:
                 prompt's end; and at `Request.cache_boundary`), so a request can resume there; layout()["snapshot_bytes_per_slot"] gives their size.
                 Requests go to the free slot with the longest valid prefix, or the least recently
                 used one; without it, to the lowest free slot.
-            tensor_parallel_size: split the model over this many shards (vLLM's column- and
-                row-parallel layers): each holds its share of the attention heads (KV heads
-                replicated when there are fewer than shards), of every MLP's and expert's
-                intermediate features and of the vocabulary, and the KV rings of its heads; each
-                layer reduces the shards' partial outputs twice. Embeddings, norms, the per-layer
-                inputs and the router stay whole on `like`'s device.
-            shard_devices: one tensor per shard naming its device, the first on `like`'s (default: every
-                shard on `like`'s device, the CPU mode the tests run); the reductions copy partial outputs
-                to `like`'s device. CUDA graphs are off when the shards span devices.
+            tensor_parallel_size: split the model over this many ranks, a process each (vLLM's column- and
+                row-parallel layers): each holds its share of the attention heads (KV heads replicated when
+                there are fewer than ranks), of every MLP's and expert's intermediate features and of the
+                vocabulary, and the KV rings of its heads; embeddings, norms, the per-layer inputs and the
+                router are whole on every rank. Above 1 it needs tensor_parallel_rank and
+                tensor_parallel_group (gemma_engine.distributed.start starts the ranks).
             compiler: capture and compile each decode-step shape (gemma_engine.compiling.StepCompiler, or any
                 `compiler(step_name, run) -> replay` with a `backend_name`): a shape's first step runs
                 eagerly, its second is recorded (`run()` runs it) and compiled, later ones call `replay()`.
@@ -431,10 +427,11 @@ class Engine:
                 prompt read alone are captured the same way per length bucket (`chunk_buckets`), left-padded,
                 on one more row of KV rings the engine then holds (`layout()["kv_bytes"]` counts it).
             tensor_parallel_rank, tensor_parallel_group: together, this process holds shard
-                `tensor_parallel_rank` of `tensor_parallel_size` alone (the parts kept whole too), and its
-                layers' partial outputs meet the other ranks' in `_c10d_functional` all-reduces and an
-                all-gather of the logits over the torch.distributed group of that `group_name` (every rank
-                must then run the same engine calls: gemma_engine.distributed). No shard_devices.
+                `tensor_parallel_rank` of `tensor_parallel_size` (the parts kept whole too), and its layers'
+                partial outputs meet the other ranks' in `_c10d_functional` all-reduces (after attention and
+                after the MLP and experts) and an all-gather of the logits over the torch.distributed group
+                of that `group_name` (every rank must then run the same engine calls:
+                gemma_engine.distributed).
         Raises:
             ValueError: bad config key, missing or misshapen tensor (named, with
                 the expected shape), bad dtype, context, prefill_chunk or max_batch < 1,
@@ -443,11 +440,11 @@ class Engine:
                 in bfloat16, without its bfloat16 support, grammars of another vocab_size,
                 a tensor_parallel_size that does not divide the heads, KV heads (nor is a multiple of
                 them), intermediate sizes or vocabulary (the numbers named), a tensor_parallel_rank outside
-                0..tensor_parallel_size or without its group (or the group without it), shard_devices with a
-                rank,
+                0..tensor_parallel_size or without its group (or the group without it), a
+                tensor_parallel_size above 1 without a rank,
                 weights that the device's free memory cannot hold (estimated from the files' headers before
-                any is loaded: the first device keeps the embeddings, per-layer inputs, norms and routers
-                whole and its share of the rest), or a KV cache of max_batch x kv_bytes_per_slot (snapshots
+                any is loaded: a rank keeps the embeddings, per-layer inputs, norms and routers whole and its
+                share of the rest), or a KV cache of max_batch x kv_bytes_per_slot (snapshots
                 included) that does not fit in the
                 device's free memory after the weights (CPU: MemAvailable and the cgroup
                 limit; CUDA: torch.cuda.mem_get_info; other devices are not checked).
@@ -505,9 +502,8 @@ class Engine:
     def layout(self) -> dict[str, int | bool | None]:
         """{"full_rings", "sliding_rings", "shared_layers", "context", "sliding_window",
         "max_batch", "kv_bytes_per_slot", "kv_bytes", "prefix_caching", "snapshot_bytes_per_slot",
-        "tensor_parallel_size", "tensor_parallel_rank"}; with tensor parallelism the byte counts are those
-        of the shards this process holds: every shard's together, or a rank's own (tensor_parallel_rank, else
-        None).
+        "tensor_parallel_size", "tensor_parallel_rank"}; with tensor parallelism the byte counts are this
+        rank's (tensor_parallel_rank, else None).
 
         kv_bytes_per_slot = sum over the layers with their own K/V of
         2 * kv_heads * (ring + 1) * head_dim * dtype bytes (ring = context for full layers,

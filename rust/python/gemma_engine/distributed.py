@@ -10,6 +10,10 @@ over a control group, and `follow` makes every other rank's poll return it. A fo
 scheduler; it receives one small message a poll, as vLLM's workers execute the scheduler's output of each step
 (vllm/v1/executor/multiproc_executor.py broadcasts it to the workers through a shared-memory queue).
 
+Several engines in one process (a server's, one per group of devices) share one world: `start` makes this
+process rank 0 of each, every other rank a process of its own, and gives each engine its own collective and
+control groups (`members`), so one engine's steps never wait on another's.
+
 Failure: a rank that dies makes the next collective of every other rank fail (gloo: at once, "Connection reset
 by peer"; any backend: within the group's timeout), so the engine fails the requests it was running ("failed",
 with the reason) and the next broadcast raises out of `lead` and `follow`: the caller turns unready and restarts.
@@ -19,8 +23,9 @@ An idle rank 0 makes no collective; `Leader` watches its follower processes and 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
@@ -70,23 +75,16 @@ class Leader:
     thread at a time (the engine's worker), as they do to an Engine."""
 
     def __init__(self, engine: gemma_engine.Engine, followers: Sequence[Any] = (),
-                 control: dist.ProcessGroup | None = None):
+                 control: dist.ProcessGroup | None = None, on_closed: Callable[[], None] = lambda: None):
         self._engine, self._followers, self._control = engine, list(followers), control
-        self._closing = False
+        self._closing, self._on_closed = False, on_closed
         #: Called as on_lost(reason) from a watcher thread when a follower process exits before `close`: an idle
         #: engine would otherwise notice only at its next collective.
         self.on_lost: Callable[[str], None] | None = None
         if self._followers:
-            threading.Thread(target=self._watch, name="rank-watch", daemon=True).start()
-
-    def _watch(self) -> None:
-        from multiprocessing.connection import wait
-
-        [gone] = wait([p.sentinel for p in self._followers])[:1]
-        rank, p = next((r, p) for r, p in enumerate(self._followers, 1) if p.sentinel == gone)
-        p.join(1)
-        if not self._closing and self.on_lost is not None:
-            self.on_lost(f"tensor-parallel rank {rank} exited (code {p.exitcode})")
+            # A weak reference: the engine must be dropped on the thread that made it, not on the watcher's.
+            threading.Thread(target=_watch, args=(weakref.ref(self), self._followers), name="rank-watch",
+                             daemon=True).start()
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._engine, name)
@@ -115,7 +113,19 @@ class Leader:
             p.join(timeout)
             if p.is_alive():
                 p.kill()
-        dist.destroy_process_group()
+        self._on_closed()
+
+
+def _watch(leader: weakref.ref, followers: list[Any]) -> None:
+    """Wait for the first follower process to exit; tell the leader's `on_lost` unless it is closing or gone."""
+    from multiprocessing.connection import wait
+
+    [gone] = wait([p.sentinel for p in followers])[:1]
+    rank, p = next((r, p) for r, p in enumerate(followers, 1) if p.sentinel == gone)
+    p.join(1)
+    alive = leader()
+    if alive is not None and not alive._closing and alive.on_lost is not None:
+        alive.on_lost(f"tensor-parallel rank {rank} exited (code {p.exitcode})")
 
 
 def serve(engine: gemma_engine.Engine, control: dist.ProcessGroup | None = None) -> None:
@@ -128,11 +138,11 @@ def serve(engine: gemma_engine.Engine, control: dist.ProcessGroup | None = None)
             getattr(engine, name)(*args, **kwargs)
 
 
-def make_engine(recipe: dict[str, Any], rank: int, world: int, **overrides) -> gemma_engine.Engine:
-    """Rank `rank`'s engine from `recipe` (picklable: it crosses to the follower processes): "model_dir", "emb_dir",
-    "devices" (one per rank), "engine" (Engine's other keyword arguments), "grammars" ((tokenizer.json, eos ids,
-    vocab size) or None) and "compile_backend" (a StepCompiler backend or None). `overrides` replace what the
-    recipe makes (rank 0's own grammars and compiler)."""
+def make_engine(recipe: dict[str, Any], rank: int, group: dist.ProcessGroup, **overrides) -> gemma_engine.Engine:
+    """Shard `rank` of the engine `recipe` describes (picklable: it crosses to the follower processes): "model_dir",
+    "emb_dir", "devices" (one per rank), "engine" (Engine's other keyword arguments), "grammars" ((tokenizer.json,
+    eos ids, vocab size) or None) and "compile_backend" (a StepCompiler backend or None); its collectives run over
+    `group`. `overrides` replace what the recipe makes (rank 0's own grammars and compiler)."""
     import torch
 
     made: dict[str, Any] = {}
@@ -145,7 +155,7 @@ def make_engine(recipe: dict[str, Any], rank: int, world: int, **overrides) -> g
     made.update(overrides)
     return gemma_engine.Engine(
         recipe["model_dir"], recipe.get("emb_dir"), torch.zeros(1, device=recipe["devices"][rank]),
-        tensor_parallel_size=world, tensor_parallel_rank=rank, tensor_parallel_group=dist.group.WORLD.group_name,
+        tensor_parallel_size=len(recipe["devices"]), tensor_parallel_rank=rank, tensor_parallel_group=group.group_name,
         **recipe["engine"], **made)
 
 
@@ -155,32 +165,75 @@ def make_engine(recipe: dict[str, Any], rank: int, world: int, **overrides) -> g
 CONTROL_TIMEOUT_S = 7 * 24 * 3600
 
 
-def _init(rank: int, world: int, init_method: str, backend: str, timeout_s: float) -> dist.ProcessGroup:
-    """Join the group (its collectives bounded by `timeout_s`); returns the control group for the pickled messages
-    (gloo, bounded by CONTROL_TIMEOUT_S)."""
+def members(sizes: Sequence[int]) -> list[list[int]]:
+    """The global ranks of each engine of `sizes` ranks in one world: this process, global rank 0, is every engine's
+    rank 0; engine g's other ranks follow engine g-1's. `members([2, 2]) == [[0, 1], [0, 2]]`."""
+    out, next_rank = [], 1
+    for n in sizes:
+        out.append([0, *range(next_rank, next_rank + n - 1)])
+        next_rank += n - 1
+    return out
+
+
+def _join(rank: int, sizes: Sequence[int], init_method: str, backend: str,
+          timeout_s: float) -> list[tuple[dist.ProcessGroup, dist.ProcessGroup]]:
+    """Join the world as global rank `rank` and make every engine's groups, as every process must, in the same
+    order: (its collectives' group, over `backend` and bounded by `timeout_s`; its control group for the pickled
+    messages, gloo, bounded by CONTROL_TIMEOUT_S)."""
     from datetime import timedelta
 
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+    ranks = members(sizes)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=1 + sum(n - 1 for n in sizes),
                             timeout=timedelta(seconds=timeout_s))
-    return dist.new_group(backend="gloo", timeout=timedelta(seconds=CONTROL_TIMEOUT_S))
+    return [(dist.new_group(m, backend=backend, timeout=timedelta(seconds=timeout_s)),
+             dist.new_group(m, backend="gloo", timeout=timedelta(seconds=CONTROL_TIMEOUT_S))) for m in ranks]
 
 
-def _follower(rank: int, world: int, init_method: str, backend: str, timeout_s: float, recipe: dict) -> None:
-    control = _init(rank, world, init_method, backend, timeout_s)
-    serve(make_engine(recipe, rank, world), control)
+def _follower(rank: int, init_method: str, backend: str, timeout_s: float, recipes: list[dict]) -> None:
+    sizes = [len(r["devices"]) for r in recipes]
+    groups = _join(rank, sizes, init_method, backend, timeout_s)
+    g = next(g for g, m in enumerate(members(sizes)) if rank in m)
+    collectives, control = groups[g]
+    serve(make_engine(recipes[g], members(sizes)[g].index(rank), collectives), control)
 
 
-def start(recipe: dict[str, Any], world: int, init_method: str, backend: str = "gloo", timeout_s: float = 600.0,
-          **overrides) -> Leader:
-    """Start ranks 1..world-1 as processes of their own, join them as rank 0 in this process, and return rank 0's
-    engine as a `Leader` (`make_engine` for the recipe; `overrides` for rank 0's engine alone). `timeout_s` bounds
-    every collective: a rank that hangs fails the others' within it."""
+class Started(NamedTuple):
+    """One engine's rank 0 seat in a started world (`start`): its recipe, follower processes and groups."""
+    recipe: dict[str, Any]
+    followers: list[Any]
+    collectives: dist.ProcessGroup
+    control: dist.ProcessGroup
+    on_closed: Callable[[], None]
+
+    def lead(self, **overrides) -> Leader:
+        """Rank 0's engine (`overrides`: its own arguments, such as its grammars and compiler) as a `Leader`. Call it
+        on the thread that will use the engine: an Engine stays on the thread that made it."""
+        engine = make_engine(self.recipe, 0, self.collectives, **overrides)
+        return Leader(engine, self.followers, self.control, self.on_closed)
+
+
+def start(recipes: Sequence[dict[str, Any]], init_method: str, backend: str = "gloo",
+          timeout_s: float = 600.0) -> list[Started]:
+    """Start every engine `recipes` describe (`make_engine`; as many ranks as its devices) in one world: this process
+    is rank 0 of each, and every other rank a process of its own, started here, that loads its shard and serves.
+    Returns each engine's seat, whose `lead` makes rank 0's engine; the last `Leader` closed leaves the world.
+    `timeout_s` bounds every collective: a rank that hangs fails the others' within it."""
     import multiprocessing
 
+    sizes = [len(r["devices"]) for r in recipes]
     ctx = multiprocessing.get_context("spawn")
-    followers = [ctx.Process(target=_follower, args=(r, world, init_method, backend, timeout_s, recipe), daemon=True)
-                 for r in range(1, world)]
-    for p in followers:
+    followers = {r: ctx.Process(target=_follower, args=(r, init_method, backend, timeout_s, list(recipes)),
+                                daemon=True) for m in members(sizes) for r in m[1:]}
+    for p in followers.values():
         p.start()
-    control = _init(0, world, init_method, backend, timeout_s)
-    return Leader(make_engine(recipe, 0, world, **overrides), followers, control)
+    groups = _join(0, sizes, init_method, backend, timeout_s)
+    open_leaders, lock = [len(recipes)], threading.Lock()
+
+    def closed() -> None:
+        with lock:
+            open_leaders[0] -= 1
+            if open_leaders[0] == 0:
+                dist.destroy_process_group()
+
+    return [Started(recipe, [followers[r] for r in m[1:]], collectives, control, closed)
+            for recipe, m, (collectives, control) in zip(recipes, members(sizes), groups)]

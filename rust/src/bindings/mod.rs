@@ -367,7 +367,7 @@ impl Engine {
     #[new]
     #[pyo3(signature = (model_dir, emb_dir=None, like=None, context=8192, dtype="bfloat16", prefill_chunk=256,
                         max_batch=1, packed_int4=None, cuda_graphs=true, onednn=None, grammars=None,
-                        prefix_caching=true, tensor_parallel_size=1, shard_devices=None, compiler=None,
+                        prefix_caching=true, tensor_parallel_size=1, compiler=None,
                         tensor_parallel_rank=None, tensor_parallel_group=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -385,7 +385,6 @@ impl Engine {
         grammars: Option<Py<PyGrammars>>,
         prefix_caching: bool,
         tensor_parallel_size: i64,
-        shard_devices: Option<Vec<Bound<'_, PyAny>>>,
         compiler: Option<Py<PyAny>>,
         tensor_parallel_rank: Option<i64>,
         tensor_parallel_group: Option<String>,
@@ -413,10 +412,6 @@ impl Engine {
             },
             chunk_row: compiler.is_some(),
         };
-        let shard_likes = match shard_devices {
-            None => None,
-            Some(l) => Some(l.iter().map(|t| tensor_arg(t, "shard_devices")).collect::<PyResult<Vec<_>>>()?),
-        };
         let (like, like_py) = match like {
             Some(t) => (tensor_arg(t, "like")?, t.clone().unbind()),
             None => {
@@ -427,10 +422,8 @@ impl Engine {
         };
         let inner = py.detach(|| {
             no_grad(|| {
-                engine::Engine::load(&model_dir, emb_dir.as_deref(), like, shard_likes, settings, || {
-                    free_bytes(&like_py)
-                })?
-                .with_grammars(grammars)
+                engine::Engine::load(&model_dir, emb_dir.as_deref(), like, settings, || free_bytes(&like_py))?
+                    .with_grammars(grammars)
             })
         })?;
         Ok(Engine { inner: inner.with_compiler(compiler.map(compiler::boxed)) })

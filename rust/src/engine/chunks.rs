@@ -28,10 +28,9 @@
 use super::Engine;
 use crate::error::{Error, Result};
 use crate::gemma4::attention::{Fill, Liveness, Positions};
-use crate::gemma4::cache::{Rows, held_before};
+use crate::gemma4::cache::{KvCache, Rows, held_before};
 use crate::gemma4::config::LayerType;
 use crate::gemma4::model::{Model, Output};
-use crate::gemma4::parallel::ShardedCache;
 use crate::tensor::{DType, Tensor};
 
 /// The smallest chunk bucket: shorter chunks run padded to it.
@@ -127,7 +126,7 @@ impl Engine {
 /// The device work of a compiled chunk: the forward of `inputs` (`packed`) on the chunk row `row`.
 fn chunk_forward(
     model: &mut Model,
-    cache: &mut ShardedCache,
+    cache: &mut KvCache,
     inputs: &Tensor,
     key: ChunkKey,
     ring: i64,

@@ -10,11 +10,11 @@ fn mib(b: i64) -> f64 {
     b as f64 / (1 << 20) as f64
 }
 
-/// Refuse weights that cannot fit in `free` bytes of the first device, where `shards` tensor-parallel
-/// shards put the whole parts and their shares of the split ones (`local`: every shard is on that device).
-pub fn check_weights(w: &WeightsEstimate, shards: i64, local: bool, free: Option<i64>) -> Result<()> {
+/// Refuse weights that cannot fit in `free` bytes of the device, where a rank of `shards` tensor-parallel
+/// ranks puts the whole parts and its share of the split ones.
+pub fn check_weights(w: &WeightsEstimate, shards: i64, free: Option<i64>) -> Result<()> {
     let Some(free) = free else { return Ok(()) };
-    let split = if local { w.split } else { w.split / shards };
+    let split = w.split / shards;
     let need = w.whole + split;
     if need <= free {
         return Ok(());
@@ -26,7 +26,7 @@ pub fn check_weights(w: &WeightsEstimate, shards: i64, local: bool, free: Option
          with more memory",
         mib(need),
         mib(split),
-        if local || shards == 1 { String::new() } else { format!(", its share over {shards} devices") },
+        if shards == 1 { String::new() } else { format!(", its share over {shards} devices") },
         mib(w.whole),
         mib(free)
     )))
@@ -58,12 +58,12 @@ mod tests {
     #[test]
     fn weights_over_the_free_memory_are_refused_naming_both() {
         let w = WeightsEstimate { whole: 100 << 20, split: 400 << 20 };
-        assert!(check_weights(&w, 1, true, None).is_ok());
-        assert!(check_weights(&w, 1, true, Some(500 << 20)).is_ok());
-        let err = check_weights(&w, 1, true, Some(499 << 20)).unwrap_err().to_string();
+        assert!(check_weights(&w, 1, None).is_ok());
+        assert!(check_weights(&w, 1, Some(500 << 20)).is_ok());
+        let err = check_weights(&w, 1, Some(499 << 20)).unwrap_err().to_string();
         assert!(err.contains("500.0 MiB") && err.contains("499.0 MiB free") && err.contains("tensor_parallel_size"));
-        // Over 4 devices the first holds the whole parts and a quarter of the rest.
-        assert!(check_weights(&w, 4, false, Some(200 << 20)).is_ok());
-        assert!(check_weights(&w, 4, true, Some(200 << 20)).is_err());
+        // A rank of 4 holds the whole parts and a quarter of the rest.
+        assert!(check_weights(&w, 4, Some(200 << 20)).is_ok());
+        assert!(check_weights(&w, 4, Some(199 << 20)).is_err());
     }
 }

@@ -99,10 +99,10 @@ use crate::engine::slots::Slots;
 use crate::engine::step::{Graphs, StepKey, step};
 use crate::error::{Error, Result};
 use crate::gemma4::attention::{Fill, Liveness, Positions};
-use crate::gemma4::cache::Rows;
+use crate::gemma4::cache::{CacheSize, KvCache, Rows};
 use crate::gemma4::config::{Config, LayerType};
 use crate::gemma4::model::{Model, Output};
-use crate::gemma4::parallel::{ShardedCache, Split, check_divisible, on_one_device};
+use crate::gemma4::parallel::{Split, check_divisible, shard_config};
 use crate::gemma4::weights::{Loaded, Weights};
 use crate::tensor::{CudaGraph, DType, Tensor};
 
@@ -122,7 +122,7 @@ pub struct Engine {
     loaded: Loaded,
     /// Why dense weights are not on oneDNN, where they are not (`WeightsInfo::linear_note`).
     linear_note: Option<String>,
-    cache: ShardedCache,
+    cache: KvCache,
     sampler: Sampler,
     like: Tensor,
     context: i64,
@@ -152,16 +152,14 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Load `model_dir` (and the vocabulary tables of `emb_dir`) onto `like`'s device, its
-    /// tensor-parallel shards onto `shard_likes`' (`Settings::tensor_parallel_size` of them, the first on
-    /// `like`'s device, which holds the parts kept whole; None: all on `like`'s). `free` reads the bytes free
-    /// on `like`'s device (None: unknown, nothing is checked): before the weights are loaded they must fit
-    /// it, and after, the KV cache what is left (memory.rs).
+    /// Load `model_dir` (and the vocabulary tables of `emb_dir`) onto `like`'s device: the whole model, or
+    /// with `Settings::rank` this rank's shard of it (gemma4/parallel.rs). `free` reads the bytes free on
+    /// `like`'s device (None: unknown, nothing is checked): before the weights are loaded they must fit it,
+    /// and after, the KV cache what is left (memory.rs).
     pub fn load(
         model_dir: &Path,
         emb_dir: Option<&Path>,
         like: Tensor,
-        shard_likes: Option<Vec<Tensor>>,
         settings: Settings,
         free: impl Fn() -> Result<Option<i64>>,
     ) -> Result<Engine> {
@@ -171,51 +169,27 @@ impl Engine {
         check_divisible(&cfg, n)?;
         let device = like.device()?;
         let split = match &settings.rank {
-            None => Split::InProcess { size: n },
-            Some(r) => Split::Rank { rank: r.rank, size: n, group: r.group.clone() },
+            None => Split::whole(),
+            Some(r) => Split::rank(r.rank, n, r.group.clone()),
         };
-        let held = split.shards().len();
-        let shard_likes = match shard_likes {
-            Some(_) if settings.rank.is_some() => {
-                return Err(Error::Input("a tensor-parallel rank holds one shard, on `like`'s device".into()));
-            }
-            None => (0..held).map(|_| like.shallow_clone()).collect::<Result<Vec<_>>>()?,
-            Some(l) if l.len() as i64 != n => {
-                return Err(Error::Input(format!("{} shard devices for tensor_parallel_size {n}", l.len())));
-            }
-            Some(l) if l[0].device()? != device => {
-                return Err(Error::Input(format!(
-                    "the first shard device must be `like`'s ({device}): it holds the embeddings and the sampler"
-                )));
-            }
-            Some(l) => l,
-        };
-        // A rank holds one shard of n (its device's share), as a shard on a device of its own does.
-        let local = settings.rank.is_none() && on_one_device(&shard_likes)?;
         // Opening reads the files' headers only: the weights are checked before any is loaded.
-        let shards = shard_likes
-            .iter()
-            .map(|l| {
-                let kernels = settings.kernels();
-                Weights::open(model_dir, emb_dir, cfg.quant.clone(), l.shallow_clone()?, settings.dtype, kernels)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        memory::check_weights(&shards[0].estimate(), n, local, free()?)?;
-        let model = Model::load(cfg, &shards, split.clone(), settings.context)?;
-        let loaded = shards.iter().map(Weights::loaded).reduce(Loaded::plus).unwrap_or_default();
+        let (dtype, kernels) = (settings.dtype, settings.kernels());
+        let weights = Weights::open(model_dir, emb_dir, cfg.quant.clone(), like.shallow_clone()?, dtype, kernels)?;
+        memory::check_weights(&weights.estimate(), n, free()?)?;
+        let model = Model::load(cfg, &weights, split.clone(), settings.context)?;
+        let loaded = weights.loaded();
         let linear_note = if loaded.onednn { None } else { settings.kernels().onednn_note(settings.dtype, &device) };
         let b = settings.max_batch;
         let caching = settings.prefix_caching;
-        let (context, dtype, row) = (settings.context, settings.dtype, settings.chunk_row);
-        let per_shard = ShardedCache::size_per_shard(&model.cfg, n, context, b, dtype, caching, row);
-        memory::check_cache(&if local { per_shard.times(n) } else { per_shard }, context, free()?)?;
-        let cache = ShardedCache::new(&model.cfg, context, b, &shard_likes, &split, dtype, caching, row)?;
+        let (context, row) = (settings.context, settings.chunk_row);
+        let shard = shard_config(&model.cfg, split.tp);
+        memory::check_cache(&CacheSize::of(&shard, context, b, dtype, caching, row), context, free()?)?;
+        let cache = KvCache::new(&shard, context, b, &like, dtype, caching, row)?;
         let sampler = Sampler::new(b, model.cfg.vocab_size, &like)?;
         let slots = Slots::new(b, model.cfg.vocab_size, &like)?;
         let prefix = caching.then(|| PrefixCache::new(b as usize, cache.ring(LayerType::Sliding) as usize));
-        // A captured graph replays one device's work; shards on several devices run eagerly.
-        let graphs = (settings.cuda_graphs && device.starts_with("cuda") && local && CudaGraph::available())
-            .then(Graphs::default);
+        let graphs =
+            (settings.cuda_graphs && device.starts_with("cuda") && CudaGraph::available()).then(Graphs::default);
         Ok(Engine {
             graphs,
             compiled: None,
@@ -347,17 +321,15 @@ impl Engine {
 
     pub fn layout(&self) -> Layout {
         let cfg = &self.model.cfg;
-        let (split, held) = (self.model.split(), self.cache.shards.len() as i64);
-        let size = ShardedCache::size_per_shard(
-            cfg,
-            split.size(),
+        let split = self.model.split();
+        let size = CacheSize::of(
+            &shard_config(cfg, split.tp),
             self.context,
             self.max_batch,
             self.model.dtype(),
             self.prefix.is_some(),
             self.cache.chunk_row().is_some(),
-        )
-        .times(held);
+        );
         Layout {
             full_rings: self.cache.own_rings(LayerType::Full, cfg),
             sliding_rings: self.cache.own_rings(LayerType::Sliding, cfg),
@@ -370,7 +342,7 @@ impl Engine {
             prefix_caching: self.prefix.is_some(),
             snapshot_bytes_per_slot: size.snapshot_bytes_per_slot,
             tensor_parallel_size: split.size(),
-            tensor_parallel_rank: split.rank(),
+            tensor_parallel_rank: split.rank_in_group(),
         }
     }
 

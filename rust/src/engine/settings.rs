@@ -17,8 +17,7 @@ pub struct Layout {
     pub kv_bytes: i64,
     pub prefix_caching: bool,
     pub snapshot_bytes_per_slot: i64,
-    /// Shards the model is split over (the byte counts are those this process holds: every shard's, or a
-    /// rank's own).
+    /// Ranks the model is split over (the byte counts are this process's).
     pub tensor_parallel_size: i64,
     /// The shard this process holds when it is one rank of a group of processes.
     pub tensor_parallel_rank: Option<i64>,
@@ -58,10 +57,10 @@ pub struct Settings {
     pub onednn: Option<bool>,
     /// Reuse the keys of earlier requests (prefix.rs); the cache then holds each slot's snapshots.
     pub prefix_caching: bool,
-    /// Shards the model is split over (gemma4/parallel.rs); 1 for none.
+    /// Ranks the model is split over (gemma4/parallel.rs), a process each; 1 for none.
     pub tensor_parallel_size: i64,
-    /// Some: this process holds one shard, `rank` of `tensor_parallel_size`, and its layers' partial
-    /// outputs meet the other ranks' in collectives (`Split::Rank`); None: every shard in this process.
+    /// This process's place among them (required above 1): it holds shard `rank` of
+    /// `tensor_parallel_size`, and its layers' partial outputs meet the other ranks' in collectives.
     pub rank: Option<Rank>,
     /// Hold one more row of rings, where compiled prompt chunks run (engine/chunks.rs): set for an
     /// engine that gets a compiler.
@@ -77,11 +76,18 @@ impl Settings {
                 return Err(Error::Input(format!("{name} must be >= 1, got {v}")));
             }
         }
-        if let Some(r) = &self.rank {
-            let n = self.tensor_parallel_size;
-            if !(0..n).contains(&r.rank) {
+        let n = self.tensor_parallel_size;
+        match &self.rank {
+            Some(r) if !(0..n).contains(&r.rank) => {
                 return Err(Error::Input(format!("tensor_parallel_rank must be in 0..{n}, got {}", r.rank)));
             }
+            None if n > 1 => {
+                return Err(Error::Input(format!(
+                    "tensor_parallel_size {n} runs a process per shard: give each its tensor_parallel_rank and \
+                     tensor_parallel_group (gemma_engine.distributed.start starts them)"
+                )));
+            }
+            _ => {}
         }
         Ok(())
     }

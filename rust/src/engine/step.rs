@@ -9,9 +9,8 @@ use crate::engine::sampling::{Chosen, Sampler, Stages};
 use crate::engine::slots::Slots;
 use crate::error::{Error, Result};
 use crate::gemma4::attention::{Fill, Liveness, Positions};
-use crate::gemma4::cache::Rows;
+use crate::gemma4::cache::{KvCache, Rows};
 use crate::gemma4::model::{Model, Output};
-use crate::gemma4::parallel::ShardedCache;
 use crate::tensor::{CudaGraph, Tensor};
 
 /// The decode-step batch sizes: powers of two below `max_batch`, and `max_batch`.
@@ -92,7 +91,7 @@ impl StepViews {
 /// each slot's next token, position and sampling state. Returns what it chose.
 pub(super) fn step(
     model: &mut Model,
-    cache: &mut ShardedCache,
+    cache: &mut KvCache,
     sampler: &mut Sampler,
     slots: &mut Slots,
     key: StepKey,

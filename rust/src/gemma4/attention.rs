@@ -27,7 +27,7 @@ use crate::gemma4::cache::{KvCache, Rows, held_before};
 use crate::gemma4::config::{Config, LayerSpec, LayerType};
 use crate::gemma4::linear::Linear;
 use crate::gemma4::norm::RmsNorm;
-use crate::gemma4::parallel::Tp;
+use crate::gemma4::parallel::Split;
 use crate::gemma4::rope::{Rope, RopeAt};
 use crate::gemma4::scratch::Scratch;
 use crate::gemma4::weights::{Slice, Weights};
@@ -89,12 +89,6 @@ impl Positions {
         })
     }
 
-    /// The same positions on `like`'s device (a tensor-parallel shard's).
-    pub fn on(&self, like: &Tensor) -> Result<Positions> {
-        let held = self.held.as_ref().map(|h| h.to_like(like, DType::I64)).transpose()?;
-        Ok(Positions { held, ..Positions::new(&self.grid.to_like(like, DType::I64)?)? })
-    }
-
     /// Positions `start..end` of one row, on the device of `like`, whose sliding rings hold `ring`
     /// entries.
     pub fn chunk(start: i64, end: i64, ring: i64, like: &Tensor) -> Result<Positions> {
@@ -122,16 +116,6 @@ pub struct Writes {
 pub enum Liveness {
     AllLive,
     Padding(Tensor),
-}
-
-impl Liveness {
-    /// The same marks on `like`'s device (a tensor-parallel shard's).
-    pub fn on(&self, like: &Tensor) -> Result<Liveness> {
-        Ok(match self {
-            Liveness::AllLive => Liveness::AllLive,
-            Liveness::Padding(live) => Liveness::Padding(live.to_like(like, DType::Bool)?),
-        })
-    }
 }
 
 impl Writes {
@@ -274,7 +258,9 @@ pub struct Attention {
     kv: Option<QkvNorms>,
     /// The layer whose keys a KV-shared layer reads.
     donor: Option<usize>,
+    /// Row-parallel: this rank's query heads' input columns; `split` sums the ranks' outputs.
     o_proj: Linear,
+    split: Split,
     num_heads: i64,
     num_kv_heads: i64,
     head_dim: i64,
@@ -293,9 +279,10 @@ fn heads_first(y: &Tensor, rows: i64, t: i64, heads: i64, d: i64) -> Result<Tens
 }
 
 impl Attention {
-    /// Tensor-parallel shard `tp`'s heads (parallel.rs): its query heads and the KV heads they read
-    /// (q/k/v column-parallel), and o_proj's columns for those query heads (row-parallel).
-    pub fn load(w: &Weights, cfg: &Config, spec: &LayerSpec, prefix: &str, tp: Tp) -> Result<Attention> {
+    /// This rank's heads (parallel.rs): its query heads and the KV heads they read (q/k/v
+    /// column-parallel), and o_proj's columns for those query heads (row-parallel).
+    pub fn load(w: &Weights, cfg: &Config, spec: &LayerSpec, prefix: &str, split: &Split) -> Result<Attention> {
+        let tp = split.tp;
         let (h, d, all_heads, all_kv) = (cfg.hidden_size, spec.head_dim, cfg.num_heads, spec.num_kv_heads);
         let (nh, (kv0, nkv)) = (all_heads / tp.size, tp.kv_heads(all_heads, all_kv));
         let eps = cfg.rms_norm_eps;
@@ -338,6 +325,7 @@ impl Attention {
             kv,
             donor: spec.kv_source,
             o_proj: w.linear_slice(&name("o_proj"), h, all_heads * d, tp.cols(all_heads * d))?,
+            split: split.clone(),
             num_heads: nh,
             num_kv_heads: nkv,
             head_dim: d,
@@ -402,7 +390,7 @@ impl Attention {
         };
         let out = Tensor::sdpa(&q, &k_all, &v_all, &plan.mask, 1.0)?; // [rows, heads, T, d]
         let out = if t == 1 { out.reshape(&[n, nh * d])? } else { out.transpose(1, 2)?.reshape(&[n * t, nh * d])? };
-        self.o_proj.forward(&out)
+        self.split.sum(self.o_proj.forward(&out)?)
     }
 
     /// A one-token forward's q/k/v on a layer with its own keys, through `scratch`: writes the keys

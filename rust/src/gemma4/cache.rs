@@ -144,15 +144,6 @@ impl CacheSize {
     pub fn chunk_row_bytes(&self) -> i64 {
         if self.chunk_row { self.bytes_per_slot - self.snapshot_bytes_per_slot } else { 0 }
     }
-
-    /// `n` such caches together (tensor-parallel shards on one device).
-    pub fn times(&self, n: i64) -> CacheSize {
-        CacheSize {
-            bytes_per_slot: self.bytes_per_slot * n,
-            snapshot_bytes_per_slot: self.snapshot_bytes_per_slot * n,
-            ..*self
-        }
-    }
 }
 
 /// Ring entries per layer type: sliding rings hold the window, full rings the context.
@@ -280,9 +271,7 @@ impl KvCache {
     /// Copy slot `from`'s rings and snapshots to slot `to`, whole rows (a follower of an `n > 1`
     /// prompt, or a prefix-cache hit moved to another slot).
     pub fn copy_slot(&mut self, from: i64, to: i64) -> Result<()> {
-        for l in self.layers.iter().flatten() {
-            l.kv.narrow(0, to, 1)?.copy_(&l.kv.narrow(0, from, 1)?)?;
-        }
+        self.copy_rings(from, to)?;
         for snap in self.snaps.iter().flatten() {
             snap.narrow(0, to * SNAPSHOTS, SNAPSHOTS)?.copy_(&snap.narrow(0, from * SNAPSHOTS, SNAPSHOTS)?)?;
         }

@@ -1,9 +1,9 @@
 //! `DecoderLayer` (M:1355-1441): attention and MLP blocks with pre- and post-norms, the
 //! per-layer-embedding (PLE) gate, `layer_scalar` on the whole residual stream, and in MoE models
 //! the experts beside the MLP (moe.rs), each branch under its own post-norm before they are summed.
-//! Attention, the MLP and the experts are split over the tensor-parallel shards (parallel.rs): the
-//! layer runs each shard's part and reduces the partial outputs, once after attention and once after
-//! the MLP and the experts.
+//! Under tensor parallelism (parallel.rs) attention and the MLP hold this rank's part and return the
+//! sum over the ranks; in an MoE layer the MLP and the experts return partial sums that the layer adds
+//! up in one collective, side by side.
 //!
 //! In float32 (`Weights::folds`) the layer's last step, `(x + norm(h)) * s` with `s = layer_scalar`,
 //! is one call, `add(norm'(h), x, alpha=s)`, where `norm'` is the last norm with its weight times `s`
@@ -25,8 +25,9 @@ use crate::tensor::Tensor;
 /// The experts branch of an MoE layer and the norms that frame the two branches (M:1377-1382).
 struct MoeBranch {
     routing: Routing,
-    /// Per shard.
-    experts: Vec<Experts>,
+    experts: Experts,
+    /// Sums the MLP's and the experts' partial outputs over the ranks, in one collective.
+    split: Split,
     /// After the dense MLP (`post_feedforward_layernorm_1`).
     post_mlp_norm: RmsNorm,
     /// After the experts (`post_feedforward_layernorm_2`).
@@ -44,38 +45,23 @@ pub struct DecoderLayer {
     pub spec: LayerSpec,
     index: usize,
     input_layernorm: RmsNorm,
-    /// Per tensor-parallel shard, as `mlp`.
-    self_attn: Vec<Attention>,
+    self_attn: Attention,
     post_attention_layernorm: RmsNorm,
     pre_feedforward_layernorm: RmsNorm,
-    mlp: Vec<Mlp>,
+    mlp: Mlp,
     post_feedforward_layernorm: RmsNorm,
     moe: Option<MoeBranch>,
     per_layer: Option<PerLayerInput>,
     layer_scalar: Scalar,
 }
 
-/// What one tensor-parallel shard of a forward works with: its plan, KV rings, the keys its layers
-/// attended to, its one-token buffers, and its device.
-pub struct ShardIo<'a> {
+/// What a forward's layers work with besides the hidden states: the attention plan of the layer's type,
+/// the KV rings, the keys the layers attended to, and the one-token buffers.
+pub struct LayerIo<'a> {
     pub plan: &'a Plan,
     pub cache: &'a mut KvCache,
     pub attended: &'a mut Attended,
     pub scratch: Option<&'a mut Scratch>,
-    pub like: &'a Tensor,
-    /// On the first shard's device: nothing is copied to or from it.
-    pub local: bool,
-}
-
-impl ShardIo<'_> {
-    /// `x` on this shard's device.
-    fn input(&self, x: &Tensor) -> Result<Tensor> {
-        if self.local {
-            x.shallow_clone()
-        } else {
-            x.to_like(self.like, x.kind()?.unwrap_or(crate::tensor::DType::F32))
-        }
-    }
 }
 
 /// How the layer applies `layer_scalar`.
@@ -97,9 +83,8 @@ impl Scalar {
 }
 
 impl DecoderLayer {
-    /// `shards` each shard's weights; the first also loads the parts kept whole.
-    pub fn load(shards: &[Weights], split: &Split, cfg: &Config, i: usize) -> Result<DecoderLayer> {
-        let w = shards.first().ok_or_else(|| crate::error::Error::Internal("a layer of no shards".into()))?;
+    /// Layer `i`, this rank's part of it (`split`).
+    pub fn load(w: &Weights, split: &Split, cfg: &Config, i: usize) -> Result<DecoderLayer> {
         let spec = cfg.layers[i].clone();
         let p = format!("layers.{i}");
         let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
@@ -122,15 +107,11 @@ impl DecoderLayer {
             None
         };
         let post_feedforward_layernorm = norm("post_feedforward_layernorm")?;
-        let group = split.shards();
         let moe = match &cfg.moe {
             Some(spec) => Some(MoeBranch {
                 routing: Routing::load(w, &p, h, eps, spec)?,
-                experts: group
-                    .iter()
-                    .zip(shards)
-                    .map(|(tp, sw)| Experts::load(sw, &p, h, spec, *tp))
-                    .collect::<Result<_>>()?,
+                experts: Experts::load(w, &p, h, spec, split.tp)?,
+                split: split.clone(),
                 post_mlp_norm: norm("post_feedforward_layernorm_1")?,
                 post_moe_norm: norm("post_feedforward_layernorm_2")?,
             }),
@@ -138,18 +119,10 @@ impl DecoderLayer {
         };
         Ok(DecoderLayer {
             input_layernorm: norm("input_layernorm")?,
-            self_attn: group
-                .iter()
-                .zip(shards)
-                .map(|(tp, sw)| Attention::load(sw, cfg, &spec, &format!("{p}.self_attn"), *tp))
-                .collect::<Result<_>>()?,
+            self_attn: Attention::load(w, cfg, &spec, &format!("{p}.self_attn"), split)?,
             post_attention_layernorm: norm("post_attention_layernorm")?,
             pre_feedforward_layernorm: norm("pre_feedforward_layernorm")?,
-            mlp: group
-                .iter()
-                .zip(shards)
-                .map(|(tp, sw)| Mlp::load(sw, &format!("{p}.mlp"), h, spec.intermediate_size, *tp))
-                .collect::<Result<_>>()?,
+            mlp: Mlp::load(w, &format!("{p}.mlp"), h, spec.intermediate_size, split, cfg.moe.is_none())?,
             post_feedforward_layernorm: match per_layer {
                 Some(_) => post_feedforward_layernorm,
                 None => last(post_feedforward_layernorm)?,
@@ -165,61 +138,36 @@ impl DecoderLayer {
         })
     }
 
-    /// `xs` `[rows * T, hidden]`; `ple` this layer's per-layer input `[rows * T, P]`; `io` one entry
-    /// per shard (the first on `xs`'s device).
-    pub fn forward(
-        &self,
-        xs: &Tensor,
-        ple: Option<&Tensor>,
-        rows: Rows,
-        io: &mut [ShardIo],
-        split: &Split,
-    ) -> Result<Tensor> {
+    /// `xs` `[rows * T, hidden]`; `ple` this layer's per-layer input `[rows * T, P]`.
+    pub fn forward(&self, xs: &Tensor, ple: Option<&Tensor>, rows: Rows, io: LayerIo) -> Result<Tensor> {
         let residual = xs;
         let normed = self.input_layernorm.forward(xs)?;
-        let local = io.iter().all(|s| s.local);
-        let attended = self
-            .self_attn
-            .iter()
-            .zip(io.iter_mut())
-            .map(|(a, s)| {
-                let x = s.input(&normed)?;
-                a.forward(&x, s.plan, self.index, rows, s.cache, s.attended, s.scratch.as_deref_mut())
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let h = split.sum(attended, xs, local)?;
+        let mut scratch = io.scratch;
+        let h = self.self_attn.forward(
+            &normed,
+            io.plan,
+            self.index,
+            rows,
+            io.cache,
+            io.attended,
+            scratch.as_deref_mut(),
+        )?;
         let xs = residual.add(&self.post_attention_layernorm.forward(&h)?)?;
 
         let ff = self.pre_feedforward_layernorm.forward(&xs)?;
         let h = match &self.moe {
-            None => {
-                let parts = self
-                    .mlp
-                    .iter()
-                    .zip(io.iter_mut())
-                    .map(|(m, s)| m.forward(&s.input(&ff)?, s.scratch.as_deref_mut()));
-                split.sum(parts.collect::<Result<Vec<_>>>()?, &xs, local)?
-            }
+            None => self.mlp.forward(&ff, scratch)?,
             Some(b) => {
                 // The router and the experts read the residual stream, not the MLP's input (M:1414-1426).
                 let routed = b.routing.forward(&xs)?;
-                let mut parts = Vec::with_capacity(io.len());
-                for ((m, e), s) in self.mlp.iter().zip(&b.experts).zip(io.iter_mut()) {
-                    let mlp = m.forward(&s.input(&ff)?, s.scratch.as_deref_mut())?;
-                    let experts =
-                        e.forward(&s.input(&routed.x)?, &s.input(&routed.weights)?, &s.input(&routed.ids)?)?;
-                    parts.push([mlp, experts]);
-                }
-                let [mlp, experts] = match (parts.len(), split) {
-                    (1, Split::InProcess { .. }) => {
-                        parts.pop().ok_or_else(|| crate::error::Error::Internal("no shard".into()))?
-                    }
+                let mlp = self.mlp.forward(&ff, scratch)?;
+                let experts = b.experts.forward(&routed.x, &routed.weights, &routed.ids)?;
+                let [mlp, experts] = if b.split.size() == 1 {
+                    [mlp, experts]
+                } else {
                     // One reduction over both branches, side by side.
-                    _ => {
-                        let h = xs.size()?[1];
-                        let joined = parts.iter().map(|[m, e]| Tensor::cat(&[m, e], -1)).collect::<Result<Vec<_>>>()?;
-                        split.sum(joined, &xs, local)?.split_array(&[h, h], -1)?
-                    }
+                    let h = xs.size()?[1];
+                    b.split.sum(Tensor::cat(&[&mlp, &experts], -1)?)?.split_array(&[h, h], -1)?
                 };
                 b.post_mlp_norm.forward(&mlp)?.add(&b.post_moe_norm.forward(&experts)?)?
             }

@@ -16,12 +16,12 @@ use crate::engine::media::Injection;
 use crate::error::{Error, Result};
 use crate::ffi::aten_calls;
 use crate::gemma4::attention::{Attended, Fill, Liveness, Plan, Positions};
-use crate::gemma4::cache::Rows;
+use crate::gemma4::cache::{KvCache, Rows};
 use crate::gemma4::config::{Config, LayerType};
-use crate::gemma4::layer::{DecoderLayer, ShardIo};
+use crate::gemma4::layer::{DecoderLayer, LayerIo};
 use crate::gemma4::linear::Linear;
 use crate::gemma4::norm::RmsNorm;
-use crate::gemma4::parallel::{ShardedCache, Split, on_one_device};
+use crate::gemma4::parallel::Split;
 use crate::gemma4::rope::Rope;
 use crate::gemma4::scratch::Scratch;
 use crate::gemma4::weights::Weights;
@@ -57,22 +57,18 @@ pub struct Model {
     per_layer: Option<PerLayerEmbeddings>,
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
-    /// Per tensor-parallel shard (parallel.rs): its rows of the vocabulary.
-    lm_head: Vec<Linear>,
-    /// Per shard, indexed by `LayerType::index`; None when no layer has that type.
-    ropes: Vec<[Option<Rope>; 2]>,
-    /// Each shard's device (`like` tensors), the first the embeddings'.
-    likes: Vec<Tensor>,
-    /// Every shard is on the first one's device.
-    local: bool,
-    /// The shards this process holds of the group, and how their partial outputs meet.
+    /// Vocabulary-parallel (parallel.rs): this rank's rows of the vocabulary.
+    lm_head: Linear,
+    /// Indexed by `LayerType::index`; None when no layer has that type.
+    ropes: [Option<Rope>; 2],
+    /// This process's shard of the model and where the shards' outputs meet.
     split: Split,
     dtype: DType,
     /// float32 (`Weights::folds`): the tables and the norms carry the constants the module docs list.
     folded: bool,
-    /// Where one-token forwards write their projections (scratch.rs), per shard; made on first use, so
-    /// a forward takes `&mut self`.
-    scratch: Vec<Scratch>,
+    /// Where one-token forwards write their projections (scratch.rs); made on first use, so a forward
+    /// takes `&mut self`.
+    scratch: Scratch,
     /// ATen calls each layer made in the last forward (`Engine::layer_calls`), written by `forward`.
     layer_calls: Vec<u64>,
 }
@@ -88,10 +84,8 @@ fn type_head_dim(cfg: &Config, kind: LayerType) -> Result<Option<i64>> {
 }
 
 impl Model {
-    /// `shards` the weights of each tensor-parallel shard `split` gives this process (one for no
-    /// parallelism, and one a rank); the first also loads the parts kept whole.
-    pub fn load(cfg: Config, shards: &[Weights], split: Split, context: i64) -> Result<Model> {
-        let w = shards.first().ok_or_else(|| Error::Internal("a model of no shards".into()))?;
+    /// The model, this rank's part of it (`split`), from `w`.
+    pub fn load(cfg: Config, w: &Weights, split: Split, context: i64) -> Result<Model> {
         let (v, h, l, p) = (cfg.vocab_size, cfg.hidden_size, cfg.num_layers as i64, cfg.ple_dim);
         let like = &w.like;
         // The embedding scales are buffers cast to the weight dtype before the multiply (M:1455).
@@ -116,33 +110,20 @@ impl Model {
         } else {
             None
         };
-        let layers =
-            (0..cfg.num_layers).map(|i| DecoderLayer::load(shards, &split, &cfg, i)).collect::<Result<Vec<_>>>()?;
-        let group = split.shards();
-        // Each shard's vocabulary rows; tied, they are rows of the embedding table.
-        let lm_head = group
-            .iter()
-            .zip(shards)
-            .map(|(tp, sw)| {
-                if !cfg.tie_word_embeddings {
-                    return sw.linear_slice("lm_head", v, h, tp.rows(v));
-                }
-                let (start, len) = tp.part(v);
-                sw.table_linear(&embed_tokens.narrow(0, start, len)?.to_like(&sw.like, w.dtype)?)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let mut ropes = Vec::with_capacity(shards.len());
-        for sw in shards {
-            let mut per_type = [None, None];
-            for kind in [LayerType::Sliding, LayerType::Full] {
-                if let Some(d) = type_head_dim(&cfg, kind)? {
-                    per_type[kind.index()] = Some(Rope::new(&cfg.rope[kind.index()], d, context, &sw.like, w.dtype)?);
-                }
+        let layers = (0..cfg.num_layers).map(|i| DecoderLayer::load(w, &split, &cfg, i)).collect::<Result<Vec<_>>>()?;
+        // This rank's vocabulary rows; tied, they are rows of the embedding table.
+        let lm_head = if cfg.tie_word_embeddings {
+            let (start, len) = split.tp.part(v);
+            w.table_linear(&embed_tokens.narrow(0, start, len)?)?
+        } else {
+            w.linear_slice("lm_head", v, h, split.tp.rows(v))?
+        };
+        let mut ropes = [None, None];
+        for kind in [LayerType::Sliding, LayerType::Full] {
+            if let Some(d) = type_head_dim(&cfg, kind)? {
+                ropes[kind.index()] = Some(Rope::new(&cfg.rope[kind.index()], d, context, like, w.dtype)?);
             }
-            ropes.push(per_type);
         }
-        let likes = shards.iter().map(|sw| sw.like.shallow_clone()).collect::<Result<Vec<_>>>()?;
-        let local = on_one_device(&likes)?;
         Ok(Model {
             // `cap * tanh(lm_head(norm(x)) / cap)`: the 1 / cap (and the tied table's 1 / sqrt(H)) go
             // into the norm's weight (module docs).
@@ -165,9 +146,7 @@ impl Model {
             ropes,
             dtype: w.dtype,
             layer_calls: vec![0; cfg.num_layers],
-            scratch: likes.iter().map(|l| Scratch::new(l, w.dtype)).collect::<Result<_>>()?,
-            likes,
-            local,
+            scratch: Scratch::new(like, w.dtype)?,
             split,
             cfg,
         })
@@ -222,7 +201,7 @@ impl Model {
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &mut self,
-        cache: &mut ShardedCache,
+        cache: &mut KvCache,
         rows: Rows,
         ids: &Tensor,
         pos: &Positions,
@@ -235,55 +214,24 @@ impl Model {
         let t = ids.size()?[0] / n;
         cache.prepare(rows)?;
         let (x0, ple) = self.embed(ids, inject)?;
-        // Shards on one device share the first one's plans (their rings have one geometry).
-        let planned = if self.local { 1 } else { self.likes.len() };
-        let mut plans: Vec<[Option<Plan>; 2]> = Vec::with_capacity(planned);
-        for (s, shard_cache) in cache.shards.iter().enumerate().take(planned) {
-            let moved = if s == 0 { None } else { Some(pos.on(&self.likes[s])?) };
-            let live_s = if s == 0 { None } else { Some(live.on(&self.likes[s])?) };
-            let (pos_s, live_s) = (moved.as_ref().unwrap_or(pos), live_s.as_ref().unwrap_or(live));
-            let blocks = match inject.and_then(|i| i.blocks.as_ref()) {
-                Some(b) if s > 0 => Some(b.to_like(&self.likes[s], DType::I64)?),
-                Some(b) => Some(b.shallow_clone()?),
-                None => None,
-            };
-            let mut per_type = [None, None];
-            for kind in [LayerType::Sliding, LayerType::Full] {
-                if let Some(rope) = &self.ropes[s][kind.index()] {
-                    let window = self.cfg.sliding_window;
-                    let plan = Plan::new(kind, pos_s, fill, shard_cache, live_s, rope, window, blocks.as_ref())?;
-                    per_type[kind.index()] = Some(plan);
-                }
+        let blocks = inject.and_then(|i| i.blocks.as_ref());
+        let mut plans = [None, None];
+        for kind in [LayerType::Sliding, LayerType::Full] {
+            if let Some(rope) = &self.ropes[kind.index()] {
+                let window = self.cfg.sliding_window;
+                plans[kind.index()] = Some(Plan::new(kind, pos, fill, cache, live, rope, window, blocks)?);
             }
-            plans.push(per_type);
         }
-        let one_token = t == 1;
-        let mut io: Vec<_> = cache
-            .shards
-            .iter_mut()
-            .zip(self.scratch.iter_mut())
-            .map(|(c, scratch)| (c, one_token.then_some(scratch)))
-            .collect();
-        let mut attended: Vec<Attended> = io.iter().map(|_| (0..self.layers.len()).map(|_| None).collect()).collect();
+        let mut scratch = (t == 1).then_some(&mut self.scratch);
+        let mut attended: Attended = (0..self.layers.len()).map(|_| None).collect();
         let mut xs = x0;
         for (i, layer) in self.layers.iter().enumerate() {
-            let kind = layer.spec.kind.index();
-            let mut shard_io = Vec::with_capacity(io.len());
-            for (s, ((shard_cache, scratch), attended)) in io.iter_mut().zip(attended.iter_mut()).enumerate() {
-                let plan = plans[if self.local { 0 } else { s }][kind]
-                    .as_ref()
-                    .ok_or_else(|| Error::Internal("no RoPE table for a layer type".into()))?;
-                shard_io.push(ShardIo {
-                    plan,
-                    cache: shard_cache,
-                    attended,
-                    scratch: scratch.as_deref_mut(),
-                    like: &self.likes[s],
-                    local: self.local || s == 0,
-                });
-            }
+            let plan = plans[layer.spec.kind.index()]
+                .as_ref()
+                .ok_or_else(|| Error::Internal("no RoPE table for a layer type".into()))?;
+            let io = LayerIo { plan, cache: &mut *cache, attended: &mut attended, scratch: scratch.as_deref_mut() };
             let before = aten_calls();
-            xs = layer.forward(&xs, ple.as_ref().map(|p| &p[i]), rows, &mut shard_io, &self.split)?;
+            xs = layer.forward(&xs, ple.as_ref().map(|p| &p[i]), rows, io)?;
             self.layer_calls[i] = aten_calls() - before;
         }
         match output {
@@ -305,19 +253,7 @@ impl Model {
     /// Next-token logits `[m, vocab]` (after softcap, compute dtype) of final hidden states `[m, hidden]`:
     /// the final norm, lm_head and the softcap (M:1864-1867).
     pub fn head(&self, xs: &Tensor) -> Result<Tensor> {
-        let normed = self.norm.forward(xs)?;
-        let slices = self
-            .lm_head
-            .iter()
-            .zip(&self.likes)
-            .enumerate()
-            .map(|(s, (head, like))| {
-                let x =
-                    if self.local || s == 0 { normed.shallow_clone()? } else { normed.to_like(like, self.dtype)? };
-                head.forward(&x)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let logits = self.split.gather(slices, xs, self.local)?;
+        let logits = self.split.gather(self.lm_head.forward(&self.norm.forward(xs)?)?)?;
         match self.cfg.final_logit_softcapping {
             // Folded: the final norm's weight carries the 1 / cap (see `load`).
             Some(cap) if self.folded => logits.tanh()?.mul_scalar(cap),
@@ -326,7 +262,7 @@ impl Model {
         }
     }
 
-    /// The shards of the group this process holds.
+    /// This process's shard of the model.
     pub fn split(&self) -> &Split {
         &self.split
     }

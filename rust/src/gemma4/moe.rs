@@ -108,7 +108,7 @@ impl Experts {
 }
 
 /// The router and the experts' norm: both read the layer's residual stream, the router as it is, the
-/// experts after their own norm (M:1414-1426). The experts are the layer's, one per shard.
+/// experts after their own norm (M:1414-1426). The experts are the layer's (this rank's share of each).
 pub struct Routing {
     router: Router,
     pre_norm: RmsNorm,

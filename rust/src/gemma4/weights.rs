@@ -453,18 +453,6 @@ pub struct Loaded {
     pub onednn: bool,
 }
 
-impl Loaded {
-    /// What two loaders put on their devices together (a model and its tensor-parallel shards).
-    pub fn plus(self, other: Loaded) -> Loaded {
-        Loaded {
-            bytes: self.bytes + other.bytes,
-            packed: self.packed + other.packed,
-            dequantized: self.dequantized + other.dequantized,
-            onednn: self.onednn && other.onednn,
-        }
-    }
-}
-
 /// Everything a `load` function needs: the checkpoint(s), the device and the compute dtype.
 pub struct Weights {
     main: Checkpoint,
