@@ -2,7 +2,7 @@
 
 uvicorn's own SIGTERM handling closes the listening socket and waits for open connections, which would
 refuse new connections instead of answering 503 and could wait forever on an open stream. So the first
-SIGTERM/SIGINT starts the app's drain (app.ServerState.drain) and only the drain tells uvicorn to exit;
+SIGTERM/SIGINT starts the app's drain (state.ServerState.drain) and only the drain tells uvicorn to exit;
 `timeout_graceful_shutdown` is the backstop for connections still open after that. A second SIGINT
 forces the exit, as in uvicorn. The exit status is 1 when a boot stage failed (the reason is in the
 termination-message file), else 0.

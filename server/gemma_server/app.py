@@ -8,7 +8,8 @@ POST /v1/responses with GET and DELETE /v1/responses/{id} (OpenAI's Responses AP
 GET / (chat page), and /mcp (the Model Context Protocol's tools: mcp_server.py). The Responses, Messages and
 audio routes turn their request into chat requests and take the same path; a chat request's images and audio
 become soft tokens there (media.py).
-Route bodies only parse, check, admit and hand over (`ServerState.start`, the one path every request takes);
+Route bodies only parse, check, admit and hand over (`ServerState.start` in state.py, the one path every request
+takes; the middleware is middleware.py's);
 the work is in protocol.py (what a request means), chat_template.py (a request's prompt ids), serving.py
 (tokens -> responses) and scheduler.py (the queue and the engines).
 
@@ -45,37 +46,27 @@ what remains is aborted (error event, then [DONE]); then uvicorn exits.
 from __future__ import annotations
 
 import asyncio
-import functools
-import hmac
-import json
 import logging
-import re
-import threading
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from contextlib import asynccontextmanager, contextmanager, nullcontext
+from contextlib import asynccontextmanager, nullcontext
 from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Form, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
-from gemma_server import media, media_worker, messages, openapi, responses, transcriptions
+from gemma_server import messages, openapi, responses, transcriptions
 from gemma_server.boot import Boot
-from gemma_server.chat_template import CacheMarks, chat_prompt, encode, tokenize_completion
+from gemma_server.chat_template import encode
 from gemma_server.config import Config
-from gemma_server.connections import STALLED
 from gemma_server.errors import ApiError, as_api_error, bad_request, error_body, from_scheduler, invalid_request
-from gemma_server.metrics import Metrics
 from gemma_server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
-    MAX_GRAMMAR_BYTES,
     CompletionRequest,
     CompletionResponse,
     DetokenizeRequest,
@@ -84,349 +75,22 @@ from gemma_server.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
-    grammar_text,
     max_prompt_chars,
 )
-from gemma_server.scheduler import Cause, ClientShares, NotReady, Scheduler, SchedulerError, StepObserver
+from gemma_server.scheduler import SchedulerError
 from gemma_server.serving import (
     ClientDisconnected,
     Formatter,
-    Generation,
     Output,
-    ReplyFormat,
-    collect,
     open_stream,
-    race_disconnect,
 )
+from gemma_server.middleware import ApiKeyGate, BodyLimit, InFlightLimit
+from gemma_server.serving import client_of, gone_of, reply
+from gemma_server.state import ServerState
 
 log = logging.getLogger(__name__)
 
 STATIC = Path(__file__).parent / "static"
-
-
-class ServerState:
-    """Everything the routes share. One per app.
-
-    Args:
-        config: the server config.
-        boot_class: Boot or a subclass (tests swap the engine for a Fake* one this way).
-    """
-
-    def __init__(self, config: Config, boot_class: type[Boot] = Boot) -> None:
-        self.config = config
-        # The paths that need the API key (none without --api-key): key_refused and /openapi.json read it.
-        self.keyed = frozenset(["/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize",
-                                "/v1/responses", "/v1/responses/{response_id}", "/v1/messages", "/mcp",
-                                "/v1/audio/transcriptions", "/v1/audio/translations",
-                                *(["/metrics"] if config.metrics_need_key else [])] if config.api_key else [])
-        # The same paths as one pattern over request paths: a template's `{parameter}` matches one segment.
-        self._keyed_paths = re.compile("|".join(
-            re.sub(r"\\\{[^/]+?\\\}", "[^/]+", re.escape(path)) for path in sorted(self.keyed)) or "(?!)")
-        self.responses = responses.ResponseStore(config.responses_store_max_count,
-                                                 config.responses_store_max_bytes, config.responses_store_max_age,
-                                                 config.responses_store_max_count_per_key,
-                                                 config.responses_store_max_bytes_per_key)
-        self.metrics = m = Metrics(config.model_name, config.context)
-        self.scheduler = Scheduler(config.queue_limit, StepObserver(
-            on_waiting=m.num_requests_waiting.set, on_running=m.num_requests_running.set,
-            on_usage=m.kv_cache_usage_perc.set, on_steps=m.observe_steps,
-        ))
-        self.boot = boot_class(config, self.metrics, self._boot_failed, self.scheduler)
-        self.boot_thread = threading.Thread(target=self._boot, name="boot", daemon=True)
-        self.draining = False
-        self.exit_code = 0
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.request_exit = lambda: None  # set by __main__ to stop uvicorn
-        self._fingerprint: str | None = None
-        self._token_texts: dict[int, str] = {}
-        self._reply_format: ReplyFormat | None = None
-        self._reply_lock = threading.Lock()
-        self.client_shares = ClientShares(config.max_requests_per_client)
-        self.media_limits = media.Limits.of(config)
-        # The processes that decode images and audio (media_worker.py), started once the checkpoint's towers are.
-        self.media_workers = media_worker.Workers.of(config)
-
-    def _boot(self) -> None:
-        try:
-            self.boot.run()
-        except BaseException:  # noqa: BLE001 - the boot records and reports its own failure
-            return
-        if self.boot.loaded is not None and self.boot.loaded.media is not None:
-            self.media_workers.start()
-
-    def _boot_failed(self, reason: str) -> None:
-        self.exit_code = 1
-        if self.loop is not None:
-            self.loop.call_soon_threadsafe(self.request_exit)
-
-    @property
-    def tokenizer(self):
-        return self.boot.loaded.tokenizer
-
-    @property
-    def loaded(self):
-        """The boot's Loaded (tokenizer, engines, grammars).
-
-        Raises:
-            NotReady: the weights are not loaded yet.
-        """
-        if self.boot.loaded is None:
-            raise NotReady("The model is loading.")
-        return self.boot.loaded
-
-    def reply_format(self) -> ReplyFormat:
-        """The tokenizer's reply markers and token bytes, read once (off the event loop: the first request
-        reads the whole vocabulary)."""
-        with self._reply_lock:
-            if self._reply_format is None:
-                self._reply_format = ReplyFormat.of(self.tokenizer)
-            return self._reply_format
-
-    def constrain(self, body: ChatCompletionRequest | CompletionRequest, chat: bool) -> tuple[str | None, dict | None]:
-        """The request's grammar, compiled once to check it, and the server's own logit bias (tool_choice
-        none forbids `<|tool_call>`). Runs on a worker thread (it reads the vocabulary once and compiles).
-
-        Raises:
-            ApiError: 400 naming the field: tools for a tokenizer without Gemma 4's tool tokens, a constraint
-                on a checkpoint without grammars, a grammar too large or that does not compile.
-        """
-        from gemma_server.grammars import forbid_calls
-
-        reply = self.reply_format()
-        bias = None
-        if chat and body.tools:
-            if reply.fmt is None:
-                raise bad_request("tools", "This checkpoint's tokenizer lacks Gemma 4's tool-call tokens "
-                                           "(<|tool_call>, <tool_call|>, <|\"|>, <|tool_response>): it cannot "
-                                           "answer tools.")
-            if body.tool_choice_mode() == "none":
-                bias = forbid_calls(reply.fmt)
-        c = body.constraint()
-        if c is None:
-            return None, bias
-        loaded = self.loaded
-        if loaded.grammars is None:
-            raise bad_request(c.param, f"Structured outputs are not available: {loaded.grammars_missing}.")
-        thinking = reply.thinking if chat and body.enable_thinking() else None
-        tools = body.template_tools() if chat else None
-        parallel = chat and body.parallel_tool_calls is not False and body.tool_choice_mode() != "named"
-        grammar = grammar_text(c, tools or [], reply.fmt, thinking, parallel)
-        if len(grammar.encode()) > MAX_GRAMMAR_BYTES:
-            raise bad_request(c.param, f"The constraint's grammar is {len(grammar.encode())} bytes; at most "
-                                       f"{MAX_GRAMMAR_BYTES} are compiled.")
-        t0 = time.monotonic()
-        try:
-            loaded.grammars.check(grammar)
-        except ValueError as e:
-            raise bad_request(c.param, f"The constraint cannot be compiled: {' '.join(str(e).split())[:1000]}") from e
-        finally:
-            self.metrics.grammar_compile_seconds.observe(time.monotonic() - t0)
-        return grammar, bias
-
-    @property
-    def fingerprint(self) -> str:
-        """system_fingerprint: names the engine build (crate version, torch, device)."""
-        if self._fingerprint is None:
-            b = self.boot.state.build
-            self._fingerprint = f"gemma_engine-{b.get('version', '?')}-torch{b.get('torch', '?')}-{self.config.device}"
-        return self._fingerprint
-
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.config.model_name:
-            if not model.isascii() and not _is_utf8(model):
-                raise ApiError(400, "model is not valid Unicode text.", "model")
-            raise ApiError(404, f"The model `{model}` does not exist.", "model")
-
-    def not_ready_reason(self) -> str | None:
-        """Why /health is 503, or None when ready."""
-        s = self.scheduler
-        if s.dead or self.boot.state.failed:
-            return f"The engine is not available: {s.dead or self.boot.state.failed}"
-        if self.draining:
-            return "The server is shutting down."
-        if not s.ready:
-            return f"Loading model (stage: {self.boot.state.stage})."
-        return None
-
-    def key_refused(self, path: str, authorization: bytes | None, x_api_key: bytes | None = None) -> ApiError | None:
-        """The 401 for a request to `path` with this Authorization header, or None when the path is open
-        (not in `keyed`) or the header carries the key (compared in constant time). On /v1/messages the key
-        may come as Anthropic's `X-Api-Key` header instead (what Anthropic's SDK sends for `api_key`)."""
-        if not self._keyed_paths.fullmatch(path):
-            return None
-        if path == "/v1/messages" and x_api_key is not None:
-            authorization = b"Bearer " + x_api_key
-        scheme, _, token = (authorization or b"").partition(b" ")
-        if scheme.lower() != b"bearer" or not hmac.compare_digest(token, self.config.api_key.encode()):
-            return ApiError(401, "Invalid or missing API key: send `Authorization: Bearer <key>`.",
-                            headers={"WWW-Authenticate": "Bearer"})
-        return None
-
-    async def chat_ids(self, body: ChatCompletionRequest, mark: bool, decoded: Sequence[media.Decoded] | None = None,
-                       receive: Callable[[], Awaitable[dict]] | None = None) -> tuple[list[int], CacheMarks, tuple]:
-        """A chat request's prompt: the template rendered and tokenized off the event loop (chat_template.py),
-        then its images and audio read and decoded in a media worker (unless `decoded` holds them already),
-        encoded into soft tokens (media.soft_tokens) and placed (media.place). With `receive` (the request's
-        ASGI receive), a client that leaves while its media are read stops that work: its decode is killed.
-
-        Returns:
-            (ids, the cache marks (chat_template.CacheMarks; none without `mark`), the engine's media items).
-        Raises:
-            ApiError: 400 naming the field: the template's refusal, a media part the checkpoint does not take
-                or that breaks a limit or cannot be read.
-            ClientDisconnected: the client left while its media were read.
-        """
-        parts = body.media_parts()
-        loaded = self.loaded
-        if parts:  # what needs no reading is refused first: a kind the checkpoint lacks, too many, a URL not fetched
-            media.check_parts(parts, self.media_limits, loaded.modalities, loaded.media_missing)
-        ids, marks = await asyncio.get_running_loop().run_in_executor(
-            None, chat_prompt, self.tokenizer, body, mark)
-        if not parts:
-            return ids, marks, ()
-        work = media.soft_tokens(loaded.media, self.media_workers, parts, self.media_limits, decoded)
-        soft = await (race_disconnect(receive, work) if receive is not None else work)
-        ids, placed, marks = media.place(ids, soft, loaded.media.tokens, marks)
-        return ids, marks, placed
-
-    async def start(self, body: ChatCompletionRequest | CompletionRequest, chat: bool, client: str,
-                    gone: Callable[[], Cause], decoded: Sequence[media.Decoded] | None = None,
-                    receive: Callable[[], Awaitable[dict]] | None = None) -> list[Generation]:
-        """Admit, tokenize, constrain and queue one request: its choices, queued. The one path every way in
-        takes (the HTTP routes and the MCP tools), so the limits, the client's share, the metrics and the
-        cancellation of a choice whose reader left (`Generation.leave`, `gone` naming why) are the same.
-        `decoded`: the chat request's media parts already read (the transcription routes), in order;
-        `receive`: the HTTP request's ASGI receive, so a client that leaves stops its media work (`chat_ids`).
-
-        Raises:
-            ApiError: 400 (a bad field), 404 (another model), 429 (the client's share is full).
-            SchedulerError: the queue is full, the server loads, drains or has no engine (`from_scheduler`
-                makes it the 429 or 503 a client sees).
-            ClientDisconnected: the client left while its media were read (a 499 nobody reads).
-        """
-        arrival = time.monotonic()
-        config = self.config
-        self.check_model(body.model)
-        body.check()
-        body.check_size(config.context)
-        sched = self.scheduler
-        n = body.n or 1
-        shares = self.client_shares
-        shares.take(client, n, sched.capacity() + sched.queue_limit)  # 429: past one client's share
-        try:
-            sched.admit(n)  # 429 / 503 before any tokenizing
-        except BaseException:
-            shares.give_back(client, n)
-            raise
-        try:
-            tok = self.tokenizer
-            # Rendering and tokenizing run off the event loop: a long prompt must not stall /live. A chat
-            # prompt's cache marks (the end of its system turn and tools, where its next turn departs) are
-            # found when prefix caching is on.
-            if chat:
-                ids, marks, placed = await self.chat_ids(body, config.enable_prefix_caching, decoded, receive)
-            else:
-                ids, marks, placed = await asyncio.get_running_loop().run_in_executor(
-                    None, tokenize_completion, tok, body), CacheMarks(), ()
-            grammar, bias = await asyncio.to_thread(self.constrain, body, chat)
-            loaded = self.boot.loaded
-            params = body.engine_params(ids, loaded.context, loaded.vocab_size, config.default_temperature,
-                                        grammar=grammar, internal_bias=bias, cache_boundary=marks.boundary,
-                                        next_turn=marks.next_turn, media=placed)
-            # Each choice gives its place in the client's share back when it is recorded, however it ends.
-            ended = functools.partial(shares.give_back, client, 1)
-            reply = self.reply_format()
-            choices = [Generation.create(params, i, arrival, tok, sched, self.metrics, on_end=ended, gone=gone,
-                                         **({"splitter": reply.splitter(params)} if chat else {}))
-                       for i in range(n)]
-            sched.submit(*(gen.job for gen in choices))
-        except BaseException:  # nothing was queued: every admission and share goes back
-            sched.release(n)
-            shares.give_back(client, n)
-            raise
-        return choices
-
-    @contextmanager
-    def queue_place(self, client: str) -> Iterator[None]:
-        """One place in the queue and in the client's share, held while a request reads media outside `start`
-        (/tokenize, a transcription's file): media are read only after admission on every route, so a flood of
-        them is a 429, not a pile of bodies waiting for the media workers.
-
-        Raises:
-            SchedulerError: as `start`'s admission: the client's share or the queue is full (429), the server
-                loads, drains or has no engine (503).
-        """
-        sched, shares = self.scheduler, self.client_shares
-        shares.take(client, 1, sched.capacity() + sched.queue_limit)
-        try:
-            sched.admit(1)
-        except BaseException:
-            shares.give_back(client, 1)
-            raise
-        try:
-            yield
-        finally:
-            sched.release(1)
-            shares.give_back(client, 1)
-
-    def engine_report(self) -> dict[str, Any]:
-        """GET /v1/engine's body (and the MCP tool engine_info's): the boot's report, the serving settings,
-        the engines; filesystem paths only with --expose-paths."""
-        config = self.config
-        info = self.boot.state.as_json()
-        if not config.expose_paths:
-            info.pop("model_dir", None)
-            info["build"].pop("module", None)
-            info["build"].pop("torch_tpu_compile_cache_dir", None)
-        s = self.scheduler
-        loaded = self.boot.loaded
-        workers = loaded.workers if loaded else []
-        if info.get("compile") is not None:
-            compilers = self.boot.compilers
-            for i, engine in enumerate(info["compile"]["engines"]):
-                engine.update(compilers[i].describe() if i in compilers else {})
-        if loaded is not None:
-            info["media"] = ({**loaded.media.describe(), "decoding": self.media_workers.describe()}
-                             if loaded.media is not None else {"modalities": [], "missing": loaded.media_missing})
-        info.update(
-            model=config.shown_source, served_model_name=config.model_name, read_every=config.read_every,
-            queue_limit=config.queue_limit, max_num_seqs=config.max_num_seqs, ready=self.not_ready_reason() is None,
-            draining=self.draining, engine_error=s.dead, engines=[w.describe() for w in workers],
-            engine_class=type(workers[0].engine).__qualname__ if workers and workers[0].engine is not None else None,
-        )
-        return info
-
-    def token_text(self, token_id: int) -> str:
-        """The text of one token as log-probabilities report it, decoded once per id."""
-        text = self._token_texts.get(token_id)
-        if text is None:
-            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
-        return text
-
-    async def drain(self) -> None:
-        """SIGTERM: refuse new work, let current work finish up to the timeout, abort the rest, exit."""
-        if self.draining:
-            return
-        log.info("draining: new requests get 503; %.1fs for the running ones", self.config.shutdown_timeout)
-        self.draining = True
-        self.metrics.engine_ready.set(0)
-        t = self.scheduler
-        t.start_drain()
-        deadline = time.monotonic() + self.config.shutdown_timeout
-        while t.busy() and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        if t.busy():
-            log.warning("shutdown timeout reached: aborting what is left")
-            t.abort_all()
-            # The engine stops within one token batch; give the streams a moment to send their error event.
-            grace = time.monotonic() + 5
-            while t.busy() and time.monotonic() < grace:
-                await asyncio.sleep(0.02)
-        await asyncio.sleep(0.05)  # let the last responses flush
-        published = await asyncio.to_thread(self.boot.publish_compile_cache)
-        if published:
-            log.info("%s", published)
-        self.request_exit()
 
 
 async def serve_response(state: ServerState, body: responses.ResponsesRequest, request: Request) -> Response:
@@ -459,37 +123,6 @@ async def serve_response(state: ServerState, body: responses.ResponsesRequest, r
                        if body.stream else None, whole)
 
 
-def client_of(request: Request) -> str:
-    """The client's address, as the per-client share counts it."""
-    return request.client.host if request.client else "?"
-
-
-def gone_of(request: Request) -> Callable[[], Cause]:
-    """Why a request's client went, asked when it has: connections.py marks a reply it aborted for stalling."""
-    return lambda: Cause.STALLED if request.scope.get(STALLED) else Cause.CLIENT_GONE
-
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-async def reply(request: Request, gens: list[Generation],
-                stream: Callable[[], Awaitable[AsyncIterator[bytes]]] | None,
-                whole: Callable[[list[Output]], Awaitable[Response]]) -> Response:
-    """The HTTP reply of an admitted generation, in any of the APIs: with `stream`, the server-sent events it
-    opens (it awaits the first engine event, so an early failure is a JSON error with its status); else
-    `whole` of every choice's output. A client that leaves first is every choice's end (499, which nobody
-    reads)."""
-    try:
-        if stream is not None:
-            return StreamingResponse(await stream(), media_type="text/event-stream", headers=SSE_HEADERS)
-        outputs = await race_disconnect(request.receive, collect(gens))
-    except ClientDisconnected:
-        for gen in gens:
-            gen.leave()
-        return Response(status_code=499)
-    return await whole(outputs)
-
-
 def health_response(state: ServerState) -> Response:
     """/health: 200 once serving, else 503 with the reason (boot stage, draining, engine error)."""
     reason = state.not_ready_reason()
@@ -519,113 +152,6 @@ def create_probe_app(state: ServerState) -> Starlette:
         return live_response(state)
 
     return Starlette(routes=[Route("/health", health), Route("/ping", health), Route("/live", live)])
-
-
-def _is_utf8(text: str) -> bool:
-    """False for strings holding lone UTF-16 surrogates (valid JSON escapes, invalid text)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-async def send_error(send, err: ApiError) -> None:
-    """Answer with `err` from ASGI middleware (no route, no body read)."""
-    body = json.dumps(err.body()).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    headers += [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
-    await send({"type": "http.response.start", "status": err.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
-class ApiKeyGate:
-    """ASGI middleware: a request to a keyed path without the key is a 401 from its headers alone, before
-    its body is read (the body is never parsed, validated or logged)."""
-
-    def __init__(self, app, state: ServerState) -> None:
-        self.app = app
-        self.state = state
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            authorization = next((v for k, v in scope.get("headers") or () if k == b"authorization"), None)
-            x_api_key = next((v for k, v in scope.get("headers") or () if k == b"x-api-key"), None)
-            refused = self.state.key_refused(scope["path"], authorization, x_api_key)
-            if refused is not None:
-                return await send_error(send, refused)
-        await self.app(scope, receive, send)
-
-
-# The probe routes: never counted against the in-flight cap (the probe listener serves them too).
-PROBE_PATHS = frozenset({"/health", "/ping", "/live"})
-
-
-class InFlightLimit:
-    """ASGI middleware: at `limit` requests in flight a new one is a 503 (Retry-After), probes excepted.
-
-    Requests, not connections: a connection still sending its headers has not reached the app, so a flood
-    of unfinished requests (which connections.py times out) cannot turn real requests away, as uvicorn's
-    `limit_concurrency` (which counts open connections) would.
-    """
-
-    def __init__(self, app, limit: int) -> None:
-        self.app = app
-        self.limit = limit
-        self.in_flight = 0
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] in PROBE_PATHS:
-            return await self.app(scope, receive, send)
-        if self.in_flight >= self.limit:
-            return await send_error(send, ApiError(
-                503, f"The server is at its limit of {self.limit} requests in flight. Retry later.",
-                headers={"Retry-After": "1"}))
-        self.in_flight += 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.in_flight -= 1
-
-
-class BodyLimit:
-    """ASGI middleware: a request body over `max_bytes` is a 413 before any of it is parsed.
-
-    A declared Content-Length over the limit is refused at once; otherwise the body is read here, counting
-    as it arrives (a chunked body is cut at the limit), and handed on whole. Starlette reads the whole body
-    before FastAPI parses it anyway, so this holds no more than it would.
-    """
-
-    def __init__(self, app, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or {}).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await self._refuse(send)
-        parts, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client left before sending its body
-            size += len(message.get("body", b""))
-            if size > self.max_bytes:
-                return await self._refuse(send)
-            parts.append(message.get("body", b""))
-            if not message.get("more_body"):
-                break
-        whole = [{"type": "http.request", "body": b"".join(parts), "more_body": False}]
-
-        async def replay():
-            return whole.pop() if whole else await receive()
-
-        await self.app(scope, replay, send)
-
-    async def _refuse(self, send) -> None:
-        await send_error(send, ApiError(413, f"The request body is larger than {self.max_bytes} bytes."))
 
 
 def _validation_error(exc: RequestValidationError) -> JSONResponse:

@@ -22,7 +22,7 @@ unfinished requests turns every real request into a 503; the server caps request
   writing; uvicorn's `send` then waits for it to drain), it has `stall_timeout` seconds to read again, or
   the connection is aborted and its buffer dropped. The app sees `http.disconnect`, so the request is
   cancelled and its sequence slot freed; `on_stall` counts it (a metric), and the request's ASGI scope
-  says so under `STALLED` (app.py reads it, so the request's end names the stall, not a plain disconnect).
+  says so under `STALLED` (serving.py `gone_of` reads it, so the request's end names the stall, not a plain disconnect).
 The reply a client has not read is thus bounded by the write buffer plus what one stall allows.
 """
 

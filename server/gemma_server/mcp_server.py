@@ -39,7 +39,7 @@ from gemma_server.protocol import ChatCompletionRequest
 from gemma_server.scheduler import Cause
 
 if TYPE_CHECKING:
-    from gemma_server.app import ServerState
+    from gemma_server.state import ServerState
     from gemma_server.serving import Generation
 
 PATH = "/mcp"

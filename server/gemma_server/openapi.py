@@ -185,7 +185,7 @@ def document(app: FastAPI, keyed: frozenset[str], limits: ModelLimits | None) ->
             _write_limits(schemas[name]["properties"], limits)
         for schema in schemas.values():
             if "tools" in schema.get("properties", {}) and not limits.tools and schema.get("title") != "TokenizeRequest":
-                # Without the tool-call tokens a request with tools is refused (app.py `ServerState.constrain`).
+                # Without the tool-call tokens a request with tools is refused (state.py `ServerState.constrain`).
                 schema["properties"]["tools"] = {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}],
                                                  "description": "This checkpoint's tokenizer has no tool-call tokens."}
         if "DetokenizeRequest" in schemas:

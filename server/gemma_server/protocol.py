@@ -663,7 +663,7 @@ class GenerationRequest(OpenAIModel):
         next_turn: int | None = None,
     ) -> EngineParams:
         """Turn this request and its tokenized prompt into one engine decode. The caller ran `check()` first
-        (app.py does, before it admits the request): the checks that need the prompt's ids are here.
+        (`ServerState.start` does, before it admits the request): the checks that need the prompt's ids are here.
 
         Args:
             prompt_ids: the prompt, tokenized (chat template applied for chat).

@@ -36,6 +36,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from gemma_server.connections import STALLED
 from gemma_server.errors import as_api_error, sse_error, sse_event
 from gemma_server.metrics import Metrics
 from gemma_server.protocol import (
@@ -642,3 +646,34 @@ async def _sse_body(gens: list[Generation], fmt: Formatter, items: AsyncIterator
     finally:
         await items.aclose()
     yield DONE_EVENT
+
+
+def client_of(request: Request) -> str:
+    """The client's address, as the per-client share counts it."""
+    return request.client.host if request.client else "?"
+
+
+def gone_of(request: Request) -> Callable[[], Cause]:
+    """Why a request's client went, asked when it has: connections.py marks a reply it aborted for stalling."""
+    return lambda: Cause.STALLED if request.scope.get(STALLED) else Cause.CLIENT_GONE
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def reply(request: Request, gens: list[Generation],
+                stream: Callable[[], Awaitable[AsyncIterator[bytes]]] | None,
+                whole: Callable[[list[Output]], Awaitable[Response]]) -> Response:
+    """The HTTP reply of an admitted generation, in any of the APIs: with `stream`, the server-sent events it
+    opens (it awaits the first engine event, so an early failure is a JSON error with its status); else
+    `whole` of every choice's output. A client that leaves first is every choice's end (499, which nobody
+    reads)."""
+    try:
+        if stream is not None:
+            return StreamingResponse(await stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+        outputs = await race_disconnect(request.receive, collect(gens))
+    except ClientDisconnected:
+        for gen in gens:
+            gen.leave()
+        return Response(status_code=499)
+    return await whole(outputs)

@@ -43,7 +43,7 @@ from gemma_server.protocol import ChatCompletionRequest
 from gemma_server.serving import DONE_EVENT, ClientDisconnected, Generation, race_disconnect
 
 if TYPE_CHECKING:
-    from gemma_server.app import ServerState
+    from gemma_server.state import ServerState
 
 Task = Literal["transcribe", "translate"]
 # A clip's reply is at most this many tokens a second of audio, plus FLOOR_TOKENS: speech runs at two to four
@@ -249,7 +249,7 @@ class Transcriber:
 
     def __init__(self, state: ServerState, request: Request, form: TranscriptionForm | TranslationForm,
                  task: Task, clips: list[Clip]) -> None:
-        from gemma_server.app import client_of, gone_of
+        from gemma_server.serving import client_of, gone_of
 
         self.state = state
         self.request = request
@@ -299,7 +299,7 @@ async def serve(state: ServerState, form: TranscriptionForm | TranslationForm, r
     """POST /v1/audio/transcriptions (task "transcribe") or /v1/audio/translations ("translate")."""
     state.check_model(form.model)
     language_name(getattr(form, "language", None))  # an unknown language is a 400 before the file is read
-    from gemma_server.app import client_of
+    from gemma_server.serving import client_of
 
     try:  # a client that leaves while its file decodes stops the decode (its worker is killed)
         clips, seconds = await race_disconnect(request.receive, read_file(state, form, client_of(request)))
@@ -358,7 +358,7 @@ async def open_stream(job: Transcriber) -> Response:
             await texts.aclose()
         yield DONE_EVENT
 
-    from gemma_server.app import SSE_HEADERS
+    from gemma_server.serving import SSE_HEADERS
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
 
