@@ -102,8 +102,9 @@ class Leader:
         return mirrored
 
     def close(self, timeout: float = 30.0) -> None:
-        """End the followers' loops, wait for their processes (killing any still there after `timeout`) and leave
-        the group. Safe to call once the followers are gone."""
+        """End the followers' loops, wait for their processes (killing any still there after `timeout`), then
+        `on_closed` (from `start`: the last Leader of a world closed leaves it). Safe to call once the followers are
+        gone."""
         self._closing = True
         try:
             _broadcast(None, self._control)

@@ -48,7 +48,7 @@ fn tensor_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Tensor> {
 
 /// `media` arguments, (start, soft tokens, key) triples (see gemma_engine.pyi `Request`).
 fn media_arg(media: &[(usize, Bound<'_, PyAny>, u64)]) -> PyResult<Vec<Media>> {
-    media.iter().map(|(start, t, key)| Ok(Media::new(*start, tensor_arg(t, "media")?, *key))).collect()
+    media.iter().map(|(start, t, key)| Ok(Media::new(*start, tensor_arg(t, "media")?, *key)?)).collect()
 }
 
 /// How one request chooses its tokens (see gemma_engine.pyi).

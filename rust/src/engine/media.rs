@@ -4,8 +4,8 @@
 //! - **The forward.** Gemma4Model (Transformers 5.18 `modeling_gemma4.py`, M:2310-2390) embeds the
 //!   prompt with the placeholders turned into the pad id, then scatters the soft tokens over the
 //!   placeholders' rows (`masked_scatter`); the per-layer inputs take the pad id's table row and the
-//!   projection of the merged embeddings. `Injection` carries the rows and soft tokens of one forward
-//!   (`gemma4::model::Model::forward` does the rest). The E-series text model stays causal with media
+//!   projection of the merged embeddings. `injection` makes the model's `Injection`, the rows and soft
+//!   tokens of one forward (`gemma4::model::Model::forward` does the rest). The E-series text model stays causal with media
 //!   (their `use_bidirectional_attention` is unset), so a prompt with media is read in chunks and
 //!   groups like any other.
 //! - **The prefix cache** compares token ids, and every image's placeholders are the same id. So the
@@ -18,6 +18,7 @@ use std::borrow::Cow;
 use std::sync::{Arc, Mutex};
 
 use crate::error::{Error, Result};
+use crate::gemma4::model::Injection;
 use crate::tensor::{DType, Tensor};
 
 /// One image's or clip's soft tokens at prompt positions `start..start + rows`. Cloning shares the
@@ -27,6 +28,8 @@ pub struct Media {
     pub start: usize,
     /// `[rows, hidden]`, shared.
     embeds: Arc<Mutex<Tensor>>,
+    /// The soft tokens' first dim, read once (`place` moves them, never reshapes them).
+    rows: usize,
     /// The content's key (a hash of its bytes): equal keys, equal soft tokens.
     pub key: u64,
     /// Sliding layers read these soft tokens both ways (`mark_both_ways`).
@@ -35,14 +38,15 @@ pub struct Media {
 
 impl std::fmt::Debug for Media {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let rows = self.rows().map_or(-1, |r| r as i64);
-        f.debug_struct("Media").field("start", &self.start).field("rows", &rows).field("key", &self.key).finish()
+        f.debug_struct("Media").field("start", &self.start).field("rows", &self.rows).field("key", &self.key).finish()
     }
 }
 
 impl Media {
-    pub fn new(start: usize, embeds: Tensor, key: u64) -> Media {
-        Media { start, embeds: Arc::new(Mutex::new(embeds)), key, both_ways: false }
+    /// `embeds` `[rows, hidden]` (`check` names any other shape).
+    pub fn new(start: usize, embeds: Tensor, key: u64) -> Result<Media> {
+        let rows = embeds.size()?.first().map_or(0, |&r| r.max(0) as usize);
+        Ok(Media { start, embeds: Arc::new(Mutex::new(embeds)), rows, key, both_ways: false })
     }
 
     /// A handle on the soft tokens.
@@ -57,20 +61,9 @@ impl Media {
         Ok(())
     }
 
-    pub fn rows(&self) -> Result<usize> {
-        Ok(self.embeds()?.size()?[0] as usize)
+    pub fn rows(&self) -> usize {
+        self.rows
     }
-}
-
-/// The rows of one forward's flat `[rows * T]` ids that hold soft tokens, and those soft tokens.
-pub struct Injection {
-    /// int64 `[m]` on the device.
-    pub index: Tensor,
-    /// `[m, hidden]` in the compute dtype on the device.
-    pub embeds: Tensor,
-    /// int64 `[rows, T]`: for each token of the forward the block it reads both ways (its item's start),
-    /// or -1; None when no item of the forward is read both ways.
-    pub blocks: Option<Tensor>,
 }
 
 /// Mark the items whose placeholder is one of `bidirectional` (the config's `bidirectional_ids`): images
@@ -86,7 +79,7 @@ pub fn mark_both_ways(media: &mut [Media], prompt: &[i64], bidirectional: &[i64]
 /// that starts inside or at it reads it whole, past the chunk budget if it must).
 pub fn chunk_end(media: &[Media], done: usize, end: usize) -> Result<usize> {
     for m in media.iter().filter(|m| m.both_ways) {
-        let stop = m.start + m.rows()?;
+        let stop = m.start + m.rows();
         if m.start < end && end < stop {
             return Ok(if m.start > done { m.start } else { stop });
         }
@@ -155,8 +148,7 @@ pub fn keyed<'a>(prompt: &'a [i64], media: &[Media]) -> Cow<'a, [i64]> {
     }
     let mut ids = prompt.to_vec();
     for m in media {
-        let rows = m.rows().unwrap_or(0);
-        for (j, id) in ids.iter_mut().skip(m.start).take(rows).enumerate() {
+        for (j, id) in ids.iter_mut().skip(m.start).take(m.rows()).enumerate() {
             *id = keyed_id(m.key, j);
         }
     }
@@ -164,8 +156,8 @@ pub fn keyed<'a>(prompt: &'a [i64], media: &[Media]) -> Cow<'a, [i64]> {
 }
 
 /// The prompt positions of item `m` inside `from..to`, as a range (empty when it lies outside).
-fn overlap(m: &Media, from: usize, to: usize) -> Result<std::ops::Range<usize>> {
-    Ok(m.start.max(from)..(m.start + m.rows()?).min(to))
+fn overlap(m: &Media, from: usize, to: usize) -> std::ops::Range<usize> {
+    m.start.max(from)..(m.start + m.rows()).min(to)
 }
 
 /// The soft tokens of prompt positions `from..to` of one row, placed at flat row `offset + (p - from)`:
@@ -173,7 +165,7 @@ fn overlap(m: &Media, from: usize, to: usize) -> Result<std::ops::Range<usize>> 
 fn pieces(media: &[Media], from: usize, to: usize, offset: i64) -> Result<(Vec<i64>, Vec<Tensor>)> {
     let (mut index, mut parts) = (Vec::new(), Vec::new());
     for m in media {
-        let span = overlap(m, from, to)?;
+        let span = overlap(m, from, to);
         if span.is_empty() {
             continue;
         }
@@ -190,7 +182,7 @@ fn blocks(rows: &[(&[Media], usize, usize, i64)], total: usize) -> Result<Option
     for &(media, from, to, offset) in rows {
         for m in media.iter().filter(|m| m.both_ways) {
             let ids = out.get_or_insert_with(|| vec![-1; total]);
-            for p in overlap(m, from, to)? {
+            for p in overlap(m, from, to) {
                 ids[(offset + (p - from) as i64) as usize] = m.start as i64;
             }
         }
@@ -234,6 +226,7 @@ mod tests {
             Tensor::full(&[rows, 4], key as f64, DType::F32, &Tensor::from_i64(&[0]).unwrap()).unwrap(),
             key,
         )
+        .unwrap()
     }
 
     #[test]

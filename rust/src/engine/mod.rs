@@ -88,7 +88,6 @@ use rayon::prelude::*;
 
 use crate::engine::compiled::{CompileReport, Compiled, Compiler};
 use crate::engine::grammar::{Constraint, Grammars};
-use crate::engine::media::Injection;
 use crate::engine::prefix::PrefixCache;
 use crate::engine::prompt_logprobs::Piece;
 use crate::engine::read_point::Drawn;
@@ -101,7 +100,7 @@ use crate::error::{Error, Result};
 use crate::gemma4::attention::{Fill, Liveness, Positions};
 use crate::gemma4::cache::{CacheSize, KvCache, Rows};
 use crate::gemma4::config::{Config, LayerType};
-use crate::gemma4::model::{Model, Output};
+use crate::gemma4::model::{Injection, Model, Output};
 use crate::gemma4::parallel::{Split, check_divisible, shard_config};
 use crate::gemma4::weights::{Loaded, Weights};
 use crate::tensor::{CudaGraph, DType, Tensor};

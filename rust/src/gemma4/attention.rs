@@ -154,7 +154,7 @@ pub struct Plan {
 
 impl Plan {
     /// Plan a forward of `pos` for layers of `kind`, whose rings are `cache`'s. Computing it writes
-    /// nothing. `blocks` (int64 `[rows, T]`, engine/media.rs `Injection::blocks`) lets a sliding layer's
+    /// nothing. `blocks` (int64 `[rows, T]`, model.rs `Injection::blocks`) lets a sliding layer's
     /// queries see later keys of their own block (`bidirectional`).
     #[allow(clippy::too_many_arguments)]
     pub fn new(

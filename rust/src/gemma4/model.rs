@@ -12,7 +12,6 @@
 //! products the reference makes per token), and as lm_head is linear, the final norm's weight
 //! carries the softcap's 1 / cap and, when lm_head is that (tied) table, 1 / sqrt(H).
 
-use crate::engine::media::Injection;
 use crate::error::{Error, Result};
 use crate::ffi::aten_calls;
 use crate::gemma4::attention::{Attended, Fill, Liveness, Plan, Positions};
@@ -37,6 +36,18 @@ pub enum Output {
     /// The final hidden states of every position, `[rows * T, hidden]` (before the final norm), for
     /// `last_rows` and `head` (prompt log-probabilities need every position's logits).
     Hidden,
+}
+
+/// The rows of one forward's flat `[rows * T]` ids that hold soft tokens of media, and those soft tokens
+/// (engine/media.rs `injection` makes it).
+pub struct Injection {
+    /// int64 `[m]` on the device.
+    pub index: Tensor,
+    /// `[m, hidden]` in the compute dtype on the device.
+    pub embeds: Tensor,
+    /// int64 `[rows, T]`: for each token of the forward the block it reads both ways (its item's start),
+    /// or -1; None when no item of the forward is read both ways.
+    pub blocks: Option<Tensor>,
 }
 
 /// The per-layer-embedding front end (P > 0).
