@@ -2,7 +2,7 @@
 
 Why a fake: pods on the local control plane are kwok pods with no process and no network, so the operator
 cannot reach a real server at their IP. This stub serves the same JSON documents as gemma_server's
-`GET /v1/engine`, `/health` and `/live` (shapes from server/gemma_server/app.py: `stage`, `stages` =
+`GET /v1/engine`, `/health` and `/live` (shapes from server/gemma_server/state.py `engine_report`: `stage`, `stages` =
 [{stage, status, seconds}], and once serving `served_model_name`), and the test changes them as the "boot"
 advances. Pods point the operator at it with the test-only annotation `gemmarust.dev/engine-url-for-tests`
 (honoured only when the operator runs with GEMMA_OPERATOR_TEST_ENGINE_URLS=1).
