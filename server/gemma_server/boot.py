@@ -410,7 +410,8 @@ class Boot:
 
 
 # torch.distributed's backend for the ranks' collectives: torch_tpu 0.2.0 registers "tpu" (`_loader.py`,
-# `Backend.register_backend("tpu", ...)`) when it is imported, which the server does first on a tpu.
+# `Backend.register_backend("tpu", ...)`) when it loads, which `import torch` does in every process, the spawned
+# ranks' too, through the package's `torch.backends` entry point (`torch_tpu._loader:load`, autoloaded).
 RANK_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "tpu": "tpu"}
 
 
