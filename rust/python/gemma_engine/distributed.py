@@ -193,9 +193,9 @@ def _join(rank: int, sizes: Sequence[int], init_method: str, backend: str,
 def _follower(rank: int, init_method: str, backend: str, timeout_s: float, recipes: list[dict]) -> None:
     sizes = [len(r["devices"]) for r in recipes]
     groups = _join(rank, sizes, init_method, backend, timeout_s)
-    g = next(g for g, m in enumerate(members(sizes)) if rank in m)
+    g, ranks = next((g, m) for g, m in enumerate(members(sizes)) if rank in m)
     collectives, control = groups[g]
-    serve(make_engine(recipes[g], members(sizes)[g].index(rank), collectives), control)
+    serve(make_engine(recipes[g], ranks.index(rank), collectives), control)
 
 
 class Started(NamedTuple):

@@ -122,6 +122,8 @@ pub struct Engine {
     /// Why dense weights are not on oneDNN, where they are not (`WeightsInfo::linear_note`).
     linear_note: Option<String>,
     cache: KvCache,
+    /// The cache's geometry and bytes (`layout`), fixed at load.
+    cache_size: CacheSize,
     sampler: Sampler,
     like: Tensor,
     context: i64,
@@ -182,7 +184,8 @@ impl Engine {
         let caching = settings.prefix_caching;
         let (context, row) = (settings.context, settings.chunk_row);
         let shard = shard_config(&model.cfg, split.tp);
-        memory::check_cache(&CacheSize::of(&shard, context, b, dtype, caching, row), context, free()?)?;
+        let cache_size = CacheSize::of(&shard, context, b, dtype, caching, row);
+        memory::check_cache(&cache_size, context, free()?)?;
         let cache = KvCache::new(&shard, context, b, &like, dtype, caching, row)?;
         let sampler = Sampler::new(b, model.cfg.vocab_size, &like)?;
         let slots = Slots::new(b, model.cfg.vocab_size, &like)?;
@@ -204,6 +207,7 @@ impl Engine {
             ended: Vec::new(),
             model,
             cache,
+            cache_size,
             sampler,
             like,
             context: settings.context,
@@ -320,15 +324,7 @@ impl Engine {
 
     pub fn layout(&self) -> Layout {
         let cfg = &self.model.cfg;
-        let split = self.model.split();
-        let size = CacheSize::of(
-            &shard_config(cfg, split.tp),
-            self.context,
-            self.max_batch,
-            self.model.dtype(),
-            self.prefix.is_some(),
-            self.cache.chunk_row().is_some(),
-        );
+        let (split, size) = (self.model.split(), &self.cache_size);
         Layout {
             full_rings: self.cache.own_rings(LayerType::Full, cfg),
             sliding_rings: self.cache.own_rings(LayerType::Sliding, cfg),

@@ -162,13 +162,7 @@ impl DecoderLayer {
                 let routed = b.routing.forward(&xs)?;
                 let mlp = self.mlp.forward(&ff, scratch)?;
                 let experts = b.experts.forward(&routed.x, &routed.weights, &routed.ids)?;
-                let [mlp, experts] = if b.split.size() == 1 {
-                    [mlp, experts]
-                } else {
-                    // One reduction over both branches, side by side.
-                    let h = xs.size()?[1];
-                    b.split.sum(Tensor::cat(&[&mlp, &experts], -1)?)?.split_array(&[h, h], -1)?
-                };
+                let [mlp, experts] = b.split.sum_pair(mlp, experts)?;
                 b.post_mlp_norm.forward(&mlp)?.add(&b.post_moe_norm.forward(&experts)?)?
             }
         };

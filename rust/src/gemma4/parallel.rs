@@ -101,6 +101,16 @@ impl Split {
         }
     }
 
+    /// The sums over the ranks of two partial outputs `[.., h]` each, in one collective: side by side, summed,
+    /// split again (a rank alone: the parts as they are).
+    pub fn sum_pair(&self, a: Tensor, b: Tensor) -> Result<[Tensor; 2]> {
+        if self.others().is_none() {
+            return Ok([a, b]);
+        }
+        let h = *a.size()?.last().ok_or_else(|| Error::Internal("a 0-d partial output".into()))?;
+        self.sum(Tensor::cat(&[&a, &b], -1)?)?.split_array(&[h, h], -1)
+    }
+
     /// Every rank's `slice` of the last dim side by side (the logits' vocabulary; an all-gather).
     pub fn gather(&self, slice: Tensor) -> Result<Tensor> {
         match self.others() {
