@@ -595,6 +595,7 @@ gt *aten_shift_right_logical(gt *a, int64_t bits) {
 }
 
 gt *aten_le(gt *a, gt *b) { RET(a->t.le(b->t)) }
+gt *aten_eq(gt *a, gt *b) { RET(a->t.eq(b->t)) }
 gt *aten_gt(gt *a, gt *b) { RET(a->t.gt(b->t)) }
 gt *aten_gt_scalar(gt *a, double v) { RET(a->t.gt(v)) }
 gt *aten_lt_scalar(gt *a, double v) { RET(a->t.lt(v)) }
@@ -627,6 +628,7 @@ c10::List<std::optional<at::Tensor>> index_list(gt *const *indices, size_t n) {
 int aten_index_put_(gt *t, gt *const *indices, size_t n, gt *values) {
   RET_INT(t->t.index_put_(index_list(indices, n), values->t))
 }
+gt *aten_index(gt *t, gt *const *indices, size_t n) { RET(at::index(t->t, index_list(indices, n))) }
 int aten_copy_(gt *dst, gt *src) { RET_INT(dst->t.copy_(src->t)) }
 int aten_scatter_add_(gt *t, int64_t dim, gt *index, gt *src) { RET_INT(t->t.scatter_add_(dim, index->t, src->t)) }
 

@@ -168,6 +168,7 @@ X(gt *, aten_conv1d, (gt *x, gt *w, int64_t stride, int64_t padding, int64_t gro
 
 /* Comparisons and masks. */
 X(gt *, aten_le, (gt *a, gt *b))
+X(gt *, aten_eq, (gt *a, gt *b))
 X(gt *, aten_gt, (gt *a, gt *b))
 X(gt *, aten_gt_scalar, (gt *a, double v))
 X(gt *, aten_lt_scalar, (gt *a, double v))
@@ -178,6 +179,8 @@ X(gt *, aten_sdpa, (gt *q, gt *k, gt *v, gt *mask, double scale))
 
 /* In place. `indices` of aten_index_put_ may hold NULL for a full slice (`t[rows, :, slots]`). */
 X(int, aten_index_put_, (gt *t, gt *const *indices, size_t n, gt *values))
+/* `t[indices]` (advanced indexing, a copy); NULL entries as in aten_index_put_. */
+X(gt *, aten_index, (gt *t, gt *const *indices, size_t n))
 X(int, aten_copy_, (gt *dst, gt *src))
 X(int, aten_scatter_add_, (gt *t, int64_t dim, gt *index, gt *src))
 X(gt *, aten_scatter, (gt *t, int64_t dim, gt *index, gt *src))

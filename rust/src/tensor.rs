@@ -245,6 +245,7 @@ impl Tensor {
         logical_or => aten_logical_or,
         bitwise_xor => aten_bitwise_xor,
         le => aten_le,
+        eq => aten_eq,
         gt => aten_gt,
         logical_and => aten_logical_and,
     }
@@ -504,6 +505,12 @@ impl Tensor {
     pub fn index_put_(&self, indices: &[Option<&Tensor>], values: &Tensor) -> Result<()> {
         let ptrs: Vec<*mut CTensor> = indices.iter().map(|t| t.map_or(std::ptr::null_mut(), |t| t.ptr())).collect();
         status(ffi!("index_put_", ffi::aten_index_put_(self.ptr(), ptrs.as_ptr(), ptrs.len(), values.ptr())))
+    }
+
+    /// `self[indices]`, a copy; a `None` index is a full slice, as in `index_put_`.
+    pub fn index(&self, indices: &[Option<&Tensor>]) -> Result<Tensor> {
+        let ptrs: Vec<*mut CTensor> = indices.iter().map(|t| t.map_or(std::ptr::null_mut(), |t| t.ptr())).collect();
+        wrap("index", ffi!("index", ffi::aten_index(self.ptr(), ptrs.as_ptr(), ptrs.len())))
     }
 
     /// Copy `src` into `self` in place (broadcasting, casting).

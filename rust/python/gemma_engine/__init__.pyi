@@ -365,6 +365,11 @@ class Engine:
         compiler: Callable[[str, Callable[[], list[torch.Tensor]]], Callable[[], list[torch.Tensor]]] | None = None,
         tensor_parallel_rank: int | None = None,
         tensor_parallel_group: str | None = None,
+        speculative_method: Literal["ngram"] | None = None,
+        num_speculative_tokens: int | None = None,
+        prompt_lookup_min: int = 1,
+        prompt_lookup_max: int = 4,
+        speculative_max_batch: int = 4,
     ) -> None:
         """Load a checkpoint directory (config.json + *.safetensors).
 
@@ -432,6 +437,15 @@ class Engine:
                 after the MLP and experts) and an all-gather of the logits over the torch.distributed group
                 of that `group_name` (every rank must then run the same engine calls:
                 gemma_engine.distributed).
+            speculative_method, num_speculative_tokens: "ngram" (prompt lookup, as vLLM's and Transformers'):
+                before a decode step each slot gets up to num_speculative_tokens (1..16) drafts copied from
+                what followed the earliest earlier occurrence of its context's last n tokens (the largest n
+                in prompt_lookup_min..prompt_lookup_max that occurs), and the model checks them all in one
+                forward, keeping those its greedy choices agree with and one token more. Greedy output is
+                the output without speculation, token for token. Steps speculate only when every request
+                in the bucket is plain greedy (no sampling, penalties, logit_bias, grammar or
+                logprobs) and at most speculative_max_batch slots decode; such runs read their tokens back
+                every turn. `speculative` reports the settings, the run's stats the drafts.
         Raises:
             ValueError: bad config key, missing or misshapen tensor (named, with
                 the expected shape), bad dtype, context, prefill_chunk or max_batch < 1,
@@ -499,6 +513,11 @@ class Engine:
     def layer_calls(self) -> list[int]:
         """ATen calls each decoder layer made in the engine's last forward."""
 
+    @property
+    def speculative(self) -> dict[str, str | int] | None:
+        """{"method": "ngram", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+        "speculative_max_batch"} when speculative decoding is on, else None."""
+
     def layout(self) -> dict[str, int | bool | None]:
         """{"full_rings", "sliding_rings", "shared_layers", "context", "sliding_window",
         "max_batch", "kv_bytes_per_slot", "kv_bytes", "prefix_caching", "snapshot_bytes_per_slot",
@@ -529,7 +548,9 @@ class Engine:
         "prompt_tokens": prompt tokens read, "prompt_reads": prompts each prompt forward
         read, "seconds": wall time of those turns, "mask_seconds": the part of it spent computing
         grammar masks on the host, "cache_queries": prompt tokens of the requests admitted before
-        those turns, "cache_hits": how many of them came from the prefix cache}), then
+        those turns, "cache_hits": how many of them came from the prefix cache, "spec_drafts": slots of
+        speculative steps that had drafts, "spec_draft_tokens": the drafts, "spec_accepted_tokens": those
+        kept, "spec_accepted_per_position": kept drafts by their index among a slot's}), then
         `poll(free, idle)` returns the new requests (at most `free`, each taking a free slot: the
         lowest, or with prefix caching the one holding its longest prefix) and the ids of requests
         to cancel, or None to end the loop (requests still running end "cancelled").

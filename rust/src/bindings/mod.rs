@@ -21,6 +21,7 @@ use crate::engine::grammar::Grammars;
 use crate::engine::media::Media;
 use crate::engine::request::{Event, Io, Request, StepStats, TokenLogprobs};
 use crate::engine::sampling::SamplingParams;
+use crate::engine::speculative::Speculative;
 use crate::engine::{self, Rank, Settings, parse_dtype};
 use crate::error::Error;
 use crate::tensor::{Tensor, no_grad};
@@ -334,6 +335,10 @@ impl Io for PyIo {
             s.set_item("mask_seconds", stats.mask_seconds)?;
             s.set_item("cache_queries", stats.cache_queries)?;
             s.set_item("cache_hits", stats.cache_hits)?;
+            s.set_item("spec_drafts", stats.spec_drafts)?;
+            s.set_item("spec_draft_tokens", stats.spec_draft_tokens)?;
+            s.set_item("spec_accepted_tokens", stats.spec_accepted_tokens)?;
+            s.set_item("spec_accepted_per_position", stats.spec_accepted_per_position.clone())?;
             self.on_events.call1(py, (list, s))?;
             Ok(())
         });
@@ -368,7 +373,9 @@ impl Engine {
     #[pyo3(signature = (model_dir, emb_dir=None, like=None, context=8192, dtype="bfloat16", prefill_chunk=256,
                         max_batch=1, packed_int4=None, cuda_graphs=true, onednn=None, grammars=None,
                         prefix_caching=true, tensor_parallel_size=1, compiler=None,
-                        tensor_parallel_rank=None, tensor_parallel_group=None))]
+                        tensor_parallel_rank=None, tensor_parallel_group=None, speculative_method=None,
+                        num_speculative_tokens=None, prompt_lookup_min=1, prompt_lookup_max=4,
+                        speculative_max_batch=4))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -388,7 +395,32 @@ impl Engine {
         compiler: Option<Py<PyAny>>,
         tensor_parallel_rank: Option<i64>,
         tensor_parallel_group: Option<String>,
+        speculative_method: Option<&str>,
+        num_speculative_tokens: Option<i64>,
+        prompt_lookup_min: i64,
+        prompt_lookup_max: i64,
+        speculative_max_batch: i64,
     ) -> PyResult<Engine> {
+        let speculative = match (speculative_method, num_speculative_tokens) {
+            (None, None) => None,
+            (Some("ngram"), Some(tokens)) => Some(Speculative {
+                tokens,
+                lookup_min: prompt_lookup_min,
+                lookup_max: prompt_lookup_max,
+                max_batch: speculative_max_batch,
+            }),
+            (Some("ngram"), None) => {
+                return Err(PyValueError::new_err("speculative_method \"ngram\" needs num_speculative_tokens"));
+            }
+            (None, Some(_)) => {
+                return Err(PyValueError::new_err("num_speculative_tokens needs a speculative_method (\"ngram\")"));
+            }
+            (Some(other), _) => {
+                return Err(PyValueError::new_err(format!(
+                    "speculative_method must be \"ngram\" (prompt lookup), got {other:?}"
+                )));
+            }
+        };
         let grammars = grammars.map(|g| g.get().inner.clone());
         let dtype = parse_dtype(dtype)?;
         let settings = Settings {
@@ -411,6 +443,7 @@ impl Engine {
                 }
             },
             chunk_row: compiler.is_some(),
+            speculative,
         };
         let (like, like_py) = match like {
             Some(t) => (tensor_arg(t, "like")?, t.clone().unbind()),
@@ -516,6 +549,20 @@ impl Engine {
     #[getter]
     fn layer_calls(&self) -> Vec<u64> {
         self.inner.layer_calls()
+    }
+
+    /// Speculative decoding, when on: {"method": "ngram", "num_speculative_tokens", "prompt_lookup_min",
+    /// "prompt_lookup_max", "speculative_max_batch"}; None when off.
+    #[getter]
+    fn speculative<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(s) = self.inner.speculative() else { return Ok(None) };
+        let d = PyDict::new(py);
+        d.set_item("method", "ngram")?;
+        d.set_item("num_speculative_tokens", s.tokens)?;
+        d.set_item("prompt_lookup_min", s.lookup_min)?;
+        d.set_item("prompt_lookup_max", s.lookup_max)?;
+        d.set_item("speculative_max_batch", s.max_batch)?;
+        Ok(Some(d))
     }
 
     /// {"full_rings", "sliding_rings", "shared_layers", "context", "sliding_window", "max_batch",

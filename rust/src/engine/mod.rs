@@ -78,6 +78,7 @@ pub mod sampling;
 mod schedule;
 pub mod settings;
 mod slots;
+pub mod speculative;
 mod step;
 
 use std::path::Path;
@@ -150,6 +151,8 @@ pub struct Engine {
     prefix: Option<PrefixCache>,
     /// A decode step ran since the last read point.
     stepped: bool,
+    /// Speculative decoding by prompt lookup (speculative.rs), when on.
+    speculative: Option<speculative::Speculative>,
 }
 
 impl Engine {
@@ -199,6 +202,7 @@ impl Engine {
             grammars: None,
             prefix,
             stepped: false,
+            speculative: settings.speculative.clone(),
             loaded,
             linear_note,
             slots,
@@ -277,6 +281,11 @@ impl Engine {
 
     pub fn config(&self) -> &Config {
         &self.model.cfg
+    }
+
+    /// Speculative decoding's settings, when on.
+    pub fn speculative(&self) -> Option<&speculative::Speculative> {
+        self.speculative.as_ref()
     }
 
     pub fn context(&self) -> i64 {
@@ -510,8 +519,9 @@ impl Engine {
             }
             since = Instant::now();
             for _ in 0..read_every {
-                // A constrained slot's next mask needs the token it just drew (module docs).
-                if !self.turn()? || self.slots.constrained_decoding() {
+                // A constrained slot's next mask needs the token it just drew, and a batch that may
+                // speculate drafts from it (module docs).
+                if !self.turn()? || self.slots.constrained_decoding() || self.may_speculate() {
                     break;
                 }
             }
@@ -556,13 +566,21 @@ impl Engine {
             let rows = self.slots.rows(b);
             let decoding: Vec<usize> = rows.iter().flatten().copied().collect();
             self.stats.batch_sizes.push(decoding.len());
-            let step = self.injected(Fault::Decode, &decoding);
-            if let Err(e) = step.and_then(|_| self.decode_step(b, &rows)) {
+            let drafts = self.drafts(b, &rows);
+            // A verify step's tokens are counted at the read point, where the host learns how many.
+            let verifies = drafts.is_some();
+            let step = self.injected(Fault::Decode, &decoding).and_then(|_| match drafts {
+                Some(d) => self.verify_step(b, &rows, d),
+                None => self.decode_step(b, &rows),
+            });
+            if let Err(e) = step {
                 let ends = self.fail(decoding, &e)?;
                 self.ended.extend(ends);
                 return Ok(true);
             }
-            self.slots.count_step(&decoding)?;
+            if !verifies {
+                self.slots.count_step(&decoding)?;
+            }
         }
         let group = prompt_group(unread(self.slots.all()), self.prefill_chunk as usize);
         if group.is_empty() {
@@ -585,6 +603,14 @@ impl Engine {
         Ok(true)
     }
 
+    /// Whether the decoding slots may speculate at their next step (speculative.rs).
+    fn may_speculate(&self) -> bool {
+        self.slots.top_live().is_some_and(|top| {
+            let b = self.slots.bucket(top);
+            self.speculates(b, &self.slots.rows(b))
+        })
+    }
+
     /// One decode step of slots `0..b`; `rows[i]` is Some for the decoding ones.
     fn decode_step(&mut self, b: i64, rows: &[Option<usize>]) -> Result<()> {
         // Right after a read point the host knows which rows decode; after a step it does not: a row
@@ -602,7 +628,7 @@ impl Engine {
             (None, Some(g)) => g.step(key, like, eager)?,
             (None, None) => eager()?,
         };
-        self.drawn.push(Drawn { chosen, rows: rows.to_vec() });
+        self.drawn.push(Drawn { chosen, rows: rows.to_vec(), verified: None });
         self.stepped = true;
         Ok(())
     }
@@ -654,6 +680,7 @@ mod tests {
             tensor_parallel_size: 1,
             rank: None,
             chunk_row: false,
+            speculative: None,
         };
         assert!(s.check().unwrap_err().to_string().contains("max_batch"));
         assert!(Settings { max_batch: 2, ..s.clone() }.check().is_ok());

@@ -148,7 +148,7 @@ impl Engine {
         let chosen = self.sampler.choose(logits, si, 1)?;
         self.sampler.advance(&chosen.tokens, si, 1, None)?;
         self.slots.start(s, &chosen.tokens, &self.model.cfg.eos_ids)?;
-        self.drawn.push(Drawn { chosen, rows: vec![Some(s)] });
+        self.drawn.push(Drawn { chosen, rows: vec![Some(s)], verified: None });
         Ok(())
     }
 }

@@ -3,7 +3,8 @@
 //! takes its new tokens (`Slot::feed`), each request is cut at its end (`Slot::finish`), the new
 //! tokens and their log-probabilities become events, and finished slots are freed. A slot that hit a stop token
 //! between read points ran on as padding; its extra tokens are dropped here, so the result does not
-//! depend on `read_every`.
+//! depend on `read_every`. A verify step (engine/speculative.rs) brings back several tokens a row, taken
+//! one by one as a plain step's are.
 
 use std::time::Instant;
 
@@ -16,9 +17,36 @@ use crate::tensor::Tensor;
 
 /// Tokens drawn by one forward, waiting for the next read point.
 pub(super) struct Drawn {
+    /// One token a row, or with `verified` `1 + width` values a row: how many tokens the row drew, then
+    /// the target's `width` choices (engine/speculative.rs), of which the first that many are its tokens.
     pub(super) chosen: Chosen,
     /// The slot behind each row (None: padding).
     pub(super) rows: Vec<Option<usize>>,
+    pub(super) verified: Option<Verified>,
+}
+
+/// What a verify step (engine/speculative.rs) drew besides its tokens.
+pub(super) struct Verified {
+    /// The target's choices per row: the drafts offered and one more.
+    pub(super) width: usize,
+    /// Drafts offered per row.
+    pub(super) offered: Vec<usize>,
+}
+
+impl Drawn {
+    /// Values per row in the tokens that come back.
+    fn stride(&self) -> usize {
+        self.verified.as_ref().map_or(1, |v| v.width + 1)
+    }
+
+    /// Row `row`'s tokens among `values` (this forward's part of what came back).
+    fn tokens<'a>(&self, values: &'a [i64], row: usize) -> &'a [i64] {
+        let at = row * self.stride();
+        match &self.verified {
+            None => &values[at..at + 1],
+            Some(_) => &values[at + 1..][..values[at] as usize],
+        }
+    }
 }
 
 impl Engine {
@@ -43,40 +71,50 @@ impl Engine {
                 }
                 None => None,
             };
+            let values = &tokens[at..at + d.rows.len() * d.stride()];
             for (row, s) in d.rows.iter().enumerate() {
-                let token = tokens[at + row];
                 let Some(s) = *s else { continue };
+                let drawn = d.tokens(values, row);
+                if self.slots.get(s).is_none() {
+                    continue;
+                }
+                if let Some(v) = &d.verified {
+                    self.stats.count_verified(v.offered[row], drawn.len() - 1);
+                    self.slots.count_drawn(s, drawn.len())?;
+                }
                 let Ok(slot) = self.slots.get_mut(s) else { continue };
-                if slot.finished.is_some() {
-                    continue;
-                }
-                let ev = events[s].get_or_insert_with(|| slot.event());
-                if let Some(lp) = slot.prompt_lp.take() {
-                    ev.prompt_logprobs = Some(lp);
-                }
-                slot.feed(token, eos);
-                let end = slot.finish(End::Token(token), eos);
-                if slot.stops_at(token, eos) || end == Some(Finish::Failed) {
-                    ev.error = slot.grammar_error();
-                    if slot.stops_at(token, eos) {
-                        // The device stopped the slot here (slots.rs): its rings end at the reply.
-                        slot.stopped = Some(slot.emitted);
+                for &token in drawn {
+                    if slot.finished.is_some() {
+                        break;
                     }
+                    let ev = events[s].get_or_insert_with(|| slot.event());
+                    if let Some(lp) = slot.prompt_lp.take() {
+                        ev.prompt_logprobs = Some(lp);
+                    }
+                    slot.feed(token, eos);
+                    let end = slot.finish(End::Token(token), eos);
+                    if slot.stops_at(token, eos) || end == Some(Finish::Failed) {
+                        ev.error = slot.grammar_error();
+                        if slot.stops_at(token, eos) {
+                            // The device stopped the slot here (slots.rs): its rings end at the reply.
+                            slot.stopped = Some(slot.emitted);
+                        }
+                        slot.finished = end;
+                        break;
+                    }
+                    ev.tokens.push(token);
+                    slot.output.push(token);
+                    if let (Some(want), Some((chosen, ids, lps, k))) = (slot.request.params.logprobs, &lp) {
+                        let base = row * k;
+                        let top = (0..(want as usize).min(*k)).map(|j| (ids[base + j], lps[base + j])).collect();
+                        ev.logprobs.push(TokenLogprobs { logprob: chosen[row], top });
+                    }
+                    slot.first_token.get_or_insert(now);
+                    slot.emitted += 1;
                     slot.finished = end;
-                    continue;
                 }
-                ev.tokens.push(token);
-                slot.output.push(token);
-                if let (Some(want), Some((chosen, ids, lps, k))) = (slot.request.params.logprobs, &lp) {
-                    let base = row * k;
-                    let top = (0..(want as usize).min(*k)).map(|j| (ids[base + j], lps[base + j])).collect();
-                    ev.logprobs.push(TokenLogprobs { logprob: chosen[row], top });
-                }
-                slot.first_token.get_or_insert(now);
-                slot.emitted += 1;
-                slot.finished = end;
             }
-            at += d.rows.len();
+            at += values.len();
         }
         let mut out = Vec::new();
         for (s, ev) in events.into_iter().enumerate() {

@@ -203,6 +203,29 @@ pub struct StepStats {
     /// (vLLM's `prefix_cache_queries` and `prefix_cache_hits`, in tokens).
     pub cache_queries: usize,
     pub cache_hits: usize,
+    /// Speculative decoding (engine/speculative.rs), vLLM's `spec_decode_*` counters: rows of verify
+    /// steps that had drafts, the drafts offered and kept, and how many were kept at each position
+    /// (index 0: a row's first draft).
+    pub spec_drafts: usize,
+    pub spec_draft_tokens: usize,
+    pub spec_accepted_tokens: usize,
+    pub spec_accepted_per_position: Vec<usize>,
+}
+
+impl StepStats {
+    /// A verify step's row that was offered `offered` drafts kept `kept` of them.
+    pub(crate) fn count_verified(&mut self, offered: usize, kept: usize) {
+        if offered == 0 {
+            return;
+        }
+        self.spec_drafts += 1;
+        self.spec_draft_tokens += offered;
+        self.spec_accepted_tokens += kept;
+        if self.spec_accepted_per_position.len() < kept {
+            self.spec_accepted_per_position.resize(kept, 0);
+        }
+        self.spec_accepted_per_position[..kept].iter_mut().for_each(|n| *n += 1);
+    }
 }
 
 /// The caller's side of `Engine::run`.

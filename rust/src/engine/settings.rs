@@ -1,6 +1,7 @@
 //! What a caller sets and reads of an `Engine`: its settings, the compute dtype's name, the layout of its
 //! cache and what its loader put on the device.
 
+use crate::engine::speculative::Speculative;
 use crate::error::{Error, Result};
 use crate::gemma4::weights::Kernels;
 use crate::tensor::DType;
@@ -65,6 +66,8 @@ pub struct Settings {
     /// Hold one more row of rings, where compiled prompt chunks run (engine/chunks.rs): set for an
     /// engine that gets a compiler.
     pub chunk_row: bool,
+    /// Speculative decoding by prompt lookup (engine/speculative.rs); None: off.
+    pub speculative: Option<Speculative>,
 }
 
 impl Settings {
@@ -75,6 +78,9 @@ impl Settings {
             if v < 1 {
                 return Err(Error::Input(format!("{name} must be >= 1, got {v}")));
             }
+        }
+        if let Some(s) = &self.speculative {
+            s.check()?;
         }
         let n = self.tensor_parallel_size;
         match &self.rank {

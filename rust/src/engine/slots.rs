@@ -142,6 +142,11 @@ impl Slot {
         }
     }
 
+    /// Tokens drawn on the device, including those not read yet.
+    pub(super) fn drawn(&self) -> usize {
+        self.drawn
+    }
+
     /// Seconds from admission to the first token, and from then to now.
     pub(super) fn timing(&self) -> Timing {
         let now = Instant::now();
@@ -291,12 +296,19 @@ impl Slots {
     /// decoding at once (its tokens are read at the next read point).
     pub(super) fn count_step(&mut self, rows: &[usize]) -> Result<()> {
         for &s in rows {
-            let slot = busy_mut(&mut self.host, s)?;
-            slot.drawn += 1;
-            if slot.drawn >= slot.limit {
-                slot.live = false;
-                self.live.narrow(0, s as i64, 1)?.fill_(0.0)?;
-            }
+            self.count_drawn(s, 1)?;
+        }
+        Ok(())
+    }
+
+    /// Slot `s` drew `n` more tokens (one a plain step, up to the drafts and one a verify step, whose
+    /// count the host learns at the read point): at its limit it stops decoding.
+    pub(super) fn count_drawn(&mut self, s: usize, n: usize) -> Result<()> {
+        let slot = busy_mut(&mut self.host, s)?;
+        slot.drawn += n;
+        if slot.drawn >= slot.limit && slot.live {
+            slot.live = false;
+            self.live.narrow(0, s as i64, 1)?.fill_(0.0)?;
         }
         Ok(())
     }
@@ -367,6 +379,21 @@ impl Slots {
             v.positions.add_int_(1)?
         }
         let go_on = v.keep.gather(1, &tokens.reshape(&[b, 1])?)?;
+        v.live2.copy_(&v.live2.logical_and(&go_on)?)
+    }
+}
+
+impl Slots {
+    /// After a verify step of slots `0..b` (engine/speculative.rs) in which each row kept `kept`
+    /// drafts (int64 `[b]`) and chose `next`: `next` is the next input, the decoding rows move
+    /// `kept + 1` positions on (padding rows keep theirs), and a row whose `next` is a stop token stops.
+    pub(super) fn advance_by(&mut self, b: i64, next: &Tensor, kept: &Tensor, padded: bool) -> Result<()> {
+        let v = self.views(b)?;
+        v.next.copy_(next)?;
+        let moved = kept.add_int(1)?;
+        let moved = if padded { moved.mul(&v.live.to_dtype(DType::I64)?)? } else { moved };
+        v.positions.add_(&moved)?;
+        let go_on = v.keep.gather(1, &next.reshape(&[b, 1])?)?;
         v.live2.copy_(&v.live2.logical_and(&go_on)?)
     }
 }

@@ -78,6 +78,7 @@ impl Rows {
 /// `[1, heads, 1]` (the head part of a write's index).
 struct LayerKv {
     kv: Tensor,
+    kind: LayerType,
     kv_heads: i64,
     heads: Tensor,
     heads2: Tensor,
@@ -176,6 +177,7 @@ impl KvCache {
                 let heads = |n: i64| Tensor::arange(0, n, DType::I64, like)?.reshape(&[1, n, 1]);
                 Ok(Some(LayerKv {
                     kv: Tensor::full(&[rows, 2 * h, ring[l.kind.index()] + 1, l.head_dim], 0.0, dtype, like)?,
+                    kind: l.kind,
                     kv_heads: h,
                     heads: heads(h)?,
                     heads2: heads(2 * h)?,
@@ -266,6 +268,37 @@ impl KvCache {
         let idx = [Some(&views.row_index3), Some(&l.heads), Some(entries)];
         ring.k.index_put_(&idx, k)?;
         ring.v.index_put_(&idx, v)
+    }
+
+    /// The keys and values at sliding-ring entries `entries` (int64 `[rows, 1, T]`) of `rows`, per layer
+    /// (None where a layer holds no sliding ring of its own), `[rows, 2 * kv_heads, T, head_dim]` copies:
+    /// what a forward that writes there overwrites (`put_back` returns it).
+    pub fn sliding_entries(&self, rows: Rows, entries: &Tensor) -> Result<Vec<Option<Tensor>>> {
+        let views = self.views(rows)?;
+        self.layers
+            .iter()
+            .zip(&views.kv)
+            .map(|(l, ring)| match (l, ring) {
+                (Some(l), Some(ring)) if l.kind == LayerType::Sliding => {
+                    ring.kv.index(&[Some(&views.row_index3), Some(&l.heads2), Some(entries)]).map(Some)
+                }
+                _ => Ok(None),
+            })
+            .collect()
+    }
+
+    /// Write `saved` (`sliding_entries` of the same `rows` and `entries`) back where `keep` (bool
+    /// `[rows, 1, T, 1]`) is false, leaving the entries where it is true as they are: a speculative
+    /// forward's rejected positions (engine/speculative.rs) leave the sliding rings as they were.
+    pub fn put_back(&mut self, rows: Rows, entries: &Tensor, saved: &[Option<Tensor>], keep: &Tensor) -> Result<()> {
+        let views = self.views(rows)?;
+        for ((l, ring), old) in self.layers.iter().zip(&views.kv).zip(saved) {
+            let (Some(l), Some(ring), Some(old)) = (l, ring, old) else { continue };
+            let idx = [Some(&views.row_index3), Some(&l.heads2), Some(entries)];
+            let now = ring.kv.index(&idx)?;
+            ring.kv.index_put_(&idx, &Tensor::where_(keep, &now, old)?)?;
+        }
+        Ok(())
     }
 
     /// Copy slot `from`'s rings and snapshots to slot `to`, whole rows (a follower of an `n > 1`

@@ -1,0 +1,253 @@
+//! Speculative decoding by prompt lookup: before a decode step the host proposes up to `k` draft tokens
+//! for each decoding slot by finding the context's last n-gram earlier in the context and copying what
+//! followed it there (Transformers 5.18 `generation/candidate_generator.py`,
+//! `PromptLookupCandidateGenerator`; vLLM's `v1/spec_decode/ngram_proposer.py`, whose
+//! `prompt_lookup_min` / `prompt_lookup_max` / `num_speculative_tokens` these settings mirror). The target
+//! then reads each slot's last token and its drafts, `k + 1` positions, in one forward (a "verify
+//! step"), and keeps the drafts its own greedy choices agree with, then one token more: its choice after
+//! the last kept draft. Every token a slot gets is the target's argmax after exactly the tokens before
+//! it, so greedy output is the output without speculation, token for token.
+//!
+//! On the device, per row of the bucket: `t = argmax(logits)` `[b, k + 1]`; draft `j` is kept while
+//! every draft up to it equals the target's choice before it and that choice is not one of the slot's
+//! stop tokens (the slot would stop there: nothing after a stop token is written, as in a plain step,
+//! slots.rs), and while the row has drafts (`offered`, at most the slot's room to its length limit
+//! less one). With `a` drafts kept the row's tokens are `t[0..=a]`: `t[a]` is its next input and it
+//! moves `a + 1` positions on.
+//!
+//! The rings: the verify step writes keys at the row's positions `p..=p + k`. A full ring holds a
+//! position at its own entry, so a rejected position's key sits past the row's position, hidden by the
+//! causal mask until the position is written again. A sliding ring holds only the window: writing
+//! position `p + j` overwrites `p + j - ring`, which a later query may still need when `p + j` is
+//! rejected. So the entries a verify step writes are saved before it and the rejected ones put back
+//! after it (`KvCache::sliding_entries`, `put_back`): no rejected token stays in a ring, and the prefix
+//! cache's histories and snapshots (taken at prompt ends) never see one. The ring must hold `k + 1`
+//! distinct entries, so `k` is at most the sliding ring less one.
+//!
+//! Which steps speculate: those whose bucket is all plain greedy (no penalties, logit bias, draws,
+//! grammars or log-probabilities, whose choices a batch of positions would have to replay in order),
+//! with at most `Speculative::max_batch` decoding slots, run right after a read point (the drafts
+//! need every slot's tokens on the host), and where some slot has a draft. While a batch can
+//! speculate, every turn ends in a read point. A verify step runs eagerly; the compiled and CUDA-graph
+//! paths cover plain steps.
+
+use crate::engine::Engine;
+use crate::engine::read_point::{Drawn, Verified};
+use crate::engine::sampling::{Chosen, Stages};
+use crate::error::{Error, Result};
+use crate::gemma4::attention::{Fill, Liveness, Positions};
+use crate::gemma4::cache::{EMPTY, Rows};
+use crate::gemma4::config::LayerType;
+use crate::gemma4::model::Output;
+use crate::tensor::{DType, Tensor};
+
+/// The most draft tokens a step may propose per slot.
+pub const MAX_TOKENS: i64 = 16;
+
+/// Speculative decoding by prompt lookup (`Settings::speculative`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Speculative {
+    /// Draft tokens proposed per slot and step (`num_speculative_tokens`).
+    pub tokens: i64,
+    /// The shortest and longest n-gram looked up (`prompt_lookup_min`, `prompt_lookup_max`).
+    pub lookup_min: i64,
+    pub lookup_max: i64,
+    /// Above this many decoding slots a step does not speculate.
+    pub max_batch: i64,
+}
+
+impl Speculative {
+    pub(super) fn check(&self) -> Result<()> {
+        let s = self;
+        if !(1..=MAX_TOKENS).contains(&s.tokens) {
+            return Err(Error::Input(format!("num_speculative_tokens must be in 1..={MAX_TOKENS}, got {}", s.tokens)));
+        }
+        if s.lookup_min < 1 || s.lookup_max < s.lookup_min {
+            return Err(Error::Input(format!(
+                "prompt_lookup_min must be >= 1 and prompt_lookup_max >= prompt_lookup_min, got {} and {}",
+                s.lookup_min, s.lookup_max
+            )));
+        }
+        if s.max_batch < 1 {
+            return Err(Error::Input(format!("speculative_max_batch must be >= 1, got {}", s.max_batch)));
+        }
+        Ok(())
+    }
+}
+
+/// Up to `k` tokens that followed the earliest earlier occurrence of the context's last n tokens, for
+/// the largest n in `min_n..=max_n` that occurs (Transformers' `PromptLookupCandidateGenerator`: the
+/// longest n-gram first, its first match in the context). Empty when none occurs or `k` is 0.
+pub fn propose(context: &[i64], k: usize, min_n: usize, max_n: usize) -> Vec<i64> {
+    let len = context.len();
+    if k == 0 {
+        return Vec::new();
+    }
+    for n in (min_n.max(1)..=max_n.min(len.saturating_sub(1))).rev() {
+        let tail = &context[len - n..];
+        // A match must end before the context's end, so that at least one token follows it.
+        if let Some(start) = (0..len - n).find(|&i| &context[i..i + n] == tail) {
+            let from = start + n;
+            return context[from..(from + k).min(len)].to_vec();
+        }
+    }
+    Vec::new()
+}
+
+/// The drafts of one verify step, on the host.
+pub(super) struct Drafts {
+    /// Draft columns per row.
+    k: i64,
+    /// `[b, k]` draft ids (0 past a row's drafts), then `[b]` drafts per row: one upload.
+    packed: Vec<i64>,
+    /// Drafts per row.
+    offered: Vec<usize>,
+}
+
+impl Engine {
+    /// Whether the decode steps of bucket `b` (rows `rows`) may speculate (module docs), the drafts
+    /// aside.
+    pub(super) fn speculates(&self, b: i64, rows: &[Option<usize>]) -> bool {
+        let Some(spec) = &self.speculative else { return false };
+        let decoding = rows.iter().flatten().count() as i64;
+        decoding > 0 && decoding <= spec.max_batch && self.sampler.stages(0, b) == Stages::default()
+    }
+
+    /// The drafts for a decode step of bucket `b`, when it speculates and some slot has one.
+    pub(super) fn drafts(&self, b: i64, rows: &[Option<usize>]) -> Option<Drafts> {
+        let spec = self.speculative.as_ref()?;
+        if self.stepped || !self.drawn.is_empty() || !self.speculates(b, rows) {
+            return None;
+        }
+        // The ring must hold the step's k + 1 positions apart (module docs).
+        let k = spec.tokens.min(self.cache.ring(LayerType::Sliding) - 1);
+        if k < 1 {
+            return None;
+        }
+        let mut packed = vec![0; (b * k) as usize];
+        let mut offered = vec![0; b as usize];
+        for (row, s) in rows.iter().enumerate() {
+            let Some(slot) = s.and_then(|s| self.slots.get(s)) else { continue };
+            // The last token drawn is the step's input; drafts may reach the length limit, not pass it.
+            let room = slot.limit.saturating_sub(slot.drawn()).saturating_sub(1).min(k as usize);
+            let context: Vec<i64> = slot.request.prompt.iter().chain(&slot.output).copied().collect();
+            let found = propose(&context, room, spec.lookup_min as usize, spec.lookup_max as usize);
+            packed[row * k as usize..][..found.len()].copy_from_slice(&found);
+            offered[row] = found.len();
+        }
+        if offered.iter().all(|n| *n == 0) {
+            return None;
+        }
+        packed.extend(offered.iter().map(|n| *n as i64));
+        Some(Drafts { k, packed, offered })
+    }
+
+    /// A verify step of slots `0..b` with `drafts` (module docs): one forward of each row's last token
+    /// and drafts, the kept drafts and the next token chosen on the device, the rejected positions put
+    /// back in the sliding rings, each slot moved on by what it kept.
+    pub(super) fn verify_step(&mut self, b: i64, rows: &[Option<usize>], drafts: Drafts) -> Result<()> {
+        let k = drafts.k;
+        let up = Tensor::from_i64(&drafts.packed)?.to_like(&self.like, DType::I64)?;
+        let (draft, offered) = (up.narrow(0, 0, b * k)?.reshape(&[b, k])?, up.narrow(0, b * k, b)?);
+        let padded = rows.iter().any(|r| r.is_none());
+        let ring = self.cache.ring(LayerType::Sliding);
+        let cols = Tensor::arange(0, k + 1, DType::I64, &self.like)?.reshape(&[1, k + 1])?;
+        let tokens = {
+            let v = self.slots.views(b)?;
+            let ids = Tensor::cat(&[&v.next.reshape(&[b, 1])?, &draft], 1)?.reshape(&[b * (k + 1)])?;
+            // Padding rows may sit anywhere: keep their positions inside the context (their keys land in
+            // the never-visible entry, their outputs are dropped).
+            let grid = v.positions.reshape(&[b, 1])?.add(&cols)?.clamp(0.0, (self.context - 1) as f64)?;
+            let mut pos = Positions::new(&grid)?;
+            pos.held = Some(held_before(&v.positions, ring, &self.like)?);
+            let live = if padded { Liveness::Padding(v.live3.shallow_clone()?) } else { Liveness::AllLive };
+            let entries = grid.remainder(ring)?.reshape(&[b, 1, k + 1])?;
+            let rows_b = Rows::first(b);
+            self.cache.prepare(rows_b)?;
+            let saved = self.cache.sliding_entries(rows_b, &entries)?;
+            let hidden = self
+                .model
+                .forward(&mut self.cache, rows_b, &ids, &pos, &live, Fill::Partial, Output::Hidden, None)?
+                .ok_or_else(|| Error::Internal("a verify step returned no hidden states".into()))?;
+            let t = self.model.head(&hidden)?.argmax(-1, false)?.reshape(&[b, k + 1])?;
+            let choices = t.narrow(1, 0, k)?;
+            let agree = draft.eq(&choices)?.logical_and(&v.keep.gather(1, &choices)?)?;
+            // Drafts kept: the length of the run of agreeing ones from the first, at most those offered.
+            let broken = agree.lt_scalar(0.5)?.to_dtype(DType::I64)?.cumsum(1)?;
+            let run = broken.lt_scalar(0.5)?.to_dtype(DType::I64)?.sum_dim(1)?;
+            let kept = Tensor::where_(&run.lt(&offered)?, &run, &offered)?;
+            let keep_cols = cols.le(&kept.reshape(&[b, 1])?)?.reshape(&[b, 1, k + 1, 1])?;
+            self.cache.put_back(rows_b, &entries, &saved, &keep_cols)?;
+            let next = t.gather(1, &kept.reshape(&[b, 1])?)?.reshape(&[b])?;
+            self.slots.advance_by(b, &next, &kept, padded)?;
+            Tensor::cat(&[&kept.add_int(1)?.reshape(&[b, 1])?, &t], 1)?.reshape(&[b * (k + 2)])?
+        };
+        let verified = Verified { width: (k + 1) as usize, offered: drafts.offered };
+        self.drawn.push(Drawn {
+            chosen: Chosen { tokens, logprobs: None },
+            rows: rows.to_vec(),
+            verified: Some(verified),
+        });
+        self.stepped = true;
+        Ok(())
+    }
+}
+
+/// `cache::held_before` of each row's next position `positions` (int64 `[b]`), on the device: int64
+/// `[b, ring + 1]`.
+fn held_before(positions: &Tensor, ring: i64, like: &Tensor) -> Result<Tensor> {
+    let b = positions.size()?[0];
+    let last = positions.reshape(&[b, 1])?.add_int(-1)?;
+    let j = Tensor::arange(0, ring, DType::I64, like)?.reshape(&[1, ring])?;
+    let held = last.sub(&last.sub(&j)?.remainder(ring)?)?;
+    let empty = Tensor::full(&[b, ring + 1], EMPTY as f64, DType::I64, like)?;
+    let held = Tensor::cat(&[&held, &empty.narrow(1, ring, 1)?], 1)?;
+    Tensor::where_(&held.lt_scalar(0.0)?, &empty, &held)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gemma4::cache;
+
+    #[test]
+    fn the_longest_ngram_first_and_its_first_match() {
+        // "5 6" occurs at 1 and 4; the 3-gram "4 5 6" only at 3.
+        let ctx = [9, 5, 6, 4, 5, 6, 7, 4, 5, 6];
+        assert_eq!(propose(&ctx, 3, 1, 3), vec![7, 4, 5]);
+        assert_eq!(propose(&ctx, 3, 1, 2), vec![4, 5, 6]);
+        // What follows the match stops at the context's end.
+        assert_eq!(propose(&[1, 2, 1], 5, 1, 1), vec![2, 1]);
+        assert_eq!(propose(&ctx, 0, 1, 3), Vec::<i64>::new());
+        assert_eq!(propose(&[1, 2, 3], 4, 1, 3), Vec::<i64>::new());
+        assert_eq!(propose(&[7], 4, 1, 3), Vec::<i64>::new());
+        // Below min_n nothing is looked up.
+        assert_eq!(propose(&[1, 2, 3, 2], 2, 2, 3), Vec::<i64>::new());
+    }
+
+    #[test]
+    fn held_before_on_the_device_is_the_host_table() {
+        let like = Tensor::from_i64(&[0]).unwrap();
+        for ring in [1, 4, 12] {
+            let starts: Vec<i64> = (0..30).collect();
+            let got = held_before(&Tensor::from_i64(&starts).unwrap(), ring, &like).unwrap().to_vec_i64().unwrap();
+            let want: Vec<i64> = starts.iter().flat_map(|s| cache::held_before(ring, *s)).collect();
+            assert_eq!(got, want, "ring {ring}");
+        }
+    }
+
+    #[test]
+    fn settings_out_of_range_name_the_setting() {
+        let ok = Speculative { tokens: 4, lookup_min: 1, lookup_max: 3, max_batch: 4 };
+        assert!(ok.check().is_ok());
+        let bad = [
+            (Speculative { tokens: 0, ..ok.clone() }, "num_speculative_tokens"),
+            (Speculative { tokens: MAX_TOKENS + 1, ..ok.clone() }, "num_speculative_tokens"),
+            (Speculative { lookup_min: 4, ..ok.clone() }, "prompt_lookup_max"),
+            (Speculative { max_batch: 0, ..ok.clone() }, "speculative_max_batch"),
+        ];
+        for (s, name) in bad {
+            assert!(s.check().unwrap_err().to_string().contains(name), "{s:?}");
+        }
+    }
+}

@@ -1,0 +1,194 @@
+"""Speculative decoding by prompt lookup (`Engine(speculative_method="ngram", num_speculative_tokens=k)`,
+rust/src/engine/speculative.rs): drafts copied from n-grams already in the context, checked by the target in one
+forward of k + 1 positions a slot.
+
+Greedy output with speculation is the output without it, token for token: on every tiny architecture (the
+E-series config, and the 31B K=V, 26B-A4B MoE and 12B shapes of test_architectures.py), alone and in a busy
+batch, with stop ids and length limits, and equal to Transformers' own prompt-lookup generation
+(`generate(prompt_lookup_num_tokens=k)`). Random weights rarely agree with a draft, so the exactness runs also use a
+"two-token" checkpoint: the dense one with its final norm's weight zero but for one feature, so that its logits
+are that feature times the tied embeddings' column and it writes runs of the two tokens at that column's ends,
+switching with the context; drafts of a run are kept, the switches rejected (a third of the drafts kept, at
+every position). Rejected positions must leave no trace in the rings, which resuming the conversation from the
+prefix cache shows (its tokens equal a fresh read's). Steps that cannot speculate (a sampled, penalized or
+constrained request in the bucket, more decoding slots than `speculative_max_batch`) run as before, and the
+settings are checked.
+"""
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import gemma_engine
+from tests import checkpoints as ck
+from tests.engine.test_architectures import CONFIGS, RUNS, SAVERS
+
+CONTEXT = 128
+K = 5
+SPEC = {"speculative_method": "ngram", "num_speculative_tokens": K}
+# Prompts that repeat themselves, as edits and quotes do, so the lookup finds n-grams; then one that does not.
+PROMPTS = [[2] + [10, 11, 12, 13, 14] * 4, [2, 50, 60, 70, 80, 50, 60, 70], [2, 7, 8, 9, 7, 8, 9, 7, 8],
+           ck.PARITY_PROMPT]
+
+
+def engine(model_dir, **kwargs) -> gemma_engine.Engine:
+    kwargs = {"context": CONTEXT, "dtype": "float32", "like": torch.zeros(1), "max_batch": 4, **kwargs}
+    return gemma_engine.Engine(str(model_dir), **kwargs)
+
+
+def run(e: gemma_engine.Engine, script: dict[int, list], read_every: int = 1):
+    """Run `script` ({poll call: requests admitted there}) through `Engine.run`. Returns ({id: (tokens,
+    finish)}, summed stats)."""
+    out, stats, calls = {}, [], [0]
+    pending = {k: list(v) for k, v in script.items()}
+
+    def poll(free, idle):
+        calls[0] += 1
+        queue = [r for k in sorted(pending) if k <= calls[0] for r in pending[k]]
+        if not queue and not any(pending.values()) and all(f for _, f in out.values()):
+            return None
+        new = queue[:free]
+        for k in pending:
+            pending[k] = [r for r in pending[k] if r not in new]
+        for r in new:
+            out[r.id] = ([], None)
+        return new, []
+
+    def on_events(events, s):
+        stats.append(s)
+        for ev in events:
+            tokens, finish = out[ev.id]
+            out[ev.id] = (tokens + list(ev.tokens), ev.finish or finish)
+
+    e.run(poll, on_events, read_every)
+    keys = ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "prompt_tokens", "cache_hits")
+    totals = {k: sum(s.get(k, 0) for s in stats) for k in keys}
+    per_pos = [s.get("spec_accepted_per_position", []) for s in stats]
+    totals["per_position"] = [sum(p[i] for p in per_pos if i < len(p)) for i in range(K)]
+    return out, totals
+
+
+def busy_script(max_new: int = 48) -> dict[int, list]:
+    """Staggered greedy requests: two at once, two joining later with stop ids (28: one of the two-token
+    target's), one with a short limit."""
+    R = gemma_engine.Request
+    return {1: [R(0, PROMPTS[0], max_new), R(1, PROMPTS[1], max_new)],
+            4: [R(2, PROMPTS[2], max_new, stop_ids=[459]), R(3, PROMPTS[3], 7)],
+            9: [R(4, PROMPTS[0][:9], max_new, stop_ids=[28])]}
+
+
+@pytest.fixture(scope="module")
+def dense(dense_checkpoint):
+    return dense_checkpoint
+
+
+def save_two_token(source, out):
+    """`source` with the final norm's weight zero but for feature 0 (module docs)."""
+    shutil.copytree(source, out)
+    (path, tensors, name), = [(f, t, k) for f in out.glob("*.safetensors") for t in [load_file(f)] for k in t
+                              if k in ("model.norm.weight", "model.language_model.norm.weight")]
+    weight = torch.zeros_like(tensors[name])
+    weight[0] = 1.0
+    tensors[name] = weight
+    save_file(tensors, path, metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_token(dense_checkpoint, tmp_path_factory):
+    return save_two_token(dense_checkpoint, tmp_path_factory.mktemp("two_token") / "model")
+
+
+def test_settings_are_checked_and_reported(dense):
+    e = engine(dense, **SPEC, prompt_lookup_min=2, prompt_lookup_max=3, speculative_max_batch=2)
+    assert e.speculative == {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2,
+                             "prompt_lookup_max": 3, "speculative_max_batch": 2}
+    assert engine(dense).speculative is None
+    bad = [({"speculative_method": "mtp", "num_speculative_tokens": 2}, "speculative_method must be"),
+           ({"speculative_method": "ngram"}, "needs num_speculative_tokens"),
+           ({"num_speculative_tokens": 2}, "needs a speculative_method"),
+           ({**SPEC, "num_speculative_tokens": 0}, "num_speculative_tokens must be in 1..=16"),
+           ({**SPEC, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_max >= prompt_lookup_min"),
+           ({**SPEC, "speculative_max_batch": 0}, "speculative_max_batch must be >= 1")]
+    for kwargs, message in bad:
+        with pytest.raises(ValueError, match=message):
+            engine(dense, **kwargs)
+
+
+@pytest.mark.parametrize("read_every", [1, 4])
+def test_a_busy_batch_gives_the_tokens_of_no_speculation(dense, two_token, read_every):
+    for model_dir in (dense, two_token):
+        plain, _ = run(engine(model_dir), busy_script(), read_every)
+        spec, stats = run(engine(model_dir, **SPEC), busy_script(), read_every)
+        assert spec == plain, model_dir
+        assert {f for _, f in plain.values()} == {"length", "stop"}, "the script covers both ends"
+        assert stats["spec_drafts"] > 10 and stats["spec_draft_tokens"] > 2 * stats["spec_drafts"]
+        assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
+    # The two-token target keeps drafts at every position, and fewer at each later one.
+    per = stats["per_position"]
+    assert all(n > 0 for n in per) and per == sorted(per, reverse=True)
+    assert stats["spec_accepted_tokens"] == sum(per) and stats["spec_accepted_tokens"] > 50
+
+
+def test_tokens_equal_transformers_prompt_lookup_generation(two_token):
+    reference = ck.load_hf_reference(two_token)
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            hf = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
+                                    prompt_lookup_num_tokens=K, eos_token_id=None, pad_token_id=0)
+        want = hf[0, len(prompt):].tolist()
+        tokens, finish, _, _ = engine(two_token, **SPEC).decode(prompt, 40)
+        stops = set(reference.config.eos_token_id)
+        cut = next((i for i, t in enumerate(want) if t in stops), len(want))
+        assert tokens == want[:cut], prompt
+
+
+@pytest.mark.parametrize("kind", ["dense", "two_token"])
+def test_a_conversation_resumed_after_rejected_drafts_reads_as_fresh(kind, request):
+    """Turn 2 extends turn 1's prompt and reply, so it resumes from the slot's rings: every draft turn 1
+    rejected wrote keys at positions past its reply, and the sliding rings must hold none of them."""
+    model_dir = request.getfixturevalue(kind)
+    e, fresh = engine(model_dir, **SPEC, max_batch=1), engine(model_dir, max_batch=1, prefix_caching=False)
+    out, stats = run(e, {1: [gemma_engine.Request(0, PROMPTS[0], 40)]})
+    reply, _ = out[0]
+    assert stats["spec_draft_tokens"] - stats["spec_accepted_tokens"] >= 5, "turn 1 rejected drafts"
+    second = PROMPTS[0] + reply + [3, 10, 11, 12]
+    resumed, stats = run(e, {1: [gemma_engine.Request(1, second, 40)]})
+    assert stats["cache_hits"] >= len(PROMPTS[0]) + len(reply) - 1
+    read, _ = run(fresh, {1: [gemma_engine.Request(1, second, 40)]})
+    assert resumed == read
+
+
+def test_steps_that_cannot_speculate_run_plain(dense):
+    sampled = gemma_engine.SamplingParams(temperature=0.8, seed=3)
+    penalized = gemma_engine.SamplingParams(repetition_penalty=1.3)
+    R = gemma_engine.Request
+    script = {1: [R(0, PROMPTS[0], 24, sampling=sampled), R(1, PROMPTS[1], 24, sampling=penalized)]}
+    plain, _ = run(engine(dense), script)
+    spec, stats = run(engine(dense, **SPEC), script)
+    assert spec == plain and stats["spec_drafts"] == 0
+    # Above speculative_max_batch decoding slots, no step speculates.
+    script = {1: [R(i, p, 24) for i, p in enumerate(PROMPTS[:3])]}
+    plain, _ = run(engine(dense), script)
+    spec, stats = run(engine(dense, **SPEC, speculative_max_batch=1), script)
+    assert spec == plain
+    alone, alone_stats = run(engine(dense, **SPEC, speculative_max_batch=1), {1: [R(0, PROMPTS[0], 24)]})
+    assert alone[0] == plain[0] and alone_stats["spec_drafts"] > 0
+    # Only steps with one decoding slot (the last one left) could speculate.
+    assert stats["spec_drafts"] < alone_stats["spec_drafts"] + 24
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run_spec", RUNS, ids=[f"{name}-{kind}" for name, kind, _ in RUNS])
+def test_every_architecture_speculates_exactly(run_spec, tmp_path_factory):
+    name, kind, seed = run_spec
+    model_dir = SAVERS[kind](tmp_path_factory.mktemp(f"spec_{name}_{kind}"), seed, CONFIGS[name][0]())
+    two = save_two_token(model_dir, tmp_path_factory.mktemp(f"spec_{name}_{kind}_two") / "model")
+    for checkpoint in (model_dir, two):
+        plain, _ = run(engine(checkpoint), busy_script(32), read_every=3)
+        spec, stats = run(engine(checkpoint, **SPEC), busy_script(32), read_every=3)
+        assert spec == plain and stats["spec_draft_tokens"] > 0, checkpoint
+    assert stats["spec_accepted_tokens"] > 10, "the two-token target keeps drafts"
