@@ -295,7 +295,9 @@ class Boot:
             context=c.context, dtype=c.dtype, prefill_chunk=c.prefill_chunk, max_batch=c.max_num_seqs,
             packed_int4=None if c.packed_int4 else False, cuda_graphs=c.cuda_graphs,
             onednn=False if c.compile != "off" else {"auto": None, "on": True, "off": False}[c.onednn],
-            prefix_caching=c.enable_prefix_caching)
+            prefix_caching=c.enable_prefix_caching, speculative_method=c.speculative_method,
+            num_speculative_tokens=c.num_speculative_tokens, speculative_max_batch=c.speculative_max_batch,
+            prompt_lookup_min=c.prompt_lookup_min, prompt_lookup_max=c.prompt_lookup_max)
         if c.compile != "off":
             self.compilers = {w.index: self.step_compiler(w.device) for w in workers}
         # Split engines: every rank past each engine's first starts now, in one world (its shards load meanwhile).

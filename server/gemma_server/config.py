@@ -124,6 +124,20 @@ class Config:
                            "multiplies with ATen's matmul, never oneDNN's packed weights): on: replay the compiled "
                            "steps; auto: compile, time both at boot and keep the faster (/v1/engine's compile says "
                            "which); off: eager ATen calls", choices=("off", "on", "auto"))
+    speculative_method: str | None = setting(None, "GEMMA_SPECULATIVE_METHOD", "speculative decoding: ngram "
+                                             "(prompt lookup: drafts copied from what followed the context's last "
+                                             "n-gram earlier in it, checked in one forward; greedy output "
+                                             "unchanged; needs --num-speculative-tokens)", choices=("ngram",),
+                                             flag_type=str)
+    num_speculative_tokens: int | None = setting(None, "GEMMA_NUM_SPECULATIVE_TOKENS", "draft tokens per "
+                                                 "request and step (1..16)", flag_type=int, minimum=1)
+    speculative_max_batch: int = setting(1, "GEMMA_SPECULATIVE_MAX_BATCH", "above this many decoding requests "
+                                         "an engine's steps do not speculate (1: on a CPU bench/speculative.py "
+                                         "measured it paying alone, not at 4)", minimum=1)
+    prompt_lookup_min: int = setting(1, "GEMMA_PROMPT_LOOKUP_MIN", "shortest n-gram --speculative-method ngram "
+                                     "looks up", minimum=1)
+    prompt_lookup_max: int = setting(4, "GEMMA_PROMPT_LOOKUP_MAX", "longest n-gram --speculative-method ngram "
+                                     "looks up", minimum=1)
     default_temperature: float = setting(1.0, "GEMMA_DEFAULT_TEMPERATURE", "temperature of a request that sets "
                                          "none (OpenAI's default is 1; 0 makes such requests greedy)", minimum=0)
     served_model_name: str | None = setting(None, "GEMMA_SERVED_MODEL_NAME", "the model id clients send "
@@ -334,6 +348,6 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str] | None = None) 
     for f in fields(Config):
         low = f.metadata.get("minimum")
         value = getattr(ns, f.name)
-        if low is not None and value < low:
+        if low is not None and value is not None and value < low:
             parser.error(f"--{f.name.replace('_', '-')} must be at least {low:g}, got {value}")
     return Config(**vars(ns))

@@ -241,6 +241,20 @@ class Metrics:
         self.prefix_cache_hits = Counter(
             "gemma_prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", labels, registry=r,
         ).labels(m)
+        # vLLM's spec_decode counters (vllm/v1/spec_decode/metrics.py), from the engines' step stats.
+        self.spec_decode_drafts = Counter(
+            "gemma_spec_decode_num_drafts", "Requests' speculative steps that had drafts.", labels, registry=r,
+        ).labels(m)
+        self.spec_decode_draft_tokens = Counter(
+            "gemma_spec_decode_num_draft_tokens", "Draft tokens offered.", labels, registry=r,
+        ).labels(m)
+        self.spec_decode_accepted_tokens = Counter(
+            "gemma_spec_decode_num_accepted_tokens", "Draft tokens accepted.", labels, registry=r,
+        ).labels(m)
+        self.spec_decode_accepted_per_pos = Counter(
+            "gemma_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each position of a request's "
+            "drafts (0: the first).", labels + ["position"], registry=r,
+        )
         self._cache_config_info = Gauge(
             "gemma_cache_config_info", "Information of the engines' KV cache (value is always 1).",
             labels + list(CACHE_CONFIG_LABELS), registry=r,
@@ -305,6 +319,11 @@ class Metrics:
         self.prompt_tokens_read.inc(stats.get("prompt_tokens", 0))
         self.prefix_cache_queries.inc(stats.get("cache_queries", 0))
         self.prefix_cache_hits.inc(stats.get("cache_hits", 0))
+        self.spec_decode_drafts.inc(stats.get("spec_drafts", 0))
+        self.spec_decode_draft_tokens.inc(stats.get("spec_draft_tokens", 0))
+        self.spec_decode_accepted_tokens.inc(stats.get("spec_accepted_tokens", 0))
+        for position, n in enumerate(stats.get("spec_accepted_per_position") or []):
+            self.spec_decode_accepted_per_pos.labels(self.model_name, str(position)).inc(n)
         for rows in sizes:
             self.iteration_tokens.observe(rows)
         turns = max(len(sizes), 1)

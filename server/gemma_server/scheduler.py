@@ -409,6 +409,7 @@ class EngineWorker:
         self.max_batch = int(engine.max_batch)
         self.layout = dict(engine.layout())
         self.weights = dict(engine.weights())
+        self.speculative = getattr(engine, "speculative", None)
         self.free = self.max_batch
         # An engine without prefix caching keeps nothing: its histories stay empty and score 0.
         self.histories = Histories(self.max_batch if self.layout.get("prefix_caching") else 0)
@@ -466,7 +467,7 @@ class EngineWorker:
             "kv_bytes_per_slot": self.layout.get("kv_bytes_per_slot"), "kv_bytes": self.layout.get("kv_bytes"),
             "weight_bytes": self.weights.get("bytes"), "int4_weights": self.weights.get("int4"),
             "linear": self.weights.get("linear"), "linear_note": self.weights.get("linear_note"),
-            "tensor_parallel_size": self.layout.get("tensor_parallel_size"),
+            "tensor_parallel_size": self.layout.get("tensor_parallel_size"), "speculative": self.speculative,
             "serving": self.serving, "dead": self.dead,
         }
 

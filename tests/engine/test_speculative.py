@@ -27,7 +27,7 @@ from tests.engine.test_architectures import CONFIGS, RUNS, SAVERS
 
 CONTEXT = 128
 K = 5
-SPEC = {"speculative_method": "ngram", "num_speculative_tokens": K}
+SPEC = {"speculative_method": "ngram", "num_speculative_tokens": K, "speculative_max_batch": 4}
 # Prompts that repeat themselves, as edits and quotes do, so the lookup finds n-grams; then one that does not.
 PROMPTS = [[2] + [10, 11, 12, 13, 14] * 4, [2, 50, 60, 70, 80, 50, 60, 70], [2, 7, 8, 9, 7, 8, 9, 7, 8],
            ck.PARITY_PROMPT]
@@ -102,7 +102,7 @@ def two_token(dense_checkpoint, tmp_path_factory):
 
 
 def test_settings_are_checked_and_reported(dense):
-    e = engine(dense, **SPEC, prompt_lookup_min=2, prompt_lookup_max=3, speculative_max_batch=2)
+    e = engine(dense, **{**SPEC, "speculative_max_batch": 2}, prompt_lookup_min=2, prompt_lookup_max=3)
     assert e.speculative == {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2,
                              "prompt_lookup_max": 3, "speculative_max_batch": 2}
     assert engine(dense).speculative is None
@@ -173,9 +173,9 @@ def test_steps_that_cannot_speculate_run_plain(dense):
     # Above speculative_max_batch decoding slots, no step speculates.
     script = {1: [R(i, p, 24) for i, p in enumerate(PROMPTS[:3])]}
     plain, _ = run(engine(dense), script)
-    spec, stats = run(engine(dense, **SPEC, speculative_max_batch=1), script)
+    spec, stats = run(engine(dense, **{**SPEC, "speculative_max_batch": 1}), script)
     assert spec == plain
-    alone, alone_stats = run(engine(dense, **SPEC, speculative_max_batch=1), {1: [R(0, PROMPTS[0], 24)]})
+    alone, alone_stats = run(engine(dense, **{**SPEC, "speculative_max_batch": 1}), {1: [R(0, PROMPTS[0], 24)]})
     assert alone[0] == plain[0] and alone_stats["spec_drafts"] > 0
     # Only steps with one decoding slot (the last one left) could speculate.
     assert stats["spec_drafts"] < alone_stats["spec_drafts"] + 24

@@ -369,7 +369,7 @@ class Engine:
         num_speculative_tokens: int | None = None,
         prompt_lookup_min: int = 1,
         prompt_lookup_max: int = 4,
-        speculative_max_batch: int = 4,
+        speculative_max_batch: int = 1,
     ) -> None:
         """Load a checkpoint directory (config.json + *.safetensors).
 
@@ -444,8 +444,9 @@ class Engine:
                 forward, keeping those its greedy choices agree with and one token more. Greedy output is
                 the output without speculation, token for token. Steps speculate only when every request
                 in the bucket is plain greedy (no sampling, penalties, logit_bias, grammar or
-                logprobs) and at most speculative_max_batch slots decode; such runs read their tokens back
-                every turn. `speculative` reports the settings, the run's stats the drafts.
+                logprobs) and at most speculative_max_batch slots decode (default 1: bench/speculative.py
+                measured a verify step paying at batch 1 on a CPU, not at 4); such runs read their tokens
+                back every turn. `speculative` reports the settings, the run's stats the drafts.
         Raises:
             ValueError: bad config key, missing or misshapen tensor (named, with
                 the expected shape), bad dtype, context, prefill_chunk or max_batch < 1,

@@ -375,7 +375,7 @@ impl Engine {
                         prefix_caching=true, tensor_parallel_size=1, compiler=None,
                         tensor_parallel_rank=None, tensor_parallel_group=None, speculative_method=None,
                         num_speculative_tokens=None, prompt_lookup_min=1, prompt_lookup_max=4,
-                        speculative_max_batch=4))]
+                        speculative_max_batch=1))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,

@@ -1,0 +1,81 @@
+"""Speculative decoding through the server (`--speculative-method ngram --num-speculative-tokens k`): the same
+replies as the server without it, through the openai SDK (greedy chat and completions, streamed and not, and a
+JSON-schema reply, whose grammar keeps its steps plain); /v1/engine names the method; vLLM's spec_decode counters
+move on /metrics; a bad setting stops the boot or the parser with its name."""
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from gemma_server.config import parse_config
+from tests.checkpoints import chat_checkpoint  # noqa: F401 - the session fixture, used below
+
+from .conftest import sample, start_in_process
+
+SPEC = ("--speculative-method", "ngram", "--num-speculative-tokens", "4", "--speculative-max-batch", "4")
+# Prompts that repeat themselves, so prompt lookup finds n-grams to draft from.
+PROMPTS = ["one two three one two three one two", "the cat sat on the mat, the cat sat on the", "Hello there"]
+
+
+@pytest.fixture(scope="module")
+def spec_server(chat_checkpoint):  # noqa: F811
+    s = start_in_process(chat_checkpoint, *SPEC, "--max-num-seqs", "4", "--default-temperature", "0")
+    yield s
+    s.stop()
+
+
+def replies(base: str, model: str) -> list:
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    out = []
+    for p in PROMPTS:
+        chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": p}], max_tokens=24)
+        out.append((chat.choices[0].message.content, chat.choices[0].finish_reason))
+        text = client.completions.create(model=model, prompt=p, max_tokens=24)
+        out.append((text.choices[0].text, text.choices[0].finish_reason))
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model=model, prompt=p, max_tokens=16, stream=True) if c.choices)
+        out.append(streamed)
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 99}}, "required": ["a"],
+              "additionalProperties": False}
+    constrained = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=24,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    out.append(json.loads(constrained.choices[0].message.content))
+    return out
+
+
+def test_replies_equal_the_server_without_speculation(spec_server, server, model):
+    drafted = sample(spec_server, "gemma_spec_decode_num_draft_tokens_total")
+    assert replies(spec_server.base, model) == replies(server.base, model)
+    assert sample(spec_server, "gemma_spec_decode_num_draft_tokens_total") > drafted
+    assert sample(spec_server, "gemma_spec_decode_num_drafts_total") > 0
+    accepted = sample(spec_server, "gemma_spec_decode_num_accepted_tokens_total")
+    assert 0 <= accepted <= sample(spec_server, "gemma_spec_decode_num_draft_tokens_total")
+    assert sample(server, "gemma_spec_decode_num_draft_tokens_total") == 0
+
+
+def test_v1_engine_names_the_method(spec_server, server):
+    (engine,) = httpx.get(f"{spec_server.base}/v1/engine").json()["engines"]
+    assert engine["speculative"] == {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                                     "prompt_lookup_max": 4, "speculative_max_batch": 4}
+    (plain,) = httpx.get(f"{server.base}/v1/engine").json()["engines"]
+    assert plain["speculative"] is None
+
+
+def test_bad_settings_are_refused_by_name(chat_checkpoint, capsys):  # noqa: F811
+    with pytest.raises(SystemExit):
+        parse_config(["--model", "m", "--speculative-method", "mtp"], {})
+    assert "--speculative-method" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_config(["--model", "m", "--num-speculative-tokens", "0"], {})
+    assert "--num-speculative-tokens must be at least 1" in capsys.readouterr().err
+    s = start_in_process(chat_checkpoint, "--speculative-method", "ngram", wait_ready=False)
+    try:
+        from .conftest import wait_for
+
+        failed = wait_for(lambda: s.state.boot.state.failed, 300, "the boot to fail")
+        assert "needs num_speculative_tokens" in str(failed)
+    finally:
+        s.stop()
