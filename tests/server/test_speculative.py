@@ -20,7 +20,7 @@ PROMPTS = ["one two three one two three one two", "the cat sat on the mat, the c
 
 
 @pytest.fixture(scope="module")
-def spec_server(chat_checkpoint):  # noqa: F811
+def spec_server(chat_checkpoint):  # noqa: F811 - the session fixture
     s = start_in_process(chat_checkpoint, *SPEC, "--max-num-seqs", "4", "--default-temperature", "0")
     yield s
     s.stop()

@@ -7,7 +7,8 @@
 //! slots, host and device), `lifecycle` (admitting, placing and ending a request), `schedule` (which
 //! prompts a forward reads), `prompts` (reading them), `step` (the decode step and its CUDA graphs), `read_point`,
 //! `sampling` (the next-token choice on the device), `grammar` (grammar-constrained requests),
-//! `prompt_logprobs` (scoring the prompt while it is read), `one_request` (`Engine::decode`).
+//! `prompt_logprobs` (scoring the prompt while it is read), `speculative` (prompt-lookup drafts checked in one
+//! forward), `one_request` (`Engine::decode`).
 //!
 //! Each slot holds one request: its rings in the KV cache (gemma4/cache.rs), its sampling state
 //! (sampling.rs), and on the device its last token and next position (slots.rs). One turn of the
