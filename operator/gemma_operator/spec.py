@@ -188,6 +188,20 @@ class AcceleratorSpec(_Model):
         pattern=DNS_LABEL_RE, max_length=63)
 
 
+class SpeculativeSpec(_Model):
+    """Speculative decoding (the server's --speculative-method and its settings, gemma_server/config.py)."""
+
+    method: Literal["ngram"] = Field(
+        "ngram", description="ngram: prompt lookup, drafts copied from what followed the context's last n-gram "
+        "earlier in the context, checked by the model in one forward; greedy output is unchanged and no second "
+        "model is loaded (GEMMA_SPECULATIVE_METHOD).")
+    num_speculative_tokens: int = Field(
+        description="Draft tokens per request and step (GEMMA_NUM_SPECULATIVE_TOKENS).", ge=1, le=16)
+    max_batch: int | None = Field(
+        None, description="Above this many decoding requests an engine's steps do not speculate "
+        "(GEMMA_SPECULATIVE_MAX_BATCH). Unset: the server's default (1).", ge=1, le=MAX_NUM_SEQS)
+
+
 class EngineSpec(_Model):
     context: int = Field(8192, description="Context length in tokens (prompt + generation).", ge=256,
                          le=131072)
@@ -215,6 +229,8 @@ class EngineSpec(_Model):
         "backend on a TPU, Inductor on GPU and CPU), in a boot stage of its own (Compiling); auto times both "
         "ways at boot and keeps the faster. Compiled artifacts are cached on the build-cache volume "
         "(GEMMA_COMPILE).")
+    speculative: SpeculativeSpec | None = Field(
+        None, description="Speculative decoding. Unset: off.")
 
 
 class MediaSpec(_Model):

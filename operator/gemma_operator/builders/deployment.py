@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 from kubernetes.utils import parse_quantity
 
 from ..memory import placement
-from ..spec import TPU_METRICS_PORT, GcsFuseSpec, GemmaRustServerSpec, MediaSpec, chips, is_tpu
+from ..spec import TPU_METRICS_PORT, GcsFuseSpec, GemmaRustServerSpec, MediaSpec, SpeculativeSpec, chips, is_tpu
 from .build_cache import build_cache_volume
 from .ownership import Meta, child_object, labels, selector_labels
 from .service import service_host
@@ -230,6 +230,16 @@ def media_env(media: MediaSpec) -> list[dict[str, str]]:
     return [{"name": k, "value": str(v)} for k, v in values.items() if v is not None]
 
 
+def speculative_env(s: SpeculativeSpec | None) -> list[dict[str, str]]:
+    """spec.engine.speculative as the server's GEMMA_SPECULATIVE_* variables; none when it is off, and an unset
+    maxBatch leaves the server's default."""
+    if s is None:
+        return []
+    values = {"GEMMA_SPECULATIVE_METHOD": s.method, "GEMMA_NUM_SPECULATIVE_TOKENS": s.num_speculative_tokens,
+              "GEMMA_SPECULATIVE_MAX_BATCH": s.max_batch}
+    return [{"name": k, "value": str(v)} for k, v in values.items() if v is not None]
+
+
 def env(spec: GemmaRustServerSpec, meta: Meta, main: ModelMount, twin: ModelMount | None) -> list[dict[str, Any]]:
     """The server's environment (its documented GEMMA_* variables); the token and API key only via secretKeyRef."""
     e, srv, n_chips = spec.engine, spec.server, chips(spec.accelerator)
@@ -248,6 +258,7 @@ def env(spec: GemmaRustServerSpec, meta: Meta, main: ModelMount, twin: ModelMoun
         {"name": "GEMMA_READ_EVERY", "value": str(e.read_every)},
         {"name": "GEMMA_DTYPE", "value": e.dtype},
         {"name": "GEMMA_COMPILE", "value": e.compile},
+        *speculative_env(e.speculative),
         # Inductor's caches (its FX graphs and AOTAutograd's, keyed by the graph) on the build-cache volume, so a
         # restart with --compile loads the compiled steps instead of compiling them again.
         {"name": "TORCHINDUCTOR_CACHE_DIR", "value": f"{CACHE_MOUNT}/inductor"},

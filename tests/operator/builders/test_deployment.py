@@ -195,6 +195,20 @@ def test_compile_reaches_the_server_with_inductors_cache_on_the_build_cache_volu
         tpu_spec(engine={"compile": "sometimes"})
 
 
+def test_speculative_decoding_reaches_the_server_only_when_set():
+    env = env_of(tpu_spec())
+    assert not any(k.startswith(("GEMMA_SPECULATIVE", "GEMMA_NUM_SPECULATIVE")) for k in env)
+    env = env_of(tpu_spec(engine={"speculative": {"numSpeculativeTokens": 4}}))
+    assert env["GEMMA_SPECULATIVE_METHOD"] == "ngram" and env["GEMMA_NUM_SPECULATIVE_TOKENS"] == "4"
+    assert "GEMMA_SPECULATIVE_MAX_BATCH" not in env  # the server's default
+    env = env_of(tpu_spec(engine={"speculative": {"method": "ngram", "numSpeculativeTokens": 2, "maxBatch": 8}}))
+    assert env["GEMMA_SPECULATIVE_MAX_BATCH"] == "8"
+    for bad, field in (({"numSpeculativeTokens": 0}, "numSpeculativeTokens"), ({}, "numSpeculativeTokens"),
+                       ({"method": "mtp", "numSpeculativeTokens": 2}, "method")):
+        with pytest.raises(pydantic.ValidationError, match=field):
+            tpu_spec(engine={"speculative": bad})
+
+
 def test_flex_start_and_compute_class_selectors():
     flex = node_selector(parse_spec({"model": {"source": "hf://a/b"},
                                      "accelerator": {"provisioning": "flex-start"}}))
