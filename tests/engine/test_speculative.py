@@ -10,9 +10,9 @@ batch, with stop ids and length limits, and equal to Transformers' own prompt-lo
 are that feature times the tied embeddings' column and it writes runs of the two tokens at that column's ends,
 switching with the context; drafts of a run are kept, the switches rejected (a third of the drafts kept, at
 every position). Rejected positions must leave no trace in the rings, which resuming the conversation from the
-prefix cache shows (its tokens equal a fresh read's). Steps that cannot speculate (a sampled, penalized or
-constrained request in the bucket, more decoding slots than `speculative_max_batch`) run as before, and the
-settings are checked.
+prefix cache shows (its tokens equal a fresh read's). Seeded sampled requests draw the same tokens with and
+without speculation. Steps that cannot speculate (a penalized, constrained or logprobs request in the bucket, more
+decoding slots than `speculative_max_batch`) run as before, and the settings are checked.
 """
 
 import shutil
@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 import gemma_engine
 from tests import checkpoints as ck
 from tests.engine.test_architectures import CONFIGS, RUNS, SAVERS
+from tests.engine.test_sampling import splitmix64
 
 CONTEXT = 128
 K = 5
@@ -163,13 +164,14 @@ def test_a_conversation_resumed_after_rejected_drafts_reads_as_fresh(kind, reque
 
 
 def test_steps_that_cannot_speculate_run_plain(dense):
-    sampled = gemma_engine.SamplingParams(temperature=0.8, seed=3)
-    penalized = gemma_engine.SamplingParams(repetition_penalty=1.3)
     R = gemma_engine.Request
-    script = {1: [R(0, PROMPTS[0], 24, sampling=sampled), R(1, PROMPTS[1], 24, sampling=penalized)]}
-    plain, _ = run(engine(dense), script)
-    spec, stats = run(engine(dense, **SPEC), script)
-    assert spec == plain and stats["spec_drafts"] == 0
+    penalized = gemma_engine.SamplingParams(repetition_penalty=1.3)
+    presence = gemma_engine.SamplingParams(temperature=0.8, seed=3, presence_penalty=0.5)
+    for request in (R(0, PROMPTS[0], 24, sampling=penalized), R(0, PROMPTS[0], 24, sampling=presence),
+                    R(0, PROMPTS[0], 24, sampling=gemma_engine.SamplingParams(logprobs=2))):
+        plain, _ = run(engine(dense), {1: [request]})
+        spec, stats = run(engine(dense, **SPEC), {1: [request]})
+        assert spec == plain and stats["spec_drafts"] == 0
     # Above speculative_max_batch decoding slots, no step speculates.
     script = {1: [R(i, p, 24) for i, p in enumerate(PROMPTS[:3])]}
     plain, _ = run(engine(dense), script)
@@ -179,6 +181,56 @@ def test_steps_that_cannot_speculate_run_plain(dense):
     assert alone[0] == plain[0] and alone_stats["spec_drafts"] > 0
     # Only steps with one decoding slot (the last one left) could speculate.
     assert stats["spec_drafts"] < alone_stats["spec_drafts"] + 24
+
+
+SAMPLINGS = [dict(temperature=1.0), dict(temperature=0.7, top_k=5), dict(temperature=1.3, top_p=0.9),
+             dict(temperature=1.0, min_p=0.05), dict(temperature=0.8, logit_bias={28: 2.0}), dict(temperature=0.3),
+             dict(temperature=0.5, top_p=0.8)]
+
+
+def uniform(seed: int, index: int) -> float:
+    """The engine's uniform number for draw `index` of a request seeded `seed` (rust/src/engine/sampling.rs)."""
+    return (splitmix64(seed, index + 1)[index] >> 40) / 2**24
+
+
+def a_rounding_flip(model_dir, prompt: list[int], seed: int, params: dict, plain: list[int],
+                    spec: list[int]) -> float | None:
+    """Where the two runs' tokens first differ, the distance from that draw's uniform number to the CDF boundary
+    between the two tokens, when they are the tokens on either side of the boundary nearest to it (None
+    otherwise): a draw the logits' float rounding can tip either way (a verify step computes the same logits as
+    a plain step with other kernels), not a different draw."""
+    j = next(i for i, (a, b) in enumerate(zip(plain, spec)) if a != b)
+    logits = engine(model_dir).logits(prompt + plain[:j])
+    sampling = gemma_engine.SamplingParams(seed=seed, **params)
+    _, probs = gemma_engine.sample(logits.unsqueeze(0), [(sampling, prompt, plain[:j], j)])
+    probs = probs[0].double()
+    order = torch.sort(probs, stable=True).indices
+    cdf = torch.cumsum(probs[order], 0)
+    u = uniform(seed, j) * float(cdf[-1])
+    edge = int(torch.argmin((cdf - u).abs()))
+    sides = {int(order[edge]), int(order[edge + 1])}
+    return abs(float(cdf[edge]) - u) if sides == {plain[j], spec[j]} else None
+
+
+def test_seeded_sampling_draws_the_tokens_of_no_speculation(dense, two_token):
+    """64 seeded requests a checkpoint (temperatures, top-k, top-p, min-p, logit_bias), four at a time, about
+    1,500 draws: each position's draw takes its token's uniform number from the request's stream, so the tokens
+    are those without speculation, but for a draw whose uniform number lies within float rounding of a CDF
+    boundary (measured: request 26 on the two-token checkpoint, 4.5e-6 from it), after which the two runs'
+    contexts differ. A draft is kept exactly when the draw equals it (probability p(draft))."""
+    prompt, params, seed = (lambda i: PROMPTS[i % len(PROMPTS)]), (lambda i: SAMPLINGS[i % len(SAMPLINGS)]), 1000
+    requests = [gemma_engine.Request(i, prompt(i), 24, sampling=gemma_engine.SamplingParams(seed=seed + i, **params(i)))
+                for i in range(64)]
+    for model_dir in (dense, two_token):
+        plain, _ = run(engine(model_dir), {1: requests})
+        spec, stats = run(engine(model_dir, **SPEC), {1: requests})
+        assert sum(len(tokens) for tokens, _ in plain.values()) > 1400
+        differ = [i for i in plain if spec[i] != plain[i]]
+        assert len(differ) <= 2, differ
+        for i in differ:
+            gap = a_rounding_flip(model_dir, prompt(i), seed + i, params(i), plain[i][0], spec[i][0])
+            assert gap is not None and gap < 1e-4, (i, gap)
+        assert stats["spec_drafts"] > 100 and stats["spec_accepted_tokens"] > 0
 
 
 @pytest.mark.slow

@@ -10,8 +10,6 @@ import openai
 import pytest
 
 from gemma_server.config import parse_config
-from tests.checkpoints import chat_checkpoint  # noqa: F401 - the session fixture, used below
-
 from .conftest import sample, start_in_process
 
 SPEC = ("--speculative-method", "ngram", "--num-speculative-tokens", "4", "--speculative-max-batch", "4")
@@ -20,7 +18,7 @@ PROMPTS = ["one two three one two three one two", "the cat sat on the mat, the c
 
 
 @pytest.fixture(scope="module")
-def spec_server(chat_checkpoint):  # noqa: F811 - the session fixture
+def spec_server(chat_checkpoint):
     s = start_in_process(chat_checkpoint, *SPEC, "--max-num-seqs", "4", "--default-temperature", "0")
     yield s
     s.stop()
@@ -37,6 +35,10 @@ def replies(base: str, model: str) -> list:
         streamed = "".join(c.choices[0].text for c in client.completions.create(
             model=model, prompt=p, max_tokens=16, stream=True) if c.choices)
         out.append(streamed)
+    for seed in (7, 8):  # seeded sampled replies: the same draws with speculation
+        sampled = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPTS[1]}],
+                                                 max_tokens=24, temperature=0.9, seed=seed)
+        out.append(sampled.choices[0].message.content)
     schema = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 99}}, "required": ["a"],
               "additionalProperties": False}
     constrained = client.chat.completions.create(
@@ -47,6 +49,8 @@ def replies(base: str, model: str) -> list:
 
 
 def test_replies_equal_the_server_without_speculation(spec_server, server, model):
+    # Both serve the session's chat checkpoint, under its name.
+    assert spec_server.state.config.model_name == model
     drafted = sample(spec_server, "gemma_spec_decode_num_draft_tokens_total")
     assert replies(spec_server.base, model) == replies(server.base, model)
     assert sample(spec_server, "gemma_spec_decode_num_draft_tokens_total") > drafted
@@ -64,7 +68,7 @@ def test_v1_engine_names_the_method(spec_server, server):
     assert plain["speculative"] is None
 
 
-def test_bad_settings_are_refused_by_name(chat_checkpoint, capsys):  # noqa: F811
+def test_bad_settings_are_refused_by_name(chat_checkpoint, capsys):
     with pytest.raises(SystemExit):
         parse_config(["--model", "m", "--speculative-method", "mtp"], {})
     assert "--speculative-method" in capsys.readouterr().err

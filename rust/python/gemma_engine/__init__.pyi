@@ -441,10 +441,13 @@ class Engine:
                 before a decode step each slot gets up to num_speculative_tokens (1..16) drafts copied from
                 what followed the earliest earlier occurrence of its context's last n tokens (the largest n
                 in prompt_lookup_min..prompt_lookup_max that occurs), and the model checks them all in one
-                forward, keeping those its greedy choices agree with and one token more. Greedy output is
-                the output without speculation, token for token. Steps speculate only when every request
-                in the bucket is plain greedy (no sampling, penalties, logit_bias, grammar or
-                logprobs) and at most speculative_max_batch slots decode (default 1: bench/speculative.py
+                forward, keeping those its own choices agree with and one token more: the argmax, or for a
+                sampled request the seeded draw of that token's index. Output is the output without
+                speculation, token for token, greedy or seeded, up to the float rounding of the verify
+                forward's logits (a draft is kept with probability p(draft): rejection sampling with a
+                one-token draft). Steps speculate only when no request in the
+                bucket has penalties, a grammar or logprobs, and at most speculative_max_batch slots
+                decode (default 1: bench/speculative.py
                 measured a verify step paying at batch 1 on a CPU, not at 4); such runs read their tokens
                 back every turn. `speculative` reports the settings, the run's stats the drafts.
         Raises:

@@ -401,26 +401,9 @@ impl Engine {
         prompt_lookup_max: i64,
         speculative_max_batch: i64,
     ) -> PyResult<Engine> {
-        let speculative = match (speculative_method, num_speculative_tokens) {
-            (None, None) => None,
-            (Some("ngram"), Some(tokens)) => Some(Speculative {
-                tokens,
-                lookup_min: prompt_lookup_min,
-                lookup_max: prompt_lookup_max,
-                max_batch: speculative_max_batch,
-            }),
-            (Some("ngram"), None) => {
-                return Err(PyValueError::new_err("speculative_method \"ngram\" needs num_speculative_tokens"));
-            }
-            (None, Some(_)) => {
-                return Err(PyValueError::new_err("num_speculative_tokens needs a speculative_method (\"ngram\")"));
-            }
-            (Some(other), _) => {
-                return Err(PyValueError::new_err(format!(
-                    "speculative_method must be \"ngram\" (prompt lookup), got {other:?}"
-                )));
-            }
-        };
+        let lookup = (prompt_lookup_min, prompt_lookup_max);
+        let speculative =
+            Speculative::from_args(speculative_method, num_speculative_tokens, lookup, speculative_max_batch)?;
         let grammars = grammars.map(|g| g.get().inner.clone());
         let dtype = parse_dtype(dtype)?;
         let settings = Settings {
@@ -558,10 +541,10 @@ impl Engine {
         let Some(s) = self.inner.speculative() else { return Ok(None) };
         let d = PyDict::new(py);
         d.set_item("method", "ngram")?;
-        d.set_item("num_speculative_tokens", s.tokens)?;
-        d.set_item("prompt_lookup_min", s.lookup_min)?;
-        d.set_item("prompt_lookup_max", s.lookup_max)?;
-        d.set_item("speculative_max_batch", s.max_batch)?;
+        let (tokens, max_batch) = (("num_speculative_tokens", s.tokens), ("speculative_max_batch", s.max_batch));
+        for (k, v) in [tokens, ("prompt_lookup_min", s.lookup_min), ("prompt_lookup_max", s.lookup_max), max_batch] {
+            d.set_item(k, v)?;
+        }
         Ok(Some(d))
     }
 

@@ -364,6 +364,13 @@ impl Sampler {
     /// Choose the next token of the slots `start..start + n` from their `logits` `[n, vocab]`, and
     /// count it into their histories.
     pub fn choose(&self, logits: &Tensor, start: i64, n: i64) -> Result<Chosen> {
+        self.choose_ahead(logits, start, n, 0)
+    }
+
+    /// `choose` for the token `ahead` draws past each slot's next: its draw takes the uniform number of that
+    /// index (a verify step's later positions, engine/speculative.rs). Only for slots whose choice reads no
+    /// history (no penalties): their counts do not hold the tokens before it.
+    pub fn choose_ahead(&self, logits: &Tensor, start: i64, n: i64, ahead: i64) -> Result<Chosen> {
         let stages = self.stages(start, n);
         let rows = |t: &Tensor| t.narrow(0, start, n);
         let raw = logits.as_dtype(DType::F32)?;
@@ -374,7 +381,9 @@ impl Sampler {
             let (sorted, order) = self.filtered(&x, start, n)?;
             let cdf = sorted.softmax(-1)?.cumsum(-1)?;
             let total = cdf.narrow(1, self.vocab - 1, 1)?;
-            let u = uniform(&rows(&self.seed)?, &rows(&self.step)?)?.unsqueeze(1)?;
+            let step = rows(&self.step)?;
+            let step = if ahead == 0 { step } else { step.add_int(ahead)? };
+            let u = uniform(&rows(&self.seed)?, &step)?.unsqueeze(1)?;
             let at = cdf.searchsorted_right(&u.mul(&total)?)?.clamp(0.0, (self.vocab - 1) as f64)?;
             let drawn = order.gather(1, &at)?.reshape(&[n])?;
             Tensor::where_(&rows(&self.greedy)?, &greedy, &drawn)?
@@ -414,6 +423,20 @@ impl Sampler {
                 step.copy_(&step.add(&live.to_dtype(DType::I64)?)?)
             }
         }
+    }
+
+    /// After a verify step (engine/speculative.rs) in which the slots `start..start + n` drew `drawn` tokens
+    /// each (int64 `[n]`): move their draw index on by that many; with `live`, only for the live rows. Only
+    /// for slots without penalties, whose histories nothing reads.
+    pub fn advance_draws(&mut self, drawn: &Tensor, start: i64, n: i64, live: Option<&Tensor>) -> Result<()> {
+        if !self.stages(start, n).draw {
+            return Ok(());
+        }
+        let drawn = match live {
+            Some(live) => drawn.mul(&live.to_dtype(DType::I64)?)?,
+            None => drawn.shallow_clone()?,
+        };
+        self.step.narrow(0, start, n)?.add_(&drawn)
     }
 
     /// Logit bias and penalties (the processors before the warpers), float32 `[n, vocab]`.

@@ -4,11 +4,18 @@
 //! `PromptLookupCandidateGenerator`; vLLM's `v1/spec_decode/ngram_proposer.py`, whose
 //! `prompt_lookup_min` / `prompt_lookup_max` / `num_speculative_tokens` these settings mirror). The target
 //! then reads each slot's last token and its drafts, `k + 1` positions, in one forward (a "verify
-//! step"), and keeps the drafts its own greedy choices agree with, then one token more: its choice after
-//! the last kept draft. Every token a slot gets is the target's argmax after exactly the tokens before
-//! it, so greedy output is the output without speculation, token for token.
+//! step"), and keeps the drafts its own choices agree with, then one token more: its choice after the
+//! last kept draft. Position `j`'s choice is the one a plain step would make there (`Sampler::choose_ahead`):
+//! the argmax for a greedy request; for a sampled one, the draw with the uniform number of that token's
+//! index in the request's seeded stream (sampling.rs). So every token a slot gets is the one it would get
+//! without speculation, token for token, greedy or seeded, up to float rounding: the verify forward computes
+//! the same logits with other kernels (more rows), so a greedy near-tie or a draw whose uniform number lies
+//! within that rounding of a CDF boundary can go the other way. For a sampled request this is rejection sampling
+//! with a draft that is one token rather than a distribution (Leviathan et al., "Fast Inference from
+//! Transformers via Speculative Decoding", 2023, with q one-hot at the draft): a draft is kept with
+//! probability p(draft), and what is drawn follows the target's distribution p.
 //!
-//! On the device, per row of the bucket: `t = argmax(logits)` `[b, k + 1]`; draft `j` is kept while
+//! On the device, per row of the bucket: `t` `[b, k + 1]` the choices; draft `j` is kept while
 //! every draft up to it equals the target's choice before it and that choice is not one of the slot's
 //! stop tokens (the slot would stop there: nothing after a stop token is written, as in a plain step,
 //! slots.rs), and while the row has drafts (`offered`, at most the slot's room to its length limit
@@ -24,16 +31,16 @@
 //! cache's histories and snapshots (taken at prompt ends) never see one. The ring must hold `k + 1`
 //! distinct entries, so `k` is at most the sliding ring less one.
 //!
-//! Which steps speculate: those whose bucket is all plain greedy (no penalties, logit bias, draws,
-//! grammars or log-probabilities, whose choices a batch of positions would have to replay in order),
-//! with at most `Speculative::max_batch` decoding slots, run right after a read point (the drafts
+//! Which steps speculate: those whose bucket has no penalties (their counts would have to hold the drafts
+//! before each position), grammars (the mask of each position depends on the drafts before it) or
+//! log-probabilities, with at most `Speculative::max_batch` decoding slots, run right after a read point (the drafts
 //! need every slot's tokens on the host), and where some slot has a draft. While a batch can
 //! speculate, every turn ends in a read point. A verify step runs eagerly; the compiled and CUDA-graph
 //! paths cover plain steps.
 
 use crate::engine::Engine;
 use crate::engine::read_point::{Drawn, Verified};
-use crate::engine::sampling::{Chosen, Stages};
+use crate::engine::sampling::Chosen;
 use crate::error::{Error, Result};
 use crate::gemma4::attention::{Fill, Liveness, Positions};
 use crate::gemma4::cache::{EMPTY, Rows};
@@ -57,6 +64,29 @@ pub struct Speculative {
 }
 
 impl Speculative {
+    /// From the binding's arguments: None with neither a method nor a token count; the settings are checked
+    /// with the engine's (`check`).
+    pub fn from_args(
+        method: Option<&str>,
+        tokens: Option<i64>,
+        (lookup_min, lookup_max): (i64, i64),
+        max_batch: i64,
+    ) -> Result<Option<Speculative>> {
+        match (method, tokens) {
+            (None, None) => Ok(None),
+            (Some("ngram"), Some(tokens)) => Ok(Some(Speculative { tokens, lookup_min, lookup_max, max_batch })),
+            (Some("ngram"), None) => {
+                Err(Error::Input("speculative_method \"ngram\" needs num_speculative_tokens".into()))
+            }
+            (None, Some(_)) => {
+                Err(Error::Input("num_speculative_tokens needs a speculative_method (\"ngram\")".into()))
+            }
+            (Some(other), _) => {
+                Err(Error::Input(format!("speculative_method must be \"ngram\" (prompt lookup), got {other:?}")))
+            }
+        }
+    }
+
     pub(super) fn check(&self) -> Result<()> {
         let s = self;
         if !(1..=MAX_TOKENS).contains(&s.tokens) {
@@ -110,7 +140,9 @@ impl Engine {
     pub(super) fn speculates(&self, b: i64, rows: &[Option<usize>]) -> bool {
         let Some(spec) = &self.speculative else { return false };
         let decoding = rows.iter().flatten().count() as i64;
-        decoding > 0 && decoding <= spec.max_batch && self.sampler.stages(0, b) == Stages::default()
+        let s = self.sampler.stages(0, b);
+        let plain = !s.repetition && !s.presence_frequency && !s.grammar && s.logprobs.is_none();
+        decoding > 0 && decoding <= spec.max_batch && plain
     }
 
     /// The drafts for a decode step of bucket `b`, when it speculates and some slot has one.
@@ -169,7 +201,15 @@ impl Engine {
                 .model
                 .forward(&mut self.cache, rows_b, &ids, &pos, &live, Fill::Partial, Output::Hidden, None)?
                 .ok_or_else(|| Error::Internal("a verify step returned no hidden states".into()))?;
-            let t = self.model.head(&hidden)?.argmax(-1, false)?.reshape(&[b, k + 1])?;
+            let vocab = self.model.cfg.vocab_size;
+            let logits = self.model.head(&hidden)?.reshape(&[b, k + 1, vocab])?;
+            let columns = (0..=k)
+                .map(|j| {
+                    let chosen = self.sampler.choose_ahead(&logits.narrow(1, j, 1)?.reshape(&[b, vocab])?, 0, b, j)?;
+                    chosen.tokens.reshape(&[b, 1])
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let t = Tensor::cat(&columns.iter().collect::<Vec<_>>(), 1)?;
             let choices = t.narrow(1, 0, k)?;
             let agree = draft.eq(&choices)?.logical_and(&v.keep.gather(1, &choices)?)?;
             // Drafts kept: the length of the run of agreeing ones from the first, at most those offered.
@@ -179,8 +219,10 @@ impl Engine {
             let keep_cols = cols.le(&kept.reshape(&[b, 1])?)?.reshape(&[b, 1, k + 1, 1])?;
             self.cache.put_back(rows_b, &entries, &saved, &keep_cols)?;
             let next = t.gather(1, &kept.reshape(&[b, 1])?)?.reshape(&[b])?;
+            let drawn = kept.add_int(1)?;
+            self.sampler.advance_draws(&drawn, 0, b, padded.then_some(&v.live))?;
             self.slots.advance_by(b, &next, &kept, padded)?;
-            Tensor::cat(&[&kept.add_int(1)?.reshape(&[b, 1])?, &t], 1)?.reshape(&[b * (k + 2)])?
+            Tensor::cat(&[&drawn.reshape(&[b, 1])?, &t], 1)?.reshape(&[b * (k + 2)])?
         };
         let verified = Verified { width: (k + 1) as usize, offered: drafts.offered };
         self.drawn.push(Drawn {
