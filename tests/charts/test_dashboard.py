@@ -117,7 +117,7 @@ def test_dashboard_has_the_panels_an_on_call_engineer_needs():
     assert {"Request rate", "Time to first token", "Inter-token latency", "End-to-end latency", "Tokens/s",
             "Running and waiting requests", "Finish reasons", "Boot stage seconds", "Build info",
             "Readiness per pod", "Replicas and desired replicas", "Autoscaling metric per pod",
-            "Prefix cache hit rate", "TPU duty cycle per pod", "TPU HBM used per pod"} <= titles
+            "Prefix cache hit rate", "Speculative decoding", "TPU duty cycle per pod", "TPU HBM used per pod"} <= titles
     ttft = next(p for p in all_panels(dashboard()) if p["title"] == "Time to first token")
     assert {t["legendFormat"] for t in ttft["targets"]} >= {"p50", "p95", "p99"}
     variables = {v["name"]: v for v in dashboard()["templating"]["list"]}
@@ -195,7 +195,9 @@ def traffic_scrape(chat_checkpoint, tmp_path_factory):  # noqa: F811
     cmd = [sys.executable, "-m", "gemma_server", "--use-installed-engine", "--host", "127.0.0.1",
            "--port", str(port), "--termination-log", str(d / "termination.log")]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "GEMMA_MODEL": str(chat_checkpoint), "GEMMA_CONTEXT": "1024",
-           "GEMMA_DTYPE": "float32", "GEMMA_SERVED_MODEL_NAME": MODEL, "GEMMA_READ_EVERY": "2"}
+           "GEMMA_DTYPE": "float32", "GEMMA_SERVED_MODEL_NAME": MODEL, "GEMMA_READ_EVERY": "2",
+           # Prompt lookup, so the speculative decoding panel has data.
+           "GEMMA_SPECULATIVE_METHOD": "ngram", "GEMMA_NUM_SPECULATIVE_TOKENS": "4"}
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     base = f"http://127.0.0.1:{port}"
@@ -222,6 +224,10 @@ def traffic_scrape(chat_checkpoint, tmp_path_factory):  # noqa: F811
                 stream=True, stream_options={"include_usage": True}):
             pass
         client.completions.create(model=MODEL, prompt="The ocean is", max_tokens=6)
+        # A greedy completion of which prompt lookup's drafts keep one on the chat checkpoint (its tokens are
+        # those without speculation, so what it keeps is fixed): the accepted counters move.
+        client.completions.create(model=MODEL, prompt="model server model server model server", max_tokens=64,
+                                  temperature=0)
         for chunk in client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10, stream=True):
             pass
         yield scrape(base)
