@@ -2,14 +2,15 @@
 16, the drafts' acceptance, and the tokens (equal, or the run says DIFFER).
 
     python -m bench.speculative [--config small|e2b-layers] [--batches 1,4,16] [--new 64] [--tokens 4]
+        [--speculative-max-batch N]
 
-Two targets of the same random weights: as drawn (they almost never agree with a draft: what speculation costs
-when it does not pay), and "two-token" (the final norm's weight zero but for one feature, so the logits are that
-feature times one column of the tied embeddings and the target writes runs of that column's two extreme tokens,
-switching with the context: drafts copied from the runs are kept, the switches rejected). The drafts come from the
-context (prompt lookup), never from the target. Each request's prompt is a block of 16 tokens said twice; every
-request is greedy. `--speculative-max-batch` is the engine's default (4): at batch 16 no step speculates, and the
-ratio there is the cost of having it on. Medians of `--repeats` runs each; the prompt read is in both timings.
+Two targets of the same random weights: as drawn, and "two-token" (tests/checkpoints.py `save_two_token`: the
+final norm's weight zero but for one feature, so the target writes runs of two tokens, switching with the
+context: drafts copied from the runs are kept, the switches rejected). The drafts come from the context (prompt
+lookup), never from the target. Each request's prompt is a block of 16 tokens said twice; every request is
+greedy. `--speculative-max-batch` (the engine's default, 1, unless given): above it no step speculates, and the
+ratio there is the cost of having it on. Medians of `--repeats` runs each; the prompt read is in both timings;
+the tokens must be equal in every repeat.
 """
 
 from __future__ import annotations
@@ -22,25 +23,8 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from bench.engine import make_config, random_model
-
-
-def two_token(model_dir: Path, out: Path) -> Path:
-    """`model_dir`'s checkpoint with the final norm's weight zero but for feature 0 (module docs)."""
-    out.mkdir()
-    for f in model_dir.iterdir():
-        tensors = load_file(f) if f.suffix == ".safetensors" else None
-        if tensors is None:
-            (out / f.name).write_bytes(f.read_bytes())
-            continue
-        if "model.norm.weight" in tensors:
-            w = torch.zeros_like(tensors["model.norm.weight"])
-            w[0] = 1.0
-            tensors["model.norm.weight"] = w
-        save_file(tensors, out / f.name, metadata={"format": "pt"})
-    return out
 
 
 def prompts(batch: int, vocab: int) -> list[list[int]]:
@@ -84,8 +68,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--speculative-max-batch", type=int, default=None, help="default: the engine's")
     args = ap.parse_args(argv)
     import gemma_engine
+
+    # Imported here: tests.checkpoints needs compressed-tensors (bench/engine.py `make_config` does the same).
+    from tests.checkpoints import save_two_token
 
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
@@ -96,21 +84,20 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         drawn = Path(tmp) / "random"
         random_model(config, "cpu").to(getattr(torch, args.dtype)).save_pretrained(drawn)
-        targets = {"random": drawn, "two-token": two_token(drawn, Path(tmp) / "two_token")}
+        targets = {"random": drawn, "two-token": save_two_token(drawn, Path(tmp) / "two_token")}
+        limit = {} if args.speculative_max_batch is None else {"speculative_max_batch": args.speculative_max_batch}
         for name, model_dir in targets.items():
             make = lambda **kw: gemma_engine.Engine(  # noqa: E731
                 str(model_dir), like=torch.zeros(1), context=256, dtype=args.dtype, max_batch=max(batches), **kw)
-            plain, spec = make(), make(speculative_method="ngram", num_speculative_tokens=args.tokens)
+            plain, spec = make(), make(speculative_method="ngram", num_speculative_tokens=args.tokens, **limit)
             for batch in batches:
-                times = {"plain": [], "spec": []}
+                times, same = {"plain": [], "spec": []}, True
                 for _ in range(args.repeats):
-                    for side, engine in (("plain", plain), ("spec", spec)):
-                        seconds, tokens, stats = run(engine, batch, args.new)
-                        times[side].append(seconds)
-                        if side == "plain":
-                            want = tokens
-                        else:
-                            same, counters = tokens == want, stats
+                    seconds, want, _ = run(plain, batch, args.new)
+                    times["plain"].append(seconds)
+                    seconds, tokens, counters = run(spec, batch, args.new)
+                    times["spec"].append(seconds)
+                    same = same and tokens == want
                 generated = batch * args.new
                 rate = {side: generated / statistics.median(t) for side, t in times.items()}
                 drafts, offered, kept = (counters[k] for k in ("spec_drafts", "spec_draft_tokens",

@@ -144,6 +144,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -410,6 +411,22 @@ def save_dense(out_dir: str | Path, seed: int = SEED, config: Gemma4TextConfig |
     with one_thread():
         model = random_model(config, seed).to(torch.bfloat16)
         model.save_pretrained(out_dir)
+    return out_dir
+
+
+def save_two_token(source: str | Path, out_dir: str | Path) -> Path:
+    """A copy of the checkpoint `source` whose final norm's weight is zero but for feature 0: its logits are that
+    feature times one column of the tied embeddings, so it writes runs of that column's two extreme tokens,
+    switching with the context (a target whose own output prompt-lookup drafts often match, for the speculative
+    decoding tests and bench/speculative.py)."""
+    out_dir = Path(out_dir)
+    shutil.copytree(source, out_dir)
+    (path, tensors, name), = [(f, t, k) for f in out_dir.glob("*.safetensors") for t in [load_file(f)] for k in t
+                              if k in ("model.norm.weight", "model.language_model.norm.weight")]
+    weight = torch.zeros_like(tensors[name])
+    weight[0] = 1.0
+    tensors[name] = weight
+    save_file(tensors, path, metadata={"format": "pt"})
     return out_dir
 
 

@@ -409,7 +409,7 @@ class EngineWorker:
         self.max_batch = int(engine.max_batch)
         self.layout = dict(engine.layout())
         self.weights = dict(engine.weights())
-        self.speculative = getattr(engine, "speculative", None)
+        self.speculative = engine.speculative
         self.free = self.max_batch
         # An engine without prefix caching keeps nothing: its histories stay empty and score 0.
         self.histories = Histories(self.max_batch if self.layout.get("prefix_caching") else 0)

@@ -43,6 +43,7 @@ class FakeGatedEngine:
     """
 
     max_batch = 1
+    speculative = None
 
     def __init__(self, tokenizer, token: int, context: int = 256) -> None:
         self.gate = threading.Event()

@@ -447,9 +447,9 @@ class Engine:
                 forward's logits (a draft is kept with probability p(draft): rejection sampling with a
                 one-token draft). Steps speculate only when no request in the
                 bucket has penalties, a grammar or logprobs, and at most speculative_max_batch slots
-                decode (default 1: bench/speculative.py
-                measured a verify step paying at batch 1 on a CPU, not at 4); such runs read their tokens
-                back every turn. `speculative` reports the settings, the run's stats the drafts.
+                decode (default 1: bench/speculative.py measured a verify step paying alone in every
+                run on a CPU; at 2 to 4 slots it gained or lost with the engine's slots); such runs read
+                their tokens back every turn. `speculative` reports the settings, the run's stats the drafts.
         Raises:
             ValueError: bad config key, missing or misshapen tensor (named, with
                 the expected shape), bad dtype, context, prefill_chunk or max_batch < 1,

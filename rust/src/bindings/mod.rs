@@ -541,8 +541,7 @@ impl Engine {
         let Some(s) = self.inner.speculative() else { return Ok(None) };
         let d = PyDict::new(py);
         d.set_item("method", "ngram")?;
-        let (tokens, max_batch) = (("num_speculative_tokens", s.tokens), ("speculative_max_batch", s.max_batch));
-        for (k, v) in [tokens, ("prompt_lookup_min", s.lookup_min), ("prompt_lookup_max", s.lookup_max), max_batch] {
+        for (k, v) in s.named() {
             d.set_item(k, v)?;
         }
         Ok(Some(d))

@@ -74,15 +74,15 @@ impl Engine {
             let values = &tokens[at..at + d.rows.len() * d.stride()];
             for (row, s) in d.rows.iter().enumerate() {
                 let Some(s) = *s else { continue };
-                let drawn = d.tokens(values, row);
                 if self.slots.get(s).is_none() {
                     continue;
                 }
+                let drawn = d.tokens(values, row);
                 if let Some(v) = &d.verified {
                     self.stats.count_verified(v.offered[row], drawn.len() - 1);
                     self.slots.count_drawn(s, drawn.len())?;
                 }
-                let Ok(slot) = self.slots.get_mut(s) else { continue };
+                let slot = self.slots.get_mut(s)?;
                 for &token in drawn {
                     if slot.finished.is_some() {
                         break;

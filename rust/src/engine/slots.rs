@@ -367,32 +367,22 @@ impl Slots {
         self.views.iter().find(|v| v.b == b).ok_or_else(|| Error::Internal(format!("{b} is not a decode bucket")))
     }
 
-    /// After a decode step of slots `0..b` drew `tokens`: they are the next step's input, the
-    /// decoding rows move one position on (padding rows keep theirs), and a row that drew one of its
-    /// stop tokens stops decoding (module docs).
-    pub(super) fn advance(&mut self, b: i64, tokens: &Tensor, padded: bool) -> Result<()> {
-        let v = self.views(b)?;
-        v.next.copy_(tokens)?;
-        if padded {
-            v.positions.add_(&v.live)?
-        } else {
-            v.positions.add_int_(1)?
-        }
-        let go_on = v.keep.gather(1, &tokens.reshape(&[b, 1])?)?;
-        v.live2.copy_(&v.live2.logical_and(&go_on)?)
-    }
-}
-
-impl Slots {
-    /// After a verify step of slots `0..b` (engine/speculative.rs) in which each row kept `kept`
-    /// drafts (int64 `[b]`) and chose `next`: `next` is the next input, the decoding rows move
-    /// `kept + 1` positions on (padding rows keep theirs), and a row whose `next` is a stop token stops.
-    pub(super) fn advance_by(&mut self, b: i64, next: &Tensor, kept: &Tensor, padded: bool) -> Result<()> {
+    /// After a decode step of slots `0..b` chose `next`: it is the next step's input, the decoding
+    /// rows move one position on, or with `kept` (a verify step's drafts kept per row, int64 `[b]`,
+    /// engine/speculative.rs) `kept + 1` (padding rows keep theirs), and a row whose `next` is one of
+    /// its stop tokens stops decoding (module docs).
+    pub(super) fn advance(&mut self, b: i64, next: &Tensor, kept: Option<&Tensor>, padded: bool) -> Result<()> {
         let v = self.views(b)?;
         v.next.copy_(next)?;
-        let moved = kept.add_int(1)?;
-        let moved = if padded { moved.mul(&v.live.to_dtype(DType::I64)?)? } else { moved };
-        v.positions.add_(&moved)?;
+        match (kept, padded) {
+            (None, true) => v.positions.add_(&v.live)?,
+            (None, false) => v.positions.add_int_(1)?,
+            (Some(kept), _) => {
+                let moved = kept.add_int(1)?;
+                let moved = if padded { moved.mul(&v.live.to_dtype(DType::I64)?)? } else { moved };
+                v.positions.add_(&moved)?
+            }
+        }
         let go_on = v.keep.gather(1, &next.reshape(&[b, 1])?)?;
         v.live2.copy_(&v.live2.logical_and(&go_on)?)
     }

@@ -87,6 +87,16 @@ impl Speculative {
         }
     }
 
+    /// The settings by the names the binding takes them under.
+    pub fn named(&self) -> [(&'static str, i64); 4] {
+        [
+            ("num_speculative_tokens", self.tokens),
+            ("prompt_lookup_min", self.lookup_min),
+            ("prompt_lookup_max", self.lookup_max),
+            ("speculative_max_batch", self.max_batch),
+        ]
+    }
+
     pub(super) fn check(&self) -> Result<()> {
         let s = self;
         if !(1..=MAX_TOKENS).contains(&s.tokens) {
@@ -221,7 +231,7 @@ impl Engine {
             let next = t.gather(1, &kept.reshape(&[b, 1])?)?.reshape(&[b])?;
             let drawn = kept.add_int(1)?;
             self.sampler.advance_draws(&drawn, 0, b, padded.then_some(&v.live))?;
-            self.slots.advance_by(b, &next, &kept, padded)?;
+            self.slots.advance(b, &next, Some(&kept), padded)?;
             Tensor::cat(&[&drawn.reshape(&[b, 1])?, &t], 1)?.reshape(&[b * (k + 2)])?
         };
         let verified = Verified { width: (k + 1) as usize, offered: drafts.offered };

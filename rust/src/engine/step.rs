@@ -108,7 +108,7 @@ pub(super) fn step(
         sampler.advance(&chosen.tokens, 0, b, padded.then_some(&v.live))?;
         chosen
     };
-    slots.advance(b, &chosen.tokens, padded)?;
+    slots.advance(b, &chosen.tokens, None, padded)?;
     Ok(chosen)
 }
 
