@@ -282,10 +282,13 @@ class Boot:
         token = os.environ.get("HF_TOKEN") or None
         model_dir = materialize(parse_source(c.model), hf_token=token, gcs_root=c.gcs_root,
                                 mount_timeout=c.mount_timeout)
-        emb_dir = None
+        emb_dir = drafter_dir = None
         if c.emb:
             emb_dir = materialize(parse_source(c.emb), hf_token=token, gcs_root=c.gcs_root,
                                   mount_timeout=c.mount_timeout)
+        if c.speculative_model:
+            drafter_dir = materialize(parse_source(c.speculative_model), hf_token=token, gcs_root=c.gcs_root,
+                                      mount_timeout=c.mount_timeout)
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -297,7 +300,8 @@ class Boot:
             onednn=False if c.compile != "off" else {"auto": None, "on": True, "off": False}[c.onednn],
             prefix_caching=c.enable_prefix_caching, speculative_method=c.speculative_method,
             num_speculative_tokens=c.num_speculative_tokens, speculative_max_batch=c.speculative_max_batch,
-            prompt_lookup_min=c.prompt_lookup_min, prompt_lookup_max=c.prompt_lookup_max)
+            prompt_lookup_min=c.prompt_lookup_min, prompt_lookup_max=c.prompt_lookup_max,
+            speculative_model=str(drafter_dir) if drafter_dir else None)
         if c.compile != "off":
             self.compilers = {w.index: self.step_compiler(w.device) for w in workers}
         # Split engines: every rank past each engine's first starts now, in one world (its shards load meanwhile).

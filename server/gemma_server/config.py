@@ -126,9 +126,14 @@ class Config:
                            "which); off: eager ATen calls", choices=("off", "on", "auto"))
     speculative_method: str | None = setting(None, "GEMMA_SPECULATIVE_METHOD", "speculative decoding: ngram "
                                              "(prompt lookup: drafts copied from what followed the context's last "
-                                             "n-gram earlier in it, checked in one forward; greedy output "
-                                             "unchanged; needs --num-speculative-tokens)", choices=("ngram",),
+                                             "n-gram earlier in it) or mtp (Gemma 4's assistant drafter, "
+                                             "--speculative-model), checked in one forward; greedy output "
+                                             "unchanged; needs --num-speculative-tokens", choices=("ngram", "mtp"),
                                              flag_type=str)
+    speculative_model: str | None = setting(None, "GEMMA_SPECULATIVE_MODEL", "the assistant drafter of "
+                                            "--speculative-method mtp (Gemma4AssistantForCausalLM, e.g. "
+                                            "google/gemma-4-e2b-it-assistant): a local directory, hf://, gs:// or "
+                                            "pvc:// as --model", flag_type=str)
     num_speculative_tokens: int | None = setting(None, "GEMMA_NUM_SPECULATIVE_TOKENS", "draft tokens per "
                                                  "request and step (1..16)", flag_type=int, minimum=1)
     speculative_max_batch: int = setting(1, "GEMMA_SPECULATIVE_MAX_BATCH", "above this many decoding requests "

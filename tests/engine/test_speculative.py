@@ -90,10 +90,10 @@ def two_token(dense_checkpoint, tmp_path_factory):
 
 def test_settings_are_checked_and_reported(dense):
     e = engine(dense, **{**SPEC, "speculative_max_batch": 2}, prompt_lookup_min=2, prompt_lookup_max=3)
-    assert e.speculative == {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2,
-                             "prompt_lookup_max": 3, "speculative_max_batch": 2}
+    assert e.speculative == {"method": "ngram", "speculative_model": None, "num_speculative_tokens": K,
+                             "prompt_lookup_min": 2, "prompt_lookup_max": 3, "speculative_max_batch": 2}
     assert engine(dense).speculative is None
-    bad = [({"speculative_method": "mtp", "num_speculative_tokens": 2}, "speculative_method must be"),
+    bad = [({"speculative_method": "eagle", "num_speculative_tokens": 2}, "speculative_method must be"),
            ({"speculative_method": "ngram"}, "needs num_speculative_tokens"),
            ({"num_speculative_tokens": 2}, "needs a speculative_method"),
            ({**SPEC, "num_speculative_tokens": 0}, "num_speculative_tokens must be in 1..=16"),

@@ -10,6 +10,8 @@ import openai
 import pytest
 
 from gemma_server.config import parse_config
+from tests import assistants
+from tests.checkpoints import CHAT_VOCAB_SIZE
 from .conftest import sample, start_in_process
 
 SPEC = ("--speculative-method", "ngram", "--num-speculative-tokens", "4", "--speculative-max-batch", "4")
@@ -62,15 +64,31 @@ def test_replies_equal_the_server_without_speculation(spec_server, server, model
 
 def test_v1_engine_names_the_method(spec_server, server):
     (engine,) = httpx.get(f"{spec_server.base}/v1/engine").json()["engines"]
-    assert engine["speculative"] == {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
-                                     "prompt_lookup_max": 4, "speculative_max_batch": 4}
+    assert engine["speculative"] == {"method": "ngram", "speculative_model": None, "num_speculative_tokens": 4,
+                                     "prompt_lookup_min": 1, "prompt_lookup_max": 4, "speculative_max_batch": 4}
     (plain,) = httpx.get(f"{server.base}/v1/engine").json()["engines"]
     assert plain["speculative"] is None
 
 
+def test_an_mtp_drafter_gives_the_same_replies(chat_checkpoint, server, model, tmp_path):
+    """`--speculative-method mtp --speculative-model DIR`: a (random) assistant drafter for the chat checkpoint,
+    whose drafts the target rejects; the replies are those without speculation, and /v1/engine names it."""
+    drafter = assistants.save_assistant(tmp_path / "assistant", vocab_size=CHAT_VOCAB_SIZE)
+    s = start_in_process(chat_checkpoint, "--speculative-method", "mtp", "--speculative-model", str(drafter),
+                         "--num-speculative-tokens", "3", "--max-num-seqs", "4", "--default-temperature", "0")
+    try:
+        (engine,) = httpx.get(f"{s.base}/v1/engine").json()["engines"]
+        assert engine["speculative"]["method"] == "mtp"
+        assert engine["speculative"]["speculative_model"] == str(drafter)
+        assert replies(s.base, model) == replies(server.base, model)
+        assert sample(s, "gemma_spec_decode_num_draft_tokens_total") > 0
+    finally:
+        s.stop()
+
+
 def test_bad_settings_are_refused_by_name(chat_checkpoint, capsys):
     with pytest.raises(SystemExit):
-        parse_config(["--model", "m", "--speculative-method", "mtp"], {})
+        parse_config(["--model", "m", "--speculative-method", "eagle"], {})
     assert "--speculative-method" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse_config(["--model", "m", "--num-speculative-tokens", "0"], {})

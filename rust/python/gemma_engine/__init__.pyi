@@ -365,11 +365,12 @@ class Engine:
         compiler: Callable[[str, Callable[[], list[torch.Tensor]]], Callable[[], list[torch.Tensor]]] | None = None,
         tensor_parallel_rank: int | None = None,
         tensor_parallel_group: str | None = None,
-        speculative_method: Literal["ngram"] | None = None,
+        speculative_method: Literal["ngram", "mtp"] | None = None,
         num_speculative_tokens: int | None = None,
         prompt_lookup_min: int = 1,
         prompt_lookup_max: int = 4,
         speculative_max_batch: int = 1,
+        speculative_model: str | None = None,
     ) -> None:
         """Load a checkpoint directory (config.json + *.safetensors).
 
@@ -450,6 +451,13 @@ class Engine:
                 decode (default 1: bench/speculative.py measured a verify step paying alone in every
                 run on a CPU; at 2 to 4 slots it gained or lost with the engine's slots); such runs read
                 their tokens back every turn. `speculative` reports the settings, the run's stats the drafts.
+            speculative_model: with speculative_method "mtp", the directory of Gemma 4's MTP assistant drafter
+                (Transformers' Gemma4AssistantForCausalLM or Gemma4UnifiedAssistantForCausalLM), which drafts
+                on the device from the target's KV cache and last hidden state, a batched pass a draft; the
+                same verify step checks its drafts. A slot's first decode step after its prompt (and after
+                plain steps) records that hidden state and is offered no drafts. Its weights count in
+                `weights()["bytes"]`; it must have been made for this target (hidden size, vocabulary, the
+                head geometry of the layers whose keys it reads), and tensor_parallel_size must be 1.
         Raises:
             ValueError: bad config key, missing or misshapen tensor (named, with
                 the expected shape), bad dtype, context, prefill_chunk or max_batch < 1,
@@ -519,8 +527,9 @@ class Engine:
 
     @property
     def speculative(self) -> dict[str, str | int] | None:
-        """{"method": "ngram", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-        "speculative_max_batch"} when speculative decoding is on, else None."""
+        """{"method": "ngram" or "mtp", "speculative_model" (the drafter's directory, or None),
+        "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "speculative_max_batch"} when
+        speculative decoding is on, else None."""
 
     def layout(self) -> dict[str, int | bool | None]:
         """{"full_rings", "sliding_rings", "shared_layers", "context", "sliding_window",

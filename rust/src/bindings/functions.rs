@@ -8,6 +8,7 @@ use pyo3::types::PyDict;
 use super::{PySamplingParams, tensor_arg};
 use crate::engine::request::LIMITS;
 use crate::engine::sampling::{self, Sampler};
+use crate::engine::speculative::{Method, Speculative};
 use crate::error::Error;
 use crate::tensor::{DType, Tensor, no_grad};
 
@@ -202,5 +203,20 @@ pub(super) fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("python", env!("GEMMA_BUILD_PYTHON"))?;
     d.set_item("crate", env!("CARGO_PKG_VERSION"))?;
     d.set_item("cuda_graphs", env!("GEMMA_BUILD_CUDA_GRAPHS") == "true")?;
+    Ok(d)
+}
+
+/// The `Engine.speculative` dict of `s`.
+pub(super) fn speculative_dict<'py>(py: Python<'py>, s: &Speculative) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("method", s.method_name())?;
+    let model = match &s.method {
+        Method::Mtp(dir) => Some(dir.display().to_string()),
+        Method::Ngram => None,
+    };
+    d.set_item("speculative_model", model)?;
+    for (k, v) in s.named() {
+        d.set_item(k, v)?;
+    }
     Ok(d)
 }

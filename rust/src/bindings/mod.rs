@@ -375,7 +375,7 @@ impl Engine {
                         prefix_caching=true, tensor_parallel_size=1, compiler=None,
                         tensor_parallel_rank=None, tensor_parallel_group=None, speculative_method=None,
                         num_speculative_tokens=None, prompt_lookup_min=1, prompt_lookup_max=4,
-                        speculative_max_batch=1))]
+                        speculative_max_batch=1, speculative_model=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -400,10 +400,11 @@ impl Engine {
         prompt_lookup_min: i64,
         prompt_lookup_max: i64,
         speculative_max_batch: i64,
+        speculative_model: Option<PathBuf>,
     ) -> PyResult<Engine> {
-        let lookup = (prompt_lookup_min, prompt_lookup_max);
+        let (lookup, tokens) = ((prompt_lookup_min, prompt_lookup_max), num_speculative_tokens);
         let speculative =
-            Speculative::from_args(speculative_method, num_speculative_tokens, lookup, speculative_max_batch)?;
+            Speculative::from_args(speculative_method, tokens, lookup, speculative_max_batch, speculative_model)?;
         let grammars = grammars.map(|g| g.get().inner.clone());
         let dtype = parse_dtype(dtype)?;
         let settings = Settings {
@@ -534,17 +535,12 @@ impl Engine {
         self.inner.layer_calls()
     }
 
-    /// Speculative decoding, when on: {"method": "ngram", "num_speculative_tokens", "prompt_lookup_min",
-    /// "prompt_lookup_max", "speculative_max_batch"}; None when off.
+    /// Speculative decoding, when on: {"method": "ngram" or "mtp", "speculative_model" (the drafter's
+    /// directory, or None), "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+    /// "speculative_max_batch"}; None when off.
     #[getter]
     fn speculative<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        let Some(s) = self.inner.speculative() else { return Ok(None) };
-        let d = PyDict::new(py);
-        d.set_item("method", "ngram")?;
-        for (k, v) in s.named() {
-            d.set_item(k, v)?;
-        }
-        Ok(Some(d))
+        self.inner.speculative().map(|s| functions::speculative_dict(py, s)).transpose()
     }
 
     /// {"full_rings", "sliding_rings", "shared_layers", "context", "sliding_window", "max_batch",

@@ -7,8 +7,8 @@
 //! slots, host and device), `lifecycle` (admitting, placing and ending a request), `schedule` (which
 //! prompts a forward reads), `prompts` (reading them), `step` (the decode step and its CUDA graphs), `read_point`,
 //! `sampling` (the next-token choice on the device), `grammar` (grammar-constrained requests),
-//! `prompt_logprobs` (scoring the prompt while it is read), `speculative` (prompt-lookup drafts checked in one
-//! forward), `one_request` (`Engine::decode`).
+//! `prompt_logprobs` (scoring the prompt while it is read), `speculative` (drafts checked in one forward: prompt
+//! lookup's, or with `drafter` an MTP assistant's), `one_request` (`Engine::decode`).
 //!
 //! Each slot holds one request: its rings in the KV cache (gemma4/cache.rs), its sampling state
 //! (sampling.rs), and on the device its last token and next position (slots.rs). One turn of the
@@ -65,6 +65,7 @@
 
 mod chunks;
 pub mod compiled;
+mod drafter;
 pub mod grammar;
 mod lifecycle;
 pub mod media;
@@ -152,8 +153,10 @@ pub struct Engine {
     prefix: Option<PrefixCache>,
     /// A decode step ran since the last read point.
     stepped: bool,
-    /// Speculative decoding by prompt lookup (speculative.rs), when on.
+    /// Speculative decoding (speculative.rs), when on.
     speculative: Option<speculative::Speculative>,
+    /// With `speculative_method="mtp"`, the assistant drafter and the target states it reads (drafter.rs).
+    drafter: Option<drafter::Drafter>,
 }
 
 impl Engine {
@@ -182,7 +185,9 @@ impl Engine {
         let weights = Weights::open(model_dir, emb_dir, cfg.quant.clone(), like.shallow_clone()?, dtype, kernels)?;
         memory::check_weights(&weights.estimate(), n, free()?)?;
         let model = Model::load(cfg, &weights, split.clone(), settings.context)?;
-        let loaded = weights.loaded();
+        let drafter = drafter::Drafter::of(&settings, &model, &like)?;
+        let mut loaded = weights.loaded();
+        loaded.bytes += drafter.as_ref().map_or(Ok(0), |d| d.bytes())?;
         let linear_note = if loaded.onednn { None } else { settings.kernels().onednn_note(settings.dtype, &device) };
         let b = settings.max_batch;
         let caching = settings.prefix_caching;
@@ -204,6 +209,7 @@ impl Engine {
             prefix,
             stepped: false,
             speculative: settings.speculative.clone(),
+            drafter,
             loaded,
             linear_note,
             slots,
@@ -622,6 +628,7 @@ impl Engine {
             // Outside the step (and its CUDA graph): the graph reads the device buffer this fills.
             self.sampler.upload_masks(0, b)?;
         }
+        self.drafter.iter_mut().for_each(|d| d.forget(rows));
         let Engine { model, cache, sampler, slots, graphs, compiled, like, .. } = self;
         let mut eager = || step(model, cache, sampler, slots, key);
         let chosen = match (compiled.as_mut().filter(|c| c.replays(b)), graphs) {

@@ -1,8 +1,10 @@
-//! Speculative decoding by prompt lookup: before a decode step the host proposes up to `k` draft tokens
-//! for each decoding slot by finding the context's last n-gram earlier in the context and copying what
-//! followed it there (Transformers 5.18 `generation/candidate_generator.py`,
+//! Speculative decoding. Before a decode step each decoding slot gets up to `k` draft tokens, by one of two
+//! methods (`Method`): prompt lookup, where the host finds the context's last n-gram earlier in the context and
+//! copies what followed it there (Transformers 5.18 `generation/candidate_generator.py`,
 //! `PromptLookupCandidateGenerator`; vLLM's `v1/spec_decode/ngram_proposer.py`, whose
-//! `prompt_lookup_min` / `prompt_lookup_max` / `num_speculative_tokens` these settings mirror). The target
+//! `prompt_lookup_min` / `prompt_lookup_max` / `num_speculative_tokens` these settings mirror); or Gemma 4's MTP
+//! assistant, a small model that drafts on the device from the target's rings and last hidden state
+//! (gemma4/assistant.rs, engine/drafter.rs; vLLM's `method: mtp`). The target
 //! then reads each slot's last token and its drafts, `k + 1` positions, in one forward (a "verify
 //! step"), and keeps the drafts its own choices agree with, then one token more: its choice after the
 //! last kept draft. Position `j`'s choice is the one a plain step would make there (`Sampler::choose_ahead`):
@@ -34,16 +36,19 @@
 //! Which steps speculate: those whose bucket has no penalties (their counts would have to hold the drafts
 //! before each position), grammars (the mask of each position depends on the drafts before it) or
 //! log-probabilities, with at most `Speculative::max_batch` decoding slots, run right after a read point (the drafts
-//! need every slot's tokens on the host), and where some slot has a draft. While a batch can
+//! need every slot's tokens on the host, and the host each slot's room), and where some slot has a draft (with an
+//! assistant: some slot has room; a slot whose hidden state the drafter lacks is offered none). While a batch can
 //! speculate, every turn ends in a read point. A verify step runs eagerly; the compiled and CUDA-graph
 //! paths cover plain steps.
+
+use std::path::PathBuf;
 
 use crate::engine::Engine;
 use crate::engine::read_point::{Drawn, Verified};
 use crate::engine::sampling::Chosen;
 use crate::error::{Error, Result};
 use crate::gemma4::attention::{Fill, Liveness, Positions};
-use crate::gemma4::cache::{EMPTY, Rows};
+use crate::gemma4::cache::{Rows, held_before_rows};
 use crate::gemma4::config::LayerType;
 use crate::gemma4::model::Output;
 use crate::tensor::{DType, Tensor};
@@ -51,9 +56,19 @@ use crate::tensor::{DType, Tensor};
 /// The most draft tokens a step may propose per slot.
 pub const MAX_TOKENS: i64 = 16;
 
-/// Speculative decoding by prompt lookup (`Settings::speculative`).
+/// Where drafts come from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Method {
+    /// Prompt lookup (`propose`), on the host.
+    Ngram,
+    /// The MTP assistant drafter in this directory (gemma4/assistant.rs, engine/drafter.rs), on the device.
+    Mtp(PathBuf),
+}
+
+/// Speculative decoding (`Settings::speculative`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Speculative {
+    pub method: Method,
     /// Draft tokens proposed per slot and step (`num_speculative_tokens`).
     pub tokens: i64,
     /// The shortest and longest n-gram looked up (`prompt_lookup_min`, `prompt_lookup_max`).
@@ -64,27 +79,52 @@ pub struct Speculative {
 }
 
 impl Speculative {
-    /// From the binding's arguments: None with neither a method nor a token count; the settings are checked
-    /// with the engine's (`check`).
+    /// From the binding's arguments: None with neither a method nor a token count nor a model; the settings
+    /// are checked with the engine's (`check`).
     pub fn from_args(
         method: Option<&str>,
         tokens: Option<i64>,
         (lookup_min, lookup_max): (i64, i64),
         max_batch: i64,
+        model: Option<PathBuf>,
     ) -> Result<Option<Speculative>> {
-        match (method, tokens) {
-            (None, None) => Ok(None),
-            (Some("ngram"), Some(tokens)) => Ok(Some(Speculative { tokens, lookup_min, lookup_max, max_batch })),
-            (Some("ngram"), None) => {
-                Err(Error::Input("speculative_method \"ngram\" needs num_speculative_tokens".into()))
+        let method = match (method, model) {
+            (None, None) if tokens.is_none() => return Ok(None),
+            (Some("ngram"), None) => Method::Ngram,
+            (Some("mtp"), Some(dir)) => Method::Mtp(dir),
+            (Some("ngram"), Some(_)) => {
+                return Err(Error::Input(
+                    "speculative_model is the drafter of speculative_method \"mtp\"; \"ngram\" takes none".into(),
+                ));
+            }
+            (Some("mtp"), None) => {
+                return Err(Error::Input(
+                    "speculative_method \"mtp\" needs speculative_model (the assistant drafter's directory)".into(),
+                ));
             }
             (None, Some(_)) => {
-                Err(Error::Input("num_speculative_tokens needs a speculative_method (\"ngram\")".into()))
+                return Err(Error::Input("speculative_model needs speculative_method \"mtp\"".into()));
+            }
+            (None, None) => {
+                return Err(Error::Input(
+                    "num_speculative_tokens needs a speculative_method (\"ngram\" or \"mtp\")".into(),
+                ));
             }
             (Some(other), _) => {
-                Err(Error::Input(format!("speculative_method must be \"ngram\" (prompt lookup), got {other:?}")))
+                return Err(Error::Input(format!(
+                    "speculative_method must be \"ngram\" (prompt lookup) or \"mtp\" (an assistant drafter), got {other:?}"
+                )));
             }
-        }
+        };
+        let tokens = tokens.ok_or_else(|| {
+            Error::Input(format!("speculative_method {:?} needs num_speculative_tokens", method_name(&method)))
+        })?;
+        Ok(Some(Speculative { method, tokens, lookup_min, lookup_max, max_batch }))
+    }
+
+    /// "ngram" or "mtp".
+    pub fn method_name(&self) -> &'static str {
+        method_name(&self.method)
     }
 
     /// The settings by the names the binding takes them under.
@@ -112,6 +152,13 @@ impl Speculative {
             return Err(Error::Input(format!("speculative_max_batch must be >= 1, got {}", s.max_batch)));
         }
         Ok(())
+    }
+}
+
+fn method_name(method: &Method) -> &'static str {
+    match method {
+        Method::Ngram => "ngram",
+        Method::Mtp(_) => "mtp",
     }
 }
 
@@ -168,16 +215,25 @@ impl Engine {
         }
         let mut packed = vec![0; (b * k) as usize];
         let mut offered = vec![0; b as usize];
+        let mut room_anywhere = false;
         for (row, s) in rows.iter().enumerate() {
-            let Some(slot) = s.and_then(|s| self.slots.get(s)) else { continue };
+            let Some((s, slot)) = s.and_then(|s| Some((s, self.slots.get(s)?))) else { continue };
             // The last token drawn is the step's input; drafts may reach the length limit, not pass it.
             let room = slot.limit.saturating_sub(slot.drawn()).saturating_sub(1).min(k as usize);
-            let context: Vec<i64> = slot.request.prompt.iter().chain(&slot.output).copied().collect();
-            let found = propose(&context, room, spec.lookup_min as usize, spec.lookup_max as usize);
-            packed[row * k as usize..][..found.len()].copy_from_slice(&found);
-            offered[row] = found.len();
+            room_anywhere |= room > 0;
+            offered[row] = match (&spec.method, &self.drafter) {
+                // Drafted on the device; a slot without its current state gets it recorded (drafter.rs).
+                (Method::Mtp(_), Some(d)) => room * usize::from(d.ready(s, slot.request.id)),
+                _ => {
+                    let context: Vec<i64> = slot.request.prompt.iter().chain(&slot.output).copied().collect();
+                    let found = propose(&context, room, spec.lookup_min as usize, spec.lookup_max as usize);
+                    packed[row * k as usize..][..found.len()].copy_from_slice(&found);
+                    found.len()
+                }
+            };
         }
-        if offered.iter().all(|n| *n == 0) {
+        let mtp = self.drafter.is_some();
+        if !(if mtp { room_anywhere } else { offered.iter().any(|n| *n > 0) }) {
             return None;
         }
         packed.extend(offered.iter().map(|n| *n as i64));
@@ -190,18 +246,22 @@ impl Engine {
     pub(super) fn verify_step(&mut self, b: i64, rows: &[Option<usize>], drafts: Drafts) -> Result<()> {
         let k = drafts.k;
         let up = Tensor::from_i64(&drafts.packed)?.to_like(&self.like, DType::I64)?;
-        let (draft, offered) = (up.narrow(0, 0, b * k)?.reshape(&[b, k])?, up.narrow(0, b * k, b)?);
+        let (looked_up, offered) = (up.narrow(0, 0, b * k)?.reshape(&[b, k])?, up.narrow(0, b * k, b)?);
         let padded = rows.iter().any(|r| r.is_none());
         let ring = self.cache.ring(LayerType::Sliding);
         let cols = Tensor::arange(0, k + 1, DType::I64, &self.like)?.reshape(&[1, k + 1])?;
         let tokens = {
             let v = self.slots.views(b)?;
+            let draft = match &self.drafter {
+                Some(d) => d.draft(&self.model, &mut self.cache, v, k)?,
+                None => looked_up,
+            };
             let ids = Tensor::cat(&[&v.next.reshape(&[b, 1])?, &draft], 1)?.reshape(&[b * (k + 1)])?;
             // Padding rows may sit anywhere: keep their positions inside the context (their keys land in
             // the never-visible entry, their outputs are dropped).
             let grid = v.positions.reshape(&[b, 1])?.add(&cols)?.clamp(0.0, (self.context - 1) as f64)?;
             let mut pos = Positions::new(&grid)?;
-            pos.held = Some(held_before(&v.positions, ring, &self.like)?);
+            pos.held = Some(held_before_rows(&v.positions, ring)?);
             let live = if padded { Liveness::Padding(v.live3.shallow_clone()?) } else { Liveness::AllLive };
             let entries = grid.remainder(ring)?.reshape(&[b, 1, k + 1])?;
             let rows_b = Rows::first(b);
@@ -228,6 +288,11 @@ impl Engine {
             let kept = Tensor::where_(&run.lt(&offered)?, &run, &offered)?;
             let keep_cols = cols.le(&kept.reshape(&[b, 1])?)?.reshape(&[b, 1, k + 1, 1])?;
             self.cache.put_back(rows_b, &entries, &saved, &keep_cols)?;
+            if let Some(d) = &mut self.drafter {
+                let requests: Vec<_> =
+                    rows.iter().map(|s| s.and_then(|s| Some((s, self.slots.get(s)?.request.id)))).collect();
+                d.keep(&self.model, &hidden, &kept, k, &requests)?;
+            }
             let next = t.gather(1, &kept.reshape(&[b, 1])?)?.reshape(&[b])?;
             let drawn = kept.add_int(1)?;
             self.sampler.advance_draws(&drawn, 0, b, padded.then_some(&v.live))?;
@@ -243,18 +308,6 @@ impl Engine {
         self.stepped = true;
         Ok(())
     }
-}
-
-/// `cache::held_before` of each row's next position `positions` (int64 `[b]`), on the device: int64
-/// `[b, ring + 1]`.
-fn held_before(positions: &Tensor, ring: i64, like: &Tensor) -> Result<Tensor> {
-    let b = positions.size()?[0];
-    let last = positions.reshape(&[b, 1])?.add_int(-1)?;
-    let j = Tensor::arange(0, ring, DType::I64, like)?.reshape(&[1, ring])?;
-    let held = last.sub(&last.sub(&j)?.remainder(ring)?)?;
-    let empty = Tensor::full(&[b, ring + 1], EMPTY as f64, DType::I64, like)?;
-    let held = Tensor::cat(&[&held, &empty.narrow(1, ring, 1)?], 1)?;
-    Tensor::where_(&held.lt_scalar(0.0)?, &empty, &held)
 }
 
 #[cfg(test)]
@@ -279,10 +332,9 @@ mod tests {
 
     #[test]
     fn held_before_on_the_device_is_the_host_table() {
-        let like = Tensor::from_i64(&[0]).unwrap();
         for ring in [1, 4, 12] {
             let starts: Vec<i64> = (0..30).collect();
-            let got = held_before(&Tensor::from_i64(&starts).unwrap(), ring, &like).unwrap().to_vec_i64().unwrap();
+            let got = held_before_rows(&Tensor::from_i64(&starts).unwrap(), ring).unwrap().to_vec_i64().unwrap();
             let want: Vec<i64> = starts.iter().flat_map(|s| cache::held_before(ring, *s)).collect();
             assert_eq!(got, want, "ring {ring}");
         }
@@ -290,7 +342,7 @@ mod tests {
 
     #[test]
     fn settings_out_of_range_name_the_setting() {
-        let ok = Speculative { tokens: 4, lookup_min: 1, lookup_max: 3, max_batch: 4 };
+        let ok = Speculative { method: Method::Ngram, tokens: 4, lookup_min: 1, lookup_max: 3, max_batch: 4 };
         assert!(ok.check().is_ok());
         let bad = [
             (Speculative { tokens: 0, ..ok.clone() }, "num_speculative_tokens"),

@@ -194,6 +194,15 @@ impl Plan {
     }
 }
 
+impl Plan {
+    /// A plan that writes nothing and reads keys by `mask`: an assistant drafter's layers, which attend to the
+    /// target's rings (gemma4/assistant.rs). Only KV-shared layers may run under it.
+    pub fn reading(rope: RopeAt, mask: Tensor) -> Result<Plan> {
+        let entries = Tensor::full(&[0], 0.0, DType::I64, &mask)?;
+        Ok(Plan { rope, mask, writes: Writes { source: Source::Ring, entries, tail: 0 } })
+    }
+}
+
 /// bool `[rows, 1, T, keys]`: key position `k[r, 0, 0, j]` is visible to query position
 /// `q[r, 0, i, 0]`: `j <= i`, and with a window `W`, `i - W < j`. Empty entries hold `EMPTY`, later
 /// than any query.

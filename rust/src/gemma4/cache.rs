@@ -366,6 +366,19 @@ pub fn held_before(ring: i64, start: i64) -> Vec<i64> {
     (0..ring).map(held).chain([EMPTY]).collect()
 }
 
+/// `held_before` of each row's next position `positions` (int64 `[b]`), on their device: int64
+/// `[b, ring + 1]` (a verify step's later keys, engine/speculative.rs; a drafter's view of the rings,
+/// gemma4/assistant.rs).
+pub fn held_before_rows(positions: &Tensor, ring: i64) -> Result<Tensor> {
+    let b = positions.size()?[0];
+    let last = positions.reshape(&[b, 1])?.add_int(-1)?;
+    let j = Tensor::arange(0, ring, DType::I64, positions)?.reshape(&[1, ring])?;
+    let held = last.sub(&last.sub(&j)?.remainder(ring)?)?;
+    let empty = Tensor::full(&[b, ring + 1], EMPTY as f64, DType::I64, positions)?;
+    let held = Tensor::cat(&[&held, &empty.narrow(1, ring, 1)?], 1)?;
+    Tensor::where_(&held.lt_scalar(0.0)?, &empty, &held)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -68,6 +68,8 @@ pub struct Model {
     per_layer: Option<PerLayerEmbeddings>,
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
+    /// What undoes the constants `norm` carries when folded (1.0 otherwise): `final_hidden`.
+    hidden_unscale: f64,
     /// Vocabulary-parallel (parallel.rs): this rank's rows of the vocabulary.
     lm_head: Linear,
     /// Indexed by `LayerType::index`; None when no layer has that type.
@@ -135,15 +137,14 @@ impl Model {
                 ropes[kind.index()] = Some(Rope::new(&cfg.rope[kind.index()], d, context, like, w.dtype)?);
             }
         }
+        // `cap * tanh(lm_head(norm(x)) / cap)`: the 1 / cap (and the tied table's 1 / sqrt(H)) go into the
+        // norm's weight (module docs).
+        let unscale = if cfg.tie_word_embeddings { 1.0 / embed_scale.item_f64()? } else { 1.0 };
+        let factor = if w.folds() { unscale / cfg.final_logit_softcapping.unwrap_or(1.0) } else { 1.0 };
+        let norm = RmsNorm::load(w, "norm", h, cfg.rms_norm_eps)?;
         Ok(Model {
-            // `cap * tanh(lm_head(norm(x)) / cap)`: the 1 / cap (and the tied table's 1 / sqrt(H)) go
-            // into the norm's weight (module docs).
-            norm: {
-                let norm = RmsNorm::load(w, "norm", h, cfg.rms_norm_eps)?;
-                let unscale = if cfg.tie_word_embeddings { 1.0 / embed_scale.item_f64()? } else { 1.0 };
-                let factor = unscale / cfg.final_logit_softcapping.unwrap_or(1.0);
-                if w.folds() && factor != 1.0 { norm.rescaled(factor, cfg.rms_norm_eps)? } else { norm }
-            },
+            norm: if factor != 1.0 { norm.rescaled(factor, cfg.rms_norm_eps)? } else { norm },
+            hidden_unscale: 1.0 / factor,
             embed_scale,
             pad_mapped: match cfg.pad_mapped_ids.as_slice() {
                 [] => None,
@@ -191,8 +192,7 @@ impl Model {
             }
             None => ids,
         };
-        let x0 = self.embed_tokens.index_select(0, ids)?;
-        let x0 = if self.folded { x0 } else { x0.mul(&self.embed_scale)? };
+        let x0 = self.token_embeddings(ids)?;
         let x0 = match inject {
             Some(inj) => x0.index_copy(0, &inj.index, &inj.embeds)?,
             None => x0,
@@ -202,6 +202,28 @@ impl Model {
             None => None,
         };
         Ok((x0, ple))
+    }
+
+    /// `embed_tokens[ids] * sqrt(H)` for flat `ids`: the scaled embeddings (M:1455) an assistant drafter
+    /// reads its input token through (gemma4/assistant.rs).
+    pub fn token_embeddings(&self, ids: &Tensor) -> Result<Tensor> {
+        let x0 = self.embed_tokens.index_select(0, ids)?;
+        if self.folded { Ok(x0) } else { x0.mul(&self.embed_scale) }
+    }
+
+    /// The final norm of hidden states `xs` (`[m, hidden]`, as `Output::Hidden` gives them) at the
+    /// reference's scale: Transformers' `hidden_states[-1]`, what an assistant drafter reads (folded, the
+    /// norm's weight carries the head's constants: `load`).
+    pub fn final_hidden(&self, xs: &Tensor) -> Result<Tensor> {
+        let normed = self.norm.forward(xs)?;
+        if self.hidden_unscale == 1.0 { Ok(normed) } else { normed.mul_scalar(self.hidden_unscale) }
+    }
+
+    /// Per layer type (`LayerType::index`), the last layer that computes its own keys: the one whose keys
+    /// Transformers hands on as `shared_kv_states` (M:1183-1187, `store_full_length_kv`).
+    pub fn kv_donors(&self) -> [Option<usize>; 2] {
+        let last = |kind| self.cfg.layers.iter().rposition(|l| l.kind == kind && l.kv_source.is_none());
+        [last(LayerType::Sliding), last(LayerType::Full)]
     }
 
     /// Run tokens `ids` at positions `pos` (`[rows, T]` int64 on the device, and `ids` flat,

@@ -33,6 +33,11 @@ struct Shard {
     meta: Metadata,
 }
 
+/// Modules named from the checkpoint's root rather than under the text model's prefix: the LM head, and an
+/// assistant drafter's projections and masked embedder (Transformers 5.18
+/// `models/gemma4_assistant/modeling_gemma4_assistant.py`, `Gemma4AssistantForCausalLM`).
+const ROOT_MODULES: [&str; 4] = ["lm_head", "pre_projection", "post_projection", "masked_embedding"];
+
 /// One checkpoint directory.
 pub struct Checkpoint {
     shards: Vec<Shard>,
@@ -123,7 +128,10 @@ impl Checkpoint {
     }
 
     fn full_name(&self, name: &str) -> String {
-        if name == "lm_head" { name.to_string() } else { format!("{}{name}", self.prefix) }
+        let root = ROOT_MODULES
+            .iter()
+            .any(|r| name.strip_prefix(r).is_some_and(|rest| rest.is_empty() || rest.starts_with('.')));
+        if root { name.to_string() } else { format!("{}{name}", self.prefix) }
     }
 
     fn has(&self, full: &str) -> bool {
