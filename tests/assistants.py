@@ -19,31 +19,44 @@ from tests.checkpoints import FULL, SLIDING, one_thread, tiny_text_config
 SEED = 7
 
 
-def tiny_assistant_config(ordered: bool = False, vocab_size: int | None = None) -> Gemma4AssistantConfig:
-    """Two layers (S F) of hidden size 64 over a ``tiny_text_config`` target (of `vocab_size` tokens, the tiny
-    config's by default); with `ordered`, the masked embedder (16 centroids, the best 4 read)."""
-    target = tiny_text_config()
+def assistant_config(target: Gemma4TextConfig | None = None, hidden: int = 64, ordered: bool = False,
+                     centroids: int = 16, top_k: int = 4) -> Gemma4AssistantConfig:
+    """Two layers (S F) of hidden size `hidden` for `target` (``tiny_text_config()`` when None), reading its keys:
+    its sliding layers' `head_dim` and full layers' `global_head_dim`, its KV heads, one query head a KV head;
+    with `ordered`, the masked embedder (`centroids` centroids, the best `top_k` read)."""
+    target = (target or tiny_text_config()).to_dict()  # plain values: a per-layer config's globals are ambiguous
+    full_head_dim = next((v["head_dim"] for k, v in (target.get("per_layer_config") or {}).items()
+                          if target["layer_types"][int(k)] == FULL and "head_dim" in v), target["head_dim"])
     text = Gemma4TextConfig(
-        vocab_size=vocab_size or target.vocab_size, hidden_size=64, hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
-        intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=32,
-        global_head_dim=64, sliding_window=target.sliding_window, layer_types=[SLIDING, FULL],
-        num_kv_shared_layers=2, rope_parameters=target.rope_parameters, final_logit_softcapping=30.0,
-        rms_norm_eps=1e-6, max_position_embeddings=1024, tie_word_embeddings=True, enable_moe_block=False,
-        use_double_wide_mlp=False, attention_k_eq_v=False, hidden_activation="gelu_pytorch_tanh")
-    return Gemma4AssistantConfig(text_config=text, backbone_hidden_size=target.hidden_size,
-                                 use_ordered_embeddings=ordered, num_centroids=16, centroid_intermediate_top_k=4)
+        vocab_size=target["vocab_size"], hidden_size=hidden, hidden_size_per_layer_input=0,
+        vocab_size_per_layer_input=0, intermediate_size=2 * hidden, num_hidden_layers=2,
+        num_attention_heads=target["num_key_value_heads"], num_key_value_heads=target["num_key_value_heads"],
+        head_dim=target["head_dim"], global_head_dim=full_head_dim,
+        sliding_window=target["sliding_window"], layer_types=[SLIDING, FULL], num_kv_shared_layers=2,
+        rope_parameters=target["rope_parameters"], final_logit_softcapping=30.0, rms_norm_eps=1e-6,
+        max_position_embeddings=target["max_position_embeddings"],
+        tie_word_embeddings=True, enable_moe_block=False, use_double_wide_mlp=False, attention_k_eq_v=False,
+        hidden_activation="gelu_pytorch_tanh")
+    return Gemma4AssistantConfig(text_config=text, backbone_hidden_size=target["hidden_size"],
+                                 use_ordered_embeddings=ordered, num_centroids=centroids,
+                                 centroid_intermediate_top_k=top_k)
 
 
-def save_assistant(out_dir: str | Path, ordered: bool = False, seed: int = SEED, vocab_size: int | None = None) -> Path:
-    """A randomly initialized assistant (Transformers' own init, seeded); with `ordered` its token ordering is
-    a random permutation (the init leaves it zero). Saved in float32."""
+def random_assistant(config: Gemma4AssistantConfig, seed: int = SEED) -> Gemma4AssistantForCausalLM:
+    """Transformers' own init, seeded; with ordered embeddings a random token ordering (the init leaves it zero)."""
+    torch.manual_seed(seed)
+    model = Gemma4AssistantForCausalLM(config).eval()
+    if config.use_ordered_embeddings:
+        model.masked_embedding.token_ordering.copy_(torch.randperm(model.vocab_size))
+    return model
+
+
+def save_assistant(out_dir: str | Path, ordered: bool = False, seed: int = SEED,
+                   target: Gemma4TextConfig | None = None) -> Path:
+    """A random assistant (`random_assistant`) for `target`, saved in float32."""
     out_dir = Path(out_dir)
     with one_thread():
-        torch.manual_seed(seed)
-        model = Gemma4AssistantForCausalLM(tiny_assistant_config(ordered, vocab_size)).eval()
-        if ordered:
-            model.masked_embedding.token_ordering.copy_(torch.randperm(model.vocab_size))
-        model.save_pretrained(out_dir)
+        random_assistant(assistant_config(target, ordered=ordered), seed).save_pretrained(out_dir)
     return out_dir
 
 

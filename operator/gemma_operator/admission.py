@@ -12,12 +12,12 @@ power whose value changes is checked, so a user who may edit GemmaRustServers ca
 administrator gave a ServiceAccount. The operator's own writes (metadata, status) change no power.
 
 Some powers are the pod fields the builders derive from other spec fields, checked as those fields:
-- a gs:// bucket (spec.model.source, spec.model.embeddingTwin): the GCS FUSE driver mounts it with the pods'
-  ServiceAccount, the namespace's default one when spec.serviceAccountName is unset, so whatever buckets that
+- a gs:// bucket (spec.model.source, spec.model.embeddingTwin, spec.engine.speculative.source): the GCS FUSE
+  driver mounts it with the pods' ServiceAccount, the namespace's default one when spec.serviceAccountName is unset, so whatever buckets that
   account may read are a power of every GemmaRustServer author unless the bucket is checked;
 - the model source of a server that runs with spec.serviceAccountName or spec.model.tokenSecret: the pods
-  read it with those credentials, so on UPDATE a change of the source (or of the embedding twin) is checked
-  even when the credentials stay (on CREATE, the checks of the ServiceAccount and the Secret cover it);
+  read it with those credentials, so on UPDATE a change of the source (or of the embedding twin, or of the
+  speculative drafter's source) is checked even when the credentials stay (on CREATE, the checks of the ServiceAccount and the Secret cover it);
 - spec.accelerator.provisioning spot or flex-start and spec.accelerator.computeClass: a node selector
   (cloud.google.com/gke-spot, cloud.google.com/gke-flex-start, cloud.google.com/compute-class) and, for
   spot, a toleration of the spot taint (builders.deployment.node_selector, builders.deployment.tolerations).
@@ -77,14 +77,25 @@ class Power(NamedTuple):
     namespaced: bool = True  # False: the grant's resource is cluster-scoped
 
 
-def _claim(field: str) -> str:
-    return (f"has($s.model.{field}) && $s.model.{field}.startsWith('pvc://') ? "
-            f"$s.model.{field}.substring(6).split('/')[0] : ''")
+def _has(path: str) -> str:
+    """CEL: every object on `path` (e.g. "engine.speculative.source", under `$s`) is set."""
+    parts = path.split(".")
+    return " && ".join(f"has($s.{'.'.join(parts[:i + 1])})" for i in range(len(parts)))
 
 
-def _bucket(field: str) -> str:
-    return (f"has($s.model.{field}) && $s.model.{field}.startsWith('gs://') ? "
-            f"$s.model.{field}.substring(5).split('/')[0] : ''")
+def _claim(path: str) -> str:
+    return f"{_has(path)} && $s.{path}.startsWith('pvc://') ? $s.{path}.substring(6).split('/')[0] : ''"
+
+
+def _bucket(path: str) -> str:
+    return f"{_has(path)} && $s.{path}.startsWith('gs://') ? $s.{path}.substring(5).split('/')[0] : ''"
+
+
+def _optional(path: str) -> str:
+    return f"{_has(path)} ? $s.{path} : ''"
+
+
+_DRAFTER = "engine.speculative.source"
 
 
 def _authentication(kind: str) -> str:
@@ -109,20 +120,27 @@ POWERS = [
     Power("apiKeySecret", "spec.server.apiKeySecret",
           "has($s.server) && has($s.server.apiKeySecret) ? $s.server.apiKeySecret.name : ''", "''",
           ("secrets", "get"), "the pods get this Secret's value in their environment"),
-    Power("sourceClaim", "spec.model.source", _claim("source"), "''", ("persistentvolumeclaims", "get"),
+    Power("sourceClaim", "spec.model.source", _claim("model.source"), "''", ("persistentvolumeclaims", "get"),
           "the pods mount this PersistentVolumeClaim"),
-    Power("embeddingTwinClaim", "spec.model.embeddingTwin", _claim("embeddingTwin"), "''",
+    Power("embeddingTwinClaim", "spec.model.embeddingTwin", _claim("model.embeddingTwin"), "''",
           ("persistentvolumeclaims", "get"), "the pods mount this PersistentVolumeClaim"),
-    Power("sourceBucket", "spec.model.source", _bucket("source"), "''", None,
+    Power("drafterClaim", "spec.engine.speculative.source", _claim(_DRAFTER), "''",
+          ("persistentvolumeclaims", "get"), "the pods mount this PersistentVolumeClaim"),
+    Power("sourceBucket", "spec.model.source", _bucket("model.source"), "''", None,
           "the pods mount this gs:// bucket with their ServiceAccount's rights, the namespace's default "
           "ServiceAccount's when spec.serviceAccountName is unset",
           fix="keep the bucket as it is, or use an hf:// or pvc:// source"),
-    Power("embeddingTwinBucket", "spec.model.embeddingTwin", _bucket("embeddingTwin"), "''", None,
+    Power("embeddingTwinBucket", "spec.model.embeddingTwin", _bucket("model.embeddingTwin"), "''", None,
           "the pods mount this gs:// bucket with their ServiceAccount's rights, the namespace's default "
           "ServiceAccount's when spec.serviceAccountName is unset",
           fix="keep the bucket as it is, or use an hf:// or pvc:// embedding twin"),
-    Power("credentialedSource", "a change of spec.model.source or spec.model.embeddingTwin",
-          f"{_CREDENTIALS} ? [$s.model.source, has($s.model.embeddingTwin) ? $s.model.embeddingTwin : ''] : []",
+    Power("drafterBucket", "spec.engine.speculative.source", _bucket(_DRAFTER), "''", None,
+          "the pods mount this gs:// bucket with their ServiceAccount's rights, the namespace's default "
+          "ServiceAccount's when spec.serviceAccountName is unset",
+          fix="keep the bucket as it is, or use an hf:// or pvc:// drafter"),
+    Power("credentialedSource",
+          "a change of spec.model.source, spec.model.embeddingTwin or spec.engine.speculative.source",
+          f"{_CREDENTIALS} ? [$s.model.source, {_optional('model.embeddingTwin')}, {_optional(_DRAFTER)}] : []",
           "[]", None, "the pods read the model with the credentials of spec.serviceAccountName or "
           "spec.model.tokenSecret", fix="keep the model source as it is", on_create=False),
     Power("provisioning", "spec.accelerator.provisioning",

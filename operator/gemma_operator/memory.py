@@ -63,6 +63,13 @@ W4A16_GROUP = 128
 INT4_PACKED_ON_TPU = False
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 MIN_CONTEXT = 256  # spec.engine.context's lower bound, and the step the plan suggests contexts in
+# An MTP assistant drafter (spec.engine.speculative.method mtp): Google's for E2B has 78 M parameters (its model
+# card, google/gemma-4-E2B-it-assistant). It holds no KV cache: every layer reads the target's keys
+# (Transformers 5.18 models/gemma4_assistant/configuration_gemma4_assistant.py: num_kv_shared_layers =
+# num_hidden_layers). The larger sizes' drafters are 4-layer models too whose widths are not in the sources above:
+# the plan counts E2B's for every size, and the runtime reserve holds the difference. The engine runs a drafter
+# only without tensor parallelism (rust/src/engine/drafter.rs), so such a plan has N = 1.
+DRAFTER_PARAMETERS = 78_000_000
 
 
 class Architecture(NamedTuple):
@@ -255,12 +262,13 @@ class _Footprint(NamedTuple):
 
 
 def _footprint(size: str, quantization: str, accelerator_type: str, context: int, n: int, dtype: str,
-               compiled: bool) -> _Footprint:
+               compiled: bool, drafter: bool = False) -> _Footprint:
     a, b = ARCHITECTURES[size], DTYPE_BYTES[dtype]
     usable = int(TPU_HBM_GIB[accelerator_type] * GIB * (1 - RUNTIME_RESERVE))
     chunk_row = kv_bytes_per_slot(a, b, n, context, snapshots=False) if compiled else 0
-    return _Footprint(weight_bytes(a, quantization, b, n, int4_packed=_int4_packed(dtype)),
-                      kv_bytes_per_slot(a, b, n, context), chunk_row, usable)
+    weights = weight_bytes(a, quantization, b, n, int4_packed=_int4_packed(dtype))
+    return _Footprint(weights + (DRAFTER_PARAMETERS * b if drafter else 0), kv_bytes_per_slot(a, b, n, context),
+                      chunk_row, usable)
 
 
 def divisors(c: int) -> list[int]:
@@ -268,25 +276,31 @@ def divisors(c: int) -> list[int]:
     return [d for d in range(1, c + 1) if c % d == 0]
 
 
+def _sizes(accelerator_type: str, topology: str, drafter: bool) -> list[int]:
+    """The tensor-parallel sizes an engine on the slice may have: 1 with a drafter (DRAFTER_PARAMETERS)."""
+    return [1] if drafter else divisors(TPU_TOPOLOGY_CHIPS[accelerator_type][topology])
+
+
 def _smallest_fitting(size: str, quantization: str, accelerator_type: str, topology: str, context: int,
-                      max_num_seqs: int, dtype: str, compiled: bool) -> int | None:
-    for n in divisors(TPU_TOPOLOGY_CHIPS[accelerator_type][topology]):
+                      max_num_seqs: int, dtype: str, compiled: bool, drafter: bool = False) -> int | None:
+    for n in _sizes(accelerator_type, topology, drafter):
         if not splits(ARCHITECTURES[size], n):
             continue
-        if _footprint(size, quantization, accelerator_type, context, n, dtype, compiled).slots() >= max_num_seqs:
+        fp = _footprint(size, quantization, accelerator_type, context, n, dtype, compiled, drafter)
+        if fp.slots() >= max_num_seqs:
             return n
     return None
 
 
 def _ways_to_fit(size: str, quantization: str, accelerator_type: str, topology: str, context: int, max_num_seqs: int,
-                 n: int, dtype: str, compiled: bool) -> list[str]:
+                 n: int, dtype: str, compiled: bool, drafter: bool = False) -> list[str]:
     """What would make it fit, each a change of spec fields on its own."""
     def fp(typ: str, x: int, m: int, quant: str = quantization) -> _Footprint:
-        return _footprint(size, quant, typ, x, m, dtype, compiled)
+        return _footprint(size, quant, typ, x, m, dtype, compiled, drafter)
 
     ways = []
     c = TPU_TOPOLOGY_CHIPS[accelerator_type][topology]
-    more = [d for d in divisors(c) if d > n]
+    more = [d for d in _sizes(accelerator_type, topology, drafter) if d > n]
     larger = next((d for d in more if fp(accelerator_type, context, d).slots() >= max_num_seqs), None)
     if larger:
         ways.append(f"spec.engine.tensorParallelSize {larger}")
@@ -294,7 +308,7 @@ def _ways_to_fit(size: str, quantization: str, accelerator_type: str, topology: 
         for topo, topo_chips in TPU_TOPOLOGY_CHIPS[tpu].items():
             if tpu == accelerator_type and topo_chips <= c:
                 continue
-            fit_n = _smallest_fitting(size, quantization, tpu, topo, context, max_num_seqs, dtype, compiled)
+            fit_n = _smallest_fitting(size, quantization, tpu, topo, context, max_num_seqs, dtype, compiled, drafter)
             if fit_n:
                 kind = "" if tpu == accelerator_type else f"spec.accelerator.type {tpu} with "
                 ways.append(f"{kind}spec.accelerator.topology {topo} ({topo_chips} chips, tensorParallelSize {fit_n})")
@@ -302,7 +316,7 @@ def _ways_to_fit(size: str, quantization: str, accelerator_type: str, topology: 
     if quantization == "bf16" and fp(accelerator_type, context, n, "w4a16").slots() >= max_num_seqs:
         ways.append("a W4A16 checkpoint")
     # Shorter contexts or fewer slots: at n where its weights leave room for a slot, else over all the chips.
-    m = n if fp(accelerator_type, MIN_CONTEXT, n).slots() >= 1 else c
+    m = n if fp(accelerator_type, MIN_CONTEXT, n).slots() >= 1 or drafter else c
     if fp(accelerator_type, MIN_CONTEXT, m).slots() >= 1:
         also = "" if m == n else f" with spec.engine.tensorParallelSize {m}"
         shorter = [x for x in range(MIN_CONTEXT, context, MIN_CONTEXT)
@@ -316,7 +330,7 @@ def _ways_to_fit(size: str, quantization: str, accelerator_type: str, topology: 
 
 
 def plan(size: str, quantization: str, accelerator_type: str, topology: str, context: int, max_num_seqs: int,
-         tensor_parallel_size: int, dtype: str = "bfloat16", compiled: bool = False) -> Plan:
+         tensor_parallel_size: int, dtype: str = "bfloat16", compiled: bool = False, drafter: bool = False) -> Plan:
     """The memory of one engine of a pod, on its fullest chip (pure).
 
     Args:
@@ -330,6 +344,8 @@ def plan(size: str, quantization: str, accelerator_type: str, topology: str, con
         dtype: the compute dtype (spec.engine.dtype).
         compiled: spec.engine.compile is on or auto: the engine holds one more row of rings, where compiled
             prompt chunks run (rust/src/engine/chunks.rs).
+        drafter: spec.engine.speculative.method is mtp: the engine holds an assistant drafter
+            (DRAFTER_PARAMETERS), and runs without tensor parallelism.
     Returns:
         The plan, with an explanation that names the sizes and, when it does not fit, what would.
     Raises:
@@ -338,14 +354,16 @@ def plan(size: str, quantization: str, accelerator_type: str, topology: str, con
     n, c = tensor_parallel_size, TPU_TOPOLOGY_CHIPS[accelerator_type][topology]
     if c % n:
         raise ValueError(f"tensor-parallel size {n} does not divide the {c} chips of {topology}")
-    fp = _footprint(size, quantization, accelerator_type, context, n, dtype, compiled)
+    fp = _footprint(size, quantization, accelerator_type, context, n, dtype, compiled, drafter)
     hbm = TPU_HBM_GIB[accelerator_type] * GIB
     total = fp.weights + max_num_seqs * fp.kv + fp.chunk_row
     fits = total <= fp.usable
     model = f"Gemma 4 {size.upper()} ({quantization})"
     where = f"{TPU_NAMES[accelerator_type]} {topology}"
-    dequantized = (f" (int4 dequantized to {dtype} at load, as the engine does on a TPU)"
-                   if quantization == "w4a16" and not _int4_packed(dtype) else "")
+    notes = ([f"int4 dequantized to {dtype} at load, as the engine does on a TPU"]
+             if quantization == "w4a16" and not _int4_packed(dtype) else [])
+    notes += ["an assistant drafter's included"] if drafter else []
+    dequantized = f" ({'; '.join(notes)})" if notes else ""
     chunk_row = f" + {_size(fp.chunk_row)} for compiled prompt chunks" if fp.chunk_row else ""
     held = (f"{_size(fp.weights)} of weights{dequantized} and {max_num_seqs} x {_size(fp.kv)} of KV cache at "
             f"context {context}{chunk_row}, {_size(total)}")
@@ -356,7 +374,8 @@ def plan(size: str, quantization: str, accelerator_type: str, topology: str, con
                        f"within {room}; {_count(fp.slots(), 'slot')} would fit")
     else:
         why = "the weights alone do not fit" if fp.slots() == 0 else f"{_count(fp.slots(), 'slot')} would fit"
-        ways = _ways_to_fit(size, quantization, accelerator_type, topology, context, max_num_seqs, n, dtype, compiled)
+        ways = _ways_to_fit(size, quantization, accelerator_type, topology, context, max_num_seqs, n, dtype, compiled,
+                            drafter)
         explanation = (f"{model} does not fit {where} with tensorParallelSize {n}: a chip would hold {held}, over "
                        f"{room}; {why}. " + ("It fits with any one of: " + "; ".join(ways) if ways else
                                              "No TPU slice the operator knows holds it at this context"))
@@ -414,15 +433,16 @@ def placement(spec: GemmaRustServerSpec) -> Placement:
     topology = accel.topology or "1x1"
 
     compiled = e.compile != "off"
+    drafter = e.speculative is not None and e.speculative.method == "mtp"
 
     def at(n: int) -> Plan:
         return plan(model.size, model.quantization, accel.type, topology, e.context, e.max_num_seqs, n, e.dtype,
-                    compiled)
+                    compiled, drafter)
 
     if e.tensor_parallel_size:
         return Placement(e.tensor_parallel_size, at(e.tensor_parallel_size))
     n = _smallest_fitting(model.size, model.quantization, accel.type, topology, e.context, e.max_num_seqs,
-                          e.dtype, compiled) or chips(accel)
+                          e.dtype, compiled, drafter) or (1 if drafter else chips(accel))
     return Placement(n, at(n))
 
 

@@ -83,6 +83,10 @@ MODEL_SOURCE_MESSAGE = (
 # way to walk out of one.
 PARENT_SEGMENT_RE = r"(^|/)\.\.(/|$)"
 PARENT_SEGMENT_MESSAGE = "model source must not contain '..' path segments"
+DRAFTER_TP_MESSAGE = ("spec.engine.speculative.method mtp runs its drafter without tensor parallelism: leave "
+                      "spec.engine.tensorParallelSize unset or 1")
+SPECULATIVE_SOURCE_MESSAGE = ("spec.engine.speculative.source is the assistant drafter of method mtp: set it with "
+                              "mtp, leave it unset with ngram")
 DNS_LABEL_RE = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 # A DNS-1035 label (Kubernetes apimachinery pkg/util/validation/validation.go, dns1035LabelFmt and
 # DNS1035LabelMaxLength 63): what a Service's name must be (ValidateServiceName), and so a server's.
@@ -161,13 +165,7 @@ class ModelSpec(_Model):
     @field_validator("source", "embedding_twin")
     @classmethod
     def _source_form(cls, v: str | None) -> str | None:
-        # The same rule as the CEL one, for objects stored before it existed: such a spec must become a
-        # condition, not a handler that fails on every retry. (A validator stays out of the schema.)
-        if v is not None and not re.fullmatch(MODEL_SOURCE_RE, v):
-            raise ValueError(MODEL_SOURCE_MESSAGE)
-        if v is not None and re.search(PARENT_SEGMENT_RE, v):
-            raise ValueError(PARENT_SEGMENT_MESSAGE)
-        return v
+        return _check_source(v)  # (a validator stays out of the schema)
 
 
 class AcceleratorSpec(_Model):
@@ -188,18 +186,44 @@ class AcceleratorSpec(_Model):
         pattern=DNS_LABEL_RE, max_length=63)
 
 
+def _check_source(v: str | None) -> str | None:
+    """A model source's form (MODEL_SOURCE_RE, no '..' segment), as the CEL rules check it: for objects stored
+    before a rule existed, so such a spec becomes a condition rather than a handler that fails on every retry."""
+    if v is not None and not re.fullmatch(MODEL_SOURCE_RE, v):
+        raise ValueError(MODEL_SOURCE_MESSAGE)
+    if v is not None and re.search(PARENT_SEGMENT_RE, v):
+        raise ValueError(PARENT_SEGMENT_MESSAGE)
+    return v
+
+
 class SpeculativeSpec(_Model):
     """Speculative decoding (the server's --speculative-method and its settings, gemma_server/config.py)."""
 
-    method: Literal["ngram"] = Field(
+    method: Literal["ngram", "mtp"] = Field(
         "ngram", description="ngram: prompt lookup, drafts copied from what followed the context's last n-gram "
-        "earlier in the context, checked by the model in one forward; greedy output is unchanged and no second "
-        "model is loaded (GEMMA_SPECULATIVE_METHOD).")
+        "earlier in the context, no second model; mtp: Gemma 4's MTP assistant drafter (source), a small model "
+        "that drafts from the target's KV cache and last hidden state. The model checks the drafts in one "
+        "forward; greedy output is unchanged (GEMMA_SPECULATIVE_METHOD).")
+    source: str | None = Field(
+        None, description="method mtp: where the assistant drafter is (e.g. hf://google/gemma-4-E2B-it-assistant), "
+        "in the URL forms of spec.model.source, mounted and read with the same credentials "
+        "(GEMMA_SPECULATIVE_MODEL). Not allowed with ngram.", max_length=1024)
     num_speculative_tokens: int = Field(
         description="Draft tokens per request and step (GEMMA_NUM_SPECULATIVE_TOKENS).", ge=1, le=16)
     max_batch: int | None = Field(
         None, description="Above this many decoding requests an engine's steps do not speculate "
         "(GEMMA_SPECULATIVE_MAX_BATCH). Unset: the server's default (1).", ge=1, le=MAX_NUM_SEQS)
+
+    @field_validator("source")
+    @classmethod
+    def _source_form(cls, v: str | None) -> str | None:
+        return _check_source(v)
+
+    @model_validator(mode="after")
+    def _source_for_mtp(self) -> SpeculativeSpec:
+        if (self.method == "mtp") != (self.source is not None):
+            raise ValueError(SPECULATIVE_SOURCE_MESSAGE)
+        return self
 
 
 class EngineSpec(_Model):
@@ -231,6 +255,12 @@ class EngineSpec(_Model):
         "(GEMMA_COMPILE).")
     speculative: SpeculativeSpec | None = Field(
         None, description="Speculative decoding. Unset: off.")
+
+    @model_validator(mode="after")
+    def _drafter_on_one_chip(self) -> EngineSpec:
+        if self.speculative and self.speculative.method == "mtp" and (self.tensor_parallel_size or 1) > 1:
+            raise ValueError(DRAFTER_TP_MESSAGE)
+        return self
 
 
 class MediaSpec(_Model):
@@ -438,6 +468,19 @@ CEL_RULES: dict[type[_Model], list[dict[str, str]]] = {
         _cel(f"!self.source.matches(r'{PARENT_SEGMENT_RE}')", PARENT_SEGMENT_MESSAGE, ".source"),
         _cel(f"!has(self.embeddingTwin) || !self.embeddingTwin.matches(r'{PARENT_SEGMENT_RE}')",
              PARENT_SEGMENT_MESSAGE, ".embeddingTwin"),
+    ],
+    EngineSpec: [
+        _cel("!has(self.speculative) || !has(self.speculative.method) || self.speculative.method != 'mtp' || "
+             "!has(self.tensorParallelSize) || self.tensorParallelSize == 1", DRAFTER_TP_MESSAGE,
+             ".tensorParallelSize"),
+    ],
+    SpeculativeSpec: [
+        _cel(f"!has(self.source) || self.source.matches(r'{MODEL_SOURCE_RE}')", MODEL_SOURCE_MESSAGE, ".source"),
+        _cel(f"!has(self.source) || !self.source.matches(r'{PARENT_SEGMENT_RE}')", PARENT_SEGMENT_MESSAGE,
+             ".source"),
+        # has(): method has a default, and the rule is also checked before defaulting.
+        _cel("(has(self.method) && self.method == 'mtp') == has(self.source)", SPECULATIVE_SOURCE_MESSAGE,
+             ".source"),
     ],
     ResourcesSpec: [
         _cel("!has(self.limits) || !('google.com/tpu' in self.limits)",

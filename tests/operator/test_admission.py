@@ -34,6 +34,8 @@ def test_every_power_has_a_validation_and_a_variable_for_its_old_value():
                                                  "validationActions": ["Deny"]}
 
 
+MTP = {"method": "mtp", "numSpeculativeTokens": 2}
+DRAFTER_HF = {"engine": {"speculative": {**MTP, "source": "hf://google/gemma-4-E2B-it-assistant"}}}
 # Per power (by name): a spec fragment without it and one with it, differing only in that power.
 ONE_POWER = {
     "image": ({}, {"image": "example.com/mine:1"}),
@@ -42,8 +44,10 @@ ONE_POWER = {
     "apiKeySecret": ({}, {"server": {"apiKeySecret": {"name": "key"}}}),
     "sourceClaim": ({}, {"model": {"source": "pvc://weights/gemma"}}),
     "embeddingTwinClaim": ({}, {"model": {"source": "hf://o/m", "embeddingTwin": "pvc://emb/x"}}),
+    "drafterClaim": (DRAFTER_HF, {"engine": {"speculative": {**MTP, "source": "pvc://drafts/x"}}}),
     "sourceBucket": ({}, {"model": {"source": "gs://weights/gemma"}}),
     "embeddingTwinBucket": ({}, {"model": {"source": "hf://o/m", "embeddingTwin": "gs://emb/x"}}),
+    "drafterBucket": (DRAFTER_HF, {"engine": {"speculative": {**MTP, "source": "gs://drafts/x"}}}),
     # With a ServiceAccount, another source is read with its rights.
     "credentialedSource": ({"serviceAccountName": "admin"},
                            {"serviceAccountName": "admin", "model": {"source": "hf://o/other"}}),
@@ -99,7 +103,8 @@ def test_spot_and_compute_class_powers_are_the_node_selector_and_toleration_the_
 def test_a_change_of_a_credentialed_source_is_checked_on_update_only():
     policy = admission.build_policy()
     by_message = {v["message"].split(" needs")[0]: v["expression"] for v in policy["spec"]["validations"]}
-    assert by_message["a change of spec.model.source or spec.model.embeddingTwin"].startswith("oldObject == null || ")
+    change = "a change of spec.model.source, spec.model.embeddingTwin or spec.engine.speculative.source"
+    assert by_message[change].startswith("oldObject == null || ")
     assert not by_message["spec.model.source"].startswith("oldObject == null")  # the bucket: also on create
     variables = {v["name"]: v["expression"] for v in policy["spec"]["variables"]}
     assert "has(object.spec.serviceAccountName) || has(object.spec.model.tokenSecret)" in variables["credentialedSource"]

@@ -36,7 +36,12 @@ POWERS = {
     "pvc source": ({"model": {"source": "pvc://prod-data/x"}}, "or to get persistentvolumeclaims/prod-data there"),
     "pvc embeddingTwin": ({"model": {"source": "hf://o/m", "embeddingTwin": "pvc://prod-data/y"}},
                           "or to get persistentvolumeclaims/prod-data there"),
+    "pvc drafter": ({"engine": {"speculative": {"method": "mtp", "numSpeculativeTokens": 2,
+                                                "source": "pvc://prod-data/d"}}},
+                    "or to get persistentvolumeclaims/prod-data there"),
     "gs source": ({"model": {"source": "gs://prod-weights/gemma"}}, None),
+    "gs drafter": ({"engine": {"speculative": {"method": "mtp", "numSpeculativeTokens": 2,
+                                               "source": "gs://prod-weights/d"}}}, None),
     "gs embeddingTwin": ({"model": {"source": "hf://o/m", "embeddingTwin": "gs://prod-weights/emb"}}, None),
     "spot": ({"accelerator": {"provisioning": "spot"}}, None),
     "flex-start": ({"accelerator": {"provisioning": "flex-start"}}, None),
@@ -214,8 +219,8 @@ def refused_patch(patch, spec) -> str:
 
 
 GCS_NEEDS_PODS = "spec.model.source needs RBAC permission to create pods in namespace"
-CHANGE_NEEDS_PODS = ("a change of spec.model.source or spec.model.embeddingTwin needs RBAC permission to create pods "
-                     "in namespace")
+CHANGE_NEEDS_PODS = ("a change of spec.model.source, spec.model.embeddingTwin or spec.engine.speculative.source "
+                     "needs RBAC permission to create pods in namespace")
 
 
 def test_a_tenant_may_not_switch_the_bucket_of_an_admins_server_that_keeps_its_service_account(kube, users, ns):
@@ -247,6 +252,8 @@ def test_on_a_server_with_credentials_any_change_of_the_model_source_needs_the_p
     assert alice({"replicas": 3})["spec"]["replicas"] == 3
     assert CHANGE_NEEDS_PODS in refused_patch(alice, {"model": {"source": "hf://o/private"}})
     assert CHANGE_NEEDS_PODS in refused_patch(alice, {"model": {"embeddingTwin": "hf://o/emb"}})
+    drafter = {"method": "mtp", "numSpeculativeTokens": 2, "source": "hf://o/private-assistant"}
+    assert CHANGE_NEEDS_PODS in refused_patch(alice, {"engine": {"speculative": drafter}})
     # carol may get the Secret, so she may create a server with it and any source; changing this one's source
     # is reading with the administrator's credentials, which takes the right to create pods.
     assert CHANGE_NEEDS_PODS in refused_patch(carol, {"model": {"source": "hf://o/private"}})

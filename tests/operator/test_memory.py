@@ -197,6 +197,24 @@ def test_a_small_model_keeps_one_engine_per_chip():
     assert p.tensor_parallel_size == 1 and p.plan.fits
 
 
+MTP = {"method": "mtp", "numSpeculativeTokens": 2, "source": "hf://google/gemma-4-E2B-it-assistant"}
+
+
+def test_an_mtp_drafter_is_counted_and_keeps_an_engine_on_one_chip():
+    with_drafter = memory.placement(spec("hf://google/gemma-4-e2b-it", {"topology": "2x2"}, speculative=MTP))
+    without = memory.placement(spec("hf://google/gemma-4-e2b-it", {"topology": "2x2"}))
+    assert with_drafter.tensor_parallel_size == without.tensor_parallel_size == 1
+    assert with_drafter.plan.weight_bytes - without.plan.weight_bytes == memory.DRAFTER_PARAMETERS * 2
+    assert "an assistant drafter's included" in with_drafter.plan.explanation
+    # The 31B needs more than one v5e chip: with a drafter it gets no tensor parallelism, and the plan says what
+    # would hold it on one chip (a larger one), never a larger tensorParallelSize.
+    big = memory.placement(spec(accelerator={"topology": "2x4"}, speculative=MTP))
+    assert big.tensor_parallel_size == 1 and not big.plan.fits
+    assert "spec.engine.tensorParallelSize" not in big.plan.explanation
+    with pytest.raises(pydantic.ValidationError, match="runs its drafter without tensor parallelism"):
+        spec(accelerator={"topology": "2x4"}, speculative=MTP, tensorParallelSize=2)
+
+
 def test_the_slots_asked_for_move_the_size():
     assert memory.placement(spec("hf://google/gemma-4-12B-it", {"topology": "2x2"})).tensor_parallel_size == 4
     assert memory.placement(spec("hf://google/gemma-4-12B-it", {"topology": "2x2", "type": "tpu-v6e-slice"},

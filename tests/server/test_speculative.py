@@ -11,7 +11,7 @@ import pytest
 
 from gemma_server.config import parse_config
 from tests import assistants
-from tests.checkpoints import CHAT_VOCAB_SIZE
+from tests.checkpoints import chat_text_config
 from .conftest import sample, start_in_process
 
 SPEC = ("--speculative-method", "ngram", "--num-speculative-tokens", "4", "--speculative-max-batch", "4")
@@ -73,7 +73,7 @@ def test_v1_engine_names_the_method(spec_server, server):
 def test_an_mtp_drafter_gives_the_same_replies(chat_checkpoint, server, model, tmp_path):
     """`--speculative-method mtp --speculative-model DIR`: a (random) assistant drafter for the chat checkpoint,
     whose drafts the target rejects; the replies are those without speculation, and /v1/engine names it."""
-    drafter = assistants.save_assistant(tmp_path / "assistant", vocab_size=CHAT_VOCAB_SIZE)
+    drafter = assistants.save_assistant(tmp_path / "assistant", target=chat_text_config())
     s = start_in_process(chat_checkpoint, "--speculative-method", "mtp", "--speculative-model", str(drafter),
                          "--num-speculative-tokens", "3", "--max-num-seqs", "4", "--default-temperature", "0")
     try:

@@ -130,15 +130,34 @@ def gcsfuse_cache_volume(gcs: GcsFuseSpec) -> dict[str, Any]:
     return {"name": GCSFUSE_CACHE_VOLUME, "emptyDir": empty_dir}
 
 
-def _model_mounts(spec: GemmaRustServerSpec) -> tuple[ModelMount, ModelMount | None]:
+class Sources(NamedTuple):
+    """What the pod reads models from: the checkpoint, its embedding twin, the speculative drafter."""
+
+    main: ModelMount
+    twin: ModelMount | None = None
+    drafter: ModelMount | None = None
+
+    def present(self) -> list[ModelMount]:
+        return [m for m in self if m]
+
+
+def _model_mounts(spec: GemmaRustServerSpec) -> Sources:
     main = model_mount(spec.model.source, "model", spec.model.gcs_fuse)
-    twin = None
-    if spec.model.embedding_twin:
-        twin = model_mount(spec.model.embedding_twin, "model-emb", spec.model.gcs_fuse)
+    mounted = [main]
+
+    def other(source: str | None, volume_name: str) -> ModelMount | None:
+        if source is None:
+            return None
+        m = model_mount(source, volume_name, spec.model.gcs_fuse)
         # The same bucket or claim is mounted once.
-        if twin.volume and main.volume and twin.mount["mountPath"] == main.mount["mountPath"]:
-            twin = ModelMount(twin.value, None, None)
-    return main, twin
+        if m.volume and any(o.volume and o.mount["mountPath"] == m.mount["mountPath"] for o in mounted):
+            return ModelMount(m.value, None, None)
+        mounted.append(m)
+        return m
+
+    speculative = spec.engine.speculative
+    twin = other(spec.model.embedding_twin, "model-emb")
+    return Sources(main, twin, other(speculative.source if speculative else None, "model-drafter"))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -230,22 +249,22 @@ def media_env(media: MediaSpec) -> list[dict[str, str]]:
     return [{"name": k, "value": str(v)} for k, v in values.items() if v is not None]
 
 
-def speculative_env(s: SpeculativeSpec | None) -> list[dict[str, str]]:
-    """spec.engine.speculative as the server's GEMMA_SPECULATIVE_* variables; none when it is off, and an unset
-    maxBatch leaves the server's default."""
+def speculative_env(s: SpeculativeSpec | None, drafter: ModelMount | None = None) -> list[dict[str, str]]:
+    """spec.engine.speculative as the server's GEMMA_SPECULATIVE_* variables (the drafter as `drafter` mounts
+    it); none when it is off, and an unset maxBatch leaves the server's default."""
     if s is None:
         return []
     values = {"GEMMA_SPECULATIVE_METHOD": s.method, "GEMMA_NUM_SPECULATIVE_TOKENS": s.num_speculative_tokens,
-              "GEMMA_SPECULATIVE_MAX_BATCH": s.max_batch}
+              "GEMMA_SPECULATIVE_MAX_BATCH": s.max_batch, "GEMMA_SPECULATIVE_MODEL": drafter and drafter.value}
     return [{"name": k, "value": str(v)} for k, v in values.items() if v is not None]
 
 
-def env(spec: GemmaRustServerSpec, meta: Meta, main: ModelMount, twin: ModelMount | None) -> list[dict[str, Any]]:
+def env(spec: GemmaRustServerSpec, meta: Meta, sources: Sources) -> list[dict[str, Any]]:
     """The server's environment (its documented GEMMA_* variables); the token and API key only via secretKeyRef."""
     e, srv, n_chips = spec.engine, spec.server, chips(spec.accelerator)
     out = [
-        {"name": "GEMMA_MODEL", "value": main.value},
-        *([{"name": "GEMMA_EMB", "value": twin.value}] if twin else []),
+        {"name": "GEMMA_MODEL", "value": sources.main.value},
+        *([{"name": "GEMMA_EMB", "value": sources.twin.value}] if sources.twin else []),
         {"name": "GEMMA_DEVICE", "value": device(spec)},
         # The slice's chips, over which the server runs chips / GEMMA_TENSOR_PARALLEL_SIZE engines of that many
         # chips each (gemma_operator.memory picks the size); both unset on CPU (the server's default, one engine).
@@ -258,7 +277,7 @@ def env(spec: GemmaRustServerSpec, meta: Meta, main: ModelMount, twin: ModelMoun
         {"name": "GEMMA_READ_EVERY", "value": str(e.read_every)},
         {"name": "GEMMA_DTYPE", "value": e.dtype},
         {"name": "GEMMA_COMPILE", "value": e.compile},
-        *speculative_env(e.speculative),
+        *speculative_env(e.speculative, sources.drafter),
         # Inductor's caches (its FX graphs and AOTAutograd's, keyed by the graph) on the build-cache volume, so a
         # restart with --compile loads the compiled steps instead of compiling them again.
         {"name": "TORCHINDUCTOR_CACHE_DIR", "value": f"{CACHE_MOUNT}/inductor"},
@@ -277,7 +296,7 @@ def env(spec: GemmaRustServerSpec, meta: Meta, main: ModelMount, twin: ModelMoun
         *([{"name": "GEMMA_TPU_COMPILE_CACHE_LOCAL", "value": f"{TPU_COMPILE_LOCAL_MOUNT}/tpu-compile"}]
           if _shared_compile_cache(spec) else []),
         *([{"name": "GEMMA_GCS_ROOT", "value": GCS_ROOT}] if any(
-            m and m.value.startswith("gs://") for m in (main, twin)) else []),
+            m.value.startswith("gs://") for m in sources.present()) else []),
         # Downloaded hf:// weights live next to the build, so a restarted pod on a PVC skips both.
         {"name": "HF_HOME", "value": f"{CACHE_MOUNT}/hf"},
         {"name": "TORCH_TPU_DEFER_AND_FUSE", "value": "1" if e.defer_and_fuse else "0"},
@@ -359,14 +378,14 @@ def spec_warnings(spec: GemmaRustServerSpec) -> list[tuple[str, str]]:
     return out
 
 
-def _gcsfuse(main: ModelMount, twin: ModelMount | None) -> bool:
+def _gcsfuse(sources: Sources) -> bool:
     """Whether the pod mounts a bucket through the GCS FUSE CSI driver."""
-    return any(m and m.volume and "csi" in m.volume for m in (main, twin))
+    return any(m.volume and "csi" in m.volume for m in sources.present())
 
 
-def pod_annotations(spec: GemmaRustServerSpec, main: ModelMount, twin: ModelMount | None) -> dict[str, str]:
+def pod_annotations(spec: GemmaRustServerSpec, sources: Sources) -> dict[str, str]:
     out = dict(spec.pod_annotations)
-    if _gcsfuse(main, twin):
+    if _gcsfuse(sources):
         out[GCSFUSE_ANNOTATION] = "true"
     return out
 
@@ -376,13 +395,12 @@ def _shared_compile_cache(spec: GemmaRustServerSpec) -> bool:
     return device(spec) == "tpu" and spec.build_cache.type == "pvc"
 
 
-def extra_volumes(spec: GemmaRustServerSpec, main: ModelMount,
-                  twin: ModelMount | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def extra_volumes(spec: GemmaRustServerSpec, sources: Sources) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The GCS FUSE cache volume (for gs:// sources), /dev/shm (TPU) and the pod's own compilation cache
     (`_shared_compile_cache`): (volumes, server mounts)."""
     volumes: list[dict[str, Any]] = []
     mounts: list[dict[str, Any]] = []
-    if _gcsfuse(main, twin):
+    if _gcsfuse(sources):
         volumes.append(gcsfuse_cache_volume(spec.model.gcs_fuse))  # the sidecar mounts it, not the server
     if is_tpu(spec.accelerator):
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
@@ -402,20 +420,20 @@ def build_deployment(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
     Returns:
         A Deployment manifest (dict), without owner references (ownership.adopt adds them).
     """
-    main, twin = _model_mounts(spec)
+    sources = _model_mounts(spec)
     plan = shutdown_plan(spec)
-    more_volumes, more_mounts = extra_volumes(spec, main, twin)
+    more_volumes, more_mounts = extra_volumes(spec, sources)
     # The root filesystem is read-only; the compilers of the boot build (g++, rustc) get a scratch /tmp.
     tmp = {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE}}
-    volumes = ([build_cache_volume(spec, meta), tmp] + [m.volume for m in (main, twin) if m and m.volume]
+    volumes = ([build_cache_volume(spec, meta), tmp] + [m.volume for m in sources.present() if m.volume]
                + more_volumes)
     mounts = ([{"name": "build-cache", "mountPath": CACHE_MOUNT}, {"name": "tmp", "mountPath": "/tmp"}]
-              + [m.mount for m in (main, twin) if m and m.mount] + more_mounts)
+              + [m.mount for m in sources.present() if m.mount] + more_mounts)
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": spec.image,
         "command": ["python", "-m", "gemma_server"],
-        "env": env(spec, meta, main, twin),
+        "env": env(spec, meta, sources),
         "ports": [{"name": "http", "containerPort": spec.server.port, "protocol": "TCP"},
                   {"name": "probes", "containerPort": spec.server.probe_port, "protocol": "TCP"},
                   # GKE exports TPU duty cycle and HBM usage only for a container that declares this port.
@@ -461,7 +479,7 @@ def build_deployment(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
         # Booting can take the whole startup budget; do not let the Deployment call it stalled earlier.
         "progressDeadlineSeconds": spec.server.startup_timeout_seconds + 600,
         "template": {
-            "metadata": {"labels": labels(meta), "annotations": pod_annotations(spec, main, twin)},
+            "metadata": {"labels": labels(meta), "annotations": pod_annotations(spec, sources)},
             "spec": pod_spec,
         },
     }

@@ -7,7 +7,8 @@
 //! step keeps none, so a slot's state is current only while every step since its last verify step was a
 //! verify step of the same request (`holds`). A slot without one is offered no drafts in its next verify
 //! step, which then records its state: the first decode step after a prompt, or after plain steps (a batch
-//! above `speculative_max_batch`), checks only the target's own token, at `k + 1` positions' cost.
+//! above `speculative_max_batch`), checks only the target's own token. When no slot of the step has drafts, the
+//! step reads one position a row (a verify step of no drafts), as a plain step does.
 
 use std::path::Path;
 

@@ -213,7 +213,7 @@ impl Engine {
         if k < 1 {
             return None;
         }
-        let mut packed = vec![0; (b * k) as usize];
+        let mut found = vec![Vec::new(); b as usize];
         let mut offered = vec![0; b as usize];
         let mut room_anywhere = false;
         for (row, s) in rows.iter().enumerate() {
@@ -226,15 +226,27 @@ impl Engine {
                 (Method::Mtp(_), Some(d)) => room * usize::from(d.ready(s, slot.request.id)),
                 _ => {
                     let context: Vec<i64> = slot.request.prompt.iter().chain(&slot.output).copied().collect();
-                    let found = propose(&context, room, spec.lookup_min as usize, spec.lookup_max as usize);
-                    packed[row * k as usize..][..found.len()].copy_from_slice(&found);
-                    found.len()
+                    found[row] = propose(&context, room, spec.lookup_min as usize, spec.lookup_max as usize);
+                    found[row].len()
                 }
             };
         }
-        let mtp = self.drafter.is_some();
-        if !(if mtp { room_anywhere } else { offered.iter().any(|n| *n > 0) }) {
-            return None;
+        let none = offered.iter().all(|n| *n == 0);
+        let k = match self.drafter {
+            // A step that only records the drafter's states reads one position a row (drafter.rs).
+            Some(_) if room_anywhere => {
+                if none {
+                    0
+                } else {
+                    k
+                }
+            }
+            _ if none => return None,
+            _ => k,
+        };
+        let mut packed = vec![0; (b * k) as usize];
+        for (row, f) in found.iter().enumerate() {
+            packed[row * k as usize..][..f.len()].copy_from_slice(f);
         }
         packed.extend(offered.iter().map(|n| *n as i64));
         Some(Drafts { k, packed, offered })
@@ -253,8 +265,8 @@ impl Engine {
         let tokens = {
             let v = self.slots.views(b)?;
             let draft = match &self.drafter {
-                Some(d) => d.draft(&self.model, &mut self.cache, v, k)?,
-                None => looked_up,
+                Some(d) if k > 0 => d.draft(&self.model, &mut self.cache, v, k)?,
+                _ => looked_up,
             };
             let ids = Tensor::cat(&[&v.next.reshape(&[b, 1])?, &draft], 1)?.reshape(&[b * (k + 1)])?;
             // Padding rows may sit anywhere: keep their positions inside the context (their keys land in

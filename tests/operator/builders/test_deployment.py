@@ -209,6 +209,33 @@ def test_speculative_decoding_reaches_the_server_only_when_set():
             tpu_spec(engine={"speculative": bad})
 
 
+def test_an_mtp_drafter_is_mounted_as_the_model_is():
+    mtp = {"method": "mtp", "numSpeculativeTokens": 3}
+    env = env_of(tpu_spec(engine={"speculative": {**mtp, "source": "hf://google/gemma-4-E2B-it-assistant"}}))
+    assert env["GEMMA_SPECULATIVE_METHOD"] == "mtp"
+    assert env["GEMMA_SPECULATIVE_MODEL"] == "hf://google/gemma-4-E2B-it-assistant"
+    pod = pod_of(engine={"speculative": {**mtp, "source": "pvc://drafts/e2b"}})
+    server = pod["containers"][0]
+    mount = next(m for m in server["volumeMounts"] if m["name"] == "model-drafter")
+    assert mount == {"name": "model-drafter", "mountPath": "/models/pvc/drafts", "readOnly": True}
+    assert {"name": "model-drafter", "persistentVolumeClaim": {"claimName": "drafts", "readOnly": True}} \
+        in pod["volumes"]
+    assert {e["name"]: e.get("value") for e in server["env"]}["GEMMA_SPECULATIVE_MODEL"] == "/models/pvc/drafts/e2b"
+    # In the model's bucket: mounted once, through the GCS FUSE driver.
+    spec = parse_spec({"model": {"source": "gs://weights/gemma"},
+                       "engine": {"speculative": {**mtp, "source": "gs://weights/assistant"}}})
+    pod = build_deployment(spec, META)["spec"]["template"]["spec"]
+    assert [v["name"] for v in pod["volumes"] if "csi" in v] == ["model"]
+    assert {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}["GEMMA_SPECULATIVE_MODEL"] == \
+        "gs://weights/assistant"
+    for bad, message in (({**mtp}, "speculative.source is the assistant drafter of method mtp"),
+                         ({"numSpeculativeTokens": 2, "source": "hf://o/d"}, "leave it unset with ngram"),
+                         ({**mtp, "source": "ftp://x/y"}, "model source must be"),
+                         ({**mtp, "source": "pvc://c/../x"}, "must not contain '..'")):
+        with pytest.raises(pydantic.ValidationError, match=message):
+            tpu_spec(engine={"speculative": bad})
+
+
 def test_flex_start_and_compute_class_selectors():
     flex = node_selector(parse_spec({"model": {"source": "hf://a/b"},
                                      "accelerator": {"provisioning": "flex-start"}}))
