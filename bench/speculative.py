@@ -1,16 +1,27 @@
-"""Speculative decoding by prompt lookup against plain decoding, in one run: generated tokens/s at batch 1, 4 and
-16, the drafts' acceptance, and the tokens (equal, or the run says DIFFER).
+"""Speculative decoding against plain decoding, in one run: generated tokens/s at batch 1, 4 and 16, the drafts'
+acceptance, and the tokens (equal, or the run says DIFFER).
 
-    python -m bench.speculative [--config small|e2b-layers] [--batches 1,4,16] [--new 64] [--tokens 4]
-        [--speculative-max-batch N]
+    python -m bench.speculative [--method ngram|mtp] [--config small|e2b-layers] [--batches 1,4,16] [--new 64]
+        [--tokens 4] [--speculative-max-batch N] [--distill-steps 200]
 
-Two targets of the same random weights: as drawn, and "two-token" (tests/checkpoints.py `save_two_token`: the
+`--method ngram` (prompt lookup): two targets of the same random weights, as drawn (bench/engine.py
+`random_model`, whose greedy text repeats one token) and "two-token" (tests/checkpoints.py `save_two_token`: the
 final norm's weight zero but for one feature, so the target writes runs of two tokens, switching with the
-context: drafts copied from the runs are kept, the switches rejected). The drafts come from the context (prompt
-lookup), never from the target. Each request's prompt is a block of 16 tokens said twice; every request is
-greedy. `--speculative-max-batch` (the engine's default, 1, unless given): above it no step speculates, and the
-ratio there is the cost of having it on. Medians of `--repeats` runs each; the prompt read is in both timings;
-the tokens must be equal in every repeat.
+context: drafts copied from the runs are kept, the switches rejected). The drafts come from the context, never
+from the target.
+
+`--method mtp` (an MTP assistant drafter): the target is tests/checkpoints.py's `random_model` (its greedy text
+varies: about 36 distinct tokens in 48), the drafter a two-layer assistant of a quarter of its hidden size
+(tests/assistants.py `assistant_config`), trained for `--distill-steps` steps to imitate the target's greedy text
+of the "seen" prompts (bench/distill.py). A random target's text is a random function of its context, so what the
+drafter learns there is that text, not the target: on the seen prompts most drafts are kept (the speed of an
+engine whose drafter agrees that often), on "held-out" prompts almost none (the cost of drafts that fail). The
+drafter is a separate model of its own weights, never the target.
+
+Each request's prompt is a block of 16 tokens said twice; every request is greedy. `--speculative-max-batch` (the
+engine's default, 1, unless given): above it no step speculates, and the ratio there is the cost of having it
+on. Medians of `--repeats` runs each; the prompt read is in both timings; the tokens must be equal in every
+repeat.
 """
 
 from __future__ import annotations
@@ -27,16 +38,19 @@ import torch
 from bench.engine import make_config, random_model
 
 
-def prompts(batch: int, vocab: int) -> list[list[int]]:
-    blocks = [[(97 * r + 31 * i) % (vocab - 10) + 5 for i in range(16)] for r in range(batch)]
+HELD_OUT = 1000  # the first prompt number of the held-out set
+
+
+def prompts(batch: int, vocab: int, first: int = 0) -> list[list[int]]:
+    blocks = [[(97 * r + 31 * i) % (vocab - 10) + 5 for i in range(16)] for r in range(first, first + batch)]
     return [[2] + b + b for b in blocks]
 
 
-def run(engine, batch: int, new: int) -> tuple[float, dict[int, list[int]], dict[str, int]]:
-    """Seconds, tokens per request and the speculation counters of one batch of greedy requests."""
+def run(engine, batch: int, new: int, first: int = 0) -> tuple[float, dict[int, list[int]], dict[str, int]]:
+    """Seconds, tokens per request and the speculation counters of one batch of greedy requests (`prompts`)."""
     import gemma_engine
 
-    queue = [gemma_engine.Request(i, p, new) for i, p in enumerate(prompts(batch, engine.vocab_size))]
+    queue = [gemma_engine.Request(i, p, new) for i, p in enumerate(prompts(batch, engine.vocab_size, first))]
     out, done, stats = {r.id: [] for r in queue}, set(), {"spec_draft_tokens": 0, "spec_accepted_tokens": 0,
                                                           "spec_drafts": 0}
 
@@ -59,8 +73,49 @@ def run(engine, batch: int, new: int) -> tuple[float, dict[int, list[int]], dict
     return time.perf_counter() - t0, out, stats
 
 
+def compare(plain, spec, batches: list[int], args, label: str, first: int = 0) -> None:
+    """Time `plain` and `spec` on each batch (prompts from number `first`) and print a line each."""
+    for batch in batches:
+        times, same = {"plain": [], "spec": []}, True
+        for _ in range(args.repeats):
+            seconds, want, _ = run(plain, batch, args.new, first)
+            times["plain"].append(seconds)
+            seconds, tokens, counters = run(spec, batch, args.new, first)
+            times["spec"].append(seconds)
+            same = same and tokens == want
+        generated = batch * args.new
+        rate = {side: generated / statistics.median(t) for side, t in times.items()}
+        drafts, offered, kept = (counters[k] for k in ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens"))
+        accept = f"{kept / offered:.2f} of {offered} drafts kept, {1 + kept / drafts:.2f} tokens a verify step" \
+            if offered else "no step speculated"
+        print(f"{label:9s} batch {batch:2d}: plain {rate['plain']:7.1f} tok/s, {args.method} {rate['spec']:7.1f} "
+              f"tok/s, {rate['spec'] / rate['plain']:.2f}x; {accept}; tokens {'equal' if same else 'DIFFER'}",
+              flush=True)
+
+
+def distilled(config, target_dir: Path, out_dir: Path, args, batches: list[int]) -> Path:
+    """An assistant for the target in `target_dir` trained on its greedy text of the seen prompts."""
+    from bench.distill import distill, target_texts
+    from tests import assistants
+    from tests.checkpoints import load_hf_reference
+
+    target = load_hf_reference(target_dir)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    texts = target_texts(target, prompts(max(batches), config.vocab_size), args.new)
+    drafter = assistants.random_assistant(assistants.assistant_config(config, hidden=config.hidden_size // 4))
+    t0 = time.perf_counter()
+    right = distill(drafter, target, texts, args.distill_steps, args.tokens)
+    print(f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f} M parameters (target "
+          f"{sum(p.numel() for p in target.parameters()) / 1e6:.2f} M), {args.distill_steps} steps in "
+          f"{time.perf_counter() - t0:.0f} s, {right:.2f} of its training drafts right", flush=True)
+    drafter.save_pretrained(out_dir)
+    return out_dir
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--method", choices=("ngram", "mtp"), default="ngram")
     ap.add_argument("--config", default="small")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--batches", default="1,4,16")
@@ -69,11 +124,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--speculative-max-batch", type=int, default=None, help="default: the engine's")
+    ap.add_argument("--distill-steps", type=int, default=200, help="--method mtp: the drafter's training steps")
     args = ap.parse_args(argv)
     import gemma_engine
 
     # Imported here: tests.checkpoints needs compressed-tensors (bench/engine.py `make_config` does the same).
-    from tests.checkpoints import save_two_token
+    from tests import checkpoints
 
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
@@ -82,31 +138,27 @@ def main(argv: list[str] | None = None) -> None:
           f"{config.vocab_size}; {args.dtype}, {args.new} new tokens a request, {args.tokens} drafts a step, "
           f"{args.threads} thread(s); medians of {args.repeats}")
     with tempfile.TemporaryDirectory() as tmp:
-        drawn = Path(tmp) / "random"
-        random_model(config, "cpu").to(getattr(torch, args.dtype)).save_pretrained(drawn)
-        targets = {"random": drawn, "two-token": save_two_token(drawn, Path(tmp) / "two_token")}
+        tmp = Path(tmp)
         limit = {} if args.speculative_max_batch is None else {"speculative_max_batch": args.speculative_max_batch}
+        if args.method == "ngram":
+            random_model(config, "cpu").to(getattr(torch, args.dtype)).save_pretrained(tmp / "random")
+            targets = {"random": tmp / "random", "two-token": checkpoints.save_two_token(tmp / "random",
+                                                                                         tmp / "two_token")}
+            method = {"speculative_method": "ngram"}
+        else:
+            checkpoints.random_model(config).to(getattr(torch, args.dtype)).save_pretrained(tmp / "random")
+            targets = {"random": tmp / "random"}
+            drafter = distilled(config, tmp / "random", tmp / "drafter", args, batches)
+            method = {"speculative_method": "mtp", "speculative_model": str(drafter)}
         for name, model_dir in targets.items():
             make = lambda **kw: gemma_engine.Engine(  # noqa: E731
                 str(model_dir), like=torch.zeros(1), context=256, dtype=args.dtype, max_batch=max(batches), **kw)
-            plain, spec = make(), make(speculative_method="ngram", num_speculative_tokens=args.tokens, **limit)
-            for batch in batches:
-                times, same = {"plain": [], "spec": []}, True
-                for _ in range(args.repeats):
-                    seconds, want, _ = run(plain, batch, args.new)
-                    times["plain"].append(seconds)
-                    seconds, tokens, counters = run(spec, batch, args.new)
-                    times["spec"].append(seconds)
-                    same = same and tokens == want
-                generated = batch * args.new
-                rate = {side: generated / statistics.median(t) for side, t in times.items()}
-                drafts, offered, kept = (counters[k] for k in ("spec_drafts", "spec_draft_tokens",
-                                                               "spec_accepted_tokens"))
-                accept = f"{kept / offered:.2f} of {offered} drafts kept, {1 + kept / drafts:.2f} tokens a verify " \
-                    f"step" if offered else "no step speculated"
-                print(f"{name:9s} batch {batch:2d}: plain {rate['plain']:7.1f} tok/s, ngram {rate['spec']:7.1f} tok/s, "
-                      f"{rate['spec'] / rate['plain']:.2f}x; {accept}; tokens {'equal' if same else 'DIFFER'}",
-                      flush=True)
+            plain, spec = make(), make(num_speculative_tokens=args.tokens, **method, **limit)
+            if args.method == "ngram":
+                compare(plain, spec, batches, args, name)
+            else:
+                compare(plain, spec, batches, args, "seen")
+                compare(plain, spec, batches, args, "held-out", first=HELD_OUT)
 
 
 if __name__ == "__main__":
