@@ -22,7 +22,8 @@ SEED = 7
 def assistant_config(target: Gemma4TextConfig | None = None, hidden: int = 64, ordered: bool = False,
                      centroids: int = 16, top_k: int = 4) -> Gemma4AssistantConfig:
     """Two layers (S F) of hidden size `hidden` for `target` (``tiny_text_config()`` when None), reading its keys:
-    its sliding layers' `head_dim` and full layers' `global_head_dim`, its KV heads, one query head a KV head;
+    its sliding layers' `head_dim` and full layers' `global_head_dim`, its KV heads (with K=V, the full layers'
+    `num_global_key_value_heads`), one query head a sliding KV head;
     with `ordered`, the masked embedder (`centroids` centroids, the best `top_k` read)."""
     target = (target or tiny_text_config()).to_dict()  # plain values: a per-layer config's globals are ambiguous
     full_head_dim = next((v["head_dim"] for k, v in (target.get("per_layer_config") or {}).items()
@@ -33,9 +34,11 @@ def assistant_config(target: Gemma4TextConfig | None = None, hidden: int = 64, o
         num_attention_heads=target["num_key_value_heads"], num_key_value_heads=target["num_key_value_heads"],
         head_dim=target["head_dim"], global_head_dim=full_head_dim,
         sliding_window=target["sliding_window"], layer_types=[SLIDING, FULL], num_kv_shared_layers=2,
+        attention_k_eq_v=bool(target.get("attention_k_eq_v")),
+        num_global_key_value_heads=target.get("num_global_key_value_heads"),
         rope_parameters=target["rope_parameters"], final_logit_softcapping=30.0, rms_norm_eps=1e-6,
         max_position_embeddings=target["max_position_embeddings"],
-        tie_word_embeddings=True, enable_moe_block=False, use_double_wide_mlp=False, attention_k_eq_v=False,
+        tie_word_embeddings=True, enable_moe_block=False, use_double_wide_mlp=False,
         hidden_activation="gelu_pytorch_tanh")
     return Gemma4AssistantConfig(text_config=text, backbone_hidden_size=target["hidden_size"],
                                  use_ordered_embeddings=ordered, num_centroids=centroids,
@@ -68,12 +71,13 @@ def save_two_token_assistant(source: str | Path, two_token_target: str | Path, o
     out_dir = Path(out_dir)
     shutil.copytree(source, out_dir)
     target = {k: v for f in Path(two_token_target).glob("*.safetensors") for k, v in load_file(f).items()}
+    table = next(v for k, v in target.items() if k.endswith(".embed_tokens.weight"))
     path = out_dir / "model.safetensors"
     tensors = load_file(path)
     weight = torch.zeros_like(tensors["model.norm.weight"])
     weight[0] = 1.0
     tensors["model.norm.weight"] = weight
-    tensors["model.embed_tokens.weight"][:, 0] = target["model.embed_tokens.weight"][:, 0].float()
+    tensors["model.embed_tokens.weight"][:, 0] = table[:, 0].float()
     save_file(tensors, path, metadata={"format": "pt"})
     return out_dir
 

@@ -20,6 +20,7 @@ import pytest
 import gemma_engine
 from tests import assistants
 from tests import checkpoints as ck
+from tests.engine.test_architectures import CONFIGS, RUNS, SAVERS
 from tests.engine.test_speculative import PROMPTS, a_rounding_flip, busy_script, engine, run, SAMPLINGS
 
 K = 4
@@ -84,18 +85,25 @@ def test_a_busy_batch_gives_the_tokens_of_no_speculation(dense_checkpoint, two_t
 @pytest.mark.parametrize("prompt", PROMPTS[:3])
 def test_drafts_are_the_reference_drafters(two_token, drafters, prompt):
     """One request, a read point a step: each verify step's drafts offered and kept equal those of Transformers'
-    drafting loop on the same context, kept against the target's greedy tokens. The first step after the prompt
-    offers none (the drafter has no hidden state yet, engine/drafter.rs)."""
+    drafting loop on the same context, kept against the target's greedy tokens. A step offers none when the
+    drafter has no hidden state for the slot (the first after the prompt, or after plain steps, engine/drafter.rs)
+    or while the slot waits after verify steps that kept none (engine/speculative.rs `Backoff`, mirrored here)."""
     request = {1: [gemma_engine.Request(0, prompt, LIMIT)]}
     (tokens, finish), = run(engine(two_token), request)[0].values()
     _, stats = run(engine(two_token, **mtp(drafters["two_token"])), request)
     got = [(s["spec_draft_tokens"], s["spec_accepted_tokens"]) for s in stats["read_points"]
            if s.get("spec_draft_tokens")]
     target, drafter = ck.load_hf_reference(two_token), assistants.load_assistant(drafters["two_token"])
-    want, drawn = [], 2
+    want, drawn, ready, misses, wait = [], 1, False, 0, 0
     while (room := min(K, len(tokens) - drawn - 1)) > 0:
+        wait = max(wait - 1, 0)
+        if wait or not ready:  # a plain step (forgets the state), or one that records it
+            drawn, ready = drawn + 1, not wait
+            continue
         drafts = assistants.reference_drafts(target, drafter, prompt + tokens[:drawn], room)
         kept = next((j for j, t in enumerate(drafts) if t != tokens[drawn + j]), room)
+        misses = 0 if kept else misses + 1
+        wait = min(2 << min(misses - 2, 5), 64) if misses >= 2 else 0
         want.append((room, kept))
         drawn += kept + 1
     assert finish == "length" and got == want
@@ -128,3 +136,22 @@ def test_seeded_sampling_draws_the_tokens_of_no_speculation(two_token, drafters)
         gap = a_rounding_flip(two_token, prompt(i), seed + i, params(i), plain[i][0], spec[i][0])
         assert gap is not None and gap < 1e-4, (i, gap)
     assert stats["spec_drafts"] > 20 and stats["spec_accepted_tokens"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run_spec", RUNS, ids=[f"{name}-{kind}" for name, kind, _ in RUNS])
+def test_every_architecture_speculates_exactly(run_spec, tmp_path_factory):
+    """The E-series, 31B K=V (dense, W4A16), 26B-A4B MoE (dense, W4A16) and 12B shapes, each with an assistant made
+    for it (its donors' head geometry): random, and the two-token one of its two-token copy."""
+    name, kind, seed = run_spec
+    root = tmp_path_factory.mktemp(f"mtp_{name}_{kind}")
+    config = CONFIGS[name][0]()
+    model_dir = SAVERS[kind](root / "target", seed, config)
+    two = ck.save_two_token(model_dir, root / "two_token")
+    random = assistants.save_assistant(root / "random", target=config)
+    two_drafter = assistants.save_two_token_assistant(random, two, root / "two_drafter")
+    for checkpoint, drafter in ((model_dir, random), (two, two_drafter)):
+        plain, _ = run(engine(checkpoint), busy_script(32), read_every=3)
+        spec, stats = run(engine(checkpoint, **mtp(drafter)), busy_script(32), read_every=3)
+        assert spec == plain and stats["spec_draft_tokens"] > 0, checkpoint
+    assert stats["spec_accepted_tokens"] > 10, "the two-token drafter is kept"

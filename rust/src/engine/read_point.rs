@@ -80,6 +80,7 @@ impl Engine {
                 let drawn = d.tokens(values, row);
                 if let Some(v) = &d.verified {
                     self.stats.count_verified(v.offered[row], drawn.len() - 1);
+                    self.slots.get_mut(s)?.backoff.after(v.offered[row], drawn.len() - 1);
                     self.slots.count_drawn(s, drawn.len())?;
                 }
                 let slot = self.slots.get_mut(s)?;

@@ -17,6 +17,7 @@ use crate::engine::media;
 use crate::engine::prompt_logprobs::Piece;
 use crate::engine::request::{Event, Finish, Request, Timing, TokenLogprobs};
 use crate::engine::schedule::followers;
+use crate::engine::speculative::Backoff;
 use crate::engine::step::{StepViews, buckets};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
@@ -67,6 +68,8 @@ pub(super) struct Slot {
     /// Prompt tokens taken from the prefix cache (engine/prefix.rs): the prompt position it was
     /// admitted at.
     pub(super) cached: usize,
+    /// When the slot is next offered drafts (engine/speculative.rs).
+    pub(super) backoff: Backoff,
 }
 
 /// What ends a request now, if anything (`Slot::finish`).
@@ -263,6 +266,7 @@ impl Slots {
             admitted: Instant::now(),
             first_token: None,
             seq: self.seq,
+            backoff: Backoff::default(),
         });
     }
 

@@ -33,6 +33,8 @@
 //! cache's histories and snapshots (taken at prompt ends) never see one. The ring must hold `k + 1`
 //! distinct entries, so `k` is at most the sliding ring less one.
 //!
+//! A slot whose drafts keep failing is offered none for a while (`Backoff`).
+//!
 //! Which steps speculate: those whose bucket has no penalties (their counts would have to hold the drafts
 //! before each position), grammars (the mask of each position depends on the drafts before it) or
 //! log-probabilities, with at most `Speculative::max_batch` decoding slots, run right after a read point (the drafts
@@ -55,6 +57,45 @@ use crate::tensor::{DType, Tensor};
 
 /// The most draft tokens a step may propose per slot.
 pub const MAX_TOKENS: i64 = 16;
+
+/// Verify steps in a row that keep none of a slot's drafts before it waits (`Backoff`).
+const MISSES: u32 = 2;
+/// The longest wait, in steps.
+const MAX_WAIT: u32 = 64;
+
+/// When a slot is offered drafts. A verify step whose drafts all fail costs about two plain steps on a CPU at
+/// batch 1 (README, "Speculative decoding"), so a slot whose drafts keep failing stops being offered any for a
+/// while: after `MISSES` verify steps in a row that kept none of its drafts, its next offer comes 2 steps later
+/// (one step without), after each further such verify step twice as late, up to `MAX_WAIT`; a verify step that
+/// keeps a draft ends it. Which drafts are offered never changes a token, only the speed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Backoff {
+    misses: u32,
+    wait: u32,
+}
+
+impl Backoff {
+    /// After a verify step that offered the slot `offered` drafts, of which it kept `kept`.
+    pub fn after(&mut self, offered: usize, kept: usize) {
+        if offered == 0 {
+            return;
+        }
+        if kept > 0 {
+            *self = Backoff::default();
+            return;
+        }
+        self.misses += 1;
+        if self.misses >= MISSES {
+            self.wait = (2u32 << (self.misses - MISSES).min(5)).min(MAX_WAIT);
+        }
+    }
+
+    /// Whether the slot is offered drafts at this step; a step it waits out counts.
+    pub fn offer(&mut self) -> bool {
+        self.wait = self.wait.saturating_sub(1);
+        self.wait == 0
+    }
+}
 
 /// Where drafts come from.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -203,7 +244,7 @@ impl Engine {
     }
 
     /// The drafts for a decode step of bucket `b`, when it speculates and some slot has one.
-    pub(super) fn drafts(&self, b: i64, rows: &[Option<usize>]) -> Option<Drafts> {
+    pub(super) fn drafts(&mut self, b: i64, rows: &[Option<usize>]) -> Option<Drafts> {
         let spec = self.speculative.as_ref()?;
         if self.stepped || !self.drawn.is_empty() || !self.speculates(b, rows) {
             return None;
@@ -217,9 +258,11 @@ impl Engine {
         let mut offered = vec![0; b as usize];
         let mut room_anywhere = false;
         for (row, s) in rows.iter().enumerate() {
-            let Some((s, slot)) = s.and_then(|s| Some((s, self.slots.get(s)?))) else { continue };
+            let Some(s) = *s else { continue };
+            let offer = self.slots.get_mut(s).ok()?.backoff.offer();
+            let slot = self.slots.get(s)?;
             // The last token drawn is the step's input; drafts may reach the length limit, not pass it.
-            let room = slot.limit.saturating_sub(slot.drawn()).saturating_sub(1).min(k as usize);
+            let room = slot.limit.saturating_sub(slot.drawn()).saturating_sub(1).min(k as usize) * usize::from(offer);
             room_anywhere |= room > 0;
             offered[row] = match (&spec.method, &self.drafter) {
                 // Drafted on the device; a slot without its current state gets it recorded (drafter.rs).
@@ -340,6 +383,25 @@ mod tests {
         assert_eq!(propose(&[7], 4, 1, 3), Vec::<i64>::new());
         // Below min_n nothing is looked up.
         assert_eq!(propose(&[1, 2, 3, 2], 2, 2, 3), Vec::<i64>::new());
+    }
+
+    #[test]
+    fn a_slot_whose_drafts_keep_failing_waits_longer_each_time_until_one_is_kept() {
+        let mut b = Backoff::default();
+        let offers = |b: &mut Backoff, n: usize| (0..n).map(|_| b.offer()).collect::<Vec<_>>();
+        b.after(4, 0);
+        assert_eq!(offers(&mut b, 2), [true, true], "one miss: no wait");
+        b.after(0, 0); // a step that offered nothing changes nothing
+        b.after(4, 0);
+        assert_eq!(offers(&mut b, 2), [false, true], "two in a row: 2 steps, this one's included");
+        b.after(3, 0);
+        assert_eq!(offers(&mut b, 4), [false, false, false, true]);
+        for _ in 0..10 {
+            b.after(3, 0);
+        }
+        assert_eq!(offers(&mut b, MAX_WAIT as usize).iter().filter(|o| !**o).count(), MAX_WAIT as usize - 1);
+        b.after(4, 1);
+        assert_eq!(b, Backoff::default());
     }
 
     #[test]
