@@ -22,20 +22,19 @@ SEED = 7
 def assistant_config(target: Gemma4TextConfig | None = None, hidden: int = 64, ordered: bool = False,
                      centroids: int = 16, top_k: int = 4) -> Gemma4AssistantConfig:
     """Two layers (S F) of hidden size `hidden` for `target` (``tiny_text_config()`` when None), reading its keys:
-    its sliding layers' `head_dim` and full layers' `global_head_dim`, its KV heads (with K=V, the full layers'
-    `num_global_key_value_heads`), one query head a sliding KV head;
+    its sliding layers' `head_dim` and KV heads, its full layers' own (`per_layer_config`: `global_head_dim`, and
+    with K=V `num_global_key_value_heads`), one query head a sliding KV head;
     with `ordered`, the masked embedder (`centroids` centroids, the best `top_k` read)."""
     target = (target or tiny_text_config()).to_dict()  # plain values: a per-layer config's globals are ambiguous
-    full_head_dim = next((v["head_dim"] for k, v in (target.get("per_layer_config") or {}).items()
-                          if target["layer_types"][int(k)] == FULL and "head_dim" in v), target["head_dim"])
+    # The full layers' geometry (head_dim, and with K=V num_key_value_heads), as the target's config writes it.
+    full = next((dict(v) for k, v in (target.get("per_layer_config") or {}).items()
+                 if target["layer_types"][int(k)] == FULL), {"head_dim": target["head_dim"]})
     text = Gemma4TextConfig(
         vocab_size=target["vocab_size"], hidden_size=hidden, hidden_size_per_layer_input=0,
         vocab_size_per_layer_input=0, intermediate_size=2 * hidden, num_hidden_layers=2,
         num_attention_heads=target["num_key_value_heads"], num_key_value_heads=target["num_key_value_heads"],
-        head_dim=target["head_dim"], global_head_dim=full_head_dim,
+        head_dim=target["head_dim"], per_layer_config={"1": full},
         sliding_window=target["sliding_window"], layer_types=[SLIDING, FULL], num_kv_shared_layers=2,
-        attention_k_eq_v=bool(target.get("attention_k_eq_v")),
-        num_global_key_value_heads=target.get("num_global_key_value_heads"),
         rope_parameters=target["rope_parameters"], final_logit_softcapping=30.0, rms_norm_eps=1e-6,
         max_position_embeddings=target["max_position_embeddings"],
         tie_word_embeddings=True, enable_moe_block=False, use_double_wide_mlp=False,

@@ -111,7 +111,9 @@ def test_a_busy_batch_gives_the_tokens_of_no_speculation(dense, two_token, read_
         spec, stats = run(engine(model_dir, **SPEC), busy_script(), read_every)
         assert spec == plain, model_dir
         assert {f for _, f in plain.values()} == {"length", "stop"}, "the script covers both ends"
-        assert stats["spec_drafts"] > 10 and stats["spec_draft_tokens"] > 2 * stats["spec_drafts"]
+        # The dense target rejects nearly every draft, so its requests back off (speculative.rs `Backoff`).
+        assert stats["spec_drafts"] > (5 if model_dir == dense else 10)
+        assert stats["spec_draft_tokens"] > 2 * stats["spec_drafts"]
         assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
     # The two-token target keeps drafts at every position, and fewer at each later one.
     per = stats["per_position"]
