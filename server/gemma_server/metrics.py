@@ -111,7 +111,7 @@ class Metrics:
         max_model_len: the context; sets the token-count histograms' buckets.
     """
 
-    def __init__(self, model_name: str, max_model_len: int) -> None:
+    def __init__(self, model_name: str, max_model_len: int, speculative_tokens: int = 0) -> None:
         self.registry = r = CollectorRegistry()
         process_collector.ProcessCollector(registry=r)
         platform_collector.PlatformCollector(registry=r)
@@ -255,6 +255,9 @@ class Metrics:
             "gemma_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each position of a request's "
             "drafts (0: the first).", labels + ["position"], registry=r,
         )
+        # Every position from the start, at 0, as vLLM creates its per-position counters (SpecDecodingProm).
+        for position in range(speculative_tokens):
+            self.spec_decode_accepted_per_pos.labels(m, str(position))
         self._cache_config_info = Gauge(
             "gemma_cache_config_info", "Information of the engines' KV cache (value is always 1).",
             labels + list(CACHE_CONFIG_LABELS), registry=r,

@@ -60,7 +60,8 @@ class ServerState:
                                                  config.responses_store_max_bytes, config.responses_store_max_age,
                                                  config.responses_store_max_count_per_key,
                                                  config.responses_store_max_bytes_per_key)
-        self.metrics = m = Metrics(config.model_name, config.context)
+        self.metrics = m = Metrics(config.model_name, config.context,
+                                   (config.num_speculative_tokens or 0) if config.speculative_method else 0)
         self.scheduler = Scheduler(config.queue_limit, StepObserver(
             on_waiting=m.num_requests_waiting.set, on_running=m.num_requests_running.set,
             on_usage=m.kv_cache_usage_perc.set, on_steps=m.observe_steps,

@@ -224,9 +224,9 @@ def traffic_scrape(chat_checkpoint, tmp_path_factory):  # noqa: F811
                 stream=True, stream_options={"include_usage": True}):
             pass
         client.completions.create(model=MODEL, prompt="The ocean is", max_tokens=6)
-        # A greedy completion of which prompt lookup's drafts keep one on the chat checkpoint (its tokens are
-        # those without speculation, so what it keeps is fixed): the accepted counters move.
-        client.completions.create(model=MODEL, prompt="model server model server model server", max_tokens=64,
+        # A greedy completion of which prompt lookup's drafts keep six on the chat checkpoint (its tokens are those
+        # without speculation, so what it keeps is fixed): the accepted counters move.
+        client.completions.create(model=MODEL, prompt="ocean world ocean world ocean world", max_tokens=64,
                                   temperature=0)
         for chunk in client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10, stream=True):
             pass

@@ -68,6 +68,10 @@ def test_v1_engine_names_the_method(spec_server, server):
                                      "prompt_lookup_min": 1, "prompt_lookup_max": 4, "speculative_max_batch": 4}
     (plain,) = httpx.get(f"{server.base}/v1/engine").json()["engines"]
     assert plain["speculative"] is None
+    # Each draft position's accepted counter exists from the start (vLLM's), so the dashboard's query has series.
+    per_position = [line for line in httpx.get(f"{spec_server.base}/metrics").text.splitlines()
+                    if line.startswith("gemma_spec_decode_num_accepted_tokens_per_pos_total{")]
+    assert {line.split('position="')[1].split('"')[0] for line in per_position} == {"0", "1", "2", "3"}
 
 
 def test_an_mtp_drafter_gives_the_same_replies(chat_checkpoint, server, model, tmp_path):
