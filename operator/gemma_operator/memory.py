@@ -63,8 +63,8 @@ W4A16_GROUP = 128
 INT4_PACKED_ON_TPU = False
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 MIN_CONTEXT = 256  # spec.engine.context's lower bound, and the step the plan suggests contexts in
-# An MTP assistant drafter (spec.engine.speculative.method mtp): Google's for E2B has 78 M parameters (its model
-# card, google/gemma-4-E2B-it-assistant). It holds no KV cache: every layer reads the target's keys
+# An MTP assistant drafter (spec.engine.speculative.method mtp): E2B's, Google's smallest, is reported at 78 M
+# parameters (its release, google/gemma-4-E2B-it-assistant; not read here). It holds no KV cache: every layer reads the target's keys
 # (Transformers 5.18 models/gemma4_assistant/configuration_gemma4_assistant.py: num_kv_shared_layers =
 # num_hidden_layers). The larger sizes' drafters are 4-layer models too whose widths are not in the sources above:
 # the plan counts E2B's for every size, and the runtime reserve holds the difference. The engine runs a drafter

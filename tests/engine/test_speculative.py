@@ -207,19 +207,28 @@ def test_seeded_sampling_draws_the_tokens_of_no_speculation(dense, two_token):
     are those without speculation, but for a draw whose uniform number lies within float rounding of a CDF
     boundary (measured: request 26 on the two-token checkpoint, 4.5e-6 from it), after which the two runs'
     contexts differ. A draft is kept exactly when the draw equals it (probability p(draft))."""
-    prompt, params, seed = (lambda i: PROMPTS[i % len(PROMPTS)]), (lambda i: SAMPLINGS[i % len(SAMPLINGS)]), 1000
-    requests = [gemma_engine.Request(i, prompt(i), 24, sampling=gemma_engine.SamplingParams(seed=seed + i, **params(i)))
-                for i in range(64)]
     for model_dir in (dense, two_token):
-        plain, _ = run(engine(model_dir), {1: requests})
-        spec, stats = run(engine(model_dir, **SPEC), {1: requests})
+        plain, stats = seeded_runs_agree(model_dir, SPEC, 64, 1000, flips=2)
         assert sum(len(tokens) for tokens, _ in plain.values()) > 1400
-        differ = [i for i in plain if spec[i] != plain[i]]
-        assert len(differ) <= 2, differ
-        for i in differ:
-            gap = a_rounding_flip(model_dir, prompt(i), seed + i, params(i), plain[i][0], spec[i][0])
-            assert gap is not None and gap < 1e-4, (i, gap)
         assert stats["spec_drafts"] > 100 and stats["spec_accepted_tokens"] > 0
+
+
+def seeded_runs_agree(model_dir, spec: dict, n: int, seed: int, flips: int):
+    """Run `n` seeded sampled requests (request i: prompt i, sampling i, seed `seed` + i; 24 tokens, four at a
+    time) on `model_dir` with and without the engine arguments `spec`; assert that at most `flips` requests
+    differ, each by a rounding flip (`a_rounding_flip`, within 1e-4). Returns the plain outputs and the
+    speculating run's stats."""
+    prompt, params = (lambda i: PROMPTS[i % len(PROMPTS)]), (lambda i: SAMPLINGS[i % len(SAMPLINGS)])
+    requests = [gemma_engine.Request(i, prompt(i), 24, sampling=gemma_engine.SamplingParams(seed=seed + i, **params(i)))
+                for i in range(n)]
+    plain, _ = run(engine(model_dir), {1: requests})
+    out, stats = run(engine(model_dir, **spec), {1: requests})
+    differ = [i for i in plain if out[i] != plain[i]]
+    assert len(differ) <= flips, differ
+    for i in differ:
+        gap = a_rounding_flip(model_dir, prompt(i), seed + i, params(i), plain[i][0], out[i][0])
+        assert gap is not None and gap < 1e-4, (i, gap)
+    return plain, stats
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ import gemma_engine
 from tests import assistants
 from tests import checkpoints as ck
 from tests.engine.test_architectures import CONFIGS, RUNS, SAVERS
-from tests.engine.test_speculative import PROMPTS, a_rounding_flip, busy_script, engine, run, SAMPLINGS
+from tests.engine.test_speculative import PROMPTS, busy_script, engine, run, seeded_runs_agree
 
 K = 4
 LIMIT = 40
@@ -125,16 +125,7 @@ def test_a_conversation_resumed_after_rejected_drafts_reads_as_fresh(two_token, 
 def test_seeded_sampling_draws_the_tokens_of_no_speculation(two_token, drafters):
     """16 seeded requests, four at a time: the tokens of no speculation but for at most one draw within float
     rounding of a CDF boundary (test_speculative.py `a_rounding_flip`)."""
-    prompt, params, seed = (lambda i: PROMPTS[i % len(PROMPTS)]), (lambda i: SAMPLINGS[i % len(SAMPLINGS)]), 2000
-    requests = [gemma_engine.Request(i, prompt(i), 24, sampling=gemma_engine.SamplingParams(seed=seed + i, **params(i)))
-                for i in range(16)]
-    plain, _ = run(engine(two_token), {1: requests})
-    spec, stats = run(engine(two_token, **mtp(drafters["two_token"])), {1: requests})
-    differ = [i for i in plain if spec[i] != plain[i]]
-    assert len(differ) <= 1, differ
-    for i in differ:
-        gap = a_rounding_flip(two_token, prompt(i), seed + i, params(i), plain[i][0], spec[i][0])
-        assert gap is not None and gap < 1e-4, (i, gap)
+    _, stats = seeded_runs_agree(two_token, mtp(drafters["two_token"]), 16, 2000, flips=1)
     assert stats["spec_drafts"] > 20 and stats["spec_accepted_tokens"] > 0
 
 

@@ -264,10 +264,10 @@ impl Engine {
             // The last token drawn is the step's input; drafts may reach the length limit, not pass it.
             let room = slot.limit.saturating_sub(slot.drawn()).saturating_sub(1).min(k as usize) * usize::from(offer);
             room_anywhere |= room > 0;
-            offered[row] = match (&spec.method, &self.drafter) {
+            offered[row] = match &self.drafter {
                 // Drafted on the device; a slot without its current state gets it recorded (drafter.rs).
-                (Method::Mtp(_), Some(d)) => room * usize::from(d.ready(s, slot.request.id)),
-                _ => {
+                Some(d) => room * usize::from(d.ready(s, slot.request.id)),
+                None => {
                     let context: Vec<i64> = slot.request.prompt.iter().chain(&slot.output).copied().collect();
                     found[row] = propose(&context, room, spec.lookup_min as usize, spec.lookup_max as usize);
                     found[row].len()
@@ -275,17 +275,11 @@ impl Engine {
             };
         }
         let none = offered.iter().all(|n| *n == 0);
-        let k = match self.drafter {
+        let k = match (none, self.drafter.is_some() && room_anywhere) {
+            (false, _) => k,
             // A step that only records the drafter's states reads one position a row (drafter.rs).
-            Some(_) if room_anywhere => {
-                if none {
-                    0
-                } else {
-                    k
-                }
-            }
-            _ if none => return None,
-            _ => k,
+            (true, true) => 0,
+            (true, false) => return None,
         };
         let mut packed = vec![0; (b * k) as usize];
         for (row, f) in found.iter().enumerate() {
