@@ -2,7 +2,7 @@
 acceptance, and the tokens (equal, or the run says DIFFER).
 
     python -m bench.speculative [--method ngram|mtp] [--config small|e2b-layers] [--batches 1,4,16] [--new 64]
-        [--tokens 4] [--speculative-max-batch N] [--distill-steps 200]
+        [--tokens 4] [--speculative-max-batch N|measured] [--distill-steps 200]
 
 `--method ngram` (prompt lookup): two targets of the same random weights, as drawn (bench/engine.py
 `random_model`, whose greedy text repeats one token) and "two-token" (tests/checkpoints.py `save_two_token`: the
@@ -19,8 +19,8 @@ engine whose drafter agrees that often), on "held-out" prompts almost none (the 
 drafter is a separate model of its own weights, never the target.
 
 Each request's prompt is a block of 16 tokens said twice; every request is greedy. `--speculative-max-batch` (the
-engine's default, 1, unless given): above it no step speculates, and the ratio there is the cost of having it
-on. Medians of `--repeats` runs each; the prompt read is in both timings; the tokens must be equal in every
+engine's default, 1, unless given; `measured`: set from the engine's own step costs, as the server does at warmup,
+gemma_server/speculation.py): above it no step speculates, and the ratio there is the cost of having it on. Medians of `--repeats` runs each; the prompt read is in both timings; the tokens must be equal in every
 repeat.
 """
 
@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--speculative-max-batch", type=int, default=None, help="default: the engine's")
+    ap.add_argument("--speculative-max-batch", default=None,
+                    help="N, or 'measured' (timed as the server does at warmup); default: the engine's")
     ap.add_argument("--distill-steps", type=int, default=200, help="--method mtp: the drafter's training steps")
     args = ap.parse_args(argv)
     import gemma_engine
@@ -139,7 +140,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.threads} thread(s); medians of {args.repeats}")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        limit = {} if args.speculative_max_batch is None else {"speculative_max_batch": args.speculative_max_batch}
+        fixed = args.speculative_max_batch not in (None, "measured")
+        limit = {"speculative_max_batch": int(args.speculative_max_batch)} if fixed else {}
         if args.method == "ngram":
             random_model(config, "cpu").to(getattr(torch, args.dtype)).save_pretrained(tmp / "random")
             targets = {"random": tmp / "random", "two-token": checkpoints.save_two_token(tmp / "random",
@@ -154,6 +156,10 @@ def main(argv: list[str] | None = None) -> None:
             make = lambda **kw: gemma_engine.Engine(  # noqa: E731
                 str(model_dir), like=torch.zeros(1), context=256, dtype=args.dtype, max_batch=max(batches), **kw)
             plain, spec = make(), make(num_speculative_tokens=args.tokens, **method, **limit)
+            if args.speculative_max_batch == "measured":
+                from gemma_server import speculation
+
+                print(f"{name}: {speculation.summary(*speculation.measure(spec))}", flush=True)
             if args.method == "ngram":
                 compare(plain, spec, batches, args, name)
             else:

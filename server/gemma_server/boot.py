@@ -10,7 +10,8 @@ are logged, exported as `gemma_boot_stage_seconds` and reported by GET /v1/engin
 builds the checkpoint's `gemma_engine.Grammars` (its tokenizer.json, eos ids and vocabulary) once: every
 engine and every request's grammar check share it; and, for a checkpoint with a vision or audio tower, its
 media front end (media.MediaEncoder: Transformers' processors and one `gemma_engine.Encoder` on the first
-engine's device, on a thread of its own). A failed stage writes
+engine's device, on a thread of its own). With speculative decoding on and no --speculative-max-batch, the warmup
+stage also measures up to which batch it pays on each engine and sets that limit (speculation.py). A failed stage writes
 a one-line reason to the termination-message file (Kubernetes shows it as the container's last state, and
 the operator as a condition) and asks the process to exit non-zero, so the pod restarts with back-off.
 """
@@ -32,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from gemma_server import build as build_mod
-from gemma_server import compile_cache
+from gemma_server import compile_cache, speculation
 from gemma_server.config import Config
 from gemma_server.media import MediaEncoder
 from gemma_server.metrics import Metrics, cache_config
@@ -299,7 +300,7 @@ class Boot:
             packed_int4=None if c.packed_int4 else False, cuda_graphs=c.cuda_graphs,
             onednn=False if c.compile != "off" else {"auto": None, "on": True, "off": False}[c.onednn],
             prefix_caching=c.enable_prefix_caching, speculative_method=c.speculative_method,
-            num_speculative_tokens=c.num_speculative_tokens, speculative_max_batch=c.speculative_max_batch,
+            num_speculative_tokens=c.num_speculative_tokens, speculative_max_batch=c.speculative_max_batch or 1,
             prompt_lookup_min=c.prompt_lookup_min, prompt_lookup_max=c.prompt_lookup_max,
             speculative_model=str(drafter_dir) if drafter_dir else None)
         if c.compile != "off":
@@ -405,8 +406,20 @@ class Boot:
         outs = run_on_workers(self.loaded.workers, lambda w: w.engine.decode(ids, WARMUP_TOKENS))
         self.state.warmup_seconds = round(time.monotonic() - t0, 3)
         done = ", ".join(f"{len(tokens)} tokens ({finish})" for tokens, finish, _, _ in outs)
-        published = self.publish_compile_cache()
-        return f"{done}; {published}" if published else done
+        return "; ".join(part for part in (done, self._measure_speculation(), self.publish_compile_cache()) if part)
+
+    def _measure_speculation(self) -> str | None:
+        """With speculative decoding on and no --speculative-max-batch: each engine's limit from its own steps'
+        costs (speculation.py), set on the engine; /v1/engine shows the costs."""
+        if not self.config.speculative_method or self.config.speculative_max_batch is not None:
+            return None
+
+        def measure(w: EngineWorker) -> str:
+            costs, chosen = speculation.measure(w.engine)
+            w.speculative = {**w.engine.speculative, "measured": costs}
+            return speculation.summary(costs, chosen)
+        assert self.loaded is not None
+        return "; ".join(run_on_workers(self.loaded.workers, measure))
 
     def publish_compile_cache(self) -> str | None:
         """After warmup and on drain: what this server compiled, to the shared cache (compile_cache.py); the

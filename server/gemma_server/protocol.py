@@ -358,6 +358,7 @@ class EngineParams:
             engine snapshots too (chat_template.next_turn), or None.
         media: the soft tokens of the prompt's images and audio, (start, embeds [n, hidden], key) in prompt
             order (media.place): they take positions start..start+n, which hold the placeholder id.
+        speculative: False opts the request out of the server's speculative decoding.
     """
 
     prompt_ids: tuple[int, ...]
@@ -375,6 +376,7 @@ class EngineParams:
     cache_boundary: int | None = None
     next_turn: int | None = None
     media: tuple[tuple[int, Any, int], ...] = ()
+    speculative: bool = True
 
     def choice_sampling(self, index: int, fresh_seed: Callable[[], int]) -> dict[str, Any]:
         """SamplingParams keywords for choice `index`: a given seed s gives choice i the seed s + i (so
@@ -500,6 +502,8 @@ class GenerationRequest(OpenAIModel):
     cache_salt: str | None = documented(
         minLength=1, maxLength=MAX_CACHE_SALT,
         description="Requests share cached prompt KV only with requests of the same salt (vLLM's cache_salt).")
+    speculative: bool = documented(True, description="False opts this request out of the server's speculative "
+                                                     "decoding; its tokens are the same either way.")
 
     def _structured(self) -> Constraint | None:
         """The constraint of vLLM's `structured_outputs` or `guided_json`, or None.
@@ -716,7 +720,7 @@ class GenerationRequest(OpenAIModel):
                             self.n or 1, self.logprobs_wanted(), grammar=grammar,
                             prompt_logprobs=self.prompt_logprobs_wanted(), cache_salt=self.cache_salt,
                             cache_boundary=cache_boundary, next_turn=next_turn, media=media,
-                            **self._reply_kind())
+                            speculative=self.speculative, **self._reply_kind())
 
     def prompt_logprobs_wanted(self) -> int | None:
         """None, or how many top log-probabilities each prompt token carries (completions' echo)."""

@@ -247,10 +247,10 @@ class Job:
                loop: asyncio.AbstractEventLoop, arrival: float, grammar: str | None = None,
                prompt_logprobs: int | None = None, cache_salt: str | None = None,
                cache_boundary: int | None = None, media: Sequence[tuple[int, Any, int]] = (),
-               next_turn: int | None = None) -> Job:
+               next_turn: int | None = None, speculative: bool = True) -> Job:
         """A job and its gemma_engine.Request (with its SamplingParams, keyword arguments `sampling`; its
         grammar and prompt log-probabilities, when asked for; its cache salt and its cache marks, the
-        boundary and the next turn; the soft tokens of its images and audio).
+        boundary and the next turn; the soft tokens of its images and audio; whether it may speculate).
 
         Raises:
             EngineRefused: the engine's own checks refused a value (ValueError, which names it), or a value
@@ -262,7 +262,8 @@ class Job:
         try:
             request = gemma_engine.Request(job_id, prompt_ids, max_new, stop_ids, gemma_engine.SamplingParams(**sampling),
                                            grammar=grammar, prompt_logprobs=prompt_logprobs, cache_salt=cache_salt,
-                                           cache_boundary=cache_boundary, media=list(media), next_turn=next_turn)
+                                           cache_boundary=cache_boundary, media=list(media), next_turn=next_turn,
+                                           speculative=speculative)
         except (ValueError, OverflowError) as e:
             raise EngineRefused(f"The engine refused the request: {e}") from e
         return cls(request, loop, arrival, id=job_id, prompt=tuple(request.ids), salt=request.cache_salt)

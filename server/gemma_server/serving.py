@@ -181,7 +181,7 @@ class Generation:
         job = Job.create(list(params.prompt_ids), params.max_new, list(params.stop_ids), sampling,
                          asyncio.get_running_loop(), arrival, params.grammar, params.prompt_logprobs,
                          cache_salt=params.cache_salt, cache_boundary=params.cache_boundary, media=params.media,
-                         next_turn=params.next_turn)
+                         next_turn=params.next_turn, speculative=params.speculative)
         return cls(params, index, job, tokenizer, scheduler, metrics, **kw)
 
     @property

@@ -11,8 +11,8 @@ are that feature times the tied embeddings' column and it writes runs of the two
 switching with the context; drafts of a run are kept, the switches rejected (a third of the drafts kept, at
 every position). Rejected positions must leave no trace in the rings, which resuming the conversation from the
 prefix cache shows (its tokens equal a fresh read's). Seeded sampled requests draw the same tokens with and
-without speculation. Steps that cannot speculate (a penalized, constrained or logprobs request in the bucket, more
-decoding slots than `speculative_max_batch`) run as before, and the settings are checked.
+without speculation (test_speculative_constrained.py: penalties, log-probabilities, grammars). Steps with more
+decoding slots than `speculative_max_batch` run as before, and the settings are checked.
 """
 
 import pytest
@@ -151,16 +151,9 @@ def test_a_conversation_resumed_after_rejected_drafts_reads_as_fresh(kind, reque
     assert resumed == read
 
 
-def test_steps_that_cannot_speculate_run_plain(dense):
+def test_above_the_batch_limit_steps_run_plain(dense):
+    """Above speculative_max_batch decoding slots, no step speculates."""
     R = gemma_engine.Request
-    penalized = gemma_engine.SamplingParams(repetition_penalty=1.3)
-    presence = gemma_engine.SamplingParams(temperature=0.8, seed=3, presence_penalty=0.5)
-    for request in (R(0, PROMPTS[0], 24, sampling=penalized), R(0, PROMPTS[0], 24, sampling=presence),
-                    R(0, PROMPTS[0], 24, sampling=gemma_engine.SamplingParams(logprobs=2))):
-        plain, _ = run(engine(dense), {1: [request]})
-        spec, stats = run(engine(dense, **SPEC), {1: [request]})
-        assert spec == plain and stats["spec_drafts"] == 0
-    # Above speculative_max_batch decoding slots, no step speculates.
     script = {1: [R(i, p, n) for i, (p, n) in enumerate(zip(PROMPTS[:3], (40, 12, 8)))]}
     plain, _ = run(engine(dense), script)
     spec, stats = run(engine(dense, **{**SPEC, "speculative_max_batch": 1}), script)
@@ -213,12 +206,12 @@ def test_seeded_sampling_draws_the_tokens_of_no_speculation(dense, two_token):
         assert stats["spec_drafts"] > 100 and stats["spec_accepted_tokens"] > 0
 
 
-def seeded_runs_agree(model_dir, spec: dict, n: int, seed: int, flips: int):
-    """Run `n` seeded sampled requests (request i: prompt i, sampling i, seed `seed` + i; 24 tokens, four at a
-    time) on `model_dir` with and without the engine arguments `spec`; assert that at most `flips` requests
+def seeded_runs_agree(model_dir, spec: dict, n: int, seed: int, flips: int, samplings: list[dict] = SAMPLINGS):
+    """Run `n` seeded requests (request i: prompt i, sampling i of `samplings`, seed `seed` + i; 24 tokens, four
+    at a time) on `model_dir` with and without the engine arguments `spec`; assert that at most `flips` requests
     differ, each by a rounding flip (`a_rounding_flip`, within 1e-4). Returns the plain outputs and the
     speculating run's stats."""
-    prompt, params = (lambda i: PROMPTS[i % len(PROMPTS)]), (lambda i: SAMPLINGS[i % len(SAMPLINGS)])
+    prompt, params = (lambda i: PROMPTS[i % len(PROMPTS)]), (lambda i: samplings[i % len(samplings)])
     requests = [gemma_engine.Request(i, prompt(i), 24, sampling=gemma_engine.SamplingParams(seed=seed + i, **params(i)))
                 for i in range(n)]
     plain, _ = run(engine(model_dir), {1: requests})
@@ -242,3 +235,29 @@ def test_every_architecture_speculates_exactly(run_spec, tmp_path_factory):
         spec, stats = run(engine(checkpoint, **SPEC), busy_script(32), read_every=3)
         assert spec == plain and stats["spec_draft_tokens"] > 0, checkpoint
     assert stats["spec_accepted_tokens"] > 10, "the two-token target keeps drafts"
+
+
+def test_the_costs_of_plain_and_verify_steps_are_measured_and_leave_nothing(dense):
+    """`speculation_costs` (rust/src/engine/tuning.rs) times both kinds of step in a bucket, then forgets its
+    requests: a request of its prompt and salt afterwards finds no cached tokens and draws the tokens of a fresh
+    engine. `set_speculative_max_batch` moves the limit, to 0 (no step speculates)."""
+    e = engine(dense, **SPEC)
+    for batch, bucket in [(1, 1), (3, 4), (4, 4)]:
+        costs = e.speculation_costs(batch, 3)
+        assert costs["bucket"] == bucket and costs["drafts"] == K and costs["plain_s"] > 0 and costs["verify_s"] > 0
+    made_up = [3, 4, 5, 6, 3, 4, 5, 6]
+    R = gemma_engine.Request
+    out, stats = run(e, {1: [R(0, made_up, 16, cache_salt="gemma-engine speculation costs"), R(1, PROMPTS[0], 16)]})
+    fresh, _ = run(engine(dense, **SPEC), {1: [R(0, made_up, 16), R(1, PROMPTS[0], 16)]})
+    assert out == fresh and stats["cache_hits"] == 0
+    e.set_speculative_max_batch(0)
+    assert e.speculative["speculative_max_batch"] == 0
+    _, stats = run(e, {1: [R(2, PROMPTS[0], 16)]})
+    assert stats["spec_drafts"] == 0
+    for call, message in [(lambda: e.speculation_costs(5), "batch must be in 1..=4"),
+                          (lambda: e.speculation_costs(1, 0), "turns >= 1"),
+                          (lambda: e.set_speculative_max_batch(-1), "must be >= 0"),
+                          (lambda: engine(dense).speculation_costs(1), "speculative decoding is off"),
+                          (lambda: engine(dense, **SPEC, context=24).speculation_costs(1), "too few tokens")]:
+        with pytest.raises(ValueError, match=message):
+            call()

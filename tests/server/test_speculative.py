@@ -1,7 +1,8 @@
 """Speculative decoding through the server (`--speculative-method ngram --num-speculative-tokens k`): the same
-replies as the server without it, through the openai SDK (greedy chat and completions, streamed and not, and a
-JSON-schema reply, whose grammar keeps its steps plain); /v1/engine names the method; vLLM's spec_decode counters
-move on /metrics; a bad setting stops the boot or the parser with its name."""
+replies as the server without it, through the openai SDK (greedy chat and completions, streamed and not, seeded,
+penalized, with log-probabilities, and a JSON-schema reply); a request with `"speculative": false` gets no drafts;
+/v1/engine names the method; vLLM's spec_decode counters move on /metrics; a bad setting stops the boot or the parser
+with its name."""
 
 import json
 
@@ -9,6 +10,7 @@ import httpx
 import openai
 import pytest
 
+from gemma_server import speculation
 from gemma_server.config import parse_config
 from tests import assistants
 from tests.checkpoints import chat_text_config
@@ -26,7 +28,9 @@ def spec_server(chat_checkpoint):
     s.stop()
 
 
-def replies(base: str, model: str) -> list:
+def replies(base: str, model: str) -> tuple[list, list[float]]:
+    """The replies to a fixed set of requests, and the log-probabilities of one of them (to compare within float
+    tolerance: a verify step computes the logits with other kernels)."""
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
     out = []
     for p in PROMPTS:
@@ -41,25 +45,50 @@ def replies(base: str, model: str) -> list:
         sampled = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPTS[1]}],
                                                  max_tokens=24, temperature=0.9, seed=seed)
         out.append(sampled.choices[0].message.content)
+    scored = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                            max_tokens=16, logprobs=True, top_logprobs=2, frequency_penalty=0.5)
+    content = scored.choices[0].logprobs.content
+    out.append([(t.token, [a.token for a in t.top_logprobs]) for t in content])
+    logprobs = [v for t in content for v in [t.logprob] + [a.logprob for a in t.top_logprobs]]
     schema = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 99}}, "required": ["a"],
               "additionalProperties": False}
     constrained = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=24,
         response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
     out.append(json.loads(constrained.choices[0].message.content))
-    return out
+    return out, logprobs
+
+
+def assert_same_replies(base: str, plain_base: str, model: str) -> None:
+    (out, logprobs), (want, want_logprobs) = replies(base, model), replies(plain_base, model)
+    assert out == want and logprobs == pytest.approx(want_logprobs, abs=2e-3)
 
 
 def test_replies_equal_the_server_without_speculation(spec_server, server, model):
     # Both serve the session's chat checkpoint, under its name.
     assert spec_server.state.config.model_name == model
     drafted = sample(spec_server, "gemma_spec_decode_num_draft_tokens_total")
-    assert replies(spec_server.base, model) == replies(server.base, model)
+    assert_same_replies(spec_server.base, server.base, model)
     assert sample(spec_server, "gemma_spec_decode_num_draft_tokens_total") > drafted
     assert sample(spec_server, "gemma_spec_decode_num_drafts_total") > 0
     accepted = sample(spec_server, "gemma_spec_decode_num_accepted_tokens_total")
     assert accepted <= sample(spec_server, "gemma_spec_decode_num_draft_tokens_total")
     assert sample(server, "gemma_spec_decode_num_draft_tokens_total") == 0
+
+
+def test_a_request_that_opts_out_gets_no_drafts(spec_server, model):
+    client = openai.OpenAI(base_url=f"{spec_server.base}/v1", api_key="unused", max_retries=0)
+    drafted = sample(spec_server, "gemma_spec_decode_num_draft_tokens_total")
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                          max_tokens=24, extra_body={"speculative": False})
+    assert chat.choices[0].message.content
+    assert sample(spec_server, "gemma_spec_decode_num_draft_tokens_total") == drafted
+    client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=24)
+    assert sample(spec_server, "gemma_spec_decode_num_draft_tokens_total") > drafted, "the same request drafts"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                       max_tokens=4, extra_body={"speculative": "sometimes"})
+    assert "speculative" in str(bad.value)
 
 
 def test_v1_engine_names_the_method(spec_server, server):
@@ -79,13 +108,33 @@ def test_an_mtp_drafter_gives_the_same_replies(chat_checkpoint, server, model, t
     whose drafts the target rejects; the replies are those without speculation, and /v1/engine names it."""
     drafter = assistants.save_assistant(tmp_path / "assistant", target=chat_text_config())
     s = start_in_process(chat_checkpoint, "--speculative-method", "mtp", "--speculative-model", str(drafter),
-                         "--num-speculative-tokens", "3", "--max-num-seqs", "4", "--default-temperature", "0")
+                         "--num-speculative-tokens", "3", "--max-num-seqs", "4", "--default-temperature", "0",
+                         "--speculative-max-batch", "4")
     try:
         (engine,) = httpx.get(f"{s.base}/v1/engine").json()["engines"]
         assert engine["speculative"]["method"] == "mtp"
         assert engine["speculative"]["speculative_model"] == str(drafter)
-        assert replies(s.base, model) == replies(server.base, model)
+        assert_same_replies(s.base, server.base, model)
         assert sample(s, "gemma_spec_decode_num_draft_tokens_total") > 0
+    finally:
+        s.stop()
+
+
+def test_the_limit_is_measured_at_warmup_without_a_setting(chat_checkpoint):
+    """Without --speculative-max-batch each engine times plain and verify steps in every decode bucket at warmup
+    and speculates up to the largest batch where the verify step pays at 0.6 of drafts kept (speculation.py)."""
+    s = start_in_process(chat_checkpoint, "--speculative-method", "ngram", "--num-speculative-tokens", "3",
+                         "--max-num-seqs", "4", "--default-temperature", "0")
+    try:
+        info = httpx.get(f"{s.base}/v1/engine").json()
+        (engine,) = info["engines"]
+        measured = engine["speculative"]["measured"]
+        buckets = [c["bucket"] for c in measured]
+        assert buckets == sorted(set(buckets)) and buckets[0] == 1 and buckets[-1] == 4, "every decode bucket"
+        assert all(c["drafts"] == 3 and 0 < c["plain_s"] and 0 < c["verify_s"] for c in measured)
+        assert engine["speculative"]["speculative_max_batch"] == speculation.limit(measured)
+        warmup = next(st for st in info["stages"] if st["stage"] == "warmup")
+        assert f"speculative decoding up to {speculation.limit(measured)} decoding requests" in warmup["message"]
     finally:
         s.stop()
 

@@ -240,6 +240,9 @@ class Request:
     errors as `cache_boundary`, naming `next_turn`. The prompt is read in chunks that end at both marks.
     With `next_turn` the engine keeps no snapshot at the prompt's end, so the same prompt sent again (a
     regenerated reply) resumes at `next_turn` and reads the prompt's last few tokens again.
+
+    `speculative`: False opts the request out of the engine's speculative decoding (no drafts are made for
+    it); its tokens are the same either way.
     """
 
     def __init__(
@@ -255,6 +258,7 @@ class Request:
         cache_boundary: int | None = None,
         media: Sequence[tuple[int, torch.Tensor, int]] = (),
         next_turn: int | None = None,
+        speculative: bool = True,
     ) -> None: ...
     @property
     def id(self) -> int: ...
@@ -530,6 +534,26 @@ class Engine:
         """{"method": "ngram" or "mtp", "speculative_model" (the drafter's directory, or None),
         "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "speculative_max_batch"} when
         speculative decoding is on, else None."""
+
+    def speculation_costs(self, batch: int, turns: int = 8) -> dict[str, float | int]:
+        """{"bucket", "plain_s", "verify_s", "drafts"}: the seconds of a plain decode step and of a verify step
+        with "drafts" drafts a row, with `batch` requests of a made-up prompt decoding in decode bucket "bucket",
+        `turns` steps of each, read as a batch that speculates reads them (rust/src/engine/tuning.rs). Every
+        slot's rings are forgotten before and after (`reset_prefix_cache`), the requests cancelled. Between runs
+        only.
+
+        Raises:
+            ValueError: speculative decoding is off, `batch` outside 1..max_batch, turns < 1, or a context too
+                short for the turns.
+        """
+
+    def set_speculative_max_batch(self, n: int) -> None:
+        """Above `n` decoding requests no step speculates (0: none does); the server sets it from
+        `speculation_costs` at warmup.
+
+        Raises:
+            ValueError: speculative decoding is off, or n < 0.
+        """
 
     def layout(self) -> dict[str, int | bool | None]:
         """{"full_rings", "sliding_rings", "shared_layers", "context", "sliding_window",

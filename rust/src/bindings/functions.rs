@@ -9,6 +9,7 @@ use super::{PySamplingParams, tensor_arg};
 use crate::engine::request::LIMITS;
 use crate::engine::sampling::{self, Sampler};
 use crate::engine::speculative::{Method, Speculative};
+use crate::engine::tuning::Costs;
 use crate::error::Error;
 use crate::tensor::{DType, Tensor, no_grad};
 
@@ -218,5 +219,15 @@ pub(super) fn speculative_dict<'py>(py: Python<'py>, s: &Speculative) -> PyResul
     for (k, v) in s.named() {
         d.set_item(k, v)?;
     }
+    Ok(d)
+}
+
+/// The `Engine.speculation_costs` dict of `c`.
+pub(super) fn costs_dict<'py>(py: Python<'py>, c: &Costs) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("bucket", c.bucket)?;
+    d.set_item("plain_s", c.plain_s)?;
+    d.set_item("verify_s", c.verify_s)?;
+    d.set_item("drafts", c.drafts)?;
     Ok(d)
 }

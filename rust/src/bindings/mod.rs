@@ -8,16 +8,15 @@
 mod compiler;
 mod encoder;
 mod functions;
+mod grammars;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::Arc;
 
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
-use crate::engine::grammar::Grammars;
 use crate::engine::media::Media;
 use crate::engine::request::{Event, Io, Request, StepStats, TokenLogprobs};
 use crate::engine::sampling::SamplingParams;
@@ -112,43 +111,6 @@ impl PySamplingParams {
     }
 }
 
-/// The token environment of one tokenizer for grammar-constrained sampling (see gemma_engine.pyi).
-#[pyclass(frozen, module = "gemma_engine", name = "Grammars")]
-pub struct PyGrammars {
-    inner: Arc<Grammars>,
-}
-
-#[pymethods]
-impl PyGrammars {
-    /// Raises:
-    ///     ValueError: an unsupported tokenizer, eos ids outside the vocabulary, a tokenizer larger
-    ///         than vocab_size. OSError: an unreadable file.
-    #[new]
-    fn new(py: Python<'_>, tokenizer_json: PathBuf, eos_ids: Vec<i64>, vocab_size: i64) -> PyResult<Self> {
-        let inner = py.detach(|| Grammars::load(&tokenizer_json, &eos_ids, vocab_size))?;
-        Ok(PyGrammars { inner: Arc::new(inner) })
-    }
-
-    /// Raises:
-    ///     ValueError: the grammar does not compile, or exceeds a limit (llguidance's message).
-    fn check(&self, py: Python<'_>, grammar: &str) -> PyResult<()> {
-        py.detach(|| self.inner.compile(grammar).map(|_| ()))?;
-        Ok(())
-    }
-
-    /// Raises:
-    ///     ValueError: the grammar does not compile.
-    fn accepts(&self, py: Python<'_>, grammar: &str, ids: Vec<i64>) -> PyResult<bool> {
-        Ok(py.detach(|| self.inner.accepts(grammar, &ids))?)
-    }
-
-    /// Raises:
-    ///     ValueError: the grammar does not compile or refuses one of `ids`.
-    fn allowed(&self, py: Python<'_>, grammar: &str, ids: Vec<i64>) -> PyResult<Vec<i64>> {
-        Ok(py.detach(|| self.inner.allowed(grammar, &ids))?)
-    }
-}
-
 /// One request for `Engine.run`.
 #[pyclass(frozen, module = "gemma_engine", name = "Request")]
 pub struct PyRequest {
@@ -159,7 +121,7 @@ pub struct PyRequest {
 impl PyRequest {
     #[new]
     #[pyo3(signature = (id, ids, max_new, stop_ids=Vec::new(), sampling=None, grammar=None, prompt_logprobs=None,
-                        cache_salt=None, cache_boundary=None, media=Vec::new(), next_turn=None))]
+                        cache_salt=None, cache_boundary=None, media=Vec::new(), next_turn=None, speculative=true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         id: u64,
@@ -173,6 +135,7 @@ impl PyRequest {
         cache_boundary: Option<usize>,
         media: Vec<(usize, Bound<'_, PyAny>, u64)>,
         next_turn: Option<usize>,
+        speculative: bool,
     ) -> PyResult<Self> {
         let params = sampling.map(|s| s.get().inner.clone()).unwrap_or_default();
         let media = media_arg(&media)?;
@@ -188,6 +151,7 @@ impl PyRequest {
             cache_boundary,
             next_turn,
             media,
+            speculate: speculative,
         };
         Ok(PyRequest { inner })
     }
@@ -241,6 +205,7 @@ impl PyRequest {
             r.cache_boundary,
             media,
             r.next_turn,
+            r.speculate,
         )
             .into_pyobject(py)?;
         Ok((slf.get_type().into_any(), args))
@@ -389,7 +354,7 @@ impl Engine {
         packed_int4: Option<bool>,
         cuda_graphs: bool,
         onednn: Option<bool>,
-        grammars: Option<Py<PyGrammars>>,
+        grammars: Option<Py<grammars::PyGrammars>>,
         prefix_caching: bool,
         tensor_parallel_size: i64,
         compiler: Option<Py<PyAny>>,
@@ -543,6 +508,18 @@ impl Engine {
         self.inner.speculative().map(|s| functions::speculative_dict(py, s)).transpose()
     }
 
+    /// {"bucket", "plain_s", "verify_s", "drafts"}: a plain and a verify step with `batch` requests decoding.
+    #[pyo3(signature = (batch, turns=8))]
+    fn speculation_costs<'py>(&mut self, py: Python<'py>, batch: usize, turns: usize) -> PyResult<Bound<'py, PyDict>> {
+        let inner = &mut self.inner;
+        let costs = py.detach(|| no_grad(|| inner.speculation_costs(batch, turns)))?;
+        functions::costs_dict(py, &costs)
+    }
+
+    fn set_speculative_max_batch(&mut self, n: i64) -> PyResult<()> {
+        Ok(self.inner.set_speculative_max_batch(n)?)
+    }
+
     /// {"full_rings", "sliding_rings", "shared_layers", "context", "sliding_window", "max_batch",
     /// "kv_bytes_per_slot", "kv_bytes", "prefix_caching", "snapshot_bytes_per_slot", "tensor_parallel_size",
     /// "tensor_parallel_rank"}.
@@ -590,6 +567,7 @@ impl Engine {
             cache_boundary: None,
             next_turn: None,
             media: Vec::new(),
+            speculate: true,
         };
         let mut failed: Option<PyErr> = None;
         let inner = &mut self.inner;
@@ -688,7 +666,7 @@ fn gemma_engine_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<encoder::Encoder>()?;
     m.add_class::<PySamplingParams>()?;
     m.add_class::<PyRequest>()?;
-    m.add_class::<PyGrammars>()?;
+    m.add_class::<grammars::PyGrammars>()?;
     m.add_class::<PyEvent>()?;
     Ok(())
 }

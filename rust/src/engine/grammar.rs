@@ -228,6 +228,31 @@ impl Constraint {
         done.map_err(|e| self.fail(format!("grammar refused token {id}: {e}")))
     }
 
+    /// For a verify step (engine/speculative.rs): how many of `drafts` the grammar takes in a row from here,
+    /// with the mask after each taken draft written into `out` (`mask_bytes` bytes a draft, in order); the
+    /// constraint itself does not move (the look-ahead runs on a clone of the matcher, so a rejected draft never
+    /// advances it). The run ends at the first draft the grammar refuses, after one that ends the grammar (the
+    /// request ends there: its row is left as it is), and where the look-ahead fails: that failure is not the
+    /// request's, whose own tokens may never lead there.
+    pub fn masks_ahead(&self, drafts: &[i64], out: &mut [u8]) -> usize {
+        let m = self.mask_bytes();
+        let mut ahead = self.matcher.clone();
+        for (j, &id) in drafts.iter().enumerate() {
+            let Ok(token) = u32::try_from(id) else { return j };
+            if ahead.is_stopped() || !matches!(ahead.try_consume_tokens(&[token]), Ok(1)) {
+                return j;
+            }
+            if ahead.is_stopped() {
+                return j + 1;
+            }
+            match ahead.compute_mask() {
+                Ok(mask) => mask.write_to(&mut out[j * m..(j + 1) * m]),
+                Err(_) => return j,
+            }
+        }
+        drafts.len()
+    }
+
     fn fail(&mut self, msg: String) -> Error {
         self.failed.get_or_insert_with(|| msg.clone());
         Error::Input(msg)

@@ -82,6 +82,7 @@ pub mod settings;
 mod slots;
 pub mod speculative;
 mod step;
+pub mod tuning;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -612,10 +613,7 @@ impl Engine {
 
     /// Whether the decoding slots may speculate at their next step (speculative.rs).
     fn may_speculate(&self) -> bool {
-        self.slots.top_live().is_some_and(|top| {
-            let b = self.slots.bucket(top);
-            self.speculates(b, &self.slots.rows(b))
-        })
+        self.slots.top_live().is_some_and(|top| self.speculates(&self.slots.rows(self.slots.bucket(top))))
     }
 
     /// One decode step of slots `0..b`; `rows[i]` is Some for the decoding ones.

@@ -39,6 +39,12 @@ impl Drawn {
         self.verified.as_ref().map_or(1, |v| v.width + 1)
     }
 
+    /// Where the log-probabilities of row `row`'s `i`-th token are: a verify step has one a column (its
+    /// `Chosen` comes from `speculative::column_logprobs`).
+    fn logprob_row(&self, row: usize, i: usize) -> usize {
+        self.verified.as_ref().map_or(row, |v| row * v.width + i)
+    }
+
     /// Row `row`'s tokens among `values` (this forward's part of what came back).
     fn tokens<'a>(&self, values: &'a [i64], row: usize) -> &'a [i64] {
         let at = row * self.stride();
@@ -84,7 +90,7 @@ impl Engine {
                     self.slots.count_drawn(s, drawn.len())?;
                 }
                 let slot = self.slots.get_mut(s)?;
-                for &token in drawn {
+                for (i, &token) in drawn.iter().enumerate() {
                     if slot.finished.is_some() {
                         break;
                     }
@@ -106,9 +112,9 @@ impl Engine {
                     ev.tokens.push(token);
                     slot.output.push(token);
                     if let (Some(want), Some((chosen, ids, lps, k))) = (slot.request.params.logprobs, &lp) {
-                        let base = row * k;
-                        let top = (0..(want as usize).min(*k)).map(|j| (ids[base + j], lps[base + j])).collect();
-                        ev.logprobs.push(TokenLogprobs { logprob: chosen[row], top });
+                        let at = d.logprob_row(row, i);
+                        let top = (0..(want as usize).min(*k)).map(|j| (ids[at * k + j], lps[at * k + j])).collect();
+                        ev.logprobs.push(TokenLogprobs { logprob: chosen[at], top });
                     }
                     slot.first_token.get_or_insert(now);
                     slot.emitted += 1;

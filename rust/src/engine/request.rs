@@ -93,6 +93,8 @@ pub struct Request {
     pub next_turn: Option<usize>,
     /// Soft tokens of images and audio in the prompt, sorted by position (engine/media.rs).
     pub media: Vec<Media>,
+    /// Whether the engine's speculative decoding may draft for it (engine/speculative.rs); false opts out.
+    pub speculate: bool,
 }
 
 impl Request {
@@ -256,6 +258,7 @@ mod tests {
             cache_boundary: None,
             next_turn: None,
             media: Vec::new(),
+            speculate: true,
         };
         assert!(r(LIMITS.max_stop_token_ids).check(100).is_ok());
         let e = r(LIMITS.max_stop_token_ids + 1).check(100).unwrap_err().to_string();

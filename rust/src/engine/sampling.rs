@@ -180,6 +180,18 @@ impl Stages {
     }
 }
 
+/// What a verify step's later position sees besides its logits (engine/speculative.rs); the default is a
+/// plain step's.
+#[derive(Default)]
+pub struct Ahead<'a> {
+    /// How many tokens past each slot's next this position is.
+    pub by: i64,
+    /// int64 `[n, by]`: the drafts before the position, which its penalties count as generated.
+    pub before: Option<&'a Tensor>,
+    /// uint8 `[n, mask_bytes]`: the grammar masks at the position (module docs).
+    pub masks: Option<&'a Tensor>,
+}
+
 /// What a step chose, on the device.
 pub struct Chosen {
     /// int64 `[rows]`.
@@ -334,6 +346,12 @@ impl Sampler {
         &mut self.mask_host[start as usize * m..(start + n) as usize * m]
     }
 
+    /// The host mask rows of the slots `start..start + n`.
+    pub fn mask_rows(&self, start: i64, n: i64) -> &[u8] {
+        let m = self.mask_bytes();
+        &self.mask_host[start as usize * m..(start + n) as usize * m]
+    }
+
     /// Copy the host mask rows of the slots `start..start + n` to the device, in one copy.
     pub fn upload_masks(&self, start: i64, n: i64) -> Result<()> {
         let m = self.mask_bytes();
@@ -341,11 +359,11 @@ impl Sampler {
         self.mask_bits.narrow(0, start, n)?.write_bytes_(rows)
     }
 
-    /// `raw` `[n, vocab]` with every token the device masks of the slots `start..start + n` do not
+    /// `raw` `[n, vocab]` with every token its rows' device masks `bits` (uint8 `[n, mask_bytes]`) do not
     /// allow at -inf (module docs).
-    fn allowed(&self, raw: &Tensor, start: i64, n: i64) -> Result<Tensor> {
-        let m = self.mask_bytes() as i64;
-        let bytes = self.mask_bits.narrow(0, start, n)?.to_dtype(DType::I64)?.reshape(&[n * m])?;
+    fn allowed(&self, raw: &Tensor, bits: &Tensor) -> Result<Tensor> {
+        let (n, m) = (raw.size()?[0], self.mask_bytes() as i64);
+        let bytes = bits.to_dtype(DType::I64)?.reshape(&[n * m])?;
         let add = self.mask_table.index_select(0, &bytes)?.reshape(&[n, m * 8])?.narrow(1, 0, self.vocab)?;
         raw.add(&add)
     }
@@ -361,28 +379,40 @@ impl Sampler {
         self.mask_rows_mut(slot, 1).fill(0xff);
     }
 
-    /// Choose the next token of the slots `start..start + n` from their `logits` `[n, vocab]`, and
-    /// count it into their histories.
+    /// Choose the next token of the slots `start..start + n` from their `logits` `[n, vocab]`.
     pub fn choose(&self, logits: &Tensor, start: i64, n: i64) -> Result<Chosen> {
-        self.choose_ahead(logits, start, n, 0)
+        self.choose_ahead(logits, start, n, &Ahead::default())
     }
 
-    /// `choose` for the token `ahead` draws past each slot's next: its draw takes the uniform number of that
-    /// index (a verify step's later positions, engine/speculative.rs). Only for slots whose choice reads no
-    /// history (no penalties): their counts do not hold the tokens before it.
-    pub fn choose_ahead(&self, logits: &Tensor, start: i64, n: i64, ahead: i64) -> Result<Chosen> {
+    /// `choose` for the token `ahead.by` draws past each slot's next (a verify step's later positions,
+    /// engine/speculative.rs): its draw takes the uniform number of that index, its penalties count the drafts
+    /// before it as generated, and its grammar masks are `ahead.masks`.
+    pub fn choose_ahead(&self, logits: &Tensor, start: i64, n: i64, ahead: &Ahead) -> Result<Chosen> {
         let stages = self.stages(start, n);
         let rows = |t: &Tensor| t.narrow(0, start, n);
         let raw = logits.as_dtype(DType::F32)?;
-        let raw = if stages.grammar { self.allowed(&raw, start, n)? } else { raw };
-        let x = self.process(&raw, start, n, stages)?;
+        let raw = match (stages.grammar, ahead.masks) {
+            (false, _) => raw,
+            (true, Some(masks)) => self.allowed(&raw, masks)?,
+            (true, None) => self.allowed(&raw, &self.mask_bits.narrow(0, start, n)?)?,
+        };
+        let counts = match ahead.before {
+            Some(before) if stages.repetition || stages.presence_frequency => {
+                let counts = rows(&self.counts)?.copy()?;
+                let ones = Tensor::full(&before.size()?, 1.0, DType::F32, &counts)?;
+                counts.scatter_add_(1, before, &ones)?;
+                counts
+            }
+            _ => rows(&self.counts)?,
+        };
+        let x = self.process(&raw, start, n, stages, &counts)?;
         let greedy = x.argmax(-1, false)?;
         let tokens = if stages.draw {
             let (sorted, order) = self.filtered(&x, start, n)?;
             let cdf = sorted.softmax(-1)?.cumsum(-1)?;
             let total = cdf.narrow(1, self.vocab - 1, 1)?;
             let step = rows(&self.step)?;
-            let step = if ahead == 0 { step } else { step.add_int(ahead)? };
+            let step = if ahead.by == 0 { step } else { step.add_int(ahead.by)? };
             let u = uniform(&rows(&self.seed)?, &step)?.unsqueeze(1)?;
             let at = cdf.searchsorted_right(&u.mul(&total)?)?.clamp(0.0, (self.vocab - 1) as f64)?;
             let drawn = order.gather(1, &at)?.reshape(&[n])?;
@@ -425,36 +455,49 @@ impl Sampler {
         }
     }
 
-    /// After a verify step (engine/speculative.rs) in which the slots `start..start + n` drew `drawn` tokens
-    /// each (int64 `[n]`): move their draw index on by that many; with `live`, only for the live rows. Only
-    /// for slots without penalties, whose histories nothing reads.
-    pub fn advance_draws(&mut self, drawn: &Tensor, start: i64, n: i64, live: Option<&Tensor>) -> Result<()> {
-        if !self.stages(start, n).draw {
-            return Ok(());
-        }
+    /// After a verify step (engine/speculative.rs) in which the slots `start..start + n` drew the first
+    /// `drawn` (int64 `[n]`) of `tokens` (int64 `[n, width]`): count those into their histories and move their
+    /// draw index on by that many; with `live`, only for the live rows.
+    pub fn advance_verified(
+        &mut self,
+        tokens: &Tensor,
+        drawn: &Tensor,
+        start: i64,
+        n: i64,
+        live: Option<&Tensor>,
+    ) -> Result<()> {
+        let stages = self.stages(start, n);
         let drawn = match live {
             Some(live) => drawn.mul(&live.to_dtype(DType::I64)?)?,
             None => drawn.shallow_clone()?,
         };
-        self.step.narrow(0, start, n)?.add_(&drawn)
+        if stages.repetition || stages.presence_frequency {
+            let width = tokens.size()?[1];
+            let cols = Tensor::arange(0, width, DType::I64, tokens)?.reshape(&[1, width])?;
+            let taken = cols.lt(&drawn.reshape(&[n, 1])?)?.to_dtype(DType::F32)?;
+            self.counts.narrow(0, start, n)?.scatter_add_(1, tokens, &taken)?;
+        }
+        if stages.draw {
+            self.step.narrow(0, start, n)?.add_(&drawn)?;
+        }
+        Ok(())
     }
 
-    /// Logit bias and penalties (the processors before the warpers), float32 `[n, vocab]`.
-    fn process(&self, raw: &Tensor, start: i64, n: i64, stages: Stages) -> Result<Tensor> {
+    /// Logit bias and penalties (the processors before the warpers) over the histories `counts` (float32
+    /// `[n, vocab]`), float32 `[n, vocab]`.
+    fn process(&self, raw: &Tensor, start: i64, n: i64, stages: Stages, counts: &Tensor) -> Result<Tensor> {
         let rows = |t: &Tensor| t.narrow(0, start, n);
         let mut x = raw.shallow_clone()?;
         if stages.bias {
             x = x.add(&rows(&self.bias)?)?;
         }
         if stages.repetition {
-            let counts = rows(&self.counts)?;
             let seen = rows(&self.in_prompt)?.logical_or(&counts.gt_scalar(0.0)?)?;
             let p = rows(&self.repetition)?;
             let penalized = Tensor::where_(&x.lt_scalar(0.0)?, &x.mul(&p)?, &x.div(&p)?)?;
             x = Tensor::where_(&seen, &penalized, &x)?;
         }
         if stages.presence_frequency {
-            let counts = rows(&self.counts)?;
             let present = counts.gt_scalar(0.0)?.to_dtype(DType::F32)?;
             x = x.sub(&counts.mul(&rows(&self.frequency)?)?)?.sub(&present.mul(&rows(&self.presence)?)?)?;
         }
@@ -485,7 +528,7 @@ impl Sampler {
     /// it is compared with Transformers' processors).
     pub fn distribution(&self, logits: &Tensor, start: i64, n: i64) -> Result<Tensor> {
         let stages = self.stages(start, n);
-        let x = self.process(&logits.to_dtype(DType::F32)?, start, n, stages)?;
+        let x = self.process(&logits.to_dtype(DType::F32)?, start, n, stages, &self.counts.narrow(0, start, n)?)?;
         let (sorted, order) = self.filtered(&x, start, n)?;
         let probs = sorted.softmax(-1)?;
         Tensor::full(&[n, self.vocab], 0.0, DType::F32, &probs)?.scatter(1, &order, &probs)

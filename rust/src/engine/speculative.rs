@@ -35,19 +35,27 @@
 //!
 //! A slot whose drafts keep failing is offered none for a while (`Backoff`).
 //!
-//! Which steps speculate: those whose bucket has no penalties (their counts would have to hold the drafts
-//! before each position), grammars (the mask of each position depends on the drafts before it) or
-//! log-probabilities, with at most `Speculative::max_batch` decoding slots, run right after a read point (the drafts
-//! need every slot's tokens on the host, and the host each slot's room), and where some slot has a draft (with an
-//! assistant: some slot has room; a slot whose hidden state the drafter lacks is offered none). While a batch can
-//! speculate, every turn ends in a read point. A verify step runs eagerly; the compiled and CUDA-graph
+//! Penalties, grammars and log-probabilities hold under speculation as in a plain step. Position `j`'s
+//! penalties count the drafts before it as generated (`Ahead::before`: where its choice matters those drafts
+//! are the tokens the slot drew), and the kept tokens enter the histories after the step. A grammar-constrained
+//! row's drafts are checked on the host before the forward (the assistant's come back from the device for it):
+//! a clone of the request's matcher takes them one by one, the mask after each becomes the next position's
+//! (`Constraint::masks_ahead`), and the drafts end at the first the grammar refuses. The matcher itself only
+//! ever takes the tokens the read point hands it, so a rejected draft never advances it. Log-probabilities are
+//! those of each position's distribution, one set a position (`column_logprobs`).
+//!
+//! Which steps speculate: those with at most `Speculative::max_batch` decoding slots of which some did not opt
+//! out (`Request::speculate`; a slot that did is offered no drafts), run right after a read point (the drafts
+//! need every slot's tokens on the host, and the host each slot's room), and where some slot has a draft (with
+//! an assistant: some slot has room; a slot whose hidden state the drafter lacks is offered none). While a batch
+//! can speculate, every turn ends in a read point. A verify step runs eagerly; the compiled and CUDA-graph
 //! paths cover plain steps.
 
 use std::path::PathBuf;
 
 use crate::engine::Engine;
 use crate::engine::read_point::{Drawn, Verified};
-use crate::engine::sampling::Chosen;
+use crate::engine::sampling::{Ahead, Chosen};
 use crate::error::{Error, Result};
 use crate::gemma4::attention::{Fill, Liveness, Positions};
 use crate::gemma4::cache::{Rows, held_before_rows};
@@ -232,21 +240,28 @@ pub(super) struct Drafts {
     offered: Vec<usize>,
 }
 
+impl Drafts {
+    /// Drafts of token 0, `offered[row]` for each of `b` rows (engine/tuning.rs: what a verify step costs).
+    pub(super) fn made_up(b: i64, k: i64, offered: Vec<usize>) -> Drafts {
+        let mut packed = vec![0; (b * k) as usize];
+        packed.extend(offered.iter().map(|n| *n as i64));
+        Drafts { k, packed, offered }
+    }
+}
+
 impl Engine {
-    /// Whether the decode steps of bucket `b` (rows `rows`) may speculate (module docs), the drafts
-    /// aside.
-    pub(super) fn speculates(&self, b: i64, rows: &[Option<usize>]) -> bool {
+    /// Whether a decode step of `rows` may speculate (module docs), the drafts aside.
+    pub(super) fn speculates(&self, rows: &[Option<usize>]) -> bool {
         let Some(spec) = &self.speculative else { return false };
-        let decoding = rows.iter().flatten().count() as i64;
-        let s = self.sampler.stages(0, b);
-        let plain = !s.repetition && !s.presence_frequency && !s.grammar && s.logprobs.is_none();
-        decoding > 0 && decoding <= spec.max_batch && plain
+        let decoding: Vec<usize> = rows.iter().flatten().copied().collect();
+        let willing = decoding.iter().any(|s| self.slots.get(*s).is_some_and(|slot| slot.request.speculate));
+        willing && decoding.len() as i64 <= spec.max_batch
     }
 
     /// The drafts for a decode step of bucket `b`, when it speculates and some slot has one.
     pub(super) fn drafts(&mut self, b: i64, rows: &[Option<usize>]) -> Option<Drafts> {
         let spec = self.speculative.as_ref()?;
-        if self.stepped || !self.drawn.is_empty() || !self.speculates(b, rows) {
+        if self.stepped || !self.drawn.is_empty() || !self.speculates(rows) {
             return None;
         }
         // The ring must hold the step's k + 1 positions apart (module docs).
@@ -259,8 +274,9 @@ impl Engine {
         let mut room_anywhere = false;
         for (row, s) in rows.iter().enumerate() {
             let Some(s) = *s else { continue };
-            let offer = self.slots.get_mut(s).ok()?.backoff.offer();
+            let waits = !self.slots.get_mut(s).ok()?.backoff.offer();
             let slot = self.slots.get(s)?;
+            let offer = slot.request.speculate && !waits;
             // The last token drawn is the step's input; drafts may reach the length limit, not pass it.
             let room = slot.limit.saturating_sub(slot.drawn()).saturating_sub(1).min(k as usize) * usize::from(offer);
             room_anywhere |= room > 0;
@@ -292,18 +308,28 @@ impl Engine {
     /// A verify step of slots `0..b` with `drafts` (module docs): one forward of each row's last token
     /// and drafts, the kept drafts and the next token chosen on the device, the rejected positions put
     /// back in the sliding rings, each slot moved on by what it kept.
-    pub(super) fn verify_step(&mut self, b: i64, rows: &[Option<usize>], drafts: Drafts) -> Result<()> {
+    pub(super) fn verify_step(&mut self, b: i64, rows: &[Option<usize>], mut drafts: Drafts) -> Result<()> {
         let k = drafts.k;
         let up = Tensor::from_i64(&drafts.packed)?.to_like(&self.like, DType::I64)?;
         let (looked_up, offered) = (up.narrow(0, 0, b * k)?.reshape(&[b, k])?, up.narrow(0, b * k, b)?);
         let padded = rows.iter().any(|r| r.is_none());
         let ring = self.cache.ring(LayerType::Sliding);
         let cols = Tensor::arange(0, k + 1, DType::I64, &self.like)?.reshape(&[1, k + 1])?;
-        let tokens = {
+        let grammar = self.sampler.stages(0, b).grammar;
+        let (tokens, logprobs) = {
             let v = self.slots.views(b)?;
             let draft = match &self.drafter {
                 Some(d) if k > 0 => d.draft(&self.model, &mut self.cache, v, k)?,
                 _ => looked_up,
+            };
+            let (masks, offered) = match grammar {
+                false => (None, offered),
+                true => {
+                    let host = if self.drafter.is_some() { draft.to_vec_i64()? } else { drafts.packed.clone() };
+                    let masks = self.column_masks(rows, &host, k, &mut drafts.offered)?;
+                    let offered: Vec<i64> = drafts.offered.iter().map(|n| *n as i64).collect();
+                    (Some(masks), Tensor::from_i64(&offered)?.to_like(&self.like, DType::I64)?)
+                }
             };
             let ids = Tensor::cat(&[&v.next.reshape(&[b, 1])?, &draft], 1)?.reshape(&[b * (k + 1)])?;
             // Padding rows may sit anywhere: keep their positions inside the context (their keys land in
@@ -324,11 +350,14 @@ impl Engine {
             let logits = self.model.head(&hidden)?.reshape(&[b, k + 1, vocab])?;
             let columns = (0..=k)
                 .map(|j| {
-                    let chosen = self.sampler.choose_ahead(&logits.narrow(1, j, 1)?.reshape(&[b, vocab])?, 0, b, j)?;
-                    chosen.tokens.reshape(&[b, 1])
+                    let before = draft.narrow(1, 0, j)?;
+                    let mask = masks.as_ref().map(|m| m.narrow(1, j, 1)?.reshape(&[b, -1])).transpose()?;
+                    let ahead = Ahead { by: j, before: (j > 0).then_some(&before), masks: mask.as_ref() };
+                    self.sampler.choose_ahead(&logits.narrow(1, j, 1)?.reshape(&[b, vocab])?, 0, b, &ahead)
                 })
                 .collect::<Result<Vec<_>>>()?;
-            let t = Tensor::cat(&columns.iter().collect::<Vec<_>>(), 1)?;
+            let picks = columns.iter().map(|c| c.tokens.reshape(&[b, 1])).collect::<Result<Vec<_>>>()?;
+            let t = Tensor::cat(&picks.iter().collect::<Vec<_>>(), 1)?;
             let choices = t.narrow(1, 0, k)?;
             let agree = draft.eq(&choices)?.logical_and(&v.keep.gather(1, &choices)?)?;
             // Drafts kept: the length of the run of agreeing ones from the first, at most those offered.
@@ -344,19 +373,46 @@ impl Engine {
             }
             let next = t.gather(1, &kept.reshape(&[b, 1])?)?.reshape(&[b])?;
             let drawn = kept.add_int(1)?;
-            self.sampler.advance_draws(&drawn, 0, b, padded.then_some(&v.live))?;
+            self.sampler.advance_verified(&t, &drawn, 0, b, padded.then_some(&v.live))?;
             self.slots.advance(b, &next, Some(&kept), padded)?;
-            Tensor::cat(&[&drawn.reshape(&[b, 1])?, &t], 1)?.reshape(&[b * (k + 2)])?
+            let tokens = Tensor::cat(&[&drawn.reshape(&[b, 1])?, &t], 1)?.reshape(&[b * (k + 2)])?;
+            (tokens, column_logprobs(&columns, b)?)
         };
         let verified = Verified { width: (k + 1) as usize, offered: drafts.offered };
-        self.drawn.push(Drawn {
-            chosen: Chosen { tokens, logprobs: None },
-            rows: rows.to_vec(),
-            verified: Some(verified),
-        });
+        self.drawn.push(Drawn { chosen: Chosen { tokens, logprobs }, rows: rows.to_vec(), verified: Some(verified) });
         self.stepped = true;
         Ok(())
     }
+
+    /// The grammar masks of a verify step's `k + 1` columns, uint8 `[b, k + 1, mask_bytes]` on the device: column
+    /// 0 the one `constrain` wrote, a later column the mask after the drafts before it; each constrained row's
+    /// drafts (`drafts`, `[b, k]` on the host) are cut at the first its grammar refuses
+    /// (`Constraint::masks_ahead`). An unconstrained row, and a column past a row's drafts, allow every token.
+    fn column_masks(&self, rows: &[Option<usize>], drafts: &[i64], k: i64, offered: &mut [usize]) -> Result<Tensor> {
+        let (m, w) = (self.sampler.mask_bytes(), (k + 1) as usize);
+        let mut host = vec![0xff_u8; rows.len() * w * m];
+        for ((row, s), out) in rows.iter().enumerate().zip(host.chunks_mut(w * m)) {
+            out[..m].copy_from_slice(self.sampler.mask_rows(row as i64, 1));
+            let Some(grammar) = s.and_then(|s| self.slots.get(s)?.grammar.as_ref()) else { continue };
+            offered[row] = grammar.masks_ahead(&drafts[row * k as usize..][..offered[row]], &mut out[m..]);
+        }
+        Tensor::from_bytes(&host, &[rows.len() as i64, k + 1, m as i64], DType::U8)?.to_like(&self.like, DType::U8)
+    }
+}
+
+/// The log-probabilities of a verify step's columns (`Sampler::choose_ahead`, one `[b]`-row `Chosen` a column) as
+/// one `Chosen`'s: row `r`'s column `j` at `r * (k + 1) + j`.
+fn column_logprobs(columns: &[Chosen], b: i64) -> Result<Option<(Tensor, Tensor, Tensor)>> {
+    let parts: Option<Vec<_>> = columns.iter().map(|c| c.logprobs.as_ref()).collect();
+    let Some(parts) = parts else { return Ok(None) };
+    let w = parts.len() as i64;
+    let stack = |pick: &dyn Fn(&(Tensor, Tensor, Tensor)) -> &Tensor| -> Result<Tensor> {
+        let each = parts.iter().map(|p| pick(p).unsqueeze(1)).collect::<Result<Vec<_>>>()?;
+        let t = Tensor::cat(&each.iter().collect::<Vec<_>>(), 1)?;
+        let top = t.size()?.get(2).copied();
+        t.reshape(&top.map_or(vec![b * w], |n| vec![b * w, n]))
+    };
+    Ok(Some((stack(&|p| &p.0)?, stack(&|p| &p.1)?, stack(&|p| &p.2)?)))
 }
 
 #[cfg(test)]

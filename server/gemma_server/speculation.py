@@ -1,0 +1,59 @@
+"""Where speculative decoding stops paying: the limit the server sets at warmup from the engine's own measurement.
+
+`Engine.speculation_costs(b)` times a plain decode step and a verify step (`k` drafts a row) with `b` requests
+decoding (rust/src/engine/tuning.rs). A verify step gives a row 1 + a tokens for a kept drafts; with each draft kept
+with probability `acceptance` while the ones before it were (Leviathan et al., "Fast Inference from Transformers via
+Speculative Decoding", 2023, eq. 1), it gives 1 + acceptance + ... + acceptance^k tokens on average. Speculating pays
+at a batch when that exceeds the ratio of the verify step's time to the plain step's. The limit is the largest decode
+bucket up to which every bucket pays at `TARGET_ACCEPTANCE`; a request whose drafts fail anyway is backed off by the
+engine (speculative.rs `Backoff`).
+"""
+
+from collections.abc import Sequence
+
+#: The share of drafts kept at which speculation is asked to pay (a design choice: at 4 drafts a verify step then gives
+#: 2.3 tokens a row). A request whose drafts are kept less often is backed off by the engine one by one.
+TARGET_ACCEPTANCE = 0.6
+
+
+def tokens_per_verify(drafts: int, acceptance: float) -> float:
+    """Expected tokens a verify step gives a row with `drafts` drafts kept each with probability `acceptance`."""
+    return sum(acceptance ** i for i in range(drafts + 1))
+
+
+def turns(context: int, drafts: int, most: int = 8) -> int:
+    """Steps of each kind `Engine.speculation_costs` can time in `context` (its requests hold an 8-token prompt and
+    (drafts + 2) tokens a turn); 0 when not one fits."""
+    return max(0, min(most, (context - 10) // (drafts + 2)))
+
+
+def limit(costs: Sequence[dict], acceptance: float = TARGET_ACCEPTANCE) -> int:
+    """The largest bucket of `costs` (`Engine.speculation_costs` dicts) up to which a verify step pays in every
+    bucket at `acceptance`; 0 when it does not pay at the smallest."""
+    best = 0
+    for c in sorted(costs, key=lambda c: c["bucket"]):
+        if c["verify_s"] >= tokens_per_verify(c["drafts"], acceptance) * c["plain_s"]:
+            break
+        best = c["bucket"]
+    return best
+
+
+def measure(engine) -> tuple[list[dict], int | None]:
+    """Time `engine`'s plain and verify steps in each of its decode buckets and set its limit from them (`limit`).
+    Returns the costs and the limit; ([], None) when its context is too short to measure (the limit stays)."""
+    n = turns(engine.context, engine.speculative["num_speculative_tokens"])
+    if n == 0:
+        return [], None
+    costs = [dict(engine.speculation_costs(b, n)) for b in engine.buckets]
+    chosen = limit(costs)
+    engine.set_speculative_max_batch(chosen)
+    return costs, chosen
+
+
+def summary(costs: Sequence[dict], chosen: int | None) -> str:
+    """One line for the warmup stage: each bucket's verify/plain ratio and the limit."""
+    if chosen is None:
+        return "speculative decoding's limit unmeasured (the context is too short for its steps)"
+    ratios = ", ".join(f"b{c['bucket']} {c['verify_s'] / c['plain_s']:.2f}x"
+                       for c in sorted(costs, key=lambda c: c["bucket"]))
+    return f"speculative decoding up to {chosen} decoding requests (verify/plain step time: {ratios})"
