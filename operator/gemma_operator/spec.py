@@ -212,8 +212,8 @@ class SpeculativeSpec(_Model):
         description="Draft tokens per request and step (GEMMA_NUM_SPECULATIVE_TOKENS).", ge=1, le=16)
     max_batch: int | None = Field(
         None, description="Above this many decoding requests an engine's steps do not speculate "
-        "(GEMMA_SPECULATIVE_MAX_BATCH). Unset: each server measures at warmup up to which batch a verify step "
-        "pays.", ge=1, le=MAX_NUM_SEQS)
+        "(GEMMA_SPECULATIVE_MAX_BATCH). Unset: each server measures at warmup up to which decode bucket a "
+        "verify step pays.", ge=1, le=MAX_NUM_SEQS)
 
     @field_validator("source")
     @classmethod

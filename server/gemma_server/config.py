@@ -137,10 +137,11 @@ class Config:
     num_speculative_tokens: int | None = setting(None, "GEMMA_NUM_SPECULATIVE_TOKENS", "draft tokens per "
                                                  "request and step (1..16)", flag_type=int, minimum=1)
     speculative_max_batch: int | None = setting(None, "GEMMA_SPECULATIVE_MAX_BATCH", "above this many decoding "
-                                                "requests an engine's steps do not speculate (default: measured at "
-                                                "warmup, the largest batch where a verify step's time is below the "
-                                                "tokens it gives at 0.6 of drafts kept; /v1/engine shows the "
-                                                "costs)", flag_type=int, minimum=1)
+                                                "requests an engine's steps do not speculate (default: no such "
+                                                "limit; the warmup measures each decode bucket and speculates up to "
+                                                "the largest where a verify step takes less than the tokens it gives "
+                                                "at 0.6 of drafts kept; /v1/engine shows the costs)", flag_type=int,
+                                                minimum=1)
     prompt_lookup_min: int = setting(1, "GEMMA_PROMPT_LOOKUP_MIN", "shortest n-gram --speculative-method ngram "
                                      "looks up", minimum=1)
     prompt_lookup_max: int = setting(4, "GEMMA_PROMPT_LOOKUP_MAX", "longest n-gram --speculative-method ngram "

@@ -1,7 +1,7 @@
 """Where speculative decoding stops paying: the limit the server sets at warmup from the engine's own measurement.
 
-`Engine.speculation_costs(b)` times a plain decode step and a verify step (`k` drafts a row) with `b` requests
-decoding (rust/src/engine/tuning.rs). A verify step gives a row 1 + a tokens for a kept drafts; with each draft kept
+`Engine.speculation_costs(b)` times a plain decode step and a verify step (`k` drafts a row) in the decode bucket of
+`b` requests (rust/src/engine/tuning.rs); a step computes every row of its bucket, so the ratio is the bucket's. A verify step gives a row 1 + a tokens for a kept drafts; with each draft kept
 with probability `acceptance` while the ones before it were (Leviathan et al., "Fast Inference from Transformers via
 Speculative Decoding", 2023, eq. 1), it gives 1 + acceptance + ... + acceptance^k tokens on average. Speculating pays
 at a batch when that exceeds the ratio of the verify step's time to the plain step's. The limit is the largest decode
@@ -39,14 +39,15 @@ def limit(costs: Sequence[dict], acceptance: float = TARGET_ACCEPTANCE) -> int:
 
 
 def measure(engine) -> tuple[list[dict], int | None]:
-    """Time `engine`'s plain and verify steps in each of its decode buckets and set its limit from them (`limit`).
+    """Time `engine`'s plain and verify steps in each of its decode buckets and set its largest speculating bucket
+    from them (`limit`).
     Returns the costs and the limit; ([], None) when its context is too short to measure (the limit stays)."""
     n = turns(engine.context, engine.speculative["num_speculative_tokens"])
     if n == 0:
         return [], None
     costs = [dict(engine.speculation_costs(b, n)) for b in engine.buckets]
     chosen = limit(costs)
-    engine.set_speculative_max_batch(chosen)
+    engine.set_speculative_max_bucket(chosen)
     return costs, chosen
 
 
@@ -56,4 +57,4 @@ def summary(costs: Sequence[dict], chosen: int | None) -> str:
         return "speculative decoding's limit unmeasured (the context is too short for its steps)"
     ratios = ", ".join(f"b{c['bucket']} {c['verify_s'] / c['plain_s']:.2f}x"
                        for c in sorted(costs, key=lambda c: c["bucket"]))
-    return f"speculative decoding up to {chosen} decoding requests (verify/plain step time: {ratios})"
+    return f"speculative decoding in decode buckets up to {chosen} (verify/plain step time: {ratios})"

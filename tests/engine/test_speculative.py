@@ -91,7 +91,8 @@ def two_token(dense_checkpoint, tmp_path_factory):
 def test_settings_are_checked_and_reported(dense):
     e = engine(dense, **{**SPEC, "speculative_max_batch": 2}, prompt_lookup_min=2, prompt_lookup_max=3)
     assert e.speculative == {"method": "ngram", "speculative_model": None, "num_speculative_tokens": K,
-                             "prompt_lookup_min": 2, "prompt_lookup_max": 3, "speculative_max_batch": 2}
+                             "prompt_lookup_min": 2, "prompt_lookup_max": 3, "speculative_max_batch": 2,
+                             "speculative_max_bucket": None}
     assert engine(dense).speculative is None
     bad = [({"speculative_method": "eagle", "num_speculative_tokens": 2}, "speculative_method must be"),
            ({"speculative_method": "ngram"}, "needs num_speculative_tokens"),
@@ -240,7 +241,7 @@ def test_every_architecture_speculates_exactly(run_spec, tmp_path_factory):
 def test_the_costs_of_plain_and_verify_steps_are_measured_and_leave_nothing(dense):
     """`speculation_costs` (rust/src/engine/tuning.rs) times both kinds of step in a bucket, then forgets its
     requests: a request of its prompt and salt afterwards finds no cached tokens and draws the tokens of a fresh
-    engine. `set_speculative_max_batch` moves the limit, to 0 (no step speculates)."""
+    engine. `set_speculative_max_bucket` bounds the buckets that speculate, to 0 none."""
     e = engine(dense, **SPEC)
     for batch, bucket in [(1, 1), (3, 4), (4, 4)]:
         costs = e.speculation_costs(batch, 3)
@@ -250,13 +251,13 @@ def test_the_costs_of_plain_and_verify_steps_are_measured_and_leave_nothing(dens
     out, stats = run(e, {1: [R(0, made_up, 16, cache_salt="gemma-engine speculation costs"), R(1, PROMPTS[0], 16)]})
     fresh, _ = run(engine(dense, **SPEC), {1: [R(0, made_up, 16), R(1, PROMPTS[0], 16)]})
     assert out == fresh and stats["cache_hits"] == 0
-    e.set_speculative_max_batch(0)
-    assert e.speculative["speculative_max_batch"] == 0
+    e.set_speculative_max_bucket(0)
+    assert e.speculative["speculative_max_bucket"] == 0
     _, stats = run(e, {1: [R(2, PROMPTS[0], 16)]})
     assert stats["spec_drafts"] == 0
     for call, message in [(lambda: e.speculation_costs(5), "batch must be in 1..=4"),
                           (lambda: e.speculation_costs(1, 0), "turns >= 1"),
-                          (lambda: e.set_speculative_max_batch(-1), "must be >= 0"),
+                          (lambda: e.set_speculative_max_bucket(-1), "must be >= 0"),
                           (lambda: engine(dense).speculation_costs(1), "speculative decoding is off"),
                           (lambda: engine(dense, **SPEC, context=24).speculation_costs(1), "too few tokens")]:
         with pytest.raises(ValueError, match=message):

@@ -48,7 +48,8 @@ def drafters(two_token, tmp_path_factory):
 def test_settings_are_checked_and_reported(dense_checkpoint, drafters):
     e = engine(dense_checkpoint, **mtp(drafters["random"]))
     assert e.speculative == {"method": "mtp", "speculative_model": str(drafters["random"]), "num_speculative_tokens": K,
-                             "prompt_lookup_min": 1, "prompt_lookup_max": 4, "speculative_max_batch": 4}
+                             "prompt_lookup_min": 1, "prompt_lookup_max": 4, "speculative_max_batch": 4,
+                             "speculative_max_bucket": None}
     assert e.weights()["bytes"] > engine(dense_checkpoint).weights()["bytes"], "the drafter's weights are counted"
     bad = [({"speculative_method": "mtp", "num_speculative_tokens": 2}, "needs speculative_model"),
            ({"speculative_method": "ngram", "num_speculative_tokens": 2, "speculative_model": "x"}, "takes none"),

@@ -37,5 +37,5 @@ def test_turns_fit_the_context_and_the_summary_names_the_limit():
     assert speculation.turns(40, 4) == 5
     assert speculation.turns(15, 4) == 0
     line = speculation.summary(costs(1.5, 3.0), 1)
-    assert line == "speculative decoding up to 1 decoding requests (verify/plain step time: b1 1.50x, b2 3.00x)"
+    assert line == "speculative decoding in decode buckets up to 1 (verify/plain step time: b1 1.50x, b2 3.00x)"
     assert "unmeasured" in speculation.summary([], None)

@@ -94,7 +94,8 @@ def test_a_request_that_opts_out_gets_no_drafts(spec_server, model):
 def test_v1_engine_names_the_method(spec_server, server):
     (engine,) = httpx.get(f"{spec_server.base}/v1/engine").json()["engines"]
     assert engine["speculative"] == {"method": "ngram", "speculative_model": None, "num_speculative_tokens": 4,
-                                     "prompt_lookup_min": 1, "prompt_lookup_max": 4, "speculative_max_batch": 4}
+                                     "prompt_lookup_min": 1, "prompt_lookup_max": 4, "speculative_max_batch": 4,
+                                     "speculative_max_bucket": None}
     (plain,) = httpx.get(f"{server.base}/v1/engine").json()["engines"]
     assert plain["speculative"] is None
     # Each draft position's accepted counter exists from the start (vLLM's), so the dashboard's query has series.
@@ -122,7 +123,7 @@ def test_an_mtp_drafter_gives_the_same_replies(chat_checkpoint, server, model, t
 
 def test_the_limit_is_measured_at_warmup_without_a_setting(chat_checkpoint):
     """Without --speculative-max-batch each engine times plain and verify steps in every decode bucket at warmup
-    and speculates up to the largest batch where the verify step pays at 0.6 of drafts kept (speculation.py)."""
+    and speculates up to the largest bucket where the verify step pays at 0.6 of drafts kept (speculation.py)."""
     s = start_in_process(chat_checkpoint, "--speculative-method", "ngram", "--num-speculative-tokens", "3",
                          "--max-num-seqs", "4", "--default-temperature", "0")
     try:
@@ -132,9 +133,10 @@ def test_the_limit_is_measured_at_warmup_without_a_setting(chat_checkpoint):
         buckets = [c["bucket"] for c in measured]
         assert buckets == sorted(set(buckets)) and buckets[0] == 1 and buckets[-1] == 4, "every decode bucket"
         assert all(c["drafts"] == 3 and 0 < c["plain_s"] and 0 < c["verify_s"] for c in measured)
-        assert engine["speculative"]["speculative_max_batch"] == speculation.limit(measured)
+        assert engine["speculative"]["speculative_max_bucket"] == speculation.limit(measured)
+        assert engine["speculative"]["speculative_max_batch"] == 4, "the requests' limit is the bucket's"
         warmup = next(st for st in info["stages"] if st["stage"] == "warmup")
-        assert f"speculative decoding up to {speculation.limit(measured)} decoding requests" in warmup["message"]
+        assert f"speculative decoding in decode buckets up to {speculation.limit(measured)}" in warmup["message"]
     finally:
         s.stop()
 

@@ -532,8 +532,9 @@ class Engine:
     @property
     def speculative(self) -> dict[str, str | int] | None:
         """{"method": "ngram" or "mtp", "speculative_model" (the drafter's directory, or None),
-        "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "speculative_max_batch"} when
-        speculative decoding is on, else None."""
+        "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "speculative_max_batch",
+        "speculative_max_bucket" (set by `set_speculative_max_bucket`, else None)} when speculative decoding is on,
+        else None."""
 
     def speculation_costs(self, batch: int, turns: int = 8) -> dict[str, float | int]:
         """{"bucket", "plain_s", "verify_s", "drafts"}: the seconds of a plain decode step and of a verify step
@@ -547,8 +548,9 @@ class Engine:
                 short for the turns.
         """
 
-    def set_speculative_max_batch(self, n: int) -> None:
-        """Above `n` decoding requests no step speculates (0: none does); the server sets it from
+    def set_speculative_max_bucket(self, n: int) -> None:
+        """No step of a decode bucket above `n` speculates (0: none does), besides `speculative_max_batch`'s limit on
+        decoding requests: a step's cost is its bucket's (padding rows included). The server sets it from
         `speculation_costs` at warmup.
 
         Raises:

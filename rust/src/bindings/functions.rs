@@ -219,6 +219,7 @@ pub(super) fn speculative_dict<'py>(py: Python<'py>, s: &Speculative) -> PyResul
     for (k, v) in s.named() {
         d.set_item(k, v)?;
     }
+    d.set_item("speculative_max_bucket", s.max_bucket)?;
     Ok(d)
 }
 

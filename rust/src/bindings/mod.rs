@@ -502,7 +502,7 @@ impl Engine {
 
     /// Speculative decoding, when on: {"method": "ngram" or "mtp", "speculative_model" (the drafter's
     /// directory, or None), "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-    /// "speculative_max_batch"}; None when off.
+    /// "speculative_max_batch", "speculative_max_bucket"}; None when off.
     #[getter]
     fn speculative<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
         self.inner.speculative().map(|s| functions::speculative_dict(py, s)).transpose()
@@ -516,8 +516,8 @@ impl Engine {
         functions::costs_dict(py, &costs)
     }
 
-    fn set_speculative_max_batch(&mut self, n: i64) -> PyResult<()> {
-        Ok(self.inner.set_speculative_max_batch(n)?)
+    fn set_speculative_max_bucket(&mut self, n: i64) -> PyResult<()> {
+        Ok(self.inner.set_speculative_max_bucket(n)?)
     }
 
     /// {"full_rings", "sliding_rings", "shared_layers", "context", "sliding_window", "max_batch",

@@ -16,7 +16,7 @@ use crate::engine::settings::Settings;
 use crate::engine::speculative::Method;
 use crate::engine::step::StepViews;
 use crate::error::{Error, Result};
-use crate::gemma4::assistant::Assistant;
+use crate::gemma4::assistant::{Assistant, DraftMask};
 use crate::gemma4::cache::{KvCache, Rows};
 use crate::gemma4::model::Model;
 use crate::gemma4::weights::Kernels;
@@ -73,11 +73,19 @@ impl Drafter {
         }
     }
 
-    /// `k` drafts, int64 `[b, k]`, for the slots `0..b` at their next tokens and positions (`v`).
-    pub(super) fn draft(&self, target: &Model, cache: &mut KvCache, v: &StepViews, k: i64) -> Result<Tensor> {
+    /// `k` drafts, int64 `[b, k]`, for the slots `0..b` at their next tokens and positions (`v`), each chosen
+    /// under `mask` (`Assistant::draft`).
+    pub(super) fn draft(
+        &self,
+        target: &Model,
+        cache: &mut KvCache,
+        v: &StepViews,
+        k: i64,
+        mask: &mut DraftMask<'_>,
+    ) -> Result<Tensor> {
         let b = v.b;
         let hidden = self.hidden.narrow(0, 0, b)?;
-        self.assistant.draft(target, cache, Rows::first(b), &v.next, &hidden, &v.positions, k)
+        self.assistant.draft(target, cache, Rows::first(b), &v.next, &hidden, &v.positions, k, mask)
     }
 
     /// After a verify step of `k` drafts a row over slots `0..b`: keep each row's hidden state at its last

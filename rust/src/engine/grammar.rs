@@ -228,29 +228,9 @@ impl Constraint {
         done.map_err(|e| self.fail(format!("grammar refused token {id}: {e}")))
     }
 
-    /// For a verify step (engine/speculative.rs): how many of `drafts` the grammar takes in a row from here,
-    /// with the mask after each taken draft written into `out` (`mask_bytes` bytes a draft, in order); the
-    /// constraint itself does not move (the look-ahead runs on a clone of the matcher, so a rejected draft never
-    /// advances it). The run ends at the first draft the grammar refuses, after one that ends the grammar (the
-    /// request ends there: its row is left as it is), and where the look-ahead fails: that failure is not the
-    /// request's, whose own tokens may never lead there.
-    pub fn masks_ahead(&self, drafts: &[i64], out: &mut [u8]) -> usize {
-        let m = self.mask_bytes();
-        let mut ahead = self.matcher.clone();
-        for (j, &id) in drafts.iter().enumerate() {
-            let Ok(token) = u32::try_from(id) else { return j };
-            if ahead.is_stopped() || !matches!(ahead.try_consume_tokens(&[token]), Ok(1)) {
-                return j;
-            }
-            if ahead.is_stopped() {
-                return j + 1;
-            }
-            match ahead.compute_mask() {
-                Ok(mask) => mask.write_to(&mut out[j * m..(j + 1) * m]),
-                Err(_) => return j,
-            }
-        }
-        drafts.len()
+    /// A look-ahead from here, for a verify step's drafts (engine/columns.rs).
+    pub fn lookahead(&self) -> Lookahead {
+        Lookahead { matcher: self.matcher.clone(), open: true }
     }
 
     fn fail(&mut self, msg: String) -> Error {
@@ -271,5 +251,39 @@ impl Constraint {
     /// Why the constraint failed, if it did.
     pub fn error(&self) -> Option<String> {
         self.failed.clone().or_else(|| self.matcher.get_error())
+    }
+}
+
+/// Drafts taken ahead of a request's grammar state, on a clone of its matcher: the constraint itself never moves,
+/// so a rejected draft never advances it. It closes at the first draft the grammar refuses, after a draft that
+/// ends the grammar (nothing is chosen past a request's end), and where the look-ahead fails: that failure is not
+/// the request's, whose own tokens may never lead there.
+pub struct Lookahead {
+    matcher: Matcher,
+    open: bool,
+}
+
+impl Lookahead {
+    /// Take draft `id`; true when it was taken. Then, unless the grammar ended with it, the mask after it is in
+    /// `out` (`mask_bytes` bytes) and the look-ahead stays open.
+    pub fn take(&mut self, id: i64, out: &mut [u8]) -> bool {
+        if !std::mem::replace(&mut self.open, false) || self.matcher.is_stopped() {
+            return false;
+        }
+        let Ok(token) = u32::try_from(id) else { return false };
+        if !matches!(self.matcher.try_consume_tokens(&[token]), Ok(1)) {
+            return false;
+        }
+        if self.matcher.is_stopped() {
+            return true;
+        }
+        match self.matcher.compute_mask() {
+            Ok(mask) => {
+                mask.write_to(out);
+                self.open = true;
+                true
+            }
+            Err(_) => false,
+        }
     }
 }

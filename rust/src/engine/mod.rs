@@ -64,6 +64,7 @@
 //! interleaved with decodes).
 
 mod chunks;
+mod columns;
 pub mod compiled;
 mod drafter;
 pub mod grammar;

@@ -362,10 +362,15 @@ impl Sampler {
     /// `raw` `[n, vocab]` with every token its rows' device masks `bits` (uint8 `[n, mask_bytes]`) do not
     /// allow at -inf (module docs).
     fn allowed(&self, raw: &Tensor, bits: &Tensor) -> Result<Tensor> {
-        let (n, m) = (raw.size()?[0], self.mask_bytes() as i64);
+        raw.add(&self.mask_values(bits)?)
+    }
+
+    /// What `allowed` adds for the device masks `bits` (uint8 `[n, mask_bytes]`): float32 `[n, vocab]`, -0.0 where a
+    /// token is allowed and -inf where not (module docs).
+    pub fn mask_values(&self, bits: &Tensor) -> Result<Tensor> {
+        let (n, m) = (bits.size()?[0], self.mask_bytes() as i64);
         let bytes = bits.to_dtype(DType::I64)?.reshape(&[n * m])?;
-        let add = self.mask_table.index_select(0, &bytes)?.reshape(&[n, m * 8])?.narrow(1, 0, self.vocab)?;
-        raw.add(&add)
+        self.mask_table.index_select(0, &bytes)?.reshape(&[n, m * 8])?.narrow(1, 0, self.vocab)
     }
 
     /// The stages the slots `start..start + len` need.

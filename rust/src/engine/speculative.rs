@@ -38,13 +38,15 @@
 //! Penalties, grammars and log-probabilities hold under speculation as in a plain step. Position `j`'s
 //! penalties count the drafts before it as generated (`Ahead::before`: where its choice matters those drafts
 //! are the tokens the slot drew), and the kept tokens enter the histories after the step. A grammar-constrained
-//! row's drafts are checked on the host before the forward (the assistant's come back from the device for it):
-//! a clone of the request's matcher takes them one by one, the mask after each becomes the next position's
-//! (`Constraint::masks_ahead`), and the drafts end at the first the grammar refuses. The matcher itself only
-//! ever takes the tokens the read point hands it, so a rejected draft never advances it. Log-probabilities are
+//! row's drafts are taken on the host by a look-ahead of its grammar (a clone of the request's matcher) before the
+//! forward: the mask after each becomes the next position's, and the drafts end at the first the grammar refuses
+//! (columns.rs). An assistant drafts under those masks, one draft at a time (each comes back to the host), so its
+//! drafts follow the grammar; prompt-lookup drafts are cut. The matcher itself only ever takes the tokens the read
+//! point hands it, so a rejected draft never advances it. Log-probabilities are
 //! those of each position's distribution, one set a position (`column_logprobs`).
 //!
-//! Which steps speculate: those with at most `Speculative::max_batch` decoding slots of which some did not opt
+//! Which steps speculate: those with at most `Speculative::max_batch` decoding slots, in a decode bucket no larger
+//! than `Speculative::max_bucket` when one is set (from measured costs, engine/tuning.rs), of which some did not opt
 //! out (`Request::speculate`; a slot that did is offered no drafts), run right after a read point (the drafts
 //! need every slot's tokens on the host, and the host each slot's room), and where some slot has a draft (with
 //! an assistant: some slot has room; a slot whose hidden state the drafter lacks is offered none). While a batch
@@ -54,6 +56,7 @@
 use std::path::PathBuf;
 
 use crate::engine::Engine;
+use crate::engine::columns::Columns;
 use crate::engine::read_point::{Drawn, Verified};
 use crate::engine::sampling::{Ahead, Chosen};
 use crate::error::{Error, Result};
@@ -125,6 +128,8 @@ pub struct Speculative {
     pub lookup_max: i64,
     /// Above this many decoding slots a step does not speculate.
     pub max_batch: i64,
+    /// Set from measured step costs (engine/tuning.rs): no step of a decode bucket above it speculates.
+    pub max_bucket: Option<i64>,
 }
 
 impl Speculative {
@@ -168,7 +173,7 @@ impl Speculative {
         let tokens = tokens.ok_or_else(|| {
             Error::Input(format!("speculative_method {:?} needs num_speculative_tokens", method_name(&method)))
         })?;
-        Ok(Some(Speculative { method, tokens, lookup_min, lookup_max, max_batch }))
+        Ok(Some(Speculative { method, tokens, lookup_min, lookup_max, max_batch, max_bucket: None }))
     }
 
     /// "ngram" or "mtp".
@@ -255,7 +260,8 @@ impl Engine {
         let Some(spec) = &self.speculative else { return false };
         let decoding: Vec<usize> = rows.iter().flatten().copied().collect();
         let willing = decoding.iter().any(|s| self.slots.get(*s).is_some_and(|slot| slot.request.speculate));
-        willing && decoding.len() as i64 <= spec.max_batch
+        let bucket = rows.len() as i64;
+        willing && decoding.len() as i64 <= spec.max_batch && spec.max_bucket.is_none_or(|top| bucket <= top)
     }
 
     /// The drafts for a decode step of bucket `b`, when it speculates and some slot has one.
@@ -308,7 +314,7 @@ impl Engine {
     /// A verify step of slots `0..b` with `drafts` (module docs): one forward of each row's last token
     /// and drafts, the kept drafts and the next token chosen on the device, the rejected positions put
     /// back in the sliding rings, each slot moved on by what it kept.
-    pub(super) fn verify_step(&mut self, b: i64, rows: &[Option<usize>], mut drafts: Drafts) -> Result<()> {
+    pub(super) fn verify_step(&mut self, b: i64, rows: &[Option<usize>], drafts: Drafts) -> Result<()> {
         let k = drafts.k;
         let up = Tensor::from_i64(&drafts.packed)?.to_like(&self.like, DType::I64)?;
         let (looked_up, offered) = (up.narrow(0, 0, b * k)?.reshape(&[b, k])?, up.narrow(0, b * k, b)?);
@@ -316,19 +322,38 @@ impl Engine {
         let ring = self.cache.ring(LayerType::Sliding);
         let cols = Tensor::arange(0, k + 1, DType::I64, &self.like)?.reshape(&[1, k + 1])?;
         let grammar = self.sampler.stages(0, b).grammar;
+        let mut columns = grammar.then(|| Columns::new(&self.sampler, &self.slots, rows, k, drafts.offered.clone()));
         let (tokens, logprobs) = {
             let v = self.slots.views(b)?;
             let draft = match &self.drafter {
-                Some(d) if k > 0 => d.draft(&self.model, &mut self.cache, v, k)?,
-                _ => looked_up,
+                Some(d) if k > 0 => {
+                    let (sampler, like) = (&self.sampler, &self.like);
+                    // Each draft of a constrained row under its grammar's mask after the drafts before it.
+                    let mut mask = |j: i64, before: Option<&Tensor>| -> Result<Option<Tensor>> {
+                        let Some(c) = columns.as_mut() else { return Ok(None) };
+                        if let Some(before) = before {
+                            c.take(j as usize - 1, &before.to_vec_i64()?);
+                        }
+                        Ok(Some(sampler.mask_values(&c.mask(j as usize, like)?)?))
+                    };
+                    let draft = d.draft(&self.model, &mut self.cache, v, k, &mut mask)?;
+                    if let Some(c) = columns.as_mut() {
+                        c.take(k as usize - 1, &draft.narrow(1, k - 1, 1)?.reshape(&[b])?.to_vec_i64()?);
+                    }
+                    draft
+                }
+                _ => {
+                    if let Some(c) = columns.as_mut() {
+                        c.take_all(&drafts.packed[..(b * k) as usize]);
+                    }
+                    looked_up
+                }
             };
-            let (masks, offered) = match grammar {
-                false => (None, offered),
-                true => {
-                    let host = if self.drafter.is_some() { draft.to_vec_i64()? } else { drafts.packed.clone() };
-                    let masks = self.column_masks(rows, &host, k, &mut drafts.offered)?;
-                    let offered: Vec<i64> = drafts.offered.iter().map(|n| *n as i64).collect();
-                    (Some(masks), Tensor::from_i64(&offered)?.to_like(&self.like, DType::I64)?)
+            let (masks, offered) = match &columns {
+                None => (None, offered),
+                Some(c) => {
+                    let cut: Vec<i64> = c.offered.iter().map(|n| *n as i64).collect();
+                    (Some(c.masks(&self.like)?), Tensor::from_i64(&cut)?.to_like(&self.like, DType::I64)?)
                 }
             };
             let ids = Tensor::cat(&[&v.next.reshape(&[b, 1])?, &draft], 1)?.reshape(&[b * (k + 1)])?;
@@ -378,25 +403,11 @@ impl Engine {
             let tokens = Tensor::cat(&[&drawn.reshape(&[b, 1])?, &t], 1)?.reshape(&[b * (k + 2)])?;
             (tokens, column_logprobs(&columns, b)?)
         };
-        let verified = Verified { width: (k + 1) as usize, offered: drafts.offered };
+        let offered = columns.map_or(drafts.offered, |c| c.offered);
+        let verified = Verified { width: (k + 1) as usize, offered };
         self.drawn.push(Drawn { chosen: Chosen { tokens, logprobs }, rows: rows.to_vec(), verified: Some(verified) });
         self.stepped = true;
         Ok(())
-    }
-
-    /// The grammar masks of a verify step's `k + 1` columns, uint8 `[b, k + 1, mask_bytes]` on the device: column
-    /// 0 the one `constrain` wrote, a later column the mask after the drafts before it; each constrained row's
-    /// drafts (`drafts`, `[b, k]` on the host) are cut at the first its grammar refuses
-    /// (`Constraint::masks_ahead`). An unconstrained row, and a column past a row's drafts, allow every token.
-    fn column_masks(&self, rows: &[Option<usize>], drafts: &[i64], k: i64, offered: &mut [usize]) -> Result<Tensor> {
-        let (m, w) = (self.sampler.mask_bytes(), (k + 1) as usize);
-        let mut host = vec![0xff_u8; rows.len() * w * m];
-        for ((row, s), out) in rows.iter().enumerate().zip(host.chunks_mut(w * m)) {
-            out[..m].copy_from_slice(self.sampler.mask_rows(row as i64, 1));
-            let Some(grammar) = s.and_then(|s| self.slots.get(s)?.grammar.as_ref()) else { continue };
-            offered[row] = grammar.masks_ahead(&drafts[row * k as usize..][..offered[row]], &mut out[m..]);
-        }
-        Tensor::from_bytes(&host, &[rows.len() as i64, k + 1, m as i64], DType::U8)?.to_like(&self.like, DType::U8)
     }
 }
 
@@ -466,7 +477,14 @@ mod tests {
 
     #[test]
     fn settings_out_of_range_name_the_setting() {
-        let ok = Speculative { method: Method::Ngram, tokens: 4, lookup_min: 1, lookup_max: 3, max_batch: 4 };
+        let ok = Speculative {
+            method: Method::Ngram,
+            tokens: 4,
+            lookup_min: 1,
+            lookup_max: 3,
+            max_batch: 4,
+            max_bucket: None,
+        };
         assert!(ok.check().is_ok());
         let bad = [
             (Speculative { tokens: 0, ..ok.clone() }, "num_speculative_tokens"),

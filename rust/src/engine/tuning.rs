@@ -4,8 +4,9 @@
 //! bound by reading the weights (an accelerator at small batches) that costs little more than a plain step; where
 //! it is bound by arithmetic (a CPU, or a large batch) it costs about `k + 1` of them. A verify step gives a row
 //! `1 + a` tokens for `a` kept drafts, so speculating pays at a batch when the tokens a verify step gives exceed
-//! the ratio of its time to a plain step's. The server measures that ratio for every decode bucket at warmup and
-//! sets `Speculative::max_batch` from it (gemma_server/boot.py).
+//! the ratio of its time to a plain step's. Both steps compute every row of their decode bucket, padding included,
+//! so the ratio is the bucket's, whatever number of its rows decode. The server measures it for every decode bucket
+//! at warmup and sets `Speculative::max_bucket` from it (gemma_server/speculation.py).
 //!
 //! The measurement runs `b` requests of one made-up prompt through the engine's own steps (compiled and
 //! CUDA-graphed plain steps where the engine has them; verify steps eager, as they always run): `turns` plain
@@ -119,13 +120,13 @@ impl Engine {
         Some((b, self.slots.rows(b)))
     }
 
-    /// Set `Speculative::max_batch`: above `n` decoding requests no step speculates (0: none does).
-    pub fn set_speculative_max_batch(&mut self, n: i64) -> Result<()> {
+    /// Set `Speculative::max_bucket`: no step of a decode bucket above `n` speculates (0: none does).
+    pub fn set_speculative_max_bucket(&mut self, n: i64) -> Result<()> {
         let spec = self.speculative.as_mut().ok_or_else(|| Error::Input("speculative decoding is off".into()))?;
         if n < 0 {
-            return Err(Error::Input(format!("speculative_max_batch must be >= 0, got {n}")));
+            return Err(Error::Input(format!("speculative_max_bucket must be >= 0, got {n}")));
         }
-        spec.max_batch = n;
+        spec.max_bucket = Some(n);
         Ok(())
     }
 }

@@ -39,6 +39,9 @@ use crate::tensor::{DType, Tensor};
 
 const MODEL_TYPES: [&str; 2] = ["gemma4_assistant", "gemma4_unified_assistant"];
 
+/// What `Assistant::draft` adds to draft `j`'s logits, given draft `j - 1` (None for the first): None adds nothing.
+pub type DraftMask<'a> = dyn FnMut(i64, Option<&Tensor>) -> Result<Option<Tensor>> + 'a;
+
 /// An assistant's config.json: its text model, and what ties it to a target.
 pub struct AssistantConfig {
     /// The text model, every layer reading its type's donor (`kv_source` = `LayerType::index`).
@@ -227,7 +230,9 @@ impl Assistant {
 
     /// `k` drafts, int64 `[rows, k]`, for the slots `rows` of the target's `cache` whose next input tokens are
     /// `tokens` at positions `positions` (int64 `[rows]`), the target's final hidden states before them
-    /// `hidden` (`[rows, target hidden]`, `Model::final_hidden`) (module docs).
+    /// `hidden` (`[rows, target hidden]`, `Model::final_hidden`) (module docs). Draft `j` is chosen with
+    /// `mask(j, draft j - 1)` (None for the first) added to its logits when that is Some (float `[rows, vocab]`: a
+    /// caller's grammar masks, engine/columns.rs).
     #[allow(clippy::too_many_arguments)]
     pub fn draft(
         &self,
@@ -238,6 +243,7 @@ impl Assistant {
         hidden: &Tensor,
         positions: &Tensor,
         k: i64,
+        mask: &mut DraftMask<'_>,
     ) -> Result<Tensor> {
         let b = rows.len;
         cache.prepare(rows)?;
@@ -259,7 +265,8 @@ impl Assistant {
         }
         let (mut token, mut h) = (tokens.shallow_clone()?, hidden.shallow_clone()?);
         let mut drafts = Vec::with_capacity(k as usize);
-        for _ in 0..k {
+        for j in 0..k {
+            let allowed = mask(j, (j > 0).then_some(&token))?;
             let mut x = self.pre_projection.forward(&Tensor::cat(&[&target.token_embeddings(&token)?, &h], 1)?)?;
             for layer in &self.layers {
                 let plan = plans[layer.spec.kind.index()]
@@ -269,22 +276,30 @@ impl Assistant {
                 x = layer.forward(&x, None, rows, io)?;
             }
             let y = self.norm.forward(&x)?;
-            token = self.choose(&y)?;
+            token = self.choose(&y, allowed.as_ref())?;
             h = self.post_projection.forward(&y)?;
             drafts.push(token.reshape(&[b, 1])?);
         }
         Tensor::cat(&drafts.iter().collect::<Vec<_>>(), 1)
     }
 
-    /// The most likely token under the head of final states `y` (`[rows, hidden]`): int64 `[rows]`.
-    fn choose(&self, y: &Tensor) -> Result<Tensor> {
-        let Some(o) = &self.ordered else { return self.lm_head.forward(y)?.argmax(1, false) };
+    /// The most likely token under the head of final states `y` (`[rows, hidden]`), with `mask` (float
+    /// `[rows, vocab]`, 0 or -inf) added to its logits: int64 `[rows]`.
+    fn choose(&self, y: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
+        let Some(o) = &self.ordered else {
+            let logits = self.lm_head.forward(y)?;
+            return mask.map_or(Ok(logits.shallow_clone()?), |m| logits.add(m))?.argmax(1, false);
+        };
         let b = y.size()?[0];
         // The tokens of the best centroids, `[rows, top_k * per_centroid]`, and their logits.
         let (_, best) = o.centroids.forward(y)?.topk(o.top_k)?;
         let tokens = o.canonical.index_select(0, &best.reshape(&[-1])?)?.reshape(&[b, -1])?;
         let rows = self.table.index_select(0, &tokens.reshape(&[-1])?)?.reshape(&[b, -1, self.cfg.hidden_size])?;
         let logits = rows.matmul(&y.unsqueeze(2)?)?.reshape(&[b, -1])?;
+        let logits = match mask {
+            Some(m) => logits.add(&m.gather(1, &tokens)?)?,
+            None => logits,
+        };
         tokens.gather(1, &logits.argmax(1, true)?)?.reshape(&[b])
     }
 }
