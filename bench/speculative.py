@@ -20,8 +20,9 @@ drafter is a separate model of its own weights, never the target.
 
 Each request's prompt is a block of 16 tokens said twice; every request is greedy. `--speculative-max-batch` (the
 engine's default, 1, unless given; `measured`: set from the engine's own step costs, as the server does at warmup,
-gemma_server/speculation.py): above it no step speculates, and the ratio there is the cost of having it on. Medians of `--repeats` runs each; the prompt read is in both timings; the tokens must be equal in every
-repeat.
+gemma_server/speculation.py): above it no step speculates, and the ratio there is the cost of having it on.
+Medians of `--repeats` runs each, every run on emptied rings (`reset_prefix_cache`), so the prompt read is in both
+timings; the drafts counted over all runs; the tokens must be equal in every repeat.
 """
 
 from __future__ import annotations
@@ -47,9 +48,12 @@ def prompts(batch: int, vocab: int, first: int = 0) -> list[list[int]]:
 
 
 def run(engine, batch: int, new: int, first: int = 0) -> tuple[float, dict[int, list[int]], dict[str, int]]:
-    """Seconds, tokens per request and the speculation counters of one batch of greedy requests (`prompts`)."""
+    """Seconds, tokens per request and the speculation counters of one batch of greedy requests (`prompts`), on an
+    engine whose rings hold nothing: the requests read their prompts and take the lowest slots (an earlier repeat's
+    histories would send them elsewhere, into a larger decode bucket)."""
     import gemma_engine
 
+    engine.reset_prefix_cache()
     queue = [gemma_engine.Request(i, p, new) for i, p in enumerate(prompts(batch, engine.vocab_size, first))]
     out, done, stats = {r.id: [] for r in queue}, set(), {"spec_draft_tokens": 0, "spec_accepted_tokens": 0,
                                                           "spec_drafts": 0}
@@ -76,13 +80,14 @@ def run(engine, batch: int, new: int, first: int = 0) -> tuple[float, dict[int, 
 def compare(plain, spec, batches: list[int], args, label: str, first: int = 0) -> None:
     """Time `plain` and `spec` on each batch (prompts from number `first`) and print a line each."""
     for batch in batches:
-        times, same = {"plain": [], "spec": []}, True
+        times, same, counters = {"plain": [], "spec": []}, True, {}
         for _ in range(args.repeats):
             seconds, want, _ = run(plain, batch, args.new, first)
             times["plain"].append(seconds)
-            seconds, tokens, counters = run(spec, batch, args.new, first)
+            seconds, tokens, counted = run(spec, batch, args.new, first)
             times["spec"].append(seconds)
             same = same and tokens == want
+            counters = {k: counters.get(k, 0) + v for k, v in counted.items()}
         generated = batch * args.new
         rate = {side: generated / statistics.median(t) for side, t in times.items()}
         drafts, offered, kept = (counters[k] for k in ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens"))
@@ -140,8 +145,9 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.threads} thread(s); medians of {args.repeats}")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        fixed = args.speculative_max_batch not in (None, "measured")
-        limit = {"speculative_max_batch": int(args.speculative_max_batch)} if fixed else {}
+        # Measured, as the server does: no limit on decoding requests, the measured one on buckets.
+        limit = {} if args.speculative_max_batch is None else {"speculative_max_batch": max(batches)} \
+            if args.speculative_max_batch == "measured" else {"speculative_max_batch": int(args.speculative_max_batch)}
         if args.method == "ngram":
             random_model(config, "cpu").to(getattr(torch, args.dtype)).save_pretrained(tmp / "random")
             targets = {"random": tmp / "random", "two-token": checkpoints.save_two_token(tmp / "random",

@@ -42,8 +42,8 @@
 //! forward: the mask after each becomes the next position's, and the drafts end at the first the grammar refuses
 //! (columns.rs). An assistant drafts under those masks, one draft at a time (each comes back to the host), so its
 //! drafts follow the grammar; prompt-lookup drafts are cut. The matcher itself only ever takes the tokens the read
-//! point hands it, so a rejected draft never advances it. Log-probabilities are
-//! those of each position's distribution, one set a position (`column_logprobs`).
+//! point hands it, so a rejected draft never advances it. Log-probabilities are those of each position's
+//! distribution, one set a position (`column_logprobs`).
 //!
 //! Which steps speculate: those with at most `Speculative::max_batch` decoding slots, in a decode bucket no larger
 //! than `Speculative::max_bucket` when one is set (from measured costs, engine/tuning.rs), of which some did not opt
