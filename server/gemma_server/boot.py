@@ -11,8 +11,8 @@ builds the checkpoint's `gemma_engine.Grammars` (its tokenizer.json, eos ids and
 engine and every request's grammar check share it; and, for a checkpoint with a vision or audio tower, its
 media front end (media.MediaEncoder: Transformers' processors and one `gemma_engine.Encoder` on the first
 engine's device, on a thread of its own). With speculative decoding on and no --speculative-max-batch, the warmup
-stage also measures up to which decode bucket it pays on each engine and sets that limit (speculation.py). A failed stage writes
-a one-line reason to the termination-message file (Kubernetes shows it as the container's last state, and
+stage also measures up to which decode bucket it pays on each engine and sets that limit (speculation.py). A
+failed stage writes a one-line reason to the termination-message file (Kubernetes shows it as the container's last state, and
 the operator as a condition) and asks the process to exit non-zero, so the pod restarts with back-off.
 """
 
@@ -300,7 +300,8 @@ class Boot:
             packed_int4=None if c.packed_int4 else False, cuda_graphs=c.cuda_graphs,
             onednn=False if c.compile != "off" else {"auto": None, "on": True, "off": False}[c.onednn],
             prefix_caching=c.enable_prefix_caching, speculative_method=c.speculative_method,
-            num_speculative_tokens=c.num_speculative_tokens, speculative_max_batch=c.speculative_max_batch or c.max_num_seqs,
+            num_speculative_tokens=c.num_speculative_tokens,
+            speculative_max_batch=c.speculative_max_batch or c.max_num_seqs,
             prompt_lookup_min=c.prompt_lookup_min, prompt_lookup_max=c.prompt_lookup_max,
             speculative_model=str(drafter_dir) if drafter_dir else None)
         if c.compile != "off":

@@ -1,21 +1,20 @@
 """Where speculative decoding stops paying: the limit the server sets at warmup from the engine's own measurement.
 
 `Engine.speculation_costs(b)` times a plain decode step and a verify step (`k` drafts a row) in the decode bucket of
-`b` requests (rust/src/engine/tuning.rs); a step computes every row of its bucket, so the ratio is the bucket's. A verify step gives a row 1 + a tokens for a kept drafts; with each draft kept
-with probability `acceptance` while the ones before it were (Leviathan et al., "Fast Inference from Transformers via
-Speculative Decoding", 2023, eq. 1), it gives 1 + acceptance + ... + acceptance^k tokens on average. Speculating pays
-at a batch when that exceeds the ratio of the verify step's time to the plain step's. The limit is the largest decode
-bucket up to which every bucket pays at `TARGET_ACCEPTANCE`; a request whose drafts fail anyway is backed off by the
-engine (speculative.rs `Backoff`).
+`b` requests (rust/src/engine/tuning.rs); a step computes every row of its bucket, so the ratio is the bucket's. A
+verify step gives a row 1 + a tokens for a kept drafts; with each draft kept with probability `acceptance` while the
+ones before it were (Leviathan et al., "Fast Inference from Transformers via Speculative Decoding", 2023, eq. 1), it
+gives 1 + acceptance + ... + acceptance^k tokens on average. Speculating pays at a batch when that exceeds the ratio
+of the verify step's time to the plain step's. The limit is the largest decode bucket up to which every bucket pays
+at `TARGET_ACCEPTANCE`; a request whose drafts fail anyway is backed off by the engine (speculative.rs `Backoff`).
 """
 
 import statistics
 from collections.abc import Sequence
 
-#: The share of drafts kept at which speculation is asked to pay (a design choice: at 4 drafts a verify step then gives
-#: 2.3 tokens a row). A request whose drafts are kept less often is backed off by the engine one by one.
+#: The share of drafts kept at which speculation is asked to pay (a design choice: at 4 drafts a verify step then
+#: gives 2.3 tokens a row). A request whose drafts are kept less often is backed off by the engine one by one.
 TARGET_ACCEPTANCE = 0.6
-
 
 #: Measurements of each bucket's steps; their median is used (on a 2-core CPU one measurement of batch 4's ratio
 #: moved between 1.87 and 2.84 from run to run).

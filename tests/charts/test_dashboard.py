@@ -196,8 +196,10 @@ def traffic_scrape(chat_checkpoint, tmp_path_factory):  # noqa: F811
            "--port", str(port), "--termination-log", str(d / "termination.log")]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "GEMMA_MODEL": str(chat_checkpoint), "GEMMA_CONTEXT": "1024",
            "GEMMA_DTYPE": "float32", "GEMMA_SERVED_MODEL_NAME": MODEL, "GEMMA_READ_EVERY": "2",
-           # Prompt lookup, so the speculative decoding panel has data.
-           "GEMMA_SPECULATIVE_METHOD": "ngram", "GEMMA_NUM_SPECULATIVE_TOKENS": "4"}
+           # Prompt lookup, so the speculative decoding panel has data (a fixed limit: the one measured at warmup
+           # may turn it off on this CPU).
+           "GEMMA_SPECULATIVE_METHOD": "ngram", "GEMMA_NUM_SPECULATIVE_TOKENS": "4",
+           "GEMMA_SPECULATIVE_MAX_BATCH": "1"}
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     base = f"http://127.0.0.1:{port}"

@@ -143,7 +143,8 @@ def test_an_assistant_drafts_under_the_grammar(chats, prompt, tmp_path, kind):
     assert {i: o.tokens for i, o in spec.items()} == {i: o.tokens for i, o in plain.items()}
     _json(models["random"], spec[0], ARRAY)
     _json(models["random"], spec[1], OBJECT)
-    stats = {k: sum(s.get(k, 0) for s in run.stats) for k in ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")}
+    keys = ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")
+    stats = {k: sum(s.get(k, 0) for s in run.stats) for k in keys}
     assert stats["spec_draft_tokens"] >= 0.8 * 3 * stats["spec_drafts"] > 0, stats
     assert stats["spec_accepted_tokens"] > 0.4 * stats["spec_draft_tokens"], stats
 

@@ -401,16 +401,18 @@ impl Sampler {
             (true, Some(masks)) => self.allowed(&raw, masks)?,
             (true, None) => self.allowed(&raw, &self.mask_bits.narrow(0, start, n)?)?,
         };
-        let counts = match ahead.before {
-            Some(before) if stages.repetition || stages.presence_frequency => {
+        // The histories only the penalties read (a plain step without them makes no call for them).
+        let counts = match (stages.repetition || stages.presence_frequency, ahead.before) {
+            (false, _) => None,
+            (true, None) => Some(rows(&self.counts)?),
+            (true, Some(before)) => {
                 let counts = rows(&self.counts)?.copy()?;
                 let ones = Tensor::full(&before.size()?, 1.0, DType::F32, &counts)?;
                 counts.scatter_add_(1, before, &ones)?;
-                counts
+                Some(counts)
             }
-            _ => rows(&self.counts)?,
         };
-        let x = self.process(&raw, start, n, stages, &counts)?;
+        let x = self.process(&raw, start, n, stages, counts.as_ref())?;
         let greedy = x.argmax(-1, false)?;
         let tokens = if stages.draw {
             let (sorted, order) = self.filtered(&x, start, n)?;
@@ -489,20 +491,22 @@ impl Sampler {
     }
 
     /// Logit bias and penalties (the processors before the warpers) over the histories `counts` (float32
-    /// `[n, vocab]`), float32 `[n, vocab]`.
-    fn process(&self, raw: &Tensor, start: i64, n: i64, stages: Stages, counts: &Tensor) -> Result<Tensor> {
+    /// `[n, vocab]`; Some when `stages` has penalties), float32 `[n, vocab]`.
+    fn process(&self, raw: &Tensor, start: i64, n: i64, stages: Stages, counts: Option<&Tensor>) -> Result<Tensor> {
         let rows = |t: &Tensor| t.narrow(0, start, n);
         let mut x = raw.shallow_clone()?;
         if stages.bias {
             x = x.add(&rows(&self.bias)?)?;
         }
+        let history = || counts.ok_or_else(|| Error::Internal("the penalties' histories are missing".into()));
         if stages.repetition {
-            let seen = rows(&self.in_prompt)?.logical_or(&counts.gt_scalar(0.0)?)?;
+            let seen = rows(&self.in_prompt)?.logical_or(&history()?.gt_scalar(0.0)?)?;
             let p = rows(&self.repetition)?;
             let penalized = Tensor::where_(&x.lt_scalar(0.0)?, &x.mul(&p)?, &x.div(&p)?)?;
             x = Tensor::where_(&seen, &penalized, &x)?;
         }
         if stages.presence_frequency {
+            let counts = history()?;
             let present = counts.gt_scalar(0.0)?.to_dtype(DType::F32)?;
             x = x.sub(&counts.mul(&rows(&self.frequency)?)?)?.sub(&present.mul(&rows(&self.presence)?)?)?;
         }
@@ -533,7 +537,8 @@ impl Sampler {
     /// it is compared with Transformers' processors).
     pub fn distribution(&self, logits: &Tensor, start: i64, n: i64) -> Result<Tensor> {
         let stages = self.stages(start, n);
-        let x = self.process(&logits.to_dtype(DType::F32)?, start, n, stages, &self.counts.narrow(0, start, n)?)?;
+        let counts = self.counts.narrow(0, start, n)?;
+        let x = self.process(&logits.to_dtype(DType::F32)?, start, n, stages, Some(&counts))?;
         let (sorted, order) = self.filtered(&x, start, n)?;
         let probs = sorted.softmax(-1)?;
         Tensor::full(&[n, self.vocab], 0.0, DType::F32, &probs)?.scatter(1, &order, &probs)
