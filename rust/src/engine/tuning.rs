@@ -8,12 +8,12 @@
 //! so the ratio is the bucket's, whatever number of its rows decode. The server measures it for every decode bucket
 //! at warmup and sets `Speculative::max_bucket` from it (gemma_server/speculation.py).
 //!
-//! The measurement runs `b` requests of one made-up prompt through the engine's own steps (compiled and
-//! CUDA-graphed plain steps where the engine has them; verify steps eager, as they always run): `turns` plain
-//! steps read at the end, then `turns` verify steps with `k` drafts a row, each read at once (a batch that
-//! speculates ends every turn in a read point). The drafts are made up too: what a verify step costs does not
-//! depend on how many it keeps. Every slot's rings are forgotten before (so the requests take the lowest slots) and
-//! after (so nothing of them reaches the prefix cache).
+//! The measurement runs `b` requests of one made-up prompt (greedy, the eos ids barred by a logit bias so that none
+//! ends early) through the engine's own steps (compiled and CUDA-graphed plain steps where the engine has them;
+//! verify steps eager, as they always run): `turns` plain steps read at the end, then `turns` verify steps with `k`
+//! drafts a row, each read at once (a batch that speculates ends every turn in a read point). The drafts are made
+//! up too: what a verify step costs does not depend on how many it keeps. Every slot's rings are forgotten before
+//! (so the requests take the lowest slots) and after (so nothing of them reaches the prefix cache).
 
 use std::time::Instant;
 
@@ -56,6 +56,10 @@ impl Engine {
         if max_new < wanted {
             return Err(Error::Input(format!("a context of {} holds too few tokens for {turns} turns", self.context)));
         }
+        // A made-up prompt may well be followed by an eos token: the requests must decode all their turns.
+        let eos = &self.model.cfg.eos_ids;
+        let never_stop =
+            SamplingParams { logit_bias: eos.iter().map(|&id| (id, -1e9)).collect(), ..Default::default() };
         // Forgotten first too: a request that finds no hit takes the lowest free slots, so `batch` fills a bucket.
         self.reset_prefix_cache();
         self.slots.reset()?;
@@ -67,7 +71,7 @@ impl Engine {
                 prompt: prompt.clone(),
                 max_new,
                 stop_ids: Vec::new(),
-                params: SamplingParams::default(),
+                params: never_stop.clone(),
                 grammar: None,
                 prompt_logprobs: None,
                 cache_salt: Some("gemma-engine speculation costs".into()),
