@@ -354,9 +354,7 @@ impl Sampler {
 
     /// Copy the host mask rows of the slots `start..start + n` to the device, in one copy.
     pub fn upload_masks(&self, start: i64, n: i64) -> Result<()> {
-        let m = self.mask_bytes();
-        let rows = &self.mask_host[start as usize * m..(start + n) as usize * m];
-        self.mask_bits.narrow(0, start, n)?.write_bytes_(rows)
+        self.mask_bits.narrow(0, start, n)?.write_bytes_(self.mask_rows(start, n))
     }
 
     /// `raw` `[n, vocab]` with every token its rows' device masks `bits` (uint8 `[n, mask_bytes]`) do not

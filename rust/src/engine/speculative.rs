@@ -246,9 +246,13 @@ pub(super) struct Drafts {
 }
 
 impl Drafts {
-    /// Drafts of token 0, `offered[row]` for each of `b` rows (engine/tuning.rs: what a verify step costs).
-    pub(super) fn made_up(b: i64, k: i64, offered: Vec<usize>) -> Drafts {
-        let mut packed = vec![0; (b * k) as usize];
+    /// `k` columns a row: row `i`'s drafts `found[i]` (none past `found`'s rows: token 0, which engine/tuning.rs
+    /// offers to time a verify step), `offered[i]` of them offered.
+    pub(super) fn pack(k: i64, found: &[Vec<i64>], offered: Vec<usize>) -> Drafts {
+        let mut packed = vec![0; offered.len() * k as usize];
+        for (row, f) in found.iter().enumerate() {
+            packed[row * k as usize..][..f.len()].copy_from_slice(f);
+        }
         packed.extend(offered.iter().map(|n| *n as i64));
         Drafts { k, packed, offered }
     }
@@ -258,10 +262,16 @@ impl Engine {
     /// Whether a decode step of `rows` may speculate (module docs), the drafts aside.
     pub(super) fn speculates(&self, rows: &[Option<usize>]) -> bool {
         let Some(spec) = &self.speculative else { return false };
-        let decoding: Vec<usize> = rows.iter().flatten().copied().collect();
-        let willing = decoding.iter().any(|s| self.slots.get(*s).is_some_and(|slot| slot.request.speculate));
+        let decoding = rows.iter().flatten().count() as i64;
+        let willing = rows.iter().flatten().any(|s| self.slots.get(*s).is_some_and(|slot| slot.request.speculate));
         let bucket = rows.len() as i64;
-        willing && decoding.len() as i64 <= spec.max_batch && spec.max_bucket.is_none_or(|top| bucket <= top)
+        willing && decoding <= spec.max_batch && spec.max_bucket.is_none_or(|top| bucket <= top)
+    }
+
+    /// Draft columns a verify step has: `spec.tokens`, at most the sliding ring less one (the ring must hold the
+    /// step's k + 1 positions apart, module docs).
+    pub(super) fn draft_columns(&self, spec: &Speculative) -> i64 {
+        spec.tokens.min(self.cache.ring(LayerType::Sliding) - 1)
     }
 
     /// The drafts for a decode step of bucket `b`, when it speculates and some slot has one.
@@ -270,8 +280,7 @@ impl Engine {
         if self.stepped || !self.drawn.is_empty() || !self.speculates(rows) {
             return None;
         }
-        // The ring must hold the step's k + 1 positions apart (module docs).
-        let k = spec.tokens.min(self.cache.ring(LayerType::Sliding) - 1);
+        let k = self.draft_columns(spec);
         if k < 1 {
             return None;
         }
@@ -303,12 +312,7 @@ impl Engine {
             (true, true) => 0,
             (true, false) => return None,
         };
-        let mut packed = vec![0; (b * k) as usize];
-        for (row, f) in found.iter().enumerate() {
-            packed[row * k as usize..][..f.len()].copy_from_slice(f);
-        }
-        packed.extend(offered.iter().map(|n| *n as i64));
-        Some(Drafts { k, packed, offered })
+        Some(Drafts::pack(k, &found, offered))
     }
 
     /// A verify step of slots `0..b` with `drafts` (module docs): one forward of each row's last token

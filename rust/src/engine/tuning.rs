@@ -23,7 +23,6 @@ use crate::engine::sampling::SamplingParams;
 use crate::engine::slots::Phase;
 use crate::engine::speculative::Drafts;
 use crate::error::{Error, Result};
-use crate::gemma4::config::LayerType;
 
 /// What one batch's steps cost (`Engine::speculation_costs`).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -41,19 +40,18 @@ impl Engine {
     /// The cost of plain and verify steps with `batch` requests decoding, `turns` steps of each (module docs).
     /// Between runs only, on an engine with speculative decoding.
     pub fn speculation_costs(&mut self, batch: usize, turns: usize) -> Result<Costs> {
-        let spec = self.speculative.clone().ok_or_else(|| Error::Input("speculative decoding is off".into()))?;
+        let spec = self.speculative.as_ref().ok_or_else(|| Error::Input("speculative decoding is off".into()))?;
+        let k = self.draft_columns(spec).max(0);
         if !(1..=self.slots.len()).contains(&batch) || turns < 1 {
             return Err(Error::Input(format!(
                 "batch must be in 1..={} and turns >= 1, got {batch} and {turns}",
                 self.slots.len()
             )));
         }
-        let k = spec.tokens.min(self.cache.ring(LayerType::Sliding) - 1).max(0);
         let vocab = self.model.cfg.vocab_size;
         let prompt: Vec<i64> = (0..8).map(|i| (3 + i % 4).min(vocab - 1)).collect();
-        let wanted = (turns as i64) * (k + 2) + 2;
-        let max_new = wanted.min(self.context - prompt.len() as i64);
-        if max_new < wanted {
+        let max_new = (turns as i64) * (k + 2) + 2;
+        if max_new > self.context - prompt.len() as i64 {
             return Err(Error::Input(format!("a context of {} holds too few tokens for {turns} turns", self.context)));
         }
         // A made-up prompt may well be followed by an eos token: the requests must decode all their turns.
@@ -111,7 +109,7 @@ impl Engine {
         for _ in 0..turns {
             let (b, rows) = self.decoding().ok_or_else(|| Error::Internal("the measuring requests ended".into()))?;
             let offered: Vec<usize> = rows.iter().map(|r| if r.is_some() { k as usize } else { 0 }).collect();
-            self.verify_step(b, &rows, Drafts::made_up(b, k, offered))?;
+            self.verify_step(b, &rows, Drafts::pack(k, &[], offered))?;
             self.read_point()?;
         }
         let verify_s = started.elapsed().as_secs_f64() / turns as f64;
