@@ -11,6 +11,10 @@ utils.py` and vLLM `examples/tool_chat_template_gemma4.jinja`): keys bare, in th
 (Jinja's `dictsort`, case-insensitive), strings between `<|"|>` tokens, numbers, booleans and null bare. So
 a forced call always parses (`toolcalls.ReplySplitter`) and validates against its schema. A schema keyword
 the grammar cannot enforce is a `SchemaError` naming where it is, never a call that might not validate.
+
+A request states what its reply must follow as a `Constraint` (protocol.py's `constraint()`: a forced
+tool_choice, response_format, vLLM's structured_outputs or guided_json); `grammar_text` turns it into the
+grammar the engine compiles, and a schema it cannot take into a 400 naming the request field.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
+from gemma_server.errors import bad_request
 from gemma_server.toolcalls import GemmaFormat
 
 # Logit bias that rules a token out (`forbid_calls`): the engine takes finite biases only, and no softcapped
@@ -148,6 +153,80 @@ def tool_grammar(tools: Sequence[dict], fmt: GemmaFormat, *, name: str | None = 
     if thinking:
         head += _thought_rules(thinking, thinking_max_tokens)
     return "\n".join(head + rules.lines()) + "\n"
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a request's output must follow, as the request says it (protocol.py's `constraint()` methods make
+    it; `grammar_text` builds its grammar with the tokenizer's markers).
+
+    Attributes:
+        kind: "json" (a JSON value of `schema`; None: any object), "tools" (calls of the request's tools,
+            `name` alone when named), "choice" (one of `choices`) or "grammar" (llguidance Lark `grammar`).
+        param: the request field it came from (a 400 about it names this field).
+    """
+
+    kind: Literal["json", "tools", "choice", "grammar"]
+    param: str
+    schema: dict[str, Any] | None = None
+    name: str | None = None
+    choices: tuple[str, ...] = ()
+    grammar: str | None = None
+
+
+def schema_of(value: dict[str, Any] | str | None, param: str) -> dict[str, Any] | None:
+    """A JSON Schema given as an object or as its text (vLLM takes both).
+
+    Raises:
+        ApiError: 400 naming `param` when the text is not JSON or not a schema.
+    """
+    if value is None or isinstance(value, dict):
+        return value
+    try:
+        schema = json.loads(value)
+    except ValueError as e:
+        raise bad_request(param, f"{param} is not a JSON Schema: {e}") from e
+    if not isinstance(schema, (dict, bool)):
+        raise bad_request(param, f"{param} must be a JSON Schema object.")
+    return schema if isinstance(schema, dict) else ({} if schema else {"not": {}})
+
+
+def compact(schema: dict[str, Any] | None) -> dict[str, Any]:
+    """`schema` (None: any object) with llguidance's `x-guidance` option for JSON without free whitespace
+    (llguidance 1.9.1 src/json/compiler.rs `JsonCompileOptions.whitespace_flexible`, true by default), unless
+    the schema sets its own: a model could otherwise spend every token on whitespace the grammar allows
+    (vLLM's `disable_any_whitespace` for the same reason)."""
+    schema = {"type": "object"} if schema is None else schema
+    if "x-guidance" in schema:
+        return schema
+    return {**schema, "x-guidance": {"whitespace_flexible": False}}
+
+
+def grammar_text(c: Constraint, tools: list[dict[str, Any]], fmt: GemmaFormat,
+                 thinking: tuple[str, str] | None, parallel: bool) -> str:
+    """The llguidance grammar of constraint `c`.
+
+    Args:
+        c: the request's constraint.
+        tools: the request's tools as dicts (for "tools").
+        fmt: the tokenizer's markers (for "tools").
+        thinking: the thought channel's marker texts when the reply may think first, else None.
+        parallel: several calls may follow one another (parallel_tool_calls).
+    Raises:
+        ApiError: 400 naming the field (and the schema path) of a schema the grammars cannot take.
+    """
+    try:
+        if c.kind == "json":
+            return json_grammar(compact(c.schema), thinking=thinking)
+        if c.kind == "tools":
+            return tool_grammar(tools, fmt, name=c.name, parallel=parallel, thinking=thinking)
+    except SchemaError as e:
+        path = e.path
+        param = path if path.startswith(("tools", "tool_choice")) else c.param + (f".{path}" if path else "")
+        raise bad_request(param, f"The schema cannot be enforced: {e}") from e
+    if c.kind == "choice":
+        return "start: " + " | ".join(_literal(x) for x in c.choices)
+    return c.grammar or ""
 
 
 @dataclass

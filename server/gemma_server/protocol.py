@@ -21,9 +21,9 @@ ignored.
 
 Tools follow OpenAI's reference: `tools`, `tool_choice` ("none", "auto", "required" or a named function),
 `parallel_tool_calls`, assistant messages with `tool_calls` (content null) and `tool` messages. The output
-constraints (`Constraint`: a forced tool_choice, `response_format` json_object / json_schema, vLLM's
-`structured_outputs` and `guided_json`) become llguidance grammars (`grammar_text`, with
-gemma_server/grammars.py); auto leaves the reply free and the server parses its calls. Completions take
+constraints (a forced tool_choice, `response_format` json_object / json_schema, vLLM's `structured_outputs`
+and `guided_json`) become a `grammars.Constraint`, whose llguidance grammar grammars.py builds
+(`grammar_text`); auto leaves the reply free and the server parses its calls. Completions take
 `echo` (with `logprobs`, the prompt's log-probabilities; `max_tokens` 0 then returns only the prompt), as
 vLLM does for the lm-evaluation-harness.
 
@@ -51,6 +51,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from gemma_server.errors import bad_request
+from gemma_server.grammars import Constraint, schema_of
 from gemma_server.media import Part
 from gemma_server.openapi import (
     TOKEN_ID_KEY,
@@ -393,83 +394,6 @@ def _wrap64(v: int) -> int:
     return (v + 2**63) % 2**64 - 2**63
 
 
-@dataclass(frozen=True)
-class Constraint:
-    """What a request's output must follow, as the request says it (the grammar is built from it with the
-    tokenizer's markers: `grammar_text`).
-
-    Attributes:
-        kind: "json" (a JSON value of `schema`; None: any object), "tools" (calls of the request's tools,
-            `name` alone when named), "choice" (one of `choices`) or "grammar" (llguidance Lark `grammar`).
-        param: the request field it came from (a 400 about it names this field).
-    """
-
-    kind: Literal["json", "tools", "choice", "grammar"]
-    param: str
-    schema: dict[str, Any] | None = None
-    name: str | None = None
-    choices: tuple[str, ...] = ()
-    grammar: str | None = None
-
-
-def _schema_of(value: dict[str, Any] | str | None, param: str) -> dict[str, Any] | None:
-    """A JSON Schema given as an object or as its text (vLLM takes both)."""
-    if value is None or isinstance(value, dict):
-        return value
-    try:
-        schema = json.loads(value)
-    except ValueError as e:
-        raise bad_request(param, f"{param} is not a JSON Schema: {e}") from e
-    if not isinstance(schema, (dict, bool)):
-        raise bad_request(param, f"{param} must be a JSON Schema object.")
-    return schema if isinstance(schema, dict) else ({} if schema else {"not": {}})
-
-
-def _lark_string(text: str) -> str:
-    """A Lark string literal of `text` (llguidance reads JSON string escapes)."""
-    return json.dumps(text, ensure_ascii=False)
-
-
-def compact(schema: dict[str, Any] | None) -> dict[str, Any]:
-    """`schema` (None: any object) with llguidance's `x-guidance` option for JSON without free whitespace
-    (llguidance 1.9.1 src/json/compiler.rs `JsonCompileOptions.whitespace_flexible`, true by default), unless
-    the schema sets its own: a model could otherwise spend every token on whitespace the grammar allows
-    (vLLM's `disable_any_whitespace` for the same reason)."""
-    schema = {"type": "object"} if schema is None else schema
-    if "x-guidance" in schema:
-        return schema
-    return {**schema, "x-guidance": {"whitespace_flexible": False}}
-
-
-def grammar_text(c: Constraint, tools: list[dict[str, Any]], fmt, thinking: tuple[str, str] | None,
-                 parallel: bool) -> str:
-    """The llguidance grammar of constraint `c` (gemma_server.grammars builds the JSON and tool-call ones).
-
-    Args:
-        c: the request's constraint.
-        tools: the request's tools as dicts (for "tools").
-        fmt: toolcalls.GemmaFormat of the tokenizer (for "tools").
-        thinking: the thought channel's marker texts when the reply may think first, else None.
-        parallel: several calls may follow one another (parallel_tool_calls).
-    Raises:
-        ApiError: 400 naming the field (and the schema path) of a schema the grammars cannot take.
-    """
-    from gemma_server import grammars
-
-    try:
-        if c.kind == "json":
-            return grammars.json_grammar(compact(c.schema), thinking=thinking)
-        if c.kind == "tools":
-            return grammars.tool_grammar(tools, fmt, name=c.name, parallel=parallel, thinking=thinking)
-    except grammars.SchemaError as e:
-        path = getattr(e, "path", "") or ""
-        param = path if path.startswith(("tools", "tool_choice")) else c.param + (f".{path}" if path else "")
-        raise bad_request(param, f"The schema cannot be enforced: {e}") from e
-    if c.kind == "choice":
-        return "start: " + " | ".join(_lark_string(x) for x in c.choices)
-    return c.grammar or ""
-
-
 def _in_range(name: str, value: float | None, lo: float, hi: float, lo_open: bool = False) -> None:
     if value is None:
         return
@@ -521,7 +445,7 @@ class GenerationRequest(OpenAIModel):
                 raise bad_request(f"structured_outputs.{key}", f"structured_outputs.{key} is not supported.")
             if so.json_ is not None:
                 given.append(Constraint("json", "structured_outputs.json",
-                                        _schema_of(so.json_, "structured_outputs.json")))
+                                        schema_of(so.json_, "structured_outputs.json")))
             if so.json_object:
                 given.append(Constraint("json", "structured_outputs.json_object"))
             if so.choice is not None:
@@ -531,7 +455,7 @@ class GenerationRequest(OpenAIModel):
             if so.grammar is not None:
                 given.append(Constraint("grammar", "structured_outputs.grammar", grammar=so.grammar))
         if self.guided_json is not None:
-            given.append(Constraint("json", "guided_json", _schema_of(self.guided_json, "guided_json")))
+            given.append(Constraint("json", "guided_json", schema_of(self.guided_json, "guided_json")))
         if len(given) > 1:
             raise bad_request(given[1].param, f"Only one structured output constraint per request; "
                                               f"{given[0].param} and {given[1].param} were both given.")
@@ -674,7 +598,7 @@ class GenerationRequest(OpenAIModel):
             context: the engine's context (most tokens, prompt + generated).
             vocab_size: ids must lie in [0, vocab_size).
             default_temperature: the temperature of a request that sets none.
-            grammar: the grammar of the request's constraint (`grammar_text`), checked by the caller.
+            grammar: the grammar of the request's constraint (`grammars.grammar_text`), checked by the caller.
             internal_bias: the server's own logit bias (tool_choice none forbids `<|tool_call>`); it wins
                 over the request's for its ids and does not count against the request's logit_bias cap.
             cache_boundary: where the prompt's shared part ends (chat_template.cache_boundary), or None.

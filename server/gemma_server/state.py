@@ -21,11 +21,11 @@ from gemma_server.chat_template import CacheMarks, chat_prompt, tokenize_complet
 from gemma_server.config import Config
 from gemma_server.errors import ApiError, bad_request
 from gemma_server.metrics import Metrics
+from gemma_server.grammars import grammar_text
 from gemma_server.protocol import (
     ChatCompletionRequest,
     MAX_GRAMMAR_BYTES,
     CompletionRequest,
-    grammar_text,
 )
 from gemma_server.scheduler import Cause, ClientShares, NotReady, Scheduler, StepObserver
 from gemma_server.serving import (
