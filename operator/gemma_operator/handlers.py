@@ -45,7 +45,7 @@ import pydantic
 
 from . import events, memory, status
 from .admission import allowlist_problems
-from .builders.autoscaling import held_at_one, hpa_metric_name, metric_query, scales_to_zero, scaling_hpa_name
+from .builders.autoscaling import hpa_metric_name, metric_query, scaling_hpa_name
 from .builders.build_cache import build_cache_claim_name, legacy_build_cache_claim_name
 from .builders.children import Children, build_children
 from .builders.deployment import claims, replicas, spec_warnings
@@ -59,7 +59,7 @@ from .kube import ApiError, Kube
 from .poller import Reports
 from .registry import Registry, ServerState
 from .settings import Settings
-from .spec import API_GROUP, API_VERSION, AUTOSCALING_METRICS, ENDPOINT_PICKER_RELEASES, KNOWN_ACCELERATORS, PLURAL, \
+from .spec import API_GROUP, API_VERSION, ENDPOINT_PICKER_RELEASES, KNOWN_ACCELERATORS, PLURAL, \
     GemmaRustServerSpec, ServerSpec, accelerator_text, parse_spec
 
 GRS = (API_GROUP, API_VERSION, PLURAL)
@@ -166,23 +166,15 @@ def _available(k: Kube) -> frozenset[str]:
 
 def _scaling(spec: GemmaRustServerSpec, meta: Meta, children: Children, k: Kube) -> status.ScalingView | None:
     """The autoscaler's side for the ScalingActive condition: the HPA that acts for the autoscaling object
-    created (ours, or the one KEDA made), read afresh."""
+    created (ours, or the one KEDA made), read afresh, and the autoscaler chosen's summary."""
     skipped = {kind for kind, _ in children.skipped}
     kind = next((kind for kind in children.optional.get(SCALING, []) if kind not in skipped), None)
     if kind is None or spec.autoscaling is None:
         return None
-    scaling = spec.autoscaling
     metric = hpa_metric_name(spec) if kind == "HorizontalPodAutoscaler" else metric_query(spec, meta)
     hpa_name = scaling_hpa_name(kind, meta)
     hpa = k.get_if_present("autoscaling/v2", "HorizontalPodAutoscaler", meta.namespace, hpa_name)
-    on = []
-    if kind == "HorizontalPodAutoscaler" or scaling.prometheus.server_address:
-        on.append(f"{AUTOSCALING_METRICS[scaling.metric]} {scaling.target:g} per pod")
-    if scales_to_zero(spec):
-        on.append(f"requests in flight at the KEDA HTTP add-on {spec.engine.max_num_seqs} per pod, to zero after "
-                  f"{scaling.idle_seconds}s idle")
-    summary = f"{scaling.min_replicas}..{scaling.max_replicas} replicas, " + ", ".join(on)
-    return status.ScalingView(meta.name, summary, metric, hpa_name, hpa)
+    return status.ScalingView(meta.name, children.scaling.summary, metric, hpa_name, hpa)
 
 
 def _foreign_pools(meta: Meta, skipped: list[tuple[str, str]], children: Children, k: Kube) -> list[str]:
@@ -252,24 +244,19 @@ def _reconcile(body: dict[str, Any], spec: GemmaRustServerSpec, meta: Meta, serv
         problems += claim_problems
         if apply and claim_problems:
             _withdraw_deployment(k, meta, server, build_cache_claim_name(meta), logger)
-    available = _available(k)
-    warnings = spec_warnings(spec)
-    if scales_to_zero(spec) and OPTIONAL_BY_KIND["HTTPScaledObject"].api_version not in available:
-        warnings.append(("ScaleToZeroUnavailable", "spec.autoscaling.minReplicas 0 needs the KEDA HTTP add-on to "
-                         "hold and count the requests sent at zero: " + OPTIONAL_BY_KIND["HTTPScaledObject"].missing()
-                         + "; until it is, the server keeps at least 1 replica"))
-        spec = held_at_one(spec)
-    children = build_children(spec, meta, available)
+    children = build_children(spec, meta, _available(k))
+    scaling = children.scaling  # the autoscaler chosen (builders.autoscaler.choose): its floor, warning, summary
+    warnings = spec_warnings(spec) + ([scaling.warning] if scaling.warning else [])
     skipped = list(children.skipped)
     if apply and not any(p.fatal for p in problems):
         applied = _apply_children(k, body, meta, server, children, logger, prune=prune)
         problems += applied.problems
         skipped += applied.skipped
     pods, pod_events, reports = _observe(k, meta, spec.server.port)
-    obs = _observed(body, pods, pod_events, reports, replicas=replicas(spec), problems=problems,
+    obs = _observed(body, pods, pod_events, reports, replicas=replicas(spec, scaling), problems=problems,
                     optional=children.optional, skipped=skipped, scaling=_scaling(spec, meta, children, k),
                     warnings=warnings, foreign_pools=_foreign_pools(meta, skipped, children, k),
-                    scales_to_zero=scales_to_zero(spec))
+                    scales_to_zero=scaling.scales_to_zero)
     return status.compute_status(obs, accelerator=accelerator_text(spec.accelerator),
                                  endpoint=endpoint(spec, meta), selector=selector_string(meta))
 

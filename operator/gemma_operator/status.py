@@ -203,7 +203,7 @@ class Observed(NamedTuple):
     warnings: list[tuple[str, str]] = []       # (reason, message) of spec advice (builders.deployment.spec_warnings)
     scaling: "ScalingView | None" = None       # the autoscaler's side, when spec.autoscaling is set
     foreign_pools: list[str] = []              # InferencePools not this server's that select its pods
-    scales_to_zero: bool = False               # spec.autoscaling.minReplicas is 0: at zero it is Idle
+    scales_to_zero: bool = False               # the autoscaler chosen goes to zero: at zero it is Idle
 
 
 class ScalingView(NamedTuple):

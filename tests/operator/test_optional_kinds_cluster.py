@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from gemma_operator.builders.autoscaler import chosen_where_all_served
 from gemma_operator.builders.autoscaling import build_hpa, build_scaled_object
 from gemma_operator.builders.gke_gateway import build_backend_policy, build_health_check_policy
 from gemma_operator.builders.inference_pool import build_inference_pool
@@ -29,6 +30,12 @@ POOL_ONLY = {"inferencePool": True, "endpointPicker": PICKER, "provider": "None"
 GKE_POLICIES = (("networking.gke.io/v1", "HealthCheckPolicy"), ("networking.gke.io/v1", "GCPBackendPolicy"))
 
 
+
+
+def as_built(builder, spec, name, ns):
+    """`builder`'s object for the spec `spec` of server `name`, as on a cluster that serves every optional kind."""
+    parsed = parse_spec(spec)
+    return builder(parsed, Meta(name, ns), chosen_where_all_served(parsed))
 
 
 def get_child(kube, api_version, kind, ns, name):
@@ -73,7 +80,7 @@ def test_hpa_on_the_scale_subresource_is_accepted_and_says_when_no_adapter_serve
     hpa = wait_for(lambda: get_child(kube, "autoscaling/v2", "HorizontalPodAutoscaler", ns, "hpa"),
                    what="the HPA", diagnose=operator.tail)
     # Accepted by the real API server, as built.
-    assert hpa["spec"] == build_hpa(parse_spec(spec), Meta("hpa", ns))["spec"]
+    assert hpa["spec"] == as_built(build_hpa, spec, "hpa", ns)["spec"]
     # Before the HPA acts, the Deployment already runs minReplicas (spec.replicas is 1).
     assert kube.request("GET", f"/apis/apps/v1/namespaces/{ns}/deployments/hpa")["spec"]["replicas"] == 2
     # kube-controller-manager's HPA controller reads the GemmaRustServer's scale subresource (two pods) and
@@ -113,10 +120,10 @@ def test_a_server_at_zero_gets_objects_the_keda_crds_accept_and_without_the_http
     installed(cluster, HTTP_SCALED_OBJECTS)
     httpso = wait_for(lambda: get_child(kube, "http.keda.sh/v1alpha1", "HTTPScaledObject", ns, "zero"),
                       timeout=60, what="the HTTPScaledObject", diagnose=operator.tail)
-    assert httpso["spec"] == build_http_scaled_object(parse_spec(spec), Meta("zero", ns))["spec"]
+    assert httpso["spec"] == as_built(build_http_scaled_object, spec, "zero", ns)["spec"]
     so = wait_for(lambda: get_child(kube, "keda.sh/v1alpha1", "ScaledObject", ns, "zero"), what="the ScaledObject",
                   diagnose=operator.tail)
-    assert so["spec"] == build_scaled_object(parse_spec(spec), Meta("zero", ns))["spec"]
+    assert so["spec"] == as_built(build_scaled_object, spec, "zero", ns)["spec"]
     wait_for(gone(kube, "autoscaling/v2", "HorizontalPodAutoscaler", ns, "zero"), what="the HPA to be deleted",
              diagnose=operator.tail)
     wait_for(lambda: not condition(get(kube, ns, "zero"), "Warning"), what="the Warning condition to go",
@@ -130,7 +137,7 @@ def test_scaled_object_is_accepted_by_kedas_crd_updated_with_the_spec_and_delete
     create(kube, ns, "keda", spec)
     so = wait_for(lambda: get_child(kube, "keda.sh/v1alpha1", "ScaledObject", ns, "keda"),
                   what="the ScaledObject", diagnose=operator.tail)
-    assert so["spec"] == build_scaled_object(parse_spec(spec), Meta("keda", ns))["spec"]
+    assert so["spec"] == as_built(build_scaled_object, spec, "keda", ns)["spec"]
     # An HPA made while discovery had not yet seen KEDA's CRD goes once the ScaledObject is made.
     wait_for(gone(kube, "autoscaling/v2", "HorizontalPodAutoscaler", ns, "keda"), what="no HPA of our own beside KEDA",
              diagnose=operator.tail)

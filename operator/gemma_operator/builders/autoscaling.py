@@ -1,5 +1,7 @@
 """Autoscaling a GemmaRustServer through its scale subresource: KEDA's ScaledObject on a Prometheus query, or
-an autoscaling/v2 HorizontalPodAutoscaler on a Pods metric; both optional kinds (builders.optional) (pure).
+an autoscaling/v2 HorizontalPodAutoscaler on a Pods metric; both optional kinds (builders.optional) (pure). Which
+of them a server gets, its fewest replicas and its triggers are the autoscaler chosen for it
+(builders.autoscaler.choose), which every builder here reads.
 
 Scale to zero (spec.autoscaling.minReplicas 0) is KEDA's: its operator alone moves a workload between 0 and 1
 replicas (an HPA never goes below 1, and at zero there is no pod to give a Pods metric). What wakes it is a
@@ -19,10 +21,18 @@ After idleSeconds with no request in flight and no queue, KEDA scales the server
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..spec import API_GROUP, API_VERSION, AUTOSCALING_METRICS, KIND, AutoscalingSpec, GemmaRustServerSpec
 from .ownership import Meta, child_object
+
+if TYPE_CHECKING:  # builders.autoscaler reads the optional kinds' table, which names the builders here
+    from .autoscaler import Autoscaling
+
+# What scales a server, as the autoscaler chosen names it (Autoscaling.triggers), each a trigger of the
+# ScaledObject: the spec's gauge per pod, the requests the KEDA HTTP add-on counts, the requests the endpoint
+# picker queues for the server's InferencePool.
+METRIC, REQUESTS, PICKER_QUEUE = "metric", "requests", "pickerQueue"
 
 
 def quantity(value: float) -> str:
@@ -89,11 +99,6 @@ RESPONSE_HEADER_TIMEOUT = "3600s"
 SKIP_SCALED_OBJECT = "httpscaledobject.keda.sh/skip-scaledobject-creation"
 
 
-def scales_to_zero(spec: GemmaRustServerSpec) -> bool:
-    """spec.autoscaling.minReplicas is 0: KEDA, the HTTP add-on and (through a Gateway) flow control wake it."""
-    return spec.autoscaling is not None and spec.autoscaling.min_replicas == 0
-
-
 def service_hosts(meta: Meta) -> list[str]:
     """The Host header values the interceptor routes to this server: the Service's DNS names with its namespace
     (Kubernetes DNS for Services: <service>.<namespace>, .svc, .svc.cluster.local). Not the bare name, which a
@@ -121,74 +126,65 @@ def _prometheus_trigger(scaling: AutoscalingSpec, query: str, threshold: str) ->
     return trigger
 
 
-def _triggers(spec: GemmaRustServerSpec, meta: Meta) -> list[dict[str, Any]]:
-    """The ScaledObject's triggers: the chosen gauge from Prometheus (with its address), and for a server that
-    scales to zero the HTTP add-on's requests and, behind an InferencePool, the picker's queue."""
+def _trigger(trigger: str, spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
+    """One trigger of the ScaledObject: the chosen gauge from Prometheus (with its address), the HTTP add-on's
+    requests (its scaler, at the operator's address, reads them for this server's HTTPScaledObject) or the
+    picker's queue, which one queued request tips."""
     scaling = spec.autoscaling
-    prometheus = scaling.prometheus.server_address is not None
-    triggers = [_prometheus_trigger(scaling, metric_query(spec, meta), f"{scaling.target:g}")] if prometheus else []
-    if scales_to_zero(spec):
-        triggers.append({"type": "external-push", "metadata": {
-            "scalerAddress": meta.keda_http_scaler, "httpScaledObject": meta.name}})
-        if spec.gateway.inference_pool and prometheus:
-            triggers.append(_prometheus_trigger(scaling, picker_queue_query(spec, meta), "1"))
-    return triggers
+    if trigger == METRIC:
+        return _prometheus_trigger(scaling, metric_query(spec, meta), f"{scaling.target:g}")
+    if trigger == REQUESTS:
+        return {"type": "external-push", "metadata": {"scalerAddress": meta.keda_http_scaler,
+                                                      "httpScaledObject": meta.name}}
+    return _prometheus_trigger(scaling, picker_queue_query(spec, meta), "1")
 
 
-def build_scaled_object(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
-    """A KEDA ScaledObject (keda.sh/v1alpha1) scaling the GemmaRustServer through its scale subresource on its
-    triggers (`_triggers`). KEDA then owns an HPA named keda-hpa-<name>."""
-    scaling = spec.autoscaling
+def build_scaled_object(spec: GemmaRustServerSpec, meta: Meta, scaling: Autoscaling) -> dict[str, Any]:
+    """A KEDA ScaledObject (keda.sh/v1alpha1) scaling the GemmaRustServer through its scale subresource from the
+    autoscaler chosen (`scaling`): its fewest replicas and its triggers. KEDA then owns an HPA named
+    keda-hpa-<name>."""
     obj = child_object("keda.sh/v1alpha1", "ScaledObject", meta.name, meta)
-    obj["spec"] = {"scaleTargetRef": _scale_target(meta), "minReplicaCount": scaling.min_replicas,
-                   "maxReplicaCount": scaling.max_replicas, "triggers": _triggers(spec, meta)}
-    if scales_to_zero(spec):
+    obj["spec"] = {"scaleTargetRef": _scale_target(meta), "minReplicaCount": scaling.floor,
+                   "maxReplicaCount": scaling.ceiling,
+                   "triggers": [_trigger(trigger, spec, meta) for trigger in scaling.triggers]}
+    if scaling.scales_to_zero:
         # initialCooldownPeriod: a new server stays up for the idle window too, rather than going to zero at once
         # (KEDA's default 0 scales an inactive new ScaledObject down on its first check).
-        obj["spec"].update(cooldownPeriod=scaling.idle_seconds, initialCooldownPeriod=scaling.idle_seconds)
+        idle = spec.autoscaling.idle_seconds
+        obj["spec"].update(cooldownPeriod=idle, initialCooldownPeriod=idle)
     return obj
 
 
-def held_at_one(spec: GemmaRustServerSpec) -> GemmaRustServerSpec:
-    """The spec of a server that scales to zero, kept at one replica or more (pure): what the handlers build while
-    the KEDA HTTP add-on's CRD is not served, since then nothing would hold, or count, the requests sent at zero.
-    The autoscaler is then chosen as for any server of minReplicas 1 (an HPA where KEDA has no Prometheus)."""
-    scaling = spec.autoscaling
-    update: dict[str, Any] = {"min_replicas": 1}
-    if scaling.prometheus.server_address is None:
-        update["provider"] = "HPA"
-    return spec.model_copy(update={"autoscaling": scaling.model_copy(update=update)})
-
-
-def build_http_scaled_object(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
+def build_http_scaled_object(spec: GemmaRustServerSpec, meta: Meta, scaling: Autoscaling) -> dict[str, Any]:
     """The KEDA HTTP add-on's HTTPScaledObject (http.keda.sh/v1alpha1) for a server that scales to zero: the
     interceptor routes the Service's host names to the Service, holds requests for up to wakeTimeoutSeconds while
     no pod is ready, and its scaler reports requests in flight to our ScaledObject's external-push trigger
-    (the add-on makes no ScaledObject: SKIP_SCALED_OBJECT). A replica's share is its sequence slots."""
-    scaling = spec.autoscaling
+    (the add-on makes no ScaledObject: SKIP_SCALED_OBJECT). A replica's share is its sequence slots; the replicas
+    are those of the autoscaler chosen (`scaling`)."""
     obj = child_object("http.keda.sh/v1alpha1", "HTTPScaledObject", meta.name, meta)
     obj["metadata"]["annotations"] = {SKIP_SCALED_OBJECT: "true"}
     obj["spec"] = {
         "hosts": service_hosts(meta),
         "scaleTargetRef": {**_scale_target(meta), "service": meta.name, "port": spec.server.port},
-        "replicas": {"min": scaling.min_replicas, "max": scaling.max_replicas},
-        "scaledownPeriod": scaling.idle_seconds,
+        "replicas": {"min": scaling.floor, "max": scaling.ceiling},
+        "scaledownPeriod": spec.autoscaling.idle_seconds,
         "scalingMetric": {"concurrency": {"targetValue": spec.engine.max_num_seqs}},
-        "timeouts": {"conditionWait": f"{scaling.wake_timeout_seconds}s", "responseHeader": RESPONSE_HEADER_TIMEOUT},
+        "timeouts": {"conditionWait": f"{spec.autoscaling.wake_timeout_seconds}s",
+                     "responseHeader": RESPONSE_HEADER_TIMEOUT},
     }
     return obj
 
 
-def build_hpa(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
+def build_hpa(spec: GemmaRustServerSpec, meta: Meta, scaling: Autoscaling) -> dict[str, Any]:
     """An autoscaling/v2 HorizontalPodAutoscaler on the GemmaRustServer's scale subresource, holding the
-    per-pod average of the chosen gauge (a Pods metric, served by a custom-metrics adapter) at target."""
-    scaling = spec.autoscaling
+    per-pod average of the chosen gauge (a Pods metric, served by a custom-metrics adapter) at target, within the
+    replicas of the autoscaler chosen (`scaling`)."""
     obj = child_object("autoscaling/v2", "HorizontalPodAutoscaler", meta.name, meta)
-    obj["spec"] = {"scaleTargetRef": _scale_target(meta), "minReplicas": scaling.min_replicas,
-                   "maxReplicas": scaling.max_replicas,
+    obj["spec"] = {"scaleTargetRef": _scale_target(meta), "minReplicas": scaling.floor,
+                   "maxReplicas": scaling.ceiling,
                    "metrics": [{"type": "Pods", "pods": {
                        "metric": {"name": hpa_metric_name(spec)},
-                       "target": {"type": "AverageValue", "averageValue": quantity(scaling.target)}}}]}
+                       "target": {"type": "AverageValue", "averageValue": quantity(spec.autoscaling.target)}}}]}
     return obj
 
 

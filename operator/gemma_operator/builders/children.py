@@ -1,11 +1,13 @@
 """Everything one GemmaRustServer owns, given which optional kinds the cluster serves: what to apply, what to
-delete, and what was skipped (pure)."""
+delete, what was skipped, and the autoscaler chosen for it (builders.autoscaler.choose), which every child that
+scales or counts replicas reads (pure)."""
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple
 
 from ..spec import GemmaRustServerSpec
+from .autoscaler import Autoscaling, choose
 from .build_cache import build_build_cache_pvc
 from .deployment import build_deployment
 from .disruption_budget import build_pdb
@@ -21,8 +23,10 @@ class Children(NamedTuple):
     skipped: list[tuple[str, str]]       # (kind, why) optional children asked for but not created
     optional: dict[str, list[str]] = {}  # condition -> kinds asked for (created or skipped)
     # (apiVersion, kind, name) of a kind whose rival is now built (an HPA once KEDA's ScaledObject is, and the
-    # other way round): deleted on every sync, not only when the spec changes, since both would drive replicas
+    # other way round; Autoscaling.replaces): deleted on every sync, not only when the spec changes, since both
+    # would drive replicas
     replaced: list[tuple[str, str, str]] = []
+    scaling: Autoscaling = Autoscaling()  # the autoscaler chosen (builders.autoscaler.choose)
 
 
 def build_children(spec: GemmaRustServerSpec, meta: Meta, available: frozenset[str]) -> Children:
@@ -35,8 +39,10 @@ def build_children(spec: GemmaRustServerSpec, meta: Meta, available: frozenset[s
             OPTIONAL_KINDS.
     Returns:
         Children: what to apply, what to delete if present (`absent` when the spec changes, `replaced`
-        always), what was skipped (with why), and which optional kinds each condition reports on.
+        always), what was skipped (with why), which optional kinds each condition reports on, and the autoscaler
+        chosen.
     """
+    scaling = choose(spec, available)
     apply: list[dict[str, Any]] = []
     absent: list[tuple[str, str, str]] = []
     skipped: list[tuple[str, str]] = []
@@ -44,34 +50,25 @@ def build_children(spec: GemmaRustServerSpec, meta: Meta, available: frozenset[s
     pvc = build_build_cache_pvc(spec, meta)
     if pvc:
         apply.append(pvc)
-    apply += [build_deployment(spec, meta), build_service(spec, meta)]
-    pdb = build_pdb(spec, meta)
+    apply += [build_deployment(spec, meta, scaling), build_service(spec, meta)]
+    pdb = build_pdb(spec, meta, scaling)
     apply.append(pdb) if pdb else absent.append(("policy/v1", "PodDisruptionBudget", meta.name))
-    picker = build_picker_configmap(spec, meta)
+    picker = build_picker_configmap(spec, meta, scaling)
     if picker:
         apply.append(picker)
     elif not spec.gateway.inference_pool:
         absent.append(("v1", "ConfigMap", picker_config_name(meta)))
     # else a picker release with no config here (UnsupportedEndpointPicker): the ConfigMap stays as it is
     replaced: list[tuple[str, str, str]] = []
-    built: set[str] = set()
     for row in OPTIONAL_KINDS:
-        stood_in = bool(row.fallback_for and row.fallback_for in built)
-        if not row.wanted(spec) or stood_in:
-            if row.api_version in available:
-                (replaced if stood_in else absent).append((row.api_version, row.kind, meta.name))
+        served = row.api_version in available
+        if not row.asked(spec, scaling):
+            if served:
+                (replaced if row.kind in scaling.replaces else absent).append((row.api_version, row.kind, meta.name))
             continue
-        if row.api_version in available:
-            apply.append(row.builder(spec, meta))
-            built.add(row.kind)
-            optional.setdefault(row.condition, []).append(row.kind)
-        elif not any(alt.fallback_for == row.kind and alt.wanted(spec) for alt in OPTIONAL_KINDS):
+        if served:
+            apply.append(row.build(spec, meta, scaling))
+        else:
             skipped.append((row.kind, row.missing()))
-            optional.setdefault(row.condition, []).append(row.kind)
-    # A kind and its fallback both drive the replicas: whichever is built, the other goes on every sync (a
-    # ScaledObject left from before the HTTP add-on's CRD went away would take the server to zero beside the HPA).
-    rivals = {k for row in OPTIONAL_KINDS if row.fallback_for for k in (row.kind, row.fallback_for)}
-    if rivals & built:
-        replaced += [entry for entry in absent if entry[1] in rivals - built and entry not in replaced]
-        absent = [entry for entry in absent if entry not in replaced]
-    return Children(apply, absent, skipped, optional, replaced)
+        optional.setdefault(row.condition, []).append(row.kind)
+    return Children(apply, absent, skipped, optional, replaced, scaling)

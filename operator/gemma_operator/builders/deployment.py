@@ -27,6 +27,7 @@ from kubernetes.utils import parse_quantity
 
 from ..memory import placement
 from ..spec import TPU_METRICS_PORT, GcsFuseSpec, GemmaRustServerSpec, MediaSpec, SpeculativeSpec, chips, is_tpu
+from .autoscaler import Autoscaling, chosen_where_all_served
 from .build_cache import build_cache_volume
 from .ownership import Meta, child_object, labels, selector_labels
 from .service import service_host
@@ -411,12 +412,14 @@ def extra_volumes(spec: GemmaRustServerSpec, sources: Sources) -> tuple[list[dic
     return volumes, mounts
 
 
-def build_deployment(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
+def build_deployment(spec: GemmaRustServerSpec, meta: Meta, scaling: Autoscaling | None = None) -> dict[str, Any]:
     """The Deployment running the server pods.
 
     Args:
         spec: the typed spec.
         meta: the custom resource's name and namespace.
+        scaling: the autoscaler chosen (builders.autoscaler.choose), whose bounds hold the replicas; by default the
+            one a cluster that serves every optional kind gives.
     Returns:
         A Deployment manifest (dict), without owner references (ownership.adopt adds them).
     """
@@ -471,7 +474,7 @@ def build_deployment(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
     recreate = tpu or (spec.build_cache.type == "pvc" and spec.build_cache.access_mode == "ReadWriteOnce")
     dep = child_object("apps/v1", "Deployment", meta.name, meta)
     dep["spec"] = {
-        "replicas": replicas(spec),
+        "replicas": replicas(spec, scaling),
         "selector": {"matchLabels": selector_labels(meta)},
         "strategy": {"type": "Recreate"} if recreate else
                     {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
@@ -486,14 +489,11 @@ def build_deployment(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any]:
     return dep
 
 
-def replicas(spec: GemmaRustServerSpec) -> int:
-    """The Deployment's replicas: spec.replicas, which the scale subresource exposes and, while
-    spec.autoscaling is set, the autoscaler writes. Clamped into minReplicas..maxReplicas, as the
-    autoscaler itself would, so the Deployment never leaves that range before the autoscaler's first act."""
-    scaling = spec.autoscaling
-    if scaling is None:
-        return spec.replicas
-    return min(max(spec.replicas, scaling.min_replicas), scaling.max_replicas)
+def replicas(spec: GemmaRustServerSpec, scaling: Autoscaling | None = None) -> int:
+    """The Deployment's replicas: spec.replicas, which the scale subresource exposes and, while spec.autoscaling
+    is set, the autoscaler writes, within the bounds of the autoscaler chosen (`scaling`, as in build_deployment;
+    Autoscaling.replicas)."""
+    return (scaling or chosen_where_all_served(spec)).replicas(spec.replicas)
 
 
 def claims(deployment: dict[str, Any]) -> set[str]:

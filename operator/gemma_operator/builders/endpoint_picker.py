@@ -52,7 +52,7 @@ from typing import Any, Callable
 import yaml
 
 from ..spec import ENDPOINT_PICKER_RELEASES, GIE_V1_5, LLM_D_ROUTER_V0_10, GemmaRustServerSpec
-from .autoscaling import scales_to_zero
+from .autoscaler import Autoscaling, chosen_where_all_served
 from .ownership import Meta, child_object
 
 VERSION_ANNOTATION = "gemmarust.dev/endpoint-picker-version"  # on the ConfigMap: the picker release it is for
@@ -112,12 +112,13 @@ def _profiles_and_data_layer() -> dict[str, Any]:
     }
 
 
-def _flow_control(spec: GemmaRustServerSpec) -> dict[str, Any]:
-    """For a server that scales to zero, the picker's flow control: it queues a request while the pool has no
-    ready pod and dispatches it when one turns ready (GIE v1.5.0 pkg/epp/flowcontrol/contracts/dependencies.go,
-    "Scale-from-Zero"; the feature gate `flowControl`, pkg/epp/flowcontrol/config.go), for up to
-    wakeTimeoutSeconds (`defaultRequestTTL`). Its queue gauge wakes the server (builders.autoscaling)."""
-    if not scales_to_zero(spec):
+def _flow_control(spec: GemmaRustServerSpec, scaling: Autoscaling) -> dict[str, Any]:
+    """For a server that scales to zero (the autoscaler chosen, `scaling`), the picker's flow control, in the same
+    keys in both releases: it queues a request while the pool has no ready pod and dispatches it when one turns
+    ready (GIE v1.5.0 pkg/epp/flowcontrol/contracts/dependencies.go, "Scale-from-Zero"; the feature gate
+    `flowControl`, pkg/epp/flowcontrol/config.go), for up to wakeTimeoutSeconds (`defaultRequestTTL`). Its queue
+    gauge wakes the server (builders.autoscaling)."""
+    if not scaling.scales_to_zero:
         return {}
     return {"featureGates": ["flowControl"],
             "flowControl": {"defaultRequestTTL": f"{spec.autoscaling.wake_timeout_seconds}s"}}
@@ -135,7 +136,6 @@ def build_gie_v1_5_config(spec: GemmaRustServerSpec) -> dict[str, Any]:
               for name in SCORER_WEIGHTS),
         ],
         **_profiles_and_data_layer(),
-        **_flow_control(spec),
     }
 
 
@@ -154,7 +154,6 @@ def build_llm_d_router_v0_10_config(spec: GemmaRustServerSpec) -> dict[str, Any]
               for name in SCORER_WEIGHTS),
         ],
         **_profiles_and_data_layer(),
-        **_flow_control(spec),
     }
 
 
@@ -165,17 +164,23 @@ RELEASE_CONFIGS: dict[str, Callable[[GemmaRustServerSpec], dict[str, Any]]] = {
 }
 
 
-def build_picker_config(spec: GemmaRustServerSpec) -> dict[str, Any] | None:
-    """The EndpointPickerConfig for this server's pool in its picker release's format; None without a pool or
-    for a release the operator writes no config for."""
+def build_picker_config(spec: GemmaRustServerSpec, scaling: Autoscaling | None = None) -> dict[str, Any] | None:
+    """The EndpointPickerConfig for this server's pool in its picker release's format, with flow control where
+    the autoscaler chosen (`scaling`, builders.autoscaler.choose; by default the one a cluster that serves every
+    optional kind gives) takes the server to zero; None without a pool or for a release the operator writes no
+    config for."""
     builder = RELEASE_CONFIGS.get(picker_release(spec) or "")
-    return builder(spec) if builder else None
+    if builder is None:
+        return None
+    return {**builder(spec), **_flow_control(spec, scaling or chosen_where_all_served(spec))}
 
 
-def build_picker_configmap(spec: GemmaRustServerSpec, meta: Meta) -> dict[str, Any] | None:
-    """The ConfigMap `<name>-epp` with the picker's config under `config.yaml`, annotated with the release it is
-    for, while the spec asks for an InferencePool and names a release the operator writes a config for."""
-    config = build_picker_config(spec)
+def build_picker_configmap(spec: GemmaRustServerSpec, meta: Meta,
+                           scaling: Autoscaling | None = None) -> dict[str, Any] | None:
+    """The ConfigMap `<name>-epp` with the picker's config under `config.yaml` (build_picker_config), annotated
+    with the release it is for, while the spec asks for an InferencePool and names a release the operator writes
+    a config for."""
+    config = build_picker_config(spec, scaling)
     if config is None:
         return None
     obj = child_object("v1", "ConfigMap", picker_config_name(meta), meta)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gemma_operator.builders.autoscaler import Autoscaling, choose
 from gemma_operator.builders.deployment import build_deployment
 from gemma_operator.builders.optional import OPTIONAL_KINDS
 from gemma_operator.builders.ownership import Meta
@@ -52,3 +53,8 @@ def env_of(spec: GemmaRustServerSpec) -> dict[str, str | None]:
 def scaling(**autoscaling: Any) -> GemmaRustServerSpec:
     return tpu_spec(accelerator={"type": "cpu"}, autoscaling={"maxReplicas": 4, "target": 4, **autoscaling},
                     monitoring={"podMonitoring": False})
+
+
+def autoscaler_for(spec: GemmaRustServerSpec, available: frozenset[str] = EVERYTHING) -> Autoscaling:
+    """The autoscaler `spec` gets on a cluster that serves `available` (every optional kind unless told)."""
+    return choose(spec, available)

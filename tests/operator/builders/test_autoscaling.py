@@ -10,11 +10,12 @@ from gemma_operator.spec import GemmaRustServerSpec
 
 from tests.charts.promql_check import parse_promql, promql_check, selects  # noqa: F401 - the fixture
 
-from .specs import LABELS, META, SCALE_TARGET, scaling, tpu_spec
+from .specs import LABELS, META, SCALE_TARGET, autoscaler_for, scaling, tpu_spec
 
 
 def test_hpa_scales_the_server_on_the_pods_metric_prometheus_adapter_serves():
-    assert build_hpa(scaling(minReplicas=2), META) == {
+    spec = scaling(minReplicas=2)
+    assert build_hpa(spec, META, autoscaler_for(spec)) == {
         "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
         "metadata": {"name": "gemma", "namespace": "serving", "labels": LABELS},
         "spec": {"scaleTargetRef": SCALE_TARGET, "minReplicas": 2, "maxReplicas": 4,
@@ -24,7 +25,8 @@ def test_hpa_scales_the_server_on_the_pods_metric_prometheus_adapter_serves():
 
 
 def test_hpa_names_the_metric_as_gkes_adapter_does_and_a_fraction_in_milli_units():
-    hpa = build_hpa(scaling(metric="kvCacheUsage", target=0.75, metricsAdapter="GKE"), META)
+    spec = scaling(metric="kvCacheUsage", target=0.75, metricsAdapter="GKE")
+    hpa = build_hpa(spec, META, autoscaler_for(spec))
     assert hpa["spec"]["metrics"][0]["pods"] == {
         "metric": {"name": "prometheus.googleapis.com|gemma_kv_cache_usage_perc|gauge"},
         "target": {"type": "AverageValue", "averageValue": "750m"}}
@@ -33,7 +35,7 @@ def test_hpa_names_the_metric_as_gkes_adapter_does_and_a_fraction_in_milli_units
 def test_scaled_object_queries_prometheus_for_the_servers_pods():
     spec = scaling(metric="requestsRunning", target=8,
                    prometheus={"serverAddress": "http://prometheus.monitoring.svc:9090", "authenticationRef": "gmp"})
-    assert build_scaled_object(spec, META) == {
+    assert build_scaled_object(spec, META, autoscaler_for(spec)) == {
         "apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject",
         "metadata": {"name": "gemma", "namespace": "serving", "labels": LABELS},
         "spec": {"scaleTargetRef": SCALE_TARGET, "minReplicaCount": 1, "maxReplicaCount": 4,
@@ -49,7 +51,7 @@ def test_scaled_object_names_a_cluster_trigger_authentication_by_its_kind():
     example (keda-docs 2.21, scalers/prometheus.md) names a ClusterTriggerAuthentication."""
     spec = scaling(prometheus={"serverAddress": "http://p:9090", "authenticationRef": "gmp",
                                "authenticationKind": "ClusterTriggerAuthentication"})
-    (trigger,) = build_scaled_object(spec, META)["spec"]["triggers"]
+    (trigger,) = build_scaled_object(spec, META, autoscaler_for(spec))["spec"]["triggers"]
     assert trigger["authenticationRef"] == {"name": "gmp", "kind": "ClusterTriggerAuthentication"}
 
 
@@ -72,7 +74,7 @@ def test_the_keda_query_selects_only_this_clusters_pods(promql_check):
     """Parsed by Prometheus's own parser; its matchers applied to the series Managed Prometheus holds for two
     clusters of one project that both run `gemma` in `serving`, and to another server's pod."""
     spec = scaling(prometheus={"serverAddress": GMP, "cluster": "prod-us"})
-    query = build_scaled_object(spec, META)["spec"]["triggers"][0]["metadata"]["query"]
+    query = build_scaled_object(spec, META, autoscaler_for(spec))["spec"]["triggers"][0]["metadata"]["query"]
     (parsed,) = parse_promql(promql_check, [query])
     (selector,) = parsed["selectors"]
     assert selector["metric"] == "gemma_num_requests_waiting"
@@ -85,7 +87,8 @@ def test_the_keda_query_selects_only_this_clusters_pods(promql_check):
     chosen = {where for where, labels in series.items() if selects(selector["matchers"], labels)}
     assert chosen == {"this cluster"}
     # Without a cluster name the query sums the staging cluster's pod in too: what the matcher is for.
-    unscoped = build_scaled_object(scaling(prometheus={"serverAddress": GMP}), META)["spec"]["triggers"][0]
+    spec = scaling(prometheus={"serverAddress": GMP})
+    unscoped = build_scaled_object(spec, META, autoscaler_for(spec))["spec"]["triggers"][0]
     (parsed,) = parse_promql(promql_check, [unscoped["metadata"]["query"]])
     assert {w for w, labels in series.items() if selects(parsed["selectors"][0]["matchers"], labels)} == {
         "this cluster", "a staging cluster of the project"}
@@ -98,7 +101,8 @@ def test_the_operators_cluster_name_is_the_default_and_the_spec_wins():
     named = Settings(cluster_name="prod-us")
     spec = with_defaults(scaling(prometheus={"serverAddress": GMP}), named)
     assert spec.autoscaling.prometheus.cluster == "prod-us"
-    assert 'cluster="prod-us"' in build_scaled_object(spec, META)["spec"]["triggers"][0]["metadata"]["query"]
+    (trigger,) = build_scaled_object(spec, META, autoscaler_for(spec))["spec"]["triggers"]
+    assert 'cluster="prod-us"' in trigger["metadata"]["query"]
     own = with_defaults(scaling(prometheus={"serverAddress": GMP, "cluster": "eu-west"}), named)
     assert own.autoscaling.prometheus.cluster == "eu-west"
     assert with_defaults(scaling(prometheus={"serverAddress": GMP}), Settings()).autoscaling.prometheus.cluster is None
@@ -114,33 +118,33 @@ EXTERNAL_PUSH = {"type": "external-push", "metadata": {
 
 
 def test_at_zero_without_prometheus_keda_scales_on_the_http_add_ons_requests_alone():
-    from gemma_operator.builders.optional import OPTIONAL_BY_KIND
-
     spec = scaling(**ZERO)
-    assert build_scaled_object(spec, META)["spec"] == {
+    assert build_scaled_object(spec, META, autoscaler_for(spec))["spec"] == {
         "scaleTargetRef": SCALE_TARGET, "minReplicaCount": 0, "maxReplicaCount": 4, "cooldownPeriod": 300,
         "initialCooldownPeriod": 300,
         "triggers": [EXTERNAL_PUSH]}
-    assert OPTIONAL_BY_KIND["ScaledObject"].wanted(spec)
-    assert not OPTIONAL_BY_KIND["HorizontalPodAutoscaler"].wanted(spec)  # it would hold one replica
+    assert "ScaledObject" in autoscaler_for(spec).kinds
+    assert "HorizontalPodAutoscaler" not in autoscaler_for(spec).kinds  # it would hold one replica
 
 
 def test_at_zero_with_prometheus_the_metric_trigger_stays_beside_the_add_ons():
     spec = scaling(prometheus={"serverAddress": "http://p:9090"}, **ZERO)
-    kinds = [t["type"] for t in build_scaled_object(spec, META)["spec"]["triggers"]]
+    kinds = [t["type"] for t in build_scaled_object(spec, META, autoscaler_for(spec))["spec"]["triggers"]]
     assert kinds == ["prometheus", "external-push"]
 
 
 def test_the_operators_scaler_address_reaches_the_trigger():
     meta = META._replace(keda_http_scaler="keda-http-scaler.autoscaling:9091")
-    (trigger,) = build_scaled_object(scaling(**ZERO), meta)["spec"]["triggers"]
+    spec = scaling(**ZERO)
+    (trigger,) = build_scaled_object(spec, meta, autoscaler_for(spec))["spec"]["triggers"]
     assert trigger["metadata"]["scalerAddress"] == "keda-http-scaler.autoscaling:9091"
 
 
 def test_the_http_scaled_object_routes_the_services_names_and_holds_requests_while_it_wakes():
     from gemma_operator.builders.autoscaling import build_http_scaled_object
 
-    assert build_http_scaled_object(scaling(**ZERO), META) == {
+    spec = scaling(**ZERO)
+    assert build_http_scaled_object(spec, META, autoscaler_for(spec)) == {
         "apiVersion": "http.keda.sh/v1alpha1", "kind": "HTTPScaledObject",
         "metadata": {"name": "gemma", "namespace": "serving", "labels": LABELS,
                      "annotations": {"httpscaledobject.keda.sh/skip-scaledobject-creation": "true"}},
@@ -158,12 +162,14 @@ def behind_a_gateway(**prometheus) -> GemmaRustServerSpec:
 
 
 def test_behind_a_gateway_the_pickers_queue_wakes_it_too():
-    triggers = build_scaled_object(behind_a_gateway(), META)["spec"]["triggers"]
+    spec = behind_a_gateway()
+    triggers = build_scaled_object(spec, META, autoscaler_for(spec))["spec"]["triggers"]
     assert [t["type"] for t in triggers] == ["prometheus", "external-push", "prometheus"]
     assert triggers[2]["metadata"] == {
         "serverAddress": "http://p:9090", "threshold": "1",
         "query": 'sum(inference_extension_flow_control_queue_size{namespace="serving",inference_pool="gemma"})'}
-    with_cluster = build_scaled_object(behind_a_gateway(cluster="prod-us"), META)["spec"]["triggers"]
+    spec = behind_a_gateway(cluster="prod-us")
+    with_cluster = build_scaled_object(spec, META, autoscaler_for(spec))["spec"]["triggers"]
     assert with_cluster[2]["metadata"]["query"] == (
         'sum(inference_extension_flow_control_queue_size{cluster="prod-us",namespace="serving",'
         'inference_pool="gemma"})')

@@ -128,16 +128,14 @@ def test_a_server_at_zero_gets_keda_and_the_http_add_on_and_never_an_hpa():
 
 
 def test_without_the_http_add_on_a_server_at_zero_is_held_at_one_replica():
-    """Nothing would hold or count the requests sent at zero: the handlers build the held spec, whose autoscaler
-    is that of any server of minReplicas 1."""
-    from gemma_operator.builders.autoscaling import held_at_one
-
-    keda = held_at_one(scaling(minReplicas=0, prometheus={"serverAddress": "http://p:9090"}))
+    """Nothing would hold or count the requests sent at zero: the autoscaler chosen is that of any server of
+    minReplicas 1 (builders.autoscaler.choose), and the spec is built as it is."""
+    keda = scaling(minReplicas=0, prometheus={"serverAddress": "http://p:9090"})
     kids = build_children(keda, META, EVERYTHING - {"http.keda.sh/v1alpha1"})
     (scaled,) = [o for o in kids.apply if o["kind"] == "ScaledObject"]
     assert scaled["spec"]["minReplicaCount"] == 1 and "cooldownPeriod" not in scaled["spec"]
     assert [t["type"] for t in scaled["spec"]["triggers"]] == ["prometheus"]
     assert "HTTPScaledObject" not in kinds(kids)
     # Without Prometheus for KEDA: an HPA on the Pods metric, as for any server that does not scale to zero.
-    plain = held_at_one(scaling(minReplicas=0, provider="KEDA"))
-    assert kinds(build_children(plain, META, EVERYTHING))[-1] == "HorizontalPodAutoscaler"
+    plain = scaling(minReplicas=0, provider="KEDA")
+    assert kinds(build_children(plain, META, EVERYTHING - {"http.keda.sh/v1alpha1"}))[-1] == "HorizontalPodAutoscaler"

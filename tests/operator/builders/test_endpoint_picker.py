@@ -156,5 +156,5 @@ def test_a_server_at_zero_gets_flow_control_holding_requests_for_the_wake_timeou
 
 
 def test_llm_d_router_v0_10_loads_the_flow_control_config():
-    config = build_llm_d_router_v0_10_config(with_release(autoscaling=ZERO))
+    config = build_picker_config(with_release(LLM_D_ROUTER_V0_10, autoscaling=ZERO))
     assert router.refusals(config) == [] and router.deprecations(config) == []

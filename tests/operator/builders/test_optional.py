@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from gemma_operator.builders.optional import OPTIONAL_KINDS
 
-from .specs import META, tpu_spec
+from .specs import META, autoscaler_for, tpu_spec
 
 
 def test_every_optional_row_names_its_crd_and_a_builder_of_its_own_kind():
@@ -12,6 +12,6 @@ def test_every_optional_row_names_its_crd_and_a_builder_of_its_own_kind():
                     monitoring={"serviceMonitor": True},
                     gateway={"inferencePool": True, "endpointPicker": {"name": "e"}})
     for row in OPTIONAL_KINDS:
-        obj = row.builder(spec, META)
+        obj = row.build(spec, META, autoscaler_for(spec))
         assert (obj["apiVersion"], obj["kind"]) == (row.api_version, row.kind)
         assert row.crd is None or row.crd == f"{row.plural}.{row.api_version.split('/')[0]}"
