@@ -22,12 +22,14 @@
 
 use std::path::Path;
 
+use serde::Deserialize;
 use serde_json::Value;
 
 use crate::error::{Error, Result};
 use crate::gemma4::attention::{Attended, Plan, Positions};
 use crate::gemma4::cache::{KvCache, Rows, held_before_rows};
-use crate::gemma4::config::{Config, LayerType, get, read_json};
+use crate::gemma4::config::{Config, LayerType, TopLevel, read_json};
+use crate::gemma4::config_json::{RawText, parse};
 use crate::gemma4::layer::{DecoderLayer, LayerIo};
 use crate::gemma4::linear::Linear;
 use crate::gemma4::model::Model;
@@ -56,8 +58,8 @@ impl AssistantConfig {
     /// whose layers are all KV-shared, under `validate_architecture`'s rules (no per-layer inputs, experts or
     /// double-wide MLP).
     pub fn from_json(root: &Value) -> Result<AssistantConfig> {
-        let root = root.as_object().ok_or_else(|| Error::config("(top level)", "must be a JSON object"))?;
-        match get(root, "model_type").and_then(|v| v.as_str()) {
+        let raw: RawAssistant = parse(root)?;
+        match raw.model_type.as_deref() {
             Some(t) if MODEL_TYPES.contains(&t) => {}
             other => {
                 return Err(Error::config(
@@ -66,38 +68,36 @@ impl AssistantConfig {
                 ));
             }
         }
-        let mut text = get(root, "text_config")
-            .and_then(|t| t.as_object())
-            .cloned()
-            .ok_or_else(|| Error::config("text_config", "an assistant needs a text_config object"))?;
+        let text = raw.text_config.as_ref().filter(|t| t.is_object());
+        let text = text.ok_or_else(|| Error::config("text_config", "an assistant needs a text_config object"))?;
+        let in_text = |e: Error| Error::config("text_config", format!("in the assistant's text_config: {e}"));
+        let mut text: RawText = parse(text).map_err(in_text)?;
         for (key, ok) in [
-            ("hidden_size_per_layer_input", Value::from(0)),
-            ("vocab_size_per_layer_input", Value::from(0)),
-            ("enable_moe_block", Value::from(false)),
-            ("use_double_wide_mlp", Value::from(false)),
+            ("hidden_size_per_layer_input", text.hidden_size_per_layer_input == 0),
+            ("vocab_size_per_layer_input", text.vocab_size_per_layer_input.is_none_or(|v| v == 0)),
+            ("enable_moe_block", !text.enable_moe_block),
+            ("use_double_wide_mlp", !text.use_double_wide_mlp),
         ] {
-            match text.get(key) {
-                Some(v) if !v.is_null() && *v != ok => {
-                    return Err(Error::config(format!("text_config.{key}"), format!("must be {ok} in an assistant")));
-                }
-                _ => {}
+            if !ok {
+                let want = if key.ends_with("input") { "0" } else { "false" };
+                return Err(Error::config(format!("text_config.{key}"), format!("must be {want} in an assistant")));
             }
         }
-        // Every layer reads the target's keys; parsed as a model of its own, none is shared.
-        text.insert("num_kv_shared_layers".into(), Value::from(0));
-        let mut cfg = Config::from_json(&Value::Object(text))
-            .map_err(|e| Error::config("text_config", format!("in the assistant's text_config: {e}")))?;
+        // Every layer reads the target's keys; derived as a model of its own, none is shared.
+        text.num_kv_shared_layers = 0;
+        let mut cfg = Config::derive(text, &TopLevel::default()).map_err(in_text)?;
         for l in &mut cfg.layers {
             l.kv_source = Some(l.kind.index());
         }
-        let int = |key: &str, default: i64| match get(root, key) {
-            None => Ok(default),
-            Some(v) => v.as_i64().filter(|n| *n > 0).ok_or_else(|| Error::config(key, "must be a positive integer")),
-        };
-        let ordered = match get(root, "use_ordered_embeddings") {
-            None | Some(Value::Bool(false)) => None,
-            Some(Value::Bool(true)) => Some((int("num_centroids", 2048)?, int("centroid_intermediate_top_k", 32)?)),
-            Some(_) => return Err(Error::config("use_ordered_embeddings", "must be true or false")),
+        let positive =
+            |key: &str, n: i64| if n > 0 { Ok(n) } else { Err(Error::config(key, "must be a positive integer")) };
+        let ordered = if raw.use_ordered_embeddings {
+            Some((
+                positive("num_centroids", raw.num_centroids)?,
+                positive("centroid_intermediate_top_k", raw.centroid_intermediate_top_k)?,
+            ))
+        } else {
+            None
         };
         if let Some((c, k)) = ordered
             && (cfg.vocab_size % c != 0 || k > c)
@@ -110,8 +110,40 @@ impl AssistantConfig {
                 ),
             ));
         }
-        Ok(AssistantConfig { backbone_hidden_size: int("backbone_hidden_size", 1536)?, ordered, text: cfg })
+        Ok(AssistantConfig {
+            backbone_hidden_size: positive("backbone_hidden_size", raw.backbone_hidden_size)?,
+            ordered,
+            text: cfg,
+        })
     }
+}
+
+/// `Gemma4AssistantConfig`'s own keys, Transformers' defaults where absent (Transformers 5.18
+/// `models/gemma4_assistant/configuration_gemma4_assistant.py`, lines 70-73).
+#[derive(Deserialize)]
+struct RawAssistant {
+    model_type: Option<String>,
+    text_config: Option<Value>,
+    #[serde(default = "backbone_hidden_size")]
+    backbone_hidden_size: i64,
+    #[serde(default)]
+    use_ordered_embeddings: bool,
+    #[serde(default = "num_centroids")]
+    num_centroids: i64,
+    #[serde(default = "centroid_intermediate_top_k")]
+    centroid_intermediate_top_k: i64,
+}
+
+fn backbone_hidden_size() -> i64 {
+    1536
+}
+
+fn num_centroids() -> i64 {
+    2048
+}
+
+fn centroid_intermediate_top_k() -> i64 {
+    32
 }
 
 /// `Gemma4AssistantMaskedEmbedder`: the tokens sorted by centroid, `[num_centroids, vocab / num_centroids]`.

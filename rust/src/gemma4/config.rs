@@ -1,21 +1,30 @@
 //! `Config`: the parts of a Gemma 4 text config.json the engine needs, validated at load.
 //!
-//! Mirrors transformers 5.18 `models/gemma4/configuration_gemma4.py` (Gemma4TextConfig) and the
-//! compressed-tensors `quantization_config`. Every size comes from the file; a bad or missing key
-//! is an `Error::Config` naming it. Derived per-layer facts (head dim, KV source, MLP width)
-//! follow `Gemma4TextConfig.__init__` (C:) and `Gemma4TextAttention.__init__` / `Gemma4TextMLP` (M:) of
-//! that release (line legend in gemma4/mod.rs).
+//! config.json is read by serde (config_json.rs: the keys, Transformers' defaults, errors naming the key
+//! path); `Config` is derived from what it read by pure functions here, which check what serde cannot (ranges,
+//! supported variants, sizes that must agree) and name the key. Every size comes from the file. Derived
+//! per-layer facts (head dim, KV source, MLP width) follow transformers 5.18 `models/gemma4/configuration_gemma4.py`
+//! `Gemma4TextConfig.__post_init__` (C:) and `Gemma4TextAttention.__init__` / `Gemma4TextMLP` (M:) of that
+//! release (line legend in gemma4/mod.rs); the quantization spec follows compressed-tensors' `quantization_config`.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
-use serde_json::{Map, Value};
+use serde::Deserialize;
+use serde_json::Value;
 
 use crate::error::{Error, Result};
+use crate::gemma4::config_json::{
+    Bidirectional, GELU_TANH, MediaIds, RawGeneration, RawLayer, RawQuant, RawQuantOnly, RawRoot, RawRope, RawText,
+    RopeType, parse, within,
+};
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// `layer_types`' entries (C:172).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
 pub enum LayerType {
+    #[serde(rename = "sliding_attention")]
     Sliding,
+    #[serde(rename = "full_attention")]
     Full,
 }
 
@@ -104,110 +113,67 @@ pub struct Config {
     pub moe: Option<MoeSpec>,
 }
 
-pub(crate) fn get<'a>(m: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
-    m.get(key).filter(|v| !v.is_null())
+/// What the top level of a config.json adds to its text config: media ids, towers, quantization, eos ids.
+#[derive(Clone, Debug, Default)]
+pub struct TopLevel {
+    pub ids: MediaIds,
+    pub quant: Option<QuantSpec>,
+    /// The top level's `eos_token_id`, read when the text config has none.
+    pub eos_ids: Option<Vec<i64>>,
+    /// Whether it has a `vision_config` and an `audio_config`.
+    pub towers: [bool; 2],
+    /// Whether the text config is a `text_config` (a multimodal Gemma4Config).
+    pub multimodal: bool,
 }
 
-fn int(m: &Map<String, Value>, key: &str) -> Result<i64> {
-    let v = get(m, key).ok_or_else(|| Error::config(key, "missing"))?;
-    v.as_i64().ok_or_else(|| Error::config(key, format!("must be an integer, got {v}")))
-}
-
-fn positive(m: &Map<String, Value>, key: &str) -> Result<i64> {
-    let v = int(m, key)?;
+fn positive(key: &str, v: i64) -> Result<i64> {
     if v < 1 {
         return Err(Error::config(key, format!("must be >= 1, got {v}")));
     }
     Ok(v)
 }
 
-fn float(m: &Map<String, Value>, key: &str) -> Result<f64> {
-    let v = get(m, key).ok_or_else(|| Error::config(key, "missing"))?;
-    v.as_f64().ok_or_else(|| Error::config(key, format!("must be a number, got {v}")))
-}
-
-fn boolean(m: &Map<String, Value>, key: &str, default: bool) -> Result<bool> {
-    match get(m, key) {
-        None => Ok(default),
-        Some(v) => v.as_bool().ok_or_else(|| Error::config(key, format!("must be true or false, got {v}"))),
-    }
-}
-
-fn int_list(v: &Value, key: &str) -> Result<Vec<i64>> {
-    match v {
-        Value::Null => Ok(vec![]),
-        Value::Number(n) => n.as_i64().map(|x| vec![x]).ok_or_else(|| Error::config(key, "must be integers")),
-        Value::Array(a) => a.iter().map(|x| x.as_i64().ok_or_else(|| Error::config(key, "must be integers"))).collect(),
-        _ => Err(Error::config(key, format!("must be an integer or a list of integers, got {v}"))),
-    }
-}
-
-fn rope_spec(m: &Map<String, Value>, kind: &str) -> Result<RopeSpec> {
-    let key = format!("rope_parameters.{kind}");
-    let r = get(m, "rope_parameters")
-        .and_then(|v| v.get(kind))
-        .and_then(|v| v.as_object())
-        .ok_or_else(|| Error::config(&key, "missing"))?;
-    let theta =
-        float(r, "rope_theta").map_err(|_| Error::config(format!("{key}.rope_theta"), "missing or not a number"))?;
-    let factor = match get(r, "factor") {
-        None => 1.0,
-        Some(v) => v.as_f64().ok_or_else(|| Error::config(format!("{key}.factor"), "must be a number"))?,
-    };
-    let rope_type = get(r, "rope_type").and_then(|v| v.as_str()).unwrap_or("default");
-    let partial_rotary_factor = match rope_type {
-        "default" => None,
-        "proportional" => Some(match get(r, "partial_rotary_factor") {
-            None => 1.0,
-            Some(v) => v
-                .as_f64()
-                .filter(|f| (0.0..=1.0).contains(f))
-                .ok_or_else(|| Error::config(format!("{key}.partial_rotary_factor"), "must be a number in [0, 1]"))?,
-        }),
-        other => {
-            return Err(Error::config(
-                format!("{key}.rope_type"),
-                format!("{other:?} is not supported (default or proportional)"),
-            ));
+fn rope_spec(r: &RawRope, kind: &str) -> Result<RopeSpec> {
+    let partial_rotary_factor = match (r.rope_type, r.partial_rotary_factor) {
+        (RopeType::Default, _) => None,
+        (RopeType::Proportional, None) => Some(1.0),
+        (RopeType::Proportional, Some(f)) if (0.0..=1.0).contains(&f) => Some(f),
+        (RopeType::Proportional, Some(_)) => {
+            let key = format!("rope_parameters.{kind}.partial_rotary_factor");
+            return Err(Error::config(key, "must be a number in [0, 1]"));
         }
     };
-    Ok(RopeSpec { theta, partial_rotary_factor, factor })
+    Ok(RopeSpec { theta: r.rope_theta, partial_rotary_factor, factor: r.factor })
 }
 
 /// compressed-tensors quantization_config: every config group must be symmetric pack-quantized
 /// int weights with one group size (E2B W4A16 has one group).
-fn quant_spec(root: &Map<String, Value>) -> Result<Option<QuantSpec>> {
-    let Some(q) = get(root, "quantization_config") else { return Ok(None) };
+fn quant_spec(q: &RawQuant) -> Result<Option<QuantSpec>> {
     let key = "quantization_config";
-    let q = q.as_object().ok_or_else(|| Error::config(key, "must be an object"))?;
-    if let Some(fmt) = get(q, "format").and_then(|v| v.as_str())
+    if let Some(fmt) = &q.format
         && fmt != "pack-quantized"
     {
         return Err(Error::config(format!("{key}.format"), format!("{fmt:?} is not supported (pack-quantized)")));
     }
-    let groups = get(q, "config_groups")
-        .and_then(|v| v.as_object())
-        .ok_or_else(|| Error::config(format!("{key}.config_groups"), "missing"))?;
     let mut spec: Option<(u32, Option<i64>)> = None;
-    for (name, g) in groups {
+    for (name, g) in &q.config_groups {
         let gk = format!("{key}.config_groups.{name}.weights");
-        let w = g.get("weights").and_then(|v| v.as_object()).ok_or_else(|| Error::config(&gk, "missing"))?;
-        let bits = int(w, "num_bits").map_err(|_| Error::config(format!("{gk}.num_bits"), "missing"))?;
+        let w = &g.weights;
+        let bits = w.num_bits;
         if !(1..=8).contains(&bits) {
             return Err(Error::config(format!("{gk}.num_bits"), format!("must be in 1..=8, got {bits}")));
         }
-        if get(w, "type").and_then(|v| v.as_str()).is_some_and(|t| t != "int") {
+        if w.kind.as_deref().is_some_and(|t| t != "int") {
             return Err(Error::config(format!("{gk}.type"), "only int weights are supported"));
         }
-        if !boolean(w, "symmetric", true)? {
+        if !w.symmetric {
             return Err(Error::config(format!("{gk}.symmetric"), "asymmetric (zero-point) weights are not supported"));
         }
-        let strategy = get(w, "strategy").and_then(|v| v.as_str()).unwrap_or("group");
-        let group = match strategy {
-            "group" => Some(positive(w, "group_size").map_err(|e| match e {
-                Error::Config { msg, .. } => Error::config(format!("{gk}.group_size"), msg),
-                e => e,
-            })?),
+        let group = match w.strategy.as_deref().unwrap_or("group") {
+            "group" => {
+                let size_key = format!("{gk}.group_size");
+                Some(positive(&size_key, w.group_size.ok_or_else(|| Error::config(&size_key, "missing"))?)?)
+            }
             "channel" => None,
             s => {
                 return Err(Error::config(
@@ -228,8 +194,10 @@ fn quant_spec(root: &Map<String, Value>) -> Result<Option<QuantSpec>> {
 impl Config {
     /// Only the quantization_config of a config.json (for an embeddings directory).
     pub fn quant_only(root: &Value) -> Result<Option<QuantSpec>> {
-        let root = root.as_object().ok_or_else(|| Error::config("(top level)", "must be a JSON object"))?;
-        quant_spec(root)
+        match &parse::<RawQuantOnly>(root)?.quantization_config {
+            None => Ok(None),
+            Some(q) => quant_spec(q),
+        }
     }
 
     /// Read `dir/config.json` (and the eos ids of `generation_config.json` when present).
@@ -238,9 +206,12 @@ impl Config {
         let gen_path = dir.join("generation_config.json");
         if let Ok(gen_text) = std::fs::read_to_string(&gen_path)
             && let Ok(generation) = serde_json::from_str::<Value>(&gen_text)
-            && let Some(v) = generation.get("eos_token_id")
         {
-            for id in int_list(v, "generation_config.json: eos_token_id")? {
+            let generation: RawGeneration = parse(&generation).map_err(|e| match e {
+                Error::Config { key, msg } => Error::config(format!("generation_config.json: {key}"), msg),
+                e => e,
+            })?;
+            for id in generation.eos_token_id.unwrap_or_default().0 {
                 if !cfg.eos_ids.contains(&id) {
                     cfg.eos_ids.push(id);
                 }
@@ -249,175 +220,145 @@ impl Config {
         Ok(cfg)
     }
 
-    /// Parse a config.json value: a Gemma4TextConfig, or a multimodal config with `text_config`.
+    /// Parse a config.json value: a Gemma4TextConfig, or a multimodal config with `text_config` (whose keys
+    /// errors name under `text_config.`).
     pub fn from_json(root: &Value) -> Result<Config> {
-        let root = root.as_object().ok_or_else(|| Error::config("(top level)", "must be a JSON object"))?;
-        let m = match get(root, "text_config") {
-            Some(t) => t.as_object().ok_or_else(|| Error::config("text_config", "must be an object"))?,
-            None => root,
+        let raw: RawRoot = parse(root)?;
+        let top = TopLevel {
+            ids: parse(root)?,
+            quant: match &raw.quantization_config {
+                None => None,
+                Some(q) => quant_spec(q)?,
+            },
+            eos_ids: raw.eos_token_id.map(|t| t.0),
+            towers: [raw.vision_config.is_some(), raw.audio_config.is_some()],
+            multimodal: raw.text_config.is_some(),
         };
-        check_supported(m)?;
-        let ids = MediaIds::from_root(root)?;
-
-        let vocab_size = positive(m, "vocab_size")?;
-        let hidden_size = positive(m, "hidden_size")?;
-        let intermediate_size = positive(m, "intermediate_size")?;
-        let num_layers = positive(m, "num_hidden_layers")? as usize;
-        let num_heads = positive(m, "num_attention_heads")?;
-        let num_kv_heads = positive(m, "num_key_value_heads")?;
-        let head_dim = positive(m, "head_dim")?;
-        let sliding_window = positive(m, "sliding_window")?;
-        let rms_norm_eps = float(m, "rms_norm_eps")?;
-        let ple_dim = match get(m, "hidden_size_per_layer_input") {
-            None => 0,
-            Some(_) => {
-                let p = int(m, "hidden_size_per_layer_input")?;
-                if p < 0 {
-                    return Err(Error::config("hidden_size_per_layer_input", format!("must be >= 0, got {p}")));
-                }
-                p
-            }
-        };
-        let vocab_size_per_layer_input = if ple_dim > 0 {
-            get(m, "vocab_size_per_layer_input")
-                .map_or(Ok(vocab_size), |_| positive(m, "vocab_size_per_layer_input"))?
-        } else {
-            0
-        };
-        // Every token id indexes the per-layer table too: a smaller table would let a valid id (or a
-        // generated one) index past its end, a device-side assert on CUDA.
-        if ple_dim > 0 && vocab_size_per_layer_input < vocab_size {
-            return Err(Error::config(
-                "vocab_size_per_layer_input",
-                format!("must be >= vocab_size ({vocab_size}), got {vocab_size_per_layer_input}"),
-            ));
+        match &raw.text_config {
+            Some(text) => parse(text).and_then(|t| Config::derive(t, &top)).map_err(within("text_config")),
+            None => Config::derive(parse(root)?, &top),
         }
-        let num_kv_shared = match get(m, "num_kv_shared_layers") {
-            None => 0,
-            Some(_) => int(m, "num_kv_shared_layers")?,
-        };
+    }
+
+    /// The model's config from a text config and its top level, checked; an error names the key.
+    pub fn derive(t: RawText, top: &TopLevel) -> Result<Config> {
+        check_supported(&t)?;
+        let vocab_size = positive("vocab_size", t.vocab_size)?;
+        let hidden_size = positive("hidden_size", t.hidden_size)?;
+        let num_layers = positive("num_hidden_layers", t.num_hidden_layers)? as usize;
+        let (ple_dim, vocab_size_per_layer_input) = per_layer_inputs(&t, vocab_size)?;
+        let num_kv_shared = t.num_kv_shared_layers;
         if num_kv_shared < 0 || num_kv_shared as usize >= num_layers {
             return Err(Error::config(
                 "num_kv_shared_layers",
                 format!("must be in 0..{num_layers} (num_hidden_layers), got {num_kv_shared}"),
             ));
         }
-        let double_wide = boolean(m, "use_double_wide_mlp", false)?;
-        let final_logit_softcapping = match get(m, "final_logit_softcapping") {
-            None => None,
-            Some(_) => Some(float(m, "final_logit_softcapping")?).filter(|c| *c > 0.0),
-        };
-        let tie_word_embeddings = boolean(m, "tie_word_embeddings", true)?;
-
-        let kinds = layer_types(m, num_layers)?;
-        let per_layer = per_layer_config(m, num_layers)?;
-        let global_head_dim = match get(m, "global_head_dim") {
-            None => 512, // configuration_gemma4.py: kwargs.pop("global_head_dim", 512)
-            Some(_) => positive(m, "global_head_dim")?,
-        };
-
-        // C:210-218: with attention_k_eq_v, full layers take num_global_key_value_heads (when no
-        // per_layer_config says otherwise); without it that key is not read.
-        let k_eq_v = boolean(m, "attention_k_eq_v", false)?;
-        let global_num_kv_heads = match get(m, "num_global_key_value_heads") {
-            Some(_) if k_eq_v => Some(positive(m, "num_global_key_value_heads")?),
-            _ => None,
-        };
-
-        let first_shared = num_layers - num_kv_shared as usize;
-        let defaults = HeadDefaults { head_dim, num_kv_heads, global_head_dim, global_num_kv_heads, num_heads };
-        let mut layers = Vec::with_capacity(num_layers);
-        for (i, &kind) in kinds.iter().enumerate() {
-            let (d, nkv) = head_geometry(per_layer.as_ref().map(|p| p.get(&i).copied()), i, kind, &defaults)?;
-            // M:1064-1069: the double-wide MLP needs `layer_idx >= first_shared > 0`.
-            let wide = double_wide && i >= first_shared && first_shared > 0;
-            layers.push(LayerSpec {
-                kind,
-                head_dim: d,
-                num_kv_heads: nkv,
-                kv_source: kv_donor(&kinds, first_shared, i)?,
-                intermediate_size: if wide { 2 * intermediate_size } else { intermediate_size },
-                values_from_keys: k_eq_v && kind == LayerType::Full,
-            });
-        }
-        for l in &layers {
-            if let Some(s) = l.kv_source {
-                let src = &layers[s];
-                if (src.head_dim, src.num_kv_heads) != (l.head_dim, l.num_kv_heads) {
-                    return Err(Error::config(
-                        "per_layer_config",
-                        "a KV-shared layer must have its source layer's head geometry",
-                    ));
-                }
-            }
-        }
-
-        let eos_ids = int_list(
-            get(m, "eos_token_id").or_else(|| get(root, "eos_token_id")).unwrap_or(&Value::Null),
-            "eos_token_id",
-        )?;
+        let kinds = layer_types(t.layer_types.as_deref(), num_layers)?;
+        let layers = layer_specs(&t, &kinds, num_layers - num_kv_shared as usize)?;
+        let image_and_video = vec![top.ids.image, top.ids.video];
         Ok(Config {
             vocab_size,
             vocab_size_per_layer_input,
             hidden_size,
             ple_dim,
             num_layers,
-            num_heads,
+            num_heads: t.num_attention_heads,
             layers,
-            sliding_window,
-            rope: [rope_spec(m, "sliding_attention")?, rope_spec(m, "full_attention")?],
-            final_logit_softcapping,
-            rms_norm_eps,
-            tie_word_embeddings,
-            eos_ids,
-            pad_token_id: get(m, "pad_token_id").map_or(Ok(0), |_| int(m, "pad_token_id"))?,
-            media_token_ids: [(get(root, "vision_config"), ids.image), (get(root, "audio_config"), ids.audio)]
+            sliding_window: positive("sliding_window", t.sliding_window)?,
+            rope: [
+                rope_spec(&t.rope_parameters.sliding_attention, "sliding_attention")?,
+                rope_spec(&t.rope_parameters.full_attention, "full_attention")?,
+            ],
+            final_logit_softcapping: t.final_logit_softcapping.filter(|c| *c > 0.0),
+            rms_norm_eps: t.rms_norm_eps,
+            tie_word_embeddings: t.tie_word_embeddings,
+            eos_ids: t.eos_token_id.clone().map(|e| e.0).or_else(|| top.eos_ids.clone()).unwrap_or_default(),
+            pad_token_id: t.pad_token_id,
+            media_token_ids: [(top.towers[0], top.ids.image), (top.towers[1], top.ids.audio)]
                 .into_iter()
-                .filter_map(|(tower, id)| tower.map(|_| id))
+                .filter_map(|(tower, id)| tower.then_some(id))
                 .collect(),
-            pad_mapped_ids: if get(root, "text_config").is_some() {
-                vec![ids.image, ids.video, ids.audio]
+            pad_mapped_ids: if top.multimodal { vec![top.ids.image, top.ids.video, top.ids.audio] } else { vec![] },
+            bidirectional_ids: if t.use_bidirectional_attention == Some(Bidirectional::Vision) {
+                image_and_video
             } else {
                 vec![]
             },
-            bidirectional_ids: if get(m, "use_bidirectional_attention").and_then(|v| v.as_str()) == Some("vision") {
-                vec![ids.image, ids.video]
-            } else {
-                vec![]
-            },
-            quant: quant_spec(root)?,
-            moe: moe_spec(m)?,
+            quant: top.quant.clone(),
+            moe: moe_spec(&t)?,
         })
     }
 }
 
-/// A `Gemma4Config`'s media token ids (configuration_gemma4.py, its defaults where config.json gives none):
-/// the placeholders and the markers around an image (boi, eoi) and a clip (boa, eoa).
-#[derive(Clone, Copy, Debug)]
-pub struct MediaIds {
-    pub image: i64,
-    pub video: i64,
-    pub audio: i64,
-    pub boi: i64,
-    pub eoi: i64,
-    pub boa: i64,
-    pub eoa: i64,
+/// `(hidden_size_per_layer_input, vocab_size_per_layer_input)`, both 0 without per-layer inputs.
+fn per_layer_inputs(t: &RawText, vocab_size: i64) -> Result<(i64, i64)> {
+    let ple_dim = t.hidden_size_per_layer_input;
+    if ple_dim < 0 {
+        return Err(Error::config("hidden_size_per_layer_input", format!("must be >= 0, got {ple_dim}")));
+    }
+    if ple_dim == 0 {
+        return Ok((0, 0));
+    }
+    let vocab = match t.vocab_size_per_layer_input {
+        None => vocab_size,
+        Some(v) => positive("vocab_size_per_layer_input", v)?,
+    };
+    // Every token id indexes the per-layer table too: a smaller table would let a valid id (or a
+    // generated one) index past its end, a device-side assert on CUDA.
+    if vocab < vocab_size {
+        return Err(Error::config(
+            "vocab_size_per_layer_input",
+            format!("must be >= vocab_size ({vocab_size}), got {vocab}"),
+        ));
+    }
+    Ok((ple_dim, vocab))
 }
 
-impl MediaIds {
-    /// From a config.json's top level.
-    pub fn from_root(root: &Map<String, Value>) -> Result<MediaIds> {
-        let id = |key: &str, default: i64| get(root, key).map_or(Ok(default), |_| int(root, key));
-        Ok(MediaIds {
-            image: id("image_token_id", 258_880)?,
-            video: id("video_token_id", 258_884)?,
-            audio: id("audio_token_id", 258_881)?,
-            boi: id("boi_token_id", 255_999)?,
-            eoi: id("eoi_token_id", 258_882)?,
-            boa: id("boa_token_id", 256_000)?,
-            eoa: id("eoa_token_index", 258_883)?,
-        })
+/// Every layer's spec; layers from `first_shared` on read the K/V of an earlier one.
+fn layer_specs(t: &RawText, kinds: &[LayerType], first_shared: usize) -> Result<Vec<LayerSpec>> {
+    let num_layers = kinds.len();
+    let intermediate_size = positive("intermediate_size", t.intermediate_size)?;
+    let per_layer = per_layer_config(t.per_layer_config.as_ref(), num_layers)?;
+    // C:210-218: with attention_k_eq_v, full layers take num_global_key_value_heads (when no
+    // per_layer_config says otherwise); without it that key is not read.
+    let global_num_kv_heads = match t.num_global_key_value_heads {
+        Some(n) if t.attention_k_eq_v => Some(positive("num_global_key_value_heads", n)?),
+        _ => None,
+    };
+    let defaults = HeadDefaults {
+        head_dim: positive("head_dim", t.head_dim)?,
+        num_kv_heads: positive("num_key_value_heads", t.num_key_value_heads)?,
+        global_head_dim: positive("global_head_dim", t.global_head_dim)?,
+        global_num_kv_heads,
+        num_heads: positive("num_attention_heads", t.num_attention_heads)?,
+    };
+    let mut layers = Vec::with_capacity(num_layers);
+    for (i, &kind) in kinds.iter().enumerate() {
+        let (d, nkv) = head_geometry(per_layer.as_ref().map(|p| p.get(&i)), i, kind, &defaults)?;
+        // M:1064-1069: the double-wide MLP needs `layer_idx >= first_shared > 0`.
+        let wide = t.use_double_wide_mlp && i >= first_shared && first_shared > 0;
+        layers.push(LayerSpec {
+            kind,
+            head_dim: d,
+            num_kv_heads: nkv,
+            kv_source: kv_donor(kinds, first_shared, i)?,
+            intermediate_size: if wide { 2 * intermediate_size } else { intermediate_size },
+            values_from_keys: t.attention_k_eq_v && kind == LayerType::Full,
+        });
     }
+    for l in &layers {
+        if let Some(s) = l.kv_source {
+            let src = &layers[s];
+            if (src.head_dim, src.num_kv_heads) != (l.head_dim, l.num_kv_heads) {
+                return Err(Error::config(
+                    "per_layer_config",
+                    "a KV-shared layer must have its source layer's head geometry",
+                ));
+            }
+        }
+    }
+    Ok(layers)
 }
 
 /// `path` read as JSON (a config.json).
@@ -433,52 +374,55 @@ pub fn read_json(path: &Path) -> Result<Value> {
 const MODEL_TYPES: [&str; 4] = ["gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text"];
 
 /// The MoE block's sizes, when `enable_moe_block` is on; each key it then needs must be there.
-fn moe_spec(m: &Map<String, Value>) -> Result<Option<MoeSpec>> {
-    if !boolean(m, "enable_moe_block", false)? {
+fn moe_spec(t: &RawText) -> Result<Option<MoeSpec>> {
+    if !t.enable_moe_block {
         return Ok(None);
     }
-    let num_experts = positive(m, "num_experts")?;
-    let top_k = positive(m, "top_k_experts")?;
+    let need = |key: &str, v: Option<i64>| positive(key, v.ok_or_else(|| Error::config(key, "missing"))?);
+    let num_experts = need("num_experts", t.num_experts)?;
+    let top_k = need("top_k_experts", t.top_k_experts)?;
     if top_k > num_experts {
         return Err(Error::config("top_k_experts", format!("must be <= num_experts ({num_experts}), got {top_k}")));
     }
-    Ok(Some(MoeSpec { num_experts, top_k, intermediate_size: positive(m, "moe_intermediate_size")? }))
+    let intermediate_size = need("moe_intermediate_size", t.moe_intermediate_size)?;
+    Ok(Some(MoeSpec { num_experts, top_k, intermediate_size }))
 }
 
 /// Refuse the Gemma 4 variants the engine does not implement, naming the key.
-fn check_supported(m: &Map<String, Value>) -> Result<()> {
-    if let Some(t) = get(m, "model_type").and_then(|v| v.as_str())
-        && !MODEL_TYPES.contains(&t)
+fn check_supported(t: &RawText) -> Result<()> {
+    if let Some(m) = &t.model_type
+        && !MODEL_TYPES.contains(&m.as_str())
     {
         return Err(Error::config(
             "model_type",
-            format!("{t:?} is not a Gemma 4 text model ({})", MODEL_TYPES.join(", ")),
+            format!("{m:?} is not a Gemma 4 text model ({})", MODEL_TYPES.join(", ")),
         ));
     }
-    if get(m, "use_bidirectional_attention").and_then(|v| v.as_str()) == Some("all") {
+    if t.use_bidirectional_attention == Some(Bidirectional::All) {
         return Err(Error::config("use_bidirectional_attention", "\"all\" is not supported"));
     }
-    if let Some(act) = get(m, "hidden_activation").and_then(|v| v.as_str())
-        && act != "gelu_pytorch_tanh"
-    {
-        return Err(Error::config("hidden_activation", format!("{act:?} is not supported (gelu_pytorch_tanh)")));
+    if t.hidden_activation != GELU_TANH {
+        let act = &t.hidden_activation;
+        return Err(Error::config("hidden_activation", format!("{act:?} is not supported ({GELU_TANH})")));
     }
     Ok(())
 }
 
 /// `per_layer_config` by layer index. Transformers writes the keys zero-padded to one width ("04" of
 /// 35 layers).
-fn per_layer_config(m: &Map<String, Value>, num_layers: usize) -> Result<Option<HashMap<usize, &Map<String, Value>>>> {
-    let Some(v) = get(m, "per_layer_config") else { return Ok(None) };
-    let o = v.as_object().ok_or_else(|| Error::config("per_layer_config", "must be an object keyed by layer index"))?;
+fn per_layer_config(
+    given: Option<&BTreeMap<String, RawLayer>>,
+    num_layers: usize,
+) -> Result<Option<HashMap<usize, RawLayer>>> {
+    let Some(given) = given else { return Ok(None) };
     let mut map = HashMap::new();
-    for (k, entry) in o {
+    for (k, entry) in given {
         let key = format!("per_layer_config.{k}");
         let i: usize = k.parse().map_err(|_| Error::config(&key, "the key must be a layer index"))?;
         if i >= num_layers {
             return Err(Error::config(&key, format!("layer {i} does not exist ({num_layers} layers)")));
         }
-        map.insert(i, entry.as_object().ok_or_else(|| Error::config(&key, "must be an object"))?);
+        map.insert(i, *entry);
     }
     Ok(Some(map))
 }
@@ -497,24 +441,13 @@ struct HeadDefaults {
 /// entry overrides head_dim and num_key_value_heads (`entry` is Some(None) when the layer has none);
 /// without one (`entry` None), full layers take global_head_dim, and a K=V config's
 /// num_global_key_value_heads (C:210-223).
-fn head_geometry(
-    entry: Option<Option<&Map<String, Value>>>,
-    i: usize,
-    kind: LayerType,
-    h: &HeadDefaults,
-) -> Result<(i64, i64)> {
+fn head_geometry(entry: Option<Option<&RawLayer>>, i: usize, kind: LayerType, h: &HeadDefaults) -> Result<(i64, i64)> {
     let (mut d, mut nkv) = (h.head_dim, h.num_kv_heads);
     match entry {
         Some(Some(o)) => {
             let k = format!("per_layer_config.{i}");
-            if get(o, "head_dim").is_some() {
-                d = positive(o, "head_dim")
-                    .map_err(|_| Error::config(format!("{k}.head_dim"), "must be an integer >= 1"))?;
-            }
-            if get(o, "num_key_value_heads").is_some() {
-                nkv = positive(o, "num_key_value_heads")
-                    .map_err(|_| Error::config(format!("{k}.num_key_value_heads"), "must be an integer >= 1"))?;
-            }
+            d = o.head_dim.map_or(Ok(d), |v| positive(&format!("{k}.head_dim"), v))?;
+            nkv = o.num_key_value_heads.map_or(Ok(nkv), |v| positive(&format!("{k}.num_key_value_heads"), v))?;
         }
         Some(None) => {}
         None if kind == LayerType::Full => {
@@ -546,30 +479,17 @@ fn kv_donor(kinds: &[LayerType], first_shared: usize, i: usize) -> Result<Option
     })
 }
 
-fn layer_types(m: &Map<String, Value>, num_layers: usize) -> Result<Vec<LayerType>> {
-    let mut kinds: Vec<LayerType> = match get(m, "layer_types") {
+fn layer_types(given: Option<&[LayerType]>, num_layers: usize) -> Result<Vec<LayerType>> {
+    let mut kinds: Vec<LayerType> = match given {
         // C:190-195: a 5:1 sliding:full pattern by default.
         None => (0..num_layers).map(|i| if (i + 1) % 6 == 0 { LayerType::Full } else { LayerType::Sliding }).collect(),
-        Some(v) => {
-            let a = v.as_array().ok_or_else(|| Error::config("layer_types", "must be a list"))?;
-            if a.len() != num_layers {
-                return Err(Error::config(
-                    "layer_types",
-                    format!("has {} entries, num_hidden_layers is {num_layers}", a.len()),
-                ));
-            }
-            a.iter()
-                .enumerate()
-                .map(|(i, t)| match t.as_str() {
-                    Some("sliding_attention") => Ok(LayerType::Sliding),
-                    Some("full_attention") => Ok(LayerType::Full),
-                    _ => Err(Error::config(
-                        format!("layer_types[{i}]"),
-                        format!("{t} is not sliding_attention or full_attention"),
-                    )),
-                })
-                .collect::<Result<_>>()?
+        Some(a) if a.len() != num_layers => {
+            return Err(Error::config(
+                "layer_types",
+                format!("has {} entries, num_hidden_layers is {num_layers}", a.len()),
+            ));
         }
+        Some(a) => a.to_vec(),
     };
     // C:197-201: the last layer is forced to full attention.
     if let Some(last) = kinds.last_mut() {
@@ -584,18 +504,25 @@ mod tests {
     use LayerType::{Full, Sliding};
     use serde_json::json;
 
-    fn obj(v: Value) -> Map<String, Value> {
-        v.as_object().unwrap().clone()
+    /// A small text config with `extra`'s keys set over it.
+    fn raw(extra: Value) -> RawText {
+        let mut v = json!({
+            "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+            "sliding_window": 8,
+            "rope_parameters": {"sliding_attention": {"rope_theta": 10000.0}, "full_attention": {"rope_theta": 1e6}},
+        });
+        v.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        parse(&v).unwrap()
     }
 
     #[test]
     fn layer_types_default_to_five_sliding_one_full_and_the_last_is_full() {
-        let kinds = layer_types(&obj(json!({})), 8).unwrap();
+        let kinds = layer_types(None, 8).unwrap();
         assert_eq!(kinds, vec![Sliding, Sliding, Sliding, Sliding, Sliding, Full, Sliding, Full]);
-        let given = obj(json!({"layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}));
-        assert_eq!(layer_types(&given, 3).unwrap(), vec![Sliding, Full, Full]);
-        let err = layer_types(&obj(json!({"layer_types": ["sliding_attention"]})), 2).unwrap_err();
-        assert!(err.to_string().contains("layer_types"));
+        assert_eq!(layer_types(Some(&[Sliding, Full, Sliding]), 3).unwrap(), vec![Sliding, Full, Full]);
+        let err = layer_types(Some(&[Sliding]), 2).unwrap_err();
+        assert!(err.to_string().contains("layer_types: has 1 entries"));
     }
 
     #[test]
@@ -623,12 +550,12 @@ mod tests {
         assert_eq!(head_geometry(None, 1, Full, &k_eq_v).unwrap(), (64, 1));
         assert_eq!(head_geometry(None, 0, Sliding, &k_eq_v).unwrap(), (32, 2));
         let h = HeadDefaults { global_num_kv_heads: None, ..k_eq_v };
-        let entry = obj(json!({"head_dim": 128, "num_key_value_heads": 1}));
+        let entry = RawLayer { head_dim: Some(128), num_key_value_heads: Some(1) };
         assert_eq!(head_geometry(Some(Some(&entry)), 1, Full, &h).unwrap(), (128, 1));
         assert_eq!(head_geometry(Some(None), 1, Full, &h).unwrap(), (32, 2));
-        let odd = obj(json!({"head_dim": 33}));
+        let odd = RawLayer { head_dim: Some(33), ..RawLayer::default() };
         assert!(head_geometry(Some(Some(&odd)), 2, Sliding, &h).unwrap_err().to_string().contains("layer 2"));
-        let bad = obj(json!({"num_key_value_heads": 3}));
+        let bad = RawLayer { num_key_value_heads: Some(3), ..RawLayer::default() };
         assert!(
             head_geometry(Some(Some(&bad)), 0, Sliding, &h).unwrap_err().to_string().contains("num_key_value_heads")
         );
@@ -639,35 +566,61 @@ mod tests {
         for (v, key) in [
             (json!({"model_type": "llama"}), "model_type"),
             (json!({"hidden_activation": "relu"}), "hidden_activation"),
+            (json!({"use_bidirectional_attention": "all"}), "use_bidirectional_attention"),
         ] {
-            assert!(check_supported(&obj(v)).unwrap_err().to_string().contains(key), "{key}");
+            assert!(check_supported(&raw(v)).unwrap_err().to_string().contains(key), "{key}");
         }
-        assert!(check_supported(&obj(json!({"model_type": "gemma4_text"}))).is_ok());
-        assert!(check_supported(&obj(json!({"model_type": "gemma4_unified_text"}))).is_ok());
+        assert!(check_supported(&raw(json!({"model_type": "gemma4_text"}))).is_ok());
+        assert!(check_supported(&raw(json!({"model_type": "gemma4_unified_text"}))).is_ok());
     }
 
     #[test]
     fn a_moe_block_needs_its_sizes() {
-        assert!(moe_spec(&obj(json!({}))).unwrap().is_none());
+        assert!(moe_spec(&raw(json!({}))).unwrap().is_none());
         let full = json!({"enable_moe_block": true, "num_experts": 8, "top_k_experts": 2, "moe_intermediate_size": 64});
-        let spec = moe_spec(&obj(full.clone())).unwrap().unwrap();
+        let spec = moe_spec(&raw(full.clone())).unwrap().unwrap();
         assert_eq!((spec.num_experts, spec.top_k, spec.intermediate_size), (8, 2, 64));
         for key in ["num_experts", "top_k_experts", "moe_intermediate_size"] {
-            let mut m = obj(full.clone());
-            m.remove(key);
-            assert!(moe_spec(&m).unwrap_err().to_string().contains(key), "{key}");
+            let mut m = full.clone();
+            m.as_object_mut().unwrap().remove(key);
+            assert_eq!(moe_spec(&raw(m)).unwrap_err().to_string(), format!("config.json: {key}: missing"));
         }
-        let mut m = obj(full);
-        m.insert("top_k_experts".into(), json!(9));
-        assert!(moe_spec(&m).unwrap_err().to_string().contains("top_k_experts"));
+        let mut m = full;
+        m["top_k_experts"] = json!(9);
+        assert!(moe_spec(&raw(m)).unwrap_err().to_string().contains("top_k_experts"));
     }
 
     #[test]
     fn per_layer_config_keys_are_layer_indices_even_zero_padded() {
-        let m = obj(json!({"per_layer_config": {"04": {"head_dim": 64}}}));
-        let p = per_layer_config(&m, 5).unwrap().unwrap();
-        assert!(p.contains_key(&4));
-        let past = obj(json!({"per_layer_config": {"9": {}}}));
-        assert!(per_layer_config(&past, 5).unwrap_err().to_string().contains("per_layer_config.9"));
+        let t = raw(json!({"per_layer_config": {"04": {"head_dim": 64}}}));
+        let p = per_layer_config(t.per_layer_config.as_ref(), 5).unwrap().unwrap();
+        assert_eq!(p[&4].head_dim, Some(64));
+        let past = raw(json!({"per_layer_config": {"9": {}}}));
+        let err = per_layer_config(past.per_layer_config.as_ref(), 5).unwrap_err();
+        assert!(err.to_string().contains("per_layer_config.9"));
+    }
+
+    #[test]
+    fn a_text_config_key_is_named_under_text_config() {
+        let mut text = json!({"vocab_size": 512});
+        text["hidden_size"] = json!("wide");
+        let err = Config::from_json(&json!({"text_config": text})).unwrap_err().to_string();
+        assert!(err.starts_with("config.json: text_config.hidden_size: must be an integer"), "{err}");
+        let quant = json!({"quantization_config": {"config_groups": {"g": {"weights": {"num_bits": "4"}}}}});
+        let err = Config::quant_only(&quant).unwrap_err().to_string();
+        assert!(err.contains("quantization_config.config_groups.g.weights.num_bits: must be an integer"), "{err}");
+    }
+
+    #[test]
+    fn a_derived_config_keeps_the_defaults_of_absent_keys() {
+        let top = TopLevel { multimodal: true, towers: [true, false], ..TopLevel::default() };
+        let cfg = Config::derive(raw(json!({"use_bidirectional_attention": "vision"})), &top).unwrap();
+        assert_eq!((cfg.ple_dim, cfg.vocab_size_per_layer_input, cfg.pad_token_id), (0, 0, 0));
+        assert!(cfg.tie_word_embeddings && cfg.final_logit_softcapping.is_none() && cfg.eos_ids.is_empty());
+        assert_eq!(cfg.layers.iter().map(|l| l.head_dim).collect::<Vec<_>>(), [16, 16, 16, 512]);
+        assert_eq!(cfg.media_token_ids, [258_880]);
+        assert_eq!(cfg.pad_mapped_ids, [258_880, 258_884, 258_881]);
+        assert_eq!(cfg.bidirectional_ids, [258_880, 258_884]);
+        assert_eq!(cfg.rope[0].partial_rotary_factor, None);
     }
 }

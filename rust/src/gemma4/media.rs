@@ -10,59 +10,37 @@
 
 use std::path::Path;
 
-use serde_json::{Map, Value};
+use serde::Deserialize;
+use serde_json::Value;
 
 use crate::error::{Error, Result};
 use crate::gemma4::audio::AudioTower;
-use crate::gemma4::config::{Config, MediaIds, get, read_json};
+use crate::gemma4::config::{Config, read_json};
+use crate::gemma4::config_json::{GELU_TANH, MediaIds, RawRoot, gelu_tanh, parse, within};
 use crate::gemma4::linear::Linear;
 use crate::gemma4::norm::RmsNorm;
 use crate::gemma4::vision::VisionTower;
 use crate::gemma4::weights::Weights;
 use crate::tensor::{DType, Tensor};
 
-fn int_or(m: &Map<String, Value>, section: &str, key: &str, default: i64) -> Result<i64> {
-    match get(m, key) {
-        None => Ok(default),
-        Some(v) => {
-            v.as_i64().ok_or_else(|| Error::config(format!("{section}.{key}"), format!("must be an integer, got {v}")))
-        }
-    }
-}
-
-fn float_or(m: &Map<String, Value>, section: &str, key: &str, default: f64) -> Result<f64> {
-    match get(m, key) {
-        None => Ok(default),
-        Some(v) => {
-            v.as_f64().ok_or_else(|| Error::config(format!("{section}.{key}"), format!("must be a number, got {v}")))
-        }
-    }
-}
-
-fn bool_or(m: &Map<String, Value>, section: &str, key: &str, default: bool) -> Result<bool> {
-    match get(m, key) {
-        None => Ok(default),
-        Some(v) => v
-            .as_bool()
-            .ok_or_else(|| Error::config(format!("{section}.{key}"), format!("must be true or false, got {v}"))),
-    }
-}
-
-fn str_or<'a>(m: &'a Map<String, Value>, key: &str, default: &'a str) -> &'a str {
-    get(m, key).and_then(|v| v.as_str()).unwrap_or(default)
-}
-
-/// `Gemma4VisionConfig` (configuration_gemma4.py), defaults as there.
-#[derive(Clone, Debug)]
+/// `Gemma4VisionConfig` (configuration_gemma4.py, C:273-289): a `vision_config` read by serde, each absent key
+/// Transformers' default (`Default`).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default)]
 pub struct VisionConfig {
     pub hidden_size: i64,
     pub intermediate_size: i64,
+    #[serde(rename = "num_hidden_layers")]
     pub num_layers: usize,
+    #[serde(rename = "num_attention_heads")]
     pub num_heads: i64,
+    #[serde(rename = "num_key_value_heads")]
     pub num_kv_heads: i64,
     pub head_dim: i64,
+    /// Checked at parse: gelu_pytorch_tanh is the one the tower computes.
+    pub hidden_activation: String,
     pub rms_norm_eps: f64,
-    pub rope_theta: f64,
+    pub rope_parameters: VisionRope,
     pub pooling_kernel_size: i64,
     pub patch_size: i64,
     pub position_embedding_size: i64,
@@ -70,65 +48,87 @@ pub struct VisionConfig {
     pub standardize: bool,
 }
 
-impl VisionConfig {
-    fn parse(m: &Map<String, Value>) -> Result<VisionConfig> {
-        let s = "vision_config";
-        let act = str_or(m, "hidden_activation", "gelu_pytorch_tanh");
-        if act != "gelu_pytorch_tanh" {
-            return Err(Error::config(
-                format!("{s}.hidden_activation"),
-                format!("{act:?} is not supported (gelu_pytorch_tanh)"),
-            ));
+impl Default for VisionConfig {
+    fn default() -> Self {
+        VisionConfig {
+            hidden_size: 768,
+            intermediate_size: 3072,
+            num_layers: 16,
+            num_heads: 12,
+            num_kv_heads: 12,
+            head_dim: 64,
+            hidden_activation: gelu_tanh(),
+            rms_norm_eps: 1e-6,
+            rope_parameters: VisionRope::default(),
+            pooling_kernel_size: 3,
+            patch_size: 16,
+            position_embedding_size: 10 * 1024,
+            use_clipped_linears: false,
+            standardize: false,
         }
-        let rope = get(m, "rope_parameters").and_then(|v| v.as_object());
-        let rope_type = rope.and_then(|r| r.get("rope_type")).and_then(|v| v.as_str()).unwrap_or("axial");
-        if rope_type != "axial" {
-            return Err(Error::config(
-                format!("{s}.rope_parameters.rope_type"),
-                format!("{rope_type:?} is not supported (axial)"),
-            ));
-        }
-        let rope_theta = rope.and_then(|r| r.get("rope_theta")).and_then(|v| v.as_f64()).unwrap_or(100.0);
-        let hidden_size = int_or(m, s, "hidden_size", 768)?;
-        let num_heads = int_or(m, s, "num_attention_heads", 12)?;
-        let cfg = VisionConfig {
-            hidden_size,
-            intermediate_size: int_or(m, s, "intermediate_size", 3072)?,
-            num_layers: int_or(m, s, "num_hidden_layers", 16)? as usize,
-            num_heads,
-            num_kv_heads: int_or(m, s, "num_key_value_heads", 12)?,
-            head_dim: int_or(m, s, "head_dim", 64)?,
-            rms_norm_eps: float_or(m, s, "rms_norm_eps", 1e-6)?,
-            rope_theta,
-            pooling_kernel_size: int_or(m, s, "pooling_kernel_size", 3)?,
-            patch_size: int_or(m, s, "patch_size", 16)?,
-            position_embedding_size: int_or(m, s, "position_embedding_size", 10 * 1024)?,
-            use_clipped_linears: bool_or(m, s, "use_clipped_linears", false)?,
-            standardize: bool_or(m, s, "standardize", false)?,
-        };
-        if cfg.num_heads < 1 || cfg.num_kv_heads < 1 || cfg.num_heads % cfg.num_kv_heads != 0 {
-            return Err(Error::config(
-                format!("{s}.num_key_value_heads"),
-                format!("must divide num_attention_heads ({}), got {}", cfg.num_heads, cfg.num_kv_heads),
-            ));
-        }
-        if cfg.head_dim % 4 != 0 {
-            return Err(Error::config(
-                format!("{s}.head_dim"),
-                format!("must be a multiple of 4 (2-D RoPE), got {}", cfg.head_dim),
-            ));
-        }
-        Ok(cfg)
     }
 }
 
-/// `Gemma4AudioConfig` (configuration_gemma4.py), defaults as there.
-#[derive(Clone, Debug)]
+/// The vision tower's 2-D RoPE: `Gemma4VisionConfig.default_rope_type` "axial" and `default_theta` 100.0
+/// (C:270-271).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default)]
+pub struct VisionRope {
+    pub rope_type: String,
+    pub rope_theta: f64,
+}
+
+impl Default for VisionRope {
+    fn default() -> Self {
+        VisionRope { rope_type: "axial".into(), rope_theta: 100.0 }
+    }
+}
+
+impl VisionConfig {
+    /// A `vision_config` value, read and checked; an error names the key under `vision_config`.
+    pub fn from_json(v: &Value) -> Result<VisionConfig> {
+        parse(v).and_then(|c: VisionConfig| c.checked()).map_err(within("vision_config"))
+    }
+
+    fn checked(self) -> Result<VisionConfig> {
+        if self.hidden_activation != GELU_TANH {
+            let act = &self.hidden_activation;
+            return Err(Error::config("hidden_activation", format!("{act:?} is not supported ({GELU_TANH})")));
+        }
+        if self.rope_parameters.rope_type != "axial" {
+            let t = &self.rope_parameters.rope_type;
+            return Err(Error::config("rope_parameters.rope_type", format!("{t:?} is not supported (axial)")));
+        }
+        if self.num_heads < 1 || self.num_kv_heads < 1 || self.num_heads % self.num_kv_heads != 0 {
+            return Err(Error::config(
+                "num_key_value_heads",
+                format!("must divide num_attention_heads ({}), got {}", self.num_heads, self.num_kv_heads),
+            ));
+        }
+        if self.head_dim % 4 != 0 {
+            return Err(Error::config(
+                "head_dim",
+                format!("must be a multiple of 4 (2-D RoPE), got {}", self.head_dim),
+            ));
+        }
+        Ok(self)
+    }
+}
+
+/// `Gemma4AudioConfig` (configuration_gemma4.py, C:55-75): an `audio_config` read by serde, each absent key
+/// Transformers' default (`Default`).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default)]
 pub struct AudioConfig {
     pub hidden_size: i64,
+    #[serde(rename = "num_hidden_layers")]
     pub num_layers: usize,
+    #[serde(rename = "num_attention_heads")]
     pub num_heads: i64,
+    /// Checked at parse: silu is the one the tower computes.
+    pub hidden_act: String,
     /// `subsampling_conv_channels`: the two convolutions' output channels.
+    #[serde(rename = "subsampling_conv_channels")]
     pub conv_channels: [i64; 2],
     pub conv_kernel_size: i64,
     pub residual_weight: f64,
@@ -143,42 +143,38 @@ pub struct AudioConfig {
     pub output_proj_dims: i64,
 }
 
-impl AudioConfig {
-    fn parse(m: &Map<String, Value>) -> Result<AudioConfig> {
-        let s = "audio_config";
-        let act = str_or(m, "hidden_act", "silu");
-        if act != "silu" {
-            return Err(Error::config(format!("{s}.hidden_act"), format!("{act:?} is not supported (silu)")));
+impl Default for AudioConfig {
+    fn default() -> Self {
+        AudioConfig {
+            hidden_size: 1024,
+            num_layers: 12,
+            num_heads: 8,
+            hidden_act: "silu".into(),
+            conv_channels: [128, 32],
+            conv_kernel_size: 5,
+            residual_weight: 0.5,
+            attention_chunk_size: 12,
+            attention_context_left: 13,
+            attention_context_right: 0,
+            attention_logit_cap: 50.0,
+            attention_invalid_logits_value: -1.0e9,
+            use_clipped_linears: true,
+            rms_norm_eps: 1e-6,
+            gradient_clipping: 1e10,
+            output_proj_dims: 1536,
         }
-        let channels = match get(m, "subsampling_conv_channels") {
-            None => [128, 32],
-            Some(v) => match v.as_array().map(|a| a.iter().filter_map(|x| x.as_i64()).collect::<Vec<_>>()).as_deref() {
-                Some(&[a, b]) => [a, b],
-                _ => {
-                    return Err(Error::config(
-                        format!("{s}.subsampling_conv_channels"),
-                        format!("must be two integers, got {v}"),
-                    ));
-                }
-            },
-        };
-        Ok(AudioConfig {
-            hidden_size: int_or(m, s, "hidden_size", 1024)?,
-            num_layers: int_or(m, s, "num_hidden_layers", 12)? as usize,
-            num_heads: int_or(m, s, "num_attention_heads", 8)?,
-            conv_channels: channels,
-            conv_kernel_size: int_or(m, s, "conv_kernel_size", 5)?,
-            residual_weight: float_or(m, s, "residual_weight", 0.5)?,
-            attention_chunk_size: int_or(m, s, "attention_chunk_size", 12)?,
-            attention_context_left: int_or(m, s, "attention_context_left", 13)?,
-            attention_context_right: int_or(m, s, "attention_context_right", 0)?,
-            attention_logit_cap: float_or(m, s, "attention_logit_cap", 50.0)?,
-            attention_invalid_logits_value: float_or(m, s, "attention_invalid_logits_value", -1.0e9)?,
-            use_clipped_linears: bool_or(m, s, "use_clipped_linears", true)?,
-            rms_norm_eps: float_or(m, s, "rms_norm_eps", 1e-6)?,
-            gradient_clipping: float_or(m, s, "gradient_clipping", 1e10)?,
-            output_proj_dims: int_or(m, s, "output_proj_dims", 1536)?,
-        })
+    }
+}
+
+impl AudioConfig {
+    /// An `audio_config` value, read and checked; an error names the key under `audio_config`.
+    pub fn from_json(v: &Value) -> Result<AudioConfig> {
+        let cfg: AudioConfig = parse(v).map_err(within("audio_config"))?;
+        if cfg.hidden_act != "silu" {
+            let act = &cfg.hidden_act;
+            return Err(Error::config("audio_config.hidden_act", format!("{act:?} is not supported (silu)")));
+        }
+        Ok(cfg)
     }
 }
 
@@ -192,17 +188,11 @@ pub struct MediaConfig {
 
 impl MediaConfig {
     pub fn from_json(root: &Value) -> Result<MediaConfig> {
-        let root = root.as_object().ok_or_else(|| Error::config("(top level)", "must be a JSON object"))?;
-        let section = |key: &str| -> Result<Option<&Map<String, Value>>> {
-            match get(root, key) {
-                None => Ok(None),
-                Some(v) => v.as_object().map(Some).ok_or_else(|| Error::config(key, "must be an object")),
-            }
-        };
+        let raw: RawRoot = parse(root)?;
         Ok(MediaConfig {
-            vision: section("vision_config")?.map(VisionConfig::parse).transpose()?,
-            audio: section("audio_config")?.map(AudioConfig::parse).transpose()?,
-            ids: MediaIds::from_root(root)?,
+            vision: raw.vision_config.as_ref().map(VisionConfig::from_json).transpose()?,
+            audio: raw.audio_config.as_ref().map(AudioConfig::from_json).transpose()?,
+            ids: parse(root)?,
         })
     }
 }
@@ -342,5 +332,55 @@ impl Encoder {
                 projected.narrow(0, i, 1)?.reshape(&[t, self.text_hidden])?.index_select(0, &index)
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn a_wrong_type_in_a_tower_config_is_an_error_naming_its_path() {
+        let root = json!({"vision_config": {"rope_parameters": {"rope_theta": "100"}}});
+        let err = MediaConfig::from_json(&root).unwrap_err().to_string();
+        assert_eq!(err, "config.json: vision_config.rope_parameters.rope_theta: must be a number, got string \"100\"");
+        let root = json!({"audio_config": {"subsampling_conv_channels": [128]}});
+        let err = MediaConfig::from_json(&root).unwrap_err().to_string();
+        assert!(err.starts_with("config.json: audio_config.subsampling_conv_channels: "), "{err}");
+        let err = MediaConfig::from_json(&json!({"vision_config": {"head_dim": 6}})).unwrap_err().to_string();
+        assert!(err.contains("vision_config.head_dim: must be a multiple of 4"), "{err}");
+    }
+
+    #[test]
+    fn absent_tower_keys_take_transformers_defaults() {
+        // Transformers 5.18 configuration_gemma4.py, Gemma4VisionConfig and Gemma4AudioConfig.
+        let cfg = MediaConfig::from_json(&json!({"vision_config": {}, "audio_config": {}})).unwrap();
+        let v = cfg.vision.unwrap();
+        assert_eq!(
+            [v.hidden_size, v.intermediate_size, v.num_layers as i64, v.num_heads, v.num_kv_heads, v.head_dim],
+            [768, 3072, 16, 12, 12, 64]
+        );
+        assert_eq!([v.pooling_kernel_size, v.patch_size, v.position_embedding_size], [3, 16, 10240]);
+        assert_eq!(
+            (v.rms_norm_eps, v.rope_parameters.rope_theta, v.rope_parameters.rope_type.as_str()),
+            (1e-6, 100.0, "axial")
+        );
+        assert!(!v.use_clipped_linears && !v.standardize && v.hidden_activation == "gelu_pytorch_tanh");
+        let a = cfg.audio.unwrap();
+        assert_eq!([a.hidden_size, a.num_layers as i64, a.num_heads, a.conv_kernel_size], [1024, 12, 8, 5]);
+        assert_eq!(a.conv_channels, [128, 32]);
+        assert_eq!([a.attention_chunk_size, a.attention_context_left, a.attention_context_right], [12, 13, 0]);
+        assert_eq!(
+            [
+                a.residual_weight,
+                a.attention_logit_cap,
+                a.attention_invalid_logits_value,
+                a.rms_norm_eps,
+                a.gradient_clipping
+            ],
+            [0.5, 50.0, -1.0e9, 1e-6, 1e10]
+        );
+        assert!(a.use_clipped_linears && a.hidden_act == "silu" && a.output_proj_dims == 1536);
     }
 }

@@ -16,6 +16,7 @@ pub mod attention;
 pub mod audio;
 pub mod cache;
 pub mod config;
+pub mod config_json;
 pub mod layer;
 pub mod linear;
 pub mod media;

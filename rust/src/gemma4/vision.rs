@@ -116,8 +116,9 @@ impl VisionTower {
     pub fn load(w: &Weights, cfg: &VisionConfig) -> Result<VisionTower> {
         let (h, p) = (cfg.hidden_size, cfg.patch_size);
         let spatial = cfg.head_dim / 2;
-        let inv_freq: Vec<f32> =
-            (0..spatial / 2).map(|i| (1.0 / cfg.rope_theta.powf((2 * i) as f64 / spatial as f64)) as f32).collect();
+        let inv_freq: Vec<f32> = (0..spatial / 2)
+            .map(|i| (1.0 / cfg.rope_parameters.rope_theta.powf((2 * i) as f64 / spatial as f64)) as f32)
+            .collect();
         let standardize = if cfg.standardize {
             let v = |name: &str| w.vector(&format!("vision_tower.{name}"), &[h], DType::F32);
             Some((v("std_bias")?, v("std_scale")?))
