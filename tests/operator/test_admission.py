@@ -10,6 +10,7 @@ import pytest
 
 from gemma_operator import admission
 from gemma_operator.builders import deployment
+from gemma_operator.builders.autoscaler import chosen_where_all_served
 from gemma_operator.builders.autoscaling import build_scaled_object
 from gemma_operator.builders.ownership import Meta
 from gemma_operator.settings import Settings, allowed, allowed_address, describe
@@ -60,14 +61,19 @@ ONE_POWER = {
 }
 # Powers that reach another object than the pod: the KEDA ScaledObject's trigger.
 KEDA = {"maxReplicas": 2, "target": 1, "prometheus": {"serverAddress": "http://p:9090"}}
+def scaled_object(spec, meta):
+    """KEDA's ScaledObject for `spec`, as on a cluster that serves every optional kind."""
+    return build_scaled_object(spec, meta, chosen_where_all_served(spec))
+
+
 OTHER_POWER = {
     "prometheusAuthentication": (
         {"autoscaling": KEDA}, {"autoscaling": {**KEDA, "prometheus": {**KEDA["prometheus"], "authenticationRef": "a"}}},
-        build_scaled_object),
+        scaled_object),
     "prometheusClusterAuthentication": (
         {"autoscaling": KEDA}, {"autoscaling": {**KEDA, "prometheus": {
             **KEDA["prometheus"], "authenticationRef": "a", "authenticationKind": "ClusterTriggerAuthentication"}}},
-        build_scaled_object),
+        scaled_object),
 }
 
 

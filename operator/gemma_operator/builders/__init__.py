@@ -7,7 +7,9 @@ reconcilers/: deployment/, service/, hpa/, keda/ ...):
     disruption_budget  the PodDisruptionBudget
     build_cache      the build cache PersistentVolumeClaim, its name and its volume
     monitoring       PodMonitoring and ServiceMonitor (optional kinds)
-    autoscaling      KEDA's ScaledObject and the HorizontalPodAutoscaler (optional kinds)
+    autoscaler       which autoscaler a server gets (`choose`): the one decision the others read
+    autoscaling      KEDA's ScaledObject, its HTTP add-on's HTTPScaledObject and the HorizontalPodAutoscaler
+                     (optional kinds)
     inference_pool   the Gateway API inference extension's InferencePool (optional kind)
     endpoint_picker  the endpoint picker's EndpointPickerConfig, in a ConfigMap beside the pool
     gke_gateway      GKE's HealthCheckPolicy and GCPBackendPolicy on the pool (optional kinds)

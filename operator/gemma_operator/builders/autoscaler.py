@@ -108,7 +108,7 @@ def choose(spec: GemmaRustServerSpec, available: frozenset[str]) -> Autoscaling:
         queue = prometheus and spec.gateway.inference_pool
         triggers = ((METRIC,) if prometheus else ()) + (REQUESTS,) + ((PICKER_QUEUE,) if queue else ())
     elif provider == "KEDA" or (provider == "Auto" and prometheus and _served(SCALED_OBJECT, available)):
-        kinds, triggers = (SCALED_OBJECT,), (METRIC,)
+        kinds, triggers = (SCALED_OBJECT,), (METRIC,) if prometheus else ()  # the CRD asks KEDA for an address
     else:
         kinds, triggers = (HPA,), (METRIC,)
     replaces = (_RIVAL[kinds[0]],) if _served(kinds[0], available) else ()
