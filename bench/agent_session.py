@@ -5,7 +5,7 @@ without caching, thinking off and on, in one run.
 
 The server (`python -m gemma_server` in a subprocess, CPU, float32, one torch thread, `--max-num-seqs`
 = `--users`) serves a random checkpoint of bench/engine.py's "small" config (hidden 512, 8 layers, sliding
-window 64) with the tests' byte-level tokenizer that holds Gemma 4's control tokens (tests/checkpoints.py
+window 64) with the tests' byte-level tokenizer that holds Gemma 4's control tokens (tests/checkpoints/agent.py
 `build_gemma4_tokenizer`, 512 ids) and Google's own Gemma 4 template, the first revision the E-series
 checkpoints ship (llama-cpp-python 0.3.36's vendored copy, tests/fetch_chat_templates.py).
 
@@ -192,8 +192,8 @@ def write_checkpoint(out_dir: Path) -> Path:
     """bench/engine.py's "small" config (vocabulary cut to the tokenizer's 512 ids; the agent checkpoint's eos
     ids, which a grammar needs) with random weights, the Gemma 4 test tokenizer and Google's template."""
     from bench.engine import make_config, random_model
-    from tests.checkpoints import (AGENT_EOS_IDS, AGENT_VOCAB_SIZE, GEMMA4_SPECIAL_TOKENS, _save_tokenizer,
-                                   build_gemma4_tokenizer)
+    from tests.checkpoints.agent import AGENT_EOS_IDS, AGENT_VOCAB_SIZE, GEMMA4_SPECIAL_TOKENS, build_gemma4_tokenizer
+    from tests.checkpoints.shared import save_tokenizer
     from tests.fetch_chat_templates import INTERLEAVED, template_path
 
     config = make_config("small")
@@ -201,8 +201,8 @@ def write_checkpoint(out_dir: Path) -> Path:
     config.eos_token_id = AGENT_EOS_IDS
     random_model(config, "cpu").save_pretrained(out_dir)
     extra = [t for t in GEMMA4_SPECIAL_TOKENS if t not in ("<pad>", "<bos>", "<turn|>")]
-    return _save_tokenizer(out_dir, build_gemma4_tokenizer(), AGENT_VOCAB_SIZE, "<turn|>", extra,
-                           template_path(INTERLEAVED).read_text())
+    return save_tokenizer(out_dir, build_gemma4_tokenizer(), AGENT_VOCAB_SIZE, "<turn|>", extra,
+                          template_path(INTERLEAVED).read_text())
 
 
 def start(model_dir: Path, port: int, a, caching: bool) -> subprocess.Popen:

@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 import gemma_engine
-from tests import checkpoints as ck
+from tests.checkpoints.parity import load_hf_reference
+from tests.checkpoints.text import SEED, save_dense, tiny_text_config, tiny_unified_text_config
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 PROMPT = [2] + [(97 * i + 13) % 8000 + 3 for i in range(127)]
@@ -47,11 +48,11 @@ def moe(num_experts: int) -> dict:
 
 
 ARCHITECTURES = {
-    "E-series": lambda: ck.tiny_text_config(**SMALL, vocab_size_per_layer_input=8192, hidden_size_per_layer_input=64,
+    "E-series": lambda: tiny_text_config(**SMALL, vocab_size_per_layer_input=8192, hidden_size_per_layer_input=64,
                                             num_kv_shared_layers=2),
-    "31B (K=V)": lambda: ck.tiny_text_config(**SMALL, **NO_PLE, **K_EQ_V),
-    "26B-A4B (MoE)": lambda: ck.tiny_text_config(**SMALL, **NO_PLE, **K_EQ_V, **moe(8)),
-    "12B (unified)": lambda: ck.tiny_unified_text_config(**{k: v for k, v in SMALL.items()}),
+    "31B (K=V)": lambda: tiny_text_config(**SMALL, **NO_PLE, **K_EQ_V),
+    "26B-A4B (MoE)": lambda: tiny_text_config(**SMALL, **NO_PLE, **K_EQ_V, **moe(8)),
+    "12B (unified)": lambda: tiny_unified_text_config(**{k: v for k, v in SMALL.items()}),
 }
 
 
@@ -81,7 +82,7 @@ def rust_rates(e: gemma_engine.Engine, repeats: int) -> tuple[float, float]:
 
 
 def hf_rates(model_dir: Path, dtype: torch.dtype, repeats: int) -> tuple[float, float]:
-    model = ck.load_hf_reference(model_dir, dtype=dtype)
+    model = load_hf_reference(model_dir, dtype=dtype)
     ids = torch.tensor([PROMPT])
     with torch.no_grad():
         model(ids)
@@ -92,8 +93,8 @@ def hf_rates(model_dir: Path, dtype: torch.dtype, repeats: int) -> tuple[float, 
 
 
 def moe_layer_calls(out: Path, num_experts: int) -> int:
-    config = ck.tiny_text_config(**SMALL, **NO_PLE, **K_EQ_V, **moe(num_experts))
-    e = engine(ck.save_dense(out / f"moe{num_experts}", ck.SEED, config), "float32")
+    config = tiny_text_config(**SMALL, **NO_PLE, **K_EQ_V, **moe(num_experts))
+    e = engine(save_dense(out / f"moe{num_experts}", SEED, config), "float32")
     e.decode(PROMPT[:8], 3)
     return max(e.layer_calls)
 
@@ -112,7 +113,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         for name, build in ARCHITECTURES.items():
-            model_dir = ck.save_dense(out / name.split()[0], ck.SEED, build())
+            model_dir = save_dense(out / name.split()[0], SEED, build())
             rust_prompt, rust_decode = rust_rates(engine(model_dir, args.dtype), args.repeats)
             hf_prompt, hf_decode = hf_rates(model_dir, dtype, args.repeats)
             rows.append((name, rust_prompt, hf_prompt, rust_decode, hf_decode))

@@ -1,7 +1,7 @@
 """`make demo`: serve a model on this machine's CPU and talk to it once.
 
 1. Model: `MODEL=...` (a directory, hf://org/repo[@rev] or gs://bucket/path) or, without it, the tiny
-   random Gemma 4 chat checkpoint (tests/checkpoints.py), made once in
+   random Gemma 4 chat checkpoint (tests/checkpoints/chat.py), made once in
    ~/.cache/gemma-rust-operator/demo-model. Its replies are gibberish: the weights are random.
 2. Starts `python -m gemma_server` through its real boot stages (build -> import -> smoke -> weights ->
    warmup -> serving; the build is cached in ~/.cache/gemma-rust-operator/engine-builds) and prints
@@ -39,7 +39,7 @@ def ensure_demo_checkpoint() -> Path:
     """The tiny chat checkpoint in the cache, made on first use (written aside, then renamed)."""
     if (DEMO_MODEL / "config.json").is_file() and (DEMO_MODEL / "tokenizer.json").is_file():
         return DEMO_MODEL
-    from tests.checkpoints import save_chat
+    from tests.checkpoints.chat import save_chat
 
     print(f"making the tiny demo checkpoint in {DEMO_MODEL} ...", flush=True)
     DEMO_MODEL.parent.mkdir(parents=True, exist_ok=True)

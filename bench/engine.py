@@ -28,7 +28,7 @@ on ATen's matmul runs beside it, so one run shows both what the kernels give and
 remains around them (it grows as the model shrinks). The last lines print the floors, the step's
 matrix-vector products alone on each kernel, and how close each side comes to them.
 `--format w4a16` writes the same config as a compressed-tensors W4A16 checkpoint (int4 linears, as
-tests/checkpoints.py `save_w4a16` does) and runs both sides in bfloat16: the engine keeps the int4
+tests/checkpoints/quantized.py `save_w4a16` does) and runs both sides in bfloat16: the engine keeps the int4
 weights packed for ATen's int4 kernels (`packed_int4=True`), the same engine with them dequantized at load
 (`packed_int4=False`) runs beside it, and Transformers loads the checkpoint with the plain
 `from_pretrained(path, dtype=torch.bfloat16)` (compressed-tensors decompresses it to dense bfloat16).
@@ -59,7 +59,7 @@ E2B_CONFIG = Path(__file__).resolve().parent / "gemma4-e2b-text-config.json"
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
-# The small config: the test checkpoints' architecture (tests/checkpoints.py) at a CPU-bench size.
+# The small config: the test checkpoints' architecture (tests/checkpoints/text.py) at a CPU-bench size.
 SMALL_OVERRIDES = dict(
     vocab_size=8192,
     vocab_size_per_layer_input=8192,
@@ -89,7 +89,7 @@ def make_config(name: str, e2b_config: Path = E2B_CONFIG):
 
     if name in ("small", "tiny"):
         # Imported here: tests.checkpoints needs compressed-tensors, which the E2B run does not.
-        from tests.checkpoints import tiny_text_config
+        from tests.checkpoints.text import tiny_text_config
 
         return tiny_text_config(eos_token_id=None, **(SMALL_OVERRIDES if name == "small" else {}))
     kwargs = json.loads(e2b_config.read_text())
@@ -337,10 +337,11 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         if args.format == "w4a16":
-            from tests import checkpoints as ck
+            from tests.checkpoints.parity import load_hf_reference
+            from tests.checkpoints.quantized import save_w4a16
 
-            ck.save_w4a16(tmp, group_size=args.group_size, config=config)
-            model = ck.load_hf_reference(tmp, None, torch.bfloat16).to(args.device)
+            save_w4a16(tmp, group_size=args.group_size, config=config)
+            model = load_hf_reference(tmp, None, torch.bfloat16).to(args.device)
         else:
             model = random_model(config, args.device)
             model.save_pretrained(tmp)

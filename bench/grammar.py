@@ -97,7 +97,7 @@ def synthetic_tokenizer(vocab_size: int, path: Path) -> None:
 
 def make_checkpoint(overrides: dict, root: Path):
     """A random float32-loadable checkpoint with eos id 1 and its synthetic tokenizer in `root`."""
-    from tests.checkpoints import tiny_text_config
+    from tests.checkpoints.text import tiny_text_config
 
     config = tiny_text_config(eos_token_id=[EOS], **overrides)
     random_model(config, "cpu").save_pretrained(root)

@@ -76,16 +76,16 @@ def inputs(kind: str):
     from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
-    from tests.checkpoints import test_audio, test_image
+    from tests.checkpoints.multimodal import random_audio, random_image
 
     text = list(range(100, 108))
     if kind == "image":
         processor = Gemma4ImageProcessorPil(patch_size=16, pooling_kernel_size=3, max_soft_tokens=MAX_SOFT_TOKENS)
-        pieces = processor([test_image(640, 480, 0)], return_tensors="pt")
+        pieces = processor([random_image(640, 480, 0)], return_tensors="pt")
         n = int(pieces["num_soft_tokens_per_image"][0])
         ids = [2, IDS["boi_token_id"]] + [IDS["image_token_id"]] * n + [IDS["eoi_token_id"]] + text
         return dict(pixel_values=pieces["pixel_values"], image_position_ids=pieces["image_position_ids"]), ids, 2
-    features = Gemma4AudioFeatureExtractor()([test_audio(AUDIO_SECONDS)], return_tensors="pt", sampling_rate=16_000)
+    features = Gemma4AudioFeatureExtractor()([random_audio(AUDIO_SECONDS)], return_tensors="pt", sampling_rate=16_000)
     return dict(input_features=features["input_features"], input_features_mask=features["input_features_mask"]), None, 2
 
 

@@ -5,12 +5,12 @@ acceptance, and the tokens (equal, or the run says DIFFER).
         [--tokens 4] [--speculative-max-batch N|measured] [--distill-steps 200]
 
 `--method ngram` (prompt lookup): two targets of the same random weights, as drawn (bench/engine.py
-`random_model`, whose greedy text repeats one token) and "two-token" (tests/checkpoints.py `save_two_token`: the
+`random_model`, whose greedy text repeats one token) and "two-token" (tests/checkpoints/text.py `save_two_token`: the
 final norm's weight zero but for one feature, so the target writes runs of two tokens, switching with the
 context: drafts copied from the runs are kept, the switches rejected). The drafts come from the context, never
 from the target.
 
-`--method mtp` (an MTP assistant drafter): the target is tests/checkpoints.py's `random_model` (its greedy text
+`--method mtp` (an MTP assistant drafter): the target is tests/checkpoints/text.py's `random_model` (its greedy text
 varies: about 36 distinct tokens in 48), the drafter a two-layer assistant of a quarter of its hidden size
 (tests/assistants.py `assistant_config`), trained for `--distill-steps` steps to imitate the target's greedy text
 of the "seen" prompts (bench/distill.py). A random target's text is a random function of its context, so what the
@@ -102,7 +102,7 @@ def distilled(config, target_dir: Path, out_dir: Path, args, batches: list[int])
     """An assistant for the target in `target_dir` trained on its greedy text of the seen prompts."""
     from bench.distill import distill, target_texts
     from tests import assistants
-    from tests.checkpoints import load_hf_reference
+    from tests.checkpoints.parity import load_hf_reference
 
     target = load_hf_reference(target_dir)
     for p in target.parameters():
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     import gemma_engine
 
     # Imported here: tests.checkpoints needs compressed-tensors (bench/engine.py `make_config` does the same).
-    from tests import checkpoints
+    from tests.checkpoints import text
 
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
@@ -150,11 +150,10 @@ def main(argv: list[str] | None = None) -> None:
             if args.speculative_max_batch == "measured" else {"speculative_max_batch": int(args.speculative_max_batch)}
         if args.method == "ngram":
             random_model(config, "cpu").to(getattr(torch, args.dtype)).save_pretrained(tmp / "random")
-            targets = {"random": tmp / "random", "two-token": checkpoints.save_two_token(tmp / "random",
-                                                                                         tmp / "two_token")}
+            targets = {"random": tmp / "random", "two-token": text.save_two_token(tmp / "random", tmp / "two_token")}
             method = {"speculative_method": "ngram"}
         else:
-            checkpoints.random_model(config).to(getattr(torch, args.dtype)).save_pretrained(tmp / "random")
+            text.random_model(config).to(getattr(torch, args.dtype)).save_pretrained(tmp / "random")
             targets = {"random": tmp / "random"}
             drafter = distilled(config, tmp / "random", tmp / "drafter", args, batches)
             method = {"speculative_method": "mtp", "speculative_model": str(drafter)}

@@ -1,5 +1,5 @@
 """Small Gemma 4 MTP assistant drafters (Transformers 5.18 `Gemma4AssistantForCausalLM`) for the tiny targets of
-tests/checkpoints.py, and the reference's drafting step.
+tests/checkpoints/text.py, and the reference's drafting step.
 
 An assistant reads the target's keys of its last own-KV layer of each type (`shared_kv_states`), so its layers'
 head geometry is the target's there: sliding layers `head_dim` 32 with 2 KV heads, full ones `global_head_dim`
@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4ForCausalLM
 from transformers.models.gemma4 import Gemma4TextConfig
 
-from tests.checkpoints import FULL, SLIDING, one_thread, tiny_text_config
+from tests.checkpoints.shared import FULL, SLIDING, one_thread
+from tests.checkpoints.text import tiny_text_config
 
 SEED = 7
 

@@ -5,9 +5,9 @@ Nothing skips except tests marked `gpu` on a machine without CUDA.
 
 import pytest
 
-# Checkpoints built at test time (tests/checkpoints.py) and the local control
+# Checkpoints built at test time (tests/checkpoints/fixtures.py) and the local control
 # plane (tests/cluster/), started once per session by the `cluster` fixture.
-pytest_plugins = ("tests.checkpoints", "tests.cluster.plugin")
+pytest_plugins = ("tests.checkpoints.fixtures", "tests.cluster.plugin")
 
 
 def pytest_collection_modifyitems(config, items):

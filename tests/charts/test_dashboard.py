@@ -25,7 +25,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.checkpoints import chat_checkpoint  # noqa: F401 - the session fixture, used below
+from tests.checkpoints.fixtures import chat_checkpoint  # noqa: F401 - the session fixture, used below
 
 from .conftest import CHART, ROOT
 from .promql_check import parse_promql, promql_check, selects  # noqa: F401 - promql_check: the fixture

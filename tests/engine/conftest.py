@@ -1,13 +1,14 @@
 """Fixtures for the engine tests: the three tiny checkpoints as (model_dir, emb_dir) pairs and their
 Transformers references.
 
-The checkpoints come from tests/checkpoints.py (session fixtures).
+The checkpoints come from tests/checkpoints/ (session fixtures: fixtures.py).
 """
 
 import pytest
 import torch
 
-from tests import checkpoints as ck
+from tests.checkpoints.parity import load_hf_reference
+from tests.checkpoints.shared import one_thread
 
 
 @pytest.fixture(scope="session")
@@ -28,7 +29,7 @@ def reference_model(checkpoint_dirs):
     def get(kind, dtype=torch.float32):
         if (kind, dtype) not in cache:
             model_dir, emb_dir = checkpoint_dirs[kind]
-            cache[kind, dtype] = ck.load_hf_reference(model_dir, emb_dir, dtype)
+            cache[kind, dtype] = load_hf_reference(model_dir, emb_dir, dtype)
         return cache[kind, dtype]
 
     return get
@@ -38,6 +39,6 @@ def reference_model(checkpoint_dirs):
 def _one_thread():
     """Run the engine's ATen ops on one thread: the tiny model gains nothing from more, and on a
     loaded machine OpenMP barriers made these runs 5-8 times slower with two (the tokens do not
-    depend on it; see tests/checkpoints.py `one_thread`)."""
-    with ck.one_thread():
+    depend on it; see tests/checkpoints/shared.py `one_thread`)."""
+    with one_thread():
         yield

@@ -1,5 +1,5 @@
 """The audio tower (rust/src/gemma4/audio.rs, through `gemma_engine.Encoder.audio`) against Transformers on
-the tiny checkpoint with both towers (tests/checkpoints.py `save_multimodal`), in float32 and bfloat16.
+the tiny checkpoint with both towers (tests/checkpoints/multimodal.py `save_multimodal`), in float32 and bfloat16.
 
 The features are what Transformers' own `Gemma4AudioFeatureExtractor` (the checkpoint's processor) makes of
 two clips of different lengths, padded into one batch with their mask. The reference is the plain
@@ -12,7 +12,8 @@ import torch
 from transformers import AutoProcessor
 
 import gemma_engine
-from tests import checkpoints as ck
+from tests.checkpoints.multimodal import load_multimodal_reference, random_audio
+from tests.checkpoints.shared import one_thread
 
 SECONDS = (1.3, 0.7)
 # Measured: at most 1.5e-6 apart (values up to ~3.6), the last few float32 bits, mostly the engine's one-pass
@@ -28,10 +29,10 @@ BF16_TOLERANCE = dict(atol=1e-2, rtol=2**-7)
 def audio(multimodal_checkpoint):
     d = str(multimodal_checkpoint)
     processor = AutoProcessor.from_pretrained(d)
-    clips = [ck.test_audio(s, seed=i) for i, s in enumerate(SECONDS)]
+    clips = [random_audio(s, seed=i) for i, s in enumerate(SECONDS)]
     return {
         "processor": processor,
-        "reference": ck.load_multimodal_reference(d),
+        "reference": load_multimodal_reference(d),
         "encoder": gemma_engine.Encoder(d, dtype="float32"),
         "clips": clips,
         "batch": features(processor, clips),
@@ -46,7 +47,7 @@ def features(processor, clips) -> tuple[torch.Tensor, torch.Tensor]:
 
 def reference_tokens(model, feats, mask) -> list[torch.Tensor]:
     """Transformers' soft tokens per clip: `pooler_output` where the tower's mask is true."""
-    with ck.one_thread(), torch.no_grad():
+    with one_thread(), torch.no_grad():
         out = model.model.get_audio_features(feats, mask)
     return [out.pooler_output[i][out.attention_mask[i]] for i in range(feats.shape[0])]
 
@@ -98,7 +99,7 @@ def test_bfloat16_soft_tokens_are_transformers(audio, multimodal_checkpoint):
     """The same in bfloat16, where each op must round where Transformers' does (F.glu, the biased output_proj)."""
     feats, mask = audio["batch"]
     d = str(multimodal_checkpoint)
-    expected = reference_tokens(ck.load_multimodal_reference(d, torch.bfloat16), feats.to(torch.bfloat16), mask)
+    expected = reference_tokens(load_multimodal_reference(d, torch.bfloat16), feats.to(torch.bfloat16), mask)
     got = gemma_engine.Encoder(d, dtype="bfloat16").audio(feats, mask)
     assert [g.shape for g in got] == [e.shape for e in expected]
     exact = sum(int((g == e).sum()) for g, e in zip(got, expected)) / sum(e.numel() for e in expected)

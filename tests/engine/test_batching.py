@@ -2,7 +2,7 @@
 (rust/src/engine/) with several sequence slots, on the three tiny float32 checkpoints.
 
 Every token is checked against Transformers: greedy requests against `generate` on their prompt
-alone (tests/checkpoints.py `greedy_reference`), log-probabilities against `log_softmax` of
+alone (tests/checkpoints/parity.py `greedy_reference`), log-probabilities against `log_softmax` of
 Transformers' forward over the prompt and the tokens so far, sampled requests against Transformers'
 logits processors with the engine's documented draw (tests/engine/test_sampling.py checks the
 sampler itself). The
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import gemma_engine
-from tests import checkpoints as ck
+from tests.checkpoints.parity import PARITY_PROMPT, greedy_reference
 from tests.engine.test_sampling import inverse_cdf_draw, transformers_scores
 
 # The quantized checkpoints repeat the dense runs on other weights: the long suite only.
@@ -30,10 +30,10 @@ VOCAB = 512
 
 # Prompts from the parity prompt and variations: below, at and above the 12-token sliding window.
 PROMPTS = {
-    "parity": ck.PARITY_PROMPT,  # 28
-    "short": ck.PARITY_PROMPT[:9],
+    "parity": PARITY_PROMPT,  # 28
+    "short": PARITY_PROMPT[:9],
     "other": [2] + [(53 * i + 7) % 500 + 3 for i in range(40)],  # 41
-    "repeat": ck.PARITY_PROMPT + ck.PARITY_PROMPT[1:15],  # 42
+    "repeat": PARITY_PROMPT + PARITY_PROMPT[1:15],  # 42
     "tiny": [2, 5],
     "long": [2] + [(29 * i + 3) % 500 + 3 for i in range(99)],  # 100
     "one": [7],
@@ -71,7 +71,7 @@ def greedy(reference_model):
 
     def get(kind, name, max_new):
         if (kind, name) not in cache:
-            tokens, _ = ck.greedy_reference(reference_model(kind), PROMPTS[name], REFERENCE_TOKENS[name])
+            tokens, _ = greedy_reference(reference_model(kind), PROMPTS[name], REFERENCE_TOKENS[name])
             cache[kind, name] = tokens
         tokens = cache[kind, name][:max_new]
         eos = set(reference_model(kind).config.eos_token_id)

@@ -13,10 +13,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import gemma_engine
-from tests import checkpoints as ck
+from tests.checkpoints.parity import PARITY_PROMPT
 
 CONTEXT = 96
-PROMPT = ck.PARITY_PROMPT
+PROMPT = PARITY_PROMPT
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +51,11 @@ def test_a_pickled_request_is_made_again_from_its_constructors_arguments(engine)
 
     sampling = gemma_engine.SamplingParams(temperature=0.8, top_k=5, seed=3, logit_bias={7: -2.5}, logprobs=2,
                                            repetition_penalty=1.1)
-    request = gemma_engine.Request(9, ck.PARITY_PROMPT, 6, [1], sampling, prompt_logprobs=1, cache_salt="s",
+    request = gemma_engine.Request(9, PARITY_PROMPT, 6, [1], sampling, prompt_logprobs=1, cache_salt="s",
                                    cache_boundary=3, media=[(2, torch.arange(8.0).reshape(1, 8), 77)], next_turn=5)
     copy = pickle.loads(pickle.dumps(request))
     assert (copy.id, copy.ids, copy.max_new, copy.cache_salt, copy.cache_boundary, copy.next_turn) == (
-        9, ck.PARITY_PROMPT, 6, "s", 3, 5)
+        9, PARITY_PROMPT, 6, "s", 3, 5)
     assert repr(pickle.loads(pickle.dumps(sampling))) == repr(sampling)
     args = copy.__reduce__()[1]
     assert (args[3], repr(args[4]), args[6]) == ([1], repr(sampling), 1)
@@ -76,7 +76,7 @@ def test_a_pickled_request_is_made_again_from_its_constructors_arguments(engine)
         engine.run(poll, lambda evs, stats: events.extend(evs))
         return [(e.tokens, e.logprobs, e.prompt_logprobs, e.finish) for e in events]
 
-    plain = gemma_engine.Request(9, ck.PARITY_PROMPT, 6, [1], sampling, prompt_logprobs=1)
+    plain = gemma_engine.Request(9, PARITY_PROMPT, 6, [1], sampling, prompt_logprobs=1)
     assert run(pickle.loads(pickle.dumps(plain))) == run(plain)
 
 

@@ -20,8 +20,10 @@ from tokenizers import Tokenizer
 
 import gemma_engine
 from gemma_engine.compiling import StepCompiler, capture, chain_from, natural_shape, view_chain
-from tests import checkpoints as ck
-from tests.checkpoints import FULL, SLIDING
+from tests.checkpoints.chat import CHAT_VOCAB_SIZE
+from tests.checkpoints.multimodal import random_image
+from tests.checkpoints.shared import FULL, SLIDING
+from tests.checkpoints.text import SEED, save_dense, tiny_text_config
 from tests.engine.test_architectures import CONFIGS
 from tests.engine.test_batching import PROMPTS, Script
 
@@ -159,8 +161,8 @@ def _assert_same(eager: dict, compiled: dict, bound: float = LOGPROB_BOUND):
 def small_checkpoint(tmp_path_factory):
     """The tiny config cut to 4 layers (sliding, full, then a KV-shared one of each): every kind of layer, and
     half the kernels to compile (Inductor takes ~20 s a step shape on this 2-core machine)."""
-    config = ck.tiny_text_config(num_hidden_layers=4, num_kv_shared_layers=2, layer_types=[SLIDING, FULL] * 2)
-    return ck.save_dense(tmp_path_factory.mktemp("compiled_small"), ck.SEED, config)
+    config = tiny_text_config(num_hidden_layers=4, num_kv_shared_layers=2, layer_types=[SLIDING, FULL] * 2)
+    return save_dense(tmp_path_factory.mktemp("compiled_small"), SEED, config)
 
 
 def _busy_run(model_dir, backend, prefill_chunk=5, bound=LOGPROB_BOUND) -> StepCompiler:
@@ -219,7 +221,7 @@ def test_every_architectures_captured_steps_give_the_eager_tokens_in_a_busy_run(
     kernels are the test above's; compiling each architecture's seven step shapes with Inductor would take
     minutes here). Prompt chunks of 5 columns: the last chunk of each prompt runs padded (`PADDED_CHUNK_BOUND`)."""
     build, _ = CONFIGS[name]
-    model_dir = ck.save_dense(tmp_path_factory.mktemp(f"compiled_{name}"), 172, build())
+    model_dir = save_dense(tmp_path_factory.mktemp(f"compiled_{name}"), 172, build())
     _busy_run(model_dir, "aot_eager", bound=PADDED_CHUNK_BOUND)
 
 
@@ -233,7 +235,7 @@ def test_image_prompts_batched_beside_a_text_prompt_give_the_eager_tokens_compil
 
     d = str(multimodal_checkpoint)
     processor, encoder = AutoProcessor.from_pretrained(d), gemma_engine.Encoder(d, dtype="float32")
-    images = [ck.test_image(40, 30, 0), ck.test_image(20, 36, 1), ck.test_image(48, 48, 2)]
+    images = [random_image(40, 30, 0), random_image(20, 36, 1), random_image(48, 48, 2)]
     one = chat_inputs(processor, images[:1], "What is in this picture?")
     two = chat_inputs(processor, images[1:], "Compare them.")
     one_media, two_media = media_of(encoder, one, images[:1]), media_of(encoder, two, images[1:])
@@ -312,7 +314,7 @@ def test_a_seeded_request_draws_the_same_tokens_on_replayed_steps_as_alone_eager
 def test_grammar_constrained_requests_give_the_eager_tokens_compiled(chat_checkpoint):
     from tests.engine.test_grammar import EOS, SCHEMA, STRICT
 
-    grammars = gemma_engine.Grammars(str(chat_checkpoint / "tokenizer.json"), EOS, ck.CHAT_VOCAB_SIZE)
+    grammars = gemma_engine.Grammars(str(chat_checkpoint / "tokenizer.json"), EOS, CHAT_VOCAB_SIZE)
     tok = Tokenizer.from_file(str(chat_checkpoint / "tokenizer.json"))
     prompt = tok.encode("<start_of_turn>user\nAnswer in JSON.<end_of_turn>\n<start_of_turn>model\n").ids
     requests = lambda: {0: [gemma_engine.Request(0, prompt, 96, grammar=STRICT),  # noqa: E731

@@ -21,7 +21,9 @@ import torch.distributed as dist
 
 import gemma_engine
 from gemma_engine.distributed import follow, lead, members, start
-from tests import checkpoints as ck
+from tests.checkpoints.agent import AGENT_VOCAB_SIZE
+from tests.checkpoints.multimodal import random_image
+from tests.checkpoints.text import SEED, save_dense, tiny_text_config
 from tests.engine.test_batching import PROMPTS, Script
 
 pytestmark = pytest.mark.slow
@@ -109,7 +111,7 @@ def _run(model_dir, out, fault=None) -> tuple[dict, list[int | None]]:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return ck.save_dense(tmp_path_factory.mktemp("distributed"), ck.SEED, ck.tiny_text_config())
+    return save_dense(tmp_path_factory.mktemp("distributed"), SEED, tiny_text_config())
 
 
 def test_a_follower_makes_the_leaders_steps_and_the_outcomes_are_one_engines(model_dir, tmp_path):
@@ -200,7 +202,7 @@ def test_grammar_constrained_and_image_requests_across_ranks_give_one_engines_ou
 
     d = str(multimodal_checkpoint)
     processor, encoder = AutoProcessor.from_pretrained(d), gemma_engine.Encoder(d, dtype="float32")
-    images = [ck.test_image(40, 30, 0)]
+    images = [random_image(40, 30, 0)]
     pictured = chat_inputs(processor, images, "What is in this picture?")
     media = media_of(encoder, pictured, images)
     asked = chat_inputs(processor, [], "Answer in JSON.")["input_ids"][0].tolist()
@@ -212,7 +214,7 @@ def test_grammar_constrained_and_image_requests_across_ranks_give_one_engines_ou
 
     settings = {"context": 256, "dtype": "float32", "max_batch": 2, "prefill_chunk": 8}
     eos = gemma_engine.Engine(d, like=torch.zeros(1), **settings).eos_ids
-    grammars = (str(multimodal_checkpoint / "tokenizer.json"), eos, ck.AGENT_VOCAB_SIZE)
+    grammars = (str(multimodal_checkpoint / "tokenizer.json"), eos, AGENT_VOCAB_SIZE)
     one = gemma_engine.Engine(d, like=torch.zeros(1), grammars=gemma_engine.Grammars(*grammars), **settings)
     want = Script(requests()).run(one)
     recipe = {"model_dir": d, "devices": ["cpu"] * WORLD, "grammars": grammars, "compile_backend": None,

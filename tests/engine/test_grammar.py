@@ -1,6 +1,6 @@
 """Grammar-constrained sampling (rust/src/engine/grammar.rs, the mask stage of engine/sampling.rs):
 `gemma_engine.Grammars` against real tokenizers, and constrained requests through the real
-`Engine.run` loop on the tiny chat checkpoint (tests/checkpoints.py `save_chat`, random weights).
+`Engine.run` loop on the tiny chat checkpoint (tests/checkpoints/chat.py `save_chat`, random weights).
 
 The token environments are checked against the tokenizers' own encodings (a byte-level BPE, the chat
 tokenizer, and a SentencePiece-style byte-fallback BPE generated here); the engine's constrained
@@ -16,7 +16,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import gemma_engine
-from tests import checkpoints as ck
+from tests.checkpoints.chat import CHAT_CORPUS, CHAT_VOCAB_SIZE, build_chat_tokenizer
+from tests.checkpoints.shared import one_thread
 from tests.engine.test_batching import Script
 
 EOS = [1, 4]  # the chat checkpoint's <eos> and <end_of_turn>
@@ -40,12 +41,12 @@ TEXTS = [
     {"color": "green", "ok": True, "count": 42, "size": 3},
     {"color": "red", "ok": False, "count": 0, "size": 1},
 ]
-SENTENCEPIECE_CORPUS = ck._CHAT_CORPUS + "\n".join(json.dumps(t) for t in TEXTS) * 3
+SENTENCEPIECE_CORPUS = CHAT_CORPUS + "\n".join(json.dumps(t) for t in TEXTS) * 3
 
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    with ck.one_thread():
+    with one_thread():
         yield
 
 
@@ -79,7 +80,7 @@ def sentencepiece_tokenizer(decoder: str) -> Tokenizer:
 def tokenizer_env(request, tmp_path_factory):
     """(tokenizer, Grammars over its tokenizer.json) for each kind of tokenizer."""
     if request.param == "byte-level":
-        tok = ck.build_chat_tokenizer()
+        tok = build_chat_tokenizer()
     else:
         tok = sentencepiece_tokenizer(request.param.split("-")[1])
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
@@ -121,9 +122,9 @@ def test_byte_fallback_tokens_spell_characters_outside_the_vocabulary(tmp_path):
 
 
 def test_special_tokens_are_named_in_lark_by_text_or_by_id(tmp_path):
-    tok = ck.build_chat_tokenizer()
+    tok = build_chat_tokenizer()
     tok.save(str(tmp_path / "tokenizer.json"))
-    grammars = gemma_engine.Grammars(str(tmp_path / "tokenizer.json"), EOS, ck.CHAT_VOCAB_SIZE)
+    grammars = gemma_engine.Grammars(str(tmp_path / "tokenizer.json"), EOS, CHAT_VOCAB_SIZE)
     turn = tok.token_to_id("<start_of_turn>")
     ids = _ids(tok, "model") + [turn] + _ids(tok, "ocean")
     for grammar in ['start: "model" <start_of_turn> "ocean"', f'start: "model" <[{turn}]> "ocean"']:
@@ -135,7 +136,7 @@ def test_special_tokens_are_named_in_lark_by_text_or_by_id(tmp_path):
 
 @pytest.fixture(scope="module")
 def chat_grammars(chat_checkpoint):
-    return gemma_engine.Grammars(str(chat_checkpoint / "tokenizer.json"), EOS, ck.CHAT_VOCAB_SIZE)
+    return gemma_engine.Grammars(str(chat_checkpoint / "tokenizer.json"), EOS, CHAT_VOCAB_SIZE)
 
 
 @pytest.mark.parametrize(
@@ -176,9 +177,9 @@ def test_grammars_refuse_a_tokenizer_larger_than_the_model_and_bad_eos_ids(chat_
     with pytest.raises(ValueError, match="more than the model's vocab_size"):
         gemma_engine.Grammars(path, EOS, 100)
     with pytest.raises(ValueError, match="eos id 9999"):
-        gemma_engine.Grammars(path, [9999], ck.CHAT_VOCAB_SIZE)
+        gemma_engine.Grammars(path, [9999], CHAT_VOCAB_SIZE)
     with pytest.raises(OSError):
-        gemma_engine.Grammars(path + ".missing", EOS, ck.CHAT_VOCAB_SIZE)
+        gemma_engine.Grammars(path + ".missing", EOS, CHAT_VOCAB_SIZE)
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -284,4 +285,4 @@ def test_grammars_of_another_vocabulary_are_value_error(chat_checkpoint):
     path = chat_checkpoint.parent / "sp-tokenizer.json"
     tok.save(str(path))
     with pytest.raises(ValueError, match="vocab_size"):
-        _engine(chat_checkpoint, gemma_engine.Grammars(str(path), EOS, ck.CHAT_VOCAB_SIZE + 1))
+        _engine(chat_checkpoint, gemma_engine.Grammars(str(path), EOS, CHAT_VOCAB_SIZE + 1))

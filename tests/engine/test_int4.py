@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import gemma_engine
-from tests import checkpoints as ck
+from tests.checkpoints.parity import GENERATE_TOKENS, PARITY_PROMPT, load_hf_reference
+from tests.checkpoints.quantized import dense_table_and_norm_bytes, save_w4a16_emb4
 
 CONTEXT = 64
 KINDS = ("w4a16", "emb4")
@@ -26,9 +27,9 @@ def _engine(checkpoint_dirs, kind, **kwargs):
 def exact_scale_dirs(tmp_path_factory):
     """{kind: (model_dir, emb_dir or None)}: the W4A16 and emb4 checkpoints of the same random model,
     their scales rounded up to 5 significant bits, so that every dequantized weight `q * scale` is
-    exact in bfloat16 (`ck.round_up_to_bits`)."""
+    exact in bfloat16 (tests/checkpoints/quantized.py `round_up_to_bits`)."""
     root = tmp_path_factory.mktemp("exact_scales")
-    model_dir, emb_dir = ck.save_w4a16_emb4(root / "w4a16", root / "emb4", scale_bits=5)
+    model_dir, emb_dir = save_w4a16_emb4(root / "w4a16", root / "emb4", scale_bits=5)
     return {"w4a16": (model_dir, None), "emb4": (model_dir, emb_dir)}
 
 
@@ -44,7 +45,7 @@ def test_packed_int4_reads_the_dequantized_logits_when_the_weights_are_exact_in_
     of 64, the prompt's own logits still equal). So the logits are compared along the dequantized path's
     greedy tokens, each prefix read as a prompt, and one rounding does not send the two paths down different
     texts; a packing fault makes every prefix differ, the prompt's first."""
-    context = len(ck.PARITY_PROMPT) + ck.GENERATE_TOKENS + 1
+    context = len(PARITY_PROMPT) + GENERATE_TOKENS + 1
     packed = _engine(exact_scale_dirs, kind, packed_int4=True, context=context)
     dequantized = _engine(exact_scale_dirs, kind, packed_int4=False, context=context)
     assert packed.weights()["int4"] == "packed"
@@ -52,22 +53,22 @@ def test_packed_int4_reads_the_dequantized_logits_when_the_weights_are_exact_in_
     # model may draw one early (in bfloat16 at the 28th token on the emb4 checkpoint on a Xeon, at the 8th on
     # the w4a16 one on an AVX2 EPYC), and a fault shows at every prefix.
     tokens: list[int] = []
-    for _ in range(ck.GENERATE_TOKENS):
-        tokens.append(int(dequantized.logits(ck.PARITY_PROMPT + tokens).argmax()))
-    prefixes = [ck.PARITY_PROMPT + tokens[:i] for i in range(len(tokens))]
+    for _ in range(GENERATE_TOKENS):
+        tokens.append(int(dequantized.logits(PARITY_PROMPT + tokens).argmax()))
+    prefixes = [PARITY_PROMPT + tokens[:i] for i in range(len(tokens))]
     same = [torch.equal(packed.logits(ids), dequantized.logits(ids)) for ids in prefixes]
     assert same[0], "the prompt's next-token logits differ"
     assert sum(same) >= len(same) // 4, f"{len(same) - sum(same)} of {len(same)} prefixes differ"
-    assert packed.decode(ck.PARITY_PROMPT, 1)[0] == tokens[:1]
+    assert packed.decode(PARITY_PROMPT, 1)[0] == tokens[:1]
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_packed_int4_first_token_top5_matches_transformers_in_bfloat16(exact_scale_dirs, kind):
     model_dir, emb_dir = exact_scale_dirs[kind]
-    hf = ck.load_hf_reference(model_dir, emb_dir, torch.bfloat16)
+    hf = load_hf_reference(model_dir, emb_dir, torch.bfloat16)
     with torch.no_grad():
-        hf_logits = hf(torch.tensor([ck.PARITY_PROMPT])).logits[0, -1].float()
-    rust = _engine(exact_scale_dirs, kind, packed_int4=True).logits(ck.PARITY_PROMPT)
+        hf_logits = hf(torch.tensor([PARITY_PROMPT])).logits[0, -1].float()
+    rust = _engine(exact_scale_dirs, kind, packed_int4=True).logits(PARITY_PROMPT)
     assert set(rust.topk(5).indices.tolist()) == set(hf_logits.topk(5).indices.tolist())
 
 
@@ -82,7 +83,7 @@ def test_packed_int4_first_token_stays_close_to_the_dequantized_path(checkpoint_
     dequantized = _engine(checkpoint_dirs, kind, packed_int4=False)
     assert packed.weights()["int4"] == "packed"
     assert dequantized.weights()["int4"] == "dequantized"
-    got, want = packed.logits(ck.PARITY_PROMPT), dequantized.logits(ck.PARITY_PROMPT)
+    got, want = packed.logits(PARITY_PROMPT), dequantized.logits(PARITY_PROMPT)
     kl = torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True, reduction="sum")
     assert got.argmax() == want.argmax()
     assert kl <= 0.25, f"KL(dequantized || packed) = {kl:.3f}"
@@ -98,8 +99,8 @@ def test_int4_weights_stay_packed_by_default_in_bfloat16_and_are_dequantized_in_
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_default_in_bfloat16_is_the_packed_path_token_for_token(checkpoint_dirs, kind):
-    default = _engine(checkpoint_dirs, kind).decode(ck.PARITY_PROMPT, 32, read_every=1)[0]
-    packed = _engine(checkpoint_dirs, kind, packed_int4=True).decode(ck.PARITY_PROMPT, 32, read_every=1)[0]
+    default = _engine(checkpoint_dirs, kind).decode(PARITY_PROMPT, 32, read_every=1)[0]
+    packed = _engine(checkpoint_dirs, kind, packed_int4=True).decode(PARITY_PROMPT, 32, read_every=1)[0]
     assert default == packed
 
 
@@ -107,7 +108,7 @@ def test_packed_linears_take_at_most_35_percent_of_their_dense_bfloat16_bytes(ch
     """The linears (every weight but the embedding tables and norms, which stay dense either way)."""
     packed = _engine(checkpoint_dirs, "w4a16", packed_int4=True).weights()["bytes"]
     dense = _engine(checkpoint_dirs, "w4a16", packed_int4=False).weights()["bytes"]
-    dense_rest = ck.dense_table_and_norm_bytes(checkpoint_dirs["w4a16"][0], torch.bfloat16)
+    dense_rest = dense_table_and_norm_bytes(checkpoint_dirs["w4a16"][0], torch.bfloat16)
     assert (packed - dense_rest) <= 0.35 * (dense - dense_rest), (packed, dense, dense_rest)
 
 

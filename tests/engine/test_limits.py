@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import gemma_engine
-from tests import checkpoints as ck
+from tests.checkpoints.parity import PARITY_PROMPT
 
-PROMPT = ck.PARITY_PROMPT[:9]
+PROMPT = PARITY_PROMPT[:9]
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """Images in the engine's prompts (rust/src/gemma4/vision.rs, rust/src/engine/media.rs) against Transformers
-on the tiny checkpoint with both towers (tests/checkpoints.py `save_multimodal`), in float32.
+on the tiny checkpoint with both towers (tests/checkpoints/multimodal.py `save_multimodal`), in float32.
 
 The prompts are what Transformers' own Gemma4Processor makes of a chat with images; the reference is the
 plain `Gemma4ForConditionalGeneration.from_pretrained(dir, dtype=torch.float32)` with `generate`. The
@@ -17,7 +17,9 @@ import torch
 from transformers import AutoProcessor
 
 import gemma_engine
-from tests import checkpoints as ck
+from tests.checkpoints.multimodal import load_multimodal_reference, random_audio, random_image
+from tests.checkpoints.parity import top2_margins
+from tests.checkpoints.shared import one_thread
 from tests.engine.test_prefix_cache import cached, serve
 
 MAX_NEW = 32
@@ -31,7 +33,7 @@ def load(d, **engine_kwargs) -> dict:
     d = str(d)
     return {
         "processor": AutoProcessor.from_pretrained(d),
-        "reference": ck.load_multimodal_reference(d),
+        "reference": load_multimodal_reference(d),
         "encoder": gemma_engine.Encoder(d, dtype="float32"),
         "engine": gemma_engine.Engine(d, dtype="float32", like=torch.zeros(1), context=CONTEXT, max_batch=4,
                                       **engine_kwargs),
@@ -76,7 +78,7 @@ def _run(ids, start):
 
 def reference_greedy(model, inputs, max_new=MAX_NEW):
     """Transformers' greedy tokens and each step's float32 logits."""
-    with ck.one_thread(), torch.no_grad():
+    with one_thread(), torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new, do_sample=False, output_logits=True,
                              return_dict_in_generate=True)
     tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
@@ -94,7 +96,7 @@ def until_eos(tokens, eos):
 @pytest.fixture(scope="module")
 def cases(mm):
     """Two image prompts: one image, and two images of other sizes."""
-    images = [ck.test_image(40, 30, 0), ck.test_image(20, 36, 1), ck.test_image(48, 48, 2)]
+    images = [random_image(40, 30, 0), random_image(20, 36, 1), random_image(48, 48, 2)]
     specs = {"one": ([images[0]], "What is in this picture?"), "two": (images[1:], "Compare them.")}
     out = {}
     for name, (imgs, text) in specs.items():
@@ -106,7 +108,7 @@ def cases(mm):
 
 
 def test_the_encoder_soft_tokens_equal_transformers_get_image_features(mm):
-    images = [ck.test_image(40, 30, 0), ck.test_image(20, 36, 1)]
+    images = [random_image(40, 30, 0), random_image(20, 36, 1)]
     inputs = mm["processor"].image_processor(images, return_tensors="pt")
     ours = mm["encoder"].image(inputs["pixel_values"], inputs["image_position_ids"])
     with torch.no_grad():
@@ -120,7 +122,7 @@ def test_the_encoder_soft_tokens_equal_transformers_get_image_features(mm):
 def test_an_image_prompt_gives_transformers_greedy_tokens_and_first_token_distribution(mm, cases, name):
     case = cases[name]
     eos = set(mm["engine"].eos_ids)
-    margins = ck.top2_margins(case["logits"])
+    margins = top2_margins(case["logits"])
     assert margins.min().item() > MIN_MARGIN, "the reference has a near tie; the test would prove nothing"
     expected = until_eos(case["tokens"], eos)
     assert len(expected) == MAX_NEW, f"the reference ended early ({len(expected)} tokens)"
@@ -172,7 +174,7 @@ def test_the_prefix_cache_reuses_the_same_image_and_never_another(multimodal_che
     again = serve(engine, [gemma_engine.Request(2, case["ids"], MAX_NEW, media=case["media"])])
     assert cached(again.results[2]) == len(case["ids"]) - 1
     assert again.results[2].tokens == first.results[1].tokens
-    other = ck.test_image(40, 30, 7)
+    other = random_image(40, 30, 7)
     inputs = chat_inputs(mm["processor"], [other], "What is in this picture?")
     assert inputs["input_ids"][0].tolist() == case["ids"]
     media = media_of(mm["encoder"], inputs, [other])
@@ -214,12 +216,12 @@ def test_with_bidirectional_image_attention_prompts_read_in_chunks_or_groups_giv
     together, and the same prompts read causally would not."""
     mb = load(multimodal_bidirectional_checkpoint, prefill_chunk=chunk)
     engine, eos = mb["engine"], set(mb["engine"].eos_ids)
-    images = [[ck.test_image(40, 30, 0)], [ck.test_image(20, 36, 1), ck.test_image(48, 48, 2)]]
+    images = [[random_image(40, 30, 0)], [random_image(20, 36, 1), random_image(48, 48, 2)]]
     requests, expected = [], {}
     for i, imgs in enumerate(images):
         inputs = chat_inputs(mb["processor"], imgs, "What is in this picture?")
         tokens, logits = reference_greedy(mb["reference"], inputs)
-        assert ck.top2_margins(logits).min().item() > MIN_MARGIN
+        assert top2_margins(logits).min().item() > MIN_MARGIN
         ids, media = inputs["input_ids"][0].tolist(), media_of(mb["encoder"], inputs, imgs)
         requests.append(gemma_engine.Request(i, ids, MAX_NEW, media=media))
         expected[i] = until_eos(tokens, eos)
@@ -237,7 +239,7 @@ def test_on_cuda_the_encoder_and_an_image_prompt_give_transformers_tokens(multim
     d, cuda = str(multimodal_checkpoint), torch.zeros(1, device="cuda")
     encoder = gemma_engine.Encoder(d, like=cuda, dtype="float32")
     engine = gemma_engine.Engine(d, like=cuda, dtype="float32", context=CONTEXT, max_batch=2)
-    images = [ck.test_image(40, 30, 0)]
+    images = [random_image(40, 30, 0)]
     inputs = chat_inputs(mm["processor"], images, "What is in this picture?")
     media = media_of(encoder, inputs, images)
     assert media[0][1].device.type == "cuda"
@@ -258,10 +260,10 @@ def test_a_w4a16_checkpoint_with_quantized_towers_gives_transformers_tokens(mult
     assert "model.vision_tower.encoder.layers.0.self_attn.q_proj.linear.weight_packed" in names
     assert "model.embed_vision.embedding_projection.weight_packed" in names
     mq = load(multimodal_w4a16_checkpoint)
-    images = [ck.test_image(40, 30, 0)]
+    images = [random_image(40, 30, 0)]
     inputs = chat_inputs(mq["processor"], images, "What is in this picture?")
     tokens, logits = reference_greedy(mq["reference"], inputs)
-    assert ck.top2_margins(logits).min().item() > MIN_MARGIN
+    assert top2_margins(logits).min().item() > MIN_MARGIN
     ids, media = inputs["input_ids"][0].tolist(), media_of(mq["encoder"], inputs, images)
     served = serve(mq["engine"], [gemma_engine.Request(1, ids, MAX_NEW, media=media)])
     assert served.results[1].tokens == until_eos(tokens, set(mq["engine"].eos_ids))
@@ -282,10 +284,10 @@ def runs_of(ids, token):
 
 
 def test_an_audio_prompt_gives_transformers_greedy_tokens_and_first_token_distribution(mm):
-    clips = [ck.test_audio(1.3, 0), ck.test_audio(0.7, 1)]
+    clips = [random_audio(1.3, 0), random_audio(0.7, 1)]
     inputs = audio_chat_inputs(mm["processor"], clips, "Transcribe this.")
     tokens, logits = reference_greedy(mm["reference"], inputs)
-    assert ck.top2_margins(logits).min().item() > MIN_MARGIN
+    assert top2_margins(logits).min().item() > MIN_MARGIN
     expected = until_eos(tokens, set(mm["engine"].eos_ids))
     assert len(expected) == MAX_NEW, f"the reference ended early ({len(expected)} tokens)"
     ids = inputs["input_ids"][0].tolist()

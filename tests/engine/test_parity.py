@@ -6,7 +6,7 @@ tokens) and the generation running far past the 12-token sliding window; KL(hf |
 first generated token's distribution <= 1e-5; the same tokens for prompt chunks smaller than, equal
 to and larger than the window and for several `read_every`. Bfloat16 compute: the first token's
 top-5 set matches Transformers in bfloat16; read a token at a time (decode steps), it is no further
-from float32 than Transformers' own bfloat16 run a token at a time, within ck.BF16_DRIFT_FACTOR.
+from float32 than Transformers' own bfloat16 run a token at a time, within BF16_DRIFT_FACTOR.
 """
 
 import pytest
@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache
 
 import gemma_engine
-from tests import checkpoints as ck
+from tests.checkpoints.parity import BF16_DRIFT_FACTOR, GENERATE_TOKENS, PARITY_PROMPT, greedy_reference
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +28,7 @@ VARIANTS = [(1, 1), (5, 3), (12, 64), (13, 7), (256, 2)]
 @pytest.fixture(scope="module")
 def hf_runs(reference_model):
     """{kind: (tokens, logits)} of Transformers' greedy float32 run on the parity prompt."""
-    return {kind: ck.greedy_reference(reference_model(kind), ck.PARITY_PROMPT) for kind in KINDS}
+    return {kind: greedy_reference(reference_model(kind), PARITY_PROMPT) for kind in KINDS}
 
 
 def _engine(checkpoint_dirs, kind, **kwargs):
@@ -53,8 +53,8 @@ def test_float32_greedy_tokens_match_transformers(checkpoint_dirs, hf_runs, kind
     hf_tokens, _ = hf_runs[kind]
     engine = _engine(checkpoint_dirs, kind, context=CONTEXT, dtype="float32", onednn=linear == "onednn")
     assert engine.weights()["linear"] == linear
-    tokens, finish, _, _ = engine.decode(ck.PARITY_PROMPT, ck.GENERATE_TOKENS)
-    assert len(hf_tokens) == ck.GENERATE_TOKENS
+    tokens, finish, _, _ = engine.decode(PARITY_PROMPT, GENERATE_TOKENS)
+    assert len(hf_tokens) == GENERATE_TOKENS
     assert tokens == hf_tokens
     assert finish == "length"
 
@@ -65,7 +65,7 @@ def test_float32_first_token_kl_below_1e5(checkpoint_dirs, hf_runs, kind, linear
     _, hf_logits = hf_runs[kind]
     engine = _engine(checkpoint_dirs, kind, context=CONTEXT, dtype="float32", prefill_chunk=5,
                      onednn=linear == "onednn")
-    rust = engine.logits(ck.PARITY_PROMPT)
+    rust = engine.logits(PARITY_PROMPT)
     assert rust.dtype == torch.float32 and rust.shape == (engine.vocab_size,)
     divergence = kl(hf_logits[0], rust)
     assert divergence <= 1e-5, f"KL(hf||rust) = {divergence:.3e}"
@@ -76,7 +76,7 @@ def test_tokens_do_not_depend_on_prefill_chunk_or_read_every(checkpoint_dirs, hf
     hf_tokens, _ = hf_runs[kind]
     for chunk, read_every in VARIANTS:
         engine = _engine(checkpoint_dirs, kind, context=CONTEXT, dtype="float32", prefill_chunk=chunk)
-        tokens, _, _, _ = engine.decode(ck.PARITY_PROMPT, ck.GENERATE_TOKENS, read_every=read_every)
+        tokens, _, _, _ = engine.decode(PARITY_PROMPT, GENERATE_TOKENS, read_every=read_every)
         assert tokens == hf_tokens, f"prefill_chunk={chunk} read_every={read_every}"
 
 
@@ -90,13 +90,13 @@ BF16_LINEARS = LINEARS if torch.ops.mkldnn._is_mkldnn_bf16_supported() else ("at
 def test_bfloat16_first_token_top5_matches_transformers(checkpoint_dirs, reference_model, kind, linear):
     hf = reference_model(kind, torch.bfloat16)
     with torch.no_grad():
-        hf_logits = hf(torch.tensor([ck.PARITY_PROMPT])).logits[0, -1].float()
+        hf_logits = hf(torch.tensor([PARITY_PROMPT])).logits[0, -1].float()
     # Transformers dequantizes int4 weights to bfloat16 (q * scale rounded); so does the engine with
     # packed_int4=False. Its default in bfloat16, the packed kernels, does not round them: that path is held
     # to Transformers where the rounding is exact (tests/engine/test_int4.py).
     engine = _engine(checkpoint_dirs, kind, context=CONTEXT, dtype="bfloat16", packed_int4=False,
                      onednn=linear == "onednn")
-    rust = engine.logits(ck.PARITY_PROMPT)
+    rust = engine.logits(PARITY_PROMPT)
     assert set(rust.topk(5).indices.tolist()) == set(hf_logits.topk(5).indices.tolist())
 
 
@@ -111,14 +111,14 @@ def test_bfloat16_one_token_forwards_stay_as_close_to_float32_as_transformers_ow
     hf = reference_model(kind, torch.bfloat16)
     cache = DynamicCache(config=hf.config)
     with torch.no_grad():
-        for token in ck.PARITY_PROMPT:
+        for token in PARITY_PROMPT:
             hf_logits = hf(torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits[0, -1].float()
     engine = _engine(checkpoint_dirs, kind, context=CONTEXT, dtype="bfloat16", packed_int4=False,
                      onednn=linear == "onednn", prefill_chunk=1)
-    rust = engine.logits(ck.PARITY_PROMPT)
+    rust = engine.logits(PARITY_PROMPT)
     truth = hf_runs[kind][1][0]  # Transformers in float32, the prompt read whole
     hf_drift, rust_drift = kl(truth, hf_logits), kl(truth, rust)
-    assert 0 < hf_drift and rust_drift <= ck.BF16_DRIFT_FACTOR * hf_drift, \
+    assert 0 < hf_drift and rust_drift <= BF16_DRIFT_FACTOR * hf_drift, \
         f"KL from float32: engine {rust_drift:.3e}, Transformers {hf_drift:.3e}"
 
 
@@ -128,6 +128,6 @@ def test_cuda_float32_greedy_tokens_match_transformers(checkpoint_dirs, hf_runs)
     model_dir, emb_dir = checkpoint_dirs["emb4"]
     engine = gemma_engine.Engine(str(model_dir), str(emb_dir), like=torch.zeros(1, device="cuda"), context=CONTEXT, dtype="float32")
     assert engine.device.startswith("cuda")
-    tokens, finish, _, _ = engine.decode(ck.PARITY_PROMPT, ck.GENERATE_TOKENS, read_every=8)
+    tokens, finish, _, _ = engine.decode(PARITY_PROMPT, GENERATE_TOKENS, read_every=8)
     assert tokens == hf_tokens
     assert finish == "length"

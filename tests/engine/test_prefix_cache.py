@@ -2,7 +2,7 @@
 tiny float32 checkpoints (sliding window 12, context 128).
 
 Every hit must leave the tokens exactly those of a read of the whole prompt: greedy tokens equal
-Transformers' `generate` on the whole prompt (tests/checkpoints.py `greedy_reference`), seeded sampled
+Transformers' `generate` on the whole prompt (tests/checkpoints/parity.py `greedy_reference`), seeded sampled
 tokens equal the same engine's with caching off. The scenarios: chat turns that extend their history,
 identical prompts again, matches that end inside the previous reply or prompt, histories around the
 window length over an earlier occupant's stale entries, stop tokens between read points, a cancel
@@ -16,11 +16,11 @@ import pytest
 import torch
 
 import gemma_engine
-from tests import checkpoints as ck
+from tests.checkpoints.parity import greedy_reference
 from tests.engine.test_batching import KIND_PARAMS, PROMPTS, SAMPLED
 
 CONTEXT = 128
-W = 12  # the tiny config's sliding window (tests/checkpoints.py)
+W = 12  # the tiny config's sliding window (tests/checkpoints/text.py)
 END = 4  # a "turn end" id the test chats put after each reply, as a chat template does
 
 
@@ -47,7 +47,7 @@ def reference(reference_model):
     def get(kind, prompt, max_new, stop_ids=()):
         key = (kind, tuple(prompt), max_new)
         if key not in cache:
-            cache[key], _ = ck.greedy_reference(reference_model(kind), list(prompt), max_new)
+            cache[key], _ = greedy_reference(reference_model(kind), list(prompt), max_new)
         stops = set(reference_model(kind).config.eos_token_id) | set(stop_ids)
         tokens = cache[key]
         for i, t in enumerate(tokens):

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 import gemma_engine
-from tests import checkpoints as ck
+from tests.checkpoints.parity import PARITY_PROMPT, load_hf_reference
 from tests.engine.test_batching import Script
 
 PROMPTS = {
-    "parity": ck.PARITY_PROMPT,  # 28 tokens
+    "parity": PARITY_PROMPT,  # 28 tokens
     "other": [2] + [(53 * i + 7) % 500 + 3 for i in range(40)],  # 41
-    "short": ck.PARITY_PROMPT[:9],
+    "short": PARITY_PROMPT[:9],
     "tiny": [2, 5],
     "one": [7],
 }
@@ -31,7 +31,7 @@ TOLERANCE = 2e-3
 @pytest.fixture(scope="module")
 def reference(dense_checkpoint):
     """reference(prompt) -> float32 [len - 1] logprobs of prompt[1:] and [len - 1, vocab] log_softmax."""
-    model = ck.load_hf_reference(dense_checkpoint, dtype=torch.float32)
+    model = load_hf_reference(dense_checkpoint, dtype=torch.float32)
 
     def get(prompt):
         with torch.no_grad():

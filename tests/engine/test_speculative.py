@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import gemma_engine
-from tests import checkpoints as ck
+from tests.checkpoints.parity import PARITY_PROMPT, load_hf_reference
+from tests.checkpoints.text import save_two_token
 from tests.engine.test_architectures import CONFIGS, RUNS, SAVERS
 from tests.engine.test_sampling import splitmix64
 
@@ -28,7 +29,7 @@ K = 5
 SPEC = {"speculative_method": "ngram", "num_speculative_tokens": K, "speculative_max_batch": 4}
 # Prompts that repeat themselves, as edits and quotes do, so the lookup finds n-grams; then one that does not.
 PROMPTS = [[2] + [10, 11, 12, 13, 14] * 4, [2, 50, 60, 70, 80, 50, 60, 70], [2, 7, 8, 9, 7, 8, 9, 7, 8],
-           ck.PARITY_PROMPT]
+           PARITY_PROMPT]
 
 
 def engine(model_dir, **kwargs) -> gemma_engine.Engine:
@@ -85,7 +86,7 @@ def dense(dense_checkpoint):
 
 @pytest.fixture(scope="module")
 def two_token(dense_checkpoint, tmp_path_factory):
-    return ck.save_two_token(dense_checkpoint, tmp_path_factory.mktemp("two_token") / "model")
+    return save_two_token(dense_checkpoint, tmp_path_factory.mktemp("two_token") / "model")
 
 
 def test_settings_are_checked_and_reported(dense):
@@ -123,7 +124,7 @@ def test_a_busy_batch_gives_the_tokens_of_no_speculation(dense, two_token, read_
 
 
 def test_tokens_equal_transformers_prompt_lookup_generation(two_token):
-    reference = ck.load_hf_reference(two_token)
+    reference = load_hf_reference(two_token)
     for prompt in PROMPTS:
         ids = torch.tensor([prompt])
         with torch.no_grad():
@@ -230,7 +231,7 @@ def seeded_runs_agree(model_dir, spec: dict, n: int, seed: int, flips: int, samp
 def test_every_architecture_speculates_exactly(run_spec, tmp_path_factory):
     name, kind, seed = run_spec
     model_dir = SAVERS[kind](tmp_path_factory.mktemp(f"spec_{name}_{kind}"), seed, CONFIGS[name][0]())
-    two = ck.save_two_token(model_dir, tmp_path_factory.mktemp(f"spec_{name}_{kind}_two") / "model")
+    two = save_two_token(model_dir, tmp_path_factory.mktemp(f"spec_{name}_{kind}_two") / "model")
     for checkpoint in (model_dir, two):
         plain, _ = run(engine(checkpoint), busy_script(32), read_every=3)
         spec, stats = run(engine(checkpoint, **SPEC), busy_script(32), read_every=3)

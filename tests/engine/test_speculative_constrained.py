@@ -17,7 +17,8 @@ from tokenizers import Tokenizer
 
 import gemma_engine
 from tests import assistants
-from tests import checkpoints as ck
+from tests.checkpoints.chat import CHAT_VOCAB_SIZE, chat_text_config
+from tests.checkpoints.text import save_two_token
 from tests.engine.test_batching import LOGPROB_TOLERANCE, Script
 from tests.engine.test_speculative import PROMPTS, SPEC, engine, run, seeded_runs_agree
 
@@ -34,14 +35,14 @@ PENALIZED = [dict(repetition_penalty=1.3), dict(temperature=0.8, presence_penalt
 
 @pytest.fixture(scope="module")
 def two_token(dense_checkpoint, tmp_path_factory):
-    return ck.save_two_token(dense_checkpoint, tmp_path_factory.mktemp("constrained_two_token") / "model")
+    return save_two_token(dense_checkpoint, tmp_path_factory.mktemp("constrained_two_token") / "model")
 
 
 @pytest.fixture(scope="module")
 def chats(chat_checkpoint, tmp_path_factory):
     """The chat checkpoint and its two-token copy, with Grammars over the chat tokenizer."""
-    two = ck.save_two_token(chat_checkpoint, tmp_path_factory.mktemp("chat_two_token") / "model")
-    grammars = gemma_engine.Grammars(str(chat_checkpoint / "tokenizer.json"), EOS, ck.CHAT_VOCAB_SIZE)
+    two = save_two_token(chat_checkpoint, tmp_path_factory.mktemp("chat_two_token") / "model")
+    grammars = gemma_engine.Grammars(str(chat_checkpoint / "tokenizer.json"), EOS, CHAT_VOCAB_SIZE)
     return {"random": chat_checkpoint, "two_token": two}, grammars
 
 
@@ -132,7 +133,7 @@ def test_an_assistant_drafts_under_the_grammar(chats, prompt, tmp_path, kind):
     keys) the target keeps them (measured: 50 of 69 with the random assistant, 39 of 65 with the two-token one; cut
     at the first refused draft, as prompt lookup's are, none of the random assistant's drafts was offered)."""
     (models, grammars), target = chats, chats[0][kind]
-    drafter = assistants.save_assistant(tmp_path / "assistant", target=ck.chat_text_config())
+    drafter = assistants.save_assistant(tmp_path / "assistant", target=chat_text_config())
     if kind == "two_token":
         drafter = assistants.save_two_token_assistant(drafter, target, tmp_path / "two_token_assistant")
     mtp = {"speculative_method": "mtp", "num_speculative_tokens": 3, "speculative_model": str(drafter),

@@ -19,7 +19,8 @@ import pytest
 
 import gemma_engine
 from tests import assistants
-from tests import checkpoints as ck
+from tests.checkpoints.parity import load_hf_reference
+from tests.checkpoints.text import save_two_token
 from tests.engine.test_architectures import CONFIGS, RUNS, SAVERS
 from tests.engine.test_speculative import PROMPTS, busy_script, engine, run, seeded_runs_agree
 
@@ -34,7 +35,7 @@ def mtp(assistant_dir, **kwargs) -> dict:
 
 @pytest.fixture(scope="module")
 def two_token(dense_checkpoint, tmp_path_factory):
-    return ck.save_two_token(dense_checkpoint, tmp_path_factory.mktemp("mtp_two_token") / "model")
+    return save_two_token(dense_checkpoint, tmp_path_factory.mktemp("mtp_two_token") / "model")
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +95,7 @@ def test_drafts_are_the_reference_drafters(two_token, drafters, prompt):
     _, stats = run(engine(two_token, **mtp(drafters["two_token"])), request)
     got = [(s["spec_draft_tokens"], s["spec_accepted_tokens"]) for s in stats["read_points"]
            if s.get("spec_draft_tokens")]
-    target, drafter = ck.load_hf_reference(two_token), assistants.load_assistant(drafters["two_token"])
+    target, drafter = load_hf_reference(two_token), assistants.load_assistant(drafters["two_token"])
     want, drawn, ready, misses, wait = [], 1, False, 0, 0
     while (room := min(K, len(tokens) - drawn - 1)) > 0:
         wait = max(wait - 1, 0)
@@ -139,7 +140,7 @@ def test_every_architecture_speculates_exactly(run_spec, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"mtp_{name}_{kind}")
     config = CONFIGS[name][0]()
     model_dir = SAVERS[kind](root / "target", seed, config)
-    two = ck.save_two_token(model_dir, root / "two_token")
+    two = save_two_token(model_dir, root / "two_token")
     random = assistants.save_assistant(root / "random", target=config)
     two_drafter = assistants.save_two_token_assistant(random, two, root / "two_drafter")
     for checkpoint, drafter in ((model_dir, random), (two, two_drafter)):

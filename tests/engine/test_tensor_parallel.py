@@ -24,7 +24,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import gemma_engine
-from tests import checkpoints as ck
+from tests.checkpoints.parity import PARITY_PROMPT, greedy_reference, load_hf_reference
+from tests.checkpoints.quantized import save_w4a16
+from tests.checkpoints.text import SEED, tiny_text_config
 from tests.engine.test_architectures import CONFIGS, SAVERS, kl
 
 pytestmark = pytest.mark.slow
@@ -39,12 +41,12 @@ LOGIT_BOUND = 4e-3
 # (config, checkpoint kind, weight seed) as test_architectures.RUNS: the E-series (KV heads replicated at
 # TP 4: 2 of them), K=V with one KV head (replicated at TP 2 and 4), MoE, the 12B shape, and W4A16 (its
 # row-parallel o_proj and down_proj split by scale groups).
-RUNS = [("e_series", "dense", ck.SEED), ("31b_shaped", "w4a16", ck.SEED), ("26b_moe_shaped", "dense", ck.SEED),
+RUNS = [("e_series", "dense", SEED), ("31b_shaped", "w4a16", SEED), ("26b_moe_shaped", "dense", SEED),
         ("26b_moe_shaped", "w4a16", 172), ("12b_shaped", "dense", 172)]
 
 
 def tiny_e_series():
-    return ck.tiny_text_config()
+    return tiny_text_config()
 
 
 ALL_CONFIGS = {**{name: build for name, (build, _) in CONFIGS.items()}, "e_series": tiny_e_series}
@@ -62,7 +64,7 @@ def busy_outcome(e: gemma_engine.Engine, hf_tokens: list[int]) -> tuple[dict, in
     from tests.engine.test_batching import PROMPTS
     from tests.engine.test_prompt_logprobs import Recorder
 
-    first = ck.PARITY_PROMPT + hf_tokens[:8]
+    first = PARITY_PROMPT + hf_tokens[:8]
     sampled = gemma_engine.SamplingParams(temperature=0.9, top_p=0.95, seed=7)
     requests = {0: [gemma_engine.Request(0, first, 12), gemma_engine.Request(4, first, 6)],  # 4 follows 0
                 2: [gemma_engine.Request(1, PROMPTS["other"], 12, prompt_logprobs=0),
@@ -88,8 +90,8 @@ def _rank(rank: int, world: int, port: int, model_dir: str, hf_tokens: list[int]
     try:
         kwargs = {"tensor_parallel_rank": rank, "tensor_parallel_group": dist.group.WORLD.group_name}
         e = engine(model_dir, world, onednn=False, **kwargs)
-        tokens, finish, _, _ = e.decode(ck.PARITY_PROMPT, TOKENS)
-        result = {"tokens": tokens, "finish": finish, "logits": e.logits(ck.PARITY_PROMPT),
+        tokens, finish, _, _ = e.decode(PARITY_PROMPT, TOKENS)
+        result = {"tokens": tokens, "finish": finish, "logits": e.logits(PARITY_PROMPT),
                   "layout": e.layout(), "weights": e.weights()}
         if busy:
             result["busy"] = busy_outcome(engine(model_dir, world, max_batch=4, prefill_chunk=5, **kwargs), hf_tokens)
@@ -108,7 +110,7 @@ def ranks(model_dir, hf_tokens: list[int], world: int, out, busy: bool = True) -
 def run(request, tmp_path_factory):
     name, kind, seed = request.param
     model_dir = SAVERS[kind](tmp_path_factory.mktemp(f"tp_{name}_{kind}"), seed, ALL_CONFIGS[name]())
-    tokens, _ = ck.greedy_reference(ck.load_hf_reference(model_dir), ck.PARITY_PROMPT, TOKENS)
+    tokens, _ = greedy_reference(load_hf_reference(model_dir), PARITY_PROMPT, TOKENS)
     return model_dir, tokens
 
 
@@ -122,7 +124,7 @@ def _kv_heads(model_dir) -> list[int]:
 def test_ranks_give_the_unsplit_models_tokens_logits_and_busy_outcomes_holding_parts(run, world, tmp_path):
     model_dir, hf_tokens = run
     one = engine(model_dir, 1, onednn=False)
-    want_logits = one.logits(ck.PARITY_PROMPT)
+    want_logits = one.logits(PARITY_PROMPT)
     want_busy = busy_outcome(engine(model_dir, 1, max_batch=4, prefill_chunk=5), hf_tokens)
     results = ranks(model_dir, hf_tokens, world, tmp_path)
     kv1, w1 = one.layout()["kv_bytes"], one.weights()["bytes"]
@@ -132,7 +134,7 @@ def test_ranks_give_the_unsplit_models_tokens_logits_and_busy_outcomes_holding_p
         divergence, difference = kl(want_logits, r["logits"]), (r["logits"] - want_logits).abs().max().item()
         assert divergence <= 1e-6 and difference <= LOGIT_BOUND, (divergence, difference)
         (outcomes, hits, prompt_lp), (want_outcomes, want_hits, want_lp) = r["busy"], want_busy
-        assert outcomes == want_outcomes and hits == want_hits >= len(ck.PARITY_PROMPT + hf_tokens[:8]) - 1
+        assert outcomes == want_outcomes and hits == want_hits >= len(PARITY_PROMPT + hf_tokens[:8]) - 1
         got, want = torch.tensor([c for c, _ in prompt_lp]), torch.tensor([c for c, _ in want_lp])
         # Relative too, as test_architectures.py holds these models' prompt logprobs (down to -29 here; measured
         # up to 3.6e-3 apart, 1.6e-4 relative, on the 31B shape).
@@ -149,10 +151,10 @@ def test_a_rank_whose_columns_cut_a_scale_group_gets_them_dequantized(tmp_path):
     """An MLP of 96 features in int4 groups of 32 over 2 ranks: each down_proj shard takes 48 input columns,
     which cut a group. The loader dequantizes that part first (rust/src/gemma4/weights.rs `Part::slice`), as the
     26B-A4B's 2112-wide MLP needs over 8 ranks in groups of 128; the tokens are TP 1's and Transformers'."""
-    config = ck.tiny_text_config(intermediate_size=96, use_double_wide_mlp=False)
-    model_dir = ck.save_w4a16(tmp_path / "w4a16", seed=ck.SEED, config=config)
-    hf_tokens, _ = ck.greedy_reference(ck.load_hf_reference(model_dir), ck.PARITY_PROMPT, TOKENS)
-    one = engine(model_dir, 1, onednn=False).decode(ck.PARITY_PROMPT, TOKENS)[0]
+    config = tiny_text_config(intermediate_size=96, use_double_wide_mlp=False)
+    model_dir = save_w4a16(tmp_path / "w4a16", seed=SEED, config=config)
+    hf_tokens, _ = greedy_reference(load_hf_reference(model_dir), PARITY_PROMPT, TOKENS)
+    one = engine(model_dir, 1, onednn=False).decode(PARITY_PROMPT, TOKENS)[0]
     assert len(one) >= 8 and one == hf_tokens[:len(one)]
     assert [r["tokens"] for r in ranks(model_dir, hf_tokens, 2, tmp_path, busy=False)] == [one, one]
 

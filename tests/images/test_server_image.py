@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 from gemma_operator.builders.deployment import CACHE_MOUNT, build_deployment
 from gemma_operator.builders.ownership import Meta
 from gemma_operator.spec import parse_spec
-from tests.checkpoints import chat_checkpoint  # noqa: F401 - the session fixture, used below
+from tests.checkpoints.fixtures import chat_checkpoint  # noqa: F401 - the session fixture, used below
 from tests.images.conftest import BUILD_TIMEOUT, SERVER_TAG, record
 from tests.images.containers import ROOT, TMPFS, Container, docker, run_args
 from tests.images.test_dockerfiles import requirement_pins

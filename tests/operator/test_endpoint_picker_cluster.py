@@ -41,7 +41,7 @@ SERVER = "gemma"  # the example is written for a server of this name
 
 
 @pytest.fixture(scope="module")
-def real_server_port(chat_checkpoint, tmp_path_factory):  # chat_checkpoint: tests/checkpoints.py (a plugin)
+def real_server_port(chat_checkpoint, tmp_path_factory):  # chat_checkpoint: tests/checkpoints/fixtures.py
     with gemma_server(chat_checkpoint, tmp_path_factory.mktemp("gemma_server")) as url:
         yield int(url.rsplit(":", 1)[1])
 

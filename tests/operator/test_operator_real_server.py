@@ -24,7 +24,7 @@ API_KEY = "test-key-the-operator-never-sees"
 
 
 @pytest.fixture(scope="module")
-def real_server(chat_checkpoint, tmp_path_factory):  # chat_checkpoint: tests/checkpoints.py (a plugin)
+def real_server(chat_checkpoint, tmp_path_factory):  # chat_checkpoint: tests/checkpoints/fixtures.py
     with gemma_server(chat_checkpoint, tmp_path_factory.mktemp("gemma_server"), api_key=API_KEY) as url:
         yield url
 

@@ -76,7 +76,7 @@ def address():
 
 
 @pytest.fixture(scope="module")
-def real_server_port(chat_checkpoint, tmp_path_factory, address):  # chat_checkpoint: tests/checkpoints.py
+def real_server_port(chat_checkpoint, tmp_path_factory, address):  # chat_checkpoint: tests/checkpoints/fixtures.py
     with gemma_server(chat_checkpoint, tmp_path_factory.mktemp("gemma_server"), host=address) as url:
         yield int(url.rsplit(":", 1)[1])
 

@@ -27,12 +27,7 @@ import uvicorn
 
 from gemma_server.app import create_app
 from gemma_server.config import parse_config
-from tests.checkpoints import (  # noqa: F401 - session fixtures
-    agent_checkpoint,
-    chat_checkpoint,
-    gemma4_checkpoint,
-    multimodal_checkpoint,
-)
+from tests.checkpoints.fixtures import agent_checkpoint, chat_checkpoint, gemma4_checkpoint, multimodal_checkpoint  # noqa: F401 - session fixtures
 
 REPO = Path(__file__).resolve().parents[2]
 CONTEXT = 1024  # the tiny checkpoint's max_position_embeddings

@@ -1,7 +1,7 @@
 """Tools, structured outputs and evaluation harnesses, judged by the real clients.
 
 The server is the real app on the real engine, on the agent checkpoint (Gemma 4's markers, random
-weights: tests/checkpoints.py `save_agent_chat`). A random model cannot write a valid call or valid JSON by
+weights: tests/checkpoints/agent.py `save_agent_chat`). A random model cannot write a valid call or valid JSON by
 chance, so every valid one here is the grammar's doing: tool_choice required or named, response_format and
 vLLM's structured_outputs constrain the decode, and the clients (the openai SDK, langchain-openai, the
 lm-evaluation-harness) read the replies with their own parsers. The schemas are enums, booleans, bounded

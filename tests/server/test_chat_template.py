@@ -1,6 +1,6 @@
 """Unit tests of chat_template.py's cache boundary: where the part of a chat prompt that every user of one
 agent shares (the leading system and developer turns, the tool declarations) ends, on the test checkpoints'
-own tokenizers and templates (tests/checkpoints.py). No server, no engine."""
+own tokenizers and templates (tests/checkpoints/). No server, no engine."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from gemma_server.grammars import FORBID_BIAS, SchemaError, forbid_calls, json_grammar, tool_grammar
 from gemma_server.toolcalls import GemmaFormat, ReplySplitter, thinking_markers, token_bytes_of
-from tests.checkpoints import AGENT_EOS_IDS, AGENT_VOCAB_SIZE
+from tests.checkpoints.agent import AGENT_EOS_IDS, AGENT_VOCAB_SIZE
 
 # (parameters schema, arguments the template renders) for each shape the grammar writes.
 SHAPES = {
@@ -356,7 +356,7 @@ def test_random_weights_under_a_tool_grammar_write_a_call_that_parses_and_valida
 ):
     import torch
 
-    from tests.checkpoints import one_thread
+    from tests.checkpoints.shared import one_thread
     from tests.engine.test_batching import Script
 
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Lights on in the hall."}], tools=BOUNDED,

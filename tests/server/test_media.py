@@ -2,7 +2,7 @@
 and translation routes, the limits, and parity with Transformers' own Gemma 4 processor and model.
 
 Everything runs on the real engine and media encoder over the tiny checkpoint with both towers
-(tests/checkpoints.py `save_multimodal`: random weights, Google's Gemma 4 chat template, Transformers'
+(tests/checkpoints/multimodal.py `save_multimodal`: random weights, Google's Gemma 4 chat template, Transformers'
 processor config), served in-process in float32 and greedy by default (conftest.py `media_server`, with
 MEDIA_LIMITS low enough to cross). The reference is Transformers 5.18: `Gemma4Processor` with the Pillow image
 processor (the server's; the torchvision one rounds resizes differently) and `Gemma4ForConditionalGeneration`
@@ -27,8 +27,8 @@ import torch
 
 from gemma_server import media
 from gemma_server.protocol import ChatCompletionRequest
-from gemma_server.transcriptions import chat_request, max_tokens_for
-from tests import checkpoints as ck
+from gemma_server.frontends.transcriptions import chat_request, max_tokens_for
+from tests.checkpoints.multimodal import load_multimodal_reference, random_audio, random_image
 from tests.server.conftest import MEDIA_LIMITS, InProcessServer, openai_client, sample, start_in_process
 from tests.server.test_mcp import call
 
@@ -81,8 +81,8 @@ def refused(r: httpx.Response, param: str, *words: str) -> str:
     return error["message"]
 
 
-IMAGE = ck.test_image(40, 30, seed=1)
-CLIP = ck.test_audio(1.0, seed=0)
+IMAGE = random_image(40, 30, seed=1)
+CLIP = random_audio(1.0, seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,7 @@ def processor(multimodal_checkpoint):
 
 @pytest.fixture(scope="module")
 def reference(multimodal_checkpoint):
-    return ck.load_multimodal_reference(multimodal_checkpoint)
+    return load_multimodal_reference(multimodal_checkpoint)
 
 
 def hf_inputs(processor, content: list[dict]) -> dict:
@@ -125,8 +125,8 @@ def test_prompt_ids_and_model_inputs_equal_gemma4_processors(multimodal_checkpoi
     from transformers import AutoTokenizer
 
     d = str(multimodal_checkpoint)
-    images = [ck.test_image(40, 30, seed=1), ck.test_image(23, 57, seed=2)]
-    clip = ck.test_audio(1.3, seed=4)
+    images = [random_image(40, 30, seed=1), random_image(23, 57, seed=2)]
+    clip = random_audio(1.3, seed=4)
     hf = processor.apply_chat_template(
         [{"role": "system", "content": "Be brief."},
          {"role": "user", "content": [{"type": "text", "text": "Compare "}, {"type": "image", "image": images[0]},
@@ -191,10 +191,10 @@ def test_the_greedy_reply_is_transformers_greedy_generate(media_server, client, 
     tok = processor.tokenizer
     eos = set(reference.generation_config.eos_token_id or [])
     if kind == "image":
-        picture = ck.test_image(48, 40, seed=5)
+        picture = random_image(48, 40, seed=5)
         part, item = image_part(data_url(png(picture))), {"type": "image", "image": picture}
     else:
-        clip = ck.test_audio(1.5, seed=6)
+        clip = random_audio(1.5, seed=6)
         part, item = audio_part(wav(clip)), {"type": "audio", "audio": clip}
     inputs = hf_inputs(processor, [item, {"type": "text", "text": "Describe it."}])
     want = greedy_tokens(reference, inputs, tok, eos, 16)
@@ -237,8 +237,8 @@ def test_the_choices_of_one_request_share_its_image(media_server, client, model)
 
 
 def test_the_same_image_resumes_the_prefix_cache_and_another_does_not(media_server):
-    first = ck.test_image(36, 36, seed=11)
-    other = ck.test_image(36, 36, seed=12)  # the same size: the same placeholder ids, another key
+    first = random_image(36, 36, seed=11)
+    other = random_image(36, 36, seed=12)  # the same size: the same placeholder ids, another key
     messages = lambda image: user(image_part(data_url(png(image))), text="Say something.")  # noqa: E731
     a = chat(media_server, messages(first)).json()
     b = chat(media_server, messages(first)).json()
@@ -349,28 +349,28 @@ def test_each_limit_is_a_400_naming_the_part_and_the_flag(media_server):
     url = data_url(png(IMAGE))
     refused(chat(media_server, user(image_part(url), image_part(url), image_part(url))),
             "messages[0].content[2]", "at most 2 images", "--max-images-per-request")
-    refused(chat(media_server, user(image_part(data_url(png(ck.test_image(201, 150)))))),
+    refused(chat(media_server, user(image_part(data_url(png(random_image(201, 150)))))),
             "messages[0].content[0]", "201x150", "--max-image-pixels")
     big = os.urandom(MEDIA_LIMITS["--max-media-bytes"] + 1)  # refused by its size, before it is decoded
     refused(chat(media_server, user(image_part(data_url(big)))), "messages[0].content[0]", "--max-media-bytes")
-    refused(chat(media_server, user(audio_part(wav(ck.test_audio(4.5), subtype="PCM_16")))), "messages[0].content[0]",
+    refused(chat(media_server, user(audio_part(wav(random_audio(4.5), subtype="PCM_16")))), "messages[0].content[0]",
             "4.5 s", "--max-audio-seconds")
     # Seconds count over the request: two clips of 2.5 s are more than 4 s.
-    two = wav(ck.test_audio(2.5), subtype="PCM_16")
+    two = wav(random_audio(2.5), subtype="PCM_16")
     refused(chat(media_server, user(audio_part(two), audio_part(two))), "messages[0].content[1]", "--max-audio-seconds")
     r = httpx.post(media_server.base + "/v1/audio/transcriptions", timeout=60,
-                   files={"file": ("long.wav", wav(ck.test_audio(5.0), subtype="PCM_16"))}, data={"model": "x"})
+                   files={"file": ("long.wav", wav(random_audio(5.0), subtype="PCM_16"))}, data={"model": "x"})
     assert r.status_code == 404  # the model is checked first
     r = httpx.post(media_server.base + "/v1/audio/transcriptions", timeout=60,
                    data={"model": media_server.state.config.model_name},
-                   files={"file": ("long.wav", wav(ck.test_audio(5.0), subtype="PCM_16"))})
+                   files={"file": ("long.wav", wav(random_audio(5.0), subtype="PCM_16"))})
     refused(r, "file", "--max-audio-seconds")
 
 
 def test_corrupt_or_unsupported_files_are_400s_never_500s(media_server):
     good = png(IMAGE)
     gif = io.BytesIO()
-    ck.test_image(20, 20).convert("P").save(gif, format="GIF")
+    random_image(20, 20).convert("P").save(gif, format="GIF")
     tiff = io.BytesIO()
     IMAGE.save(tiff, format="TIFF")
     cases = [
@@ -389,7 +389,7 @@ def test_corrupt_or_unsupported_files_are_400s_never_500s(media_server):
     for part, words in cases:
         refused(chat(media_server, user(part)), "messages[0].content[0]", words)
     # What the processors take at the edges: one pixel, an image in palette mode, a clip shorter than a frame.
-    for part in (image_part(data_url(png(ck.test_image(1, 1)))), image_part(data_url(gif.getvalue(), "image/gif")),
+    for part in (image_part(data_url(png(random_image(1, 1)))), image_part(data_url(gif.getvalue(), "image/gif")),
                  audio_part(wav(CLIP[:100]))):
         r = chat(media_server, user(part))
         assert r.status_code in (200, 400), r.text
@@ -502,5 +502,5 @@ def test_an_allowed_host_is_fetched_and_reads_as_the_data_url(fetching_server, i
 
 
 def test_a_chat_clip_is_at_most_the_models_30_seconds(fetching_server):
-    refused(chat(fetching_server, user(audio_part(wav(ck.test_audio(31.0), subtype="PCM_16")))),
+    refused(chat(fetching_server, user(audio_part(wav(random_audio(31.0), subtype="PCM_16")))),
             "messages[0].content[0]", "30 s", "/v1/audio/transcriptions")

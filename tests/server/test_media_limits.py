@@ -35,7 +35,7 @@ from PIL import Image
 
 from gemma_server import media
 from gemma_server.media_worker import Workers
-from tests import checkpoints as ck
+from tests.checkpoints.multimodal import random_audio, random_image
 from tests.server.conftest import Spawned, get_status, spawn_server, wait_for
 from tests.server.test_media import refused
 
@@ -173,7 +173,7 @@ def chat(s: Spawned, messages: list[dict], timeout: float = 60, **extra) -> http
 
 
 def test_every_rate_taken_resamples_with_a_filter_the_rate_set_bounds():
-    wave = ck.test_audio(1.0)
+    wave = random_audio(1.0)
     for rate in media.AUDIO_RATES:
         assert media.resample_taps(rate) <= 12_801
         clip = np.resize(wave, rate)  # one second at `rate`
@@ -200,7 +200,7 @@ def test_a_header_that_states_no_length_is_read_at_most_one_frame_past_the_limit
     """A FLAC whose STREAMINFO says 0 samples (libsndfile then reports SF_COUNT_MAX frames): the header
     bounds nothing, so the read does; 40 s of audio is refused as more than the 30 s clip, read no further."""
     out = io.BytesIO()
-    soundfile.write(out, (ck.test_audio(40.0) * 20_000).astype(np.int16), 16_000, format="FLAC", subtype="PCM_16")
+    soundfile.write(out, (random_audio(40.0) * 20_000).astype(np.int16), 16_000, format="FLAC", subtype="PCM_16")
     data = bytearray(out.getvalue())
     at = 8 + 10  # "fLaC", the STREAMINFO block header, then rate(20) channels(3) bits(5) total samples(36)
     fields = int.from_bytes(data[at:at + 8], "big")
@@ -427,7 +427,7 @@ class Encoded(http.server.BaseHTTPRequestHandler):
 @pytest.fixture(scope="module")
 def encoded_host() -> Iterator[http.server.ThreadingHTTPServer]:
     png = io.BytesIO()
-    ck.test_image(40, 30, seed=1).save(png, format="PNG")
+    random_image(40, 30, seed=1).save(png, format="PNG")
     inner = gzip.compress(b"\0" * (64 * MIB), 9)  # 64 MiB of zeros: 65 KB
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Encoded)
     httpd.files = {"/plain.png": (png.getvalue(), None), "/identity.png": (png.getvalue(), "identity"),  # type: ignore[attr-defined]

@@ -1,7 +1,7 @@
 """/v1/messages (Anthropic's Messages API), judged by Anthropic's own SDK against the real server and engine.
 
 The server is the real app on the agent checkpoint (Gemma 4's tool and thinking markers, random weights:
-tests/checkpoints.py `save_agent_chat`), greedy by default. A Messages request is served as the chat
+tests/checkpoints/agent.py `save_agent_chat`), greedy by default. A Messages request is served as the chat
 request it translates to (gemma_server/messages.py), so the same conversation sent to /v1/chat/completions
 gives the same reply and the same prompt: most tests compare the two. A random model cannot write a valid call
 by chance, so every valid tool_use here is the grammar's doing (tool_choice any or tool); the schemas are

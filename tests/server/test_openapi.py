@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from tests.checkpoints import CHAT_VOCAB_SIZE
+from tests.checkpoints.chat import CHAT_VOCAB_SIZE
 from tests.server.conftest import get_status, wait_for
 from tests.server.openapi_checks import engine_replies, run_schemathesis
 

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gemma_server.boot import Boot
 from gemma_server.errors import sse_error, sse_event
-from tests import checkpoints as ck
+from tests.checkpoints.multimodal import random_image
 from tests.server.conftest import start_in_process, wait_for
 from tests.server.fakes import fake_gated_boot
 from tests.server.test_agents import SCHEMAS, TOOLS
@@ -382,7 +382,7 @@ def test_server_errors_are_shown_in_the_reply(page):
 def test_an_attached_image_and_a_recording_go_out_as_parts_before_the_text(media_page, media_server, tmp_path):
     bodies = chat_bodies(media_page)
     picture = tmp_path / "cat.png"
-    ck.test_image(40, 30, seed=1).save(picture)
+    random_image(40, 30, seed=1).save(picture)
     # A pinned seed: random weights sample any token, the end of turn among them.
     set_controls(media_page, max_tokens="6", seed="11")
     media_page.set_input_files("#attach", str(picture))

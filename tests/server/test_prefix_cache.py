@@ -247,10 +247,10 @@ def test_each_chat_turn_reuses_what_it_shares_with_the_last_on_googles_first_tem
 def test_each_image_turn_reuses_what_it_shares_with_the_last_on_googles_later_template(media_server, thinking):
     """The later revision of Google's template (the multimodal checkpoint's), an image in the first turn: its
     soft tokens stay in every later prompt, and each turn resumes past them."""
-    from tests import checkpoints as ck
+    from tests.checkpoints.multimodal import random_image
     from tests.server.test_media import data_url, image_part, png
 
-    first = {"role": "user", "content": [image_part(data_url(png(ck.test_image(40, 30, seed=1)))),
+    first = {"role": "user", "content": [image_part(data_url(png(random_image(40, 30, seed=1)))),
                                          {"type": "text", "text": "What is in this picture?"}]}
     assert_reuses_what_it_shares(converse(media_server, first, thinking))
 

@@ -13,7 +13,7 @@ import pytest
 from gemma_server import speculation
 from gemma_server.config import parse_config
 from tests import assistants
-from tests.checkpoints import chat_text_config
+from tests.checkpoints.chat import chat_text_config
 from .conftest import sample, start_in_process
 
 SPEC = ("--speculative-method", "ngram", "--num-speculative-tokens", "4", "--speculative-max-batch", "4")
