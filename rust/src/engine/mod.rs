@@ -8,7 +8,8 @@
 //! prompts a forward reads), `prompts` (reading them), `step` (the decode step and its CUDA graphs), `read_point`,
 //! `sampling` (the next-token choice on the device), `grammar` (grammar-constrained requests),
 //! `prompt_logprobs` (scoring the prompt while it is read), `speculative` (drafts checked in one forward: prompt
-//! lookup's, or with `drafter` an MTP assistant's), `one_request` (`Engine::decode`).
+//! lookup's, or with `drafter` an MTP assistant's), `one_request` (`Engine::decode`), `faults` (the fault hook for
+//! tests).
 //!
 //! Each slot holds one request: its rings in the KV cache (gemma4/cache.rs), its sampling state
 //! (sampling.rs), and on the device its last token and next position (slots.rs). One turn of the
@@ -67,6 +68,7 @@ mod chunks;
 mod columns;
 pub mod compiled;
 mod drafter;
+mod faults;
 pub mod grammar;
 mod lifecycle;
 pub mod media;
@@ -110,16 +112,8 @@ use crate::gemma4::parallel::{Split, check_divisible, shard_config};
 use crate::gemma4::weights::{Loaded, Weights};
 use crate::tensor::{CudaGraph, DType, Tensor};
 
+pub use faults::Fault;
 pub use settings::{Layout, Rank, Settings, WeightsInfo, parse_dtype};
-
-/// Where `Engine::inject_fault_for_tests` makes the engine fail one request: its admission (after
-/// its checks passed), the prompt forward that reads it, or a decode step that runs it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Fault {
-    Admit,
-    Prompt,
-    Decode,
-}
 
 pub struct Engine {
     model: Model,
@@ -147,7 +141,8 @@ pub struct Engine {
     graphs: Option<Graphs>,
     /// Some with a compiler (`with_compiler`): decode steps captured and compiled (compiled.rs).
     compiled: Option<Compiled>,
-    /// A failure a test asked for (`inject_fault_for_tests`): where, and which request.
+    /// A failure a test asked for (`inject_fault_for_tests`): where, and which request. None in serving,
+    /// where the one cost of the hook is `injected`'s test of this field per decode step and prompt read.
     fault: Option<(Fault, u64)>,
     /// The token environment grammar-constrained requests compile against (`with_grammars`).
     grammars: Option<Arc<Grammars>>,
@@ -534,30 +529,6 @@ impl Engine {
                     break;
                 }
             }
-        }
-    }
-
-    /// Make the engine fail request `id` at `at` (once): the one way a test can produce a device
-    /// error on demand, to show that it fails that request alone.
-    pub fn inject_fault_for_tests(&mut self, at: Fault, id: u64) {
-        self.fault = Some((at, id));
-    }
-
-    /// An error when a fault is injected at `at` for a request in one of the slots `which` (the fault is
-    /// then used up). Without an injected fault it looks at nothing.
-    fn injected(&mut self, at: Fault, which: &[usize]) -> Result<()> {
-        let Some((where_, id)) = self.fault else { return Ok(()) };
-        if where_ == at && which.iter().any(|s| self.slots.get(*s).is_some_and(|slot| slot.request.id == id)) {
-            return Err(self.take_fault());
-        }
-        Ok(())
-    }
-
-    /// The injected fault as the error it stands for, used up.
-    fn take_fault(&mut self) -> Error {
-        match self.fault.take() {
-            Some((at, id)) => Error::Internal(format!("a fault injected for tests ({at:?}, request {id})")),
-            None => Error::Internal("no fault was injected".into()),
         }
     }
 

@@ -1,11 +1,11 @@
 //! The Gemma 4 text model alone: checkpoint → loader → model. Which requests run and when is the
 //! runtime's (`crate::engine`), as candle's `candle-transformers/src/models/gemma3.rs` is the model only.
 //!
-//! `config` (config.json), `weights` (safetensors, W4A16 unpacking, the choice of kernels), `norm`,
-//! `rope`, `mlp`, `moe` (the 26B-A4B's router and experts), `attention` (with the ring masks), `layer`, `model`,
-//! `assistant` (the MTP drafter, which reads the target's rings), `cache` (per-slot fixed-shape rings), `scratch` (a
-//! decode step's op outputs, made once), `parallel` (tensor parallelism: the shards' slices, their reductions and
-//! KV caches).
+//! `config` (the model's config, derived from config.json as `config_json` reads it), `weights` (safetensors, W4A16
+//! unpacking, the choice of kernels), `norm`, `rope`, `mlp`, `moe` (the 26B-A4B's router and experts), `attention`
+//! (with the ring masks), `layer`, `model`, `assistant` (the MTP drafter, which reads the target's rings), `cache`
+//! (per-slot fixed-shape rings), `scratch` (a decode step's op outputs, made once), `parallel` (tensor parallelism:
+//! the shards' slices, their reductions and KV caches).
 //!
 //! The forward pass follows Transformers 5.18 `src/transformers/models/gemma4/modeling_gemma4.py`
 //! (`Gemma4ForCausalLM`) and its config `configuration_gemma4.py`. Comments cite line ranges of
