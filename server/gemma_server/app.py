@@ -1,17 +1,20 @@
 """The FastAPI app: thin routes over the engine thread, the error handlers, and the drain on SIGTERM.
 
 Routes (vLLM's `entrypoints/openai/api_server.py` set): POST /v1/chat/completions, POST /v1/completions,
-POST /v1/responses with GET and DELETE /v1/responses/{id} (OpenAI's Responses API: responses.py), POST
-/v1/messages (Anthropic's Messages API: messages.py), POST /v1/audio/transcriptions and /v1/audio/translations
-(OpenAI's Audio API as chat requests holding the audio: transcriptions.py), POST /tokenize, POST /detokenize
-(vLLM's shapes), GET /v1/models, GET /health (+ /ping), GET /live, GET /v1/engine, GET /version, GET /metrics,
-GET / (chat page), and /mcp (the Model Context Protocol's tools: mcp_server.py). The Responses, Messages and
+POST /v1/responses with GET and DELETE /v1/responses/{id} (OpenAI's Responses API: frontends/responses.py),
+POST /v1/messages (Anthropic's Messages API: frontends/messages.py), POST /v1/audio/transcriptions and
+/v1/audio/translations (OpenAI's Audio API as chat requests holding the audio: frontends/transcriptions.py),
+POST /tokenize, POST /detokenize (vLLM's shapes), GET /v1/models, GET /health (+ /ping), GET /live, GET
+/v1/engine, GET /version, GET /metrics, GET / (chat page), and /mcp (the Model Context Protocol's tools:
+frontends/mcp_server.py). The Responses, Messages and
 audio routes turn their request into chat requests and take the same path; a chat request's images and audio
 become soft tokens there (media.py).
-Route bodies only parse, check, admit and hand over (`ServerState.start` in state.py, the one path every request
-takes; the middleware is middleware.py's);
-the work is in protocol.py (what a request means), chat_template.py (a request's prompt ids), serving.py
-(tokens -> responses) and scheduler.py (the queue and the engines).
+Route bodies only hand over: to the front-end of their API (frontends/: chat.py, responses.py, messages.py,
+transcriptions.py, mcp_server.py), which turns the request into a chat or completion request, admits it by
+`ServerState.start` (state.py, the one path every request takes; the middleware is middleware.py's) and replies
+through `serving.reply` with its format. The work is in protocol.py (what a request means), chat_template.py
+(a request's prompt ids), serving.py (tokens -> pieces -> the format's bytes) and scheduler.py (the queue and
+the engines).
 
 A request's constraint (response_format, a forced tool_choice, vLLM's structured_outputs) becomes a
 grammar that the checkpoint's `gemma_engine.Grammars` compiles before the request is queued, on a worker
@@ -59,7 +62,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
-from gemma_server import messages, openapi, responses, transcriptions
+from gemma_server import openapi
 from gemma_server.boot import Boot
 from gemma_server.chat_template import encode
 from gemma_server.config import Config
@@ -78,49 +81,15 @@ from gemma_server.protocol import (
     max_prompt_chars,
 )
 from gemma_server.scheduler import SchedulerError
-from gemma_server.serving import (
-    ClientDisconnected,
-    Formatter,
-    Output,
-    open_stream,
-)
+from gemma_server.frontends import chat, messages, messages_format, responses, responses_format, transcriptions
 from gemma_server.middleware import ApiKeyGate, BodyLimit, InFlightLimit
-from gemma_server.serving import client_of, gone_of, reply
+from gemma_server.response_store import owner_of
+from gemma_server.serving import ClientDisconnected, client_of
 from gemma_server.state import ServerState
 
 log = logging.getLogger(__name__)
 
 STATIC = Path(__file__).parent / "static"
-
-
-async def serve_response(state: ServerState, body: responses.ResponsesRequest, request: Request) -> Response:
-    """POST /v1/responses (responses.py): the request as chat, through `ServerState.start` as every request,
-    then its reply as a response object or the Responses stream; stored unless `store` is false."""
-    owner = responses.owner_of(request.headers.get("authorization"))
-    body.check()
-    earlier = None
-    if body.previous_response_id is not None:
-        earlier = state.responses.get(body.previous_response_id, owner, "previous_response_id").conversation
-    chat = responses.to_chat(body, earlier)
-    try:
-        gens = await state.start(chat.request, True, client_of(request), gone_of(request), receive=request.receive)
-    except ApiError as e:
-        raise responses.rename(e, chat) from e
-    gen = gens[0]
-    fmt = responses.ResponseFormatter(body, state.config.model_name, Formatter(
-        True, state.config.model_name, state.fingerprint, state.token_text))
-
-    def keep(response: dict[str, Any]) -> None:
-        if body.store is not False:
-            state.responses.put(owner, response, chat.history + [responses.assistant_message(response)])
-
-    async def whole(outputs: list[Output]) -> Response:
-        response = fmt.collect(outputs[0], gen)
-        keep(response)
-        return JSONResponse(response)
-
-    return await reply(request, gens, (lambda: responses.stream(gen, fmt, request.receive, keep))
-                       if body.stream else None, whole)
 
 
 def health_response(state: ServerState) -> Response:
@@ -239,36 +208,17 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
         err = as_api_error(exc)  # logs the exception with a request id; the body names only the id
         return JSONResponse(err.body(), status_code=err.status)
 
-    async def generate(request: Request, body: ChatCompletionRequest | CompletionRequest, chat: bool) -> Response:
-        gens = await state.start(body, chat, client_of(request), gone_of(request), receive=request.receive)
-        tok = state.tokenizer
-        params = gens[0].params
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        echo = None
-        if not chat and body.echo:
-            prompt = body.single_prompt()
-            echo = (prompt if isinstance(prompt, str) else tok.decode(params.prompt_ids), params.prompt_ids)
-        fmt = Formatter(chat, state.config.model_name, state.fingerprint, state.token_text, include_usage, echo)
-
-        async def whole(outputs: list[Output]) -> Response:
-            # A large answer (n x tokens x top log-probabilities) is built and serialised off the event loop.
-            content = await asyncio.get_running_loop().run_in_executor(None, fmt.response_json, outputs, gens)
-            return Response(content, media_type="application/json")
-
-        return await reply(request, gens, (lambda: open_stream(gens, fmt, request.receive)) if body.stream else None,
-                           whole)
-
     @app.post("/v1/chat/completions", response_model=None, responses=openapi.generation(ChatCompletionResponse))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await generate(request, body, chat=True)
+        return await chat.serve(state, body, request)
 
     @app.post("/v1/completions", response_model=None, responses=openapi.generation(CompletionResponse))
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await generate(request, body, chat=False)
+        return await chat.serve(state, body, request)
 
     # The stored response's id leads to GET and DELETE (OpenAPI links: a client, or schemathesis's stateful
     # phase, follows them with the id the POST returned).
-    created = openapi.generation(responses.ResponseObject)
+    created = openapi.generation(responses_format.ResponseObject)
     created[200] = {**created[200], "links": {
         op: {"operationId": op, "parameters": {"response_id": "$response.body#/id"},
              "description": "For a stored response only: one created with store false is not kept (404)."}
@@ -276,15 +226,15 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
 
     @app.post("/v1/responses", response_model=None, responses=created)
     async def create_response(body: responses.ResponsesRequest, request: Request) -> Response:
-        return await serve_response(state, body, request)
+        return await responses.serve(state, body, request)
 
     @app.get("/v1/responses/{response_id}", operation_id="get_response", responses=openapi.errors(401, 404))
     async def get_response(response_id: str, request: Request) -> dict[str, Any]:
-        return state.responses.get(response_id, responses.owner_of(request.headers.get("authorization"))).response
+        return state.responses.get(response_id, owner_of(request.headers.get("authorization"))).response
 
     @app.delete("/v1/responses/{response_id}", operation_id="delete_response", responses=openapi.errors(401, 404))
     async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
-        state.responses.delete(response_id, responses.owner_of(request.headers.get("authorization")))
+        state.responses.delete(response_id, owner_of(request.headers.get("authorization")))
         return {"id": response_id, "object": "response", "deleted": True}
 
     @app.post("/v1/audio/transcriptions", response_model=None, responses=transcriptions.RESPONSES)
@@ -298,24 +248,10 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
         return await transcriptions.serve(state, body, request, "translate")
 
     async def create_message(body: messages.MessagesRequest, request: Request) -> Response:
-        """Anthropic's Messages API: the request as a chat request (messages.to_chat), admitted by the one
-        path (`ServerState.start`), its reply as Anthropic's message or events (errors: messages.AnthropicRoute)."""
-        translation = messages.to_chat(body)
-        try:
-            gens = await state.start(translation.chat, True, client_of(request), gone_of(request),
-                                     receive=request.receive)
-        except ApiError as e:
-            raise translation.names.error(e) from None
-        fmt = messages.MessageFormatter(state.config.model_name)
-
-        async def whole(outputs: list[Output]) -> Response:
-            return Response(fmt.response_json(outputs[0], gens[0]), media_type="application/json")
-
-        return await reply(request, gens, (lambda: messages.open_stream(gens, fmt, request.receive))
-                           if body.stream else None, whole)
+        return await messages.serve(state, body, request)
 
     app.router.add_api_route("/v1/messages", create_message, methods=["POST"], response_model=None,
-                             responses=messages.RESPONSES, route_class_override=messages.AnthropicRoute)
+                             responses=messages_format.RESPONSES, route_class_override=messages.AnthropicRoute)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=openapi.errors(400, 404, 413, 429, 503))
     async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
@@ -323,12 +259,12 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
         body.check()
         loaded = state.loaded
         if body.messages is not None:
-            chat = body.as_chat()
-            chat.check()
-            chat.check_size(loaded.context)
+            conversation = body.as_chat()
+            conversation.check()
+            conversation.check_size(loaded.context)
             # Media are read with a place in the queue (`queue_place`), as a chat request's are.
-            with state.queue_place(client_of(request)) if chat.media_parts() else nullcontext():
-                ids, _, _ = await state.chat_ids(chat, mark=False, receive=request.receive)
+            with state.queue_place(client_of(request)) if conversation.media_parts() else nullcontext():
+                ids, _, _ = await state.chat_ids(conversation, mark=False, receive=request.receive)
         else:
             if len(body.prompt) > max_prompt_chars(loaded.context):
                 raise bad_request("prompt", f"The prompt is longer than {max_prompt_chars(loaded.context)} characters.")
@@ -381,7 +317,7 @@ def create_app(config: Config, boot_class: type[Boot] = Boot) -> FastAPI:
         return FileResponse(STATIC / "index.html", media_type="text/html")
 
     if config.enable_mcp:
-        from gemma_server import mcp_server
+        from gemma_server.frontends import mcp_server
 
         mcp_lifespan = mcp_server.mount(app, mcp_server.build(state), config.mcp_hosts)
 

@@ -9,7 +9,6 @@ unavailable_error, ...), which are the OpenAI reference's own where OpenAI has o
 
 from __future__ import annotations
 
-import json
 import re
 import logging
 import uuid
@@ -83,16 +82,6 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
         `{"error": {"message", "type", "param", "code"}}`.
     """
     return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param, "code": status}}
-
-
-def sse_error(status: int, message: str, param: str | None = None) -> bytes:
-    """An error as one SSE event; the stream still ends with `data: [DONE]` after it."""
-    return sse_event(error_body(status, message, param))
-
-
-def sse_event(obj: dict) -> bytes:
-    """One server-sent event carrying `obj` as compact JSON (the framing OpenAI's streams use)."""
-    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
 
 def bad_request(param: str | None, message: str) -> ApiError:

@@ -194,7 +194,7 @@ def document(app: FastAPI, keyed: frozenset[str], limits: ModelLimits | None) ->
     return doc
 
 
-# The content parts of each kind of media (protocol.py's chat parts, responses.py's), and the routes that take
+# The content parts of each kind of media (protocol.py's chat parts, frontends/responses.py's), and the routes that take
 # audio alone.
 MEDIA_PARTS = {"image": ("ImagePart", "InputImage"), "audio": ("AudioPart", "InputAudioPart")}
 AUDIO_PATHS = ("/v1/audio/transcriptions", "/v1/audio/translations")

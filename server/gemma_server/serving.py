@@ -1,8 +1,11 @@
-"""Request -> engine job -> text -> OpenAI response or SSE stream.
+"""The way out, for every API: engine job -> text pieces -> the API's format -> a response or a stream.
 
 Design: vLLM's `chat_completion/serving.py` and `completion/serving.py`: a generator turns engine output
-into text pieces; the streaming path frames them as `chat.completion.chunk` / `text_completion` events
-ending with `data: [DONE]`, the non-streaming path joins them. Differences, each on purpose:
+into text pieces (`Generation`); the streaming path hands them to the API's `Format` (frontends/: chat and
+completions, Responses, Messages, transcriptions), the non-streaming path joins them and asks the format
+for the whole body. `stream` and `reply` are the one place that merges choices, races the client's
+disconnect, coalesces what is ready into one write, sends an error as the stream's last event and closes.
+Differences from vLLM, each on purpose:
 
 - the first engine event is awaited before the stream opens, so an error before any token (engine error,
   shutdown while queued) is a JSON error with its status, not a broken stream;
@@ -10,51 +13,34 @@ ending with `data: [DONE]`, the non-streaming path joins them. Differences, each
   `with_cancellation`) and cancels it; once the stream is open, Starlette's own disconnect listener
   cancels the generator. Either way that is the request's end (`Job.end`, decided once), which stops the
   decode within one token batch, and the request is recorded with finished_reason="abort";
-- an error after the stream opened is sent as `data: {"error": {...}}` then `data: [DONE]` (vLLM,
-  llama.cpp), which the openai SDK raises as APIError.
+- an error after the stream opened is the format's last event (OpenAI's: `data: {"error": {...}}` then
+  `data: [DONE]`, as vLLM and llama.cpp send it, which the openai SDK raises as APIError).
 
 Each choice's ids go through a `toolcalls.ReplySplitter` before any detokenizing: content ids to the
 detokenizer and the stop strings, thought ids to a detokenizer of their own (`reasoning_content`, vLLM's
-field), tool calls to `message.tool_calls` and to stream deltas in OpenAI's shape (a call's first delta has
-its index, id, type and name with empty arguments; then argument fragments), with finish_reason
-"tool_calls" when the reply called. A call that does not parse (tool_choice auto) comes back as content and
-is counted (`gemma_tool_call_parse_failures_total`).
-
-Completions' `echo` prepends the prompt's text, and with `logprobs` its tokens' log-probabilities (the first
-token has none), from the engine's `prompt_logprobs`, as vLLM's completion serving does.
+field), tool calls as `CallStart` / `CallArguments` events (a call's name, then its argument fragments),
+with finish_reason "tool_calls" when the reply called. A call that does not parse (tool_choice auto) comes
+back as content and is counted (`gemma_tool_call_parse_failures_total`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from gemma_server import sse
 from gemma_server.connections import STALLED
-from gemma_server.errors import as_api_error, sse_error, sse_event
+from gemma_server.errors import ApiError, as_api_error
 from gemma_server.metrics import Metrics
-from gemma_server.protocol import (
-    ChatChoice,
-    ChatCompletionResponse,
-    CompletionChoice,
-    CompletionResponse,
-    EngineParams,
-    PromptTokensDetails,
-    ResponseFunctionCall,
-    ResponseMessage,
-    ResponseToolCall,
-    Timings,
-    Usage,
-)
+from gemma_server.protocol import EngineParams, PromptTokensDetails, Timings, Usage
 from gemma_server.scheduler import Cause, Done, Job, Scheduler
 from gemma_server.text import IncrementalDetokenizer, StopMatcher
 from gemma_server.toolcalls import (
@@ -70,8 +56,6 @@ from gemma_server.toolcalls import (
 )
 
 log = logging.getLogger(__name__)
-
-DONE_EVENT = b"data: [DONE]\n\n"
 
 
 class ClientDisconnected(Exception):
@@ -387,194 +371,53 @@ class Output:
     logprobs: list = field(default_factory=list)
     prompt_logprobs: list | None = None
 
+    def add(self, piece: Piece) -> None:
+        self.text += piece.text
+        self.reasoning += piece.reasoning
+        self.logprobs += piece.logprobs
+        if piece.prompt_logprobs is not None:
+            self.prompt_logprobs = piece.prompt_logprobs
 
-class Formatter:
-    """Builds the response objects and SSE events of one request.
 
-    Args:
-        chat: chat completion (True) or legacy completion.
-        model: the served model name.
-        fingerprint: system_fingerprint.
-        token_text: a token id's text, as log-probabilities report it (ServerState.token_text: decoded
-            once per id, since a large answer names the same tokens many times).
-        include_usage: stream_options.include_usage.
-        echo: completions' echo: the prompt's text (and ids), put before each choice's text.
+class Format(Protocol):
+    """One API's replies as bytes: what `stream` and `reply` send, and nothing else. A format is pure (no
+    I/O, no asyncio): it is built per request with what it needs to know (the request, its choices) and
+    unit-tested by feeding it pieces.
+
+    `open` is the stream's first bytes, `piece` one choice's new output, `finish` one choice's end, `close`
+    the stream's last bytes once every choice has ended, `error` its last bytes when it fails after opening;
+    `whole` is the non-streamed body, of `media_type`.
     """
 
-    def __init__(self, chat: bool, model: str, fingerprint: str, token_text: Callable[[int], str],
-                 include_usage: bool = False, echo: tuple[str, tuple[int, ...]] | None = None) -> None:
-        self.chat = chat
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
-        self.model = model
-        self.fingerprint = fingerprint
-        self._token = token_text
-        self.include_usage = include_usage
-        self.echo = echo
-        self._offsets: dict[int, int] = {}  # completions' text_offset, per choice
-        self._echoed: set[int] = set()
+    media_type: str
 
-    def _chunk(self, choices: list[dict], usage: dict | None = None, with_usage: bool = False) -> bytes:
-        obj = {
-            "id": self.id,
-            "object": "chat.completion.chunk" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": self.fingerprint,
-            "choices": choices,
-        }
-        if self.include_usage or with_usage:
-            obj["usage"] = usage  # OpenAI: null on every chunk but the last when include_usage is set
-        return sse_event(obj)
+    def open(self) -> bytes: ...
 
-    def prompt_entries(self, prompt_logprobs: list | None) -> list:
-        """The echoed prompt's log-probability entries: its first token has none (None, None); each later
-        one (id, logprob, top) from the engine's `prompt_logprobs`."""
-        if prompt_logprobs is None or self.echo is None:
-            return []
-        ids = self.echo[1]
-        head = [(ids[0], None, None)] if ids else []
-        return head + [(t, lp, list(top)) for t, (lp, top) in zip(ids[1:], prompt_logprobs)]
+    def piece(self, index: int, piece: Piece) -> bytes: ...
 
-    def logprobs(self, index: int, entries: list) -> dict[str, Any] | None:
-        """OpenAI's logprobs object (protocol.ChatLogprobs or CompletionLogprobs, as plain JSON values: a
-        large answer holds hundreds of thousands of them) for `entries` [(token id, logprob, [(id, logprob),
-        ...])], or None. An echoed prompt's first entry has logprob and top None."""
-        if not entries:
-            return None
-        text = self._token
-        if self.chat:
-            def top(tid: int, lp: float) -> dict[str, Any]:
-                s = text(tid)
-                return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+    def finish(self, index: int) -> bytes: ...
 
-            content = [{**top(t, lp), "top_logprobs": [top(i, v) for i, v in tops]} for t, lp, tops in entries]
-            return {"content": content, "refusal": None}
-        tokens = [text(t) for t, _, _ in entries]
-        offsets = []
-        at = self._offsets.get(index, 0)
-        for s in tokens:
-            offsets.append(at)
-            at += len(s)
-        self._offsets[index] = at
-        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
-                "top_logprobs": [None if tops is None else {text(i): v for i, v in tops} for _, _, tops in entries],
-                "text_offset": offsets}
+    def close(self) -> bytes: ...
 
-    def role_event(self, index: int) -> bytes:
-        """A chat choice's first event: the assistant role, empty content (OpenAI, vLLM)."""
-        return self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}])
+    def error(self, err: ApiError) -> bytes: ...
 
-    def wants_event(self, index: int, piece: Piece) -> bool:
-        """Whether `piece` is worth an event (a completion's echo goes out with its first piece)."""
-        return not piece.empty() or (self.echo is not None and index not in self._echoed)
-
-    def piece_event(self, index: int, piece: Piece) -> bytes:
-        if self.chat:
-            lp = self.logprobs(index, piece.logprobs)
-            delta: dict[str, Any] = {}
-            if piece.reasoning:
-                delta["reasoning_content"] = piece.reasoning
-            if piece.text or not (piece.reasoning or piece.calls):
-                delta["content"] = piece.text
-            out = b""
-            if delta or lp:
-                out = self._chunk([{"index": index, "delta": delta, "logprobs": lp, "finish_reason": None}])
-            return out + b"".join(self._chunk([{"index": index, "delta": {"tool_calls": [call_delta(c)]},
-                                                "logprobs": None, "finish_reason": None}]) for c in piece.calls)
-        text, entries = piece.text, piece.logprobs
-        if self.echo is not None and index not in self._echoed:
-            self._echoed.add(index)
-            text, entries = self.echo[0] + text, self.prompt_entries(piece.prompt_logprobs) + entries
-        return self._chunk([{"index": index, "text": text, "logprobs": self.logprobs(index, entries),
-                             "finish_reason": None}])
-
-    def finish_event(self, index: int, reason: str) -> bytes:
-        if self.chat:
-            return self._chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}])
-        return self._chunk([{"index": index, "text": "", "logprobs": None, "finish_reason": reason}])
-
-    def usage_event(self, u: Usage) -> bytes:
-        return self._chunk([], u.model_dump(), with_usage=True)
-
-    def _entries(self, out: Output) -> list:
-        return (self.prompt_entries(out.prompt_logprobs) if not self.chat else []) + out.logprobs
-
-    def response_json(self, outputs: list[Output], gens: list[Generation]) -> bytes:
-        """The non-streamed response as the JSON bytes sent (Starlette's JSONResponse rendering), with each
-        choice's log-probabilities. The caller runs it off the event loop; it is built and serialised a
-        choice at a time, since one C call (json.dumps, pydantic's model_dump) holds the GIL, and with it the
-        event loop, until it returns."""
-        shell = self.response(outputs, gens).model_dump(exclude_none=False)
-        choices = []
-        for choice, out, g in zip(shell.pop("choices"), outputs, gens):
-            choice["logprobs"] = self.logprobs(g.index, self._entries(out))
-            if self.chat and choice["message"]["reasoning_content"] is None:
-                del choice["message"]["reasoning_content"]
-            choices.append(_json(choice))
-        return _json(shell)[:-1] + b',"choices":[' + b",".join(choices) + b"]}"
-
-    def response(self, outputs: list[Output], gens: list[Generation]):
-        """The non-streamed response without log-probabilities (`response_json` adds them)."""
-        timings = gens[0].timings()
-        common = dict(id=self.id, created=self.created, model=self.model, system_fingerprint=self.fingerprint,
-                      usage=usage(gens), timings=timings)
-        if self.chat:
-            choices = [ChatChoice(index=g.index, message=message(out, g), finish_reason=g.finish_reason)
-                       for out, g in zip(outputs, gens)]
-            return ChatCompletionResponse(choices=choices, **common)
-        echo = self.echo[0] if self.echo else ""
-        choices = [CompletionChoice(index=g.index, text=echo + out.text, finish_reason=g.finish_reason)
-                   for out, g in zip(outputs, gens)]
-        return CompletionResponse(choices=choices, **common)
+    def whole(self, outputs: list[Output]) -> bytes: ...
 
 
-def message(out: Output, gen: Generation) -> ResponseMessage:
-    """A chat choice's message: content (null when the reply only called), its calls, its reasoning."""
-    calls = [ResponseToolCall(id=c.id, function=ResponseFunctionCall(name=c.name, arguments=c.arguments))
-             for c in gen.calls]
-    content = None if calls and not out.text.strip() else out.text
-    return ResponseMessage(content=content, tool_calls=calls, reasoning_content=out.reasoning or None)
+Items = AsyncIterator[tuple[int, "Piece | None"]]
 
 
-def call_delta(event: CallStart | CallArguments) -> dict[str, Any]:
-    """One tool-call stream delta in OpenAI's shape: a call's first names it (arguments empty), the next
-    ones carry argument fragments."""
-    if isinstance(event, CallStart):
-        return {"index": event.index, "id": event.id, "type": "function",
-                "function": {"name": event.name, "arguments": ""}}
-    return {"index": event.index, "function": {"arguments": event.text}}
+async def collect(items: Items) -> list[Output]:
+    """The whole output of a non-streamed request, per choice (in the order of their indexes)."""
+    outputs: dict[int, Output] = {}
+    async for index, piece in items:
+        out = outputs.setdefault(index, Output())
+        if piece is not None:
+            out.add(piece)
+    return [outputs[i] for i in sorted(outputs)]
 
 
-def _json(value: Any) -> bytes:
-    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
-
-
-async def collect(gens: list[Generation]) -> list[Output]:
-    """The whole output of a non-streamed request, per choice."""
-
-    async def one(gen: Generation) -> Output:
-        out = Output()
-        text, reasoning = [], []
-        async for piece in gen.pieces():
-            text.append(piece.text)
-            reasoning.append(piece.reasoning)
-            out.logprobs += piece.logprobs
-            if piece.prompt_logprobs is not None:
-                out.prompt_logprobs = piece.prompt_logprobs
-        out.text, out.reasoning = "".join(text), "".join(reasoning)
-        return out
-
-    tasks = [asyncio.ensure_future(one(g)) for g in gens]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        for t in tasks:
-            t.cancel()
-
-
-async def merged(gens: list[Generation]) -> AsyncIterator[tuple[int, Piece | None]]:
+async def merged(gens: list[Generation]) -> Items:
     """Every choice's pieces in the order they come; (index, None) when a choice ends. An error of any
     choice is raised here; leaving early closes every choice (which cancels its decode)."""
     if len(gens) == 1:  # the common case needs no tasks
@@ -608,44 +451,39 @@ async def merged(gens: list[Generation]) -> AsyncIterator[tuple[int, Piece | Non
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def open_stream(gens: list[Generation], fmt: Formatter, receive) -> AsyncIterator[bytes]:
-    """Wait for the first engine event (errors surface as exceptions here), then return the SSE body.
+async def stream(items: Items, fmt: Format, receive) -> AsyncIterator[bytes]:
+    """Wait for the first item (an error before any token raises here), then return the stream's body.
 
     Raises:
         ApiError: the request failed before any token.
         ClientDisconnected: the client left while the request waited.
     """
-    items = merged(gens)
-    first = await race_disconnect(receive, items.__anext__())
-    return _sse_body(gens, fmt, items, first)
+    first = await race_disconnect(receive, anext(items, None))
+    return _events(items, first, fmt)
 
 
-async def _sse_body(gens: list[Generation], fmt: Formatter, items: AsyncIterator, first) -> AsyncIterator[bytes]:
+async def _events(items: Items, first: tuple[int, Piece | None] | None, fmt: Format) -> AsyncIterator[bytes]:
+    """The stream's bytes: `fmt.open`, each item as `piece` or `finish`, `close`; an error after the stream
+    opened is `fmt.error`, its last bytes. What is ready goes out in one write (the opening events with the
+    first piece: one send, one wake-up of the client). Leaving early (a disconnect cancels this generator)
+    closes `items`, which ends every choice and cancels its decode."""
     try:
-        # The role events and the first text go out in one write: one send, one wake-up of the client.
-        head = b"".join(fmt.role_event(g.index) for g in gens) if fmt.chat else b""
-        pending = [first]
-        while True:
-            for index, piece in pending:
-                if piece is None:
-                    head += fmt.finish_event(index, gens[index].finish_reason)
-                elif fmt.wants_event(index, piece):
-                    head += fmt.piece_event(index, piece)
+        head = fmt.open()
+        pending = first
+        while pending is not None:
+            index, piece = pending
+            head += fmt.finish(index) if piece is None else fmt.piece(index, piece)
             if head:
                 yield head
                 head = b""
-            try:
-                pending = [await items.__anext__()]
-            except StopAsyncIteration:
-                break
-        if fmt.include_usage:
-            yield fmt.usage_event(usage(gens))
+            pending = await anext(items, None)
+        yield head + fmt.close()
+    except ClientDisconnected:  # the client left while a later part of the reply queued: nobody reads on
+        return
     except Exception as e:  # noqa: BLE001 - the stream is open: the error becomes its last event
-        err = as_api_error(e)
-        yield sse_error(err.status, err.message, err.param)
+        yield fmt.error(as_api_error(e))
     finally:
         await items.aclose()
-    yield DONE_EVENT
 
 
 def client_of(request: Request) -> str:
@@ -658,22 +496,26 @@ def gone_of(request: Request) -> Callable[[], Cause]:
     return lambda: Cause.STALLED if request.scope.get(STALLED) else Cause.CLIENT_GONE
 
 
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+async def reply(request: Request, items: Items, fmt: Format, streamed: bool) -> Response:
+    """The HTTP reply of an admitted request, in any API: with `streamed`, the server-sent events `stream`
+    opens (it awaits the first item, so an early failure is a JSON error with its status); else `fmt.whole`
+    of every choice's output, built off the event loop (a large answer, n x tokens x top log-probabilities,
+    is serialised by C calls that hold the GIL). A client that leaves first is every choice's end (499,
+    which nobody reads).
 
-
-async def reply(request: Request, gens: list[Generation],
-                stream: Callable[[], Awaitable[AsyncIterator[bytes]]] | None,
-                whole: Callable[[list[Output]], Awaitable[Response]]) -> Response:
-    """The HTTP reply of an admitted generation, in any of the APIs: with `stream`, the server-sent events it
-    opens (it awaits the first engine event, so an early failure is a JSON error with its status); else
-    `whole` of every choice's output. A client that leaves first is every choice's end (499, which nobody
-    reads)."""
+    Args:
+        request: the HTTP request (its disconnect).
+        items: the reply's pieces, per choice (`merged`), ending with (index, None) for each.
+        fmt: the API's format.
+        streamed: the request asked for a stream.
+    """
     try:
-        if stream is not None:
-            return StreamingResponse(await stream(), media_type="text/event-stream", headers=SSE_HEADERS)
-        outputs = await race_disconnect(request.receive, collect(gens))
+        if streamed:
+            return StreamingResponse(await stream(items, fmt, request.receive), media_type="text/event-stream",
+                                     headers=sse.HEADERS)
+        outputs = await race_disconnect(request.receive, collect(items))
     except ClientDisconnected:
-        for gen in gens:
-            gen.leave()
+        await items.aclose()
         return Response(status_code=499)
-    return await whole(outputs)
+    content = await asyncio.get_running_loop().run_in_executor(None, fmt.whole, outputs)
+    return Response(content, media_type=fmt.media_type)

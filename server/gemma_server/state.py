@@ -15,7 +15,8 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from gemma_server import media, media_worker, responses
+from gemma_server import media, media_worker
+from gemma_server.response_store import ResponseStore
 from gemma_server.boot import Boot
 from gemma_server.chat_template import CacheMarks, chat_prompt, tokenize_completion
 from gemma_server.config import Config
@@ -56,7 +57,7 @@ class ServerState:
         # The same paths as one pattern over request paths: a template's `{parameter}` matches one segment.
         self._keyed_paths = re.compile("|".join(
             re.sub(r"\\\{[^/]+?\\\}", "[^/]+", re.escape(path)) for path in sorted(self.keyed)) or "(?!)")
-        self.responses = responses.ResponseStore(config.responses_store_max_count,
+        self.responses = ResponseStore(config.responses_store_max_count,
                                                  config.responses_store_max_bytes, config.responses_store_max_age,
                                                  config.responses_store_max_count_per_key,
                                                  config.responses_store_max_bytes_per_key)
@@ -117,9 +118,10 @@ class ServerState:
                 self._reply_format = ReplyFormat.of(self.tokenizer)
             return self._reply_format
 
-    def constrain(self, body: ChatCompletionRequest | CompletionRequest, chat: bool) -> tuple[str | None, dict | None]:
+    def constrain(self, body: ChatCompletionRequest | CompletionRequest) -> tuple[str | None, dict | None]:
         """The request's grammar, compiled once to check it, and the server's own logit bias (tool_choice
         none forbids `<|tool_call>`). Runs on a worker thread (it reads the vocabulary once and compiles).
+        Tools, thinking and parallel calls are a chat request's; a completion's grammar is its constraint's.
 
         Raises:
             ApiError: 400 naming the field: tools for a tokenizer without Gemma 4's tool tokens, a constraint
@@ -127,6 +129,7 @@ class ServerState:
         """
         from gemma_server.grammars import forbid_calls
 
+        chat = isinstance(body, ChatCompletionRequest)
         reply = self.reply_format()
         bias = None
         if chat and body.tools:
@@ -224,12 +227,14 @@ class ServerState:
         ids, placed, marks = media.place(ids, soft, loaded.media.tokens, marks)
         return ids, marks, placed
 
-    async def start(self, body: ChatCompletionRequest | CompletionRequest, chat: bool, client: str,
+    async def start(self, body: ChatCompletionRequest | CompletionRequest, client: str,
                     gone: Callable[[], Cause], decoded: Sequence[media.Decoded] | None = None,
                     receive: Callable[[], Awaitable[dict]] | None = None) -> list[Generation]:
         """Admit, tokenize, constrain and queue one request: its choices, queued. The one path every way in
         takes (the HTTP routes and the MCP tools), so the limits, the client's share, the metrics and the
         cancellation of a choice whose reader left (`Generation.leave`, `gone` naming why) are the same.
+        A chat request's prompt is its template's, with its media, and its replies are read for thoughts and
+        calls; a completion's is its prompt's tokens.
         `decoded`: the chat request's media parts already read (the transcription routes), in order;
         `receive`: the HTTP request's ASGI receive, so a client that leaves stops its media work (`chat_ids`).
 
@@ -240,6 +245,7 @@ class ServerState:
             ClientDisconnected: the client left while its media were read (a 499 nobody reads).
         """
         arrival = time.monotonic()
+        chat = isinstance(body, ChatCompletionRequest)
         config = self.config
         self.check_model(body.model)
         body.check()
@@ -263,7 +269,7 @@ class ServerState:
             else:
                 ids, marks, placed = await asyncio.get_running_loop().run_in_executor(
                     None, tokenize_completion, tok, body), CacheMarks(), ()
-            grammar, bias = await asyncio.to_thread(self.constrain, body, chat)
+            grammar, bias = await asyncio.to_thread(self.constrain, body)
             loaded = self.boot.loaded
             params = body.engine_params(ids, loaded.context, loaded.vocab_size, config.default_temperature,
                                         grammar=grammar, internal_bias=bias, cache_boundary=marks.boundary,

@@ -39,7 +39,7 @@ REFUSALS_BEYOND_THE_SCHEMA = (
     # tool_result is a chat message of its own, so a body within its caps can make more than chat's 1,024.
     ("messages[", "A final assistant message (prefill)"),
     ("messages", "messages must hold at most"),
-    ("input[", "messages["),
+    ("input[", "input["),
     ("prompt", "Input length ("),
     ("prompt", "The prompt is longer than"),
     # References between fields and items: a named tool that tools lacks, a name given twice (uniqueItems

@@ -2,8 +2,8 @@
 
 The server is the real app on the agent checkpoint (Gemma 4's tool and thinking markers, random weights:
 tests/checkpoints/agent.py `save_agent_chat`), greedy by default. A Messages request is served as the chat
-request it translates to (gemma_server/messages.py), so the same conversation sent to /v1/chat/completions
-gives the same reply and the same prompt: most tests compare the two. A random model cannot write a valid call
+request it translates to (gemma_server/frontends/messages.py), so the same conversation sent to
+/v1/chat/completions gives the same reply and the same prompt: most tests compare the two. A random model cannot write a valid call
 by chance, so every valid tool_use here is the grammar's doing (tool_choice any or tool); the schemas are
 enums, booleans, bounded integers and short strings so that a random model's reply ends, and the replies no
 grammar ends get a small max_tokens.
@@ -23,20 +23,13 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from gemma_server import messages
 from gemma_server.errors import ApiError, param_from_loc
-from gemma_server.messages import (
-    AnthropicRoute,
-    MessageFormatter,
-    MessagesRequest,
-    Translation,
-    partial_object,
-    stream_body,
-    to_chat,
-)
+from gemma_server.frontends import messages
+from gemma_server.frontends.messages import AnthropicRoute, MessagesRequest, Translation, to_chat
+from gemma_server.frontends.messages_format import Blocks, MessagesFormat, partial_object
 from gemma_server.protocol import StructuredOutputs
 from gemma_server.scheduler import QueueFull
-from gemma_server.serving import Piece
+from gemma_server.serving import Piece, stream
 from gemma_server.toolcalls import CallArguments, CallStart
 from tests.server.conftest import openai_client, prompt_tokens, sample, start_in_process, wait_for
 from tests.server.test_agents import ALERT, WEATHER
@@ -383,7 +376,7 @@ class FakeJob:
 
 
 class FakeGeneration:
-    """What stream_body reads of a choice: its prompt, its calls and ending (the stream fails here first)."""
+    """What MessagesFormat reads of a choice: its prompt, its calls and ending (the stream fails here first)."""
 
     class params:
         prompt_ids = (1, 2, 3)
@@ -397,11 +390,12 @@ def test_an_error_after_the_stream_opened_is_its_last_event():
         yield 0, Piece("Hel")
         raise ApiError(503, "The shutdown timeout cut the request.")
 
+    async def receive():  # a client that stays
+        await asyncio.Event().wait()
+
     async def read() -> bytes:
-        items = pieces()
-        first = await items.__anext__()
-        return b"".join([chunk async for chunk in stream_body(FakeGeneration(), MessageFormatter("m"), items,
-                                                              first)])
+        body = await stream(pieces(), MessagesFormat("m", FakeGeneration()), receive)
+        return b"".join([chunk async for chunk in body])
 
     events = asyncio.run(read()).decode().split("\n\n")[:-1]
     names = [e.split("\n")[0].removeprefix("event: ") for e in events]
@@ -412,7 +406,7 @@ def test_an_error_after_the_stream_opened_is_its_last_event():
 
 
 def test_streamed_blocks_open_and_close_in_order_and_calls_stream_their_input():
-    blocks = messages.Blocks()
+    blocks = Blocks()
     out = blocks.piece(Piece("", reasoning="hm")) + blocks.piece(Piece("  ")) + blocks.piece(Piece(
         "", calls=[CallStart(0, "call_1", "f"), CallArguments(0, '{"a":'), CallArguments(0, "1}")])) + blocks.close()
     events = [json.loads(e.split("\ndata: ")[1]) for e in out.decode().split("\n\n")[:-1]]

@@ -25,7 +25,8 @@ from playwright.sync_api import Browser, Page, Request, Route, expect, sync_play
 from prometheus_client.parser import text_string_to_metric_families
 
 from gemma_server.boot import Boot
-from gemma_server.errors import sse_error, sse_event
+from gemma_server import sse
+from gemma_server.errors import error_body
 from tests.checkpoints.multimodal import random_image
 from tests.server.conftest import start_in_process, wait_for
 from tests.server.fakes import fake_gated_boot
@@ -365,8 +366,8 @@ def test_server_errors_are_shown_in_the_reply(page):
 
     # An error after the stream opened comes as an SSE event (the server's own framing, errors.py); what
     # streamed before it stays.
-    stream = (sse_event({"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "Hi"}}]})
-              + sse_error(500, "the engine failed this request") + b"data: [DONE]\n\n")
+    stream = (sse.event({"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "Hi"}}]})
+              + sse.event(error_body(500, "the engine failed this request")) + sse.DONE)
     page.route("**/v1/chat/completions",
                lambda route: route.fulfill(status=200, content_type="text/event-stream", body=stream))
     page.fill("#tools", "")

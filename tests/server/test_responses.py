@@ -23,7 +23,8 @@ import pytest
 from pydantic import BaseModel, Field
 
 from gemma_server.errors import ApiError
-from gemma_server.responses import ResponseStore, ResponsesRequest, rename, to_chat
+from gemma_server.frontends.responses import ResponsesRequest, to_chat
+from gemma_server.response_store import ResponseStore
 from tests.server.conftest import openai_client, prompt_tokens, sample, start_in_process, wait_for
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
@@ -171,7 +172,7 @@ THOUGHT = 'start: <|channel> "thought\\nI think" <channel|> "Done."'
 
 
 def test_a_thought_becomes_a_reasoning_item_before_the_message_streamed_or_not(client, model, monkeypatch):
-    from gemma_server import responses
+    from gemma_server.frontends import responses
     from gemma_server.protocol import StructuredOutputs
 
     translate = responses.to_chat
@@ -460,7 +461,7 @@ def test_the_chat_checks_name_the_responses_fields():
              "max_tokens": "max_output_tokens", "response_format.json_schema.schema.x": "text.format.schema.x",
              "tools[1].function.parameters": "tools[1].parameters", "messages": "input", "temperature": "temperature"}
     for field, ours in cases.items():
-        assert rename(ApiError(400, "m", field), chat).param == ours
+        assert chat.names.error(ApiError(400, "m", field)).param == ours
 
 
 def test_an_unknown_model_or_response_id_is_a_404_in_openais_shape(gemma4_server, client):

@@ -29,18 +29,28 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import Request, UploadFile
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from gemma_server import media, openapi
-from gemma_server.errors import as_api_error, bad_request, sse_error, sse_event
+from gemma_server import media, openapi, sse
+from gemma_server.errors import ApiError, bad_request
 from gemma_server.protocol import ChatCompletionRequest
-from gemma_server.serving import DONE_EVENT, ClientDisconnected, Generation, race_disconnect
+from gemma_server.serving import (
+    ClientDisconnected,
+    Generation,
+    Items,
+    Output,
+    Piece,
+    client_of,
+    gone_of,
+    race_disconnect,
+    reply,
+)
 
 if TYPE_CHECKING:
     from gemma_server.state import ServerState
@@ -249,8 +259,6 @@ class Transcriber:
 
     def __init__(self, state: ServerState, request: Request, form: TranscriptionForm | TranslationForm,
                  task: Task, clips: list[Clip]) -> None:
-        from gemma_server.serving import client_of, gone_of
-
         self.state = state
         self.request = request
         self.clips = clips
@@ -262,105 +270,103 @@ class Transcriber:
 
     async def start(self, clip: Clip) -> Generation:
         """Queue one clip's chat request (`ServerState.start`)."""
-        gens = await self.state.start(self._bodies[clip.index], True, self._client, self._gone, [clip.decoded],
+        gens = await self.state.start(self._bodies[clip.index], self._client, self._gone, [clip.decoded],
                                       receive=self.request.receive)
         gen = gens[0]
         clip.prompt_tokens = len(gen.params.prompt_ids)
         clip.audio_tokens = sum(int(embeds.shape[0]) for _, embeds, _ in gen.params.media)
         return gen
 
-    async def pieces(self, clip: Clip, gen: Generation) -> AsyncIterator[str]:
-        """The clip's text as it is written (its transcript, tokens and log-probabilities kept on `clip`)."""
-        parts: list[str] = []
-        async for piece in gen.pieces():
-            clip.tokens += [t for t, _, _ in piece.logprobs]
-            clip.logprobs += [lp for _, lp, _ in piece.logprobs]
-            text = piece.text if parts else piece.text.lstrip()  # the transcript starts at its first word
-            if text:
-                parts.append(text)
-                yield text
-        clip.text = "".join(parts).rstrip()
-        clip.output_tokens = gen.completion_tokens
-
-    async def run_all(self) -> None:
-        """Every clip to its end, in order; a client that leaves ends the clip it is on."""
+    async def items(self) -> Items:
+        """Every clip's text as it is written, the clips in order, each queued when the one before has ended;
+        (clip index, None) at a clip's end. Each clip's transcript, tokens and log-probabilities are kept on it."""
         for clip in self.clips:
             gen = await self.start(clip)
+            parts: list[str] = []
+            async with aclosing(gen.pieces()) as pieces:
+                async for piece in pieces:
+                    clip.tokens += [t for t, _, _ in piece.logprobs]
+                    clip.logprobs += [lp for _, lp, _ in piece.logprobs]
+                    text = piece.text if parts else piece.text.lstrip()  # the transcript starts at its first word
+                    if text:
+                        parts.append(text)
+                        yield clip.index, Piece(text)
+            clip.text = "".join(parts).rstrip()
+            clip.output_tokens = gen.completion_tokens
+            yield clip.index, None
 
-            async def drain(clip=clip, gen=gen) -> None:
-                async for _ in self.pieces(clip, gen):
-                    pass
 
-            await race_disconnect(self.request.receive, drain())
+class TranscriptFormat:
+    """A transcription's or translation's reply (a `serving.Format`): the clips' texts joined by a space.
+    Streamed: `transcript.text.delta` events as the text is written, then `transcript.text.done` with the whole
+    text and usage, then `data: [DONE]`. Whole: `json` (text and usage), `text`, or `verbose_json` (language,
+    duration, text, one segment per clip).
+
+    Args:
+        clips: the request's clips (their texts and counts filled in as they are read).
+        response_format: the form's.
+        language: the language `verbose_json` names.
+        seconds: the file's length.
+        temperature: the form's (each segment reports it).
+    """
+
+    def __init__(self, clips: list[Clip], response_format: str, language: str, seconds: float,
+                 temperature: float) -> None:
+        self.clips = clips
+        self.response_format = response_format
+        self.media_type = "text/plain" if response_format == "text" else "application/json"
+        self.language = language
+        self.seconds = seconds
+        self.temperature = temperature
+        self._written: set[int] = set()  # clips whose text has begun
+
+    def open(self) -> bytes:
+        return b""
+
+    def piece(self, index: int, piece: Piece) -> bytes:
+        if not piece.text:
+            return b""
+        head = " " if index not in self._written and joined(self.clips[:index]) else ""
+        self._written.add(index)
+        return delta_event(head + piece.text)
+
+    def finish(self, index: int) -> bytes:
+        return b""
+
+    def close(self) -> bytes:
+        return sse.event({"type": "transcript.text.done", "text": joined(self.clips), "usage": usage(self.clips)}
+                         ) + sse.DONE
+
+    def error(self, err: ApiError) -> bytes:
+        return sse.event(err.body()) + sse.DONE
+
+    def whole(self, outputs: list[Output]) -> bytes:
+        text = joined(self.clips)
+        if self.response_format == "text":
+            return text.encode()
+        if self.response_format == "verbose_json":
+            return sse.dumps(VerboseResponse(
+                language=self.language, duration=round(self.seconds, 3), text=text,
+                segments=[c.segment(self.temperature) for c in self.clips],
+                usage={"type": "duration", "seconds": round(self.seconds, 3)}).model_dump())
+        return sse.dumps(TextResponse(text=text, usage=usage(self.clips)).model_dump())
 
 
 async def serve(state: ServerState, form: TranscriptionForm | TranslationForm, request: Request,
                 task: Task) -> Response:
-    """POST /v1/audio/transcriptions (task "transcribe") or /v1/audio/translations ("translate")."""
+    """POST /v1/audio/transcriptions (task "transcribe") or /v1/audio/translations ("translate"): the file read
+    into clips, then the clips' replies through `serving.reply` (a stream's first clip's first piece is awaited
+    before it opens, so an early failure is a JSON error)."""
     state.check_model(form.model)
     language_name(getattr(form, "language", None))  # an unknown language is a 400 before the file is read
-    from gemma_server.serving import client_of
-
     try:  # a client that leaves while its file decodes stops the decode (its worker is killed)
         clips, seconds = await race_disconnect(request.receive, read_file(state, form, client_of(request)))
     except ClientDisconnected:
         return Response(status_code=499)
     job = Transcriber(state, request, form, task, clips)
-    if getattr(form, "stream", False):
-        return await open_stream(job)
-    try:
-        await job.run_all()
-    except ClientDisconnected:
-        return Response(status_code=499)
-    text = joined(clips)
-    if form.response_format == "text":
-        return PlainTextResponse(text)
-    if form.response_format == "verbose_json":
-        language = "english" if task == "translate" else (job.language or "unknown").lower()
-        return JSONResponse(VerboseResponse(
-            language=language, duration=round(seconds, 3), text=text,
-            segments=[c.segment(form.temperature) for c in clips],
-            usage={"type": "duration", "seconds": round(seconds, 3)}).model_dump())
-    return JSONResponse(TextResponse(text=text, usage=usage(clips)).model_dump())
-
-
-async def open_stream(job: Transcriber) -> Response:
-    """The transcription's events (`transcript.text.delta`, then `transcript.text.done`), opened once the
-    first clip's first piece has come (an error before it is a JSON error with its status)."""
-    first_clip = job.clips[0]
-    gen = await job.start(first_clip)
-    texts = job.pieces(first_clip, gen)
-    try:
-        first = await race_disconnect(job.request.receive, anext(texts, None))
-    except ClientDisconnected:
-        gen.leave()
-        return Response(status_code=499)
-
-    async def events() -> AsyncIterator[bytes]:
-        try:
-            if first is not None:
-                yield delta_event(first)
-            async for text in texts:
-                yield delta_event(text)
-            for clip in job.clips[1:]:
-                next_gen = await job.start(clip)
-                head = " " if joined(job.clips[:clip.index]) else ""
-                async for text in job.pieces(clip, next_gen):
-                    yield delta_event(head + text)
-                    head = ""
-            yield sse_event({"type": "transcript.text.done", "text": joined(job.clips), "usage": usage(job.clips)})
-        except ClientDisconnected:  # the client left while a later clip was read: nobody reads on
-            return
-        except Exception as e:  # noqa: BLE001 - the stream is open: the error becomes its last event
-            err = as_api_error(e)
-            yield sse_error(err.status, err.message, err.param)
-        finally:
-            await texts.aclose()
-        yield DONE_EVENT
-
-    from gemma_server.serving import SSE_HEADERS
-
-    return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+    language = "english" if task == "translate" else (job.language or "unknown").lower()
+    fmt = TranscriptFormat(clips, form.response_format, language, seconds, form.temperature)
+    return await reply(request, job.items(), fmt, bool(getattr(form, "stream", False)))
 
 
 # The routes' statuses for the OpenAPI document: the JSON shapes, plain text, or the event stream.
@@ -375,4 +381,4 @@ RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 def delta_event(text: str) -> bytes:
-    return sse_event({"type": "transcript.text.delta", "delta": text})
+    return sse.event({"type": "transcript.text.delta", "delta": text})

@@ -160,7 +160,7 @@ def build(state: ServerState) -> MCPServer:
 
     async def run(ctx: Context, body: ChatCompletionRequest, progress: bool) -> Answer:
         try:
-            gens = await state.start(body, True, client_of(ctx), lambda: Cause.CLIENT_GONE)
+            gens = await state.start(body, client_of(ctx), lambda: Cause.CLIENT_GONE)
         except Exception as e:  # noqa: BLE001 - every refusal becomes the caller's tool error
             raise tool_error(e) from e
         gen, text = gens[0], []

@@ -42,10 +42,9 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -54,8 +53,9 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gemma_server import openapi
 from gemma_server.errors import BRANCH, ApiError, as_api_error, bad_request, invalid_request, param_from_loc
+from gemma_server.frontends.fields import FieldNames
+from gemma_server.frontends.messages_format import MessagesFormat, error_body
 from gemma_server.protocol import (
     FUNCTION_NAME,
     MAX_MESSAGES,
@@ -67,9 +67,10 @@ from gemma_server.protocol import (
     Integer,
     OpenAIModel,
 )
-from gemma_server.scheduler import Cause
-from gemma_server.serving import Generation, Output, Piece, merged, race_disconnect, usage
-from gemma_server.toolcalls import CallStart
+from gemma_server.serving import client_of, gone_of, merged, reply
+
+if TYPE_CHECKING:
+    from gemma_server.state import ServerState
 
 # Tool names: the server's rule for function names (protocol.FUNCTION_NAME, OpenAI's), the same as Anthropic's
 # for client tools (its tool-use guide: `^[a-zA-Z0-9_-]{1,64}$`).
@@ -311,36 +312,6 @@ TOP_FIELDS = {
 
 
 @dataclass(frozen=True)
-class FieldNames:
-    """Where each field of a translated chat request came from in the Messages request.
-
-    Attributes:
-        fields: chat field path -> the Anthropic field path it came from (`messages[2]` -> `messages[1]
-            .content[0]`); a path under a key maps under its value.
-    """
-
-    fields: dict[str, str]
-
-    def field(self, param: str | None) -> str | None:
-        """The Anthropic name of chat field `param` (by its longest mapped prefix), or `param` itself."""
-        if param is None:
-            return None
-        keys = [k for k in self.fields if param == k or param.startswith((k + ".", k + "["))]
-        if not keys:
-            return param
-        key = max(keys, key=len)
-        return self.fields[key] + param[len(key):]
-
-    def error(self, err: ApiError) -> ApiError:
-        """`err` (from chat's checks) naming the Anthropic field, in its param and in its message."""
-        param = self.field(err.param)
-        if param == err.param:
-            return err
-        message = re.sub(rf"(?<![\w.\[\]]){re.escape(err.param)}(?![\w\[])", param, err.message)
-        return ApiError(err.status, message, param, err.headers)
-
-
-@dataclass(frozen=True)
 class Translation:
     """A Messages request as the chat completion request that serves it.
 
@@ -461,305 +432,16 @@ def to_chat(request: MessagesRequest) -> Translation:
         raise names.error(invalid_request(e.errors(), chat)) from None
 
 
-# ---- responses ------------------------------------------------------------------------------------
-
-
-class TextBlock(BaseModel):
-    type: Literal["text"] = "text"
-    text: str
-
-
-class ThinkingBlock(BaseModel):
-    """The reply's thought. Nothing signs it here, so its signature is empty (clients hand it back; this
-    server does not read it)."""
-
-    type: Literal["thinking"] = "thinking"
-    thinking: str
-    signature: str = ""
-
-
-class ToolUseBlock(BaseModel):
-    type: Literal["tool_use"] = "tool_use"
-    id: str
-    name: str
-    input: dict[str, Any]
-
-
-ContentBlock = Annotated[TextBlock | ThinkingBlock | ToolUseBlock, Field(discriminator="type")]
-StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
-
-
-class MessageUsage(BaseModel):
-    """Anthropic's usage: the prompt is input_tokens + cache_read_input_tokens (+ cache_creation_input_tokens,
-    always 0 here)."""
-
-    input_tokens: int
-    output_tokens: int
-    cache_creation_input_tokens: int = 0
-    cache_read_input_tokens: int = 0
-
-
-class Message(BaseModel):
-    """The reply: a thinking block when it thought, a text block, its tool_use blocks."""
-
-    id: str
-    type: Literal["message"] = "message"
-    role: Literal["assistant"] = "assistant"
-    content: list[ContentBlock]
-    model: str
-    stop_reason: StopReason | None
-    stop_sequence: str | None = None
-    usage: MessageUsage
-
-
-# /v1/messages's statuses are chat's; its stream is Anthropic's events.
-RESPONSES = {**openapi.generation(Message)}
-RESPONSES[200] = {**RESPONSES[200], "description": (
-    "The message; with `stream: true`, server-sent events named as Anthropic's: message_start, then "
-    "content_block_start / content_block_delta / content_block_stop per block, message_delta, message_stop "
-    "(or an `error` event).")}
-
-# OpenAI's finish_reason -> Anthropic's stop_reason. "abort" (the engine loop stopped under the request) has
-# no Anthropic reason, so none is claimed.
-STOP_REASONS: dict[str | None, StopReason | None] = {"stop": "end_turn", "length": "max_tokens",
-                                                      "tool_calls": "tool_use"}
-
-
-def stop_reason(gen: Generation) -> tuple[StopReason | None, str | None]:
-    """The choice's (stop_reason, stop_sequence): a stop string's end is the job's (Cause.STOP_STRING), and
-    the string is the one text.StopMatcher matched."""
-    ended = gen.job.ended
-    if ended is not None and ended.cause is Cause.STOP_STRING:
-        return "stop_sequence", gen.matched_stop
-    return STOP_REASONS.get(gen.finish_reason), None
-
-
-def message_usage(gen: Generation) -> MessageUsage:
-    u = usage([gen])
-    cached = u.prompt_tokens_details.cached_tokens
-    return MessageUsage(input_tokens=u.prompt_tokens - cached, output_tokens=u.completion_tokens,
-                        cache_read_input_tokens=cached)
-
-
-def call_input(arguments: str) -> dict[str, Any]:
-    """A call's input object from its arguments' JSON text. A call cut by max_tokens has only a prefix of
-    it: that is read as far as its values are complete (`partial_object`), as the SDK's stream helper reads
-    the fragments (jiter's partial mode in `accumulate_event`)."""
+async def serve(state: ServerState, body: MessagesRequest, request: Request) -> Response:
+    """POST /v1/messages: the request as a chat request (`to_chat`), admitted by the one path
+    (`ServerState.start`), its reply through `serving.reply` as Anthropic's message or events (errors:
+    `AnthropicRoute`)."""
+    translation = to_chat(body)
     try:
-        value = json.loads(arguments)
-    except ValueError:
-        value = partial_object(arguments)
-    return value if isinstance(value, dict) else {}
-
-
-def partial_object(text: str) -> dict[str, Any]:
-    """The JSON object a prefix of an object's text begins: cut after its last complete value, then closed.
-
-    The prefix is append-only JSON (toolcalls.GemmaToJson writes a bare scalar only once its `,`, `}` or `]`
-    came), so it can be cut after an opening bracket, a closing one, a value string, or before a comma.
-    """
-    stack: list[str] = []
-    cut, closing = 0, ""
-    in_string = escaped = key_string = False
-    expect_key = False
-    for i, ch in enumerate(text):
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-                if not key_string:
-                    cut, closing = i + 1, _closers(stack)
-            continue
-        if ch == '"':
-            in_string, key_string = True, bool(stack) and stack[-1] == "{" and expect_key
-        elif ch in "{[":
-            stack.append(ch)
-            expect_key = ch == "{"
-            cut, closing = i + 1, _closers(stack)
-        elif ch in "}]":
-            if not stack:
-                break
-            stack.pop()
-            expect_key = False
-            cut, closing = i + 1, _closers(stack)
-        elif ch == ",":
-            cut, closing = i, _closers(stack)
-            expect_key = bool(stack) and stack[-1] == "{"
-        elif ch == ":":
-            expect_key = False
-    try:
-        value = json.loads(text[:cut] + closing)
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
-def _closers(stack: list[str]) -> str:
-    return "".join("}" if c == "{" else "]" for c in reversed(stack))
-
-
-class MessageFormatter:
-    """Builds one request's Message and its stream events.
-
-    Args:
-        model: the served model name.
-    """
-
-    def __init__(self, model: str) -> None:
-        self.id = "msg_" + uuid.uuid4().hex
-        self.model = model
-
-    def message(self, out: Output, gen: Generation) -> Message:
-        """The non-streamed reply: a thinking block when it thought, the text (left out when the reply only
-        called, as chat's `serving.message` leaves whitespace out), its calls as tool_use blocks."""
-        content: list[Any] = []
-        if out.reasoning:
-            content.append(ThinkingBlock(thinking=out.reasoning))
-        calls = gen.calls
-        if out.text and (not calls or out.text.strip()):
-            content.append(TextBlock(text=out.text))
-        content += [ToolUseBlock(id=c.id, name=c.name, input=call_input(c.arguments)) for c in calls]
-        reason, sequence = stop_reason(gen)
-        return Message(id=self.id, content=content, model=self.model, stop_reason=reason, stop_sequence=sequence,
-                       usage=message_usage(gen))
-
-    def response_json(self, out: Output, gen: Generation) -> bytes:
-        return _json(self.message(out, gen).model_dump())
-
-    def start_event(self, gen: Generation) -> bytes:
-        """message_start: the message with no content yet; the prompt's size (what the prefix cache held is
-        known at the end, in message_delta, whose usage counts are totals that replace these)."""
-        message = Message(id=self.id, content=[], model=self.model, stop_reason=None,
-                          usage=MessageUsage(input_tokens=len(gen.params.prompt_ids), output_tokens=0))
-        return sse("message_start", {"type": "message_start", "message": message.model_dump()})
-
-    def end_events(self, gen: Generation) -> bytes:
-        reason, sequence = stop_reason(gen)
-        return (sse("message_delta", {"type": "message_delta",
-                                      "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                      "usage": message_usage(gen).model_dump()})
-                + sse("message_stop", {"type": "message_stop"}))
-
-
-class Blocks:
-    """A streamed reply's content blocks, opened and closed in Anthropic's order (one open at a time, each
-    ended by content_block_stop before the next starts), from the choice's pieces.
-
-    Text that is only whitespace is held until text follows it; a reply that called drops it, as the
-    non-streamed message does, so the stream and the message have the same blocks.
-    """
-
-    def __init__(self) -> None:
-        self.index = -1
-        self.open: str | None = None  # the open block's type
-        self.space = ""
-        self.called = False
-        self._blocks_of_calls: dict[int, int] = {}
-
-    def piece(self, piece: Piece) -> bytes:
-        out = b""
-        if piece.reasoning:
-            out += self._ensure("thinking", {"type": "thinking", "thinking": "", "signature": ""})
-            out += self._delta({"type": "thinking_delta", "thinking": piece.reasoning})
-        if piece.text:
-            if self.open != "text" and not (self.space + piece.text).strip():
-                self.space += piece.text
-            else:
-                text, self.space = self.space + piece.text, ""
-                out += self._ensure("text", {"type": "text", "text": ""}) + self._delta({"type": "text_delta",
-                                                                                         "text": text})
-        for event in piece.calls:
-            if isinstance(event, CallStart):
-                self.called = True
-                out += self._start("tool_use", {"type": "tool_use", "id": event.id, "name": event.name, "input": {}})
-                self._blocks_of_calls[event.index] = self.index
-            else:
-                out += sse("content_block_delta", {"type": "content_block_delta",
-                                                   "index": self._blocks_of_calls[event.index],
-                                                   "delta": {"type": "input_json_delta", "partial_json": event.text}})
-        return out
-
-    def close(self) -> bytes:
-        """The held whitespace of a reply that did not call, then the last block's stop."""
-        out = b""
-        if self.space and not self.called:
-            out += self._ensure("text", {"type": "text", "text": ""})
-            out += self._delta({"type": "text_delta", "text": self.space})
-        self.space = ""
-        return out + self._stop()
-
-    def _ensure(self, kind: str, block: dict[str, Any]) -> bytes:
-        return b"" if self.open == kind else self._start(kind, block)
-
-    def _start(self, kind: str, block: dict[str, Any]) -> bytes:
-        out = self._stop()
-        self.index += 1
-        self.open = kind
-        return out + sse("content_block_start", {"type": "content_block_start", "index": self.index,
-                                                 "content_block": block})
-
-    def _stop(self) -> bytes:
-        if self.open is None:
-            return b""
-        self.open = None
-        return sse("content_block_stop", {"type": "content_block_stop", "index": self.index})
-
-    def _delta(self, delta: dict[str, Any]) -> bytes:
-        return sse("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
-
-
-def sse(name: str, obj: dict[str, Any]) -> bytes:
-    """One named server-sent event (`event: <name>` then `data: <json>`), Anthropic's framing."""
-    return b"event: " + name.encode() + b"\ndata: " + _json(obj) + b"\n\n"
-
-
-def error_body(err: ApiError) -> dict[str, Any]:
-    """The server's error shape with Anthropic's top-level `"type": "error"`."""
-    return {"type": "error", **err.body()}
-
-
-async def open_stream(gens: list[Generation], fmt: MessageFormatter, receive) -> AsyncIterator[bytes]:
-    """Wait for the first engine event (errors surface as exceptions here, before any byte is sent), then
-    return the SSE body: serving.open_stream's way, with Anthropic's events.
-
-    Raises:
-        ApiError: the request failed before any token.
-        ClientDisconnected: the client left while the request waited.
-    """
-    items = merged(gens)
-    first = await race_disconnect(receive, items.__anext__())
-    return stream_body(gens[0], fmt, items, first)
-
-
-async def stream_body(gen: Generation, fmt: MessageFormatter, items: AsyncIterator, first) -> AsyncIterator[bytes]:
-    """message_start, the blocks' events, message_delta and message_stop; an error after the stream opened
-    is an `error` event, the stream's last. Leaving early (a disconnect cancels this generator) closes
-    `items`, which ends the choice and cancels its decode."""
-    blocks = Blocks()
-    try:
-        head = fmt.start_event(gen)
-        pending = first
-        while True:
-            _, piece = pending
-            if piece is None:
-                yield head + blocks.close() + fmt.end_events(gen)
-                break
-            head += blocks.piece(piece)
-            if head:
-                yield head
-                head = b""
-            pending = await items.__anext__()
-    except Exception as e:  # noqa: BLE001 - the stream is open: the error becomes its last event
-        yield sse("error", error_body(as_api_error(e)))
-    finally:
-        await items.aclose()
-
-
-def _json(value: Any) -> bytes:
-    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+        gens = await state.start(translation.chat, client_of(request), gone_of(request), receive=request.receive)
+    except ApiError as e:
+        raise translation.names.error(e) from None
+    return await reply(request, merged(gens), MessagesFormat(state.config.model_name, gens[0]), bool(body.stream))
 
 
 # ---- errors -----------------------------------------------------------------------------------------
