@@ -38,7 +38,7 @@ the same run (a `sum` over 256 MB on the run's threads, interleaved with the tim
 GB/s and its share of that bound.
 
 Before the timings it prints the ATen calls the engine makes per decode step and per layer (counted by
-the shim, `gemma_engine.aten_calls`): the same on every machine.
+the shim, `gemma_engine.testing.aten_calls`): the same on every machine.
 The weights are random, so the tokens are meaningless; how many agree is printed for information
 (in bf16 the two sides drift apart on a random model; parity is tests/engine/test_parity.py).
 """
@@ -154,15 +154,15 @@ def aten_calls_per_step(engine, prompt: list[int], steps: int = 16) -> tuple[flo
     """ATen calls the engine makes per decode step (its whole turn: the forward, sampling, the
     position update and, at read_every 1, the read point), and per layer in the last step's forward.
 
-    Counted by the shim (gemma_engine.aten_calls), so the figure is the same on every machine: two
+    Counted by the shim (gemma_engine.testing.aten_calls), so the figure is the same on every machine: two
     decodes of the same prompt that differ by `steps` decode steps differ by `steps` times a step.
     """
-    import gemma_engine
+    from gemma_engine import testing
 
     def calls(new: int) -> int:
-        before = gemma_engine.aten_calls()
+        before = testing.aten_calls()
         engine.decode(prompt, new, read_every=1)
-        return gemma_engine.aten_calls() - before
+        return testing.aten_calls() - before
 
     prompt_only = calls(1)
     per_step = (calls(1 + steps) - prompt_only) / steps  # its last forward is a decode step

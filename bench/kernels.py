@@ -2,9 +2,9 @@
 
     python -m bench.kernels [--repeats 7] [--threads 1]
 
-* norm: `gemma_engine.rms_norm` (one pass a row up to 4,096 values, rust/src/aten.cpp `rms_norm_cpu`) against
+* norm: `gemma_engine.testing.rms_norm` (one pass a row up to 4,096 values, rust/src/aten.cpp `rms_norm_cpu`) against
   `torch.nn.functional.rms_norm` (ATen's CPU composite), on a hidden row, four of them, and a step's q/k heads;
-* attention: `gemma_engine.attention` (16-bit, up to 16 query rows: `few_row_attention`) against
+* attention: `gemma_engine.testing.attention` (16-bit, up to 16 query rows: `few_row_attention`) against
   `scaled_dot_product_attention(..., enable_gqa=True)` with a boolean mask (ATen's CPU flash kernel), one and
   eight sequences over 329 keys, 8 query heads on 2 KV heads of 64.
 
@@ -44,13 +44,13 @@ def compare(ours: Callable[[], object], aten: Callable[[], object], repeats: int
 
 def cases(dtype: torch.dtype):
     """(name, engine call, ATen call) at one dtype."""
-    import gemma_engine
+    from gemma_engine import testing
 
     gen = torch.Generator().manual_seed(0)
     for shape in ((1, 512), (4, 512), (1, 12, 1, 64)):
         x = torch.randn(*shape, generator=gen).to(dtype)
         w = torch.rand(shape[-1], generator=gen).to(dtype)
-        yield (f"norm {tuple(shape)}", lambda x=x, w=w: gemma_engine.rms_norm(x, w, 1e-6),
+        yield (f"norm {tuple(shape)}", lambda x=x, w=w: testing.rms_norm(x, w, 1e-6),
                lambda x=x, w=w: F.rms_norm(x, (x.shape[-1],), w, 1e-6))
     if dtype == torch.float32:
         return  # float32 attention is ATen's SDPA on both sides
@@ -58,7 +58,7 @@ def cases(dtype: torch.dtype):
         q = torch.randn(rows, 8, 1, 64, generator=gen).to(dtype)
         k, v = (torch.randn(rows, 2, 329, 64, generator=gen).to(dtype) for _ in range(2))
         mask = torch.rand(rows, 1, 1, 329, generator=gen) < 0.9
-        yield (f"attention {rows} x 1 over 329", lambda q=q, k=k, v=v, m=mask: gemma_engine.attention(q, k, v, m),
+        yield (f"attention {rows} x 1 over 329", lambda q=q, k=k, v=v, m=mask: testing.attention(q, k, v, m),
                lambda q=q, k=k, v=v, m=mask: F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=1.0,
                                                                              enable_gqa=True))
 

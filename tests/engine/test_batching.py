@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import gemma_engine
+from gemma_engine import testing
 from tests.checkpoints.parity import PARITY_PROMPT, greedy_reference
 from tests.engine.test_sampling import inverse_cdf_draw, transformers_scores
 
@@ -364,7 +365,7 @@ def test_seeded_request_draws_the_same_tokens_alone_and_in_any_busy_batch(checkp
 def test_sampled_tokens_are_transformers_processors_with_the_engine_uniform_draws(
     checkpoint_dirs, reference_model, kind
 ):
-    # Each token of a seeded request is the inverse-CDF draw, with gemma_engine.uniform(seed, step),
+    # Each token of a seeded request is the inverse-CDF draw, with gemma_engine.testing.uniform(seed, step),
     # from the distribution Transformers' processors give at that step: Transformers' logits on the
     # prompt and the tokens so far, penalties over those tokens (tests/engine/test_sampling.py).
     engine = _engine(checkpoint_dirs, kind, max_batch=2, prefill_chunk=6)
@@ -373,7 +374,7 @@ def test_sampled_tokens_are_transformers_processors_with_the_engine_uniform_draw
     assert len(tokens) == 40
     prompt = PROMPTS["parity"]
     logits = _forward_logits(reference_model(kind), prompt, tokens)
-    uniforms = gemma_engine.uniform([1234] * len(tokens), list(range(len(tokens))))
+    uniforms = testing.uniform([1234] * len(tokens), list(range(len(tokens))))
     for step, (token, u) in enumerate(zip(tokens, uniforms)):
         scores = transformers_scores(logits[step], SAMPLED, prompt, tokens[:step])
         assert token == inverse_cdf_draw(scores, u), f"step {step}"
@@ -624,9 +625,9 @@ def test_a_float32_decode_step_makes_at_most_26_aten_calls_a_layer_with_its_own_
         engine = _engine(checkpoint_dirs, "dense", onednn=onednn)
 
         def calls_of(new: int) -> int:
-            before = gemma_engine.aten_calls()
+            before = testing.aten_calls()
             engine.decode(PROMPTS["parity"], new)
-            return gemma_engine.aten_calls() - before
+            return testing.aten_calls() - before
 
         calls_of(2)  # the first decode step makes the step's buffers
         steps, prompt_only = 16, calls_of(1)

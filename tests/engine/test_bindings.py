@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import gemma_engine
+from gemma_engine import testing
 from tests.checkpoints.parity import PARITY_PROMPT
 
 CONTEXT = 96
@@ -32,8 +33,10 @@ def greedy(engine):
 
 
 def test_module_surface_and_build_record_versions():
-    for name in ("Engine", "smoke", "matmul_sum", "add_", "BUILD", "__version__"):
+    for name in ("Engine", "smoke", "BUILD", "__version__"):
         assert hasattr(gemma_engine, name), name
+    for name in ("matmul_sum", "add_"):
+        assert hasattr(testing, name) and name not in gemma_engine.__all__, name
     build = gemma_engine.BUILD
     assert set(build) == {"torch", "rustc", "python", "crate", "cuda_graphs"}
     if torch.version.cuda is None:
@@ -82,9 +85,9 @@ def test_a_pickled_request_is_made_again_from_its_constructors_arguments(engine)
 
 def test_aten_calls_counts_each_operator_call_and_no_handle_copy():
     a, b = torch.randn(3, 4), torch.randn(4, 5)
-    before = gemma_engine.aten_calls()
-    gemma_engine.matmul_sum(a, b)  # matmul, sum, item; taking the two tensors reaches no operator
-    assert gemma_engine.aten_calls() - before == 3
+    before = testing.aten_calls()
+    testing.matmul_sum(a, b)  # matmul, sum, item; taking the two tensors reaches no operator
+    assert testing.aten_calls() - before == 3
 
 
 def test_smoke_runs_an_aten_call_on_the_like_device():
@@ -93,24 +96,24 @@ def test_smoke_runs_an_aten_call_on_the_like_device():
 
 def test_matmul_sum_equals_torch():
     a, b = torch.randn(3, 4), torch.randn(4, 5)
-    assert gemma_engine.matmul_sum(a, b) == pytest.approx(float((a @ b).sum()), rel=1e-5)
+    assert testing.matmul_sum(a, b) == pytest.approx(float((a @ b).sum()), rel=1e-5)
 
 
 def test_matmul_sum_bad_shapes_is_value_error_with_both_shapes():
     with pytest.raises(ValueError, match=r"3x4 and 5x5"):
-        gemma_engine.matmul_sum(torch.ones(3, 4), torch.ones(5, 5))
+        testing.matmul_sum(torch.ones(3, 4), torch.ones(5, 5))
 
 
 def test_add_shares_storage_with_python():
     t = torch.zeros(2, 3)
     view = t[1]
-    gemma_engine.add_(view, 2.5)
+    testing.add_(view, 2.5)
     assert t.tolist() == [[0.0, 0.0, 0.0], [2.5, 2.5, 2.5]]
 
 
 def test_non_tensor_argument_is_type_error():
     with pytest.raises(TypeError, match="must be a torch.Tensor"):
-        gemma_engine.add_([1.0], 1.0)
+        testing.add_([1.0], 1.0)
 
 
 def test_properties_and_layout(engine, dense_checkpoint):

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import gemma_engine
+from gemma_engine import testing
 
 WORLD = 2
 
@@ -47,18 +47,18 @@ def _rank(rank: int, port: int, out_dir: str) -> None:
     try:
         group = dist.group.WORLD.group_name
         x = _rank_input(rank)
-        eager = gemma_engine.all_reduce_sum(x, group)
-        gm = make_fx(lambda t: gemma_engine.all_reduce_sum(t, group), tracing_mode="real")(x)
+        eager = testing.all_reduce_sum(x, group)
+        gm = make_fx(lambda t: testing.all_reduce_sum(t, group), tracing_mode="real")(x)
         ops = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
         replayed = gm(x)
         try:
-            gemma_engine.all_reduce_sum(x, "no-such-group")
+            testing.all_reduce_sum(x, "no-such-group")
             refused = None
         except ValueError as e:
             refused = str(e)
         shard = _logits_shard(rank)
-        gathered = gemma_engine.all_gather_last(shard, WORLD, group)
-        gather_gm = make_fx(lambda t: gemma_engine.all_gather_last(t, WORLD, group), tracing_mode="real")(shard)
+        gathered = testing.all_gather_last(shard, WORLD, group)
+        gather_gm = make_fx(lambda t: testing.all_gather_last(t, WORLD, group), tracing_mode="real")(shard)
         gather_ops = [str(n.target) for n in gather_gm.graph.nodes if n.op == "call_function"]
         torch.save({"eager": eager, "ops": ops, "replayed": replayed, "input": x, "refused": refused,
                     "gathered": gathered, "gather_ops": gather_ops}, f"{out_dir}/rank{rank}.pt")
@@ -113,7 +113,7 @@ def _rank_that_loses_its_peer(rank: int, port: int, out_dir: str) -> None:
     store.set("joined", "1")
     started = time.monotonic()
     try:
-        gemma_engine.all_reduce_sum(torch.ones(4), dist.group.WORLD.group_name)
+        testing.all_reduce_sum(torch.ones(4), dist.group.WORLD.group_name)
         error = None
     except ValueError as e:
         error = str(e)

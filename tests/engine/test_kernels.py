@@ -1,14 +1,14 @@
 """The engine's own CPU kernels (rust/src/aten.cpp) against the references they replace: its RMSNorm
 against Transformers' `Gemma4RMSNorm`, its few-row 16-bit attention against
-`scaled_dot_product_attention` computed in float64. Both are reached through `gemma_engine.rms_norm`
-and `gemma_engine.attention`, the calls the model makes."""
+`scaled_dot_product_attention` computed in float64. Both are reached through `gemma_engine.testing.rms_norm`
+and `gemma_engine.testing.attention`, the calls the model makes."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
 
-import gemma_engine
+from gemma_engine import testing
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -48,7 +48,7 @@ def test_rms_norm_is_transformers_norm_to_its_last_bits(dtype, with_weight):
     ):
         d = x.shape[-1]
         weight = torch.rand(d, generator=gen).add(0.5).to(dtype) if with_weight else None
-        ours = gemma_engine.rms_norm(x, weight, 1e-6)
+        ours = testing.rms_norm(x, weight, 1e-6)
         ref = reference_norm(x, weight, 1e-6)
         assert ours.shape == x.shape and ours.dtype == dtype
         apart = ulps_apart(ours, ref)
@@ -60,9 +60,9 @@ def test_rms_norm_is_transformers_norm_to_its_last_bits(dtype, with_weight):
 
 
 def test_rms_norm_of_no_rows_is_empty_and_a_wrong_weight_is_value_error():
-    assert gemma_engine.rms_norm(torch.zeros(0, 512), torch.ones(512)).shape == (0, 512)
+    assert testing.rms_norm(torch.zeros(0, 512), torch.ones(512)).shape == (0, 512)
     with pytest.raises(ValueError, match="a weight of 5 values for rows of 512"):
-        gemma_engine.rms_norm(torch.zeros(2, 512), torch.ones(5))
+        testing.rms_norm(torch.zeros(2, 512), torch.ones(5))
 
 
 def reference_attention(q, k, v, mask):
@@ -84,7 +84,7 @@ def test_attention_is_float64_sdpa_rounded_once(dtype, t):
     query_pos = torch.arange(keys - t, keys).view(1, 1, t, 1)
     mask = (key_pos <= query_pos).expand(rows, 1, t, keys).clone()
     mask[1, :, :, :10] = False
-    ours = gemma_engine.attention(q, k, v, mask)
+    ours = testing.attention(q, k, v, mask)
     assert ours.shape == (rows, heads, t, d) and ours.dtype == dtype
     ref = reference_attention(q, k, v, mask)
     # One rounding to the output dtype, plus float32 arithmetic before it.
@@ -99,7 +99,7 @@ def test_16bit_attention_with_no_visible_key_is_finite_and_leaves_the_other_rows
     v = torch.randn(2, 2, 9, 16, generator=gen).bfloat16()
     mask = torch.ones(2, 1, 1, 9, dtype=torch.bool)
     mask[0] = False  # a padding row: nothing visible
-    ours = gemma_engine.attention(q, k, v, mask)
+    ours = testing.attention(q, k, v, mask)
     assert bool(torch.isfinite(ours).all())
     torch.testing.assert_close(ours[1:].double(), reference_attention(q[1:], k[1:], v[1:], mask[1:]),
                                rtol=2**-8, atol=2**-8)
@@ -108,4 +108,4 @@ def test_16bit_attention_with_no_visible_key_is_finite_and_leaves_the_other_rows
 def test_attention_with_shapes_that_do_not_fit_is_value_error():
     q, kv = torch.zeros(1, 8, 1, 64).bfloat16(), torch.zeros(1, 3, 5, 64).bfloat16()
     with pytest.raises(ValueError, match="attention"):
-        gemma_engine.attention(q, kv, kv, torch.ones(1, 1, 1, 5, dtype=torch.bool))
+        testing.attention(q, kv, kv, torch.ones(1, 1, 1, 5, dtype=torch.bool))

@@ -1,5 +1,5 @@
-"""The engine's sampler (rust/src/engine/sampling.rs, through `gemma_engine.sample` and
-`gemma_engine.uniform`) against Transformers 5.18's own logits processors
+"""The engine's sampler (rust/src/engine/sampling.rs, through `gemma_engine.testing.sample` and
+`gemma_engine.testing.uniform`) against Transformers 5.18's own logits processors
 (`transformers/generation/logits_process.py`) on random logits.
 
 The reference applies, in the order `GenerationMixin._get_logits_processor` does:
@@ -25,6 +25,7 @@ from transformers.generation.logits_process import (
 )
 
 import gemma_engine
+from gemma_engine import testing
 
 VOCAB = 256
 PROMPT = [2, 17, 17, 40, 99, 5, 200, 31]
@@ -102,7 +103,7 @@ def test_distribution_equals_transformers_processors(case):
     params = CASES[case]
     logits = _logits(8, seed=1)
     rows = [(gemma_engine.SamplingParams(seed=i, **params), PROMPT, OUTPUT, 0) for i in range(len(logits))]
-    tokens, probs = gemma_engine.sample(logits, rows)
+    tokens, probs = testing.sample(logits, rows)
     assert probs.dtype == torch.float32 and probs.shape == logits.shape
     for i, row in enumerate(logits):
         expected = transformers_probs(row, params, PROMPT, OUTPUT)
@@ -116,7 +117,7 @@ def test_filters_remove_what_transformers_removes():
     logits = _logits(4, seed=2)
     for params in ({"temperature": 0.7, "top_k": k, "top_p": p, "min_p": m}
                    for k, p, m in [(1, 1.0, 0.0), (5, 0.5, 0.0), (0, 0.3, 0.1), (100, 0.99, 0.001)]):
-        _, probs = gemma_engine.sample(logits, [(gemma_engine.SamplingParams(**params), [], [], 0)] * 4)
+        _, probs = testing.sample(logits, [(gemma_engine.SamplingParams(**params), [], [], 0)] * 4)
         for i, row in enumerate(logits):
             expected = transformers_probs(row, params, [], [])
             assert torch.equal(probs[i] > 0, expected > 0), params
@@ -162,7 +163,7 @@ def test_seeded_draws_pass_chi_square_against_transformers(case):
     logits = _logits(1, vocab=64, seed=3, std=1.0)[0]
     expected = transformers_probs(logits, params, PROMPT[:4], [7, 7, 40])
     rows = [(gemma_engine.SamplingParams(seed=s, **params), PROMPT[:4], [7, 7, 40], 5) for s in range(DRAWS)]
-    tokens, _ = gemma_engine.sample(logits.expand(DRAWS, -1).contiguous(), rows)
+    tokens, _ = testing.sample(logits.expand(DRAWS, -1).contiguous(), rows)
     counts = torch.bincount(torch.tensor(tokens), minlength=64)
     stat, df = _chi_square(counts, expected)
     assert df >= 5, "too few bins for the test to mean anything"
@@ -187,7 +188,7 @@ def test_temperature_zero_is_argmax_of_the_processed_logits():
     histories = [(PROMPT + [second], OUTPUT + [first]) for first, second in top2]
     rows = [(gemma_engine.SamplingParams(temperature=0.0, seed=i, **params), prompt, output, i)
             for i, (prompt, output) in enumerate(histories)]
-    tokens, _ = gemma_engine.sample(logits, rows)
+    tokens, _ = testing.sample(logits, rows)
     for i, row in enumerate(logits):
         processed = transformers_scores(row, {**params, "temperature": 0.0}, *histories[i])
         assert tokens[i] == int(processed.argmax())
@@ -228,7 +229,7 @@ def test_uniform_is_splitmix64_top_24_bits():
     seeds = [0, 1, 42, 1234567, -1, -2, -(2**63), 2**63 - 1, 987654321987]
     steps = [0, 1, 2, 7, 63, 1000]
     pairs = [(s, t) for s in seeds for t in steps]
-    got = gemma_engine.uniform([s for s, _ in pairs], [t for _, t in pairs])
+    got = testing.uniform([s for s, _ in pairs], [t for _, t in pairs])
     expected = [(splitmix64(s, t + 1)[-1] >> 40) / 2**24 for s, t in pairs]
     assert got == expected
     assert all(0.0 <= u < 1.0 for u in got)
@@ -238,7 +239,7 @@ def test_seeded_token_does_not_depend_on_the_other_rows():
     logits = _logits(1, seed=5)[0]
     params = CASES["everything"]
     seeds = list(range(100, 140))
-    alone = [gemma_engine.sample(logits.unsqueeze(0), [(gemma_engine.SamplingParams(seed=s, **params), PROMPT, OUTPUT, 3)])[0][0]
+    alone = [testing.sample(logits.unsqueeze(0), [(gemma_engine.SamplingParams(seed=s, **params), PROMPT, OUTPUT, 3)])[0][0]
              for s in seeds]
     # The same rows inside a batch with other rows around them: other logits, other parameters
     # (greedy, other seeds, no penalties, other draw indices), in a shuffled order.
@@ -256,7 +257,7 @@ def test_seeded_token_does_not_depend_on_the_other_rows():
         where[k] = len(rows)
         batch_logits.append(logits)
         rows.append((gemma_engine.SamplingParams(seed=seeds[k], **params), PROMPT, OUTPUT, 3))
-    tokens, _ = gemma_engine.sample(torch.stack(batch_logits), rows)
+    tokens, _ = testing.sample(torch.stack(batch_logits), rows)
     assert [tokens[where[k]] for k in range(len(seeds))] == alone
     # The seeds do matter: forty draws from a distribution of this spread are not all one token.
     assert len(set(alone)) > 1
@@ -265,9 +266,9 @@ def test_seeded_token_does_not_depend_on_the_other_rows():
 def test_each_row_draws_the_inverse_cdf_of_its_own_uniform_number():
     logits = _logits(1, seed=7)[0]
     rows = [(gemma_engine.SamplingParams(temperature=1.0, seed=11), [], [], step) for step in range(40)]
-    tokens, _ = gemma_engine.sample(logits.expand(40, -1).contiguous(), rows)
+    tokens, _ = testing.sample(logits.expand(40, -1).contiguous(), rows)
     # Each row draws with its own uniform number: the inverse CDF of that number, in ascending order.
-    us = gemma_engine.uniform([11] * 40, list(range(40)))
+    us = testing.uniform([11] * 40, list(range(40)))
     assert tokens == [inverse_cdf_draw(logits, u) for u in us]
 
 
@@ -280,13 +281,13 @@ def test_a_slot_draws_with_its_seed_exactly_at_the_int64_edges():
     logits = _logits(1, seed=8, std=1.0)[0]
     steps = [0, 5, 17]
     rows = [(gemma_engine.SamplingParams(temperature=1.0, seed=seed), [], [], step) for seed in EDGE_SEEDS for step in steps]
-    tokens, _ = gemma_engine.sample(logits.expand(len(rows), -1).contiguous(), rows)
+    tokens, _ = testing.sample(logits.expand(len(rows), -1).contiguous(), rows)
     # Each slot's seed reached the device whole: its draws are those of splitmix64 from that very seed.
     expected = [inverse_cdf_draw(logits, (splitmix64(seed, step + 1)[-1] >> 40) / 2**24)
                 for seed in EDGE_SEEDS for step in steps]
     assert tokens == expected
     # And neighbouring seeds above 2**53 are different seeds: their uniform numbers differ.
-    first = {seed: gemma_engine.uniform([seed], [0])[0] for seed in EDGE_SEEDS}
+    first = {seed: testing.uniform([seed], [0])[0] for seed in EDGE_SEEDS}
     assert first[2**53 + 1] != first[2**53 + 2] and first[2**60] != first[2**60 + 1]
 
 
@@ -321,6 +322,6 @@ def test_bad_parameter_is_value_error_naming_the_field(kwargs, field):
 def test_sample_refuses_a_bias_outside_the_vocabulary_and_mismatched_rows():
     logits = _logits(1)
     with pytest.raises(ValueError, match=rf"logit_bias: token id {VOCAB} is outside the vocabulary"):
-        gemma_engine.sample(logits, [(gemma_engine.SamplingParams(logit_bias={VOCAB: 1.0}), [], [], 0)])
+        testing.sample(logits, [(gemma_engine.SamplingParams(logit_bias={VOCAB: 1.0}), [], [], 0)])
     with pytest.raises(ValueError, match="rows"):
-        gemma_engine.sample(logits, [])
+        testing.sample(logits, [])

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import gemma_engine
+from gemma_engine import testing
 from tests.checkpoints.parity import PARITY_PROMPT, load_hf_reference
 from tests.checkpoints.text import save_two_token
 from tests.engine.test_architectures import CONFIGS, RUNS, SAVERS
@@ -186,7 +187,7 @@ def a_rounding_flip(model_dir, prompt: list[int], seed: int, params: dict, plain
     j = next(i for i, (a, b) in enumerate(zip(plain, spec)) if a != b)
     logits = engine(model_dir).logits(prompt + plain[:j])
     sampling = gemma_engine.SamplingParams(seed=seed, **params)
-    _, probs = gemma_engine.sample(logits.unsqueeze(0), [(sampling, prompt, plain[:j], j)])
+    _, probs = testing.sample(logits.unsqueeze(0), [(sampling, prompt, plain[:j], j)])
     probs = probs[0].double()
     order = torch.sort(probs, stable=True).indices
     cdf = torch.cumsum(probs[order], 0)

@@ -1,13 +1,14 @@
-"""The type stub (rust/python/gemma_engine/__init__.pyi) against the compiled module it describes.
+"""The type stubs (rust/python/gemma_engine/__init__.pyi, and testing.pyi for `gemma_engine.testing`) against
+the compiled module they describe.
 
-The stub is written by hand beside rust/src/bindings.rs; this test is what keeps the two in step, as
-huggingface/tokenizers checks its generated stubs (`bindings/python/stub.py --check` in CI). The
-stub is parsed with `ast`; the module is read through `inspect.signature`, which works on PyO3's
-callables because PyO3 sets `__text_signature__` from each `#[pyo3(signature = ...)]`. Compared: the
-public names, each class's public methods and properties (a `#[getter]` or `get_all` field is a
-property; a stub may write it as an annotated attribute), and each callable's parameter names, kinds
-and defaults. PyO3 writes a default it cannot print as a literal (`Vec::new()`) as `...`: there the
-stub needs only to have a default.
+The stubs are written by hand beside rust/src/bindings.rs; this test is what keeps them in step, as
+huggingface/tokenizers checks its generated stubs (`bindings/python/stub.py --check` in CI). Each stub is
+parsed with `ast`; the module is read through `inspect.signature`, which works on PyO3's callables because
+PyO3 sets `__text_signature__` from each `#[pyo3(signature = ...)]`. Compared: the public names (each stub's
+with its module's `__all__`, and both together with every public name of gemma_engine._native, each declared
+once), each class's public methods and properties (a `#[getter]` or `get_all` field is a property; a stub may
+write it as an annotated attribute), and each callable's parameter names, kinds and defaults. PyO3 writes a
+default it cannot print as a literal (`Vec::new()`) as `...`: there the stub needs only to have a default.
 """
 
 import ast
@@ -17,9 +18,11 @@ from pathlib import Path
 import pytest
 
 import gemma_engine
-from gemma_engine import _native
+from gemma_engine import _native, testing
 
-STUB = Path(gemma_engine.__file__).with_name("__init__.pyi")
+# Each stub and the module whose `__all__` it declares.
+STUBS = {Path(gemma_engine.__file__).with_name("__init__.pyi"): gemma_engine,
+         Path(gemma_engine.__file__).with_name("testing.pyi"): testing}
 # A stub default that is not a literal (a name, a call).
 NOT_LITERAL = object()
 
@@ -77,27 +80,43 @@ def _is_property(fn: ast.FunctionDef) -> bool:
     return any(isinstance(d, ast.Name) and d.id == "property" for d in fn.decorator_list)
 
 
-def stub_mismatches(tree: ast.Module) -> list[str]:
-    """Every difference between the parsed stub `tree` and the compiled module, one line each."""
+def stub_mismatches(trees: dict[Path, ast.Module]) -> list[str]:
+    """Every difference between the parsed stubs `trees` (by path, as STUBS) and the compiled module, one line
+    each."""
+    problems, declared = [], []
+    for path, tree in trees.items():
+        names, found = _module_mismatches(tree, STUBS[path])
+        declared += names
+        problems += found
+    native = {n for n in vars(_native) if not n.startswith("_")} | {"__version__"}
+    if set(declared) != native:
+        problems.append(f"public names: only in the stubs {sorted(set(declared) - native)}, "
+                        f"only in gemma_engine._native {sorted(native - set(declared))}")
+    twice = sorted({n for n in declared if declared.count(n) > 1})
+    if twice:
+        problems.append(f"public names: declared in more than one stub {twice}")
+    return problems
+
+
+def _module_mismatches(tree: ast.Module, module) -> tuple[list[str], list[str]]:
+    """(the names the stub `tree` declares, every difference between it and `module`, one line each)."""
     problems = []
     functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")}
     classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef) and not n.name.startswith("_")}
     # Annotated module attributes (`BUILD: dict[...]`); a plain assignment is a type alias (`Finish`).
     attributes = {n.target.id for n in tree.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
     stub_names = set(functions) | set(classes) | attributes
-    native = {n for n in vars(_native) if not n.startswith("_")} | {"__version__"}
-    for what, names in [("gemma_engine.__all__", set(gemma_engine.__all__)), ("gemma_engine._native", native)]:
-        if stub_names != names:
-            problems.append(f"public names: only in the stub {sorted(stub_names - names)}, "
-                            f"only in {what} {sorted(names - stub_names)}")
+    if stub_names != set(module.__all__):
+        problems.append(f"public names: only in the stub {sorted(stub_names - set(module.__all__))}, "
+                        f"only in {module.__name__}.__all__ {sorted(set(module.__all__) - stub_names)}")
     for name, fn in functions.items():
-        obj = getattr(gemma_engine, name, None)
+        obj = getattr(module, name, None)
         if callable(obj):
             problems += _signature_mismatch(name, _stub_signature(fn, False), _runtime_signature(obj, False))
         else:
             problems.append(f"{name}: a function in the stub, {obj!r} in the module")
     for name, cls in classes.items():
-        runtime = getattr(gemma_engine, name, None)
+        runtime = getattr(module, name, None)
         if not isinstance(runtime, type):
             problems.append(f"{name}: a class in the stub, {runtime!r} in the module")
             continue
@@ -124,18 +143,25 @@ def stub_mismatches(tree: ast.Module) -> list[str]:
         elif ("__init__" in defs) != constructible:
             problems.append(f"{name}: __init__ {'in' if '__init__' in defs else 'not in'} the stub, the module's "
                             f"class {'takes' if constructible else 'has no'} constructor arguments")
-    return problems
+    return sorted(stub_names), problems
+
+
+def _parsed() -> dict[Path, ast.Module]:
+    return {path: ast.parse(path.read_text()) for path in STUBS}
 
 
 def test_the_stub_names_every_class_function_method_and_parameter_the_module_has():
-    problems = stub_mismatches(ast.parse(STUB.read_text()))
+    problems = stub_mismatches(_parsed())
     assert not problems, "\n".join(problems)
 
 
-def _edited(old: str, new: str) -> ast.Module:
-    text = STUB.read_text()
-    assert old in text, old
-    return ast.parse(text.replace(old, new, 1))
+def _edited(old: str, new: str) -> dict[Path, ast.Module]:
+    """The parsed stubs, `old` replaced by `new` in the one stub that holds it."""
+    texts = {path: path.read_text() for path in STUBS}
+    holding = [path for path, text in texts.items() if old in text]
+    assert len(holding) == 1, old
+    texts[holding[0]] = texts[holding[0]].replace(old, new, 1)
+    return {path: ast.parse(text) for path, text in texts.items()}
 
 
 @pytest.mark.parametrize(
@@ -148,6 +174,10 @@ def _edited(old: str, new: str) -> ast.Module:
         # A property the module does not have, and a function.
         ("    @property\n    def eos_ids(self)", "    @property\n    def eos(self)", "Engine properties"),
         ("def uniform(seeds", "def uniform_numbers(seeds", "public names"),
+        # A native function in neither stub, and one in both.
+        ("def uniform(seeds", "def _uniform(seeds", "only in gemma_engine._native ['uniform']"),
+        ("def smoke(like", "def uniform(seeds: Sequence[int], steps: Sequence[int]) -> list[float]: ...\n\n"
+                           "def smoke(like", "declared in more than one stub ['uniform']"),
         # A parameter renamed, its default changed, a parameter made keyword-only.
         ("max_new: int,\n        stop_ids", "max_tokens: int,\n        stop_ids", "Request.__init__"),
         ("read_every: int = 1,\n    ) -> None", "read_every: int = 2,\n    ) -> None", "Engine.run(read_every)"),

@@ -2,7 +2,8 @@
 
 The native module links the libtorch it was compiled against, whose C++ ABI changes between
 torch releases, so this wrapper imports torch first and refuses to load the native module
-under any other torch version. The API is documented in `__init__.pyi` next to this file.
+under any other torch version. The API is documented in `__init__.pyi` next to this file; functions for
+tests and benchmarks alone are in `gemma_engine.testing` (testing.py, testing.pyi).
 """
 
 from pathlib import Path
@@ -27,16 +28,7 @@ from ._native import (  # noqa: E402
     Request,
     SamplingParams,
     __version__,
-    add_,
-    all_gather_last,
-    all_reduce_sum,
-    aten_calls,
-    attention,
-    matmul_sum,
-    rms_norm,
-    sample,
     smoke,
-    uniform,
 )
 
 __all__ = [
@@ -49,16 +41,7 @@ __all__ = [
     "Request",
     "SamplingParams",
     "__version__",
-    "add_",
-    "all_gather_last",
-    "all_reduce_sum",
-    "aten_calls",
-    "attention",
-    "matmul_sum",
-    "rms_norm",
-    "sample",
     "smoke",
-    "uniform",
 ]
 
 
