@@ -102,13 +102,14 @@ def choose(spec: GemmaRustServerSpec, available: frozenset[str]) -> Autoscaling:
     floor, provider, warning = scaling.min_replicas, scaling.provider, None
     if floor == 0 and not _served(HTTP_SCALED_OBJECT, available):
         floor, warning = 1, _held_at_one_warning()
-        provider = provider if prometheus else "HPA"
+        provider = provider if prometheus else "HPA"  # KEDA has no Prometheus to query: the Pods metric
     if floor == 0:
         kinds = (SCALED_OBJECT, HTTP_SCALED_OBJECT)
         queue = prometheus and spec.gateway.inference_pool
         triggers = ((METRIC,) if prometheus else ()) + (REQUESTS,) + ((PICKER_QUEUE,) if queue else ())
     elif provider == "KEDA" or (provider == "Auto" and prometheus and _served(SCALED_OBJECT, available)):
-        kinds, triggers = (SCALED_OBJECT,), (METRIC,) if prometheus else ()  # the CRD asks KEDA for an address
+        # Without an address KEDA has no gauge to query; the CRD refuses that spec (spec.AutoscalingSpec's rules).
+        kinds, triggers = (SCALED_OBJECT,), (METRIC,) if prometheus else ()
     else:
         kinds, triggers = (HPA,), (METRIC,)
     replaces = (_RIVAL[kinds[0]],) if _served(kinds[0], available) else ()
