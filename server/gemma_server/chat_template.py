@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gemma_server.errors import ApiError, bad_request
-from gemma_server.protocol import ChatCompletionRequest, CompletionRequest
+from gemma_server.protocol.requests import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ utils.py` and vLLM `examples/tool_chat_template_gemma4.jinja`): keys bare, in th
 a forced call always parses (`toolcalls.ReplySplitter`) and validates against its schema. A schema keyword
 the grammar cannot enforce is a `SchemaError` naming where it is, never a call that might not validate.
 
-A request states what its reply must follow as a `Constraint` (protocol.py's `constraint()`: a forced
+A request states what its reply must follow as a `Constraint` (protocol/requests.py's `constraint()`: a forced
 tool_choice, response_format, vLLM's structured_outputs or guided_json); `grammar_text` turns it into the
 grammar the engine compiles, and a schema it cannot take into a 400 naming the request field.
 """
@@ -157,7 +157,7 @@ def tool_grammar(tools: Sequence[dict], fmt: GemmaFormat, *, name: str | None = 
 
 @dataclass(frozen=True)
 class Constraint:
-    """What a request's output must follow, as the request says it (protocol.py's `constraint()` methods make
+    """What a request's output must follow, as the request says it (protocol/requests.py's `constraint()` methods make
     it; `grammar_text` builds its grammar with the tokenizer's markers).
 
     Attributes:

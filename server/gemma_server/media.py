@@ -749,7 +749,7 @@ def expand(ids: Sequence[int], counts: Sequence[tuple[Kind, int]], tokens: Token
 
 
 def prompt_ids(tokenizer, request, counts: Sequence[tuple[Kind, int]], tokens: Tokens) -> tuple[list[int], list[int]]:
-    """The prompt ids the engine gets for a chat request (protocol.ChatCompletionRequest) whose media parts
+    """The prompt ids the engine gets for a chat request (protocol.requests.ChatCompletionRequest) whose media parts
     give `counts` soft tokens: the checkpoint's template rendered and tokenized (chat_template.chat_prompt),
     then `expand`ed. Pure: what the server sends, without the HTTP layer or an encoder.
 

@@ -12,7 +12,7 @@ below, each error with `ErrorResponse`), and `document` builds the rest with Fas
   size, a token-id prompt shorter than the context, prompt text within the length `check_size` allows.
 
 The request constraints themselves (ranges, enums, non-empty messages, rules tying two fields together)
-come from protocol.py's models, where `check()` enforces them; the JSON Schema helpers those fields are
+come from the protocol package's models, where `check()` enforces them; the JSON Schema helpers those fields are
 declared with (`documented`, the rules and the prompt and token-id schemas) are the first part of this
 module, so what the document says of a request is written in one place.
 
@@ -32,7 +32,7 @@ from pydantic import Field
 
 from gemma_server.errors import ErrorResponse
 
-# ---- JSON Schema of the request models (protocol.py's fields use these) -----------------------------
+# ---- JSON Schema of the request models (the protocol package's fields use these) -----------------------------
 
 # logit_bias keys: token ids written in ASCII digits.
 TOKEN_ID_KEY = re.compile(r"[0-9]+")
@@ -40,7 +40,7 @@ TOKEN_ID_KEY = re.compile(r"[0-9]+")
 
 def documented(default: Any = None, **schema: Any) -> Any:
     """A pydantic field whose bounds its model's `check()` enforces (so the 400 names the field in
-    protocol.py's words), shown in the document as the JSON Schema keywords `schema`."""
+    the protocol package's words), shown in the document as the JSON Schema keywords `schema`."""
     return Field(default=default, json_schema_extra=schema)
 
 
@@ -59,7 +59,7 @@ def best_of_rule(max_n: int) -> dict:
 
 def prompt_schema(vocab_size: int | None = None, context: int | None = None,
                   max_chars: int | None = None) -> list[dict]:
-    """JSON Schema branches of `prompt` as protocol.py's `single_prompt` and `engine_params` take it: a
+    """JSON Schema branches of `prompt` as protocol/requests.py's `single_prompt` and `engine_params` take it: a
     string, a list of one string, a non-empty list of token ids, or a list of one such list (an empty prompt
     is refused); with the served model's limits when given (ids below the vocabulary size, fewer ids than
     the context, text of at most `max_chars`, as `check_size` allows)."""
@@ -143,7 +143,7 @@ _REQUESTS = ("ChatCompletionRequest", "CompletionRequest")
 @dataclass(frozen=True)
 class ModelLimits:
     """What the loaded model accepts: token ids in [0, vocab_size), at most `context` tokens, prompt text of
-    at most `prompt_chars` characters (protocol.max_prompt_chars)."""
+    at most `prompt_chars` characters (protocol.limits.max_prompt_chars)."""
 
     vocab_size: int
     context: int
@@ -194,8 +194,8 @@ def document(app: FastAPI, keyed: frozenset[str], limits: ModelLimits | None) ->
     return doc
 
 
-# The content parts of each kind of media (protocol.py's chat parts, frontends/responses.py's), and the routes that take
-# audio alone.
+# The content parts of each kind of media (protocol/content.py's chat parts, frontends/responses.py's), and
+# the routes that take audio alone.
 MEDIA_PARTS = {"image": ("ImagePart", "InputImage"), "audio": ("AudioPart", "InputAudioPart")}
 AUDIO_PATHS = ("/v1/audio/transcriptions", "/v1/audio/translations")
 

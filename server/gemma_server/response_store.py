@@ -38,7 +38,7 @@ def _unpack(data: bytes) -> Any:
 
 
 # What the store's bookkeeping takes, on CPython 3.11 (64-bit), measured with tracemalloc (tests/server/
-# test_responses.py holds the counted bytes to the memory a batch of entries takes): an entry besides its two
+# test_response_store.py holds the counted bytes to the memory a batch of entries takes): an entry besides its two
 # byte strings (the Stored object, its id, a str keying two ordered dicts, and their nodes and slots), and an
 # owner (its hash, a _Holding and its ordered dict, its slot in the store's dict of owners).
 ENTRY_BYTES = 240

@@ -12,7 +12,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gemma_server.protocol import ChatCompletionRequest
+from gemma_server.protocol.requests import ChatCompletionRequest
 from tests.checkpoints.chat import CHAT_PROMPT
 from tests.server.conftest import CONTEXT, LONG_PROMPT, sample, wait_for
 

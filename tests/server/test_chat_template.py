@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from gemma_server.chat_template import CacheMarks, chat_prompt
-from gemma_server.protocol import ChatCompletionRequest
+from gemma_server.protocol.requests import ChatCompletionRequest
 
 SYSTEM = {"role": "system", "content": "You answer in one short sentence."}
 USER = {"role": "user", "content": "What is the weather in Paris?"}

@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 
 from gemma_server.chat_template import chat_prompt, template_shape
 from gemma_server.errors import ApiError
-from gemma_server.protocol import ChatCompletionRequest
+from gemma_server.protocol.requests import ChatCompletionRequest
 from tests.checkpoints.agent import AGENT_CHAT_TEMPLATE
 from tests.fetch_chat_templates import INTERLEAVED, TOOL_ROLE, template_path
 from tests.server.conftest import openai_client

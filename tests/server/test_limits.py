@@ -19,7 +19,7 @@ import pytest
 
 from gemma_server.errors import ApiError
 from bench.soak import rss_mb
-from gemma_server.protocol import ChatCompletionRequest
+from gemma_server.protocol.requests import ChatCompletionRequest
 from gemma_server.chat_template import control_tokens, render_chat, template_kwargs
 from tests.server.live_probe import probe_live
 from tests.server.conftest import CONTEXT, Spawned, get_status, spawn_server, wait_for

@@ -26,11 +26,11 @@ import soundfile
 import torch
 
 from gemma_server import media
-from gemma_server.protocol import ChatCompletionRequest
+from gemma_server.protocol.requests import ChatCompletionRequest
 from gemma_server.frontends.transcriptions import chat_request, max_tokens_for
 from tests.checkpoints.multimodal import load_multimodal_reference, random_audio, random_image
 from tests.server.conftest import MEDIA_LIMITS, InProcessServer, openai_client, sample, start_in_process
-from tests.server.test_mcp import call
+from tests.server.frontends.test_mcp_server import call
 
 QUESTION = "What is in the picture?"
 

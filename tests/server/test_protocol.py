@@ -1,4 +1,4 @@
-"""Unit tests of protocol.py: request validation and request -> engine parameters (no server, no engine)."""
+"""Unit tests of the protocol package: request validation and request -> engine parameters (no server, no engine)."""
 
 import logging
 import re
@@ -8,7 +8,7 @@ from pydantic import ValidationError
 
 from gemma_server.errors import ApiError
 from gemma_server.openapi import token_id_key_pattern
-from gemma_server.protocol import ChatCompletionRequest, CompletionRequest
+from gemma_server.protocol.requests import ChatCompletionRequest, CompletionRequest
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -145,7 +145,7 @@ def test_sampling_fields_become_engine_sampling_params_with_openai_defaults():
 
 
 def test_unknown_fields_are_ignored_and_logged(caplog):
-    with caplog.at_level(logging.WARNING, logger="gemma_server.protocol"):
+    with caplog.at_level(logging.WARNING, logger="gemma_server.protocol.requests"):
         req = ChatCompletionRequest(messages=MSG, frobnicate=1, another={"x": 1})
     assert params(req).max_new == 90
     assert "ignored 2 unknown request fields: 'frobnicate', 'another'" in caplog.text
@@ -196,7 +196,7 @@ def test_seeds_and_top_k_past_64_bits_are_taken_in_range_not_refused():
 
 
 def test_ignored_fields_are_logged_as_a_count_and_a_few_escaped_names():
-    from gemma_server.protocol import ignored_fields
+    from gemma_server.protocol.base import ignored_fields
 
     forged = "x\n2026-12-01 INFO gemma_server: forged line"
     line = ignored_fields({forged: 1, **{f"f{i}": i for i in range(100_000)}, "y" * 5000: 0})
@@ -206,7 +206,8 @@ def test_ignored_fields_are_logged_as_a_count_and_a_few_escaped_names():
 
 
 def test_a_logprob_answer_over_its_budget_is_400_naming_the_product():
-    from gemma_server.protocol import MAX_LOGPROB_ENTRIES, CompletionRequest
+    from gemma_server.protocol.requests import CompletionRequest
+    from gemma_server.protocol.limits import MAX_LOGPROB_ENTRIES
 
     ok = chat(n=16, max_tokens=600, logprobs=True, top_logprobs=20).engine_params([1, 2], 1000, 512)
     assert ok.logprobs == 20 and 16 * 600 * 21 <= MAX_LOGPROB_ENTRIES
@@ -224,11 +225,11 @@ def test_a_logprob_answer_over_its_budget_is_400_naming_the_product():
 
 
 def test_the_protocols_copies_of_the_engines_limits_are_the_engines():
-    """protocol.py cannot import gemma_engine (it is imported before the boot builds the engine), so it writes
+    """protocol/limits.py cannot import gemma_engine (it is imported before the boot builds the engine), so it writes
     the engine's bounds out; here they are held to the engine's own declaration."""
     import gemma_engine
 
-    from gemma_server import protocol
+    from gemma_server.protocol import limits as protocol
 
     assert {"max_top_logprobs": protocol.MAX_TOP_LOGPROBS, "max_logit_bias": protocol.MAX_LOGIT_BIAS,
             "max_stop_token_ids": protocol.MAX_STOP_TOKEN_IDS,

@@ -21,12 +21,11 @@ from starlette.responses import Response
 
 from gemma_server import sse
 from gemma_server.errors import ApiError
-from gemma_server.protocol import (
+from gemma_server.protocol.requests import ChatCompletionRequest, CompletionRequest
+from gemma_server.protocol.replies import (
     ChatChoice,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionChoice,
-    CompletionRequest,
     CompletionResponse,
     ResponseFunctionCall,
     ResponseMessage,
@@ -42,7 +41,7 @@ TokenText = Callable[[int], str]
 
 
 def chat_logprobs(entries: list, text: TokenText) -> dict[str, Any] | None:
-    """OpenAI's chat logprobs object (protocol.ChatLogprobs, as plain JSON values: a large answer holds
+    """OpenAI's chat logprobs object (protocol.replies.ChatLogprobs, as plain JSON values: a large answer holds
     hundreds of thousands of them) for `entries` [(token id, logprob, [(id, logprob), ...])], or None."""
     if not entries:
         return None
@@ -207,7 +206,7 @@ class CompletionFormat(_Chunks):
         return head + [(t, lp, list(top)) for t, (lp, top) in zip(ids[1:], prompt_logprobs)]
 
     def logprobs(self, index: int, entries: list) -> dict[str, Any] | None:
-        """protocol.CompletionLogprobs as plain JSON values, with text offsets running on over the choice's
+        """protocol.replies.CompletionLogprobs as plain JSON values, with text offsets running on over the choice's
         earlier entries."""
         if not entries:
             return None

@@ -5,7 +5,7 @@ Design: Anthropic's API reference ("Create a Message", https://docs.anthropic.co
 `anthropic` SDK 2.16.0 reads (`types/message.py`, `types/raw_message_stream_event.py`,
 `lib/streaming/_messages.py` `accumulate_event`), and vLLM's `vllm/entrypoints/anthropic/` (`protocol.py`,
 `serving.py`), which serves it by translating each request into a chat completion request. So does this
-module: a Messages request becomes one `protocol.ChatCompletionRequest` (`to_chat`, a pure function), which
+module: a Messages request becomes one `protocol.requests.ChatCompletionRequest` (`to_chat`, a pure function), which
 takes the one admission path every request takes (`ServerState.start`: limits, queue, metrics,
 cancellation), and the chat choice's pieces (content, thought, tool-call events) are framed as Anthropic's
 content blocks and events. There is no second generation pipeline.
@@ -27,7 +27,7 @@ block types (`messages[i].content[j].type`), server tools (`tools[i].type`), `re
 assistant message (Anthropic's prefill: the reply would be a new turn, not its continuation; Anthropic
 refuses it the same way on models without prefill). `cache_control` markers are accepted and ignored: the
 prefix cache needs none. The request models follow the reference's field order and are as strict as
-protocol.py's (`OpenAIModel`: JSON types as JSON Schema reads them, unknown fields logged); every bound is a
+protocol/base.py's (`OpenAIModel`: JSON types as JSON Schema reads them, unknown fields logged); every bound is a
 JSON Schema keyword that validation enforces (the discriminated unions on `role` and `type` say which fields
 each block requires), so the OpenAPI document allows exactly what is served.
 
@@ -56,23 +56,22 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gemma_server.errors import BRANCH, ApiError, as_api_error, bad_request, invalid_request, param_from_loc
 from gemma_server.frontends.fields import FieldNames
 from gemma_server.frontends.messages_format import MessagesFormat, error_body
-from gemma_server.protocol import (
+from gemma_server.protocol.requests import ChatCompletionRequest
+from gemma_server.protocol.base import Integer, OpenAIModel
+from gemma_server.protocol.limits import (
     FUNCTION_NAME,
     MAX_MESSAGES,
     MAX_STOP_LENGTH,
     MAX_STOP_STRINGS,
     MAX_TOOL_CALLS,
     MAX_TOOLS,
-    ChatCompletionRequest,
-    Integer,
-    OpenAIModel,
 )
 from gemma_server.serving import client_of, gone_of, merged, reply
 
 if TYPE_CHECKING:
     from gemma_server.state import ServerState
 
-# Tool names: the server's rule for function names (protocol.FUNCTION_NAME, OpenAI's), the same as Anthropic's
+# Tool names: the server's rule for function names (protocol.limits.FUNCTION_NAME, OpenAI's), the same as Anthropic's
 # for client tools (its tool-use guide: `^[a-zA-Z0-9_-]{1,64}$`).
 Name = Annotated[str, StringConstraints(pattern=f"^{FUNCTION_NAME.pattern}$")]
 # Anthropic's `cache_control` ({"type": "ephemeral", "ttl": ...}) marks a prompt-cache breakpoint; the prefix
@@ -85,7 +84,7 @@ MIN_THINKING_BUDGET = 1024
 
 
 def _integer(**bounds: int) -> Any:
-    """protocol.Integer (1.0 is 1, as JSON Schema reads it) with bounds, which the document shows (pydantic
+    """protocol.base.Integer (1.0 is 1, as JSON Schema reads it) with bounds, which the document shows (pydantic
     documents a bound placed before Integer's validator, also in an optional field)."""
     return Annotated[(int, Field(**bounds), *Integer.__metadata__)]
 
@@ -104,7 +103,7 @@ MAX_BLOCKS = 2 * MAX_TOOL_CALLS
 
 
 class _Block(BaseModel):
-    """Base of the nested request models: strict as protocol.py's, unknown fields kept (and ignored)."""
+    """Base of the nested request models: strict as protocol/content.py's, unknown fields kept (and ignored)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 

@@ -6,7 +6,7 @@ stream helper (`openai/lib/streaming/responses/_responses.py`, which rebuilds th
 checks their order); vLLM's `vllm/entrypoints/openai/serving_responses.py` turns a Responses request into chat
 messages the same way.
 
-A request becomes a `protocol.ChatCompletionRequest` (`to_chat`, pure): `instructions` a leading system
+A request becomes a `protocol.requests.ChatCompletionRequest` (`to_chat`, pure): `instructions` a leading system
 message, `input` items chat messages (a message's text parts joined; `reasoning`, an assistant message and its
 `function_call` items one assistant message with reasoning_content and tool_calls; `function_call_output` a
 `tool` message, which chat_template.py puts where Gemma 4's template wants tool results; a user message's
@@ -35,19 +35,10 @@ from gemma_server.errors import ApiError, bad_request, invalid_request
 from gemma_server.frontends.fields import FieldNames
 from gemma_server.frontends.responses_format import ResponsesFormat, assistant_message
 from gemma_server.openapi import documented
-from gemma_server.protocol import (
-    FUNCTION_NAME,
-    MAX_CACHE_SALT,
-    MAX_MESSAGES,
-    MAX_TOOLS,
-    MAX_TOP_LOGPROBS,
-    SEED,
-    ChatCompletionRequest,
-    InputAudio,
-    Integer,
-    OpenAIModel,
-    part_type,
-)
+from gemma_server.protocol.requests import ChatCompletionRequest
+from gemma_server.protocol.content import InputAudio, part_type
+from gemma_server.protocol.base import Integer, OpenAIModel
+from gemma_server.protocol.limits import FUNCTION_NAME, MAX_CACHE_SALT, MAX_MESSAGES, MAX_TOOLS, MAX_TOP_LOGPROBS, SEED
 from gemma_server.response_store import owner_of
 from gemma_server.serving import client_of, gone_of, merged, reply
 

@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gemma_server import media, openapi, sse
 from gemma_server.errors import ApiError, bad_request
-from gemma_server.protocol import ChatCompletionRequest
+from gemma_server.protocol.requests import ChatCompletionRequest
 from gemma_server.serving import (
     ClientDisconnected,
     Generation,

@@ -17,7 +17,7 @@ from gemma_server.frontends.messages_format import MessagesFormat
 from gemma_server.frontends.responses import ResponsesRequest
 from gemma_server.frontends.responses_format import ResponsesFormat
 from gemma_server.frontends.transcriptions import Clip, TranscriptFormat
-from gemma_server.protocol import Timings
+from gemma_server.protocol.replies import Timings
 from gemma_server.serving import Output, Piece, stream
 from gemma_server.toolcalls import CallArguments, CallStart, ToolCall
 

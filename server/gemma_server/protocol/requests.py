@@ -38,17 +38,12 @@ tenants cannot learn each other's prompts from timing), and responses report Ope
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import math
-import re
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from gemma_server.errors import bad_request
 from gemma_server.grammars import Constraint, schema_of
@@ -60,22 +55,40 @@ from gemma_server.openapi import (
     one_of_fields_null_or,
     prompt_schema,
 )
+from gemma_server.protocol.base import Integer, OpenAIModel
+from gemma_server.protocol.content import (
+    AudioPart,
+    ChatMessage,
+    ImagePart,
+    NamedToolChoice,
+    ResponseFormat,
+    StructuredOutputs,
+    TEMPLATE_FUNCTION_KEYS,
+    TextPart,
+    Tool,
+)
+from gemma_server.protocol.engine import EngineParams
+from gemma_server.protocol.limits import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    FUNCTION_NAME,
+    MAX_CACHE_SALT,
+    MAX_COMPLETION_LOGPROBS,
+    MAX_INT64,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROB_ENTRIES,
+    MAX_MESSAGES,
+    MAX_N,
+    MAX_STOP_LENGTH,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOOLS,
+    MAX_TOP_LOGPROBS,
+    MIN_DIVISOR,
+    SEED,
+    max_prompt_chars,
+)
 
 log = logging.getLogger(__name__)
-
-# Completions default to 16 new tokens when max_tokens is absent (OpenAI reference; vLLM keeps it).
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-
-
-def _json_integer(value: Any) -> Any:
-    """A number with no fraction is an integer, as JSON Schema reads it (1.0 is 1); anything else goes on to
-    the strict int check (which refuses strings, booleans and fractions)."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
-
-
-Integer = Annotated[int, BeforeValidator(_json_integer)]
 
 
 # stream_options is only allowed with stream true (OpenAI and vLLM refuse it otherwise).
@@ -91,307 +104,12 @@ FORCED_ALONE_RULE = {"anyOf": [_NOT_FORCED, {"properties": {
         "json": {"type": "null"}, "json_object": {"enum": [None, False]}, "choice": {"type": "null"},
         "grammar": {"type": "null"}}}]},
     "guided_json": {"type": "null"}}}]}
-# response_format json_schema carries its json_schema.
-JSON_SCHEMA_FORMAT_RULE = {"anyOf": [{"properties": {"type": {"enum": ["text", "json_object"]}}},
-                                     {"properties": {"json_schema": {"type": "object"}}, "required": ["json_schema"]}]}
-
-
-class OpenAIModel(BaseModel):
-    """Base of every request: unknown fields are kept so they can be logged, then ignored. Strict, as the
-    document's JSON Schema is: no string-to-number or number-to-boolean coercion."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
-
-    @model_validator(mode="after")
-    def _log_ignored_fields(self) -> OpenAIModel:
-        if self.model_extra:
-            log.warning("ignored %s", ignored_fields(self.model_extra))
-        return self
-
-
-def ignored_fields(extra: dict[str, Any], shown: int = 5, longest: int = 40) -> str:
-    """What the log says of a request's unknown fields: their count and the first few names, each cut and
-    escaped (repr), so a request cannot write a huge or forged line (a newline in a name) into the log."""
-    names = [repr(name[:longest]) + ("..." if len(name) > longest else "") for name in itertools.islice(extra, shown)]
-    more = f" and {len(extra) - shown} more" if len(extra) > shown else ""
-    return f"{len(extra)} unknown request field{'s' if len(extra) > 1 else ''}: {', '.join(names)}{more}"
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True)
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's extension; accepted, not used
-
-
-class TextPart(BaseModel):
-    """A text content part."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
-    type: Literal["text"]
-    text: str
-
-
-class ImageUrl(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-    url: str = Field(description="A data URL (data:image/png;base64,...); an http(s) URL only on a server that "
-                                 "fetches from its host (--media-fetch-hosts).")
-    detail: Literal["auto", "low", "high"] | None = Field(
-        default=None, description="Accepted; every image is read at the checkpoint's processor size.")
-
-
-class ImagePart(BaseModel):
-    """An image (OpenAI's `image_url` part), in a user message, for a checkpoint with a vision tower."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
-    type: Literal["image_url"]
-    image_url: ImageUrl
-
-
-class InputAudio(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-    data: str = Field(description="The file's bytes in base64.")
-    format: Literal["wav", "mp3", "flac"] = Field(description="Informative: the file is read by its content.")
-
-
-class AudioPart(BaseModel):
-    """A clip of at most 30 s (OpenAI's `input_audio` part), in a user message, for a checkpoint with an audio
-    tower."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
-    type: Literal["input_audio"]
-    input_audio: InputAudio
-
-
-def part_type(value: Any) -> str | None:
-    """A content part's `type` (a dict's or a model's), for the parts' discriminators."""
-    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return kind if isinstance(kind, str) else None
-
-
-ContentPart = Annotated[
-    Annotated[TextPart, Tag("text")] | Annotated[ImagePart, Tag("image_url")]
-    | Annotated[AudioPart, Tag("input_audio")],
-    Discriminator(part_type, custom_error_type="invalid_part", custom_error_message=(
-        "A content part is text, image_url or input_audio."))]
-
-
-# Caps on the lists of a body are schema bounds (pydantic's max_length), so validation stops at the first
-# item past a cap instead of building every item of a 4 MB list first.
-MAX_CONTENT_PARTS = 1024
-
-
-# OpenAI's rule for function names (the API reference's `function.name`: "a-z, A-Z, 0-9, underscores and
-# dashes, with a maximum length of 64").
-FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-MAX_TOOLS = 128
-MAX_TOOL_CALLS = 128
-
-
-class FunctionCall(BaseModel):
-    """An assistant message's call: `arguments` is a JSON object's text (OpenAI's shape)."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
-    name: str = Field(json_schema_extra={"pattern": f"^{FUNCTION_NAME.pattern}$"})
-    arguments: str
-
-
-class MessageToolCall(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-# Per role, as `ChatCompletionRequest._check_tools` and `_check_parts` enforce it: a tool message has a
-# tool_call_id, only an assistant message carries tool_calls, and only a user message images and audio.
-MESSAGE_ROLE_RULES = [
-    {"anyOf": [{"properties": {"role": {"not": {"const": "tool"}}}},
-               {"properties": {"tool_call_id": {"type": "string"}}, "required": ["tool_call_id"]}]},
-    {"anyOf": [{"properties": {"role": {"const": "assistant"}}},
-               {"properties": {"tool_calls": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}}}]},
-    {"anyOf": [{"properties": {"role": {"const": "user"}}},
-               {"properties": {"content": {"not": {"type": "array", "contains": {
-                   "type": "object", "properties": {"type": {"enum": ["image_url", "input_audio"]}},
-                   "required": ["type"]}}}}}]},
-]
-
-
-class ChatMessage(BaseModel):
-    """One message. An assistant message may carry `tool_calls` (its content then may be null); a `tool`
-    message answers one of them by `tool_call_id`; a user message may hold images and audio among its parts."""
-
-    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={"allOf": MESSAGE_ROLE_RULES})
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
-    name: str | None = None
-    tool_calls: Annotated[list[MessageToolCall], Field(max_length=MAX_TOOL_CALLS)] | None = None
-    tool_call_id: str | None = None
-    # vLLM's extension: an assistant turn's thought, which Gemma 4's templates render between the tool calls
-    # that follow the last user turn (chat_template.gemma_turns).
-    reasoning_content: str | None = None
-
-
-class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-    name: str = Field(json_schema_extra={"pattern": f"^{FUNCTION_NAME.pattern}$"})
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-# What of a tool's function the chat template sees (`template_tools`).
-TEMPLATE_FUNCTION_KEYS = frozenset({"name", "description", "parameters"})
-
-
-class Tool(BaseModel):
-    """A function the model may call (OpenAI's `tools[]`)."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class NamedFunction(BaseModel):
-    model_config = ConfigDict(strict=True)
-    name: str
-
-
-class NamedToolChoice(BaseModel):
-    """`tool_choice: {"type": "function", "function": {"name": ...}}`: exactly that function is called."""
-
-    model_config = ConfigDict(strict=True)
-    type: Literal["function"]
-    function: NamedFunction
-
-
-class JsonSchemaFormat(BaseModel):
-    """`response_format.json_schema` (OpenAI): the schema is `schema`."""
-
-    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
-    name: str
-    description: str | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(strict=True, json_schema_extra={"allOf": [JSON_SCHEMA_FORMAT_RULE]})
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-
-class StructuredOutputs(BaseModel):
-    """vLLM's `structured_outputs` (vllm/sampling_params.py `StructuredOutputsParams`): one constraint.
-    `json` (a schema, or its text) and `choice` and `grammar` (llguidance Lark, llguidance's
-    docs/syntax.md) are supported; the other kinds are refused naming them."""
-
-    # Unknown keys are kept to be refused by name (`_structured`), so the document allows none.
-    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={"additionalProperties": False})
-    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
-    regex: str | None = documented(enum=[None], description="Not supported.")
-    choice: Annotated[list[str], Field(max_length=256)] | None = documented(minItems=1)
-    grammar: str | None = None
-    json_object: bool | None = None
-
-
-# Bounds that keep one request's work small (OpenAI allows 4 stop strings; a few more do no harm, many
-# would make stop matching the cost of a step).
-MAX_STOP_STRINGS = 16
-MAX_STOP_LENGTH = 256
-MAX_N = 16
-# The engine's own bounds (rust/src/engine/request.rs `LIMITS`, checked there again). They are written here,
-# not read from gemma_engine: this module is imported before the boot has built the engine, to serve
-# /health while it builds. tests/server/test_protocol.py holds them equal to `gemma_engine.LIMITS`.
-MAX_STOP_TOKEN_IDS = 64
-MAX_GRAMMAR_BYTES = 65536
-MAX_LOGIT_BIAS = 300
-MAX_TOP_LOGPROBS = 20
-MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's own limit
-# vLLM sets no bound on cache_salt; a tenant id or a random token fits in far less than this.
-MAX_CACHE_SALT = 256
-MAX_MESSAGES = 1024
-# Characters of prompt text per token of context: no tokenizer packs more, so text past
-# context x this cannot fit and is refused before it is tokenized.
-MAX_CHARS_PER_TOKEN = 32
-MAX_INT64 = 2**63 - 1
-# The engine samples in float32 and divides logits (|x| <= 30 after Gemma's softcap) by the temperature and
-# the repetition penalty: below this a quotient leaves float32's range (inf, then NaN probabilities, which
-# a grammar's mask cannot survive), and 5e-324 is 0 in float32. Every value below it already acts as its
-# limit (greedy; a repeated token's logit as far as float32 goes), so it is taken at this bound: the
-# engine's own `MIN_DIVISOR` (rust/src/engine/sampling.rs), below which it refuses both.
-MIN_DIVISOR = 1e-30
-# Most log-probabilities one response carries: n x max_tokens x (top_logprobs + 1). Each is a JSON object
-# of ~60 bytes built on the host, so this keeps an answer near 16 MB (n=16 x 600 tokens x 21 fits; the
-# default context x 16 x 21 would be 2.8 million, gigabytes of JSON).
-MAX_LOGPROB_ENTRIES = 16 * 800 * 21
-# Any integer is a seed: it is taken modulo 2**64 (choice i of n uses seed + i), so no bound can be missed by
-# a JSON number that a float rounds (9.2e18 is 2**63 to a JSON Schema validator).
-SEED = "Any integer, taken modulo 2**64 into the engine's signed 64-bit seed."
-
-
-def max_prompt_chars(context: int) -> int:
-    """The longest prompt text (`check_size`) that can fit `context` tokens."""
-    return context * MAX_CHARS_PER_TOKEN
-
-
-@dataclass(frozen=True)
-class EngineParams:
-    """One request, as the scheduler runs it.
-
-    Attributes:
-        prompt_ids: the prompt's token ids.
-        max_new: most tokens to generate (already capped at context - prompt).
-        stop_ids: token ids that end the decode (besides the model's eos ids).
-        stop: strings that end the output, matched in the detokenized text.
-        sampling: keyword arguments of gemma_engine.SamplingParams (for choice 0; `choice_sampling`
-            gives each of the n choices its own seed).
-        n: how many choices.
-        logprobs: None, or how many top log-probabilities per token (0 for the chosen token's only).
-        grammar: the llguidance Lark grammar every generated token follows, or None.
-        prompt_logprobs: None, or how many top log-probabilities each prompt token carries (echo).
-        tools: the request declared tools (the reply is read for calls).
-        forced_calls: the calls are constrained by the grammar (tool_choice required or named), so they
-            stream as they come.
-        cache_salt: the request's cache_salt: it shares cached KV only with requests of the same salt.
-        cache_boundary: a prompt position the engine snapshots for later requests that share the prompt up
-            to there (chat: the end of the system turn and the tool declarations), or None.
-        next_turn: the prompt position where the conversation's next turn departs from it, which the
-            engine snapshots too (chat_template.next_turn), or None.
-        media: the soft tokens of the prompt's images and audio, (start, embeds [n, hidden], key) in prompt
-            order (media.place): they take positions start..start+n, which hold the placeholder id.
-        speculative: False opts the request out of the server's speculative decoding.
-    """
-
-    prompt_ids: tuple[int, ...]
-    max_new: int
-    stop_ids: tuple[int, ...]
-    stop: tuple[str, ...]
-    sampling: tuple[tuple[str, Any], ...] = ()
-    n: int = 1
-    logprobs: int | None = None
-    grammar: str | None = None
-    prompt_logprobs: int | None = None
-    tools: bool = False
-    forced_calls: bool = False
-    cache_salt: str | None = None
-    cache_boundary: int | None = None
-    next_turn: int | None = None
-    media: tuple[tuple[int, Any, int], ...] = ()
-    speculative: bool = True
-
-    def choice_sampling(self, index: int, fresh_seed: Callable[[], int]) -> dict[str, Any]:
-        """SamplingParams keywords for choice `index`: a given seed s gives choice i the seed s + i (so
-        n > 1 choices differ but each is reproducible); without one every choice gets a fresh seed."""
-        kwargs = dict(self.sampling)
-        seed = kwargs.get("seed")
-        kwargs["seed"] = fresh_seed() if seed is None else _wrap64(seed + index)
-        if self.logprobs is not None:
-            kwargs["logprobs"] = self.logprobs
-        return kwargs
-
-
-def _wrap64(v: int) -> int:
-    return (v + 2**63) % 2**64 - 2**63
 
 
 def _in_range(name: str, value: float | None, lo: float, hi: float, lo_open: bool = False) -> None:
@@ -673,7 +391,6 @@ class GenerationRequest(OpenAIModel):
                 f"max_tokens or the top log-probabilities."))
 
 
-
 class ChatCompletionRequest(GenerationRequest):
     """POST /v1/chat/completions. Field order: OpenAI API reference (as vLLM's ChatCompletionRequest)."""
 
@@ -895,7 +612,6 @@ def _one_prompt(schema: dict) -> None:
     schema["anyOf"] = prompt_schema()
 
 
-
 class CompletionRequest(GenerationRequest):
     """POST /v1/completions (legacy). Field order: OpenAI API reference."""
 
@@ -979,163 +695,3 @@ class CompletionRequest(GenerationRequest):
 # ---- responses ---------------------------------------------------------------------------------
 
 
-class PromptTokensDetails(BaseModel):
-    """OpenAI's `usage.prompt_tokens_details`: of the prompt tokens, how many came from the prefix cache."""
-
-    cached_tokens: int = 0
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
-
-
-class Timings(BaseModel):
-    """Extension: the engine's own clocks for this request (like llama.cpp's `timings`)."""
-
-    prompt_read_seconds: float
-    decode_seconds: float
-
-
-FinishReason = Literal["stop", "length", "abort", "tool_calls"]
-
-
-class ResponseFunctionCall(BaseModel):
-    name: str
-    arguments: str  # a JSON object's text
-
-
-class ResponseToolCall(BaseModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: ResponseFunctionCall
-
-
-class ResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    refusal: None = None
-    tool_calls: list[ResponseToolCall] = Field(default_factory=list)
-    reasoning_content: str | None = None  # vLLM's extension: the thought channel's text
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(BaseModel):
-    """OpenAI's `choices[].logprobs` of a chat completion."""
-
-    content: list[TokenLogprob] | None
-    refusal: None = None
-
-
-class CompletionLogprobs(BaseModel):
-    """The legacy completions API's `choices[].logprobs`."""
-
-    tokens: list[str]
-    token_logprobs: list[float | None]  # echo: the prompt's first token has none
-    top_logprobs: list[dict[str, float] | None] | None
-    text_offset: list[int]
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: ResponseMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    system_fingerprint: str
-    timings: Timings  # extension
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: FinishReason
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage
-    system_fingerprint: str
-    timings: Timings  # extension
-
-
-class TokenizeRequest(OpenAIModel):
-    """POST /tokenize (vLLM's `TokenizeCompletionRequest` / `TokenizeChatRequest`): a prompt, or messages
-    rendered with the chat template."""
-
-    model_config = ConfigDict(json_schema_extra={"anyOf": [
-        {"properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}}, "required": ["prompt"]},
-        {"properties": {"prompt": {"type": "null"}, "messages": {"type": "array"}}, "required": ["messages"]}]})
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)] | None = documented(minItems=1)
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-
-    def check(self) -> None:
-        if (self.prompt is None) == (self.messages is None):
-            raise bad_request("prompt", "Send exactly one of prompt and messages.")
-        if self.messages is not None and not self.messages:
-            raise bad_request("messages", "messages must hold at least one message.")
-
-    def as_chat(self) -> ChatCompletionRequest:
-        """The messages as a chat request, to render them as /v1/chat/completions does."""
-        return ChatCompletionRequest(messages=self.messages, tools=self.tools,
-                                     add_generation_prompt=self.add_generation_prompt,
-                                     chat_template_kwargs=self.chat_template_kwargs)
-
-
-class TokenizeResponse(BaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-
-
-class DetokenizeRequest(OpenAIModel):
-    model: str | None = None
-    tokens: Annotated[list[Integer], Field(max_length=1 << 20)]
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "gemma-rust-operator"
-    root: str | None = None
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
