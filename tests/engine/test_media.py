@@ -11,6 +11,7 @@ soft tokens both ways, and the engine's prompt chunks never cut an image.
 """
 
 import hashlib
+import json
 
 import pytest
 import torch
@@ -205,6 +206,19 @@ def test_media_that_break_the_rules_end_the_request_with_an_error_naming_them(mm
     with pytest.raises(ValueError, match="no vision tower"):
         gemma_engine.Encoder(str(agent_checkpoint), dtype="float32").image(torch.zeros(1, 4, 48),
                                                                            torch.zeros(1, 4, 2, dtype=torch.long))
+
+
+def test_a_tower_config_key_of_the_wrong_type_is_a_value_error_naming_its_path(multimodal_checkpoint, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in multimodal_checkpoint.iterdir():
+        if f.name != "config.json":
+            (bad / f.name).symlink_to(f)
+    config = json.loads((multimodal_checkpoint / "config.json").read_text())
+    config["vision_config"]["rope_parameters"]["rope_theta"] = "100"
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config.json: vision_config.rope_parameters.rope_theta: must be a number"):
+        gemma_engine.Encoder(str(bad), dtype="float32")
 
 
 @pytest.mark.parametrize("chunk", [16, 256])
