@@ -38,7 +38,7 @@ class DrainingServer(uvicorn.Server):
         self.state = state
 
     def handle_exit(self, sig: int, frame) -> None:
-        if self.state.draining:
+        if self.state.scheduler.lifecycle.now().draining:
             if sig == signal.SIGINT:
                 self.force_exit = True
             return

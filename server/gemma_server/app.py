@@ -36,7 +36,7 @@ path (the checkpoint directory, the engine module) unless `--expose-paths` says 
 
 What one client may hold: requests in flight are capped (`InFlightLimit`, --max-concurrent-requests; the
 probes are never counted), and so are the choices one client address has queued or running
-(--max-requests-per-client, scheduler.ClientShares), so one client cannot take every slot and the whole
+(--max-requests-per-client, jobs.ClientShares), so one client cannot take every slot and the whole
 queue. The kubelet's probes have a listener of their own (--probe-port, `create_probe_app`) on its own
 thread and event loop, so no load on the API's connections or loop reaches them. Connections themselves
 are capped and timed in connections.py.
@@ -80,7 +80,8 @@ from gemma_server.protocol import (
     TokenizeResponse,
     max_prompt_chars,
 )
-from gemma_server.scheduler import SchedulerError
+from gemma_server.jobs import SchedulerError
+from gemma_server.scheduler import Phase
 from gemma_server.frontends import chat, messages, messages_format, responses, responses_format, transcriptions
 from gemma_server.middleware import ApiKeyGate, BodyLimit, InFlightLimit
 from gemma_server.response_store import owner_of
@@ -101,11 +102,10 @@ def health_response(state: ServerState) -> Response:
 
 
 def live_response(state: ServerState) -> Response:
-    """/live: 200 unless the boot failed or no engine is left running."""
-    s = state.scheduler
-    if s.dead or state.boot.state.failed:
-        return JSONResponse(error_body(503, f"No engine is running: {s.dead or state.boot.state.failed}"),
-                            status_code=503)
+    """/live: 200 unless the boot failed or no engine is left running (the scheduler's Lifecycle is DEAD)."""
+    life = state.scheduler.lifecycle.now()
+    if life.phase is Phase.DEAD:
+        return JSONResponse(error_body(503, f"No engine is running: {life.reason}"), status_code=503)
     return JSONResponse({"status": "alive"})
 
 

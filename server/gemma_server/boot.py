@@ -180,6 +180,7 @@ class Boot:
             reason = one_line(stage, e)
             self._end(rec, "failed", t0, reason)
             self.state.failed = reason
+            self.scheduler.lifecycle.fail(reason)  # the server's readiness: dead, for this reason
             log.error("boot failed: %s", reason, exc_info=not isinstance(e, (FileNotFoundError, ValueError)))
             write_termination_message(self.config.termination_log, reason)
             self.on_failure(reason)

@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from gemma_server import scheduler
+from gemma_server import jobs
 
 log = logging.getLogger(__name__)
 
@@ -92,14 +92,14 @@ def bad_request(param: str | None, message: str) -> ApiError:
 # The scheduler's plain exceptions -> (status, extra headers). The one place where the engine layer's
 # refusals become HTTP (vLLM's api_router maps its engine exceptions the same way).
 _SCHEDULER_STATUS: dict[type, tuple[int, dict[str, str]]] = {
-    scheduler.QueueFull: (429, {"Retry-After": "1"}),
-    scheduler.OverShare: (429, {"Retry-After": "1"}),
-    scheduler.Draining: (503, {}),
-    scheduler.NotReady: (503, {"Retry-After": "5"}),
-    scheduler.EngineDead: (503, {}),
-    scheduler.Shutdown: (503, {}),
-    scheduler.EngineRefused: (400, {}),
-    scheduler.EngineFailed: (500, {}),
+    jobs.QueueFull: (429, {"Retry-After": "1"}),
+    jobs.OverShare: (429, {"Retry-After": "1"}),
+    jobs.Draining: (503, {}),
+    jobs.NotReady: (503, {"Retry-After": "5"}),
+    jobs.EngineDead: (503, {}),
+    jobs.Shutdown: (503, {}),
+    jobs.EngineRefused: (400, {}),
+    jobs.EngineFailed: (500, {}),
 }
 
 
@@ -157,7 +157,7 @@ def invalid_request(errs: Sequence[dict[str, Any]], body: Any = None) -> ApiErro
     return ApiError(400, message, param)
 
 
-def from_scheduler(exc: scheduler.SchedulerError) -> ApiError:
+def from_scheduler(exc: jobs.SchedulerError) -> ApiError:
     """The ApiError a client sees for one of the scheduler's refusals."""
     status, headers = _SCHEDULER_STATUS.get(type(exc), (500, {}))
     return ApiError(status, str(exc), headers=dict(headers))
@@ -168,7 +168,7 @@ def as_api_error(exc: BaseException) -> ApiError:
     body (it is logged with the request id instead)."""
     if isinstance(exc, ApiError):
         return exc
-    if isinstance(exc, scheduler.SchedulerError):
+    if isinstance(exc, jobs.SchedulerError):
         return from_scheduler(exc)
     return internal_error(exc)
 

@@ -25,14 +25,14 @@ process).
 Admission (`admit`) counts a request against `--queue-limit` before it is tokenized (TGI takes its
 semaphore before validation; vLLM issue #58192 is the bug of counting only after rendering).
 
-A request's end is decided once, by `Job.end`: the first cause wins (a stop string matched, the client left,
-its reply stalled, the engine finished or failed it, the shutdown timeout cut it), and the `End` it holds is
-what the stream, the response and the metrics all read (vLLM's output processor decides an abort once in the
-same way: `reqs_to_abort` in vllm/v1/engine/output_processor.py). An end decided while the engine still runs
-the request is its cancel: a queued job leaves the queue at once, a running one is cancelled at the engine's
-next read point, which frees its slot for the next step.
+The scheduler's state has one owner per piece. `Capacity` holds the counts (requests admitted and not yet in
+an engine, each engine's free slots), written only by its methods under the scheduler's lock. `Lifecycle`
+holds readiness, the one state that admission, /health, /live, /v1/engine, the MCP `endpoint_status` and the
+SIGTERM drain read: LOADING until the boot starts the engines, SERVING, DRAINING from SIGTERM, and DEAD with
+its reason (the boot's failed stage, or the last engine's death) from any phase. How a request ends is
+`jobs.py`'s (`Job.end`).
 
-This layer knows nothing of HTTP: it raises the plain exceptions below, and `errors.py` maps them to
+This layer knows nothing of HTTP: it raises the plain exceptions of `jobs.py`, and `errors.py` maps them to
 statuses in one table. A BaseException from an engine (pyo3's PanicException) leaves that engine in an
 unknown state: its worker is marked dead, its requests fail, and when no engine is left /health and /live
 turn 503 so Kubernetes restarts the pod (vLLM's engine-dead watchdog).
@@ -40,252 +40,31 @@ turn 503 so Kubernetes restarts the pod (vLLM's engine-dead watchdog).
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import enum
-import itertools
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from gemma_server.jobs import (
+    Cause,
+    Done,
+    Draining,
+    EngineDead,
+    EngineFailed,
+    EngineRefused,
+    Job,
+    NotReady,
+    QueueFull,
+    SchedulerError,
+    Shutdown,
+)
+
 log = logging.getLogger(__name__)
-
-
-class SchedulerError(Exception):
-    """Base of the scheduler's refusals; errors.py gives each its HTTP status."""
-
-
-class QueueFull(SchedulerError):
-    def __init__(self, limit: int) -> None:
-        super().__init__(f"The server is overloaded: {limit} requests are already waiting for an engine. Retry later.")
-
-
-class Draining(SchedulerError):
-    def __init__(self, message: str = "The server is shutting down; retry on another replica.") -> None:
-        super().__init__(message)
-
-
-class NotReady(SchedulerError):
-    """Still booting."""
-
-
-class EngineDead(SchedulerError):
-    """No engine is left to serve (or the request's engine died under it)."""
-
-
-class EngineRefused(SchedulerError):
-    """The engine refused one request for its own values (its checks; ours should have caught it first)."""
-
-
-class EngineFailed(SchedulerError):
-    """The engine failed while admitting or running one request (it serves the next ones)."""
-
-
-class Shutdown(SchedulerError):
-    """The shutdown timeout cut the request."""
-
-
-class OverShare(SchedulerError):
-    """One client already has its share of the server's slots and queue."""
-
-    def __init__(self, client: str, held: int, limit: int) -> None:
-        super().__init__(f"This client already has {held} choices queued or running, and one client may hold "
-                         f"{limit}. Retry when some have finished.")
-
-
-class ClientShares:
-    """How many choices (a request's n) each client address has queued or running, and the cap on them, so
-    one client cannot take every slot and the whole queue (say with n=16 requests).
-
-    Args:
-        limit: most choices per client; 0: half of the server's slots and queue, and at least one request of
-            the largest n (16).
-    """
-
-    MIN = 16
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.held: collections.Counter[str] = collections.Counter()
-
-    def cap(self, total: int) -> int:
-        """The cap for a server of `total` slots and queue places."""
-        return self.limit or max(self.MIN, total // 2)
-
-    def take(self, client: str, n: int, total: int) -> None:
-        """Count `n` choices against `client`'s share (each given back by `give_back` when it ends).
-
-        Raises:
-            OverShare: the client would hold more than its cap.
-        """
-        cap = self.cap(total)
-        if self.held[client] + n > cap:
-            raise OverShare(client, self.held[client], cap)
-        self.held[client] += n
-
-    def give_back(self, client: str, n: int) -> None:
-        if n:
-            self.held[client] -= n
-            if self.held[client] <= 0:
-                del self.held[client]
-
-
-@dataclass
-class Done:
-    """The engine's end of a request: finish is "stop" | "length" | "cancelled"; the engine's own clocks;
-    the prompt tokens it took from the prefix cache (`gemma_engine.Event.cached_tokens`)."""
-
-    finish: str
-    prompt_s: float
-    decode_s: float
-    cached_tokens: int = 0
-
-
-class Cause(enum.Enum):
-    """Why a request ended (`Job.end`)."""
-
-    STOP_STRING = "a stop string matched"
-    CLIENT_GONE = "the client left"
-    STALLED = "the client stopped reading its reply"
-    ENGINE = "the engine finished it"
-    FAILED = "the engine refused or failed it"
-    SHUTDOWN = "the shutdown timeout cut it"
-
-
-# Cause -> (OpenAI's finish_reason, gemma_request_success's finished_reason label). A request that failed has
-# no finish_reason: its client gets the error instead.
-_ENDS: dict[Cause, tuple[str | None, str]] = {
-    Cause.STOP_STRING: ("stop", "stop"),
-    Cause.CLIENT_GONE: ("abort", "abort"),
-    Cause.STALLED: ("abort", "abort"),
-    Cause.FAILED: (None, "error"),
-    Cause.SHUTDOWN: (None, "abort"),
-}
-# The engine's finish (gemma_engine.Event.finish) -> the same pair; "cancelled" without our asking is the
-# engine loop ending under it (Scheduler.stop).
-_ENGINE_FINISHES: dict[str, tuple[str, str]] = {
-    "stop": ("stop", "stop"), "length": ("length", "length"), "cancelled": ("abort", "abort")}
-
-
-@dataclass(frozen=True)
-class End:
-    """How a request ended, as decided once.
-
-    Attributes:
-        cause: what ended it.
-        finish_reason: OpenAI's finish_reason ("stop", "length", "abort"); None when the request failed.
-        label: the `finished_reason` it is counted under in gemma_request_success (stop, length, abort, error).
-        error: what its client is answered instead of a finish_reason (a SchedulerError), or None.
-    """
-
-    cause: Cause
-    finish_reason: str | None
-    label: str
-    error: SchedulerError | None = None
-
-    @classmethod
-    def of(cls, cause: Cause, engine_finish: str | None = None, error: SchedulerError | None = None) -> End:
-        """The end `cause` makes (with the engine's own finish for Cause.ENGINE, the error for FAILED and
-        SHUTDOWN).
-
-        Raises:
-            ValueError: a cause without what it needs (an engine finish, an error) or with what it has not.
-        """
-        if cause is Cause.ENGINE:
-            if engine_finish not in _ENGINE_FINISHES:
-                raise ValueError(f"the engine's finish must be one of {sorted(_ENGINE_FINISHES)}, "
-                                 f"got {engine_finish!r}")
-            return cls(cause, *_ENGINE_FINISHES[engine_finish])
-        if (error is not None) != (cause in (Cause.FAILED, Cause.SHUTDOWN)):
-            raise ValueError(f"{cause.name} {'needs' if error is None else 'takes no'} error")
-        return cls(cause, *_ENDS[cause], error=error)
-
-
-_ids = itertools.count(1)
-
-
-@dataclass(eq=False)
-class Job:
-    """One request's decode, shared between the asyncio side and an engine worker.
-
-    Events on `events` (asyncio side): ("prompt_logprobs", entries) first when the request asked for them,
-    ("tokens", (ids, logprobs, t_monotonic)), ("done", Done), ("error", exception). `ended` is written once, by `end`, and read by the worker at read points: a job that has ended
-    while the engine still runs it is cancelled there.
-
-    Attributes:
-        request: the gemma_engine.Request the worker hands to its engine, built on the asyncio side
-            (`Job.create`) so that the engine's own checks of its values answer this request alone.
-        prompt, salt: the request's prompt ids and cache_salt, as the engine got them (its getters): what
-            the scheduler scores engines by.
-        output: the ids the engine generated (written on its worker's thread): with the prompt, the
-            history its slot keeps when it ends.
-        scores: engine index -> (that engine's Histories.version, the job's score there), under the
-            scheduler's lock, so a job waiting at the head is scored again only when an engine's
-            histories change.
-    """
-
-    request: Any
-    loop: asyncio.AbstractEventLoop
-    arrival: float
-    id: int = field(default_factory=lambda: next(_ids))
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    ended: End | None = None
-    cancel_sent: bool = False
-    started: float | None = None
-    prompt: tuple[int, ...] = ()
-    salt: str | None = None
-    output: list[int] = field(default_factory=list, repr=False)
-    scores: dict[int, tuple[int, int]] = field(default_factory=dict, repr=False)
-    _deciding: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    @classmethod
-    def create(cls, prompt_ids: list[int], max_new: int, stop_ids: list[int], sampling: dict[str, Any],
-               loop: asyncio.AbstractEventLoop, arrival: float, grammar: str | None = None,
-               prompt_logprobs: int | None = None, cache_salt: str | None = None,
-               cache_boundary: int | None = None, media: Sequence[tuple[int, Any, int]] = (),
-               next_turn: int | None = None, speculative: bool = True) -> Job:
-        """A job and its gemma_engine.Request (with its SamplingParams, keyword arguments `sampling`; its
-        grammar and prompt log-probabilities, when asked for; its cache salt and its cache marks, the
-        boundary and the next turn; the soft tokens of its images and audio; whether it may speculate).
-
-        Raises:
-            EngineRefused: the engine's own checks refused a value (ValueError, which names it), or a value
-                does not fit the engine's integer types (OverflowError): this request's 400.
-        """
-        import gemma_engine
-
-        job_id = next(_ids)
-        try:
-            request = gemma_engine.Request(job_id, prompt_ids, max_new, stop_ids, gemma_engine.SamplingParams(**sampling),
-                                           grammar=grammar, prompt_logprobs=prompt_logprobs, cache_salt=cache_salt,
-                                           cache_boundary=cache_boundary, media=list(media), next_turn=next_turn,
-                                           speculative=speculative)
-        except (ValueError, OverflowError) as e:
-            raise EngineRefused(f"The engine refused the request: {e}") from e
-        return cls(request, loop, arrival, id=job_id, prompt=tuple(request.ids), salt=request.cache_salt)
-
-    def same_prompt(self, other: Job) -> bool:
-        """Whether `other` has this job's prompt and salt (the n choices of one request do)."""
-        return self.salt == other.salt and self.prompt == other.prompt
-
-    def end(self, cause: Cause, engine_finish: str | None = None, error: SchedulerError | None = None) -> End:
-        """Decide this request's end, unless it is decided already: the first decision wins, from any thread.
-
-        Args: as `End.of`.
-        Returns:
-            the end that holds (this one, or the one decided before).
-        """
-        with self._deciding:
-            if self.ended is None:
-                self.ended = End.of(cause, engine_finish, error)
-            return self.ended
-
-    def post(self, kind: str, payload: Any) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
 
 
 # A retained history counts for a queued job only when it shares more than this part of the job's prompt:
@@ -364,6 +143,123 @@ def engines_for(candidates: Sequence[tuple[int, int]]) -> list[int]:
     return [i for i in pool if candidates[i][1] == most]
 
 
+class Phase(enum.Enum):
+    """Where the server is in its life (`Lifecycle`)."""
+
+    LOADING = "loading"  # the boot runs: requests are refused (NotReady)
+    SERVING = "serving"
+    DRAINING = "draining"  # SIGTERM: new requests are refused, admitted ones finish
+    DEAD = "dead"  # the boot failed or no engine is left: nothing is served again
+
+
+@dataclass(frozen=True)
+class Life:
+    """One reading of the `Lifecycle`, taken whole.
+
+    Attributes:
+        phase: where the server is.
+        reason: why it is DEAD (the boot's failed stage, or the last engine's death), else None.
+        draining: whether the SIGTERM drain began (a dead server drains too: its process must still exit).
+    """
+
+    phase: Phase = Phase.LOADING
+    reason: str | None = None
+    draining: bool = False
+
+    def refusal(self) -> SchedulerError | None:
+        """What a new request is refused with now, or None while SERVING."""
+        if self.phase is Phase.DEAD:
+            return EngineDead(f"No engine is running: {self.reason}")
+        if self.phase is Phase.LOADING:
+            return NotReady("The model is loading.")
+        if self.phase is Phase.DRAINING:
+            return Draining()
+        return None
+
+
+class Lifecycle:
+    """The server's readiness, its one owner: LOADING -> SERVING (`serve`: the boot started the engines) ->
+    DRAINING (`drain`: SIGTERM), and DEAD (`fail`) from any phase, keeping the first reason. Written from the
+    boot thread, the workers and the event loop, each change whole under its lock; `now()` reads it whole."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._now = Life()
+
+    def now(self) -> Life:
+        return self._now
+
+    def serve(self) -> None:
+        with self._lock:
+            if self._now.phase is Phase.LOADING:
+                self._now = Life(Phase.SERVING)
+
+    def drain(self) -> bool:
+        """Refuse new work from now on (queued and running jobs continue). Returns whether this call began
+        the drain (False when it had begun already)."""
+        with self._lock:
+            now = self._now
+            if now.draining:
+                return False
+            phase = now.phase if now.phase is Phase.DEAD else Phase.DRAINING
+            self._now = Life(phase, now.reason, draining=True)
+            return True
+
+    def fail(self, reason: str) -> None:
+        """Nothing can serve any more: the boot failed, or the last engine died. The first reason stays."""
+        with self._lock:
+            if self._now.phase is not Phase.DEAD:
+                self._now = Life(Phase.DEAD, reason, self._now.draining)
+
+
+class Capacity:
+    """The scheduler's counts, written only by these methods and under the scheduler's lock: the requests
+    admitted and not yet in an engine (queued, or still tokenizing), and each engine's free sequence slots
+    (by worker index), as it reported them at its last read point, less what it took since."""
+
+    def __init__(self) -> None:
+        self._admitted = 0
+        self._free: dict[int, int] = {}
+
+    @property
+    def admitted(self) -> int:
+        return self._admitted
+
+    def free(self, engine: int) -> int:
+        return self._free.get(engine, 0)
+
+    def admit(self, count: int, limit: int) -> None:
+        """Count `count` admissions, all or none.
+
+        Raises:
+            QueueFull: they would pass `limit`.
+        """
+        if self._admitted + count > limit:
+            raise QueueFull(limit)
+        self._admitted += count
+
+    def release(self, count: int = 1) -> None:
+        """Admissions that leave without reaching an engine (a bad prompt, withdrawn, aborted, failed)."""
+        self._admitted -= count
+
+    def sized(self, engine: int, slots: int) -> None:
+        """An engine was loaded: every slot of it is free."""
+        self._free[engine] = slots
+
+    def report(self, engine: int, free: int) -> None:
+        """An engine's own count of its free slots, at a read point."""
+        self._free[engine] = free
+
+    def take(self, engine: int) -> None:
+        """A queued job went to `engine`: it leaves the admitted count and takes a slot."""
+        self._admitted -= 1
+        self._free[engine] -= 1
+
+    def freed(self, engine: int) -> None:
+        """A job left `engine`: its slot is free."""
+        self._free[engine] = self.free(engine) + 1
+
+
 @dataclass
 class StepObserver:
     """Where engine statistics go (metrics setters; no-ops by default)."""
@@ -392,13 +288,17 @@ class EngineWorker:
         self.max_batch = 0
         self.layout: dict[str, int] = {}
         self.weights: dict[str, Any] = {}
-        self.free = 0  # free slots at the last read point
         self.active: dict[int, Job] = {}
         self.histories = Histories(0)  # what its finished slots hold; sized once the engine is loaded
         self.served = 0  # requests it has taken
         self.serving = False
         self.dead: str | None = None
         self._loop: Future | None = None
+
+    @property
+    def free(self) -> int:
+        """Free slots at the last read point, less those taken since (`Capacity`)."""
+        return self.scheduler.places.free(self.index)
 
     def call(self, fn: Callable[[], Any]) -> Future:
         """Run `fn` on this worker's thread (boot tasks: the engine may only be touched there)."""
@@ -411,7 +311,7 @@ class EngineWorker:
         self.layout = dict(engine.layout())
         self.weights = dict(engine.weights())
         self.speculative = engine.speculative
-        self.free = self.max_batch
+        self.scheduler.sized(self)
         # An engine without prefix caching keeps nothing: its histories stay empty and score 0.
         self.histories = Histories(self.max_batch if self.layout.get("prefix_caching") else 0)
 
@@ -490,10 +390,8 @@ class Scheduler:
         self.workers: list[EngineWorker] = []
         self._cond = threading.Condition()
         self._queue: collections.deque[Job] = collections.deque()
-        self._admitted = 0  # admitted, not yet in an engine (queued or still tokenizing)
-        self.ready = False
-        self.draining = False
-        self.dead: str | None = None
+        self.places = Capacity()
+        self.lifecycle = Lifecycle()
         self._stopping = False
 
     # ---- asyncio side --------------------------------------------------------------------------
@@ -505,22 +403,17 @@ class Scheduler:
         Raises:
             EngineDead, NotReady, Draining, QueueFull.
         """
-        if self.dead:
-            raise EngineDead(f"No engine is running: {self.dead}")
-        if not self.ready:
-            raise NotReady("The model is loading.")
-        if self.draining:
-            raise Draining()
+        refusal = self.lifecycle.now().refusal()
+        if refusal is not None:
+            raise refusal
         with self._cond:
-            if self._admitted + count > self.queue_limit:
-                raise QueueFull(self.queue_limit)
-            self._admitted += count
+            self.places.admit(count, self.queue_limit)
             self._gauges()
 
     def release(self, count: int = 1) -> None:
         """Give back admissions that never became jobs (e.g. the prompt was bad)."""
         with self._cond:
-            self._admitted -= count
+            self.places.release(count)
             self._gauges()
 
     def submit(self, *jobs: Job) -> None:
@@ -533,8 +426,9 @@ class Scheduler:
             EngineDead: nothing was queued; the caller releases its admissions.
         """
         with self._cond:
-            if self.dead:
-                raise EngineDead(f"No engine is running: {self.dead}")
+            life = self.lifecycle.now()
+            if life.phase is Phase.DEAD:
+                raise life.refusal()
             self._queue.extend(jobs)
             self._cond.notify_all()
 
@@ -545,14 +439,14 @@ class Scheduler:
                 self._queue.remove(job)
             except ValueError:
                 return False
-            self._admitted -= 1
+            self.places.release()
             self._gauges()
             return True
 
     def queued(self) -> int:
         """Requests admitted and not yet in an engine (queued or still tokenizing)."""
         with self._cond:
-            return self._admitted
+            return self.places.admitted
 
     def running(self) -> int:
         """Sequence slots occupied, over every engine (gemma_num_requests_running)."""
@@ -562,17 +456,18 @@ class Scheduler:
     def busy(self) -> bool:
         """True while a request runs or waits."""
         with self._cond:
-            return self._admitted > 0 or any(w.active for w in self.workers)
+            return self.places.admitted > 0 or any(w.active for w in self.workers)
 
-    def start_drain(self) -> None:
-        """Refuse new work from now on; queued and running jobs continue."""
-        self.draining = True
+    def start_drain(self) -> bool:
+        """Refuse new work from now on; queued and running jobs continue (`Lifecycle.drain`). Returns whether
+        this call began the drain."""
+        return self.lifecycle.drain()
 
     def abort_all(self) -> None:
         """Shutdown timeout reached: end every running and queued job (the engine cancels the running ones)."""
         with self._cond:
             queued, self._queue = list(self._queue), collections.deque()
-            self._admitted -= len(queued)
+            self.places.release(len(queued))
             running = [job for w in self.workers for job in w.active.values()]
             self._gauges()
         for job in running:
@@ -596,7 +491,12 @@ class Scheduler:
             self.workers = list(workers)
         for w in workers:
             w.serve(read_every)
-        self.ready = True
+        self.lifecycle.serve()
+
+    def sized(self, worker: EngineWorker) -> None:
+        """`worker`'s engine is loaded (on its thread): all its slots are free."""
+        with self._cond:
+            self.places.sized(worker.index, worker.max_batch)
 
     def capacity(self) -> int:
         """Sequence slots of the serving engines."""
@@ -608,7 +508,7 @@ class Scheduler:
         """A worker's read point: its new jobs and cancels, or None when the server stops or the engine was found
         dead meanwhile (a lost tensor-parallel rank, reported from a watcher while the engine idled)."""
         with self._cond:
-            worker.free = free
+            self.places.report(worker.index, free)
             while True:
                 if self._stopping or worker.dead:
                     return None
@@ -635,14 +535,14 @@ class Scheduler:
             if job.ended is None and not (jobs and job.same_prompt(jobs[-1])) and not self._is_for(worker, job):
                 break
             self._queue.popleft()
-            self._admitted -= 1
             if job.ended is not None:  # ended while queued, but reached here first
+                self.places.release()
                 job.post("done", Done("cancelled", 0.0, 0.0))
                 continue
+            self.places.take(worker.index)
             job.started = time.monotonic()
             worker.active[job.id] = job
             worker.served += 1
-            worker.free -= 1
             jobs.append(job)
         return jobs
 
@@ -667,7 +567,7 @@ class Scheduler:
         """`job` left `worker`'s engine; when `wrote`, its slot keeps its prompt and output ids."""
         with self._cond:
             worker.active.pop(job.id, None)
-            worker.free += 1
+            self.places.freed(worker.index)
             if wrote:
                 worker.histories.add(job.salt, job.prompt + tuple(job.output))
             self._gauges()
@@ -680,10 +580,9 @@ class Scheduler:
             worker.dead = worker.dead or reason  # the first report names the cause
             failed, worker.active = list(worker.active.values()), {}
             if all(w.dead for w in self.workers):
-                self.dead = reason
-                self.ready = False
+                self.lifecycle.fail(reason)
                 queued, self._queue = list(self._queue), collections.deque()
-                self._admitted -= len(queued)
+                self.places.release(len(queued))
                 failed += queued
             self._gauges()
             self._cond.notify_all()
@@ -692,7 +591,7 @@ class Scheduler:
 
     def _gauges(self) -> None:
         running = self.running()
-        self.observer.on_waiting(self._admitted)
+        self.observer.on_waiting(self.places.admitted)
         self.observer.on_running(running)
         capacity = self.capacity()
         self.observer.on_usage(running / capacity if capacity else 0.0)

@@ -28,7 +28,8 @@ from gemma_server.protocol import (
     MAX_GRAMMAR_BYTES,
     CompletionRequest,
 )
-from gemma_server.scheduler import Cause, ClientShares, NotReady, Scheduler, StepObserver
+from gemma_server.jobs import Cause, ClientShares, NotReady
+from gemma_server.scheduler import Phase, Scheduler, StepObserver
 from gemma_server.serving import (
     Generation,
     ReplyFormat,
@@ -69,7 +70,6 @@ class ServerState:
         ))
         self.boot = boot_class(config, self.metrics, self._boot_failed, self.scheduler)
         self.boot_thread = threading.Thread(target=self._boot, name="boot", daemon=True)
-        self.draining = False
         self.exit_code = 0
         self.loop: asyncio.AbstractEventLoop | None = None
         self.request_exit = lambda: None  # set by __main__ to stop uvicorn
@@ -176,13 +176,13 @@ class ServerState:
             raise ApiError(404, f"The model `{model}` does not exist.", "model")
 
     def not_ready_reason(self) -> str | None:
-        """Why /health is 503, or None when ready."""
-        s = self.scheduler
-        if s.dead or self.boot.state.failed:
-            return f"The engine is not available: {s.dead or self.boot.state.failed}"
-        if self.draining:
+        """Why /health is 503, or None when ready: the scheduler's `Lifecycle`, read once."""
+        life = self.scheduler.lifecycle.now()
+        if life.phase is Phase.DEAD:
+            return f"The engine is not available: {life.reason}"
+        if life.phase is Phase.DRAINING:
             return "The server is shutting down."
-        if not s.ready:
+        if life.phase is Phase.LOADING:
             return f"Loading model (stage: {self.boot.state.stage})."
         return None
 
@@ -319,7 +319,7 @@ class ServerState:
             info.pop("model_dir", None)
             info["build"].pop("module", None)
             info["build"].pop("torch_tpu_compile_cache_dir", None)
-        s = self.scheduler
+        life = self.scheduler.lifecycle.now()
         loaded = self.boot.loaded
         workers = loaded.workers if loaded else []
         if info.get("compile") is not None:
@@ -331,8 +331,8 @@ class ServerState:
                              if loaded.media is not None else {"modalities": [], "missing": loaded.media_missing})
         info.update(
             model=config.shown_source, served_model_name=config.model_name, read_every=config.read_every,
-            queue_limit=config.queue_limit, max_num_seqs=config.max_num_seqs, ready=self.not_ready_reason() is None,
-            draining=self.draining, engine_error=s.dead, engines=[w.describe() for w in workers],
+            queue_limit=config.queue_limit, max_num_seqs=config.max_num_seqs, ready=life.phase is Phase.SERVING,
+            draining=life.draining, engine_error=life.reason, engines=[w.describe() for w in workers],
             engine_class=type(workers[0].engine).__qualname__ if workers and workers[0].engine is not None else None,
         )
         return info
@@ -346,13 +346,11 @@ class ServerState:
 
     async def drain(self) -> None:
         """SIGTERM: refuse new work, let current work finish up to the timeout, abort the rest, exit."""
-        if self.draining:
+        t = self.scheduler
+        if not t.start_drain():
             return
         log.info("draining: new requests get 503; %.1fs for the running ones", self.config.shutdown_timeout)
-        self.draining = True
         self.metrics.engine_ready.set(0)
-        t = self.scheduler
-        t.start_drain()
         deadline = time.monotonic() + self.config.shutdown_timeout
         while t.busy() and time.monotonic() < deadline:
             await asyncio.sleep(0.02)

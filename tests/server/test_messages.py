@@ -28,7 +28,7 @@ from gemma_server.frontends import messages
 from gemma_server.frontends.messages import AnthropicRoute, MessagesRequest, Translation, to_chat
 from gemma_server.frontends.messages_format import Blocks, MessagesFormat, partial_object
 from gemma_server.protocol import StructuredOutputs
-from gemma_server.scheduler import QueueFull
+from gemma_server.jobs import QueueFull
 from gemma_server.serving import Piece, stream
 from gemma_server.toolcalls import CallArguments, CallStart
 from tests.server.conftest import openai_client, prompt_tokens, sample, start_in_process, wait_for

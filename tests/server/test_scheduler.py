@@ -13,18 +13,14 @@ from collections.abc import Iterator
 
 import pytest
 
+from gemma_server.jobs import Cause, Draining, EngineDead, EngineFailed, Job, NotReady, QueueFull, Shutdown
 from gemma_server.scheduler import (
-    Cause,
-    Draining,
-    EngineDead,
-    EngineFailed,
     EngineWorker,
     Histories,
-    Job,
-    NotReady,
-    QueueFull,
+    Life,
+    Lifecycle,
+    Phase,
     Scheduler,
-    Shutdown,
     StepObserver,
     common_prefix,
     engines_for,
@@ -164,6 +160,24 @@ def test_the_drain_refuses_new_work_and_lets_admitted_and_running_jobs_finish(ma
     assert not sched.busy()
 
 
+def test_the_lifecycle_serves_after_loading_drains_once_and_a_death_keeps_its_first_reason():
+    life = Lifecycle()
+    assert (life.now().phase, str(life.now().refusal())) == (Phase.LOADING, "The model is loading.")
+    life.serve()
+    assert life.now().phase is Phase.SERVING and life.now().refusal() is None
+    assert life.drain() and not life.drain()  # the second SIGTERM begins nothing
+    assert (life.now().phase, life.now().draining, type(life.now().refusal())) == (Phase.DRAINING, True, Draining)
+    life.fail("boot: ValueError: x")
+    life.fail("RuntimeError: later")
+    assert life.now() == Life(Phase.DEAD, "boot: ValueError: x", draining=True)
+    assert str(life.now().refusal()) == "No engine is running: boot: ValueError: x"
+    dead = Lifecycle()  # a server that died before SIGTERM still drains, once, and stays dead
+    dead.fail("weights: FileNotFoundError: gone")
+    dead.serve()
+    assert dead.drain() and not dead.drain()
+    assert (dead.now().phase, dead.now().draining) == (Phase.DEAD, True)
+
+
 def test_the_shutdown_timeout_cancels_the_running_job_and_fails_the_queued_one(make):
     sched, _ = make(max_batch=1)
 
@@ -198,10 +212,10 @@ def test_a_dead_engine_fails_its_requests_and_answers_the_next_one_with_a_clear_
         assert str(error) == "The engine failed: RuntimeError: the device fell off the bus"
 
     asyncio.run(main())
-    assert worker.dead == sched.dead == "RuntimeError: the device fell off the bus"
+    assert worker.dead == sched.lifecycle.now().reason == "RuntimeError: the device fell off the bus"
     with pytest.raises(EngineDead, match="^No engine is running: RuntimeError: the device fell off the bus$"):
         sched.admit()
-    assert not sched.ready and not sched.busy()
+    assert sched.lifecycle.now().phase is Phase.DEAD and not sched.busy()
 
 
 @pytest.mark.parametrize("at", ["admit", "prompt", "decode"])
@@ -217,7 +231,7 @@ def test_an_engine_fault_fails_the_request_and_the_engine_serves_the_next(make, 
         queue(sched, after)
         kind, done, tokens = await outcome(after)
         assert (kind, done.finish, len(tokens)) == ("done", "length", 4)
-        assert sched.dead is None and worker.dead is None and worker.free == 2
+        assert sched.lifecycle.now().reason is None and worker.dead is None and worker.free == 2
 
     asyncio.run(main())
 
@@ -284,9 +298,10 @@ class NoEngine:
         self.sched = Scheduler(queue_limit=8)
         self.workers = [EngineWorker(i, "cpu", self.sched) for i in range(2)]
         for w, f in zip(self.workers, free):
-            w.serving, w.free, w.max_batch, w.histories = True, f, 4, Histories(4)
+            w.serving, w.max_batch, w.histories = True, 4, Histories(4)
+            self.sched.places.report(w.index, f)
         self.sched.workers = list(self.workers)
-        self.sched.ready = True
+        self.sched.lifecycle.serve()
 
     def job(self, prompt: tuple[int, ...], salt: str | None = None) -> Job:
         return Job(request=None, loop=asyncio.get_running_loop(), arrival=time.monotonic(), prompt=prompt, salt=salt)
@@ -309,8 +324,8 @@ def test_the_next_turn_of_a_conversation_goes_to_the_engine_that_served_the_last
         assert s.taken(1, first) == [first]  # nothing shared yet: the most free
         first.output = [50, 51, 52]
         s.sched.finished(s.workers[1], first)  # its slot keeps the prompt and the reply
-        s.workers[0].free = 4
-        s.workers[1].free = 2  # now the fuller of the two
+        s.sched.places.report(0, 4)
+        s.sched.places.report(1, 2)  # now the fuller of the two
         second = s.job(TURN + (50, 51, 52, 60, 61), salt="t")
         assert s.taken(0, second) == []  # the more free engine leaves it
         assert s.taken(1) == [second]  # to the one whose slot holds the conversation
@@ -327,7 +342,7 @@ def test_the_choices_of_one_request_reach_one_engine_together_and_a_full_holder_
         assert s.taken(0, a, b) == [a, b]  # the second follows the first, though engine 1 then has more free
         a.output = [7]
         s.sched.finished(s.workers[0], a)
-        s.workers[0].free = 0
+        s.sched.places.report(0, 0)
         again = s.job(TURN + (7, 8))
         assert s.taken(1, again) == [again]  # its engine is full: the free one takes it at once
 

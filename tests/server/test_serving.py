@@ -13,17 +13,8 @@ import pytest
 from gemma_server.errors import ApiError
 from gemma_server.metrics import FINISHED_REASONS, Metrics
 from gemma_server.protocol import EngineParams
-from gemma_server.scheduler import (
-    Cause,
-    Done,
-    End,
-    EngineDead,
-    EngineFailed,
-    EngineRefused,
-    Job,
-    Scheduler,
-    Shutdown,
-)
+from gemma_server.jobs import Cause, Done, End, EngineDead, EngineFailed, EngineRefused, Job, Shutdown
+from gemma_server.scheduler import Scheduler
 from gemma_server.serving import Generation
 
 MODEL = "m"

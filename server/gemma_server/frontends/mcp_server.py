@@ -36,7 +36,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from gemma_server.errors import as_api_error, invalid_request
 from gemma_server.protocol import ChatCompletionRequest
-from gemma_server.scheduler import Cause
+from gemma_server.jobs import Cause
 
 if TYPE_CHECKING:
     from gemma_server.state import ServerState
@@ -200,7 +200,7 @@ def build(state: ServerState) -> MCPServer:
         running = s.running()
         reason = state.not_ready_reason()
         return EndpointStatus(ready=reason is None, reason=reason, stage=state.boot.state.stage,
-                              draining=state.draining, queued=s.queued(), running=running,
+                              draining=s.lifecycle.now().draining, queued=s.queued(), running=running,
                               free_slots=max(s.capacity() - running, 0), queue_limit=s.queue_limit)
 
     @server.tool(description="A snapshot of the serving counters (requests by outcome, tokens, queue, KV "

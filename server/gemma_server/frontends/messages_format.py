@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 
 from gemma_server import openapi, sse
 from gemma_server.errors import ApiError
-from gemma_server.scheduler import Cause
+from gemma_server.jobs import Cause
 from gemma_server.serving import Generation, Output, Piece, usage
 from gemma_server.toolcalls import CallStart
 
