@@ -382,6 +382,9 @@ class Scheduler:
     Args:
         queue_limit: most requests admitted but not yet in an engine.
         observer: metrics hooks.
+    Attributes:
+        places: the counts (`Capacity`), changed only under the scheduler's lock.
+        lifecycle: the server's readiness (`Lifecycle`); the boot marks it dead when a stage fails.
     """
 
     def __init__(self, queue_limit: int, observer: StepObserver | None = None) -> None:
