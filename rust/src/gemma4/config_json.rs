@@ -3,9 +3,10 @@
 //!
 //! The text keys mirror Transformers 5.18 `models/gemma4/configuration_gemma4.py` (C:, line legend in
 //! gemma4/mod.rs): Gemma4TextConfig (C:152-183) and Gemma4Config's media ids (C:346-352). The sizes the model
-//! is built from, `rms_norm_eps`, `sliding_window` and `rope_parameters` have no default here (Transformers'
-//! are those of no released checkpoint): a config.json without one is refused, naming it. Where a key has a
-//! default, it is Transformers', except the two its field says (`eos_token_id`, `hidden_size_per_layer_input`).
+//! is built from, `rms_norm_eps`, `sliding_window` and `rope_parameters` have no default here, though
+//! Transformers has them: the engine builds no model from a size the file leaves out, and refuses a config.json
+//! without one, naming the key. Where a key has a default, it is Transformers', except the two its field says
+//! (`eos_token_id`, `hidden_size_per_layer_input`).
 //! A key whose value is null reads as absent (Transformers writes an unset optional as null); a value of the
 //! wrong type is an error, never a default. config.rs turns these into the `Config` the model uses; the
 //! towers' configs are in media.rs, the assistant's in assistant.rs.
@@ -49,7 +50,8 @@ fn without_nulls(v: &Value) -> Value {
 }
 
 /// serde's message at `path` in the engine's words: "hidden_size: missing", "num_attention_heads: must be
-/// an integer, got string \"four\"".
+/// an integer, got string \"four\"". It reads the wording of serde 1.0's `de::Error` messages (serde
+/// `src/de/mod.rs`: `missing_field`, `invalid_type`, `invalid_value`); this module's tests pin it.
 fn describe(path: &str, msg: &str) -> Error {
     let join = |key: &str| if path.is_empty() { key.to_string() } else { format!("{path}.{key}") };
     if let Some(field) = msg.strip_prefix("missing field `").and_then(|m| m.strip_suffix('`')) {
