@@ -9,7 +9,7 @@ it); the weights and warmup stages hand those tasks to the workers and wait for 
 are logged, exported as `gemma_boot_stage_seconds` and reported by GET /v1/engine. The weights stage also
 builds the checkpoint's `gemma_engine.Grammars` (its tokenizer.json, eos ids and vocabulary) once: every
 engine and every request's grammar check share it; and, for a checkpoint with a vision or audio tower, its
-media front end (media.MediaEncoder: Transformers' processors and one `gemma_engine.Encoder` on the first
+media front end (media_encoder.MediaEncoder: Transformers' processors and one `gemma_engine.Encoder` on the first
 engine's device, on a thread of its own). With speculative decoding on and no --speculative-max-batch, the warmup
 stage also measures up to which decode bucket it pays on each engine and sets that limit (speculation.py). A
 failed stage writes a one-line reason to the termination-message file (Kubernetes shows it as the container's last state, and
@@ -35,7 +35,7 @@ from typing import Any
 from gemma_server import build as build_mod
 from gemma_server import compile_cache, speculation
 from gemma_server.config import Config
-from gemma_server.media import MediaEncoder
+from gemma_server.media_encoder import MediaEncoder
 from gemma_server.metrics import Metrics, cache_config
 from gemma_server.scheduler import EngineWorker, Scheduler
 from gemma_server.sources import materialize, parse_source
@@ -99,7 +99,7 @@ class Loaded:
     vocab_size: int = 0
     grammars: Any = None  # gemma_engine.Grammars, or None (then grammars_missing says why)
     grammars_missing: str = "the engine was built without grammars"
-    media: Any = None  # media.MediaEncoder, or None (then media_missing says why)
+    media: Any = None  # media_encoder.MediaEncoder, or None (then media_missing says why)
     media_missing: str = "the checkpoint has no vision or audio tower"
 
     @property

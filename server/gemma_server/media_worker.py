@@ -16,7 +16,7 @@ with out-of-band buffers (PEP 574), so an image's pixels or a clip's samples cro
 code's own stdout is sent to stderr, so nothing a decoder prints can break a reply.
 
 The server's side is `Workers`: `size` workers, one for each place (`place`, an asyncio semaphore). A request
-holds one place while its media are decoded, pre-processed and encoded (media.soft_tokens), so at most
+holds one place while its media are decoded, pre-processed and encoded (media_encoder.soft_tokens), so at most
 `size` requests hold decoded media at once, and one that waits holds only its body. A job runs within a
 wall-clock deadline (the same SECONDS). A worker past it, one whose request was cancelled (its client left),
 one that ran out of memory, and one that died (SIGXCPU, the kernel's OOM killer, a crash) is killed and

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from gemma_server import media, media_worker
+from gemma_server import media, media_encoder, media_worker
 from gemma_server.response_store import ResponseStore
 from gemma_server.boot import Boot
 from gemma_server.chat_template import CacheMarks, chat_prompt, tokenize_completion
@@ -204,8 +204,9 @@ class ServerState:
                        receive: Callable[[], Awaitable[dict]] | None = None) -> tuple[list[int], CacheMarks, tuple]:
         """A chat request's prompt: the template rendered and tokenized off the event loop (chat_template.py),
         then its images and audio read and decoded in a media worker (unless `decoded` holds them already),
-        encoded into soft tokens (media.soft_tokens) and placed (media.place). With `receive` (the request's
-        ASGI receive), a client that leaves while its media are read stops that work: its decode is killed.
+        encoded into soft tokens (media_encoder.soft_tokens) and placed (media_encoder.place).
+        With `receive` (the request's ASGI receive), a client that leaves while its media are read stops that
+        work: its decode is killed.
 
         Returns:
             (ids, the cache marks (chat_template.CacheMarks; none without `mark`), the engine's media items).
@@ -222,9 +223,9 @@ class ServerState:
             None, chat_prompt, self.tokenizer, body, mark)
         if not parts:
             return ids, marks, ()
-        work = media.soft_tokens(loaded.media, self.media_workers, parts, self.media_limits, decoded)
+        work = media_encoder.soft_tokens(loaded.media, self.media_workers, parts, self.media_limits, decoded)
         soft = await (race_disconnect(receive, work) if receive is not None else work)
-        ids, placed, marks = media.place(ids, soft, loaded.media.tokens, marks)
+        ids, placed, marks = media_encoder.place(ids, soft, loaded.media.tokens, marks)
         return ids, marks, placed
 
     async def start(self, body: ChatCompletionRequest | CompletionRequest, client: str,

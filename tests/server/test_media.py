@@ -25,7 +25,7 @@ import pytest
 import soundfile
 import torch
 
-from gemma_server import media
+from gemma_server import media, media_encoder
 from gemma_server.protocol.requests import ChatCompletionRequest
 from gemma_server.frontends.transcriptions import chat_request, max_tokens_for
 from tests.checkpoints.multimodal import load_multimodal_reference, random_audio, random_image
@@ -134,7 +134,8 @@ def test_prompt_ids_and_model_inputs_equal_gemma4_processors(multimodal_checkpoi
                                       {"type": "audio", "audio": clip}, {"type": "text", "text": " please."}]}],
         tokenize=True, return_dict=True, add_generation_prompt=True, return_tensors="pt")
 
-    # The server's side: the bytes a client sends, decoded, pre-processed and placed by gemma_server.media.
+    # The server's side: the bytes a client sends, decoded (gemma_server.media), pre-processed and placed
+    # (gemma_server.media_encoder).
     request = ChatCompletionRequest(messages=[
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "Compare "}, image_part(data_url(png(images[0]))),
@@ -142,9 +143,9 @@ def test_prompt_ids_and_model_inputs_equal_gemma4_processors(multimodal_checkpoi
                                      audio_part(wav(clip)), {"type": "text", "text": " please."}]}])
     decoded = [media.decode(p, media.inline_bytes(p, 1 << 20), media.Limits(8, 1 << 20, 60, 1 << 20))
                for p in request.media_parts()]
-    image_processor, extractor = media.processors(multimodal_checkpoint, vision=True, audio=True)
-    pixels = media.image_inputs(image_processor, [d.value for d in decoded[:2]])
-    features = media.audio_inputs(extractor, [decoded[2].value])
+    image_processor, extractor = media_encoder.processors(multimodal_checkpoint, vision=True, audio=True)
+    pixels = media_encoder.image_inputs(image_processor, [d.value for d in decoded[:2]])
+    features = media_encoder.audio_inputs(extractor, [decoded[2].value])
     assert torch.equal(pixels["pixel_values"], hf["pixel_values"])
     assert torch.equal(pixels["image_position_ids"], hf["image_position_ids"])
     assert torch.equal(features["input_features"], hf["input_features"])
@@ -155,10 +156,11 @@ def test_prompt_ids_and_model_inputs_equal_gemma4_processors(multimodal_checkpoi
     image_rows = [e.shape[0] for e in encoder.image(pixels["pixel_values"], pixels["image_position_ids"])]
     assert image_rows == pixels["num_soft_tokens_per_image"].tolist()
     audio_rows = encoder.audio(features["input_features"], features["input_features_mask"])[0].shape[0]
-    tokens = media.Tokens(encoder.image_token_id, encoder.audio_token_id, encoder.boi_token_id, encoder.eoi_token_id,
-                          encoder.boa_token_id, encoder.eoa_token_id)
-    ids, starts = media.prompt_ids(AutoTokenizer.from_pretrained(d), request,
-                                   [("image", image_rows[0]), ("image", image_rows[1]), ("audio", audio_rows)], tokens)
+    tokens = media_encoder.Tokens(encoder.image_token_id, encoder.audio_token_id, encoder.boi_token_id,
+                                  encoder.eoi_token_id, encoder.boa_token_id, encoder.eoa_token_id)
+    ids, starts = media_encoder.prompt_ids(AutoTokenizer.from_pretrained(d), request,
+                                           [("image", image_rows[0]), ("image", image_rows[1]), ("audio", audio_rows)],
+                                           tokens)
     assert ids == hf["input_ids"][0].tolist()
     assert [ids[s - 1] for s in starts] == [tokens.boi, tokens.boi, tokens.boa]
     assert [ids[s + n] for s, n in zip(starts, [*image_rows, audio_rows])] == [tokens.eoi, tokens.eoi, tokens.eoa]

@@ -33,7 +33,7 @@ class EngineParams:
         next_turn: the prompt position where the conversation's next turn departs from it, which the
             engine snapshots too (chat_template.next_turn), or None.
         media: the soft tokens of the prompt's images and audio, (start, embeds [n, hidden], key) in prompt
-            order (media.place): they take positions start..start+n, which hold the placeholder id.
+            order (media_encoder.place): they take positions start..start+n, which hold the placeholder id.
         speculative: False opts the request out of the server's speculative decoding.
     """
 

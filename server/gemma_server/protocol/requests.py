@@ -320,7 +320,7 @@ class GenerationRequest(OpenAIModel):
             internal_bias: the server's own logit bias (tool_choice none forbids `<|tool_call>`); it wins
                 over the request's for its ids and does not count against the request's logit_bias cap.
             cache_boundary: where the prompt's shared part ends (chat_template.cache_boundary), or None.
-            media: the prompt's soft tokens (media.place), passed through.
+            media: the prompt's soft tokens (media_encoder.place), passed through.
             next_turn: where the conversation's next turn departs from the prompt (chat_template.next_turn),
                 or None.
         Returns:
