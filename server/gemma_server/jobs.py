@@ -133,7 +133,7 @@ _ENDS: dict[Cause, tuple[str | None, str]] = {
     Cause.SHUTDOWN: (None, "abort"),
 }
 # The engine's finish (gemma_engine.Event.finish) -> the same pair; "cancelled" without our asking is the
-# engine loop ending under it (Scheduler.stop).
+# engine loop ending under it (scheduler.Scheduler.stop).
 _ENGINE_FINISHES: dict[str, tuple[str, str]] = {
     "stop": ("stop", "stop"), "length": ("length", "length"), "cancelled": ("abort", "abort")}
 
@@ -190,7 +190,7 @@ class Job:
             the scheduler scores engines by.
         output: the ids the engine generated (written on its worker's thread): with the prompt, the
             history its slot keeps when it ends.
-        scores: engine index -> (that engine's Histories.version, the job's score there), under the
+        scores: engine index -> (that engine's scheduler.Histories.version, the job's score there), under the
             scheduler's lock, so a job waiting at the head is scored again only when an engine's
             histories change.
     """
