@@ -12,7 +12,7 @@ become soft tokens there (media.py).
 Route bodies only hand over: to the front-end of their API (frontends/: chat.py, responses.py, messages.py,
 transcriptions.py, mcp_server.py), which turns the request into a chat or completion request, admits it by
 `ServerState.start` (state.py, the one path every request takes; the middleware is middleware.py's) and replies
-through `serving.reply` with its format. The work is in protocol.py (what a request means), chat_template.py
+through `serving.reply` with its format. The work is in protocol/ (what a request means), chat_template.py
 (a request's prompt ids), serving.py (tokens -> pieces -> the format's bytes) and scheduler.py (the queue and
 the engines).
 
@@ -67,19 +67,10 @@ from gemma_server.boot import Boot
 from gemma_server.chat_template import encode
 from gemma_server.config import Config
 from gemma_server.errors import ApiError, as_api_error, bad_request, error_body, from_scheduler, invalid_request
-from gemma_server.protocol import (
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionRequest,
-    CompletionResponse,
-    DetokenizeRequest,
-    DetokenizeResponse,
-    ModelCard,
-    ModelList,
-    TokenizeRequest,
-    TokenizeResponse,
-    max_prompt_chars,
-)
+from gemma_server.protocol.requests import ChatCompletionRequest, CompletionRequest
+from gemma_server.protocol.tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from gemma_server.protocol.replies import ChatCompletionResponse, CompletionResponse, ModelCard, ModelList
+from gemma_server.protocol.limits import max_prompt_chars
 from gemma_server.jobs import SchedulerError
 from gemma_server.scheduler import Phase
 from gemma_server.frontends import chat, messages, messages_format, responses, responses_format, transcriptions

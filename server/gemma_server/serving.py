@@ -40,7 +40,8 @@ from gemma_server import sse
 from gemma_server.connections import STALLED
 from gemma_server.errors import ApiError, as_api_error
 from gemma_server.metrics import Metrics
-from gemma_server.protocol import EngineParams, PromptTokensDetails, Timings, Usage
+from gemma_server.protocol.replies import PromptTokensDetails, Timings, Usage
+from gemma_server.protocol.engine import EngineParams
 from gemma_server.jobs import Cause, Done, Job
 from gemma_server.scheduler import Scheduler
 from gemma_server.text import IncrementalDetokenizer, StopMatcher

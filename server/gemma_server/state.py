@@ -23,11 +23,8 @@ from gemma_server.config import Config
 from gemma_server.errors import ApiError, bad_request
 from gemma_server.metrics import Metrics
 from gemma_server.grammars import grammar_text
-from gemma_server.protocol import (
-    ChatCompletionRequest,
-    MAX_GRAMMAR_BYTES,
-    CompletionRequest,
-)
+from gemma_server.protocol.requests import ChatCompletionRequest, CompletionRequest
+from gemma_server.protocol.limits import MAX_GRAMMAR_BYTES
 from gemma_server.jobs import Cause, ClientShares, NotReady
 from gemma_server.scheduler import Phase, Scheduler, StepObserver
 from gemma_server.serving import (

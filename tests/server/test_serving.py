@@ -12,7 +12,7 @@ import pytest
 
 from gemma_server.errors import ApiError
 from gemma_server.metrics import FINISHED_REASONS, Metrics
-from gemma_server.protocol import EngineParams
+from gemma_server.protocol.engine import EngineParams
 from gemma_server.jobs import Cause, Done, End, EngineDead, EngineFailed, EngineRefused, Job, Shutdown
 from gemma_server.scheduler import Scheduler
 from gemma_server.serving import Generation

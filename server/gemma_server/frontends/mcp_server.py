@@ -35,7 +35,7 @@ from mcp.server.transport_security import TransportSecuritySettings
 from pydantic import BaseModel, Field, ValidationError
 
 from gemma_server.errors import as_api_error, invalid_request
-from gemma_server.protocol import ChatCompletionRequest
+from gemma_server.protocol.requests import ChatCompletionRequest
 from gemma_server.jobs import Cause
 
 if TYPE_CHECKING:

@@ -27,7 +27,7 @@ from gemma_server.errors import ApiError, param_from_loc
 from gemma_server.frontends import messages
 from gemma_server.frontends.messages import AnthropicRoute, MessagesRequest, Translation, to_chat
 from gemma_server.frontends.messages_format import Blocks, MessagesFormat, partial_object
-from gemma_server.protocol import StructuredOutputs
+from gemma_server.protocol.content import StructuredOutputs
 from gemma_server.jobs import QueueFull
 from gemma_server.serving import Piece, stream
 from gemma_server.toolcalls import CallArguments, CallStart
