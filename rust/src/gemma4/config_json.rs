@@ -5,8 +5,8 @@
 //! gemma4/mod.rs): Gemma4TextConfig (C:152-183) and Gemma4Config's media ids (C:346-352). The sizes the model
 //! is built from, `rms_norm_eps`, `sliding_window` and `rope_parameters` have no default here, though
 //! Transformers has them: the engine builds no model from a size the file leaves out, and refuses a config.json
-//! without one, naming the key. Where a key has a default, it is Transformers', except the two its field says
-//! (`eos_token_id`, `hidden_size_per_layer_input`).
+//! without one, naming the key. Where a key has a default, it is Transformers', except the three whose field
+//! says why (`eos_token_id`, `hidden_size_per_layer_input`, `vocab_size_per_layer_input`).
 //! A key whose value is null reads as absent (Transformers writes an unset optional as null); a value of the
 //! wrong type is an error, never a default. config.rs turns these into the `Config` the model uses; the
 //! towers' configs are in media.rs, the assistant's in assistant.rs.
@@ -183,7 +183,8 @@ pub struct RawText {
     pub layer_types: Option<Vec<LayerType>>,
     pub final_logit_softcapping: Option<f64>,
     pub use_bidirectional_attention: Option<Bidirectional>,
-    /// None: as many as the token vocabulary (`vocab_size`).
+    /// None: as many as the token vocabulary (`vocab_size`), the smallest table every token id can index
+    /// (Transformers' default is 262144, C:175, the released checkpoints' vocabulary).
     pub vocab_size_per_layer_input: Option<i64>,
     /// Absent, 0: no per-layer inputs. Gemma4TextConfig defaults it to 256 (C:176) and writes it to every
     /// config.json it saves; Gemma4UnifiedTextConfig (`models/gemma4_unified/configuration_gemma4_unified.py`),
