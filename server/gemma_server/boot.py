@@ -464,7 +464,7 @@ def start_ranks(c: Config, model_dir: Path, emb_dir: Path | None, groups: list[l
 
 def model_vocabulary(model_dir: Path) -> tuple[int, list[int]]:
     """(vocab_size, eos ids) of a checkpoint as the engine reads them (rust/src/gemma4/config.rs
-    `Config::from_dir`): config.json's own keys or its `text_config`'s, and generation_config.json's eos ids.
+    `Config::load`): config.json's own keys or its `text_config`'s, and generation_config.json's eos ids.
 
     Raises:
         ValueError, OSError: config.json is missing or lacks vocab_size.
