@@ -373,13 +373,6 @@ class Output:
     logprobs: list = field(default_factory=list)
     prompt_logprobs: list | None = None
 
-    def add(self, piece: Piece) -> None:
-        self.text += piece.text
-        self.reasoning += piece.reasoning
-        self.logprobs += piece.logprobs
-        if piece.prompt_logprobs is not None:
-            self.prompt_logprobs = piece.prompt_logprobs
-
 
 class Format(Protocol):
     """One API's replies as bytes: what `stream` and `reply` send, and nothing else. A format is pure (no
@@ -410,12 +403,21 @@ Items = AsyncIterator[tuple[int, "Piece | None"]]
 
 
 async def collect(items: Items) -> list[Output]:
-    """The whole output of a non-streamed request, per choice (in the order of their indexes)."""
+    """The whole output of a non-streamed request, per choice (in the order of their indexes). Texts are
+    joined once at the end: a long reply comes in thousands of pieces."""
     outputs: dict[int, Output] = {}
+    texts: dict[int, tuple[list[str], list[str]]] = {}
     async for index, piece in items:
         out = outputs.setdefault(index, Output())
+        text, reasoning = texts.setdefault(index, ([], []))
         if piece is not None:
-            out.add(piece)
+            text.append(piece.text)
+            reasoning.append(piece.reasoning)
+            out.logprobs += piece.logprobs
+            if piece.prompt_logprobs is not None:
+                out.prompt_logprobs = piece.prompt_logprobs
+    for index, (text, reasoning) in texts.items():
+        outputs[index].text, outputs[index].reasoning = "".join(text), "".join(reasoning)
     return [outputs[i] for i in sorted(outputs)]
 
 
