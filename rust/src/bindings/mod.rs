@@ -637,7 +637,7 @@ impl Engine {
     ) -> PyResult<Bound<'py, PyAny>> {
         let media = media_arg(&media)?;
         let inner = &mut self.inner;
-        let t = py.detach(move || no_grad(|| inner.logits(&ids, media)))?;
+        let t = py.detach(move || no_grad(|| inner.logits(&ids, &media)))?;
         t.to_python(py)
     }
 }

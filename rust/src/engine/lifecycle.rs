@@ -3,10 +3,10 @@
 //! which frees the slot.
 
 use super::{Engine, Fault};
-use crate::engine::media;
+use crate::engine::media::{self, Media};
 use crate::engine::prefix::{self, Hit, Mark};
 use crate::engine::request::{Event, Finish, Request, Timing};
-use crate::engine::slots::{End, Phase, Slot};
+use crate::engine::slots::{End, Phase, Placed, Slot};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
 
@@ -19,7 +19,6 @@ impl Engine {
         if let Err(e) = self.check_request(&r) {
             return refuse(&r, e.to_string());
         }
-        media::mark_both_ways(&mut r.media, &r.prompt, &self.model.cfg.bidirectional_ids);
         let free = self.slots.free_list();
         if free.is_empty() {
             return refuse(&r, format!("all {} slots are busy", self.max_batch));
@@ -109,18 +108,23 @@ impl Engine {
         Ok(())
     }
 
-    /// Upload `r`'s prompt and give slot `s` its sampling state; the slot is still free, so an error
-    /// here leaves nothing to undo (the next `assign` rewrites the whole row).
-    pub(super) fn place(&mut self, s: usize, r: &Request) -> Result<Tensor> {
+    /// Upload `r`'s prompt (`upload`) and give slot `s` its sampling state; the slot is still free, so
+    /// an error here leaves nothing to undo (the next `assign` rewrites the whole row).
+    pub(super) fn place(&mut self, s: usize, r: &Request) -> Result<Placed> {
         if self.fault == Some((Fault::Admit, r.id)) {
             return Err(self.take_fault());
         }
-        for m in &r.media {
-            m.place(&self.like, self.model.dtype())?;
-        }
-        let prompt = Tensor::from_i64(&r.prompt)?.to_like(&self.like, DType::I64)?;
-        self.sampler.assign(s as i64, &r.params, &prompt, r.grammar.is_some())?;
+        let prompt = self.upload(&r.prompt, &r.media)?;
+        self.sampler.assign(s as i64, &r.params, &prompt.ids, r.grammar.is_some())?;
         Ok(prompt)
+    }
+
+    /// Prompt `ids` and the soft tokens of its `media` on the device, which a slot (or `logits`) reads
+    /// the prompt from; `check_input` has passed.
+    pub(super) fn upload(&self, ids: &[i64], media: &[Media]) -> Result<Placed> {
+        let cfg = &self.model.cfg;
+        let media = media::on_device(media, ids, &cfg.bidirectional_ids, &self.like, self.model.dtype())?;
+        Ok(Placed { ids: Tensor::from_i64(ids)?.to_like(&self.like, DType::I64)?, media })
     }
 
     /// Free slot `s` and its sampling state; its rings stay for later requests (prefix.rs). Returns

@@ -15,25 +15,29 @@
 //!   hashes the media into its block keys the same way, `vllm/v1/core/kv_cache_utils.py`).
 
 use std::borrow::Cow;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::error::{Error, Result};
 use crate::gemma4::model::Injection;
 use crate::tensor::{DType, Tensor};
 
-/// One image's or clip's soft tokens at prompt positions `start..start + rows`. Cloning shares the
-/// soft tokens (a request is cloned out of its Python object, which any thread may hold).
+/// One image's or clip's soft tokens at prompt positions `start..start + rows`, never changed once
+/// made: a request's items hold the soft tokens as given, and admission makes the device copies a
+/// slot reads (`on_device`). Cloning shares the soft tokens (a request is cloned out of its Python
+/// object, which any thread may hold).
 #[derive(Clone)]
 pub struct Media {
     pub start: usize,
-    /// `[rows, hidden]`, shared.
+    /// `[rows, hidden]`, shared. A `Tensor` is `Send` but not `Sync` (tensor.rs), and a request is a
+    /// frozen Python object any thread may read, so the handle sits behind a lock; nothing is written
+    /// through it, so a poisoned lock still holds the same tensor.
     embeds: Arc<Mutex<Tensor>>,
-    /// The soft tokens' first dim, read once (`place` moves them, never reshapes them).
+    /// The soft tokens' first dim, read once.
     rows: usize,
     /// The content's key (a hash of its bytes): equal keys, equal soft tokens.
     pub key: u64,
-    /// Sliding layers read these soft tokens both ways (`mark_both_ways`).
-    pub both_ways: bool,
+    /// Sliding layers read these soft tokens both ways (set by `on_device`).
+    both_ways: bool,
 }
 
 impl std::fmt::Debug for Media {
@@ -51,14 +55,13 @@ impl Media {
 
     /// A handle on the soft tokens.
     pub fn embeds(&self) -> Result<Tensor> {
-        self.embeds.lock().map_err(|_| Error::Internal("a media tensor's lock is poisoned".into()))?.shallow_clone()
+        self.embeds.lock().unwrap_or_else(PoisonError::into_inner).shallow_clone()
     }
 
-    /// The soft tokens moved to `like`'s device in `dtype` (once, at admission).
-    pub fn place(&self, like: &Tensor, dtype: DType) -> Result<()> {
-        let mut t = self.embeds.lock().map_err(|_| Error::Internal("a media tensor's lock is poisoned".into()))?;
-        *t = t.to_like(like, dtype)?;
-        Ok(())
+    /// A new item: this one with its soft tokens on `like`'s device in `dtype`, read both ways or not.
+    pub fn on(&self, like: &Tensor, dtype: DType, both_ways: bool) -> Result<Media> {
+        let embeds = Arc::new(Mutex::new(self.embeds()?.to_like(like, dtype)?));
+        Ok(Media { start: self.start, embeds, rows: self.rows, key: self.key, both_ways })
     }
 
     pub fn rows(&self) -> usize {
@@ -66,12 +69,18 @@ impl Media {
     }
 }
 
-/// Mark the items whose placeholder is one of `bidirectional` (the config's `bidirectional_ids`): images
-/// of a checkpoint whose sliding layers read an image both ways. `check` has passed.
-pub fn mark_both_ways(media: &mut [Media], prompt: &[i64], bidirectional: &[i64]) {
-    for m in media {
-        m.both_ways = bidirectional.contains(&prompt[m.start]);
-    }
+/// The device copies of a request's `media` (made once, at admission, and kept with its slot): each
+/// item `on` `like`'s device in `dtype`, read both ways when its placeholder is one of `bidirectional`
+/// (the config's `bidirectional_ids`: images of a checkpoint whose sliding layers read an image both
+/// ways). `check` has passed.
+pub fn on_device(
+    media: &[Media],
+    prompt: &[i64],
+    bidirectional: &[i64],
+    like: &Tensor,
+    dtype: DType,
+) -> Result<Vec<Media>> {
+    media.iter().map(|m| m.on(like, dtype, bidirectional.contains(&prompt[m.start]))).collect()
 }
 
 /// Where a prompt chunk from `done` that would end at `end` must end so that no item read both ways is
@@ -265,6 +274,17 @@ mod tests {
         assert_eq!(chunk_end(&media, 15, 21).unwrap(), 21);
         let b = blocks(&[(&media[..], 8, 16, 0)], 8).unwrap().unwrap();
         assert_eq!(b, vec![-1, -1, 10, 10, 10, 10, 10, -1]);
+    }
+
+    #[test]
+    fn device_copies_are_new_items_marked_by_placeholder() {
+        let given = [item(1, 2, 1), item(4, 2, 2)];
+        let like = Tensor::from_i64(&[0]).unwrap();
+        let placed = on_device(&given, &[2, 9, 9, 3, 8, 8, 4], &[8], &like, DType::BF16).unwrap();
+        assert_eq!(placed.iter().map(|m| m.both_ways).collect::<Vec<_>>(), vec![false, true]);
+        assert!(given.iter().all(|m| !m.both_ways));
+        assert_eq!((placed[1].start, placed[1].rows(), placed[1].key), (4, 2, 2));
+        assert_eq!(placed[0].embeds().unwrap().to_vec_f32().unwrap(), vec![1.0; 8]);
     }
 
     #[test]

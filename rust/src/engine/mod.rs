@@ -381,9 +381,15 @@ impl Engine {
         if r.grammar.is_some() && self.grammars.is_none() {
             return Err(Error::Input("grammar: this engine was built without grammars (Engine(grammars=...))".into()));
         }
-        self.check_prompt(&r.prompt)?;
+        self.check_input(&r.prompt, &r.media)
+    }
+
+    /// The checks on prompt `ids` and its `media` against this model: `check_prompt`, then media.rs
+    /// `check`.
+    fn check_input(&self, ids: &[i64], media: &[media::Media]) -> Result<()> {
+        self.check_prompt(ids)?;
         let cfg = &self.model.cfg;
-        media::check(&r.media, &r.prompt, cfg.hidden_size, &cfg.media_token_ids)
+        media::check(media, ids, cfg.hidden_size, &cfg.media_token_ids)
     }
 
     /// `r`'s grammar compiled, when it has one (`check_request` has seen that there are grammars).
@@ -397,24 +403,16 @@ impl Engine {
     /// float32 next-token logits after `ids` with soft tokens `media` (engine/media.rs), read into slot
     /// 0 from empty, on the host as a tensor. Slot 0's rings are overwritten, so what the prefix cache
     /// knew of them is dropped.
-    pub fn logits(&mut self, ids: &[i64], mut media: Vec<media::Media>) -> Result<Tensor> {
-        self.check_prompt(ids)?;
-        let cfg = &self.model.cfg;
-        media::check(&media, ids, cfg.hidden_size, &cfg.media_token_ids)?;
-        media::mark_both_ways(&mut media, ids, &cfg.bidirectional_ids);
-        for m in &media {
-            m.place(&self.like, self.model.dtype())?;
-        }
+    pub fn logits(&mut self, ids: &[i64], media: &[media::Media]) -> Result<Tensor> {
+        self.check_input(ids, media)?;
+        let prompt = self.upload(ids, media)?;
         if let Some(p) = self.prefix.as_mut() {
             p.drop_history(0);
         }
-        let prompt = Tensor::from_i64(ids)?.to_like(&self.like, DType::I64)?;
         let mut done = 0;
         loop {
-            let end = self.chunk_end(ids.len(), done, None, &media)?;
-            let shape = [1, (end - done) as i64];
-            let inject = media::injection(&[(&media, done, end, 0)], shape, &self.like, self.model.dtype())?;
-            let (logits, read, _) = self.prompt_chunk(0, &prompt, ids, done, end, None, inject.as_ref())?;
+            let (end, inject) = self.next_chunk(ids.len(), done, None, &prompt.media)?;
+            let (logits, read, _) = self.prompt_chunk(0, &prompt.ids, ids, done, end, None, inject.as_ref())?;
             done += read;
             if let Some(l) = logits {
                 // A tensor built from host bytes lives on the host: it names where the logits go.
@@ -424,12 +422,21 @@ impl Engine {
         }
     }
 
-    /// Where the chunk of an `n`-token prompt read from `done` ends: `prefill_chunk` tokens on, or the
-    /// prompt's end, or `boundary` (the next snapshot mark, prefix.rs) when it lies ahead; never inside
-    /// an item of `media` read both ways (media.rs `chunk_end`).
-    fn chunk_end(&self, n: usize, done: usize, boundary: Option<usize>, media: &[media::Media]) -> Result<usize> {
+    /// The next chunk of an `n`-token prompt read from `done`: where it ends (`prefill_chunk` tokens on,
+    /// or the prompt's end, or `boundary` (the next snapshot mark, prefix.rs) when it lies ahead; never
+    /// inside an item of `media` read both ways, media.rs `chunk_end`) and the soft tokens of `media`
+    /// (the device copies) it places (media.rs `injection`).
+    fn next_chunk(
+        &self,
+        n: usize,
+        done: usize,
+        boundary: Option<usize>,
+        media: &[media::Media],
+    ) -> Result<(usize, Option<Injection>)> {
         let end = (done + self.prefill_chunk as usize).min(n);
-        media::chunk_end(media, done, boundary.filter(|b| *b > done).map_or(end, |b| end.min(b)))
+        let end = media::chunk_end(media, done, boundary.filter(|b| *b > done).map_or(end, |b| end.min(b)))?;
+        let shape = [1, (end - done) as i64];
+        Ok((end, media::injection(&[(media, done, end, 0)], shape, &self.like, self.model.dtype())?))
     }
 
     /// Read positions `done..end` of `slot`'s prompt (`prompt` on the device, `ids_host` on the host),

@@ -22,14 +22,12 @@ impl Engine {
         let k = self.prompt_k(s);
         let slot = self.slots.get_mut(s)?;
         let Phase::Prompt { done } = slot.phase else { return Err(Error::Internal("slot is not reading".into())) };
-        let prompt = slot.prompt.shallow_clone()?;
+        let prompt = slot.prompt.ids.shallow_clone()?;
         let ids = slot.request.prompt.clone();
         let marks: Vec<(Mark, usize)> = prefix::marks(&slot.request).collect();
-        let media = self.slots.get(s).map(|x| x.request.media.as_slice()).unwrap_or_default();
+        let media = self.slots.get(s).map(|x| x.prompt.media.as_slice()).unwrap_or_default();
         let next_mark = marks.iter().map(|&(_, c)| c).filter(|&c| c > done).min();
-        let end = self.chunk_end(ids.len(), done, next_mark, media)?;
-        let shape = [1, (end - done) as i64];
-        let inject = media::injection(&[(media, done, end, 0)], shape, &self.like, self.model.dtype())?;
+        let (end, inject) = self.next_chunk(ids.len(), done, next_mark, media)?;
         let (logits, read, piece) = self.prompt_chunk(s as i64, &prompt, &ids, done, end, k, inject.as_ref())?;
         let slot = self.slots.get_mut(s)?;
         slot.phase = Phase::Prompt { done: done + read };
@@ -69,7 +67,7 @@ impl Engine {
             .filter_map(|&s| self.slots.get(s).map(|x| (s, x)))
             .map(|(s, x)| {
                 let n = x.request.prompt.len();
-                (x.request.media.as_slice(), 0, n, (s - lo) as i64 * t + (t - n as i64))
+                (x.prompt.media.as_slice(), 0, n, (s - lo) as i64 * t + (t - n as i64))
             })
             .collect();
         let inject = media::injection(&placed, [rows.len, t], &self.like, self.model.dtype())?;

@@ -35,11 +35,18 @@ pub(super) enum Phase {
     Decode,
 }
 
+/// A request's prompt on the device, made once at admission (`Engine::upload`): its ids and its
+/// media's soft tokens (engine/media.rs `on_device`). The request keeps its media as given.
+pub(super) struct Placed {
+    pub(super) ids: Tensor,
+    pub(super) media: Vec<media::Media>,
+}
+
 /// One busy slot.
 pub(super) struct Slot {
     pub(super) request: Request,
     /// The prompt on the device.
-    pub(super) prompt: Tensor,
+    pub(super) prompt: Placed,
     /// The most tokens this request may generate (max_new, and the context's room).
     pub(super) limit: usize,
     pub(super) phase: Phase,
@@ -241,7 +248,7 @@ impl Slots {
         &mut self,
         s: usize,
         request: Request,
-        prompt: Tensor,
+        prompt: Placed,
         phase: Phase,
         limit: usize,
         grammar: Option<Constraint>,
