@@ -67,15 +67,15 @@ from gemma_server.boot import Boot
 from gemma_server.chat_template import encode
 from gemma_server.config import Config
 from gemma_server.errors import ApiError, as_api_error, bad_request, error_body, from_scheduler, invalid_request
+from gemma_server.frontends import chat, messages, messages_format, responses, responses_format, transcriptions
+from gemma_server.jobs import SchedulerError
+from gemma_server.middleware import ApiKeyGate, BodyLimit, InFlightLimit
+from gemma_server.protocol.limits import max_prompt_chars
+from gemma_server.protocol.replies import ChatCompletionResponse, CompletionResponse, ModelCard, ModelList
 from gemma_server.protocol.requests import ChatCompletionRequest, CompletionRequest
 from gemma_server.protocol.tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
-from gemma_server.protocol.replies import ChatCompletionResponse, CompletionResponse, ModelCard, ModelList
-from gemma_server.protocol.limits import max_prompt_chars
-from gemma_server.jobs import SchedulerError
-from gemma_server.scheduler import Phase
-from gemma_server.frontends import chat, messages, messages_format, responses, responses_format, transcriptions
-from gemma_server.middleware import ApiKeyGate, BodyLimit, InFlightLimit
 from gemma_server.response_store import owner_of
+from gemma_server.scheduler import Phase
 from gemma_server.serving import ClientDisconnected, client_of
 from gemma_server.state import ServerState
 

@@ -39,10 +39,10 @@ from starlette.responses import Response, StreamingResponse
 from gemma_server import sse
 from gemma_server.connections import STALLED
 from gemma_server.errors import ApiError, as_api_error
-from gemma_server.metrics import Metrics
-from gemma_server.protocol.replies import PromptTokensDetails, Timings, Usage
-from gemma_server.protocol.engine import EngineParams
 from gemma_server.jobs import Cause, Done, Job
+from gemma_server.metrics import Metrics
+from gemma_server.protocol.engine import EngineParams
+from gemma_server.protocol.replies import PromptTokensDetails, Timings, Usage
 from gemma_server.scheduler import Scheduler
 from gemma_server.text import IncrementalDetokenizer, StopMatcher
 from gemma_server.toolcalls import (

@@ -16,16 +16,16 @@ from contextlib import contextmanager
 from typing import Any
 
 from gemma_server import media, media_encoder, media_worker
-from gemma_server.response_store import ResponseStore
 from gemma_server.boot import Boot
 from gemma_server.chat_template import CacheMarks, chat_prompt, tokenize_completion
 from gemma_server.config import Config
 from gemma_server.errors import ApiError, bad_request
-from gemma_server.metrics import Metrics
 from gemma_server.grammars import grammar_text
-from gemma_server.protocol.requests import ChatCompletionRequest, CompletionRequest
-from gemma_server.protocol.limits import MAX_GRAMMAR_BYTES
 from gemma_server.jobs import Cause, ClientShares, NotReady
+from gemma_server.metrics import Metrics
+from gemma_server.protocol.limits import MAX_GRAMMAR_BYTES
+from gemma_server.protocol.requests import ChatCompletionRequest, CompletionRequest
+from gemma_server.response_store import ResponseStore
 from gemma_server.scheduler import Phase, Scheduler, StepObserver
 from gemma_server.serving import (
     Generation,

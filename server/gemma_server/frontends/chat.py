@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +22,6 @@ from starlette.responses import Response
 
 from gemma_server import sse
 from gemma_server.errors import ApiError
-from gemma_server.protocol.requests import ChatCompletionRequest, CompletionRequest
 from gemma_server.protocol.replies import (
     ChatChoice,
     ChatCompletionResponse,
@@ -31,6 +31,7 @@ from gemma_server.protocol.replies import (
     ResponseMessage,
     ResponseToolCall,
 )
+from gemma_server.protocol.requests import ChatCompletionRequest, CompletionRequest
 from gemma_server.serving import Format, Generation, Output, Piece, client_of, gone_of, merged, reply, usage
 from gemma_server.toolcalls import CallArguments, CallStart
 
@@ -71,7 +72,7 @@ def call_delta(event: CallStart | CallArguments) -> dict[str, Any]:
     return {"index": event.index, "function": {"arguments": event.text}}
 
 
-class _Chunks:
+class _Chunks(ABC):
     """What chat and completions share: the request's id and chunk envelope, the finish and usage chunks, the
     error and [DONE] ending, and the whole response's assembly.
 
@@ -126,11 +127,13 @@ class _Chunks:
         return dict(id=self.id, created=self.created, model=self.model, system_fingerprint=self.fingerprint,
                     usage=usage(self.gens), timings=self.gens[0].timings())
 
-    def response(self, outputs: list[Output]):
-        raise NotImplementedError
+    @abstractmethod
+    def response(self, outputs: list[Output]) -> ChatCompletionResponse | CompletionResponse:
+        """The response object without log-probabilities (`whole` adds them)."""
 
+    @abstractmethod
     def whole_choice(self, choice: dict[str, Any], out: Output, gen: Generation) -> dict[str, Any]:
-        raise NotImplementedError
+        """One choice of the whole response, as `response` dumped it, with its log-probabilities."""
 
 
 class ChatFormat(_Chunks):

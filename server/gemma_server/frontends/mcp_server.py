@@ -35,8 +35,8 @@ from mcp.server.transport_security import TransportSecuritySettings
 from pydantic import BaseModel, Field, ValidationError
 
 from gemma_server.errors import as_api_error, invalid_request
-from gemma_server.protocol.requests import ChatCompletionRequest
 from gemma_server.jobs import Cause
+from gemma_server.protocol.requests import ChatCompletionRequest
 
 if TYPE_CHECKING:
     from gemma_server.state import ServerState

@@ -56,7 +56,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gemma_server.errors import BRANCH, ApiError, as_api_error, bad_request, invalid_request, param_from_loc
 from gemma_server.frontends.fields import FieldNames
 from gemma_server.frontends.messages_format import MessagesFormat, error_body
-from gemma_server.protocol.requests import ChatCompletionRequest
 from gemma_server.protocol.base import Integer, OpenAIModel
 from gemma_server.protocol.limits import (
     FUNCTION_NAME,
@@ -66,6 +65,7 @@ from gemma_server.protocol.limits import (
     MAX_TOOL_CALLS,
     MAX_TOOLS,
 )
+from gemma_server.protocol.requests import ChatCompletionRequest
 from gemma_server.serving import client_of, gone_of, merged, reply
 
 if TYPE_CHECKING:

@@ -35,10 +35,10 @@ from gemma_server.errors import ApiError, bad_request, invalid_request
 from gemma_server.frontends.fields import FieldNames
 from gemma_server.frontends.responses_format import ResponsesFormat, assistant_message
 from gemma_server.openapi import documented
-from gemma_server.protocol.requests import ChatCompletionRequest
-from gemma_server.protocol.content import InputAudio, part_type
 from gemma_server.protocol.base import Integer, OpenAIModel
+from gemma_server.protocol.content import InputAudio, part_type
 from gemma_server.protocol.limits import FUNCTION_NAME, MAX_CACHE_SALT, MAX_MESSAGES, MAX_TOOLS, MAX_TOP_LOGPROBS, SEED
+from gemma_server.protocol.requests import ChatCompletionRequest
 from gemma_server.response_store import owner_of
 from gemma_server.serving import client_of, gone_of, merged, reply
 
