@@ -88,7 +88,7 @@ def make_config(name: str, e2b_config: Path = E2B_CONFIG):
     from transformers import Gemma4TextConfig
 
     if name in ("small", "tiny"):
-        # Imported here: tests.checkpoints needs compressed-tensors, which the E2B run does not.
+        # Imported here: the test checkpoints' module loads Transformers' test configs, which the E2B run does not need.
         from tests.checkpoints.text import tiny_text_config
 
         return tiny_text_config(eos_token_id=None, **(SMALL_OVERRIDES if name == "small" else {}))

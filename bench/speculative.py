@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     import gemma_engine
 
-    # Imported here: tests.checkpoints needs compressed-tensors (bench/engine.py `make_config` does the same).
+    # Imported here, as bench/engine.py `make_config` imports it.
     from tests.checkpoints import text
 
     torch.set_num_threads(args.threads)

@@ -52,7 +52,7 @@ from .builders.deployment import claims, replicas, spec_warnings
 from .builders.endpoint_picker import picker_release
 from .builders.event import build_event
 from .builders.inference_pool import selects_pods_of
-from .builders.optional import GATEWAY, OPTIONAL_BY_KIND, OPTIONAL_KINDS, SCALING
+from .builders.optional import GATEWAY, OPTIONAL_BY_KIND, OPTIONAL_KINDS
 from .builders.ownership import LABEL_MANAGED_BY, LABEL_SERVER, MANAGED_BY, Meta, adopt, foreign, selector_string
 from .builders.service import endpoint
 from .kube import ApiError, Kube
@@ -164,12 +164,14 @@ def _available(k: Kube) -> frozenset[str]:
     return frozenset(row.api_version for row in OPTIONAL_KINDS if k.serves(row.api_version))
 
 
-def _scaling(spec: GemmaRustServerSpec, meta: Meta, children: Children, k: Kube) -> status.ScalingView | None:
-    """The autoscaler's side for the ScalingActive condition: the HPA that acts for the autoscaling object
-    created (ours, or the one KEDA made), read afresh, and the autoscaler chosen's summary."""
-    skipped = {kind for kind, _ in children.skipped}
-    kind = next((kind for kind in children.optional.get(SCALING, []) if kind not in skipped), None)
-    if kind is None or spec.autoscaling is None:
+def _scaling(spec: GemmaRustServerSpec, meta: Meta, children: Children, skipped: list[tuple[str, str]],
+             k: Kube) -> status.ScalingView | None:
+    """The autoscaler's side for the ScalingActive condition: the HPA that acts for the driver the autoscaler
+    decision chose (its first kind: ours, or the one KEDA made), read afresh, and the decision's summary; None
+    without a driver, or where it was skipped (by the plan or at apply)."""
+    kinds = children.scaling.kinds
+    kind = kinds[0] if kinds else None
+    if kind is None or kind in {s for s, _ in skipped}:
         return None
     metric = hpa_metric_name(spec) if kind == "HorizontalPodAutoscaler" else metric_query(spec, meta)
     hpa_name = scaling_hpa_name(kind, meta)
@@ -254,7 +256,8 @@ def _reconcile(body: dict[str, Any], spec: GemmaRustServerSpec, meta: Meta, serv
         skipped += applied.skipped
     pods, pod_events, reports = _observe(k, meta, spec.server.port)
     obs = _observed(body, pods, pod_events, reports, replicas=replicas(spec, scaling), problems=problems,
-                    optional=children.optional, skipped=skipped, scaling=_scaling(spec, meta, children, k),
+                    optional=children.optional, skipped=skipped,
+                    scaling=_scaling(spec, meta, children, skipped, k),
                     warnings=warnings, foreign_pools=_foreign_pools(meta, skipped, children, k),
                     scales_to_zero=scaling.scales_to_zero)
     return status.compute_status(obs, accelerator=accelerator_text(spec.accelerator),

@@ -174,24 +174,7 @@ class Constraint:
     grammar: str | None = None
 
 
-def schema_of(value: dict[str, Any] | str | None, param: str) -> dict[str, Any] | None:
-    """A JSON Schema given as an object or as its text (vLLM takes both).
-
-    Raises:
-        ApiError: 400 naming `param` when the text is not JSON or not a schema.
-    """
-    if value is None or isinstance(value, dict):
-        return value
-    try:
-        schema = json.loads(value)
-    except ValueError as e:
-        raise bad_request(param, f"{param} is not a JSON Schema: {e}") from e
-    if not isinstance(schema, (dict, bool)):
-        raise bad_request(param, f"{param} must be a JSON Schema object.")
-    return schema if isinstance(schema, dict) else ({} if schema else {"not": {}})
-
-
-def compact(schema: dict[str, Any] | None) -> dict[str, Any]:
+def _compact(schema: dict[str, Any] | None) -> dict[str, Any]:
     """`schema` (None: any object) with llguidance's `x-guidance` option for JSON without free whitespace
     (llguidance 1.9.1 src/json/compiler.rs `JsonCompileOptions.whitespace_flexible`, true by default), unless
     the schema sets its own: a model could otherwise spend every token on whitespace the grammar allows
@@ -217,7 +200,7 @@ def grammar_text(c: Constraint, tools: list[dict[str, Any]], fmt: GemmaFormat,
     """
     try:
         if c.kind == "json":
-            return json_grammar(compact(c.schema), thinking=thinking)
+            return json_grammar(_compact(c.schema), thinking=thinking)
         if c.kind == "tools":
             return tool_grammar(tools, fmt, name=c.name, parallel=parallel, thinking=thinking)
     except SchemaError as e:

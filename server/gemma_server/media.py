@@ -49,7 +49,6 @@ import binascii
 import functools
 import hashlib
 import io
-import logging
 import math
 import re
 from collections.abc import Sequence
@@ -58,7 +57,6 @@ from typing import Any, Literal
 
 from gemma_server.errors import ApiError, bad_request
 
-log = logging.getLogger(__name__)
 
 Kind = Literal["image", "audio"]
 # The model's audio rate: Gemma4AudioFeatureExtractor's `sampling_rate`.

@@ -242,12 +242,8 @@ class Capacity:
         """Admissions that leave without reaching an engine (a bad prompt, withdrawn, aborted, failed)."""
         self._admitted -= count
 
-    def sized(self, engine: int, slots: int) -> None:
-        """An engine was loaded: every slot of it is free."""
-        self._free[engine] = slots
-
     def report(self, engine: int, free: int) -> None:
-        """An engine's own count of its free slots, at a read point."""
+        """An engine's own count of its free slots: all of them once it is loaded, then at each read point."""
         self._free[engine] = free
 
     def take(self, engine: int) -> None:
@@ -499,7 +495,7 @@ class Scheduler:
     def sized(self, worker: EngineWorker) -> None:
         """`worker`'s engine is loaded (on its thread): all its slots are free."""
         with self._cond:
-            self.places.sized(worker.index, worker.max_batch)
+            self.places.report(worker.index, worker.max_batch)
 
     def capacity(self) -> int:
         """Sequence slots of the serving engines."""
@@ -593,7 +589,8 @@ class Scheduler:
             job.post("error", EngineDead(f"The engine failed: {reason}"))
 
     def _gauges(self) -> None:
-        running = self.running()
+        """The queue's gauges (the caller holds the lock)."""
+        running = sum(len(w.active) for w in self.workers)
         self.observer.on_waiting(self.places.admitted)
         self.observer.on_running(running)
         capacity = self.capacity()

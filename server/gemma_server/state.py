@@ -26,7 +26,7 @@ from gemma_server.metrics import Metrics
 from gemma_server.protocol.limits import MAX_GRAMMAR_BYTES
 from gemma_server.protocol.requests import ChatCompletionRequest, CompletionRequest
 from gemma_server.response_store import ResponseStore
-from gemma_server.scheduler import Phase, Scheduler, StepObserver
+from gemma_server.scheduler import Life, Phase, Scheduler, StepObserver
 from gemma_server.serving import (
     Generation,
     ReplyFormat,
@@ -172,9 +172,10 @@ class ServerState:
                 raise ApiError(400, "model is not valid Unicode text.", "model")
             raise ApiError(404, f"The model `{model}` does not exist.", "model")
 
-    def not_ready_reason(self) -> str | None:
-        """Why /health is 503, or None when ready: the scheduler's `Lifecycle`, read once."""
-        life = self.scheduler.lifecycle.now()
+    def not_ready_reason(self, life: Life | None = None) -> str | None:
+        """Why /health is 503, or None when ready: `life`, one reading of the scheduler's `Lifecycle` (now by
+        default)."""
+        life = life or self.scheduler.lifecycle.now()
         if life.phase is Phase.DEAD:
             return f"The engine is not available: {life.reason}"
         if life.phase is Phase.DRAINING:

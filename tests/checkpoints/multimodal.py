@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedConfig
 
 from tests.checkpoints.agent import AGENT_CORPUS, AGENT_VOCAB_SIZE, GEMMA4_SPECIAL_TOKENS, agent_text_config
-from tests.checkpoints.quantized import quantize_in_place, w4a16_config
+from tests.checkpoints.quantized import decompressed, quantize_in_place, w4a16_config
 from tests.checkpoints.shared import byte_level_bpe, one_thread, save_tokenizer
 from tests.checkpoints.text import random_model
 
@@ -163,11 +163,7 @@ def load_multimodal_reference(model_dir: str | Path, dtype: torch.dtype = torch.
     (a W4A16 checkpoint decompressed at once, as ``load_hf_reference`` does)."""
     from transformers import Gemma4ForConditionalGeneration
 
-    model = Gemma4ForConditionalGeneration.from_pretrained(model_dir, dtype=dtype)
-    quantizer = getattr(model, "hf_quantizer", None)
-    if quantizer is not None:
-        quantizer.compressor.decompress_model(model)
-    return model.eval()
+    return decompressed(Gemma4ForConditionalGeneration.from_pretrained(model_dir, dtype=dtype)).eval()
 
 
 def random_image(width: int, height: int, seed: int = 0):

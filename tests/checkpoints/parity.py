@@ -22,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.models.gemma4 import Gemma4ForCausalLM
 
-from tests.checkpoints.quantized import GROUP_SIZE, dequantize_emb4_tables, save_w4a16_emb4
+from tests.checkpoints.quantized import GROUP_SIZE, decompressed, dequantize_emb4_tables, save_w4a16_emb4
 from tests.checkpoints.shared import one_thread
 from tests.checkpoints.text import SEED, random_model, save_dense
 
@@ -113,10 +113,7 @@ def load_hf_reference(
     Returns:
         Gemma4ForCausalLM in eval mode.
     """
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    quantizer = getattr(model, "hf_quantizer", None)
-    if quantizer is not None:
-        quantizer.compressor.decompress_model(model)
+    model = decompressed(AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype))
     if emb_dir is not None:
         _replace_tables(model, dequantize_emb4_tables(emb_dir, dtype), emb_dir)
     model.eval()

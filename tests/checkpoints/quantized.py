@@ -254,6 +254,15 @@ def save_w4a16_emb4(
     return model_dir, emb_dir
 
 
+def decompressed(model):
+    """`model` as Transformers loaded it, with a compressed-tensors checkpoint's linears decompressed to dense
+    weights in place (the reference runs dense)."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.compressor.decompress_model(model)
+    return model
+
+
 def dequantize_emb4_tables(emb_dir: str | Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """The int4 vocabulary tables of ``emb_dir``, dequantized by compressed-tensors in ``dtype``.
 

@@ -198,9 +198,10 @@ def build(state: ServerState) -> MCPServer:
     async def endpoint_status() -> EndpointStatus:
         s = state.scheduler
         running = s.running()
-        reason = state.not_ready_reason()
+        life = s.lifecycle.now()
+        reason = state.not_ready_reason(life)
         return EndpointStatus(ready=reason is None, reason=reason, stage=state.boot.state.stage,
-                              draining=s.lifecycle.now().draining, queued=s.queued(), running=running,
+                              draining=life.draining, queued=s.queued(), running=running,
                               free_slots=max(s.capacity() - running, 0), queue_limit=s.queue_limit)
 
     @server.tool(description="A snapshot of the serving counters (requests by outcome, tokens, queue, KV "

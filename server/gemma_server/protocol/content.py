@@ -1,12 +1,14 @@
 """What a chat message holds (text, image and audio parts, tool calls), tools, tool_choice and response
-formats, in OpenAI's shapes (the openai SDK's `types/chat/`)."""
+formats, in OpenAI's shapes (the openai SDK's `types/chat/`), and a JSON Schema given as its text (`schema_of`)."""
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
+from gemma_server.errors import bad_request
 from gemma_server.openapi import documented
 from gemma_server.protocol.limits import FUNCTION_NAME, MAX_CONTENT_PARTS, MAX_TOOL_CALLS
 
@@ -176,3 +178,20 @@ class StructuredOutputs(BaseModel):
     choice: Annotated[list[str], Field(max_length=256)] | None = documented(minItems=1)
     grammar: str | None = None
     json_object: bool | None = None
+
+
+def schema_of(value: dict[str, Any] | str | None, param: str) -> dict[str, Any] | None:
+    """A JSON Schema given as an object or as its text (vLLM takes both).
+
+    Raises:
+        ApiError: 400 naming `param` when the text is not JSON or not a schema.
+    """
+    if value is None or isinstance(value, dict):
+        return value
+    try:
+        schema = json.loads(value)
+    except ValueError as e:
+        raise bad_request(param, f"{param} is not a JSON Schema: {e}") from e
+    if not isinstance(schema, (dict, bool)):
+        raise bad_request(param, f"{param} must be a JSON Schema object.")
+    return schema if isinstance(schema, dict) else ({} if schema else {"not": {}})

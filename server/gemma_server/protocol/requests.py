@@ -46,7 +46,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from gemma_server.errors import bad_request
-from gemma_server.grammars import Constraint, schema_of
+from gemma_server.grammars import Constraint
 from gemma_server.media import Part
 from gemma_server.openapi import (
     TOKEN_ID_KEY,
@@ -66,6 +66,7 @@ from gemma_server.protocol.content import (
     TEMPLATE_FUNCTION_KEYS,
     TextPart,
     Tool,
+    schema_of,
 )
 from gemma_server.protocol.engine import EngineParams
 from gemma_server.protocol.limits import (
