@@ -1,6 +1,7 @@
 //! The fault hook for tests: `Engine::inject_fault_for_tests` makes the engine fail one request at one place,
-//! the one way a test can produce a device error on demand. Serving never sets it; what the hook then costs a
-//! step is `injected`'s test of one field, inlined, with the rest out of line.
+//! the one way a test can produce a device error on demand. Serving never sets it; what the hook then costs is
+//! a test of one field at each admission (`injected_for`) and each decode step and prompt read (`injected`,
+//! inlined, with the rest out of line).
 
 use super::Engine;
 use crate::error::{Error, Result};
@@ -35,15 +36,23 @@ impl Engine {
     #[cold]
     #[inline(never)]
     fn injected_here(&mut self, at: Fault, which: &[usize]) -> Result<()> {
-        let Some((where_, id)) = self.fault else { return Ok(()) };
-        if where_ == at && which.iter().any(|s| self.slots.get(*s).is_some_and(|slot| slot.request.id == id)) {
+        let Some((_, id)) = self.fault else { return Ok(()) };
+        if which.iter().any(|s| self.slots.get(*s).is_some_and(|slot| slot.request.id == id)) {
+            return self.injected_for(at, id);
+        }
+        Ok(())
+    }
+
+    /// An error when a fault is injected at `at` for request `id` (the fault is then used up).
+    pub(super) fn injected_for(&mut self, at: Fault, id: u64) -> Result<()> {
+        if self.fault == Some((at, id)) {
             return Err(self.take_fault());
         }
         Ok(())
     }
 
     /// The injected fault as the error it stands for, used up.
-    pub(super) fn take_fault(&mut self) -> Error {
+    fn take_fault(&mut self) -> Error {
         match self.fault.take() {
             Some((at, id)) => Error::Internal(format!("a fault injected for tests ({at:?}, request {id})")),
             None => Error::Internal("no fault was injected".into()),

@@ -111,9 +111,7 @@ impl Engine {
     /// Upload `r`'s prompt (`upload`) and give slot `s` its sampling state; the slot is still free, so
     /// an error here leaves nothing to undo (the next `assign` rewrites the whole row).
     pub(super) fn place(&mut self, s: usize, r: &Request) -> Result<Placed> {
-        if self.fault == Some((Fault::Admit, r.id)) {
-            return Err(self.take_fault());
-        }
+        self.injected_for(Fault::Admit, r.id)?;
         let prompt = self.upload(&r.prompt, &r.media)?;
         self.sampler.assign(s as i64, &r.params, &prompt.ids, r.grammar.is_some())?;
         Ok(prompt)

@@ -142,7 +142,8 @@ pub struct Engine {
     /// Some with a compiler (`with_compiler`): decode steps captured and compiled (compiled.rs).
     compiled: Option<Compiled>,
     /// A failure a test asked for (`inject_fault_for_tests`): where, and which request. None in serving,
-    /// where the one cost of the hook is `injected`'s test of this field per decode step and prompt read.
+    /// where the one cost of the hook is a test of this field per admission, decode step and prompt read
+    /// (faults.rs).
     fault: Option<(Fault, u64)>,
     /// The token environment grammar-constrained requests compile against (`with_grammars`).
     grammars: Option<Arc<Grammars>>,
@@ -436,7 +437,7 @@ impl Engine {
         let end = (done + self.prefill_chunk as usize).min(n);
         let end = media::chunk_end(media, done, boundary.filter(|b| *b > done).map_or(end, |b| end.min(b)))?;
         let shape = [1, (end - done) as i64];
-        Ok((end, media::injection(&[(media, done, end, 0)], shape, &self.like, self.model.dtype())?))
+        Ok((end, media::injection(&[(media, done, end, 0)], shape, &self.like)?))
     }
 
     /// Read positions `done..end` of `slot`'s prompt (`prompt` on the device, `ids_host` on the host),

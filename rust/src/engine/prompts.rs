@@ -20,14 +20,13 @@ impl Engine {
     /// it decoding. Returns the prompt tokens read.
     pub(super) fn read_prompt(&mut self, s: usize) -> Result<usize> {
         let k = self.prompt_k(s);
-        let slot = self.slots.get_mut(s)?;
+        let slot = self.slots.busy_slot(s)?;
         let Phase::Prompt { done } = slot.phase else { return Err(Error::Internal("slot is not reading".into())) };
         let prompt = slot.prompt.ids.shallow_clone()?;
         let ids = slot.request.prompt.clone();
         let marks: Vec<(Mark, usize)> = prefix::marks(&slot.request).collect();
-        let media = self.slots.get(s).map(|x| x.prompt.media.as_slice()).unwrap_or_default();
         let next_mark = marks.iter().map(|&(_, c)| c).filter(|&c| c > done).min();
-        let (end, inject) = self.next_chunk(ids.len(), done, next_mark, media)?;
+        let (end, inject) = self.next_chunk(ids.len(), done, next_mark, &slot.prompt.media)?;
         let (logits, read, piece) = self.prompt_chunk(s as i64, &prompt, &ids, done, end, k, inject.as_ref())?;
         let slot = self.slots.get_mut(s)?;
         slot.phase = Phase::Prompt { done: done + read };
@@ -70,7 +69,7 @@ impl Engine {
                 (x.prompt.media.as_slice(), 0, n, (s - lo) as i64 * t + (t - n as i64))
             })
             .collect();
-        let inject = media::injection(&placed, [rows.len, t], &self.like, self.model.dtype())?;
+        let inject = media::injection(&placed, [rows.len, t], &self.like)?;
         let out = self
             .model
             .forward(&mut self.cache, rows, &ids, &pos, &live, Fill::Empty, output, inject.as_ref())?

@@ -228,6 +228,11 @@ impl Slots {
         self.host.get(s).and_then(|x| x.as_ref())
     }
 
+    /// Busy slot `s`; an error when it is free.
+    pub(super) fn busy_slot(&self, s: usize) -> Result<&Slot> {
+        self.get(s).ok_or_else(|| Error::Internal(format!("slot {s} is free")))
+    }
+
     pub(super) fn get_mut(&mut self, s: usize) -> Result<&mut Slot> {
         busy_mut(&mut self.host, s)
     }

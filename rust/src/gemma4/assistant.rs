@@ -28,8 +28,8 @@ use serde_json::Value;
 use crate::error::{Error, Result};
 use crate::gemma4::attention::{Attended, Plan, Positions};
 use crate::gemma4::cache::{KvCache, Rows, held_before_rows};
-use crate::gemma4::config::{Config, LayerType, TopLevel, read_json};
-use crate::gemma4::config_json::{RawText, parse};
+use crate::gemma4::config::{Config, LayerType, TopLevel, positive, read_json};
+use crate::gemma4::config_json::{RawText, parse, within};
 use crate::gemma4::layer::{DecoderLayer, LayerIo};
 use crate::gemma4::linear::Linear;
 use crate::gemma4::model::Model;
@@ -70,27 +70,23 @@ impl AssistantConfig {
         }
         let text = raw.text_config.as_ref().filter(|t| t.is_object());
         let text = text.ok_or_else(|| Error::config("text_config", "an assistant needs a text_config object"))?;
-        let in_text = |e: Error| Error::config("text_config", format!("in the assistant's text_config: {e}"));
-        let mut text: RawText = parse(text).map_err(in_text)?;
-        for (key, ok) in [
-            ("hidden_size_per_layer_input", text.hidden_size_per_layer_input == 0),
-            ("vocab_size_per_layer_input", text.vocab_size_per_layer_input.is_none_or(|v| v == 0)),
-            ("enable_moe_block", !text.enable_moe_block),
-            ("use_double_wide_mlp", !text.use_double_wide_mlp),
+        let mut text: RawText = parse(text).map_err(within("text_config"))?;
+        for (key, ok, want) in [
+            ("hidden_size_per_layer_input", text.hidden_size_per_layer_input == 0, "0"),
+            ("vocab_size_per_layer_input", text.vocab_size_per_layer_input.is_none_or(|v| v == 0), "0"),
+            ("enable_moe_block", !text.enable_moe_block, "false"),
+            ("use_double_wide_mlp", !text.use_double_wide_mlp, "false"),
         ] {
             if !ok {
-                let want = if key.ends_with("input") { "0" } else { "false" };
                 return Err(Error::config(format!("text_config.{key}"), format!("must be {want} in an assistant")));
             }
         }
         // Every layer reads the target's keys; derived as a model of its own, none is shared.
         text.num_kv_shared_layers = 0;
-        let mut cfg = Config::derive(text, &TopLevel::default()).map_err(in_text)?;
+        let mut cfg = Config::derive(text, &TopLevel::default()).map_err(within("text_config"))?;
         for l in &mut cfg.layers {
             l.kv_source = Some(l.kind.index());
         }
-        let positive =
-            |key: &str, n: i64| if n > 0 { Ok(n) } else { Err(Error::config(key, "must be a positive integer")) };
         let ordered = if raw.use_ordered_embeddings {
             Some((
                 positive("num_centroids", raw.num_centroids)?,

@@ -126,7 +126,8 @@ pub struct TopLevel {
     pub multimodal: bool,
 }
 
-fn positive(key: &str, v: i64) -> Result<i64> {
+/// `v` when it is at least 1; else an error naming `key`.
+pub(crate) fn positive(key: &str, v: i64) -> Result<i64> {
     if v < 1 {
         return Err(Error::config(key, format!("must be >= 1, got {v}")));
     }
@@ -144,6 +145,11 @@ fn rope_spec(r: &RawRope, kind: &str) -> Result<RopeSpec> {
         }
     };
     Ok(RopeSpec { theta: r.rope_theta, partial_rotary_factor, factor: r.factor })
+}
+
+/// The weight format a config.json's `quantization_config` names, if it has one.
+fn quant_of(q: Option<&RawQuant>) -> Result<Option<QuantSpec>> {
+    q.map_or(Ok(None), quant_spec)
 }
 
 /// compressed-tensors quantization_config: every config group must be symmetric pack-quantized
@@ -194,21 +200,19 @@ fn quant_spec(q: &RawQuant) -> Result<Option<QuantSpec>> {
 impl Config {
     /// Only the quantization_config of a config.json (for an embeddings directory).
     pub fn quant_only(root: &Value) -> Result<Option<QuantSpec>> {
-        match &parse::<RawQuantOnly>(root)?.quantization_config {
-            None => Ok(None),
-            Some(q) => quant_spec(q),
-        }
+        quant_of(parse::<RawQuantOnly>(root)?.quantization_config.as_ref())
     }
 
     /// Read `dir/config.json` (and the eos ids of `generation_config.json` when present).
     pub fn load(dir: &Path) -> Result<Config> {
         let mut cfg = Config::from_json(&read_json(&dir.join("config.json"))?)?;
         let gen_path = dir.join("generation_config.json");
-        if let Ok(gen_text) = std::fs::read_to_string(&gen_path)
-            && let Ok(generation) = serde_json::from_str::<Value>(&gen_text)
-        {
+        // An unreadable generation_config.json is skipped; one whose eos ids are wrong is an error naming it.
+        if let Ok(generation) = read_json(&gen_path) {
             let generation: RawGeneration = parse(&generation).map_err(|e| match e {
-                Error::Config { key, msg } => Error::config(format!("generation_config.json: {key}"), msg),
+                Error::Config { key, msg } => {
+                    Error::Format { path: gen_path.display().to_string(), msg: format!("{key}: {msg}") }
+                }
                 e => e,
             })?;
             for id in generation.eos_token_id.unwrap_or_default().0 {
@@ -226,10 +230,7 @@ impl Config {
         let raw: RawRoot = parse(root)?;
         let top = TopLevel {
             ids: parse(root)?,
-            quant: match &raw.quantization_config {
-                None => None,
-                Some(q) => quant_spec(q)?,
-            },
+            quant: quant_of(raw.quantization_config.as_ref())?,
             eos_ids: raw.eos_token_id.map(|t| t.0),
             towers: [raw.vision_config.is_some(), raw.audio_config.is_some()],
             multimodal: raw.text_config.is_some(),

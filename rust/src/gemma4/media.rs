@@ -169,12 +169,15 @@ impl Default for AudioConfig {
 impl AudioConfig {
     /// An `audio_config` value, read and checked; an error names the key under `audio_config`.
     pub fn from_json(v: &Value) -> Result<AudioConfig> {
-        let cfg: AudioConfig = parse(v).map_err(within("audio_config"))?;
-        if cfg.hidden_act != "silu" {
-            let act = &cfg.hidden_act;
-            return Err(Error::config("audio_config.hidden_act", format!("{act:?} is not supported (silu)")));
+        parse(v).and_then(|c: AudioConfig| c.checked()).map_err(within("audio_config"))
+    }
+
+    fn checked(self) -> Result<AudioConfig> {
+        if self.hidden_act != "silu" {
+            let act = &self.hidden_act;
+            return Err(Error::config("hidden_act", format!("{act:?} is not supported (silu)")));
         }
-        Ok(cfg)
+        Ok(self)
     }
 }
 

@@ -22,7 +22,7 @@ use safetensors::tensor::{Dtype as StDtype, Metadata, SafeTensors};
 use serde_json::Value;
 
 use crate::error::{Error, Result};
-use crate::gemma4::config::QuantSpec;
+use crate::gemma4::config::{Config, QuantSpec, read_json};
 use crate::gemma4::linear::Linear;
 use crate::tensor::{DType, Tensor};
 
@@ -649,13 +649,7 @@ pub fn emb_quant(dir: &Path, fallback: Option<QuantSpec>) -> Result<Option<Quant
     if !path.exists() {
         return Ok(fallback);
     }
-    let text = std::fs::read_to_string(&path).map_err(io(&path))?;
-    let v: Value = serde_json::from_str(&text)
-        .map_err(|e| Error::Format { path: path.display().to_string(), msg: e.to_string() })?;
-    if v.get("quantization_config").is_none() {
-        return Ok(fallback);
-    }
-    crate::gemma4::config::Config::quant_only(&v).map(|q| q.or(fallback))
+    Config::quant_only(&read_json(&path)?).map(|q| q.or(fallback))
 }
 
 #[cfg(test)]
