@@ -2,7 +2,7 @@
 acceptance, and the tokens (equal, or the run says DIFFER).
 
     python -m bench.speculative [--method ngram|mtp] [--config small|e2b-layers] [--batches 1,4,16] [--new 64]
-        [--tokens 4] [--speculative-max-batch N|measured] [--distill-steps 200]
+        [--tokens 4] [--speculative-max-batch N|measured] [--distill-steps 200] [--compile inductor]
 
 `--method ngram` (prompt lookup): two targets of the same random weights, as drawn (bench/engine.py
 `random_model`, whose greedy text repeats one token) and "two-token" (tests/checkpoints/text.py `save_two_token`: the
@@ -22,7 +22,9 @@ Each request's prompt is a block of 16 tokens said twice; every request is greed
 engine's default, 1, unless given; `measured`: set from the engine's own step costs, as the server does at warmup,
 gemma_server/speculation.py): above it no step speculates, and the ratio there is the cost of having it on.
 Medians of `--repeats` runs each, every run on emptied rings (`reset_prefix_cache`), so the prompt read is in both
-timings; the drafts counted over all runs; the tokens must be equal in every repeat.
+timings; the drafts counted over all runs; the tokens must be equal in every repeat. `--compile inductor`: both
+engines compile their steps (plain and verify, rust/src/engine/compiled.rs) with ATen's matmul, as a compiling
+engine on the CPU multiplies, after one untimed run of each batch that captures and compiles its step shapes.
 """
 
 from __future__ import annotations
@@ -98,6 +100,16 @@ def compare(plain, spec, batches: list[int], args, label: str, first: int = 0) -
               flush=True)
 
 
+def compiling(backend: str) -> dict:
+    """The Engine arguments of `--compile`: a compiler, and ATen's matmul as a compiling engine multiplies on the
+    CPU (README "The compiled decode step")."""
+    if backend == "off":
+        return {}
+    from gemma_engine.compiling import StepCompiler
+
+    return {"compiler": StepCompiler(backend), "onednn": False}
+
+
 def distilled(config, target_dir: Path, out_dir: Path, args, batches: list[int]) -> Path:
     """An assistant for the target in `target_dir` trained on its greedy text of the seen prompts."""
     from bench.distill import distill, target_texts
@@ -131,6 +143,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--speculative-max-batch", default=None,
                     help="N, or 'measured' (timed as the server does at warmup); default: the engine's")
     ap.add_argument("--distill-steps", type=int, default=200, help="--method mtp: the drafter's training steps")
+    ap.add_argument("--compile", choices=("off", "inductor"), default="off",
+                    help="compile both engines' steps (after an untimed run of each batch)")
     args = ap.parse_args(argv)
     import gemma_engine
 
@@ -142,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     config = make_config(args.config)
     print(f"config {args.config}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocabulary "
           f"{config.vocab_size}; {args.dtype}, {args.new} new tokens a request, {args.tokens} drafts a step, "
-          f"{args.threads} thread(s); medians of {args.repeats}")
+          f"{args.threads} thread(s); medians of {args.repeats}; compile {args.compile}")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         # Measured, as the server does: no limit on decoding requests, the measured one on buckets.
@@ -159,8 +173,13 @@ def main(argv: list[str] | None = None) -> None:
             method = {"speculative_method": "mtp", "speculative_model": str(drafter)}
         for name, model_dir in targets.items():
             make = lambda **kw: gemma_engine.Engine(  # noqa: E731
-                str(model_dir), like=torch.zeros(1), context=256, dtype=args.dtype, max_batch=max(batches), **kw)
+                str(model_dir), like=torch.zeros(1), context=256, dtype=args.dtype, max_batch=max(batches),
+                **compiling(args.compile), **kw)
             plain, spec = make(), make(num_speculative_tokens=args.tokens, **method, **limit)
+            if args.compile != "off":
+                for batch in batches:
+                    run(plain, batch, args.new)
+                    run(spec, batch, args.new)
             if args.speculative_max_batch == "measured":
                 from gemma_server import speculation
 

@@ -10,6 +10,8 @@ proof that nothing a request wrote was baked into the graph. Both engines multip
 
 import json
 import os
+from collections import Counter
+from dataclasses import dataclass, field
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -23,9 +25,11 @@ from gemma_engine.compiling import StepCompiler, capture, chain_from, natural_sh
 from tests.checkpoints.chat import CHAT_VOCAB_SIZE
 from tests.checkpoints.multimodal import random_image
 from tests.checkpoints.shared import FULL, SLIDING
-from tests.checkpoints.text import SEED, save_dense, tiny_text_config
+from tests import assistants
+from tests.checkpoints.text import SEED, save_dense, save_two_token, tiny_text_config
 from tests.engine.test_architectures import CONFIGS
 from tests.engine.test_batching import PROMPTS, Script
+from tests.engine.test_speculative import PROMPTS as SPECULATED
 
 CONTEXT = 128
 # float32, compiled against eager: Inductor reorders reductions, and a capture takes ATen's RMSNorm where
@@ -37,6 +41,7 @@ LOGPROB_BOUND = 1e-5
 # shape the eager engine's own log-probabilities in the busy run move by up to 9.0e-5 between prefill_chunk 4,
 # 5, 6, 7 and 64 (measured); the compiled engine's, against eager at prefill_chunk 5, by 5.3e-5.
 PADDED_CHUNK_BOUND = 2e-4
+SPEC = {"speculative_method": "ngram", "num_speculative_tokens": 3, "speculative_max_batch": 2}
 
 
 def _close(a: float, b: float, bound: float = LOGPROB_BOUND) -> bool:
@@ -459,3 +464,106 @@ def test_every_backend_is_handed_the_same_graph(small_checkpoint):
     # Each input is a whole storage (weights, rings, slot and sampler tables), contiguous from its start.
     assert all(t.is_contiguous() and t.storage_offset() == 0 and t.numel() * t.element_size()
                == t.untyped_storage().nbytes() for t in handed["inputs"])
+
+
+# ----------------------------------------------------------------------------- verify steps (speculative decoding)
+
+@dataclass
+class ReplayCountingCompiler(StepCompiler):
+    """The engine's compiler hook, counting each compiled step's replays by name (the engine replays without
+    telling; a count is how a test sees that a key ran compiled, not eagerly)."""
+
+    replays: Counter = field(default_factory=Counter)
+
+    def __call__(self, name, run):
+        replay = super().__call__(name, run)
+
+        def counted():
+            self.replays[name] += 1
+            return replay()
+
+        return counted
+
+
+@pytest.fixture(scope="module")
+def two_token_small(small_checkpoint, tmp_path_factory):
+    """The small checkpoint made a two-token target (tests/checkpoints/text.py `save_two_token`): its drafts are
+    often kept and often not, so every path of a verify step runs."""
+    return save_two_token(small_checkpoint, tmp_path_factory.mktemp("compiled_two_token") / "model")
+
+
+def _speculating() -> dict:
+    """Two greedy requests whose prompts repeat themselves (the lookup finds drafts), the first short, so the second
+    decodes alone in the bucket of two for a while (padded verify steps); then a seeded sampled one with top-3
+    log-probabilities."""
+    sampled = gemma_engine.SamplingParams(temperature=0.9, top_p=0.95, seed=7, logprobs=3)
+    R = gemma_engine.Request
+    return {0: [R(0, SPECULATED[0], 8), R(1, SPECULATED[1], 48)], 14: [R(2, SPECULATED[2], 32, sampling=sampled)]}
+
+
+def _verify_run(model_dir, compiler, **spec) -> tuple[dict, dict]:
+    """The speculating script on an engine that compiles with `compiler` and one that does not: their outcomes."""
+    kwargs = {"max_batch": 2, **spec}
+    eager = Script(_speculating())
+    eager_out = eager.run(_engine(model_dir, **kwargs), read_every=2)
+    engine = _engine(model_dir, compiler, **kwargs)
+    script = Script(_speculating())
+    compiled = script.run(engine, read_every=2)
+    assert engine.compile_report()["fallbacks"] == []
+    _assert_same(eager_out, compiled)
+    kept = sum(s.get("spec_accepted_tokens", 0) for s in script.stats)
+    assert kept == sum(s.get("spec_accepted_tokens", 0) for s in eager.stats) > 0, "drafts were kept"
+    return compiled, {name: n for name, n in compiler.replays.items() if name.startswith("verify")}
+
+
+def test_verify_steps_replayed_compiled_give_the_eager_tokens_and_logprobs(two_token_small):
+    """Prompt-lookup drafts (rust/src/engine/verify.rs): the drafts and offers are copied into the key's own buffers
+    before each replay, so replays read other drafts, slots and positions than the step they were captured on."""
+    compiler = ReplayCountingCompiler("aot_eager")
+    _, verified = _verify_run(two_token_small, compiler, **SPEC)
+    assert verified and all(n > 0 for n in verified.values()), compiler.replays
+    assert any("padded" in name for name in verified) and any("padded" not in name for name in verified), verified
+
+
+def test_an_assistants_verify_steps_replayed_compiled_give_the_eager_tokens(small_checkpoint, two_token_small,
+                                                                              tmp_path_factory):
+    """MTP drafts (rust/src/engine/drafter.rs): the graph also returns every position's hidden state and the drafts
+    kept, from which the drafter keeps the states it drafts from next."""
+    root = tmp_path_factory.mktemp("compiled_assistants")
+    config = tiny_text_config(num_hidden_layers=4, num_kv_shared_layers=2, layer_types=[SLIDING, FULL] * 2)
+    random = assistants.save_assistant(root / "random", target=config)
+    drafter = assistants.save_two_token_assistant(random, two_token_small, root / "two_token")
+    compiler = ReplayCountingCompiler("aot_eager")
+    spec = {**SPEC, "speculative_method": "mtp", "speculative_model": str(drafter)}
+    _, verified = _verify_run(two_token_small, compiler, **spec)
+    assert verified and all(name.endswith("hidden") for name in verified), verified
+
+
+def test_verify_steps_compiled_by_inductor_give_the_eager_tokens(two_token_small):
+    """One request, so few keys to compile: Inductor's code for a verify step = the eager step."""
+    compiler = ReplayCountingCompiler("inductor")
+    eager = _engine(two_token_small, max_batch=1, **SPEC).decode(SPECULATED[0], 32)[0]
+    engine = _engine(two_token_small, compiler, max_batch=1, **SPEC)
+    assert engine.decode(SPECULATED[0], 32)[0] == eager
+    assert engine.compile_report()["fallbacks"] == []
+    assert compiler.replays["verify b=1 k=3 greedy"] > 0, compiler.replays
+
+
+def test_grammar_constrained_verify_steps_replayed_compiled_give_the_eager_tokens(chat_checkpoint, tmp_path_factory):
+    """Constrained rows' masks, one a position made on the host after the drafts before it, are the third input
+    copied into a key's buffers; the two-token chat checkpoint keeps most drafts of a repeating JSON array."""
+    from tests.engine.test_speculative_constrained import EOS, _grammar_script
+
+    two_token = save_two_token(chat_checkpoint, tmp_path_factory.mktemp("compiled_chat_two_token") / "model")
+    grammars = gemma_engine.Grammars(str(chat_checkpoint / "tokenizer.json"), EOS, CHAT_VOCAB_SIZE)
+    tok = Tokenizer.from_file(str(chat_checkpoint / "tokenizer.json"))
+    prompt = tok.encode("<start_of_turn>user\nList colours in JSON.<end_of_turn>\n<start_of_turn>model\n").ids
+    kwargs = {"context": 256, "grammars": grammars, "max_batch": 4, **SPEC, "speculative_max_batch": 4}
+    eager = Script(_grammar_script(prompt)).run(_engine(two_token, **kwargs))
+    compiler = ReplayCountingCompiler("aot_eager")
+    engine = _engine(two_token, compiler, **kwargs)
+    compiled = Script(_grammar_script(prompt)).run(engine)
+    assert engine.compile_report()["fallbacks"] == []
+    _assert_same(eager, compiled)
+    constrained = {n: c for n, c in compiler.replays.items() if n.startswith("verify") and "grammar" in n}
+    assert constrained and all(c > 0 for c in constrained.values()), compiler.replays

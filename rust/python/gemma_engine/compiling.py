@@ -11,7 +11,8 @@ the compiler once (rust/src/engine/compiled.rs says when). The compiler
    input of the graph (`lift_constants`): one input per storage, the whole storage, and each
    tensor re-made from it by narrow / view / select / permute / unsqueeze / expand, the views
    functionalization can follow, so in-place writes to the cache are writes to an input (and
-   Inductor makes them in place: no step copies the cache);
+   Inductor makes them in place: no step copies the cache); a constant without elements is made
+   anew in the graph;
 3. hands the graph and those inputs to a dynamo backend by name (`torch._dynamo.lookup_backend`:
    "inductor" on CUDA and the CPU, "tpu" once torch_tpu is imported), the contract every backend
    keeps (`backend(gm, example_inputs) -> callable`), and returns a zero-argument callable that runs
@@ -154,6 +155,10 @@ def lift_constants(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
     # Inductor lowers `mkldnn._linear_pointwise` only over a constant weight, as its freezing makes.
     attrs = [n for n in graph.nodes if n.op == "get_attr" and not getattr(gm, n.target).is_mkldnn]
     first = next(iter(graph.nodes))
+    empties = [n for n in attrs if getattr(gm, n.target).numel() == 0]
+    for node in empties:
+        _remake_empty(gm, node)
+    attrs = [n for n in attrs if n not in empties]
 
     def key(t: torch.Tensor) -> tuple:
         return (t.untyped_storage().data_ptr(), t.dtype, t.device)
@@ -184,11 +189,22 @@ def lift_constants(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
                 x = graph.call_function(_VIEW_OPS[name], (x, *args))
         node.replace_all_uses_with(x)
         graph.erase_node(node)
-    for target in {n.target for n in attrs}:
+    for target in {n.target for n in attrs + empties}:
         delattr(gm, target)
     graph.lint()
     gm.recompile()
     return inputs
+
+
+def _remake_empty(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
+    """Replace the constant of `node`, which holds no element (a verify step's drafts when it has none), by a new
+    empty tensor of its shape: there is nothing of it to read."""
+    t = getattr(gm, node.target)
+    with gm.graph.inserting_before(node):
+        empty = gm.graph.call_function(_aten.empty.memory_format, (list(t.size()),),
+                                       {"dtype": t.dtype, "device": t.device})
+    node.replace_all_uses_with(empty)
+    gm.graph.erase_node(node)
 
 
 def _numel(t: torch.Tensor) -> int:

@@ -1,6 +1,8 @@
 //! The compiled decode step: each `StepKey`'s ATen calls recorded once at the dispatcher and replayed
 //! through a compiled callable (Inductor on CUDA and the CPU, torch_tpu's `tpu` backend on a TPU); prompt
-//! chunks the same way, per `ChunkKey` (chunks.rs says what their inputs are).
+//! chunks the same way, per `ChunkKey` (chunks.rs says what their inputs are), and the device work of
+//! speculative decoding's verify steps per `VerifyKey` (verify.rs), whose drafts and masks the engine
+//! copies into buffers of each key's own first (`Compiled::stage`).
 //!
 //! The Rust model stays the one source of the computation. A `Compiler` (the Python side,
 //! `gemma_engine.compiling.StepCompiler`, passed in through the bindings) runs the eager step once
@@ -20,7 +22,8 @@
 //! (step.rs's `Graphs`: run once, captured, replayed), so a compiled step is one launch as an eager one
 //! is. Inductor's own CUDA graphs cannot do it: they skip a graph that mutates an input not known to be
 //! static (torch 2.14, `torch/_inductor/cudagraph_utils.py`, `check_for_mutation`), and every KV ring
-//! is such an input here.
+//! is such an input here. Compiled prompt chunks and verify steps are replayed without a CUDA graph, as
+//! their eager runs are.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::fmt::Display;
@@ -29,6 +32,7 @@ use std::hash::Hash;
 use crate::engine::chunks::ChunkKey;
 use crate::engine::sampling::Chosen;
 use crate::engine::step::{Graphs, StepKey};
+use crate::engine::verify::{Verdict, VerifyKey};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -74,7 +78,8 @@ impl<K> Default for Captures<K> {
 impl<K: Copy + Eq + Hash + Display> Captures<K> {
     /// The run of `key` that is not a replay: its first (eager), its second (captured with `compiler`,
     /// `outputs` naming what the graph returns), or any of a key whose capture failed (eager, the
-    /// failure kept in `fallbacks` once).
+    /// failure kept in `fallbacks` once). `rerun`: whether a step that tracing stopped part way may run
+    /// again from the start (its writes so far are ones the run repeats).
     fn run<R>(
         &mut self,
         compiler: &mut dyn Compiler,
@@ -82,6 +87,7 @@ impl<K: Copy + Eq + Hash + Display> Captures<K> {
         key: K,
         mut eager: impl FnMut() -> Result<R>,
         outputs: impl Fn(&R) -> Result<Vec<Tensor>>,
+        rerun: bool,
     ) -> Result<R> {
         if self.seen.insert(key) || self.failed.contains(&key) {
             return eager();
@@ -108,10 +114,12 @@ impl<K: Copy + Eq + Hash + Display> Captures<K> {
                 fallbacks.push(Fallback { step: key.to_string(), reason: e.to_string() });
                 match ran {
                     Some(r) => r,
-                    // Tracing stopped the step part way: its writes so far (this position's keys) are
-                    // the ones the eager run repeats, and nothing else moved (slots and sampler advance
-                    // last), so running it again is the step.
-                    None => eager(),
+                    // Tracing stopped the step part way. A decode step's or chunk's writes so far (its
+                    // positions' keys) are the ones the eager run repeats, and nothing else moved (slots
+                    // and sampler advance last), so running it again is the step. A verify step's are not:
+                    // it saved sliding-ring entries it has since overwritten (verify.rs).
+                    None if rerun => eager(),
+                    None => Err(Error::Internal(format!("tracing stopped {key} part way: {e}"))),
                 }
             }
             (Ok(_), None) => Err(Error::Internal(format!("the compiler never ran step {key}"))),
@@ -123,8 +131,11 @@ pub struct Compiled {
     compiler: Box<dyn Compiler>,
     steps: Captures<StepKey>,
     chunks: Captures<ChunkKey>,
+    verifies: Captures<VerifyKey>,
     /// Per chunk bucket, the int64 buffer its graph reads its ids and positions from (chunks.rs).
     pub(super) chunk_inputs: HashMap<i64, Tensor>,
+    /// Per verify key, the buffers its graph reads its drafts, offers and masks from (`stage`).
+    staged: HashMap<(VerifyKey, usize), Tensor>,
     /// Keys whose replay could not be captured as a CUDA graph: replayed without one.
     ungraphed: HashSet<StepKey>,
     fallbacks: Vec<Fallback>,
@@ -152,7 +163,9 @@ impl Compiled {
             graphs,
             steps: Captures::default(),
             chunks: Captures::default(),
+            verifies: Captures::default(),
             chunk_inputs: HashMap::new(),
+            staged: HashMap::new(),
             ungraphed: HashSet::new(),
             fallbacks: Vec::new(),
             active: true,
@@ -203,7 +216,7 @@ impl Compiled {
             };
         }
         let Compiled { compiler, steps, fallbacks, .. } = self;
-        steps.run(compiler.as_mut(), fallbacks, key, eager, to_outputs)
+        steps.run(compiler.as_mut(), fallbacks, key, eager, to_outputs, true)
     }
 
     /// The prompt chunk of `key`, whose device work `eager` does (chunks.rs): run, captured, or replayed.
@@ -212,12 +225,34 @@ impl Compiled {
             return replay.call();
         }
         let Compiled { compiler, chunks, fallbacks, .. } = self;
-        chunks.run(compiler.as_mut(), fallbacks, key, eager, |out| out.iter().map(Tensor::shallow_clone).collect())
+        let outputs = |out: &Vec<Tensor>| out.iter().map(Tensor::shallow_clone).collect();
+        chunks.run(compiler.as_mut(), fallbacks, key, eager, outputs, true)
     }
 
-    /// Decode steps and prompt chunks captured and compiled so far.
+    /// The verify step of `key`, whose device work `eager` does (verify.rs): run, captured, or replayed.
+    pub(super) fn verify(&mut self, key: VerifyKey, eager: impl FnMut() -> Result<Verdict>) -> Result<Verdict> {
+        if let Some(replay) = self.verifies.replays.get(&key) {
+            return Verdict::from_outputs(replay.call()?, key);
+        }
+        let Compiled { compiler, verifies, fallbacks, .. } = self;
+        verifies.run(compiler.as_mut(), fallbacks, key, eager, Verdict::outputs, false)
+    }
+
+    /// `t`'s values in the buffer that the verify steps of `key` read as their `i`-th input made on the host or
+    /// by the drafter: a tensor made fresh each step cannot be a graph's input, which is read at every replay.
+    pub(super) fn stage(&mut self, key: VerifyKey, i: usize, t: &Tensor) -> Result<Tensor> {
+        if let Some(buffer) = self.staged.get(&(key, i)) {
+            buffer.copy_(t)?;
+            return buffer.shallow_clone();
+        }
+        let buffer = t.copy()?;
+        self.staged.insert((key, i), buffer.shallow_clone()?);
+        Ok(buffer)
+    }
+
+    /// Decode steps, prompt chunks and verify steps captured and compiled so far.
     pub fn captured(&self) -> usize {
-        self.steps.replays.len() + self.chunks.replays.len()
+        self.steps.replays.len() + self.chunks.replays.len() + self.verifies.replays.len()
     }
 
     /// Compiled replays captured as CUDA graphs so far (0 off CUDA).

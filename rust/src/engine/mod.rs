@@ -86,6 +86,7 @@ mod slots;
 pub mod speculative;
 mod step;
 pub mod tuning;
+mod verify;
 
 use std::path::Path;
 use std::sync::Arc;

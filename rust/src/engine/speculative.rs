@@ -50,20 +50,18 @@
 //! out (`Request::speculate`; a slot that did is offered no drafts), run right after a read point (the drafts
 //! need every slot's tokens on the host, and the host each slot's room), and where some slot has a draft (with
 //! an assistant: some slot has room; a slot whose hidden state the drafter lacks is offered none). While a batch
-//! can speculate, every turn ends in a read point. A verify step runs eagerly; the compiled and CUDA-graph
-//! paths cover plain steps.
+//! can speculate, every turn ends in a read point. Where the engine compiles, a verify step's device work
+//! (verify.rs) is captured and replayed per key as a plain step is (compiled.rs); drafting stays eager (an
+//! assistant's drafts come back to the host one at a time under grammars), and neither has a CUDA graph.
 
 use std::path::PathBuf;
 
 use crate::engine::Engine;
 use crate::engine::columns::Columns;
 use crate::engine::read_point::{Drawn, Verified};
-use crate::engine::sampling::{Ahead, Chosen};
+use crate::engine::verify::{Checked, VerifyKey, verify};
 use crate::error::{Error, Result};
-use crate::gemma4::attention::{Fill, Liveness, Positions};
-use crate::gemma4::cache::{Rows, held_before_rows};
 use crate::gemma4::config::LayerType;
-use crate::gemma4::model::Output;
 use crate::tensor::{DType, Tensor};
 
 /// The most draft tokens a step may propose per slot.
@@ -315,125 +313,86 @@ impl Engine {
         Some(Drafts::pack(k, &found, offered))
     }
 
-    /// A verify step of slots `0..b` with `drafts` (module docs): one forward of each row's last token
-    /// and drafts, the kept drafts and the next token chosen on the device, the rejected positions put
-    /// back in the sliding rings, each slot moved on by what it kept.
+    /// A verify step of slots `0..b` with `drafts` (module docs): the drafts, offers and grammar masks made
+    /// ready (`checked`), then its device work (verify.rs), captured and replayed per key where the engine
+    /// compiles; an assistant keeps the hidden states of the positions kept.
     pub(super) fn verify_step(&mut self, b: i64, rows: &[Option<usize>], drafts: Drafts) -> Result<()> {
         let k = drafts.k;
-        let up = Tensor::from_i64(&drafts.packed)?.to_like(&self.like, DType::I64)?;
-        let (looked_up, offered) = (up.narrow(0, 0, b * k)?.reshape(&[b, k])?, up.narrow(0, b * k, b)?);
         let padded = rows.iter().any(|r| r.is_none());
-        let ring = self.cache.ring(LayerType::Sliding);
-        let cols = Tensor::arange(0, k + 1, DType::I64, &self.like)?.reshape(&[1, k + 1])?;
-        let grammar = self.sampler.stages(0, b).grammar;
-        let mut columns = grammar.then(|| Columns::new(&self.sampler, &self.slots, rows, k, drafts.offered.clone()));
-        let (tokens, logprobs) = {
-            let v = self.slots.views(b)?;
-            let draft = match &self.drafter {
-                Some(d) if k > 0 => {
-                    let (sampler, like) = (&self.sampler, &self.like);
-                    // Each draft of a constrained row under its grammar's mask after the drafts before it.
-                    let mut mask = |j: i64, before: Option<&Tensor>| -> Result<Option<Tensor>> {
-                        let Some(c) = columns.as_mut() else { return Ok(None) };
-                        if let Some(before) = before {
-                            c.take(j as usize - 1, &before.to_vec_i64()?);
-                        }
-                        Ok(Some(sampler.mask_values(&c.mask(j as usize, like)?)?))
-                    };
-                    let draft = d.draft(&self.model, &mut self.cache, v, k, &mut mask)?;
-                    if let Some(c) = columns.as_mut() {
-                        c.take(k as usize - 1, &draft.narrow(1, k - 1, 1)?.reshape(&[b])?.to_vec_i64()?);
-                    }
-                    draft
-                }
-                _ => {
-                    if let Some(c) = columns.as_mut() {
-                        c.take_all(&drafts.packed[..(b * k) as usize]);
-                    }
-                    looked_up
-                }
-            };
-            let (masks, offered) = match &columns {
-                None => (None, offered),
-                Some(c) => {
-                    let cut: Vec<i64> = c.offered.iter().map(|n| *n as i64).collect();
-                    (Some(c.masks(&self.like)?), Tensor::from_i64(&cut)?.to_like(&self.like, DType::I64)?)
-                }
-            };
-            let ids = Tensor::cat(&[&v.next.reshape(&[b, 1])?, &draft], 1)?.reshape(&[b * (k + 1)])?;
-            // Padding rows may sit anywhere: keep their positions inside the context (their keys land in
-            // the never-visible entry, their outputs are dropped).
-            let grid = v.positions.reshape(&[b, 1])?.add(&cols)?.clamp(0.0, (self.context - 1) as f64)?;
-            let mut pos = Positions::new(&grid)?;
-            pos.held = Some(held_before_rows(&v.positions, ring)?);
-            let live = if padded { Liveness::Padding(v.live3.shallow_clone()?) } else { Liveness::AllLive };
-            let entries = grid.remainder(ring)?.reshape(&[b, 1, k + 1])?;
-            let rows_b = Rows::first(b);
-            self.cache.prepare(rows_b)?;
-            let saved = self.cache.sliding_entries(rows_b, &entries)?;
-            let hidden = self
-                .model
-                .forward(&mut self.cache, rows_b, &ids, &pos, &live, Fill::Partial, Output::Hidden, None)?
-                .ok_or_else(|| Error::Internal("a verify step returned no hidden states".into()))?;
-            let vocab = self.model.cfg.vocab_size;
-            let logits = self.model.head(&hidden)?.reshape(&[b, k + 1, vocab])?;
-            let columns = (0..=k)
-                .map(|j| {
-                    let before = draft.narrow(1, 0, j)?;
-                    let mask = masks.as_ref().map(|m| m.narrow(1, j, 1)?.reshape(&[b, -1])).transpose()?;
-                    let ahead = Ahead { by: j, before: (j > 0).then_some(&before), masks: mask.as_ref() };
-                    self.sampler.choose_ahead(&logits.narrow(1, j, 1)?.reshape(&[b, vocab])?, 0, b, &ahead)
-                })
-                .collect::<Result<Vec<_>>>()?;
-            let picks = columns.iter().map(|c| c.tokens.reshape(&[b, 1])).collect::<Result<Vec<_>>>()?;
-            let t = Tensor::cat(&picks.iter().collect::<Vec<_>>(), 1)?;
-            let choices = t.narrow(1, 0, k)?;
-            let agree = draft.eq(&choices)?.logical_and(&v.keep.gather(1, &choices)?)?;
-            // Drafts kept: the length of the run of agreeing ones from the first, at most those offered.
-            let broken = agree.lt_scalar(0.5)?.to_dtype(DType::I64)?.cumsum(1)?;
-            let run = broken.lt_scalar(0.5)?.to_dtype(DType::I64)?.sum_dim(1)?;
-            let kept = Tensor::where_(&run.lt(&offered)?, &run, &offered)?;
-            let keep_cols = cols.le(&kept.reshape(&[b, 1])?)?.reshape(&[b, 1, k + 1, 1])?;
-            self.cache.put_back(rows_b, &entries, &saved, &keep_cols)?;
-            if let Some(d) = &mut self.drafter {
-                let requests: Vec<_> =
-                    rows.iter().map(|s| s.and_then(|s| Some((s, self.slots.get(s)?.request.id)))).collect();
-                d.keep(&self.model, &hidden, &kept, k, &requests)?;
+        let stages = self.sampler.stages(0, b);
+        let key = VerifyKey { b, k, padded, stages, hidden: self.drafter.is_some() };
+        let mut columns =
+            stages.grammar.then(|| Columns::new(&self.sampler, &self.slots, rows, k, drafts.offered.clone()));
+        let mut checked = self.checked(b, &drafts, columns.as_mut())?;
+        let Engine { model, cache, sampler, slots, compiled, context, .. } = self;
+        let verdict = match compiled.as_mut().filter(|c| c.replays(b)) {
+            Some(c) => {
+                checked.draft = c.stage(key, 0, &checked.draft)?;
+                checked.offered = c.stage(key, 1, &checked.offered)?;
+                checked.masks = checked.masks.map(|m| c.stage(key, 2, &m)).transpose()?;
+                c.verify(key, || verify(model, cache, sampler, slots, &checked, key, *context))?
             }
-            let next = t.gather(1, &kept.reshape(&[b, 1])?)?.reshape(&[b])?;
-            let drawn = kept.add_int(1)?;
-            self.sampler.advance_verified(&t, &drawn, 0, b, padded.then_some(&v.live))?;
-            self.slots.advance(b, &next, Some(&kept), padded)?;
-            let tokens = Tensor::cat(&[&drawn.reshape(&[b, 1])?, &t], 1)?.reshape(&[b * (k + 2)])?;
-            (tokens, column_logprobs(&columns, b)?)
+            None => verify(model, cache, sampler, slots, &checked, key, *context)?,
         };
+        if let (Some(d), Some((hidden, kept))) = (&mut self.drafter, &verdict.kept) {
+            let requests: Vec<_> =
+                rows.iter().map(|s| s.and_then(|s| Some((s, self.slots.get(s)?.request.id)))).collect();
+            d.keep(&self.model, hidden, kept, k, &requests)?;
+        }
         let offered = columns.map_or(drafts.offered, |c| c.offered);
         let verified = Verified { width: (k + 1) as usize, offered };
-        self.drawn.push(Drawn { chosen: Chosen { tokens, logprobs }, rows: rows.to_vec(), verified: Some(verified) });
+        self.drawn.push(Drawn { chosen: verdict.chosen, rows: rows.to_vec(), verified: Some(verified) });
         self.stepped = true;
         Ok(())
     }
-}
 
-/// The log-probabilities of a verify step's columns (`Sampler::choose_ahead`, one `[b]`-row `Chosen` a column) as
-/// one `Chosen`'s: row `r`'s column `j` at `r * (k + 1) + j`.
-fn column_logprobs(columns: &[Chosen], b: i64) -> Result<Option<(Tensor, Tensor, Tensor)>> {
-    let parts: Option<Vec<_>> = columns.iter().map(|c| c.logprobs.as_ref()).collect();
-    let Some(parts) = parts else { return Ok(None) };
-    let w = parts.len() as i64;
-    let stack = |pick: &dyn Fn(&(Tensor, Tensor, Tensor)) -> &Tensor| -> Result<Tensor> {
-        let each = parts.iter().map(|p| pick(p).unsqueeze(1)).collect::<Result<Vec<_>>>()?;
-        let t = Tensor::cat(&each.iter().collect::<Vec<_>>(), 1)?;
-        let top = t.size()?.get(2).copied();
-        t.reshape(&top.map_or(vec![b * w], |n| vec![b * w, n]))
-    };
-    Ok(Some((stack(&|p| &p.0)?, stack(&|p| &p.1)?, stack(&|p| &p.2)?)))
+    /// A verify step's inputs on the device: the drafts (looked up on the host, or drafted by the assistant under
+    /// each constrained row's grammar), the drafts each row is offered (a constrained row's cut where its grammar
+    /// refuses one: `columns`), and each position's masks.
+    fn checked(&mut self, b: i64, drafts: &Drafts, mut columns: Option<&mut Columns>) -> Result<Checked> {
+        let k = drafts.k;
+        let up = Tensor::from_i64(&drafts.packed)?.to_like(&self.like, DType::I64)?;
+        let (looked_up, offered) = (up.narrow(0, 0, b * k)?.reshape(&[b, k])?, up.narrow(0, b * k, b)?);
+        let draft = match &self.drafter {
+            Some(d) if k > 0 => {
+                let v = self.slots.views(b)?;
+                let (sampler, like) = (&self.sampler, &self.like);
+                // Each draft of a constrained row under its grammar's mask after the drafts before it.
+                let mut mask = |j: i64, before: Option<&Tensor>| -> Result<Option<Tensor>> {
+                    let Some(c) = columns.as_deref_mut() else { return Ok(None) };
+                    if let Some(before) = before {
+                        c.take(j as usize - 1, &before.to_vec_i64()?);
+                    }
+                    Ok(Some(sampler.mask_values(&c.mask(j as usize, like)?)?))
+                };
+                let draft = d.draft(&self.model, &mut self.cache, v, k, &mut mask)?;
+                if let Some(c) = columns.as_deref_mut() {
+                    c.take(k as usize - 1, &draft.narrow(1, k - 1, 1)?.reshape(&[b])?.to_vec_i64()?);
+                }
+                draft
+            }
+            _ => {
+                if let Some(c) = columns.as_deref_mut() {
+                    c.take_all(&drafts.packed[..(b * k) as usize]);
+                }
+                looked_up
+            }
+        };
+        Ok(match columns {
+            None => Checked { draft, offered, masks: None },
+            Some(c) => {
+                let cut: Vec<i64> = c.offered.iter().map(|n| *n as i64).collect();
+                let offered = Tensor::from_i64(&cut)?.to_like(&self.like, DType::I64)?;
+                Checked { draft, offered, masks: Some(c.masks(&self.like)?) }
+            }
+        })
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::gemma4::cache;
+    use crate::gemma4::cache::{self, held_before_rows};
 
     #[test]
     fn the_longest_ngram_first_and_its_first_match() {

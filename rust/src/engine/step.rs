@@ -35,22 +35,27 @@ impl std::fmt::Display for StepKey {
     /// `decode b=4 padded greedy`, `decode b=1 draw+grammar+logprobs5`: the name a captured step
     /// goes by in logs and `/v1/engine`.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let s = self.stages;
-        let mut parts: Vec<String> = [
-            (s.bias, "bias"),
-            (s.repetition, "repetition"),
-            (s.presence_frequency, "presence_frequency"),
-            (s.draw, "draw"),
-            (s.grammar, "grammar"),
-        ]
-        .iter()
-        .filter(|(on, _)| *on)
-        .map(|(_, name)| name.to_string())
-        .collect();
-        parts.extend(s.logprobs.map(|k| format!("logprobs{k}")));
-        let stages = if parts.is_empty() { "greedy".to_string() } else { parts.join("+") };
-        write!(f, "decode b={}{} {stages}", self.b, if self.padded { " padded" } else { "" })
+        let padded = if self.padded { " padded" } else { "" };
+        write!(f, "decode b={}{padded} {}", self.b, stage_names(self.stages))
     }
+}
+
+/// The stages a step runs joined by `+` (`draw+grammar+logprobs5`), `greedy` for none: part of a captured
+/// step's name.
+pub(super) fn stage_names(s: Stages) -> String {
+    let mut parts: Vec<String> = [
+        (s.bias, "bias"),
+        (s.repetition, "repetition"),
+        (s.presence_frequency, "presence_frequency"),
+        (s.draw, "draw"),
+        (s.grammar, "grammar"),
+    ]
+    .iter()
+    .filter(|(on, _)| *on)
+    .map(|(_, name)| name.to_string())
+    .collect();
+    parts.extend(s.logprobs.map(|k| format!("logprobs{k}")));
+    if parts.is_empty() { "greedy".to_string() } else { parts.join("+") }
 }
 
 /// A decode step's inputs for slots `0..b`: views of the slots' device tensors (`Slots`).

@@ -9,9 +9,10 @@
 //! at warmup and sets `Speculative::max_bucket` from it (gemma_server/speculation.py).
 //!
 //! The measurement runs `b` requests of one made-up prompt (greedy, the eos ids barred by a logit bias so that none
-//! ends early) through the engine's own steps (compiled and CUDA-graphed plain steps where the engine has them;
-//! verify steps eager, as they always run): `turns` plain steps read at the end, then `turns` verify steps with `k`
-//! drafts a row, each read at once (a batch that speculates ends every turn in a read point). The drafts are made
+//! ends early) through the engine's own steps (compiled steps where the engine compiles, CUDA-graphed plain steps
+//! where it has them): `turns` plain steps read at the end, then `turns` verify steps with `k` drafts a row, each
+//! read at once (a batch that speculates ends every turn in a read point). A compiling engine first runs `WARM`
+//! rounds of each kind untimed, so that what is timed is replays, not the captures and compiles. The drafts are made
 //! up too: what a verify step costs does not depend on how many it keeps. Every slot's rings are forgotten before
 //! (so the requests take the lowest slots) and after (so nothing of them reaches the prefix cache).
 
@@ -23,6 +24,10 @@ use crate::engine::sampling::SamplingParams;
 use crate::engine::slots::Phase;
 use crate::engine::speculative::Drafts;
 use crate::error::{Error, Result};
+
+/// Untimed rounds of each kind of step before the timed ones on a compiling engine: a key is captured at its second
+/// step.
+const WARM: usize = 2;
 
 /// What one batch's steps cost (`Engine::speculation_costs`).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -50,7 +55,8 @@ impl Engine {
         }
         let vocab = self.model.cfg.vocab_size;
         let prompt: Vec<i64> = (0..8).map(|i| (3 + i % 4).min(vocab - 1)).collect();
-        let max_new = (turns as i64) * (k + 2) + 2;
+        let warm = if self.compiled.as_ref().is_some_and(|c| c.active) { WARM } else { 0 };
+        let max_new = ((turns + warm) as i64) * (k + 2) + 2;
         if max_new > self.context - prompt.len() as i64 {
             return Err(Error::Input(format!("a context of {} holds too few tokens for {turns} turns", self.context)));
         }
@@ -82,7 +88,7 @@ impl Engine {
                 return Err(Error::Internal(format!("a measuring request was refused: {:?}", refused.error)));
             }
         }
-        let measured = self.time_steps(turns, k);
+        let measured = self.time_steps(turns, warm, k);
         let ended = self.cancel(|_| true);
         self.reset_prefix_cache();
         self.stats = StepStats::default();
@@ -90,27 +96,43 @@ impl Engine {
         measured
     }
 
-    /// `speculation_costs` once its requests are admitted.
-    fn time_steps(&mut self, turns: usize, k: i64) -> Result<Costs> {
+    /// `speculation_costs` once its requests are admitted: `warm` untimed steps of each kind, then `turns` timed.
+    fn time_steps(&mut self, turns: usize, warm: usize, k: i64) -> Result<Costs> {
         let reading = |e: &Engine| e.slots.all().iter().flatten().any(|s| !matches!(s.phase, Phase::Decode));
         while reading(self) {
             self.turn()?;
             self.read_point()?;
         }
         let (bucket, rows) = self.decoding().ok_or_else(|| Error::Internal("no measuring request decodes".into()))?;
+        let plain = |e: &mut Engine| -> Result<()> {
+            e.decode_step(bucket, &rows)?;
+            e.slots.count_step(&rows.iter().flatten().copied().collect::<Vec<_>>())
+        };
+        // Each warming round runs both keys of a run of plain steps: the first after a read point, and the padded
+        // ones after it (engine/mod.rs `decode_step`).
+        for _ in 0..warm {
+            plain(self)?;
+            plain(self)?;
+            self.read_point()?;
+        }
         let started = Instant::now();
         for _ in 0..turns {
-            self.decode_step(bucket, &rows)?;
-            self.slots.count_step(&rows.iter().flatten().copied().collect::<Vec<_>>())?;
+            plain(self)?;
         }
         self.read_point()?;
         let plain_s = started.elapsed().as_secs_f64() / turns as f64;
+        let verify = |e: &mut Engine| -> Result<()> {
+            let (b, rows) = e.decoding().ok_or_else(|| Error::Internal("the measuring requests ended".into()))?;
+            let offered: Vec<usize> = rows.iter().map(|r| if r.is_some() { k as usize } else { 0 }).collect();
+            e.verify_step(b, &rows, Drafts::pack(k, &[], offered))?;
+            e.read_point().map(drop)
+        };
+        for _ in 0..warm {
+            verify(self)?;
+        }
         let started = Instant::now();
         for _ in 0..turns {
-            let (b, rows) = self.decoding().ok_or_else(|| Error::Internal("the measuring requests ended".into()))?;
-            let offered: Vec<usize> = rows.iter().map(|r| if r.is_some() { k as usize } else { 0 }).collect();
-            self.verify_step(b, &rows, Drafts::pack(k, &[], offered))?;
-            self.read_point()?;
+            verify(self)?;
         }
         let verify_s = started.elapsed().as_secs_f64() / turns as f64;
         Ok(Costs { bucket, plain_s, verify_s, drafts: k })
