@@ -137,6 +137,20 @@ def test_capture_lifts_every_tensor_the_step_did_not_create_into_an_input():
     assert int(pos) == 6 and cache[1, :, 5].abs().sum() > 0 and cache[1, :, 3].abs().sum() == 0
 
 
+def test_a_constant_with_no_elements_is_made_anew_in_the_graph():
+    """A verify step that only records an assistant's states has drafts of shape [b, 0]: no storage to view."""
+    drafts = torch.zeros(2, 0, dtype=torch.long)
+    nexts = torch.tensor([5, 6])
+
+    def step():
+        return [torch.cat([nexts.reshape(2, 1), drafts], 1).sum(1)]
+
+    gm, inputs = capture(step)
+    assert [n for n in gm.graph.nodes if n.op == "get_attr"] == [] and len(inputs) == 1
+    nexts.copy_(torch.tensor([7, 9]))
+    assert gm(*inputs)[0].tolist() == [7, 9]
+
+
 # ----------------------------------------------------------------------------- compiled = eager, busy runs
 
 def _busy() -> dict:
@@ -567,3 +581,15 @@ def test_grammar_constrained_verify_steps_replayed_compiled_give_the_eager_token
     _assert_same(eager, compiled)
     constrained = {n: c for n, c in compiler.replays.items() if n.startswith("verify") and "grammar" in n}
     assert constrained and all(c > 0 for c in constrained.values()), compiler.replays
+
+
+def test_speculation_costs_on_a_compiling_engine_time_replays(two_token_small):
+    """The warmup's measurement of plain and verify steps (rust/src/engine/tuning.rs) first runs each kind's keys
+    until they are captured, so every timed step is a replay: none of a capture's or a compile's time is in it."""
+    compiler = ReplayCountingCompiler("aot_eager")
+    engine = _engine(two_token_small, compiler, max_batch=1, **SPEC)
+    turns = 3
+    costs = engine.speculation_costs(1, turns)
+    assert costs["bucket"] == 1 and costs["plain_s"] > 0 and costs["verify_s"] > 0
+    replayed = lambda kind: sum(n for name, n in compiler.replays.items() if name.startswith(kind))  # noqa: E731
+    assert (replayed("decode"), replayed("verify")) == (turns, turns), compiler.replays
