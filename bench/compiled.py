@@ -9,9 +9,9 @@
    bytes. Printed as GB/s and, with `--spec-gbps` or a known GPU (H100 SXM 3,350 GB/s, H200 4,800 GB/s), as
    a share of the device's specification.
 2. **Decode at batch 1, 8, 32** (slots decoding together): the engine eager (oneDNN's packed weights where
-   it picks them, the engine's default; its CUDA graphs on CUDA), on the CPU the engine eager on ATen's
-   matmul too (what a compiled engine multiplies with there), and the engine compiled
-   (`gemma_engine.compiling.StepCompiler`, Inductor; on CUDA each compiled step replayed as a CUDA graph);
+   it picks them, the engine's default; its CUDA graphs on CUDA), and the engine compiled
+   (`gemma_engine.compiling.StepCompiler`, Inductor; on CUDA each compiled step replayed as a CUDA graph; on
+   the CPU over the same oneDNN weights, frozen into each graph); on the CPU both on ATen's matmul too;
    with `--transformers`, Transformers' `generate` with its static cache and the forward under
    `torch.compile` (the strong baseline; batch 1). Decode tok/s = the batch's tokens after the first over
    the seconds they took (from `Engine.run`'s own step timings), median of `--repeats`; each side's
@@ -19,8 +19,9 @@
 3. **Prompt read**: tokens per second of one `--prompt`-token prompt read alone, on every engine (the compiled
    one replays its compiled prompt chunk, rust/src/engine/chunks.rs), median of `--repeats`.
 
-The weights are random (bench/engine.py's initialisation); the compiled engine's tokens are compared
-with the eager ones on ATen's matmul and the agreement printed (tests/engine/test_compiled.py holds it).
+The weights are random (bench/engine.py's initialisation); each compiled engine's tokens are compared
+with those of the eager engine on the same kernels and the agreement printed (tests/engine/test_compiled.py
+holds it).
 """
 
 from __future__ import annotations
@@ -145,10 +146,12 @@ def main(argv: list[str] | None = None) -> None:
                       prefix_caching=False, max_batch=max(batches))
         compiler = StepCompiler("inductor")
         engines = {"eager": gemma_engine.Engine(tmp, **common)}
+        engines["compiled"] = gemma_engine.Engine(tmp, compiler=compiler, **common)
         if args.device == "cpu":  # oneDNN is the CPU's; elsewhere eager runs ATen's matmul already
             engines["eager aten"] = gemma_engine.Engine(tmp, onednn=False, **common)
-        engines["compiled"] = gemma_engine.Engine(tmp, onednn=False, compiler=compiler, **common)
-        same = "eager aten" if "eager aten" in engines else "eager"  # what the compiled engine runs, eagerly
+            engines["compiled aten"] = gemma_engine.Engine(tmp, onednn=False, compiler=StepCompiler("inductor"),
+                                                           **common)
+        same = {"compiled": "eager", "compiled aten": "eager aten"}  # each compiled engine's eager twin
         step_bytes = {name: step_read_bytes(e, config, dtype) for name, e in engines.items()}
         by_batch: dict[int, dict[str, float]] = {}
         for b in batches:
@@ -159,17 +162,16 @@ def main(argv: list[str] | None = None) -> None:
             print(f"\nbatch {b}: warm-up {time.perf_counter() - t0:.1f} s (compiled {len(compiler.compiled) - before} "
                   f"step shapes; fallbacks: {engines['compiled'].compile_report()['fallbacks']})", flush=True)
             rates: dict[str, list[float]] = {name: [] for name in engines}
-            agree = []
+            agree: dict[str, list[int]] = {name: [] for name in same if name in engines}
             for _ in range(args.repeats):  # interleaved rounds
+                made = {}
                 for name, e in engines.items():
-                    rate, tokens = decode_rate(e, b, args.prompt, args.new, config.vocab_size)
+                    rate, made[name] = decode_rate(e, b, args.prompt, args.new, config.vocab_size)
                     rates[name].append(rate)
-                    if name == same:
-                        want = tokens
-                    if name == "compiled":
-                        agree.append(sum(t == w for t, w in zip(tokens, want)))
-            print(f"batch {b}: decode tok/s, median of {args.repeats} (compiled = {same} tokens in "
-                  f"{min(agree)}/{b} requests)")
+                for name in agree:
+                    agree[name].append(sum(t == w for t, w in zip(made[name], made[same[name]])))
+            equal = ", ".join(f"{name} = {same[name]} tokens in {min(n)}/{b} requests" for name, n in agree.items())
+            print(f"batch {b}: decode tok/s, median of {args.repeats} ({equal})")
             by_batch[b] = {name: statistics.median(v) for name, v in rates.items()}
             report(by_batch[b], b, step_bytes, bound, spec)
             print("  " + "; ".join(f"compiled / {name}: {by_batch[b]['compiled'] / by_batch[b][name]:.2f}x"

@@ -299,7 +299,7 @@ class Boot:
         settings = dict(
             context=c.context, dtype=c.dtype, prefill_chunk=c.prefill_chunk, max_batch=c.max_num_seqs,
             packed_int4=None if c.packed_int4 else False, cuda_graphs=c.cuda_graphs,
-            onednn=False if c.compile != "off" else {"auto": None, "on": True, "off": False}[c.onednn],
+            onednn={"auto": None, "on": True, "off": False}[c.onednn],
             prefix_caching=c.enable_prefix_caching, speculative_method=c.speculative_method,
             num_speculative_tokens=c.num_speculative_tokens,
             speculative_max_batch=c.speculative_max_batch or c.max_num_seqs,

@@ -120,8 +120,8 @@ class Config:
                           "where it is much faster than ATen's matmul for a decode step's few rows; /v1/engine's "
                           "linear_note says why not; on: require it; off: ATen's matmul)", choices=("auto", "on", "off"))
     compile: str = setting("off", "GEMMA_COMPILE", "record each decode-step shape at the dispatcher and compile it "
-                           "(Inductor on cuda and the cpu, torch_tpu's tpu backend on a tpu; a compiled engine "
-                           "multiplies with ATen's matmul, never oneDNN's packed weights): on: replay the compiled "
+                           "(Inductor on cuda and the cpu, over oneDNN's packed weights where --onednn packs them; "
+                           "torch_tpu's tpu backend on a tpu): on: replay the compiled "
                            "steps; auto: compile, time both at boot and keep the faster (/v1/engine's compile says "
                            "which); off: eager ATen calls", choices=("off", "on", "auto"))
     speculative_method: str | None = setting(None, "GEMMA_SPECULATIVE_METHOD", "speculative decoding: ngram "

@@ -5,7 +5,8 @@ A captured step is replayed for other requests, slots, positions and sampling pa
 was recorded with, so equal tokens across a busy scripted run (staggered arrivals, a seeded sampled request
 with log-probabilities, a second turn resumed from the first's cache, a grammar-constrained request) are the
 proof that nothing a request wrote was baked into the graph. Both engines multiply with ATen's matmul
-(`onednn=False`): a compiled engine on the CPU does (README "Compiled step").
+(`onednn=False`), the path of every device but the CPU, unless a test says otherwise; over oneDNN's packed weights
+a compiled engine freezes them into each graph (gemma_engine/compiling.py `_keep_packed_weights`).
 """
 
 import json
@@ -184,10 +185,11 @@ def small_checkpoint(tmp_path_factory):
     return save_dense(tmp_path_factory.mktemp("compiled_small"), SEED, config)
 
 
-def _busy_run(model_dir, backend, prefill_chunk=5, bound=LOGPROB_BOUND) -> StepCompiler:
-    eager = Script(_busy()).run(_engine(model_dir, max_batch=2, prefill_chunk=prefill_chunk), read_every=2)
+def _busy_run(model_dir, backend, prefill_chunk=5, bound=LOGPROB_BOUND, **kwargs) -> StepCompiler:
+    kwargs = {"max_batch": 2, "prefill_chunk": prefill_chunk, **kwargs}
+    eager = Script(_busy()).run(_engine(model_dir, **kwargs), read_every=2)
     compiler = StepCompiler(backend)
-    engine = _engine(model_dir, compiler, max_batch=2, prefill_chunk=prefill_chunk)
+    engine = _engine(model_dir, compiler, **kwargs)
     script = Script(_busy())
     compiled = script.run(engine, read_every=2)
     report = engine.compile_report()
@@ -202,6 +204,15 @@ def _busy_run(model_dir, backend, prefill_chunk=5, bound=LOGPROB_BOUND) -> StepC
 
 def test_inductor_compiled_steps_give_the_eager_tokens_and_logprobs_in_a_busy_run(small_checkpoint):
     _busy_run(small_checkpoint, "inductor")
+
+
+def test_inductor_over_onednn_packed_weights_gives_the_eager_tokens_and_logprobs(small_checkpoint):
+    """On the CPU the engine multiplies with oneDNN's packed weights by default: each graph keeps them as frozen
+    constants (the one thing frozen), which Inductor lowers to the same oneDNN kernel, while the state it reads and
+    writes stays inputs (the busy run's replays read other slots, positions and parameters)."""
+    compiler = _busy_run(small_checkpoint, "inductor", onednn=True)
+    for name, gm in compiler.graphs.items():
+        assert next(gm.buffers()).is_mkldnn and all(b.is_mkldnn for b in gm.buffers()), name
 
 
 def test_prompt_chunks_padded_to_their_buckets_give_the_eager_tokens_and_logprobs(small_checkpoint):

@@ -151,8 +151,7 @@ def lift_constants(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
     but copies the whole storage for one through a reshaped flat storage.
     """
     graph = gm.graph
-    # oneDNN's packed weights (opaque, no storage to view) stay constants: they never change, and
-    # Inductor lowers `mkldnn._linear_pointwise` only over a constant weight, as its freezing makes.
+    _keep_packed_weights(gm)
     attrs = [n for n in graph.nodes if n.op == "get_attr" and not getattr(gm, n.target).is_mkldnn]
     first = next(iter(graph.nodes))
     empties = [n for n in attrs if getattr(gm, n.target).numel() == 0]
@@ -194,6 +193,23 @@ def lift_constants(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
     graph.lint()
     gm.recompile()
     return inputs
+
+
+def _keep_packed_weights(gm: torch.fx.GraphModule) -> None:
+    """Make oneDNN's packed weights (opaque: no storage to view) buffers of the graph module, the only ones it has.
+
+    They never change, and Inductor lowers `mkldnn._linear_pointwise` only over a weight that is a constant of
+    its graph (torch 2.14 `torch/_inductor/mkldnn_lowerings.py`, "weight must be a graph constant"); a plain
+    attribute becomes an input of AOTAutograd's graph, a buffer a constant once Inductor freezes the module's
+    parameters and buffers (`torch/_inductor/freezing.py` `replace_params_with_constants`), which
+    `StepCompiler.compile` asks for where there are any. Nothing else is a buffer, so nothing else is frozen:
+    the state a step reads stays inputs. Freezing keeps the tensor itself (no copy, no repacking).
+    """
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and getattr(gm, node.target).is_mkldnn:
+            packed = getattr(gm, node.target)
+            delattr(gm, node.target)
+            gm.register_buffer(node.target, packed)
 
 
 def _remake_empty(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
@@ -277,17 +293,23 @@ class StepCompiler:
     def compile(self, gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Callable:
         """`backend(gm, inputs)` inside a tracing context whose fake mode has a ShapeEnv, as dynamo calls a
         backend (Inductor's FX graph cache and AOTAutograd's cache are bypassed without one, so every restart
-        would compile again); `options` patch Inductor's config for the call (e.g. "max_autotune")."""
+        would compile again); `options` patch Inductor's config for the call (e.g. "max_autotune"). A graph over
+        oneDNN's packed weights (its buffers, `_keep_packed_weights`) is compiled with Inductor's `freezing`,
+        under no_grad as freezing requires; Inductor's FX-graph cache skips such a graph (torch 2.14
+        `codecache.py`: "mkldnn tensors unpickleable"), so it compiles again at every start."""
         from torch._guards import TracingContext, tracing
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
         backend = torch._dynamo.lookup_backend(self.backend)
-        with tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv()))):
-            if self.options and self.backend == "inductor":
+        options = dict(self.options)
+        if self.backend == "inductor" and next(gm.buffers(), None) is not None:
+            options["freezing"] = True
+        with tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv()))), torch.no_grad():
+            if options and self.backend == "inductor":
                 import torch._inductor.config as inductor_config
 
-                with inductor_config.patch(self.options):
+                with inductor_config.patch(options):
                     return backend(gm, inputs)
             if self.options:
                 return backend(gm, inputs, options=self.options)
