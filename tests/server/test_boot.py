@@ -190,15 +190,17 @@ def test_onednn_setting_picks_what_multiplies_the_dense_weights(spawn, chat_chec
     assert texts[0] == texts[1] and texts[0]
 
 
-@pytest.mark.parametrize("mode", ["on", "auto"])
+@pytest.mark.parametrize("mode, onednn", [("on", "off"), ("auto", "auto")])
 def test_compile_stage_compiles_the_step_and_the_replies_are_the_eager_engines(
-        spawn, chat_checkpoint, direct_engine, tokenizer, mode):
+        spawn, chat_checkpoint, direct_engine, tokenizer, mode, onednn):
     """--compile on replays the compiled steps; auto times each bucket both ways and keeps the faster. Either way
-    the reply through the openai SDK is the eager engine's, and /v1/engine and /metrics say what compiled."""
+    the reply through the openai SDK is the eager engine's, and /v1/engine and /metrics say what compiled. One
+    multiplies with ATen's matmul, the other over oneDNN's packed weights (the CPU default), frozen into each
+    graph (whose compiles Inductor's cache does not keep: this one compiles cold every run)."""
     import openai
 
     s = spawn("--model", str(chat_checkpoint), "--use-installed-engine", "--compile", mode, "--max-num-seqs", "2",
-              "--prefill-chunk", "32", *COMMON)
+              "--prefill-chunk", "32", *COMMON, env={"GEMMA_ONEDNN": onednn})
     wait_for(lambda: get_status(s.base + "/health") == 200, 600, "/health 200 after the compile stage")
     info = engine_info(s.base)
     stages = {x["stage"]: x for x in info["stages"]}
@@ -209,6 +211,7 @@ def test_compile_stage_compiles_the_step_and_the_replies_are_the_eager_engines(
     assert (report["mode"], report["backend"]) == (mode, "inductor")
     [engine] = report["engines"]
     assert engine["fallbacks"] == []
+    assert [e["linear"] for e in info["engines"]] == [{"off": "aten", "auto": "onednn"}[onednn]]
     # Every bucket (1 and 2 slots), greedy and sampled, the first step after a read point and the later ones;
     # every prompt-chunk bucket (16 and 32 columns), a prompt's first chunk and a later one.
     steps = {f"decode b={b}{padded} {stages}" for b in (1, 2) for padded in ("", " padded")
