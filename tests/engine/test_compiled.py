@@ -526,8 +526,9 @@ def _speculating() -> dict:
     return {0: [R(0, SPECULATED[0], 8), R(1, SPECULATED[1], 48)], 14: [R(2, SPECULATED[2], 32, sampling=sampled)]}
 
 
-def _verify_run(model_dir, compiler, **spec) -> tuple[dict, dict]:
-    """The speculating script on an engine that compiles with `compiler` and one that does not: their outcomes."""
+def _verify_run(model_dir, compiler, **spec) -> dict[str, int]:
+    """The speculating script on an engine that compiles with `compiler` and one that does not, which must give the
+    same outcomes and keep drafts; the replays of each verify key."""
     kwargs = {"max_batch": 2, **spec}
     eager = Script(_speculating())
     eager_out = eager.run(_engine(model_dir, **kwargs), read_every=2)
@@ -538,14 +539,14 @@ def _verify_run(model_dir, compiler, **spec) -> tuple[dict, dict]:
     _assert_same(eager_out, compiled)
     kept = sum(s.get("spec_accepted_tokens", 0) for s in script.stats)
     assert kept == sum(s.get("spec_accepted_tokens", 0) for s in eager.stats) > 0, "drafts were kept"
-    return compiled, {name: n for name, n in compiler.replays.items() if name.startswith("verify")}
+    return {name: n for name, n in compiler.replays.items() if name.startswith("verify")}
 
 
 def test_verify_steps_replayed_compiled_give_the_eager_tokens_and_logprobs(two_token_small):
     """Prompt-lookup drafts (rust/src/engine/verify.rs): the drafts and offers are copied into the key's own buffers
     before each replay, so replays read other drafts, slots and positions than the step they were captured on."""
     compiler = ReplayCountingCompiler("aot_eager")
-    _, verified = _verify_run(two_token_small, compiler, **SPEC)
+    verified = _verify_run(two_token_small, compiler, **SPEC)
     assert verified and all(n > 0 for n in verified.values()), compiler.replays
     assert any("padded" in name for name in verified) and any("padded" not in name for name in verified), verified
 
@@ -560,7 +561,7 @@ def test_an_assistants_verify_steps_replayed_compiled_give_the_eager_tokens(smal
     drafter = assistants.save_two_token_assistant(random, two_token_small, root / "two_token")
     compiler = ReplayCountingCompiler("aot_eager")
     spec = {**SPEC, "speculative_method": "mtp", "speculative_model": str(drafter)}
-    _, verified = _verify_run(two_token_small, compiler, **spec)
+    verified = _verify_run(two_token_small, compiler, **spec)
     assert verified and all(name.endswith("hidden") for name in verified), verified
 
 

@@ -32,7 +32,7 @@ use std::hash::Hash;
 use crate::engine::chunks::ChunkKey;
 use crate::engine::sampling::Chosen;
 use crate::engine::step::{Graphs, StepKey};
-use crate::engine::verify::{Verdict, VerifyKey};
+use crate::engine::verify::{Checked, Verdict, VerifyKey};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -238,16 +238,24 @@ impl Compiled {
         verifies.run(compiler.as_mut(), fallbacks, key, eager, Verdict::outputs, false)
     }
 
-    /// `t`'s values in the buffer that the verify steps of `key` read as their `i`-th input made on the host or
-    /// by the drafter: a tensor made fresh each step cannot be a graph's input, which is read at every replay.
-    pub(super) fn stage(&mut self, key: VerifyKey, i: usize, t: &Tensor) -> Result<Tensor> {
-        if let Some(buffer) = self.staged.get(&(key, i)) {
-            buffer.copy_(t)?;
-            return buffer.shallow_clone();
-        }
-        let buffer = t.copy()?;
-        self.staged.insert((key, i), buffer.shallow_clone()?);
-        Ok(buffer)
+    /// `inputs`' values in the buffers that the verify steps of `key` read them from, made from them the first
+    /// time: a tensor made fresh each step (on the host or by the drafter) cannot be a graph's input, which is read
+    /// at every replay.
+    pub(super) fn stage(&mut self, key: VerifyKey, inputs: Checked) -> Result<Checked> {
+        let mut stage = |i: usize, t: Tensor| -> Result<Tensor> {
+            if let Some(buffer) = self.staged.get(&(key, i)) {
+                buffer.copy_(&t)?;
+                return buffer.shallow_clone();
+            }
+            let buffer = t.copy()?;
+            self.staged.insert((key, i), buffer.shallow_clone()?);
+            Ok(buffer)
+        };
+        Ok(Checked {
+            draft: stage(0, inputs.draft)?,
+            offered: stage(1, inputs.offered)?,
+            masks: inputs.masks.map(|m| stage(2, m)).transpose()?,
+        })
     }
 
     /// Decode steps, prompt chunks and verify steps captured and compiled so far.
@@ -266,7 +274,7 @@ impl Compiled {
 }
 
 /// `Chosen` as a graph's outputs: the tokens, then the three log-probability tensors when asked.
-fn to_outputs(c: &Chosen) -> Result<Vec<Tensor>> {
+pub(super) fn to_outputs(c: &Chosen) -> Result<Vec<Tensor>> {
     let mut out = vec![c.tokens.shallow_clone()?];
     if let Some((a, b, d)) = &c.logprobs {
         out.extend([a.shallow_clone()?, b.shallow_clone()?, d.shallow_clone()?]);
@@ -274,7 +282,8 @@ fn to_outputs(c: &Chosen) -> Result<Vec<Tensor>> {
     Ok(out)
 }
 
-fn from_outputs(mut out: Vec<Tensor>, logprobs: bool) -> Result<Chosen> {
+/// `to_outputs` back.
+pub(super) fn from_outputs(mut out: Vec<Tensor>, logprobs: bool) -> Result<Chosen> {
     let want = if logprobs { 4 } else { 1 };
     if out.len() != want {
         return Err(Error::Internal(format!("a compiled step returned {} tensors, expected {want}", out.len())));

@@ -323,13 +323,11 @@ impl Engine {
         let key = VerifyKey { b, k, padded, stages, hidden: self.drafter.is_some() };
         let mut columns =
             stages.grammar.then(|| Columns::new(&self.sampler, &self.slots, rows, k, drafts.offered.clone()));
-        let mut checked = self.checked(b, &drafts, columns.as_mut())?;
+        let checked = self.checked(b, &drafts, columns.as_mut())?;
         let Engine { model, cache, sampler, slots, compiled, context, .. } = self;
         let verdict = match compiled.as_mut().filter(|c| c.replays(b)) {
             Some(c) => {
-                checked.draft = c.stage(key, 0, &checked.draft)?;
-                checked.offered = c.stage(key, 1, &checked.offered)?;
-                checked.masks = checked.masks.map(|m| c.stage(key, 2, &m)).transpose()?;
+                let checked = c.stage(key, checked)?;
                 c.verify(key, || verify(model, cache, sampler, slots, &checked, key, *context))?
             }
             None => verify(model, cache, sampler, slots, &checked, key, *context)?,

@@ -5,6 +5,7 @@
 //! long as the engine (`Checked` names the three inputs, which a compiled engine keeps in buffers of its own per
 //! key, compiled.rs `Compiled::stage`), so it is captured and replayed per key as a decode step is (compiled.rs).
 
+use crate::engine::compiled::{from_outputs, to_outputs};
 use crate::engine::sampling::{Ahead, Chosen, Sampler, Stages};
 use crate::engine::slots::Slots;
 use crate::engine::step::stage_names;
@@ -60,13 +61,10 @@ pub(super) struct Verdict {
 }
 
 impl Verdict {
-    /// The tensors a captured verify step returns, in order: tokens, the three log-probability tensors when
-    /// asked, then the hidden states and drafts kept when kept.
+    /// The tensors a captured verify step returns: the choice's (compiled.rs `to_outputs`), then the hidden
+    /// states and drafts kept when kept.
     pub(super) fn outputs(&self) -> Result<Vec<Tensor>> {
-        let mut out = vec![self.chosen.tokens.shallow_clone()?];
-        if let Some((a, b, c)) = &self.chosen.logprobs {
-            out.extend([a.shallow_clone()?, b.shallow_clone()?, c.shallow_clone()?]);
-        }
+        let mut out = to_outputs(&self.chosen)?;
         if let Some((hidden, kept)) = &self.kept {
             out.extend([hidden.shallow_clone()?, kept.shallow_clone()?]);
         }
@@ -74,20 +72,16 @@ impl Verdict {
     }
 
     /// `outputs` back, for a step of `key`.
-    pub(super) fn from_outputs(out: Vec<Tensor>, key: VerifyKey) -> Result<Verdict> {
-        let want = 1 + 3 * usize::from(key.stages.logprobs.is_some()) + 2 * usize::from(key.hidden);
-        if out.len() != want {
-            return Err(Error::Internal(format!("{key} returned {} tensors, expected {want}", out.len())));
-        }
-        let mut out = out.into_iter();
-        let mut next = || out.next().ok_or_else(|| Error::Internal(format!("{key} returned too few tensors")));
-        let tokens = next()?;
-        let logprobs = match key.stages.logprobs {
-            Some(_) => Some((next()?, next()?, next()?)),
-            None => None,
+    pub(super) fn from_outputs(mut out: Vec<Tensor>, key: VerifyKey) -> Result<Verdict> {
+        let kept = match key.hidden {
+            true if out.len() >= 2 => {
+                let kept = out.pop();
+                out.pop().zip(kept)
+            }
+            true => return Err(Error::Internal(format!("{key} returned {} tensors", out.len()))),
+            false => None,
         };
-        let kept = if key.hidden { Some((next()?, next()?)) } else { None };
-        Ok(Verdict { chosen: Chosen { tokens, logprobs }, kept })
+        Ok(Verdict { chosen: from_outputs(out, key.stages.logprobs.is_some())?, kept })
     }
 }
 
