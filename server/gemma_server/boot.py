@@ -408,7 +408,8 @@ class Boot:
         outs = run_on_workers(self.loaded.workers, lambda w: w.engine.decode(ids, WARMUP_TOKENS))
         self.state.warmup_seconds = round(time.monotonic() - t0, 3)
         done = ", ".join(f"{len(tokens)} tokens ({finish})" for tokens, finish, _, _ in outs)
-        return "; ".join(part for part in (done, self._measure_speculation(), self.publish_compile_cache()) if part)
+        parts = (done, self._measure_speculation(), self._compile_verify(), self.publish_compile_cache())
+        return "; ".join(part for part in parts if part)
 
     def _measure_speculation(self) -> str | None:
         """With speculative decoding on and no --speculative-max-batch: each engine's limit from its own steps'
@@ -422,6 +423,41 @@ class Boot:
             return speculation.summary(costs, chosen)
         assert self.loaded is not None
         return "; ".join(run_on_workers(self.loaded.workers, measure))
+
+    def _compile_verify(self) -> str | None:
+        """With --compile and speculative decoding: capture and compile each engine's verify steps in the decode
+        buckets that speculate (up to its `speculative_max_bucket`, set by the measurement just before; every
+        bucket it replays compiled in), greedy and sampled, with every row live and with padding (`compile_verify`),
+        so none compiles while a request waits. An engine whose context cannot hold the steps says so and compiles
+        them while serving."""
+        if not self.compilers or not self.config.speculative_method:
+            return None
+        assert self.loaded is not None
+        vocab = self.loaded.vocab_size
+
+        def compile_one(w: EngineWorker) -> str:
+            import gemma_engine
+
+            report, top = w.engine.compile_report(), w.engine.speculative["speculative_max_bucket"]
+            if not report["active"]:
+                return "verify steps run eagerly (no step replays compiled)"
+            buckets = [b for b in w.engine.buckets
+                       if (top is None or b <= top) and b not in report["eager_buckets"]]
+            compiler, first = self.compilers[w.index], 0
+            before = len(compiler.compiled)
+            try:
+                for b in buckets:
+                    for sampled in (False, True):
+                        for _ in range(COMPILE_ATTEMPTS):
+                            sampling = gemma_engine.SamplingParams(temperature=0.7, seed=first) if sampled else None
+                            prompts = [compile_prompt(first + k, vocab) for k in range(b)]
+                            first += b
+                            if w.engine.compile_verify(prompts, sampling):
+                                break
+            except ValueError as e:
+                return f"verify steps compile while serving: {e}"
+            return f"{len(compiler.compiled) - before} verify steps compiled (decode buckets {buckets})"
+        return "; ".join(run_on_workers(self.loaded.workers, compile_one))
 
     def publish_compile_cache(self) -> str | None:
         """After warmup and on drain: what this server compiled, to the shared cache (compile_cache.py); the

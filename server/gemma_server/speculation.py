@@ -20,16 +20,13 @@ TARGET_ACCEPTANCE = 0.6
 #: moved between 1.87 and 2.84 from run to run).
 REPEATS = 3
 
+#: Steps of each kind a measurement times, where the context holds them (`Engine.speculation_turns`).
+TURNS = 8
+
 
 def tokens_per_verify(drafts: int, acceptance: float) -> float:
     """Expected tokens a verify step gives a row with `drafts` drafts kept each with probability `acceptance`."""
     return sum(acceptance ** i for i in range(drafts + 1))
-
-
-def turns(context: int, drafts: int, most: int = 8) -> int:
-    """Steps of each kind `Engine.speculation_costs` can time in `context` (its requests hold an 8-token prompt and
-    (drafts + 2) tokens a turn); 0 when not one fits."""
-    return max(0, min(most, (context - 10) // (drafts + 2)))
 
 
 def limit(costs: Sequence[dict], acceptance: float = TARGET_ACCEPTANCE) -> int:
@@ -47,7 +44,7 @@ def measure(engine, repeats: int = REPEATS) -> tuple[list[dict], int | None]:
     """Time `engine`'s plain and verify steps in each of its decode buckets (the median of `repeats` measurements of
     each) and set its largest speculating bucket from them (`limit`). Returns the costs and the limit; ([], None)
     when its context is too short to measure (the limit stays)."""
-    n = turns(engine.context, engine.speculative["num_speculative_tokens"])
+    n = min(TURNS, engine.speculation_turns)
     if n == 0:
         return [], None
     costs = []

@@ -526,13 +526,14 @@ def _speculating() -> dict:
     return {0: [R(0, SPECULATED[0], 8), R(1, SPECULATED[1], 48)], 14: [R(2, SPECULATED[2], 32, sampling=sampled)]}
 
 
-def _verify_run(model_dir, compiler, **spec) -> dict[str, int]:
-    """The speculating script on an engine that compiles with `compiler` and one that does not, which must give the
-    same outcomes and keep drafts; the replays of each verify key."""
+def _verify_run(model_dir, compiler, prepare=lambda engine: None, **spec) -> dict[str, int]:
+    """The speculating script on an engine that compiles with `compiler` (after `prepare(engine)`) and one that does
+    not, which must give the same outcomes and keep drafts; the replays of each verify key."""
     kwargs = {"max_batch": 2, **spec}
     eager = Script(_speculating())
     eager_out = eager.run(_engine(model_dir, **kwargs), read_every=2)
     engine = _engine(model_dir, compiler, **kwargs)
+    prepare(engine)
     script = Script(_speculating())
     compiled = script.run(engine, read_every=2)
     assert engine.compile_report()["fallbacks"] == []
@@ -595,12 +596,38 @@ def test_grammar_constrained_verify_steps_replayed_compiled_give_the_eager_token
     assert constrained and all(c > 0 for c in constrained.values()), compiler.replays
 
 
+def test_compile_verify_compiles_the_verify_steps_serving_meets_before_it_meets_them(two_token_small):
+    """`compile_verify` (rust/src/engine/tuning.rs) runs made-up verify steps in a bucket under the caller's sampling,
+    every row live and then with the first row cancelled: the keys the speculating script meets (greedy and sampled
+    with log-probabilities, bucket 2 with and without padding, bucket 1) are all compiled before it runs, it compiles
+    no verify step of its own, replays them and gives the eager outcomes."""
+    compiler = ReplayCountingCompiler("aot_eager")
+    sampled = gemma_engine.SamplingParams(temperature=0.9, top_p=0.95, seed=7, logprobs=3)
+    ahead: list[str] = []
+
+    def prepare(engine):
+        for sampling in (None, sampled):
+            for b in (1, 2):
+                assert engine.compile_verify([[3 + i, 5, 7, 11] for i in range(b)], sampling) is True
+        ahead.extend(name for name, _ in compiler.compiled if name.startswith("verify"))
+
+    verified = _verify_run(two_token_small, compiler, prepare, **SPEC)
+    keys = {f"verify b={b} k=3{padded} {stages}" for stages in ("greedy", "draw+logprobs3")
+            for b, padded in ((1, ""), (2, ""), (2, " padded"))}
+    assert set(ahead) == keys, ahead
+    assert [name for name, _ in compiler.compiled if name.startswith("verify")] == ahead, "none compiled later"
+    assert verified and set(verified) <= keys and all(n > 0 for n in verified.values()), verified
+    assert any("padded" in name for name in verified) and any("draw" in name for name in verified), verified
+
+
 def test_speculation_costs_on_a_compiling_engine_time_replays(two_token_small):
     """The warmup's measurement of plain and verify steps (rust/src/engine/tuning.rs) first runs each kind's keys
     until they are captured, so every timed step is a replay: none of a capture's or a compile's time is in it."""
     compiler = ReplayCountingCompiler("aot_eager")
     engine = _engine(two_token_small, compiler, max_batch=1, **SPEC)
     turns = 3
+    # Its requests hold 8 prompt tokens and 3 + 2 a turn, two warming rounds among them.
+    assert engine.speculation_turns == (CONTEXT - 10) // 5 - 2 == _engine(two_token_small, **SPEC).speculation_turns - 2
     costs = engine.speculation_costs(1, turns)
     assert costs["bucket"] == 1 and costs["plain_s"] > 0 and costs["verify_s"] > 0
     replayed = lambda kind: sum(n for name, n in compiler.replays.items() if name.startswith(kind))  # noqa: E731

@@ -257,10 +257,16 @@ def test_the_costs_of_plain_and_verify_steps_are_measured_and_leave_nothing(dens
     assert e.speculative["speculative_max_bucket"] == 0
     _, stats = run(e, {1: [R(2, PROMPTS[0], 16)]})
     assert stats["spec_drafts"] == 0
+    short = engine(dense, **SPEC, context=24)
+    assert short.speculation_turns == (24 - 10) // (K + 2) >= 1, "8 prompt tokens and K + 2 a turn"
+    assert short.speculation_costs(1, short.speculation_turns)["bucket"] == 1
+    assert engine(dense).speculation_turns == 0
     for call, message in [(lambda: e.speculation_costs(5), "batch must be in 1..=4"),
                           (lambda: e.speculation_costs(1, 0), "turns >= 1"),
                           (lambda: e.set_speculative_max_bucket(-1), "must be >= 0"),
                           (lambda: engine(dense).speculation_costs(1), "speculative decoding is off"),
-                          (lambda: engine(dense, **SPEC, context=24).speculation_costs(1), "too few tokens")]:
+                          (lambda: short.speculation_costs(1, short.speculation_turns + 1), "too few tokens"),
+                          (lambda: e.compile_verify([[3, 4]]), "does not compile its steps"),
+                          (lambda: engine(dense).compile_verify([[3, 4]]), "speculative decoding is off")]:
         with pytest.raises(ValueError, match=message):
             call()

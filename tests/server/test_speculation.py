@@ -32,10 +32,7 @@ def test_a_higher_acceptance_allows_larger_batches():
     assert speculation.limit(measured, acceptance=0.2) == 0
 
 
-def test_turns_fit_the_context_and_the_summary_names_the_limit():
-    assert speculation.turns(8192, 4) == 8
-    assert speculation.turns(40, 4) == 5
-    assert speculation.turns(15, 4) == 0
+def test_the_summary_names_the_limit():
     line = speculation.summary(costs(1.5, 3.0), 1)
     assert line == "speculative decoding in decode buckets up to 1 (verify/plain step time: b1 1.50x, b2 3.00x)"
     assert "unmeasured" in speculation.summary([], None)

@@ -141,6 +141,41 @@ def test_the_limit_is_measured_at_warmup_without_a_setting(chat_checkpoint):
         s.stop()
 
 
+def compiled_steps(base: str) -> list[str]:
+    """The names of the steps the server's one engine compiled, in order (/v1/engine)."""
+    return [name for name, _ in httpx.get(f"{base}/v1/engine").json()["compile"]["engines"][0]["compiled"]]
+
+
+def greedy_and_sampled(base: str, model: str) -> tuple[str, str]:
+    """A greedy completion and a seeded sampled chat reply, both of prompts that prompt lookup drafts from."""
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    greedy = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=24)
+    sampled = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPTS[1]}],
+                                             max_tokens=24, temperature=0.9, seed=7)
+    return greedy.choices[0].text, sampled.choices[0].message.content
+
+
+def test_with_compile_warmup_compiles_the_verify_steps_and_serving_compiles_none(chat_checkpoint, server, model):
+    """--compile on with speculation: once the buckets that speculate are known (here from --speculative-max-batch:
+    all), warmup compiles their verify steps, greedy and sampled, so a speculating request compiles nothing while
+    it waits; its replies are the eager server's. One slot and one prompt-chunk size keep the compiles few, and
+    ATen's matmul keeps them in Inductor's cache."""
+    s = start_in_process(chat_checkpoint, *SPEC, "--max-num-seqs", "1", "--prefill-chunk", "16", "--compile", "on",
+                         "--onednn", "off", "--default-temperature", "0")
+    try:
+        info = httpx.get(f"{s.base}/v1/engine").json()
+        warmup = next(st for st in info["stages"] if st["stage"] == "warmup")
+        assert "2 verify steps compiled (decode buckets [1])" in warmup["message"], warmup
+        before = compiled_steps(s.base)
+        assert {"verify b=1 k=4 greedy", "verify b=1 k=4 draw"} <= set(before), before
+        drafted = sample(s, "gemma_spec_decode_num_draft_tokens_total")
+        assert greedy_and_sampled(s.base, model) == greedy_and_sampled(server.base, model)
+        assert sample(s, "gemma_spec_decode_num_draft_tokens_total") > drafted, "the requests speculated"
+        assert compiled_steps(s.base) == before, "no step compiled while serving"
+    finally:
+        s.stop()
+
+
 def test_bad_settings_are_refused_by_name(chat_checkpoint, capsys):
     with pytest.raises(SystemExit):
         parse_config(["--model", "m", "--speculative-method", "eagle"], {})

@@ -463,13 +463,32 @@ class Engine:
     def speculation_costs(self, batch: int, turns: int = 8) -> dict[str, float | int]:
         """{"bucket", "plain_s", "verify_s", "drafts"}: the seconds of a plain decode step and of a verify step
         with "drafts" drafts a row, with `batch` requests of a made-up prompt decoding in decode bucket "bucket",
-        `turns` steps of each, read as a batch that speculates reads them (rust/src/engine/tuning.rs). Every
-        slot's rings are forgotten before and after (`reset_prefix_cache`), the requests cancelled. Between runs
-        only.
+        `turns` steps of each (at most `speculation_turns`), read as a batch that speculates reads them
+        (rust/src/engine/tuning.rs). Every slot's rings are forgotten before and after (`reset_prefix_cache`), the
+        requests cancelled. Between runs only.
 
         Raises:
             ValueError: speculative decoding is off, `batch` outside 1..max_batch, turns < 1, or a context too
                 short for the turns.
+        """
+
+    @property
+    def speculation_turns(self) -> int:
+        """The most turns `speculation_costs` can time in this engine's context (its requests hold an 8-token prompt
+        and drafts + 2 tokens a turn, a compiling engine's two untimed rounds of each kind included); 0 when not
+        one fits or speculative decoding is off."""
+
+    def compile_verify(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | None = None) -> bool:
+        """Capture and compile the verify steps of the decode bucket that one request per prompt fills, keyed by
+        `sampling`'s stages as serving keys them: two verify steps with every row live, and from two rows up two
+        with the first row's request cancelled (the bucket's key with padding), made-up drafts, each read at once
+        (rust/src/engine/tuning.rs). Every slot's rings are forgotten before and after, the requests cancelled.
+        Between runs only. Returns whether every step ran with the rows it was meant to (False when a request
+        drew an eos first: try other prompts).
+
+        Raises:
+            ValueError: speculative decoding is off, the engine does not compile, no prompts or more than
+                max_batch, or a prompt empty or too long to leave room for the steps.
         """
 
     def set_speculative_max_bucket(self, n: int) -> None:

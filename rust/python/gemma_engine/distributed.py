@@ -67,7 +67,7 @@ def follow(engine: gemma_engine.Engine, read_every: int = 1, control: dist.Proce
 # The engine calls that run the model or change its state: every rank must make them, in the same order. Rank 0's
 # other calls (layout, weights, compile_report, ...) read its own engine, from any thread.
 MIRRORED = frozenset({"run", "decode", "logits", "reset_prefix_cache", "use_compiled", "speculation_costs",
-                      "set_speculative_max_bucket"})
+                      "compile_verify", "set_speculative_max_bucket"})
 
 
 class Leader:

@@ -516,6 +516,26 @@ impl Engine {
         functions::costs_dict(py, &costs)
     }
 
+    /// The most turns `speculation_costs` can time in this engine's context (0: not one).
+    #[getter]
+    fn speculation_turns(&self) -> usize {
+        self.inner.speculation_turns()
+    }
+
+    /// Capture the verify steps of the decode bucket `prompts` fill, with `sampling`'s stages; whether every step
+    /// ran with the rows it was meant to.
+    #[pyo3(signature = (prompts, sampling=None))]
+    fn compile_verify(
+        &mut self,
+        py: Python<'_>,
+        prompts: Vec<Vec<i64>>,
+        sampling: Option<Py<PySamplingParams>>,
+    ) -> PyResult<bool> {
+        let params = sampling.map(|s| s.get().inner.clone()).unwrap_or_default();
+        let inner = &mut self.inner;
+        Ok(py.detach(|| no_grad(|| inner.compile_verify(&prompts, params)))?)
+    }
+
     fn set_speculative_max_bucket(&mut self, n: i64) -> PyResult<()> {
         Ok(self.inner.set_speculative_max_bucket(n)?)
     }
