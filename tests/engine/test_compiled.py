@@ -14,6 +14,7 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 from types import SimpleNamespace
 
 import jsonschema
@@ -555,15 +556,22 @@ def test_verify_steps_replayed_compiled_give_the_eager_tokens_and_logprobs(two_t
 def test_an_assistants_verify_steps_replayed_compiled_give_the_eager_tokens(small_checkpoint, two_token_small,
                                                                               tmp_path_factory):
     """MTP drafts (rust/src/engine/drafter.rs): the graph also returns every position's hidden state and the drafts
-    kept, from which the drafter keeps the states it drafts from next."""
+    kept, from which the drafter keeps the states it drafts from next. Compiled ahead (`compile_verify`), with the
+    steps that only record the assistant's states."""
     root = tmp_path_factory.mktemp("compiled_assistants")
     config = tiny_text_config(num_hidden_layers=4, num_kv_shared_layers=2, layer_types=[SLIDING, FULL] * 2)
     random = assistants.save_assistant(root / "random", target=config)
     drafter = assistants.save_two_token_assistant(random, two_token_small, root / "two_token")
     compiler = ReplayCountingCompiler("aot_eager")
     spec = {**SPEC, "speculative_method": "mtp", "speculative_model": str(drafter)}
-    verified = _verify_run(two_token_small, compiler, **spec)
+    ahead: list[str] = []
+    verified = _verify_run(two_token_small, compiler, partial(_compile_verify_ahead, compiler, ahead), **spec)
     assert verified and all(name.endswith("hidden") for name in verified), verified
+    # compile_verify ahead: every key's step with 3 drafts and the one that only records the assistant's states.
+    keys = {f"verify b={b} k={k}{padded} {stages} hidden" for stages in ("greedy", "draw+logprobs3") for k in (3, 0)
+            for b, padded in ((1, ""), (2, ""), (2, " padded"))}
+    assert set(ahead) == keys, ahead
+    assert [name for name, _ in compiler.compiled if name.startswith("verify")] == ahead, "none compiled later"
 
 
 def test_verify_steps_compiled_by_inductor_give_the_eager_tokens(two_token_small):
@@ -596,22 +604,24 @@ def test_grammar_constrained_verify_steps_replayed_compiled_give_the_eager_token
     assert constrained and all(c > 0 for c in constrained.values()), compiler.replays
 
 
+def _compile_verify_ahead(compiler: StepCompiler, ahead: list[str], engine: gemma_engine.Engine) -> None:
+    """`compile_verify` in buckets 1 and 2, greedy and as `_speculating`'s sampled request samples; the verify steps
+    it compiled, into `ahead`."""
+    sampled = gemma_engine.SamplingParams(temperature=0.9, top_p=0.95, seed=7, logprobs=3)
+    for sampling in (None, sampled):
+        for b in (1, 2):
+            assert engine.compile_verify([[3 + i, 5, 7, 11] for i in range(b)], sampling) is True
+    ahead.extend(name for name, _ in compiler.compiled if name.startswith("verify"))
+
+
 def test_compile_verify_compiles_the_verify_steps_serving_meets_before_it_meets_them(two_token_small):
     """`compile_verify` (rust/src/engine/tuning.rs) runs made-up verify steps in a bucket under the caller's sampling,
     every row live and then with the first row cancelled: the keys the speculating script meets (greedy and sampled
     with log-probabilities, bucket 2 with and without padding, bucket 1) are all compiled before it runs, it compiles
     no verify step of its own, replays them and gives the eager outcomes."""
     compiler = ReplayCountingCompiler("aot_eager")
-    sampled = gemma_engine.SamplingParams(temperature=0.9, top_p=0.95, seed=7, logprobs=3)
     ahead: list[str] = []
-
-    def prepare(engine):
-        for sampling in (None, sampled):
-            for b in (1, 2):
-                assert engine.compile_verify([[3 + i, 5, 7, 11] for i in range(b)], sampling) is True
-        ahead.extend(name for name, _ in compiler.compiled if name.startswith("verify"))
-
-    verified = _verify_run(two_token_small, compiler, prepare, **SPEC)
+    verified = _verify_run(two_token_small, compiler, partial(_compile_verify_ahead, compiler, ahead), **SPEC)
     keys = {f"verify b={b} k=3{padded} {stages}" for stages in ("greedy", "draw+logprobs3")
             for b, padded in ((1, ""), (2, ""), (2, " padded"))}
     assert set(ahead) == keys, ahead

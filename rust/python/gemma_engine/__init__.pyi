@@ -481,7 +481,8 @@ class Engine:
     def compile_verify(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | None = None) -> bool:
         """Capture and compile the verify steps of the decode bucket that one request per prompt fills, keyed by
         `sampling`'s stages as serving keys them: two verify steps with every row live, and from two rows up two
-        with the first row's request cancelled (the bucket's key with padding), made-up drafts, each read at once
+        with the first row's request cancelled (the bucket's key with padding), with an MTP assistant each also
+        without drafts (the step that only records the assistant's states), made-up drafts, each read at once
         (rust/src/engine/tuning.rs). Every slot's rings are forgotten before and after, the requests cancelled.
         Between runs only. Returns whether every step ran with the rows it was meant to (False when a request
         drew an eos first: try other prompts).

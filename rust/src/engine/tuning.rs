@@ -20,7 +20,8 @@
 //! Serving's verify steps are keyed by their sampling stages (compiled.rs), which the measurement's logit bias
 //! changes, so a compiling engine captures them apart: `compile_verify` runs the caller's prompts with the caller's
 //! sampling through `WARM` verify steps with every row live and, from two rows up, `WARM` more with the first row
-//! cancelled (the key of a bucket with padding), so neither compiles while a request waits.
+//! cancelled (the key of a bucket with padding), with an assistant each also without drafts (the step that only
+//! records its states), so none compiles while a request waits.
 //!
 //! Both forget every slot's rings before (so the requests take the lowest slots) and after (so nothing of them
 //! reaches the prefix cache), and cancel their requests.
@@ -206,9 +207,11 @@ impl Engine {
     }
 
     /// `compile_verify` once its requests decode: `WARM` verify steps with every row live, then, from two rows up,
-    /// `WARM` with the first row's request cancelled, in the same bucket. Whether each ran with those rows.
+    /// `WARM` with the first row's request cancelled, in the same bucket; with an assistant each also without
+    /// drafts (the step that only records its states, speculative.rs). Whether each ran with those rows.
     fn verify_each_key(&mut self, k: i64) -> Result<bool> {
         let (bucket, _) = self.decoding().ok_or_else(|| Error::Internal("no compile request decodes".into()))?;
+        let widths: &[i64] = if self.drafter.is_some() && k > 0 { &[k, 0] } else { &[k] };
         let mut as_meant = true;
         for padded in [false, true] {
             if padded {
@@ -218,10 +221,12 @@ impl Engine {
                 let first = self.slots.get(0).map(|s| s.request.id);
                 self.cancel(|id| Some(id) == first)?;
             }
-            for _ in 0..WARM {
-                let Some((b, rows)) = self.decoding() else { return Ok(false) };
-                as_meant &= b == bucket && rows.iter().any(Option::is_none) == padded;
-                self.made_up_verify(k)?;
+            for &width in widths {
+                for _ in 0..WARM {
+                    let Some((b, rows)) = self.decoding() else { return Ok(false) };
+                    as_meant &= b == bucket && rows.iter().any(Option::is_none) == padded;
+                    self.made_up_verify(width)?;
+                }
             }
         }
         Ok(as_meant)
