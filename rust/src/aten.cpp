@@ -316,6 +316,25 @@ int aten_write_bytes_(gt *t, const void *data, size_t nbytes) {
 
 gt *aten_shallow_clone(gt *t) { RET(t->t) }
 
+int aten_adopt_storage_(gt *dst, gt *src) {
+  RET_INT(
+      const at::Tensor &d = dst->t; const at::Tensor &s = src->t;
+      c10::StorageImpl *into = d.storage().unsafeGetStorageImpl();
+      c10::StorageImpl *from = s.storage().unsafeGetStorageImpl();
+      if (into == from) return 0;
+      auto whole = [](const at::Tensor &t) {
+        return t.is_contiguous() && t.storage_offset() == 0 && t.nbytes() == t.storage().nbytes();
+      };
+      if (d.sizes() != s.sizes() || d.dtype() != s.dtype() || d.device() != s.device()) {
+        throw std::invalid_argument(c10::str(s.sizes(), " ", s.dtype(), " on ", s.device()) +
+                                    " is not " + c10::str(d.sizes(), " ", d.dtype(), " on ", d.device()));
+      }
+      if (!whole(d) || !whole(s)) throw std::invalid_argument("a tensor is not all of its storage");
+      // The old memory goes to src's storage, freed with it (on a TPU: the buffer the program was donated).
+      at::DataPtr old = into->set_data_ptr(std::move(from->mutable_data_ptr()));
+      from->set_data_ptr_noswap(std::move(old));)
+}
+
 int64_t aten_dim(gt *t) { return t->t.dim(); }
 
 int aten_shape(gt *t, int64_t *out, size_t cap) {

@@ -27,6 +27,9 @@ X(int, aten_copy_to_host, (gt *t, void *dst, size_t nbytes))
 /* Copy `nbytes` host bytes into `t` (contiguous, exactly `nbytes` long, on any device): one copy. */
 X(int, aten_write_bytes_, (gt *t, const void *data, size_t nbytes))
 X(gt *, aten_shallow_clone, (gt *t))
+/* Swap the memory of `dst`'s storage and `src`'s (same shape, dtype and device, each the whole of its storage):
+ * every tensor that views `dst`'s storage then reads what `src` held, with no copy. */
+X(int, aten_adopt_storage_, (gt *dst, gt *src))
 
 /* Metadata. */
 X(int64_t, aten_dim, (gt *t))

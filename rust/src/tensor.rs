@@ -157,6 +157,12 @@ impl Tensor {
         wrap("shallow_clone", ffi_handle!("shallow_clone", ffi::aten_shallow_clone(self.ptr())))
     }
 
+    /// Swap the memory of this tensor's storage and `src`'s (aten.h `aten_adopt_storage_`): every tensor viewing
+    /// this one's storage then reads what `src` held, with no copy.
+    pub fn adopt_storage_(&self, src: &Tensor) -> Result<()> {
+        status(ffi!("adopt_storage_", ffi::aten_adopt_storage_(self.ptr(), src.ptr())))
+    }
+
     pub fn dim(&self) -> usize {
         ffi_handle!("dim", ffi::aten_dim(self.ptr())).unwrap_or(0) as usize
     }

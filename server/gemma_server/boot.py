@@ -344,13 +344,19 @@ class Boot:
         return f"{c.shown_source or 'the model directory'} on {self.state.device}, {c.max_num_seqs} slots each{media}"
 
     def step_compiler(self, device: str):
-        """The engine's compiler hook on `device` (gemma_engine.compiling): torch_tpu's `tpu` backend on a tpu,
-        Inductor elsewhere (on cuda the engine captures each compiled step as a CUDA graph)."""
-        from gemma_engine.compiling import StepCompiler
+        """The engine's compiler hook on `device` (gemma_engine.compiling): on a tpu torch_tpu's, with the KV rings
+        a step writes donated where the device passes `storage_swap_check` (else its dynamo backend `tpu`, which
+        copies them, and a warning says why); Inductor elsewhere (on cuda the engine captures each compiled step
+        as a CUDA graph)."""
+        from gemma_engine.compiling import StepCompiler, storage_swap_check
 
         kind = device.split(":")[0]
         if kind in ("tpu", "privateuseone"):
-            return StepCompiler("tpu", on_fallback=self.metrics.observe_compile_fallback)
+            refused = storage_swap_check(device)
+            if refused:
+                log.warning("compiled steps on %s copy the KV rings they write (no buffer donation): %s",
+                            device, refused)
+            return StepCompiler("tpu", donate=refused is None, on_fallback=self.metrics.observe_compile_fallback)
         return StepCompiler("inductor", on_fallback=self.metrics.observe_compile_fallback)
 
     def _compile(self) -> str:
@@ -476,7 +482,8 @@ def start_ranks(c: Config, model_dir: Path, emb_dir: Path | None, groups: list[l
                 grammars: bool, compilers: dict[int, Any]) -> list[Any]:
     """Every engine as `len(group)` ranks on its group's devices, a process each but the first, which is this one
     (gemma_engine.distributed.start): each engine's seat, whose `lead` makes rank 0's engine. The other ranks make
-    theirs from a recipe: the same settings, the tokenizer's grammars when `grammars`, the compiler's backend.
+    theirs from a recipe: the same settings, the tokenizer's grammars when `grammars`, the compiler's backend and
+    whether it donates.
 
     Raises:
         ValueError: a device with no torch.distributed backend here.
@@ -490,6 +497,7 @@ def start_ranks(c: Config, model_dir: Path, emb_dir: Path | None, groups: list[l
     vocab_size, eos = model_vocabulary(model_dir)
     recipes = [{"model_dir": str(model_dir), "emb_dir": str(emb_dir) if emb_dir else None, "devices": devices,
                 "engine": settings, "compile_backend": compilers[g].backend_name if g in compilers else None,
+                "compile_donate": compilers[g].donate if g in compilers else False,
                 "grammars": (str(model_dir / "tokenizer.json"), eos, vocab_size) if grammars else None}
                for g, devices in enumerate(groups)]
     with socket.socket() as s:

@@ -11,6 +11,7 @@ a compiled engine freezes them into each graph (gemma_engine/compiling.py `_keep
 
 import json
 import os
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -23,7 +24,8 @@ import torch
 from tokenizers import Tokenizer
 
 import gemma_engine
-from gemma_engine.compiling import StepCompiler, capture, chain_from, natural_shape, view_chain
+from gemma_engine.compiling import (StepCompiler, capture, chain_from, natural_shape, storage_swap_check,
+                                     view_chain)
 from tests.checkpoints.chat import CHAT_VOCAB_SIZE
 from tests.checkpoints.multimodal import random_image
 from tests.checkpoints.shared import FULL, SLIDING
@@ -187,9 +189,11 @@ def small_checkpoint(tmp_path_factory):
 
 
 def _busy_run(model_dir, backend, prefill_chunk=5, bound=LOGPROB_BOUND, **kwargs) -> StepCompiler:
+    """The busy script on an engine compiling with `backend` (a name, or a whole StepCompiler) and on one that does
+    not: the same outcomes, every key captured once."""
     kwargs = {"max_batch": 2, "prefill_chunk": prefill_chunk, **kwargs}
     eager = Script(_busy()).run(_engine(model_dir, **kwargs), read_every=2)
-    compiler = StepCompiler(backend)
+    compiler = backend if isinstance(backend, StepCompiler) else StepCompiler(backend)
     engine = _engine(model_dir, compiler, **kwargs)
     script = Script(_busy())
     compiled = script.run(engine, read_every=2)
@@ -490,6 +494,95 @@ def test_every_backend_is_handed_the_same_graph(small_checkpoint):
     # Each input is a whole storage (weights, rings, slot and sampler tables), contiguous from its start.
     assert all(t.is_contiguous() and t.storage_offset() == 0 and t.numel() * t.element_size()
                == t.untyped_storage().nbytes() for t in handed["inputs"])
+
+
+def test_a_donating_compiler_is_handed_a_graph_that_writes_nothing_and_the_engine_gets_the_new_rings(
+        small_checkpoint, monkeypatch):
+    """`StepCompiler(donate=True)`, the path to torch_tpu's StaticCompiler with donated inputs (no TPU here: a fake
+    that records what it is handed and runs the graph as written stands in). The graph writes none of its inputs and
+    returns the new value of each input it wrote after the step's outputs, those inputs donated; each replay swaps
+    the new values' memory into the engine's own tensors (`adopt_storage_`, no copy), and a busy run gives the eager
+    tokens and log-probabilities."""
+    handed, adopted = [], []
+
+    def donating_compiler_fake(gm, example_inputs, donated_inputs):
+        handed.append((gm, list(example_inputs), list(donated_inputs)))
+        return gm.forward
+
+    def counted(dst, src):
+        adopted.append(dst)
+        adopt(dst, src)
+
+    adopt = gemma_engine.adopt_storage_
+    monkeypatch.setattr(gemma_engine, "adopt_storage_", counted)
+    compiler = _busy_run(small_checkpoint, StepCompiler(donating_compiler_fake, donate=True))
+    assert len(handed) == len(compiler.compiled)
+    for gm, inputs, donated in handed:
+        calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+        assert donated and not any(isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
+                                   for n in calls), gm.code
+        returned = gm.graph.find_nodes(op="output")[0].args[0][-len(donated):]
+        assert [tuple(n.meta["val"].shape) for n in returned] == [tuple(inputs[i].shape) for i in donated]
+    # Each replay gave the engine the new values of exactly the inputs its graph donated.
+    donated_inputs = [inputs[i] for _, inputs, donated in handed for i in donated]
+    assert adopted and all(any(dst is t for t in donated_inputs) for dst in adopted)
+
+
+def test_a_storage_takes_another_ones_memory_and_its_views_follow():
+    """`adopt_storage_`, how a donating compiler's new rings reach the engine: a view made before reads the new
+    values, the other tensor the old memory; `storage_swap_check` finds that it works here and names what fails on
+    a device where it cannot."""
+    ring = torch.zeros(4, 3)
+    view = ring[1]
+    new = torch.arange(12.0).reshape(4, 3).clone()
+    gemma_engine.adopt_storage_(ring, new)
+    assert view.tolist() == [3.0, 4.0, 5.0] and new.sum().item() == 0
+    for dst, src, message in [(ring, torch.zeros(3, 4), r"\[3, 4\] float on cpu is not \[4, 3\] float on cpu"),
+                              (ring[:2], torch.zeros(2, 3), "not all of its storage"),
+                              (ring, torch.zeros(8, 3)[::2], "not all of its storage")]:
+        with pytest.raises(RuntimeError, match=message):
+            gemma_engine.adopt_storage_(dst, src)
+    assert storage_swap_check("cpu") is None
+    assert storage_swap_check("meta").startswith("swapping storages failed: ")
+
+
+class StaticCompilerFake:
+    """Stands in for torch_tpu 0.2.0's `torch_tpu._internal.compile.compiler.StaticCompiler` (no TPU here), with its
+    `__call__` signature; records what it is handed and runs the graph as written."""
+
+    handed: list = []
+
+    def __call__(self, graph_module, example_inputs, is_fwd=True, bounds=None, argument_layouts=None,
+                 dynamic_outputs=None, donated_inputs=None, module_name=None):
+        StaticCompilerFake.handed.append((graph_module, donated_inputs))
+        return graph_module.forward
+
+
+def test_on_a_tpu_the_functional_step_goes_to_torch_tpus_static_compiler_with_its_written_inputs_donated(
+        small_checkpoint, monkeypatch):
+    """`StepCompiler("tpu", donate=True)`, the server's choice on a TPU: torch_tpu's StaticCompiler (a fake module
+    here) is handed the functional step and the inputs it writes as donated; the tokens are the eager engine's."""
+    from types import ModuleType
+
+    fake = ModuleType("torch_tpu._internal.compile.compiler")
+    fake.StaticCompiler = StaticCompilerFake
+    monkeypatch.setitem(sys.modules, "torch_tpu._internal.compile.compiler", fake)
+    monkeypatch.setattr(StaticCompilerFake, "handed", [])
+    compiler = StepCompiler("tpu", donate=True)
+    eager = _engine(small_checkpoint).decode(PROMPTS["parity"], 6)[0]
+    assert _engine(small_checkpoint, compiler).decode(PROMPTS["parity"], 6)[0] == eager
+    assert compiler.fallbacks == [] and len(StaticCompilerFake.handed) == len(compiler.compiled) >= 1
+    for gm, donated in StaticCompilerFake.handed:
+        placeholders = gm.graph.find_nodes(op="placeholder")
+        returned = gm.graph.find_nodes(op="output")[0].args[0][-len(donated):]
+        assert donated and [n.meta["val"].shape for n in returned] == [placeholders[i].meta["val"].shape
+                                                                       for i in donated]
+
+
+def test_functional_step_refuses_a_backend_that_takes_no_donated_inputs(small_checkpoint):
+    compiler = StepCompiler("inductor", donate=True)
+    _engine(small_checkpoint, compiler).decode(PROMPTS["parity"], 3)
+    assert compiler.fallbacks and all("takes no donated inputs" in reason for _, reason in compiler.fallbacks)
 
 
 # ----------------------------------------------------------------------------- verify steps (speculative decoding)

@@ -4,6 +4,7 @@ drain, and the build cache. Real engine on the tiny chat checkpoint throughout."
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import threading
@@ -296,3 +297,19 @@ def test_tensor_parallel_ranks_answer_as_the_unsplit_engine_and_lost_ranks_fail_
     wait_for(lambda: get_status(s.base + "/health") == 503, 30, "/health 503 once every engine lost a rank")
     with pytest.raises(openai.APIError):
         client.completions.create(model="chat", prompt="The ocean covers", max_tokens=10)
+
+
+def test_on_a_device_where_storages_do_not_swap_compiled_steps_do_not_donate(caplog):
+    """torch_tpu's compiled steps donate the KV rings they write only where `storage_swap_check` passes on the
+    device; elsewhere (here: no TPU at all) they compile without donation and a warning says why. Inductor never
+    donates."""
+    from gemma_server.boot import Boot
+    from gemma_server.config import parse_config
+    from gemma_server.metrics import Metrics
+
+    boot = Boot(parse_config(["--model", "m"], {}), Metrics("chat", CONTEXT), lambda reason: None, None)
+    with caplog.at_level(logging.WARNING, logger="gemma_server.boot"):
+        tpu = boot.step_compiler("tpu:0")
+    assert (tpu.backend, tpu.donate) == ("tpu", False)
+    assert "compiled steps on tpu:0 copy the KV rings they write (no buffer donation): swapping" in caplog.text
+    assert boot.step_compiler("cpu").describe()["donate"] is False

@@ -28,6 +28,7 @@ from ._native import (  # noqa: E402
     Request,
     SamplingParams,
     __version__,
+    adopt_storage_,
     smoke,
 )
 
@@ -41,6 +42,7 @@ __all__ = [
     "Request",
     "SamplingParams",
     "__version__",
+    "adopt_storage_",
     "smoke",
 ]
 

@@ -35,6 +35,16 @@ or past llguidance's compile limits, ends the request "error"). A value past its
 naming the field and the limit.
 """
 
+def adopt_storage_(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Swap the memory of `dst`'s storage and `src`'s, with no copy: every tensor that views `dst`'s storage (the
+    engine's own among them) then reads what `src` held, and `src` holds the old memory. How a step compiled with
+    buffer donation (`gemma_engine.compiling.StepCompiler(donate=True)`) gives its new KV rings to the engine.
+
+    Raises:
+        RuntimeError: the shapes, dtypes or devices differ, or either tensor is not the whole of its storage
+            (contiguous from offset 0).
+    """
+
 def smoke(like: torch.Tensor) -> dict[str, float | str]:
     """Run one Rust ATen call on `like`'s device and report it.
 

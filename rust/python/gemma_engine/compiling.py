@@ -18,6 +18,16 @@ the compiler once (rust/src/engine/compiled.rs says when). The compiler
    keeps (`backend(gm, example_inputs) -> callable`), and returns a zero-argument callable that runs
    the compiled step on the same tensors.
 
+With `donate=True` (the server's choice on a TPU) step 3 differs: the graph is made functional
+(`functional_step`: it writes no input, and returns the new value of each input it wrote), and a
+compiler that takes `donated_inputs` compiles it, told it may write those values over the inputs they
+replace (XLA's buffer donation). Each replay then gives the engine the new values without a copy
+(`gemma_engine.adopt_storage_`). torch_tpu's dynamo backend offers no donation: it runs AOTAutograd with
+`keep_inference_input_mutations=False` (torch_tpu 0.2.0 `_internal/compile/_backend.py`), so its program
+returns every ring a step writes as a new buffer and AOTAutograd copies each back into the engine's after
+the program: every KV ring copied each step. Its `StaticCompiler` takes `donated_inputs` for a graph traced
+by make_fx (`_internal/compile/compiler.py`, `StaticCompiler.__call__`), which is what this path hands it.
+
 Nothing a request writes is baked in: the step's host values are its shape key (bucket, padding,
 sampling stages), and every tensor it reads is an input read at each call.
 """
@@ -228,6 +238,58 @@ def _numel(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes() // t.element_size()
 
 
+def functional_step(gm: torch.fx.GraphModule, inputs: list[torch.Tensor],
+                    decompositions: dict | None = None) -> tuple[torch.fx.GraphModule, list[int]]:
+    """The step as a graph that writes none of its inputs, and the indices of the inputs the step writes.
+
+    `gm` is traced again through `torch.func.functionalize` (fake tensors: nothing runs, nothing is written), which
+    turns each write into the computation of its input's new value followed by a copy into the input; those copies
+    are removed and their values returned after the step's own outputs, in the order of the indices returned.
+    Raises ValueError when a write of another kind is left (the capture then falls back to eager with it).
+    """
+    from torch.func import functionalize
+
+    fgm = make_fx(functionalize(gm, remove="mutations_and_views"), decomposition_table=decompositions or {},
+                  tracing_mode="fake")(*inputs)
+    graph = fgm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    writes = [n for n in graph.nodes
+              if n.op == "call_function" and n.target is _aten.copy_.default and n.args[0] in placeholders]
+    written = [placeholders.index(n.args[0]) for n in writes]
+    if len(set(written)) != len(written):
+        raise ValueError("an input is written twice at the end of its functional graph")
+    output = next(n for n in graph.nodes if n.op == "output")
+    output.args = (tuple(output.args[0]) + tuple(n.args[1] for n in writes),)
+    for node in writes:
+        graph.erase_node(node)
+    left = [str(n.target) for n in graph.nodes if n.op == "call_function"
+            and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable]
+    if left:
+        raise ValueError(f"the functional graph still writes with {left}")
+    graph.lint()
+    fgm.recompile()
+    return fgm, written
+
+
+def storage_swap_check(device: torch.device | str) -> str | None:
+    """Whether `gemma_engine.adopt_storage_` gives a donating compiler's new values to the engine on `device`: after
+    a tensor's storage takes another's memory, a view of it made before must read the other's values, and a write
+    to it must show in the view. None when it does; else what went wrong (then a step is compiled without
+    donation)."""
+    import gemma_engine
+
+    try:
+        base = torch.zeros(8, device=device)
+        view = base[2:]
+        gemma_engine.adopt_storage_(base, torch.arange(8.0, device=device))
+        base.add_(1.0)
+        got = view.cpu().tolist()
+    except Exception as e:  # noqa: BLE001 - whatever the device raises is the reason
+        return f"swapping storages failed: {type(e).__name__}: {e}"
+    want = [float(i + 1) for i in range(2, 8)]
+    return None if got == want else f"a view read {got} after its storage took another's memory, not {want}"
+
+
 def capture(run: Callable[[], list[torch.Tensor]]) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
     """Run `run` once, recorded at the dispatcher; the graph (constants lifted) and its inputs."""
     gm = make_fx(run, tracing_mode="real")()
@@ -245,6 +307,9 @@ class StepCompiler:
 
     backend: str | Callable = "inductor"
     options: dict = field(default_factory=dict)
+    #: Compile the functional step with its written inputs donated (module docs): "tpu" (torch_tpu's
+    #: StaticCompiler) or a callable `backend(gm, example_inputs, donated_inputs=[...]) -> callable`.
+    donate: bool = False
     #: (step name, compile seconds) of each compile, in order.
     compiled: list[tuple[str, float]] = field(default_factory=list)
     #: The graphs handed to the backend, by step name (kept for tests and debugging).
@@ -285,10 +350,10 @@ class StepCompiler:
             self.on_fallback(name, reason)
 
     def describe(self) -> dict:
-        """{"backend", "compiled": [(step, seconds)], "fallbacks": [(step, reason)]}: safe to read from any
-        thread while the engine runs."""
-        return {"backend": self.backend_name, "compiled": [(n, round(t, 3)) for n, t in list(self.compiled)],
-                "fallbacks": list(self.fallbacks)}
+        """{"backend", "donate", "compiled": [(step, seconds)], "fallbacks": [(step, reason)]}: safe to read from
+        any thread while the engine runs."""
+        return {"backend": self.backend_name, "donate": self.donate,
+                "compiled": [(n, round(t, 3)) for n, t in list(self.compiled)], "fallbacks": list(self.fallbacks)}
 
     def compile(self, gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Callable:
         """`backend(gm, inputs)` inside a tracing context whose fake mode has a ShapeEnv, as dynamo calls a
@@ -301,6 +366,8 @@ class StepCompiler:
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+        if self.donate:
+            return self.compile_donating(gm, inputs)
         backend = torch._dynamo.lookup_backend(self.backend)
         options = dict(self.options)
         if self.backend == "inductor" and next(gm.buffers(), None) is not None:
@@ -314,3 +381,32 @@ class StepCompiler:
             if self.options:
                 return backend(gm, inputs, options=self.options)
             return backend(gm, inputs)
+
+    def compile_donating(self, gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Callable:
+        """The step made functional (`functional_step`) and compiled with the inputs it writes donated; each call
+        runs it and swaps each written input's memory for its new value's (`gemma_engine.adopt_storage_`), so the
+        engine's own tensors read the new values and no ring is copied."""
+        import gemma_engine
+
+        if self.backend == "tpu":
+            # torch_tpu 0.2.0 `_internal/compile/_backend.py` `_TPU_DECOMPOSITIONS`, which its dynamo backend applies.
+            from torch._decomp import get_decompositions
+            from torch_tpu._internal.compile.compiler import StaticCompiler
+
+            decompositions = get_decompositions([_aten.masked_fill.Tensor, _aten.masked_fill_.Tensor])
+            compiler: Callable = StaticCompiler()
+        elif callable(self.backend):
+            decompositions, compiler = None, self.backend
+        else:
+            raise ValueError(f"backend {self.backend!r} takes no donated inputs: donate needs 'tpu' or a callable")
+        fgm, written = functional_step(gm, inputs, decompositions)
+        compiled = compiler(fgm, inputs, donated_inputs=written)
+        own = len(fgm.graph.find_nodes(op="output")[0].args[0]) - len(written)
+
+        def run(*args: torch.Tensor) -> list[torch.Tensor]:
+            out = list(compiled(*args))
+            for i, value in zip(written, out[own:], strict=True):
+                gemma_engine.adopt_storage_(args[i], value)
+            return out[:own]
+
+        return run

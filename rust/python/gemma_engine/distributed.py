@@ -143,8 +143,9 @@ def serve(engine: gemma_engine.Engine, control: dist.ProcessGroup | None = None)
 def make_engine(recipe: dict[str, Any], rank: int, group: dist.ProcessGroup, **overrides) -> gemma_engine.Engine:
     """Shard `rank` of the engine `recipe` describes (picklable: it crosses to the follower processes): "model_dir",
     "emb_dir", "devices" (one per rank), "engine" (Engine's other keyword arguments), "grammars" ((tokenizer.json,
-    eos ids, vocab size) or None) and "compile_backend" (a StepCompiler backend or None); its collectives run over
-    `group`. `overrides` replace what the recipe makes (rank 0's own grammars and compiler)."""
+    eos ids, vocab size) or None), "compile_backend" (a StepCompiler backend or None) and "compile_donate" (its
+    `donate`); its collectives run over `group`. `overrides` replace what the recipe makes (rank 0's own grammars
+    and compiler)."""
     import torch
 
     made: dict[str, Any] = {}
@@ -153,7 +154,7 @@ def make_engine(recipe: dict[str, Any], rank: int, group: dist.ProcessGroup, **o
     if recipe.get("compile_backend"):
         from gemma_engine.compiling import StepCompiler
 
-        made["compiler"] = StepCompiler(recipe["compile_backend"])
+        made["compiler"] = StepCompiler(recipe["compile_backend"], donate=recipe.get("compile_donate", False))
     made.update(overrides)
     return gemma_engine.Engine(
         recipe["model_dir"], recipe.get("emb_dir"), torch.zeros(1, device=recipe["devices"][rank]),

@@ -51,6 +51,14 @@ pub(super) fn sample<'py>(
     Ok((tokens, probs.to_python(py)?))
 }
 
+/// Swap the memory of `dst`'s storage and `src`'s (see gemma_engine.pyi): a compiled step's new KV rings become the
+/// engine's own without a copy.
+#[pyfunction]
+pub(super) fn adopt_storage_(dst: &Bound<'_, PyAny>, src: &Bound<'_, PyAny>) -> PyResult<()> {
+    let (dst, src) = (tensor_arg(dst, "dst")?, tensor_arg(src, "src")?);
+    Ok(dst.adopt_storage_(&src)?)
+}
+
 /// The engine's uniform numbers for (seed, step) pairs, computed on the host's ATen (for tests).
 #[pyfunction]
 pub(super) fn uniform(seeds: Vec<i64>, steps: Vec<i64>) -> PyResult<Vec<f32>> {

@@ -666,8 +666,8 @@ impl Engine {
 #[pyo3(name = "_native")]
 fn gemma_engine_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     use functions::{
-        add_, all_gather_last, all_reduce_sum, aten_calls, attention, build_info, limits, matmul_sum, rms_norm, sample,
-        smoke, uniform,
+        add_, adopt_storage_, all_gather_last, all_reduce_sum, aten_calls, attention, build_info, limits, matmul_sum,
+        rms_norm, sample, smoke, uniform,
     };
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("BUILD", build_info(m.py())?)?;
@@ -677,6 +677,7 @@ fn gemma_engine_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(add_, m)?)?;
     m.add_function(wrap_pyfunction!(sample, m)?)?;
     m.add_function(wrap_pyfunction!(uniform, m)?)?;
+    m.add_function(wrap_pyfunction!(adopt_storage_, m)?)?;
     m.add_function(wrap_pyfunction!(aten_calls, m)?)?;
     m.add_function(wrap_pyfunction!(rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(attention, m)?)?;
