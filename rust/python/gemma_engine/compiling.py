@@ -361,7 +361,8 @@ class StepCompiler:
         would compile again); `options` patch Inductor's config for the call (e.g. "max_autotune"). A graph over
         oneDNN's packed weights (its buffers, `_keep_packed_weights`) is compiled with Inductor's `freezing`,
         under no_grad as freezing requires; Inductor's FX-graph cache skips such a graph (torch 2.14
-        `codecache.py`: "mkldnn tensors unpickleable"), so it compiles again at every start."""
+        `codecache.py`: "mkldnn tensors unpickleable"), so it compiles again at every start. With `donate`, the
+        functional step with its written inputs donated instead (`compile_donating`)."""
         from torch._guards import TracingContext, tracing
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
