@@ -367,7 +367,8 @@ class Boot:
         (`compile_chunks`). With --compile auto, then time each bucket's decode steps both ways and keep the
         faster per bucket.
         Other sampling stages (penalties, bias, log-probabilities, grammars) compile on their second step
-        while serving."""
+        while serving. These requests do not speculate, so their steps are decode steps; verify steps compile at
+        warmup (`_compile_verify`)."""
         assert self.loaded is not None
         c = self.config
         vocab = self.loaded.vocab_size
@@ -602,7 +603,7 @@ def compile_chunks(gemma_engine, engine, vocab: int, first: int) -> None:
     buckets = engine.chunk_buckets
     lengths = [n for t in buckets for n in (t, buckets[-1] + t) if n < engine.context]
     for k, n in enumerate(n for n in lengths for _ in range(2)):
-        run_in_slots(engine, [gemma_engine.Request(k, compile_prompt(first + k, vocab, n), 1)], 2)
+        run_in_slots(engine, [gemma_engine.Request(k, compile_prompt(first + k, vocab, n), 1, speculative=False)], 2)
 
 
 def compile_batch(gemma_engine, engine, b: int, sampling, vocab: int, first: int) -> bool:
@@ -610,7 +611,8 @@ def compile_batch(gemma_engine, engine, b: int, sampling, vocab: int, first: int
     each bucket's first step after a read point and the next one each run twice, and so are captured. Their
     prompts are compile_prompt(first), compile_prompt(first + 1), ...: a caller passes a `first` no earlier
     batch used. Returns whether every request decoded all its tokens (none drew an eos first)."""
-    requests = [gemma_engine.Request(k, compile_prompt(first + k, vocab), COMPILE_TOKENS, sampling=sampling)
+    requests = [gemma_engine.Request(k, compile_prompt(first + k, vocab), COMPILE_TOKENS, sampling=sampling,
+                                     speculative=False)
                 for k in range(b)]
     ended, _ = run_in_slots(engine, requests, 2)
     return all(f == "length" for f in ended.values())
@@ -623,7 +625,8 @@ def choose_per_bucket(gemma_engine, engine, b: int, vocab: int, read_every: int)
     timed: dict[str, list[float]] = {"eager": [], "compiled": []}
     for on in (False, True, False, True):
         engine.use_compiled(on, b)
-        requests = [gemma_engine.Request(k, compile_prompt(k, vocab), TIMED_TOKENS) for k in range(b)]
+        requests = [gemma_engine.Request(k, compile_prompt(k, vocab), TIMED_TOKENS, speculative=False)
+                    for k in range(b)]
         _, (seconds, steps) = run_in_slots(engine, requests, read_every)
         timed["compiled" if on else "eager"].append(seconds * 1000 / max(steps, 1))
     best = {k: min(v) for k, v in timed.items()}

@@ -156,9 +156,10 @@ def greedy_and_sampled(base: str, model: str) -> tuple[str, str]:
 
 
 def test_with_compile_warmup_compiles_the_verify_steps_and_serving_compiles_none(chat_checkpoint, server, model):
-    """--compile on with speculation: once the buckets that speculate are known (here from --speculative-max-batch:
-    all), warmup compiles their verify steps, greedy and sampled, so a speculating request compiles nothing while
-    it waits; its replies are the eager server's. One slot and one prompt-chunk size keep the compiles few, and
+    """--compile on with speculation: the compile stage's requests do not speculate, so it compiles every decode
+    step; once the buckets that speculate are known (here from --speculative-max-batch: all), warmup compiles
+    their verify steps, greedy and sampled, so a speculating request compiles nothing while it waits; its replies
+    are the eager server's. One slot and one prompt-chunk size keep the compiles few, and
     ATen's matmul keeps them in Inductor's cache."""
     s = start_in_process(chat_checkpoint, *SPEC, "--max-num-seqs", "1", "--prefill-chunk", "16", "--compile", "on",
                          "--onednn", "off", "--default-temperature", "0")
@@ -167,7 +168,8 @@ def test_with_compile_warmup_compiles_the_verify_steps_and_serving_compiles_none
         warmup = next(st for st in info["stages"] if st["stage"] == "warmup")
         assert "2 verify steps compiled (decode buckets [1])" in warmup["message"], warmup
         before = compiled_steps(s.base)
-        assert {"verify b=1 k=4 greedy", "verify b=1 k=4 draw"} <= set(before), before
+        decode = {f"decode b=1{padded} {stages}" for padded in ("", " padded") for stages in ("greedy", "draw")}
+        assert decode | {"verify b=1 k=4 greedy", "verify b=1 k=4 draw"} <= set(before), before
         drafted = sample(s, "gemma_spec_decode_num_draft_tokens_total")
         assert greedy_and_sampled(s.base, model) == greedy_and_sampled(server.base, model)
         assert sample(s, "gemma_spec_decode_num_draft_tokens_total") > drafted, "the requests speculated"
