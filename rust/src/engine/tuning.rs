@@ -138,6 +138,7 @@ impl Engine {
         self.slots.reset()?;
         self.drawn.clear();
         self.stepped = false;
+        let mut admitted = Ok(());
         for (i, prompt) in prompts.iter().enumerate() {
             let request = Request {
                 id: u64::MAX - i as u64,
@@ -153,11 +154,17 @@ impl Engine {
                 media: Vec::new(),
                 speculate: true,
             };
-            if let Some(refused) = self.admit(request)? {
-                return Err(Error::Internal(format!("a {what} request was refused: {:?}", refused.error)));
+            admitted = match self.admit(request) {
+                Ok(None) => Ok(()),
+                Ok(Some(refused)) => Err(Error::Internal(format!("a {what} request was refused: {:?}", refused.error))),
+                Err(e) => Err(e),
+            };
+            if admitted.is_err() {
+                break;
             }
         }
-        let done = self.until_decoding().and_then(|()| f(self));
+        // The ones admitted are cancelled whatever happened.
+        let done = admitted.and_then(|()| self.until_decoding()).and_then(|()| f(self));
         let ended = self.cancel(|_| true);
         self.reset_prefix_cache();
         self.stats = StepStats::default();
