@@ -723,6 +723,16 @@ def test_compile_verify_compiles_the_verify_steps_serving_meets_before_it_meets_
     assert any("padded" in name for name in verified) and any("draw" in name for name in verified), verified
 
 
+def test_verify_steps_compiled_with_their_written_rings_donated_give_the_eager_tokens(two_token_small):
+    """The donating path (`StepCompiler(donate=True)`, torch_tpu's StaticCompiler on a TPU; here a fake that runs
+    the functional graph as written) on verify steps: their rings, slots and sampler state come back as new values
+    the engine takes in place of its own, padded keys and unpadded."""
+    compiler = ReplayCountingCompiler(lambda gm, example_inputs, donated_inputs: gm.forward, donate=True)
+    verified = _verify_run(two_token_small, compiler, **SPEC)
+    assert verified and all(n > 0 for n in verified.values()), compiler.replays
+    assert any("padded" in name for name in verified) and any("padded" not in name for name in verified), verified
+
+
 def test_speculation_costs_on_a_compiling_engine_time_replays(two_token_small):
     """The warmup's measurement of plain and verify steps (rust/src/engine/tuning.rs) first runs each kind's keys
     until they are captured, so every timed step is a replay: none of a capture's or a compile's time is in it."""
