@@ -249,15 +249,25 @@ def test_on_cuda_compiled_steps_are_replayed_as_cuda_graphs_and_give_the_eager_t
     _assert_same(eager, compiled)
 
 
+def donating_compiler_fake(gm, example_inputs, donated_inputs):
+    """Stands in for a compiler that takes donated inputs (torch_tpu's StaticCompiler; no TPU here): runs the
+    functional graph as written."""
+    return gm.forward
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_every_architectures_captured_steps_give_the_eager_tokens_in_a_busy_run(name, tmp_path_factory):
+@pytest.mark.parametrize("path", ["aot_eager", "donating"])
+def test_every_architectures_captured_steps_give_the_eager_tokens_in_a_busy_run(name, path, tmp_path_factory):
     """The capture on every architecture (K=V attention, the MoE block's grouped products, the 12B's unified
     layers): the graphs run by AOTAutograd's eager backend, the functionalized graph Inductor starts from (its
     kernels are the test above's; compiling each architecture's seven step shapes with Inductor would take
-    minutes here). Prompt chunks of 5 columns: the last chunk of each prompt runs padded (`PADDED_CHUNK_BOUND`)."""
+    minutes here), and made functional for a compiler that takes donated inputs (the TPU's path), the engine
+    taking each new ring. Prompt chunks of 5 columns: the last chunk of each prompt runs padded
+    (`PADDED_CHUNK_BOUND`)."""
     build, _ = CONFIGS[name]
     model_dir = save_dense(tmp_path_factory.mktemp(f"compiled_{name}"), 172, build())
-    _busy_run(model_dir, "aot_eager", bound=PADDED_CHUNK_BOUND)
+    compiler = StepCompiler(donating_compiler_fake, donate=True) if path == "donating" else "aot_eager"
+    _busy_run(model_dir, compiler, bound=PADDED_CHUNK_BOUND)
 
 
 def test_image_prompts_batched_beside_a_text_prompt_give_the_eager_tokens_compiled(multimodal_checkpoint):
@@ -727,7 +737,7 @@ def test_verify_steps_compiled_with_their_written_rings_donated_give_the_eager_t
     """The donating path (`StepCompiler(donate=True)`, torch_tpu's StaticCompiler on a TPU; here a fake that runs
     the functional graph as written) on verify steps: their rings, slots and sampler state come back as new values
     the engine takes in place of its own, padded keys and unpadded."""
-    compiler = ReplayCountingCompiler(lambda gm, example_inputs, donated_inputs: gm.forward, donate=True)
+    compiler = ReplayCountingCompiler(donating_compiler_fake, donate=True)
     verified = _verify_run(two_token_small, compiler, **SPEC)
     assert verified and all(n > 0 for n in verified.values()), compiler.replays
     assert any("padded" in name for name in verified) and any("padded" not in name for name in verified), verified
