@@ -157,8 +157,7 @@ impl Tensor {
         wrap("shallow_clone", ffi_handle!("shallow_clone", ffi::aten_shallow_clone(self.ptr())))
     }
 
-    /// Swap the memory of this tensor's storage and `src`'s (aten.h `aten_adopt_storage_`): every tensor viewing
-    /// this one's storage then reads what `src` held, with no copy.
+    /// Swap the memory of this tensor's storage and `src`'s (aten_ops.h `aten_adopt_storage_`), with no copy.
     pub fn adopt_storage_(&self, src: &Tensor) -> Result<()> {
         status(ffi!("adopt_storage_", ffi::aten_adopt_storage_(self.ptr(), src.ptr())))
     }
