@@ -375,11 +375,11 @@ class Boot:
 
             first = compile_stage.compile_buckets(gemma_engine, w.engine, vocab)
             compile_stage.compile_chunks(gemma_engine, w.engine, vocab, first)
-            w.engine.reset_prefix_cache()  # nothing a compile-stage request wrote is offered as a prefix
             report: dict[str, Any] = {}
             if c.compile == "auto":
                 report["ms_per_step"] = [compile_stage.choose_per_bucket(gemma_engine, w.engine, b, vocab,
                                                                          c.read_every) for b in w.engine.buckets]
+            w.engine.reset_prefix_cache()  # nothing a compile-stage request wrote is offered as a prefix
             state = w.engine.compile_report()
             report["active"], report["eager_buckets"] = state["active"], state["eager_buckets"]
             return report

@@ -5,7 +5,7 @@ Decode steps: each bucket filled with that many requests, greedy and sampled (`c
 each chunk bucket as a prompt's first chunk and a later one (`compile_chunks`); with `--compile auto`, each
 bucket's decode steps timed both ways (`choose_per_bucket`); with speculative decoding, at warmup, the verify steps
 of the buckets that speculate (`compile_verify_steps`). None of these requests speculates (their steps are the
-decode steps they are there for) or reaches the prefix cache.
+decode steps they are there for), and the server forgets what they leave in the prefix cache (boot.py).
 """
 
 from __future__ import annotations
@@ -18,33 +18,33 @@ TIMED_TOKENS = 32  # --compile auto: tokens each request decodes, each way, twic
 
 
 def compile_buckets(gemma_engine, engine, vocab: int) -> int:
-    """Every decode bucket's steps, greedy and sampled (`compile_batch`; a sampled request may draw an eos before
-    its steps ran twice: then again, with other prompts). Returns the first prompt index not used."""
-    first = 0
-    for b in engine.buckets:
-        for sampled in (False, True):
-            for _ in range(COMPILE_ATTEMPTS):
-                sampling = gemma_engine.SamplingParams(temperature=0.7, seed=first) if sampled else None
-                full = compile_batch(gemma_engine, engine, b, sampling, vocab, first)
-                first += b
-                if full:
-                    break
-    return first
+    """Every decode bucket's steps, greedy and sampled (`compile_batch`). Returns the first prompt index not
+    used."""
+    return each_bucket(gemma_engine, engine.buckets,
+                       lambda b, sampling, first: compile_batch(gemma_engine, engine, b, sampling, vocab, first))
 
 
 def compile_verify_steps(gemma_engine, engine, buckets: list[int], vocab: int) -> None:
     """The verify steps of each of `buckets`, greedy and sampled (`Engine.compile_verify`, rust/src/engine/
-    tuning.rs), with other prompts while a request draws an eos first. Raises ValueError when the engine cannot run
-    them (its context too short)."""
+    tuning.rs). Raises ValueError when the engine cannot run them (its context too short)."""
+    each_bucket(gemma_engine, buckets, lambda b, sampling, first: engine.compile_verify(
+        [compile_prompt(first + k, vocab) for k in range(b)], sampling))
+
+
+def each_bucket(gemma_engine, buckets: list[int], run) -> int:
+    """`run(b, sampling, first)` for each bucket `b`, greedy and then sampled, `first` the index of the first of the
+    `b` prompts it may use; again with the next prompts while it returns False (a request drew an eos before its
+    steps ran twice), COMPILE_ATTEMPTS times at most. Returns the first prompt index not used."""
     first = 0
     for b in buckets:
         for sampled in (False, True):
             for _ in range(COMPILE_ATTEMPTS):
                 sampling = gemma_engine.SamplingParams(temperature=0.7, seed=first) if sampled else None
-                prompts = [compile_prompt(first + k, vocab) for k in range(b)]
+                full = run(b, sampling, first)
                 first += b
-                if engine.compile_verify(prompts, sampling):
+                if full:
                     break
+    return first
 
 
 def compile_prompt(k: int, vocab: int, length: int = 8) -> list[int]:

@@ -515,7 +515,7 @@ def test_a_donating_compiler_is_handed_a_graph_that_writes_nothing_and_the_engin
     tokens and log-probabilities."""
     handed, adopted = [], []
 
-    def donating_compiler_fake(gm, example_inputs, donated_inputs):
+    def recording_donating_compiler_fake(gm, example_inputs, donated_inputs):
         handed.append((gm, list(example_inputs), list(donated_inputs)))
         return gm.forward
 
@@ -525,7 +525,7 @@ def test_a_donating_compiler_is_handed_a_graph_that_writes_nothing_and_the_engin
 
     adopt = gemma_engine.adopt_storage_
     monkeypatch.setattr(gemma_engine, "adopt_storage_", counted)
-    compiler = _busy_run(small_checkpoint, StepCompiler(donating_compiler_fake, donate=True))
+    compiler = _busy_run(small_checkpoint, StepCompiler(recording_donating_compiler_fake, donate=True))
     assert len(handed) == len(compiler.compiled)
     for gm, inputs, donated in handed:
         calls = [n for n in gm.graph.nodes if n.op == "call_function"]
@@ -548,6 +548,7 @@ def test_a_storage_takes_another_ones_memory_and_its_views_follow():
     gemma_engine.adopt_storage_(ring, new)
     assert view.tolist() == [3.0, 4.0, 5.0] and new.sum().item() == 0
     for dst, src, message in [(ring, torch.zeros(3, 4), r"\[3, 4\] float on cpu is not \[4, 3\] float on cpu"),
+                              (ring, torch.zeros(4, 3, dtype=torch.float64), "double on cpu is not"),
                               (ring[:2], torch.zeros(2, 3), "not all of its storage"),
                               (ring, torch.zeros(8, 3)[::2], "not all of its storage")]:
         with pytest.raises(RuntimeError, match=message):
@@ -589,7 +590,7 @@ def test_on_a_tpu_the_functional_step_goes_to_torch_tpus_static_compiler_with_it
                                                                        for i in donated]
 
 
-def test_functional_step_refuses_a_backend_that_takes_no_donated_inputs(small_checkpoint):
+def test_donating_refuses_a_backend_that_takes_no_donated_inputs(small_checkpoint):
     compiler = StepCompiler("inductor", donate=True)
     _engine(small_checkpoint, compiler).decode(PROMPTS["parity"], 3)
     assert compiler.fallbacks and all("takes no donated inputs" in reason for _, reason in compiler.fallbacks)

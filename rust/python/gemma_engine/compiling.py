@@ -25,7 +25,7 @@ replace (XLA's buffer donation). Each replay then gives the engine the new value
 (`gemma_engine.adopt_storage_`). torch_tpu's dynamo backend offers no donation: it runs AOTAutograd with
 `keep_inference_input_mutations=False` (torch_tpu 0.2.0 `_internal/compile/_backend.py`), so its program
 returns every ring a step writes as a new buffer and AOTAutograd copies each back into the engine's after
-the program: every KV ring copied each step. Its `StaticCompiler` takes `donated_inputs` for a graph traced
+the program: every KV ring copied each step (read in the source, not measured on a TPU). Its `StaticCompiler` takes `donated_inputs` for a graph traced
 by make_fx (`_internal/compile/compiler.py`, `StaticCompiler.__call__`), which is what this path hands it.
 
 Nothing a request writes is baked in: the step's host values are its shape key (bucket, padding,
@@ -363,12 +363,12 @@ class StepCompiler:
         under no_grad as freezing requires; Inductor's FX-graph cache skips such a graph (torch 2.14
         `codecache.py`: "mkldnn tensors unpickleable"), so it compiles again at every start. With `donate`, the
         functional step with its written inputs donated instead (`compile_donating`)."""
+        if self.donate:
+            return self.compile_donating(gm, inputs)
         from torch._guards import TracingContext, tracing
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-        if self.donate:
-            return self.compile_donating(gm, inputs)
         backend = torch._dynamo.lookup_backend(self.backend)
         options = dict(self.options)
         if self.backend == "inductor" and next(gm.buffers(), None) is not None:

@@ -88,10 +88,7 @@ impl Engine {
 
     /// Whether slot's next chunk runs compiled: never one that places media or scores its prompt (module docs).
     pub(super) fn compiles_chunk(&self, media: bool, prompt_logprobs: bool) -> bool {
-        !media
-            && !prompt_logprobs
-            && self.cache.chunk_row().is_some()
-            && self.compiled.as_ref().is_some_and(|c| c.active)
+        !media && !prompt_logprobs && self.cache.chunk_row().is_some() && self.compiles()
     }
 
     /// Read positions `done..end` of `slot`'s prompt (`ids` on the host) as a compiled chunk; the logits

@@ -280,6 +280,11 @@ impl Engine {
         Ok(())
     }
 
+    /// Whether this engine has a compiler and replays its compiled steps (`use_compiled`).
+    pub(super) fn compiles(&self) -> bool {
+        self.compiled.as_ref().is_some_and(|c| c.active)
+    }
+
     /// The compiled path's state (`CompileReport`); None without a compiler.
     pub fn compile_report(&self) -> Option<CompileReport> {
         self.compiled.as_ref().map(Compiled::report)

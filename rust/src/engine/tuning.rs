@@ -94,7 +94,7 @@ impl Engine {
     /// other prompts).
     pub fn compile_verify(&mut self, prompts: &[Vec<i64>], params: SamplingParams) -> Result<bool> {
         let k = self.verify_columns()?;
-        if !self.compiled.as_ref().is_some_and(|c| c.active) {
+        if !self.compiles() {
             return Err(Error::Input("this engine does not compile its steps".into()));
         }
         if !(1..=self.slots.len()).contains(&prompts.len()) {
@@ -120,7 +120,7 @@ impl Engine {
 
     /// Untimed rounds `speculation_costs` runs first: `WARM` on a compiling engine, else none.
     fn warm_rounds(&self) -> usize {
-        if self.compiled.as_ref().is_some_and(|c| c.active) { WARM } else { 0 }
+        if self.compiles() { WARM } else { 0 }
     }
 
     /// Run `f` with one speculating request a prompt admitted (`params`, `max_new` tokens each) in the lowest
@@ -133,7 +133,7 @@ impl Engine {
         what: &str,
         f: impl FnOnce(&mut Engine) -> Result<T>,
     ) -> Result<T> {
-        // Forgotten first too: a request that finds no hit takes the lowest free slots, so `batch` fills a bucket.
+        // Forgotten first too: a request that finds no hit takes the lowest free slots, so the prompts fill a bucket.
         self.reset_prefix_cache();
         self.slots.reset()?;
         self.drawn.clear();

@@ -73,13 +73,11 @@ impl Verdict {
 
     /// `outputs` back, for a step of `key`.
     pub(super) fn from_outputs(mut out: Vec<Tensor>, key: VerifyKey) -> Result<Verdict> {
-        let kept = match key.hidden {
-            true if out.len() >= 2 => {
-                let kept = out.pop();
-                out.pop().zip(kept)
-            }
-            true => return Err(Error::Internal(format!("{key} returned {} tensors", out.len()))),
-            false => None,
+        let kept = if key.hidden {
+            let (kept, hidden) = (out.pop(), out.pop());
+            Some(hidden.zip(kept).ok_or_else(|| Error::Internal(format!("{key} returned too few tensors")))?)
+        } else {
+            None
         };
         Ok(Verdict { chosen: from_outputs(out, key.stages.logprobs.is_some())?, kept })
     }
