@@ -6,11 +6,11 @@ from the Rust model through the dispatcher, over gloo on the CPU.
 
 Every rank is given the same requests and runs the same steps (gemma_engine.distributed makes followers of the
 ranks past the first; tests/engine/test_distributed.py): on every tiny architecture (the E-series config, and the
-31B, 26B-A4B and 12B shapes of test_architectures.py), dense and W4A16, 2 and 4 ranks give TP 1's and
-Transformers' 32 greedy tokens, float32 logits within `LOGIT_BOUND`, and in a busy run (staggered batched
-requests, a follower, a resumed second turn, a seeded sampled request, prompt log-probabilities) TP 1's
-outcomes; every rank the same. A rank holds parts, not copies. A size the shapes do not split into is a
-ValueError naming the numbers.
+31B, 26B-A4B and 12B shapes of test_architectures.py), dense and W4A16, 2 ranks (and 4 where a split changes
+there: `SPLITS`) give TP 1's and Transformers' 32 greedy tokens, float32 logits within `LOGIT_BOUND`, and in a
+busy run (staggered batched requests, a follower, a resumed second turn, a seeded sampled request, prompt
+log-probabilities) TP 1's outcomes; every rank the same. A rank holds parts, not copies. A size the shapes do
+not split into is a ValueError naming the numbers.
 """
 
 import json
@@ -43,6 +43,10 @@ LOGIT_BOUND = 4e-3
 # row-parallel o_proj and down_proj split by scale groups).
 RUNS = [("e_series", "dense", SEED), ("31b_shaped", "w4a16", SEED), ("26b_moe_shaped", "dense", SEED),
         ("26b_moe_shaped", "w4a16", 172), ("12b_shaped", "dense", 172)]
+# Every run over 2 ranks; over 4 the two whose splits change there: the E-series (its 2 KV heads replicated) and
+# the W4A16 MoE (experts, heads and scale groups cut 4 ways). The others' 4-rank runs add no new split and cost
+# about a minute each on 2 cores.
+SPLITS = [(run, 2) for run in RUNS] + [(RUNS[0], 4), (RUNS[3], 4)]
 
 
 def tiny_e_series():
@@ -106,7 +110,7 @@ def ranks(model_dir, hf_tokens: list[int], world: int, out, busy: bool = True) -
     return [torch.load(out / f"rank{r}.pt") for r in range(world)]
 
 
-@pytest.fixture(scope="module", params=RUNS, ids=[f"{name}-{kind}" for name, kind, _ in RUNS])
+@pytest.fixture(scope="module")
 def run(request, tmp_path_factory):
     name, kind, seed = request.param
     model_dir = SAVERS[kind](tmp_path_factory.mktemp(f"tp_{name}_{kind}"), seed, ALL_CONFIGS[name]())
@@ -120,7 +124,8 @@ def _kv_heads(model_dir) -> list[int]:
                                               for entry in (config.get("per_layer_config") or {}).values()]
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("run, world", SPLITS, indirect=["run"],
+                         ids=[f"{name}-{kind}-{world}" for (name, kind, _), world in SPLITS])
 def test_ranks_give_the_unsplit_models_tokens_logits_and_busy_outcomes_holding_parts(run, world, tmp_path):
     model_dir, hf_tokens = run
     one = engine(model_dir, 1, onednn=False)

@@ -191,17 +191,18 @@ def test_onednn_setting_picks_what_multiplies_the_dense_weights(spawn, chat_chec
     assert texts[0] == texts[1] and texts[0]
 
 
-@pytest.mark.parametrize("mode, onednn", [("on", "off"), ("auto", "auto")])
+@pytest.mark.parametrize("mode, onednn, seqs, chunk", [("on", "auto", 1, 16), ("auto", "off", 2, 32)])
 def test_compile_stage_compiles_the_step_and_the_replies_are_the_eager_engines(
-        spawn, chat_checkpoint, direct_engine, tokenizer, mode, onednn):
+        spawn, chat_checkpoint, direct_engine, tokenizer, mode, onednn, seqs, chunk):
     """--compile on replays the compiled steps; auto times each bucket both ways and keeps the faster. Either way
     the reply through the openai SDK is the eager engine's, and /v1/engine and /metrics say what compiled. One
-    multiplies with ATen's matmul, the other over oneDNN's packed weights (the CPU default), frozen into each
-    graph (whose compiles Inductor's cache does not keep: this one compiles cold every run)."""
+    multiplies over oneDNN's packed weights (the CPU default), frozen into each graph, whose compiles Inductor's
+    cache does not keep, so it compiles cold every run: one decode bucket and one chunk bucket, 6 shapes. The
+    other, on ATen's matmul, 2 decode buckets (auto times each) and 2 chunk buckets, 12 shapes."""
     import openai
 
-    s = spawn("--model", str(chat_checkpoint), "--use-installed-engine", "--compile", mode, "--max-num-seqs", "2",
-              "--prefill-chunk", "32", *COMMON, env={"GEMMA_ONEDNN": onednn})
+    s = spawn("--model", str(chat_checkpoint), "--use-installed-engine", "--compile", mode, "--max-num-seqs",
+              str(seqs), "--prefill-chunk", str(chunk), *COMMON, env={"GEMMA_ONEDNN": onednn})
     wait_for(lambda: get_status(s.base + "/health") == 200, 600, "/health 200 after the compile stage")
     info = engine_info(s.base)
     stages = {x["stage"]: x for x in info["stages"]}
@@ -213,16 +214,17 @@ def test_compile_stage_compiles_the_step_and_the_replies_are_the_eager_engines(
     [engine] = report["engines"]
     assert engine["fallbacks"] == []
     assert [e["linear"] for e in info["engines"]] == [{"off": "aten", "auto": "onednn"}[onednn]]
-    # Every bucket (1 and 2 slots), greedy and sampled, the first step after a read point and the later ones;
-    # every prompt-chunk bucket (16 and 32 columns), a prompt's first chunk and a later one.
-    steps = {f"decode b={b}{padded} {stages}" for b in (1, 2) for padded in ("", " padded")
+    # Every bucket (1, 2 slots), greedy and sampled, the first step after a read point and the later ones; every
+    # prompt-chunk bucket (16, 32 columns), a prompt's first chunk and a later one.
+    buckets = [b for b in (1, 2) if b <= seqs]
+    steps = {f"decode b={b}{padded} {stages}" for b in buckets for padded in ("", " padded")
              for stages in ("greedy", "draw")}
-    chunks = {f"prompt t={t} {which}" for t in (16, 32) for which in ("first", "later")}
+    chunks = {f"prompt t={t} {which}" for t in (16, 32) if t <= chunk for which in ("first", "later")}
     assert steps | chunks == {name for name, _ in engine["compiled"]}, engine
     assert engine["active"] is True
     if mode == "auto":  # each bucket timed both ways; the ones measured faster eagerly run eagerly
         timed = engine["ms_per_step"]
-        assert [t["bucket"] for t in timed] == [1, 2] and all(t["eager"] > 0 and t["compiled"] > 0 for t in timed)
+        assert [t["bucket"] for t in timed] == buckets and all(t["eager"] > 0 and t["compiled"] > 0 for t in timed)
         assert engine["eager_buckets"] == [t["bucket"] for t in timed if t["compiled"] >= t["eager"]]
     else:
         assert engine["eager_buckets"] == [] and "ms_per_step" not in engine
