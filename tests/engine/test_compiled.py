@@ -356,6 +356,27 @@ def test_a_seeded_request_draws_the_same_tokens_on_replayed_steps_as_alone_eager
     assert len(set(map(tuple, firsts))) == 3
 
 
+def test_one_step_shape_serves_every_top_logprobs_count(small_checkpoint):
+    """A step computes the top `max_top_logprobs` for every request that asks for log-probabilities, each taking its
+    own first k: requests with top 1, then top 5 and 0, replay the shapes the first one's steps compiled, and each
+    gets the eager engine's k entries."""
+    def script(rid, top, prompt):
+        sampling = gemma_engine.SamplingParams(logprobs=top)
+        return Script({0: [gemma_engine.Request(rid, PROMPTS[prompt], 8, sampling=sampling)]})
+
+    runs = [(0, 1, "parity"), (1, 5, "other"), (2, 0, "short")]
+    compiler = ReplayCountingCompiler("aot_eager")
+    compiled, eager = _engine(small_checkpoint, compiler), _engine(small_checkpoint)
+    first = script(*runs[0]).run(compiled, read_every=2)
+    shapes = [name for name, _ in compiler.compiled]
+    assert shapes and all(name.endswith(" logprobs20") for name in shapes if name.startswith("decode")), shapes
+    replayed = sum(compiler.replays.values())
+    outcomes = {**first, **{rid: script(rid, top, p).run(compiled, read_every=2)[rid] for rid, top, p in runs[1:]}}
+    assert [name for name, _ in compiler.compiled] == shapes, "no shape compiled for another k"
+    assert sum(compiler.replays.values()) > replayed
+    _assert_same({rid: script(rid, top, p).run(eager, read_every=2)[rid] for rid, top, p in runs}, outcomes)
+    assert [{len(top) for _, top in outcomes[rid].logprobs} for rid, _, _ in runs] == [{1}, {5}, {0}]
+
 def test_grammar_constrained_requests_give_the_eager_tokens_compiled(chat_checkpoint):
     from tests.engine.test_grammar import EOS, SCHEMA, STRICT
 
@@ -672,7 +693,7 @@ def test_an_assistants_verify_steps_replayed_compiled_give_the_eager_tokens(smal
     verified = _verify_run(two_token_small, compiler, partial(_compile_verify_ahead, compiler, ahead), **spec)
     assert verified and all(name.endswith("hidden") for name in verified), verified
     # compile_verify ahead: every key's step with 3 drafts and the one that only records the assistant's states.
-    keys = {f"verify b={b} k={k}{padded} {stages} hidden" for stages in ("greedy", "draw+logprobs3") for k in (3, 0)
+    keys = {f"verify b={b} k={k}{padded} {stages} hidden" for stages in ("greedy", "draw+logprobs20") for k in (3, 0)
             for b, padded in ((1, ""), (2, ""), (2, " padded"))}
     assert set(ahead) == keys, ahead
     assert [name for name, _ in compiler.compiled if name.startswith("verify")] == ahead, "none compiled later"
@@ -726,7 +747,7 @@ def test_compile_verify_compiles_the_verify_steps_serving_meets_before_it_meets_
     compiler = ReplayCountingCompiler("aot_eager")
     ahead: list[str] = []
     verified = _verify_run(two_token_small, compiler, partial(_compile_verify_ahead, compiler, ahead), **SPEC)
-    keys = {f"verify b={b} k=3{padded} {stages}" for stages in ("greedy", "draw+logprobs3")
+    keys = {f"verify b={b} k=3{padded} {stages}" for stages in ("greedy", "draw+logprobs20")
             for b, padded in ((1, ""), (2, ""), (2, " padded"))}
     assert set(ahead) == keys, ahead
     assert [name for name, _ in compiler.compiled if name.startswith("verify")] == ahead, "none compiled later"

@@ -145,7 +145,10 @@ impl SamplingParams {
             repetition: self.repetition_penalty != 1.0,
             presence_frequency: self.presence_penalty != 0.0 || self.frequency_penalty != 0.0,
             draw: self.temperature > 0.0,
-            logprobs: self.logprobs,
+            // Every request asking for log-probabilities gets the top `max_top_logprobs` computed, each row
+            // keeping its own first k (read_point.rs): one step shape for every top_logprobs, so a compiled
+            // engine captures one, not one per k (a topk of 20 over the vocabulary costs what one of 1 does).
+            logprobs: self.logprobs.map(|_| LIMITS.max_top_logprobs),
             grammar: false,
         }
     }
@@ -159,6 +162,7 @@ pub struct Stages {
     pub repetition: bool,
     pub presence_frequency: bool,
     pub draw: bool,
+    /// The top count computed: `max_top_logprobs` where a row asks for log-probabilities (`flags`).
     pub logprobs: Option<i64>,
     /// A row is grammar-constrained (its mask applies).
     pub grammar: bool,
@@ -589,6 +593,6 @@ mod tests {
         let biased = SamplingParams { logit_bias: vec![(1, 2.0)], logprobs: Some(5), ..Default::default() }.flags();
         let all = greedy.union(sampled).union(biased);
         assert!(all.draw && all.bias && !all.repetition && !all.presence_frequency);
-        assert_eq!(all.logprobs, Some(5));
+        assert_eq!((sampled.logprobs, all.logprobs), (Some(LIMITS.max_top_logprobs), Some(LIMITS.max_top_logprobs)));
     }
 }

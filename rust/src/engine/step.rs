@@ -32,7 +32,7 @@ pub(super) struct StepKey {
 }
 
 impl std::fmt::Display for StepKey {
-    /// `decode b=4 padded greedy`, `decode b=1 draw+grammar+logprobs5`: the name a captured step
+    /// `decode b=4 padded greedy`, `decode b=1 draw+grammar+logprobs20`: the name a captured step
     /// goes by in logs and `/v1/engine`.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let padded = if self.padded { " padded" } else { "" };
@@ -40,7 +40,7 @@ impl std::fmt::Display for StepKey {
     }
 }
 
-/// The stages a step runs joined by `+` (`draw+grammar+logprobs5`), `greedy` for none: part of a captured
+/// The stages a step runs joined by `+` (`draw+grammar+logprobs20`), `greedy` for none: part of a captured
 /// step's name.
 pub(super) fn stage_names(s: Stages) -> String {
     let mut parts: Vec<String> = [
