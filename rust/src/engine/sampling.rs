@@ -147,7 +147,7 @@ impl SamplingParams {
             draw: self.temperature > 0.0,
             // Every request asking for log-probabilities gets the top `max_top_logprobs` computed, each row
             // keeping its own first k (read_point.rs): one step shape for every top_logprobs, so a compiled
-            // engine captures one, not one per k (a topk of 20 over the vocabulary costs what one of 1 does).
+            // engine captures one, not one per k (one topk either way, returning 20 columns instead of k).
             logprobs: self.logprobs.map(|_| LIMITS.max_top_logprobs),
             grammar: false,
         }
