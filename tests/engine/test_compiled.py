@@ -377,6 +377,7 @@ def test_one_step_shape_serves_every_top_logprobs_count(small_checkpoint):
     _assert_same({rid: script(rid, top, p).run(eager, read_every=2)[rid] for rid, top, p in runs}, outcomes)
     assert [{len(top) for _, top in outcomes[rid].logprobs} for rid, _, _ in runs] == [{1}, {5}, {0}]
 
+
 def test_grammar_constrained_requests_give_the_eager_tokens_compiled(chat_checkpoint):
     from tests.engine.test_grammar import EOS, SCHEMA, STRICT
 

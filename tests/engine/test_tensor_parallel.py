@@ -46,7 +46,8 @@ RUNS = [("e_series", "dense", SEED), ("31b_shaped", "w4a16", SEED), ("26b_moe_sh
 # Every run over 2 ranks; over 4 the two whose splits change there: the E-series (its 2 KV heads replicated) and
 # the W4A16 MoE (experts, heads and scale groups cut 4 ways). The others' 4-rank runs add no new split and cost
 # about a minute each on 2 cores.
-SPLITS = [(run, 2) for run in RUNS] + [(RUNS[0], 4), (RUNS[3], 4)]
+FOUR_RANKS = {("e_series", "dense"), ("26b_moe_shaped", "w4a16")}
+SPLITS = [(run, 2) for run in RUNS] + [(run, 4) for run in RUNS if run[:2] in FOUR_RANKS]
 
 
 def tiny_e_series():

@@ -25,8 +25,9 @@ replace (XLA's buffer donation). Each replay then gives the engine the new value
 (`gemma_engine.adopt_storage_`). torch_tpu's dynamo backend offers no donation: it runs AOTAutograd with
 `keep_inference_input_mutations=False` (torch_tpu 0.2.0 `_internal/compile/_backend.py`), so its program
 returns every ring a step writes as a new buffer and AOTAutograd copies each back into the engine's after
-the program: every KV ring copied each step (read in the source, not measured on a TPU). Its `StaticCompiler` takes `donated_inputs` for a graph traced
-by make_fx (`_internal/compile/compiler.py`, `StaticCompiler.__call__`), which is what this path hands it.
+the program: every KV ring copied each step (read in the source, not measured on a TPU). Its `StaticCompiler`
+takes `donated_inputs` for a graph traced by make_fx (`_internal/compile/compiler.py`,
+`StaticCompiler.__call__`), which is what this path hands it.
 
 Nothing a request writes is baked in: the step's host values are its shape key (bucket, padding,
 sampling stages), and every tensor it reads is an input read at each call.
