@@ -99,7 +99,7 @@ def chat_text_config(**overrides) -> Gemma4TextConfig:
     return tiny_text_config(**kwargs)
 
 
-def save_chat(out_dir: str | Path, seed: int = CHAT_SEED) -> Path:
+def save_chat(out_dir: str | Path, seed: int = CHAT_SEED, **config) -> Path:
     """Write the demo chat checkpoint: dense bf16 model, tokenizer.json, tokenizer_config.json.
 
     Loadable with ``AutoTokenizer.from_pretrained(out_dir)`` (its chat_template is Gemma's format)
@@ -108,11 +108,12 @@ def save_chat(out_dir: str | Path, seed: int = CHAT_SEED) -> Path:
     Args:
         out_dir: target directory (created).
         seed: weight seed.
+        **config: ``chat_text_config`` overrides (e.g. ``text.SMALL_LAYERS``).
 
     Returns:
         The directory.
     """
-    out_dir = save_dense(out_dir, seed, chat_text_config())
+    out_dir = save_dense(out_dir, seed, chat_text_config(**config))
     return save_tokenizer(out_dir, build_chat_tokenizer(), CHAT_VOCAB_SIZE, "<end_of_turn>",
                            ["<start_of_turn>", "<eos>"], CHAT_TEMPLATE)
 

@@ -13,7 +13,7 @@ from tests.checkpoints.chat import save_chat
 from tests.checkpoints.multimodal import save_multimodal
 from tests.checkpoints.parity import PARITY_PROMPT
 from tests.checkpoints.quantized import save_w4a16, save_w4a16_emb4
-from tests.checkpoints.text import save_dense
+from tests.checkpoints.text import SMALL_LAYERS, save_dense
 
 
 @pytest.fixture(scope="session")
@@ -39,6 +39,13 @@ def emb4_checkpoint(tmp_path_factory) -> tuple[Path, Path]:
 def chat_checkpoint(tmp_path_factory) -> Path:
     """Directory of the chat checkpoint (``save_chat``): dense model plus tokenizer and chat template."""
     return save_chat(tmp_path_factory.mktemp("chat"))
+
+
+@pytest.fixture(scope="session")
+def small_chat_checkpoint(tmp_path_factory) -> Path:
+    """The chat checkpoint's tokenizer and template over 4 layers (``text.SMALL_LAYERS``): for tests that compile
+    many step shapes with Inductor, whose compile time grows with the layers."""
+    return save_chat(tmp_path_factory.mktemp("small_chat"), **SMALL_LAYERS)
 
 
 @pytest.fixture(scope="session")

@@ -28,9 +28,8 @@ from gemma_engine.compiling import (StepCompiler, capture, chain_from, natural_s
                                      view_chain)
 from tests.checkpoints.chat import CHAT_VOCAB_SIZE
 from tests.checkpoints.multimodal import random_image
-from tests.checkpoints.shared import FULL, SLIDING
 from tests import assistants
-from tests.checkpoints.text import SEED, save_dense, save_two_token, tiny_text_config
+from tests.checkpoints.text import SEED, SMALL_LAYERS, save_dense, save_two_token, tiny_text_config
 from tests.engine.test_architectures import CONFIGS
 from tests.engine.test_batching import PROMPTS, Script
 from tests.engine.test_speculative import PROMPTS as SPECULATED
@@ -182,10 +181,9 @@ def _assert_same(eager: dict, compiled: dict, bound: float = LOGPROB_BOUND):
 
 @pytest.fixture(scope="module")
 def small_checkpoint(tmp_path_factory):
-    """The tiny config cut to 4 layers (sliding, full, then a KV-shared one of each): every kind of layer, and
-    half the kernels to compile (Inductor takes ~20 s a step shape on this 2-core machine)."""
-    config = tiny_text_config(num_hidden_layers=4, num_kv_shared_layers=2, layer_types=[SLIDING, FULL] * 2)
-    return save_dense(tmp_path_factory.mktemp("compiled_small"), SEED, config)
+    """The tiny config cut to 4 layers (`SMALL_LAYERS`: sliding, full, then a KV-shared one of each): every kind
+    of layer, under half the kernels to compile."""
+    return save_dense(tmp_path_factory.mktemp("compiled_small"), SEED, tiny_text_config(**SMALL_LAYERS))
 
 
 def _busy_run(model_dir, backend, prefill_chunk=5, bound=LOGPROB_BOUND, **kwargs) -> StepCompiler:
@@ -378,17 +376,17 @@ def test_one_step_shape_serves_every_top_logprobs_count(small_checkpoint):
     assert [{len(top) for _, top in outcomes[rid].logprobs} for rid, _, _ in runs] == [{1}, {5}, {0}]
 
 
-def test_grammar_constrained_requests_give_the_eager_tokens_compiled(chat_checkpoint):
+def test_grammar_constrained_requests_give_the_eager_tokens_compiled(small_chat_checkpoint):
     from tests.engine.test_grammar import EOS, SCHEMA, STRICT
 
-    grammars = gemma_engine.Grammars(str(chat_checkpoint / "tokenizer.json"), EOS, CHAT_VOCAB_SIZE)
-    tok = Tokenizer.from_file(str(chat_checkpoint / "tokenizer.json"))
+    grammars = gemma_engine.Grammars(str(small_chat_checkpoint / "tokenizer.json"), EOS, CHAT_VOCAB_SIZE)
+    tok = Tokenizer.from_file(str(small_chat_checkpoint / "tokenizer.json"))
     prompt = tok.encode("<start_of_turn>user\nAnswer in JSON.<end_of_turn>\n<start_of_turn>model\n").ids
     requests = lambda: {0: [gemma_engine.Request(0, prompt, 96, grammar=STRICT),  # noqa: E731
                             gemma_engine.Request(1, prompt[:-3], 24)]}
     kwargs = {"context": 256, "grammars": grammars, "max_batch": 2}
-    eager = Script(requests()).run(_engine(chat_checkpoint, **kwargs))
-    engine = _engine(chat_checkpoint, StepCompiler("inductor"), **kwargs)
+    eager = Script(requests()).run(_engine(small_chat_checkpoint, **kwargs))
+    engine = _engine(small_chat_checkpoint, StepCompiler("inductor"), **kwargs)
     compiled = Script(requests()).run(engine)
     assert engine.compile_report()["fallbacks"] == []
     _assert_same(eager, compiled)
@@ -685,8 +683,7 @@ def test_an_assistants_verify_steps_replayed_compiled_give_the_eager_tokens(smal
     kept, from which the drafter keeps the states it drafts from next. Compiled ahead (`compile_verify`), with the
     steps that only record the assistant's states."""
     root = tmp_path_factory.mktemp("compiled_assistants")
-    config = tiny_text_config(num_hidden_layers=4, num_kv_shared_layers=2, layer_types=[SLIDING, FULL] * 2)
-    random = assistants.save_assistant(root / "random", target=config)
+    random = assistants.save_assistant(root / "random", target=tiny_text_config(**SMALL_LAYERS))
     drafter = assistants.save_two_token_assistant(random, two_token_small, root / "two_token")
     compiler = ReplayCountingCompiler("aot_eager")
     spec = {**SPEC, "speculative_method": "mtp", "speculative_model": str(drafter)}

@@ -155,14 +155,15 @@ def greedy_and_sampled(base: str, model: str) -> tuple[str, str]:
     return greedy.choices[0].text, sampled.choices[0].message.content
 
 
-def test_with_compile_warmup_compiles_the_verify_steps_and_serving_compiles_none(chat_checkpoint, server, model):
+def test_with_compile_warmup_compiles_the_verify_steps_and_serving_compiles_none(small_chat_checkpoint):
     """--compile on with speculation: the compile stage's requests do not speculate, so it compiles every decode
     step; once the buckets that speculate are known (here from --speculative-max-batch: all), warmup compiles
     their verify steps, greedy and sampled, so a speculating request compiles nothing while it waits; its replies
-    are the eager server's. One slot and one prompt-chunk size keep the compiles few, and
-    ATen's matmul keeps them in Inductor's cache."""
-    s = start_in_process(chat_checkpoint, *SPEC, "--max-num-seqs", "1", "--prefill-chunk", "16", "--compile", "on",
-                         "--onednn", "off", "--default-temperature", "0")
+    are an eager server's without speculation. One slot, one prompt-chunk size and the 4-layer chat checkpoint
+    keep the compiles few and short, and ATen's matmul keeps them in Inductor's cache."""
+    eager = start_in_process(small_chat_checkpoint, "--default-temperature", "0")
+    s = start_in_process(small_chat_checkpoint, *SPEC, "--max-num-seqs", "1", "--prefill-chunk", "16",
+                         "--compile", "on", "--onednn", "off", "--default-temperature", "0")
     try:
         info = httpx.get(f"{s.base}/v1/engine").json()
         warmup = next(st for st in info["stages"] if st["stage"] == "warmup")
@@ -171,11 +172,13 @@ def test_with_compile_warmup_compiles_the_verify_steps_and_serving_compiles_none
         decode = {f"decode b=1{padded} {stages}" for padded in ("", " padded") for stages in ("greedy", "draw")}
         assert decode | {"verify b=1 k=4 greedy", "verify b=1 k=4 draw"} <= set(before), before
         drafted = sample(s, "gemma_spec_decode_num_draft_tokens_total")
-        assert greedy_and_sampled(s.base, model) == greedy_and_sampled(server.base, model)
+        model = s.state.config.model_name
+        assert greedy_and_sampled(s.base, model) == greedy_and_sampled(eager.base, eager.state.config.model_name)
         assert sample(s, "gemma_spec_decode_num_draft_tokens_total") > drafted, "the requests speculated"
         assert compiled_steps(s.base) == before, "no step compiled while serving"
     finally:
         s.stop()
+        eager.stop()
 
 
 def test_bad_settings_are_refused_by_name(chat_checkpoint, capsys):
