@@ -103,11 +103,12 @@ rust-check: $(PY_STAMP)
 # Every test, slow, cluster and GPU markers included (GPU tests skip with a
 # reason on a machine without one; nothing else skips). The control plane
 # binaries are built (and the third-party CRDs fetched) here, once, rather than inside a test fixture, so the
-# first build (many minutes) is not cut short by the per-test timeout. The
+# first build (many minutes) is not cut short by the per-test timeout: tests/run_all.sh builds them in the
+# background while the tests that need no cluster run, then runs the cluster tests. The
 # image tests need Docker: pytest runs with a Docker engine (started here
 # when none answers, and stopped after), and fails naming it when there is none.
-test: setup k8s k8s-crds chat-templates rust-check
-	$(WITH_DOCKER) $(PY) -m pytest tests
+test: setup k8s-crds chat-templates rust-check
+	$(WITH_DOCKER) bash tests/run_all.sh $(PY)
 
 # The quick loop while developing: no slow and no cluster tests.
 test-fast: setup chat-templates
