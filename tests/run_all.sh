@@ -4,12 +4,13 @@
 #   tests/run_all.sh PYTHON [PYTEST_ARG...]
 #
 # The control plane's binaries (tests/cluster/build_binaries.sh) are most of a fresh machine's set-up: Go builds
-# of Kubernetes, etcd, kwok, helm, the inference extension's picker and KEDA, 26 min on two cores here. The build
-# runs in the background at the idle scheduling class (`chrt --idle`: it gets only the CPU time no test wants;
-# many run torch on one thread or wait on a server) while the tests that need no cluster run (on a cold machine
-# here it finished in 30 of their 47 minutes); the `cluster` tests (tests/conftest.py marks every test on the control plane) run after it has
-# finished. With the binaries cached (every later run) the build finds them and exits at once. helm is built
-# first, in the foreground: the chart's static tests, among the first, run it.
+# of Kubernetes, etcd, kwok, helm, the inference extension's picker and KEDA, 26 min on two cores here (`make k8s`
+# alone, other work sharing the machine). The build runs in the background at the idle scheduling class
+# (`chrt --idle`: it gets only the CPU time no test wants; many run torch on one thread or wait on a server)
+# while the tests that need no cluster run (on a cold machine here it finished in 30 of their 47 minutes); the
+# `cluster` tests (tests/conftest.py marks every test on the control plane) run after it has finished. With the
+# binaries cached (every later run) the build finds them and exits at once. helm is built first, in the
+# foreground: the chart's static tests, among the first, run it.
 #
 # Exit status: non-zero when either run fails or the build does (its log's tail is printed).
 set -uo pipefail

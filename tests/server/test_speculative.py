@@ -162,8 +162,12 @@ def test_with_compile_warmup_compiles_the_verify_steps_and_serving_compiles_none
     are an eager server's without speculation. One slot, one prompt-chunk size and the 4-layer chat checkpoint
     keep the compiles few and short, and ATen's matmul keeps them in Inductor's cache."""
     eager = start_in_process(small_chat_checkpoint, "--default-temperature", "0")
-    s = start_in_process(small_chat_checkpoint, *SPEC, "--max-num-seqs", "1", "--prefill-chunk", "16",
-                         "--compile", "on", "--onednn", "off", "--default-temperature", "0")
+    try:
+        s = start_in_process(small_chat_checkpoint, *SPEC, "--max-num-seqs", "1", "--prefill-chunk", "16",
+                             "--compile", "on", "--onednn", "off", "--default-temperature", "0")
+    except BaseException:
+        eager.stop()
+        raise
     try:
         info = httpx.get(f"{s.base}/v1/engine").json()
         warmup = next(st for st in info["stages"] if st["stage"] == "warmup")
