@@ -20,6 +20,8 @@ import torch.multiprocessing as mp
 
 from gemma_engine import testing
 
+pytestmark = pytest.mark.ranks
+
 WORLD = 2
 
 
