@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every test (`make test`), in three pytest runs, so a fresh machine builds the local control plane while tests run:
+# Every test (`make test`), in two pytest runs, so a fresh machine builds the local control plane while tests run:
 #
 #   tests/run_all.sh PYTHON [PYTEST_ARG...]
 #
@@ -7,16 +7,16 @@
 # of Kubernetes, etcd, kwok, helm, the inference extension's picker and KEDA, 26 min on two cores here (`make k8s`
 # alone, other work sharing the machine). The build runs in the background at the idle scheduling class
 # (`chrt --idle`: it gets only the CPU time no test wants; many run torch on one thread or wait on a server)
-# while the tests that need no cluster run. Then, once it has finished:
-# - the `ranks` tests: torch.distributed ranks, each a process, meeting at a collective in every layer. Beside the
-#   build they ran at about half speed (on a cold machine here the 4-rank tensor-parallel cases took 92 and 91 s
-#   and the compiled 2-rank one 156 s, against 54, 48 and 95 s with the machine to themselves): every rank that
-#   waits for its peer lends its core to the build and gets it back with the build's data in the caches;
-# - the `cluster` tests (tests/conftest.py marks every test on the control plane).
-# With the binaries cached (every later run) the build finds them and exits at once. helm is built first, in the
+# while the tests that need no cluster run (on a cold machine here it finished in 26 of their 43 minutes); the
+# `cluster` tests (tests/conftest.py marks every test on the control plane) run after it has finished. With the
+# binaries cached (every later run) the build finds them and exits at once. helm is built first, in the
 # foreground: the chart's static tests, among the first, run it.
 #
-# Exit status: non-zero when any run fails or the build does (its log's tail is printed).
+# Idle class or not, the build slows the tests beside it (the multi-process tensor-parallel tests ran at about
+# half speed). Running those after the build instead was measured on a cold machine and lost: they took 396 s
+# rather than 742, but the other tests took 474 s longer, the build's drag moved onto them.
+#
+# Exit status: non-zero when either run fails or the build does (its log's tail is printed).
 set -uo pipefail
 
 [[ $# -ge 1 ]] || { echo "usage: $0 PYTHON [PYTEST_ARG...]" >&2; exit 2; }
@@ -33,16 +33,15 @@ build=$!
 trap 'kill -- -"$build" 2>/dev/null' EXIT
 
 status=0
-# pytest's exit status 5: no test selected in this run (a -k that matches only cluster tests, or none).
+# pytest's exit status 5: no test selected in this half (a -k that matches only cluster tests, or none).
 run() { "$python" -m pytest tests "$@"; local rc=$?; (( rc == 0 || rc == 5 )) || status=$rc; }
-run -m "not cluster and not ranks" "$@"
+run -m "not cluster" "$@"
 
 started=$(date +%s)
 wait "$build" || failed "the control plane's binaries"
 echo "run_all.sh: the control plane's binaries: $(grep -o 'built into .* in [0-9]*s' "$log");" \
-  "waited for them $(( $(date +%s) - started )) s after the first run" >&2
+  "waited for them $(( $(date +%s) - started )) s after the tests that need no cluster" >&2
 rm -f "$log"
 
-run -m ranks "$@"
 run -m cluster "$@"
 exit "$status"

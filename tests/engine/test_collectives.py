@@ -20,8 +20,6 @@ import torch.multiprocessing as mp
 
 from gemma_engine import testing
 
-pytestmark = pytest.mark.ranks
-
 WORLD = 2
 
 

@@ -318,7 +318,6 @@ def _compiled_rank(rank: int, port: int, model_dir: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.ranks
 def test_tensor_parallel_ranks_give_the_eager_tokens_compiled(small_checkpoint, tmp_path):
     """Two ranks (gloo, a process each): each rank's captured step holds its shard's work and the
     `_c10d_functional` all-reduces and all-gather the Rust model calls; its tokens and log-probabilities are the

@@ -114,7 +114,6 @@ def model_dir(tmp_path_factory):
     return save_dense(tmp_path_factory.mktemp("distributed"), SEED, tiny_text_config())
 
 
-@pytest.mark.ranks
 def test_a_follower_makes_the_leaders_steps_and_the_outcomes_are_one_engines(model_dir, tmp_path):
     want = _script().run(_engine(str(model_dir)), read_every=2)
     got, codes = _run(model_dir, tmp_path / "rank0.pt")
@@ -126,7 +125,6 @@ def test_a_follower_makes_the_leaders_steps_and_the_outcomes_are_one_engines(mod
         assert [t for _, top in logprobs for t, _ in top] == [t for _, top in w.logprobs for t, _ in top], rid
 
 
-@pytest.mark.ranks
 def test_a_follower_that_dies_mid_stream_fails_the_leaders_requests_within_a_bounded_time(model_dir, tmp_path):
     """The leader finds the follower gone at its next collective: inside a step (the engine fails the requests it
     was running, each with the reason) or at the next poll's broadcast (here: the follower dies between two
@@ -142,7 +140,6 @@ def test_a_follower_that_dies_mid_stream_fails_the_leaders_requests_within_a_bou
     assert "length" not in finishes.values(), finishes  # it died before any request could end
 
 
-@pytest.mark.ranks
 def test_a_follower_that_hangs_mid_stream_fails_the_leaders_requests_within_the_collective_timeout(
         model_dir, tmp_path):
     """A follower that stops answering (stopped, its connections open) is found at the group's timeout: the leader's
@@ -161,7 +158,6 @@ def test_the_ranks_of_each_engine_follow_its_own_leader_in_one_world():
     assert members([4, 2]) == [[0, 1, 2, 3], [0, 4]]
 
 
-@pytest.mark.ranks
 def test_leaders_over_follower_processes_make_every_engine_call_on_every_rank(model_dir):
     """`start` with two engines of two ranks: this process is rank 0 of both, each other rank a process of its own
     serving its leader's calls. From two threads at once (as the server's engine workers call them), decode, logits,
@@ -192,7 +188,6 @@ def test_leaders_over_follower_processes_make_every_engine_call_on_every_rank(mo
     assert not dist.is_initialized()
 
 
-@pytest.mark.ranks
 def test_grammar_constrained_and_image_requests_across_ranks_give_one_engines_outcomes(multimodal_checkpoint):
     """An image request (its soft tokens cross to the follower inside the pickled Request) beside a request held to a
     JSON schema (each rank masks with its own copy of the grammars, fed the same tokens), through a `Leader` over a

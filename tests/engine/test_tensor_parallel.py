@@ -125,7 +125,6 @@ def _kv_heads(model_dir) -> list[int]:
                                               for entry in (config.get("per_layer_config") or {}).values()]
 
 
-@pytest.mark.ranks
 @pytest.mark.parametrize("run, world", SPLITS, indirect=["run"],
                          ids=[f"{name}-{kind}-{world}" for (name, kind, _), world in SPLITS])
 def test_ranks_give_the_unsplit_models_tokens_logits_and_busy_outcomes_holding_parts(run, world, tmp_path):
@@ -154,7 +153,6 @@ def test_ranks_give_the_unsplit_models_tokens_logits_and_busy_outcomes_holding_p
     assert all(torch.equal(r["logits"], results[0]["logits"]) for r in results)  # the same sums on every rank
 
 
-@pytest.mark.ranks
 def test_a_rank_whose_columns_cut_a_scale_group_gets_them_dequantized(tmp_path):
     """An MLP of 96 features in int4 groups of 32 over 2 ranks: each down_proj shard takes 48 input columns,
     which cut a group. The loader dequantizes that part first (rust/src/gemma4/weights.rs `Part::slice`), as the

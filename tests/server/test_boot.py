@@ -263,7 +263,6 @@ def _rank_processes(server_pid: int) -> list[int]:
     return found
 
 
-@pytest.mark.ranks
 def test_tensor_parallel_ranks_answer_as_the_unsplit_engine_and_lost_ranks_fail_their_engines(
         spawn, chat_checkpoint, direct_engine, tokenizer):
     """--devices 2 --tensor-parallel-size 2 on the cpu: two engines of two ranks, this server rank 0 of both and each
