@@ -5,6 +5,7 @@ penalized, with log-probabilities, and a JSON-schema reply); a request with `"sp
 with its name."""
 
 import json
+from contextlib import ExitStack
 
 import httpx
 import openai
@@ -161,14 +162,12 @@ def test_with_compile_warmup_compiles_the_verify_steps_and_serving_compiles_none
     their verify steps, greedy and sampled, so a speculating request compiles nothing while it waits; its replies
     are an eager server's without speculation. One slot, one prompt-chunk size and the 4-layer chat checkpoint
     keep the compiles few and short, and ATen's matmul keeps them in Inductor's cache."""
-    eager = start_in_process(small_chat_checkpoint, "--default-temperature", "0")
-    try:
+    with ExitStack() as servers:  # each stopped however the test ends, the second's start included
+        eager = start_in_process(small_chat_checkpoint, "--default-temperature", "0")
+        servers.callback(eager.stop)
         s = start_in_process(small_chat_checkpoint, *SPEC, "--max-num-seqs", "1", "--prefill-chunk", "16",
                              "--compile", "on", "--onednn", "off", "--default-temperature", "0")
-    except BaseException:
-        eager.stop()
-        raise
-    try:
+        servers.callback(s.stop)
         info = httpx.get(f"{s.base}/v1/engine").json()
         warmup = next(st for st in info["stages"] if st["stage"] == "warmup")
         assert "2 verify steps compiled (decode buckets [1])" in warmup["message"], warmup
@@ -180,9 +179,6 @@ def test_with_compile_warmup_compiles_the_verify_steps_and_serving_compiles_none
         assert greedy_and_sampled(s.base, model) == greedy_and_sampled(eager.base, eager.state.config.model_name)
         assert sample(s, "gemma_spec_decode_num_draft_tokens_total") > drafted, "the requests speculated"
         assert compiled_steps(s.base) == before, "no step compiled while serving"
-    finally:
-        s.stop()
-        eager.stop()
 
 
 def test_bad_settings_are_refused_by_name(chat_checkpoint, capsys):
