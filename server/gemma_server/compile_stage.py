@@ -1,7 +1,8 @@
-"""The compile stage's requests: what each engine runs so that every step shape it will serve is captured and
+"""The compile stage's requests: what each engine runs so that the step shapes it will serve are captured and
 compiled before the pod is ready (rust/src/engine/compiled.rs: a shape is captured at its second step).
 
-Decode steps: each bucket filled with that many requests, greedy and sampled (`compile_buckets`); prompt chunks:
+Decode steps: each bucket filled with that many requests, greedy and sampled (`compile_buckets`: each bucket's
+forwards, and its choices greedy and sampled; a choice with other stages compiles while serving); prompt chunks:
 each chunk bucket as a prompt's first chunk and a later one (`compile_chunks`); with `--compile auto`, each
 bucket's decode steps timed both ways (`choose_per_bucket`); with speculative decoding, at warmup, the verify steps
 of the buckets that speculate (`compile_verify_steps`). None of these requests speculates (their steps are the

@@ -215,7 +215,11 @@ def test_inductor_over_onednn_packed_weights_gives_the_eager_tokens_and_logprobs
     writes stays inputs (the busy run's replays read other slots, positions and parameters)."""
     compiler = _busy_run(small_checkpoint, "inductor", onednn=True)
     for name, gm in compiler.graphs.items():
-        assert next(gm.buffers()).is_mkldnn and all(b.is_mkldnn for b in gm.buffers()), name
+        buffers = list(gm.buffers())
+        assert all(b.is_mkldnn for b in buffers), name
+        # Every graph that multiplies keeps the packed weights; a step's choice (its sampling) multiplies nothing.
+        choice = name.startswith("decode") and not name.endswith(" forward")
+        assert bool(buffers) != choice, name
 
 
 def test_prompt_chunks_padded_to_their_buckets_give_the_eager_tokens_and_logprobs(small_checkpoint):
@@ -367,13 +371,38 @@ def test_one_step_shape_serves_every_top_logprobs_count(small_checkpoint):
     compiled, eager = _engine(small_checkpoint, compiler), _engine(small_checkpoint)
     first = script(*runs[0]).run(compiled, read_every=2)
     shapes = [name for name, _ in compiler.compiled]
-    assert shapes and all(name.endswith(" logprobs20") for name in shapes if name.startswith("decode")), shapes
+    choices = [name for name in shapes if name.startswith("decode") and not name.endswith(" forward")]
+    assert choices and all(name.endswith(" logprobs20") for name in choices), shapes
     replayed = sum(compiler.replays.values())
     outcomes = {**first, **{rid: script(rid, top, p).run(compiled, read_every=2)[rid] for rid, top, p in runs[1:]}}
     assert [name for name, _ in compiler.compiled] == shapes, "no shape compiled for another k"
     assert sum(compiler.replays.values()) > replayed
     _assert_same({rid: script(rid, top, p).run(eager, read_every=2)[rid] for rid, top, p in runs}, outcomes)
     assert [{len(top) for _, top in outcomes[rid].logprobs} for rid, _, _ in runs] == [{1}, {5}, {0}]
+
+
+def test_a_step_with_new_sampling_stages_replays_its_buckets_compiled_forward(small_checkpoint):
+    """Steps that differ only in their sampling stages share the forward: once a greedy request's steps compiled
+    bucket 1's forwards, a request with a logit bias, a repetition penalty and log-probabilities compiles only its
+    choices (the small graphs), replays those forwards, and gets the eager engine's tokens and log-probabilities."""
+    def script(rid, prompt, sampling=None):
+        return Script({0: [gemma_engine.Request(rid, PROMPTS[prompt], 8, sampling=sampling)]})
+
+    compiler = ReplayCountingCompiler("aot_eager")
+    compiled, eager = _engine(small_checkpoint, compiler), _engine(small_checkpoint)
+    outcomes = script(0, "parity").run(compiled, read_every=2)
+    forwards = [name for name, _ in compiler.compiled if name.endswith(" forward")]
+    assert forwards == ["decode b=1 forward", "decode b=1 padded forward"], compiler.compiled
+    replayed, before = sum(compiler.replays[n] for n in forwards), len(compiler.compiled)
+
+    biased = gemma_engine.SamplingParams(logit_bias={5: 3.0}, repetition_penalty=1.5, logprobs=2)
+    outcomes.update(script(1, "other", biased).run(compiled, read_every=2))
+    new = [name for name, _ in compiler.compiled[before:] if name.startswith("decode")]
+    assert new == ["decode b=1 bias+repetition+logprobs20", "decode b=1 padded bias+repetition+logprobs20"], new
+    assert sum(compiler.replays[n] for n in forwards) > replayed
+    assert compiled.compile_report()["fallbacks"] == []
+    want = {**script(0, "parity").run(eager, read_every=2), **script(1, "other", biased).run(eager, read_every=2)}
+    _assert_same(want, outcomes)
 
 
 def test_grammar_constrained_requests_give_the_eager_tokens_compiled(small_chat_checkpoint):
@@ -407,8 +436,9 @@ def test_a_capture_that_fails_runs_eagerly_and_says_why(small_checkpoint):
     assert tokens == _engine(small_checkpoint).decode(PROMPTS["parity"], 16)[0]
     report = engine.compile_report()
     assert report["captured"] == 0
-    [(step, reason)] = report["fallbacks"]
-    assert step == "decode b=1 greedy" and "this fake backend compiles nothing" in reason
+    # Both halves of the step: its forward and its choice.
+    assert [step for step, _ in report["fallbacks"]] == ["decode b=1 forward", "decode b=1 greedy"]
+    assert all("this fake backend compiles nothing" in reason for _, reason in report["fallbacks"]), report
 
 
 def syncing_backend_fake(gm, example_inputs):
@@ -511,16 +541,19 @@ def test_use_compiled_per_bucket_runs_that_buckets_steps_without_the_replays(sma
 def test_every_backend_is_handed_the_same_graph(small_checkpoint):
     """torch_tpu's `tpu` backend takes what Inductor takes: one graph of ATen ops, every tensor an input.
     A fake recording backend stands in for it here (no TPU)."""
-    handed = {}
+    handed = {"graphs": [], "inputs": []}
 
     def recording_backend_fake(gm, example_inputs):
-        handed["graph"], handed["inputs"] = gm.code, list(example_inputs)
+        handed["graphs"].append(gm.code)
+        handed["inputs"] += example_inputs
         return gm.forward
 
-    inductor = StepCompiler("inductor")
-    recorded = _engine(small_checkpoint, StepCompiler(recording_backend_fake)).decode(PROMPTS["parity"], 4)[0]
+    inductor, recording = StepCompiler("inductor"), StepCompiler(recording_backend_fake)
+    recorded = _engine(small_checkpoint, recording).decode(PROMPTS["parity"], 4)[0]
+    assert [name for name, _ in recording.compiled] == ["decode b=1 forward", "decode b=1 greedy"]
     assert _engine(small_checkpoint, inductor).decode(PROMPTS["parity"], 4)[0] == recorded
-    assert inductor.graphs["decode b=1 greedy"].code == handed["graph"]
+    assert [name for name, _ in inductor.compiled] == [name for name, _ in recording.compiled]
+    assert [inductor.graphs[name].code for name, _ in inductor.compiled] == handed["graphs"]
     # Each input is a whole storage (weights, rings, slot and sampler tables), contiguous from its start.
     assert all(t.is_contiguous() and t.storage_offset() == 0 and t.numel() * t.element_size()
                == t.untyped_storage().nbytes() for t in handed["inputs"])
@@ -773,5 +806,9 @@ def test_speculation_costs_on_a_compiling_engine_time_replays(two_token_small):
     assert engine.speculation_turns == (CONTEXT - 10) // 5 - 2 == _engine(two_token_small, **SPEC).speculation_turns - 2
     costs = engine.speculation_costs(1, turns)
     assert costs["bucket"] == 1 and costs["plain_s"] > 0 and costs["verify_s"] > 0
-    replayed = lambda kind: sum(n for name, n in compiler.replays.items() if name.startswith(kind))  # noqa: E731
-    assert (replayed("decode"), replayed("verify")) == (turns, turns), compiler.replays
+    def replayed(kind, forward=False):
+        return sum(n for name, n in compiler.replays.items()
+                   if name.startswith(kind) and name.endswith(" forward") == forward)
+
+    # A timed plain step replays its forward and its choice.
+    assert (replayed("decode", True), replayed("decode"), replayed("verify")) == (turns,) * 3, compiler.replays

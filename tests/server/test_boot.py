@@ -218,11 +218,11 @@ def test_compile_stage_compiles_the_step_and_the_replies_are_the_eager_engines(
     [engine] = report["engines"]
     assert engine["fallbacks"] == []
     assert [e["linear"] for e in info["engines"]] == [{"off": "aten", "auto": "onednn"}[onednn]]
-    # Every bucket (1, 2 slots), greedy and sampled, the first step after a read point and the later ones; every
-    # prompt-chunk bucket (16, 32 columns), a prompt's first chunk and a later one.
+    # Every bucket (1, 2 slots), the first step after a read point and the later ones: their forwards, and their
+    # choices greedy and sampled; every prompt-chunk bucket (16, 32 columns), a prompt's first chunk and a later one.
     buckets = [b for b in (1, 2) if b <= seqs]
     steps = {f"decode b={b}{padded} {stages}" for b in buckets for padded in ("", " padded")
-             for stages in ("greedy", "draw")}
+             for stages in ("forward", "greedy", "draw")}
     chunks = {f"prompt t={t} {which}" for t in (16, 32) if t <= chunk for which in ("first", "later")}
     assert steps | chunks == {name for name, _ in engine["compiled"]}, engine
     assert engine["active"] is True

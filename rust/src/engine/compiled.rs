@@ -1,8 +1,12 @@
-//! The compiled decode step: each `StepKey`'s ATen calls recorded once at the dispatcher and replayed
-//! through a compiled callable (Inductor on CUDA and the CPU, torch_tpu's `tpu` backend on a TPU); prompt
-//! chunks the same way, per `ChunkKey` (chunks.rs says what their inputs are), and the device work of
-//! speculative decoding's verify steps per `VerifyKey` (verify.rs), whose drafts and masks the engine
-//! copies into buffers of each key's own first (`Compiled::stage`).
+//! The compiled decode step: its ATen calls recorded once at the dispatcher and replayed through a
+//! compiled callable (Inductor on CUDA and the CPU, torch_tpu's `tpu` backend on a TPU), in two halves:
+//! the forward per `ForwardKey` (bucket, padding) and the choice of the next tokens per `StepKey` (those
+//! and the sampling stages; step.rs `forward` and `choose`). Steps that differ only in their stages share
+//! the forward, the heavy graph, so a request whose stages no step has run yet (penalties, a logit bias,
+//! log-probabilities, a grammar) costs a compile of its small choice graph while serving, not of a whole
+//! model. Prompt chunks are compiled the same way per `ChunkKey` (chunks.rs says what their inputs are),
+//! and the device work of speculative decoding's verify steps per `VerifyKey` (verify.rs), whose drafts
+//! and masks the engine copies into buffers of each key's own first (`Compiled::stage`).
 //!
 //! The Rust model stays the one source of the computation. A `Compiler` (the Python side,
 //! `gemma_engine.compiling.StepCompiler`, passed in through the bindings) runs the eager step once
@@ -18,22 +22,25 @@
 //! later ones replay. A capture that fails leaves that key eager for good, with its reason kept
 //! (the fallbacks of `Engine::compile_report`) for the caller to log and count; it never fails a request.
 //!
-//! On CUDA with CUDA graphs on, a key's compiled replay is then captured as a CUDA graph of its own
-//! (step.rs's `Graphs`: run once, captured, replayed), so a compiled step is one launch as an eager one
-//! is. Inductor's own CUDA graphs cannot do it: they skip a graph that mutates an input not known to be
-//! static (torch 2.14, `torch/_inductor/cudagraph_utils.py`, `check_for_mutation`), and every KV ring
-//! is such an input here. Compiled prompt chunks and verify steps are replayed without a CUDA graph, as
-//! their eager runs are.
+//! On CUDA with CUDA graphs on, once a `StepKey`'s forward and choice both replay, the two replays (and
+//! the copy of the logits between them) are captured as a CUDA graph of their own (step.rs's `Graphs`:
+//! run once, captured, replayed), so a compiled step is one launch as an eager one is. Inductor's own
+//! CUDA graphs cannot do it: they skip a graph that mutates an input not known to be static (torch 2.14,
+//! `torch/_inductor/cudagraph_utils.py`, `check_for_mutation`), and every KV ring is such an input here.
+//! Compiled prompt chunks and verify steps are replayed without a CUDA graph, as their eager runs are.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::fmt::Display;
 use std::hash::Hash;
 
 use crate::engine::chunks::ChunkKey;
-use crate::engine::sampling::Chosen;
-use crate::engine::step::{Graphs, StepKey};
+use crate::engine::sampling::{Chosen, Sampler};
+use crate::engine::slots::Slots;
+use crate::engine::step::{ForwardKey, Graphs, StepKey, choose, forward};
 use crate::engine::verify::{Checked, Verdict, VerifyKey};
 use crate::error::{Error, Result};
+use crate::gemma4::cache::KvCache;
+use crate::gemma4::model::Model;
 use crate::tensor::Tensor;
 
 /// A replayable compiled step: each call runs the step's device work once and returns its outputs.
@@ -76,6 +83,24 @@ impl<K> Default for Captures<K> {
 }
 
 impl<K: Copy + Eq + Hash + Display> Captures<K> {
+    /// `key`'s replay, its outputs made into an `R` by `from`; or, while it has none, `run`.
+    #[allow(clippy::too_many_arguments)]
+    fn replay_or_run<R>(
+        &mut self,
+        compiler: &mut dyn Compiler,
+        fallbacks: &mut Vec<Fallback>,
+        key: K,
+        eager: impl FnMut() -> Result<R>,
+        outputs: impl Fn(&R) -> Result<Vec<Tensor>>,
+        from: impl FnOnce(Vec<Tensor>) -> Result<R>,
+        rerun: bool,
+    ) -> Result<R> {
+        match self.replays.get(&key) {
+            Some(replay) => from(replay.call()?),
+            None => self.run(compiler, fallbacks, key, eager, outputs, rerun),
+        }
+    }
+
     /// The run of `key` that is not a replay: its first (eager), its second (captured with `compiler`,
     /// `outputs` naming what the graph returns), or any of a key whose capture failed (eager, the
     /// failure kept in `fallbacks` once). `rerun`: whether a step that tracing stopped part way may run
@@ -129,7 +154,14 @@ impl<K: Copy + Eq + Hash + Display> Captures<K> {
 
 pub struct Compiled {
     compiler: Box<dyn Compiler>,
-    steps: Captures<StepKey>,
+    /// Decode steps' forwards, per bucket and padding (step.rs `forward`).
+    forwards: Captures<ForwardKey>,
+    /// Decode steps' choices, per `StepKey` (step.rs `choose`): they read the forward's logits from
+    /// `logits_in`.
+    choices: Captures<StepKey>,
+    /// Per decode bucket, the buffer a step's choice reads its logits from: each forward's fresh output is
+    /// copied in (a tensor made fresh each step cannot be a graph's input, which is read at every replay).
+    logits_in: HashMap<i64, Tensor>,
     chunks: Captures<ChunkKey>,
     verifies: Captures<VerifyKey>,
     /// Per chunk bucket, the int64 buffer its graph reads its ids and positions from (chunks.rs).
@@ -147,6 +179,14 @@ pub struct Compiled {
     pub(super) eager_buckets: BTreeSet<i64>,
 }
 
+/// What a decode step reads and writes (step.rs `step`).
+pub(super) struct StepParts<'a> {
+    pub(super) model: &'a mut Model,
+    pub(super) cache: &'a mut KvCache,
+    pub(super) sampler: &'a mut Sampler,
+    pub(super) slots: &'a mut Slots,
+}
+
 /// What `Engine::compile_report` tells.
 pub struct CompileReport {
     pub backend: String,
@@ -161,7 +201,9 @@ impl Compiled {
         Compiled {
             compiler,
             graphs,
-            steps: Captures::default(),
+            forwards: Captures::default(),
+            choices: Captures::default(),
+            logits_in: HashMap::new(),
             chunks: Captures::default(),
             verifies: Captures::default(),
             chunk_inputs: HashMap::new(),
@@ -188,23 +230,25 @@ impl Compiled {
         }
     }
 
-    /// The step of `key`, whose device work `eager` does: run, captured, or replayed, the replay through
-    /// a CUDA graph on `like`'s device where there are graphs (module docs).
-    pub(super) fn step(
-        &mut self,
-        key: StepKey,
-        like: &Tensor,
-        eager: impl FnMut() -> Result<Chosen>,
-    ) -> Result<Chosen> {
-        if let Some(replay) = self.steps.replays.get(&key) {
-            let run = || from_outputs(replay.call()?, key.stages.logprobs.is_some());
+    /// The decode step of `key` over `parts` (step.rs `step`): its forward (per `ForwardKey`) and then its
+    /// choice (per `StepKey`), each run, captured, or replayed on its own, so a step whose sampling stages are
+    /// new replays the compiled forward of its bucket and compiles only its choice. Once both halves replay,
+    /// the two replays are one CUDA graph on `like`'s device where there are graphs (module docs).
+    pub(super) fn step(&mut self, key: StepKey, like: &Tensor, parts: StepParts<'_>) -> Result<Chosen> {
+        let logprobs = key.stages.logprobs.is_some();
+        let replays = (self.forwards.replays.get(&key.forward()), self.choices.replays.get(&key));
+        if let ((Some(forward), Some(choice)), Some(logits)) = (replays, self.logits_in.get(&key.b)) {
+            let run = || {
+                logits.copy_(&only(forward.call()?)?)?;
+                from_outputs(choice.call()?, logprobs)
+            };
             let Some(graphs) = self.graphs.as_mut().filter(|_| !self.ungraphed.contains(&key)) else {
                 return run();
             };
             let capturing = graphs.will_capture(&key);
             return match graphs.step(key, like, run) {
                 // Nothing ran while capturing (a capture records, the device does nothing), so running the
-                // replay without a graph is the step.
+                // replays without a graph is the step.
                 Err(e) if capturing => {
                     let fallback = Fallback { step: format!("{key} (CUDA graph)"), reason: e.to_string() };
                     self.compiler.fell_back(&fallback.step, &fallback.reason);
@@ -215,8 +259,37 @@ impl Compiled {
                 chosen => chosen,
             };
         }
-        let Compiled { compiler, steps, fallbacks, .. } = self;
-        steps.run(compiler.as_mut(), fallbacks, key, eager, to_outputs, true)
+        let StepParts { model, cache, sampler, slots } = parts;
+        let Compiled { compiler, forwards, choices, logits_in, fallbacks, .. } = self;
+        let fresh = forwards.replay_or_run(
+            compiler.as_mut(),
+            fallbacks,
+            key.forward(),
+            || forward(model, cache, slots, key.forward()),
+            |t| Ok(vec![t.shallow_clone()?]),
+            only,
+            true,
+        )?;
+        let logits = match logits_in.get(&key.b) {
+            Some(buffer) => {
+                buffer.copy_(&fresh)?;
+                buffer.shallow_clone()?
+            }
+            None => {
+                let buffer = fresh.copy()?;
+                logits_in.insert(key.b, buffer.shallow_clone()?);
+                buffer
+            }
+        };
+        choices.replay_or_run(
+            compiler.as_mut(),
+            fallbacks,
+            key,
+            || choose(sampler, slots, &logits, key),
+            to_outputs,
+            |out| from_outputs(out, logprobs),
+            true,
+        )
     }
 
     /// The prompt chunk of `key`, whose device work `eager` does (chunks.rs): run, captured, or replayed.
@@ -260,7 +333,8 @@ impl Compiled {
 
     /// Decode steps, prompt chunks and verify steps captured and compiled so far.
     pub fn captured(&self) -> usize {
-        self.steps.replays.len() + self.chunks.replays.len() + self.verifies.replays.len()
+        let (f, c) = (self.forwards.replays.len(), self.choices.replays.len());
+        f + c + self.chunks.replays.len() + self.verifies.replays.len()
     }
 
     /// Compiled replays captured as CUDA graphs so far (0 off CUDA).
@@ -270,6 +344,14 @@ impl Compiled {
 
     pub fn backend(&self) -> String {
         self.compiler.backend()
+    }
+}
+
+/// The one tensor a forward's graph returns: its logits.
+fn only(mut out: Vec<Tensor>) -> Result<Tensor> {
+    match (out.pop(), out.is_empty()) {
+        (Some(t), true) => Ok(t),
+        _ => Err(Error::Internal("a compiled forward did not return one tensor".into())),
     }
 }
 

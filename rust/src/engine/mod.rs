@@ -94,7 +94,7 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 
-use crate::engine::compiled::{CompileReport, Compiled, Compiler};
+use crate::engine::compiled::{CompileReport, Compiled, Compiler, StepParts};
 use crate::engine::grammar::{Constraint, Grammars};
 use crate::engine::prefix::PrefixCache;
 use crate::engine::prompt_logprobs::Piece;
@@ -614,11 +614,10 @@ impl Engine {
         }
         self.drafter.iter_mut().for_each(|d| d.forget(rows));
         let Engine { model, cache, sampler, slots, graphs, compiled, like, .. } = self;
-        let mut eager = || step(model, cache, sampler, slots, key);
         let chosen = match (compiled.as_mut().filter(|c| c.replays(b)), graphs) {
-            (Some(c), _) => c.step(key, like, eager)?,
-            (None, Some(g)) => g.step(key, like, eager)?,
-            (None, None) => eager()?,
+            (Some(c), _) => c.step(key, like, StepParts { model, cache, sampler, slots })?,
+            (None, Some(g)) => g.step(key, like, || step(model, cache, sampler, slots, key))?,
+            (None, None) => step(model, cache, sampler, slots, key)?,
         };
         self.drawn.push(Drawn { chosen, rows: rows.to_vec(), verified: None });
         self.stepped = true;

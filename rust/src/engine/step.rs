@@ -31,9 +31,32 @@ pub(super) struct StepKey {
     pub(super) stages: Stages,
 }
 
+impl StepKey {
+    /// The key of this step's forward, which its sampling stages do not change.
+    pub(super) fn forward(self) -> ForwardKey {
+        ForwardKey { b: self.b, padded: self.padded }
+    }
+}
+
+/// What decides the ATen calls of a decode step's forward (`forward`): its bucket and whether it may have
+/// padding rows. Steps that differ only in their sampling stages share it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(super) struct ForwardKey {
+    pub(super) b: i64,
+    pub(super) padded: bool,
+}
+
+impl std::fmt::Display for ForwardKey {
+    /// `decode b=4 padded forward`: the name a captured forward goes by in logs and `/v1/engine`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let padded = if self.padded { " padded" } else { "" };
+        write!(f, "decode b={}{padded} forward", self.b)
+    }
+}
+
 impl std::fmt::Display for StepKey {
-    /// `decode b=4 padded greedy`, `decode b=1 draw+grammar+logprobs20`: the name a captured step
-    /// goes by in logs and `/v1/engine`.
+    /// `decode b=4 padded greedy`, `decode b=1 draw+grammar+logprobs20`: the name a step's captured
+    /// choice (compiled.rs) goes by in logs and `/v1/engine`, and its CUDA graph's in fallbacks.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let padded = if self.padded { " padded" } else { "" };
         write!(f, "decode b={}{padded} {}", self.b, stage_names(self.stages))
@@ -92,8 +115,8 @@ impl StepViews {
     }
 }
 
-/// The device work of one decode step of slots `0..key.b`: the forward, the choice, and the moves of
-/// each slot's next token, position and sampling state. Returns what it chose.
+/// The device work of one decode step of slots `0..key.b`: the forward (`forward`), the choice, and the
+/// moves of each slot's next token, position and sampling state (`choose`). Returns what it chose.
 pub(super) fn step(
     model: &mut Model,
     cache: &mut KvCache,
@@ -101,19 +124,30 @@ pub(super) fn step(
     slots: &mut Slots,
     key: StepKey,
 ) -> Result<Chosen> {
-    let (b, padded) = (key.b, key.padded);
-    let chosen = {
-        let v = slots.views(b)?;
-        let live = if padded { Liveness::Padding(v.live3.shallow_clone()?) } else { Liveness::AllLive };
-        let logits = model
-            .forward(cache, Rows::first(b), &v.next, &v.pos, &live, Fill::Partial, Output::Logits, None)?
-            .ok_or_else(|| Error::Internal("a decode step returned no logits".into()))?;
-        let chosen = sampler.choose(&logits, 0, b)?;
-        // Only decoding rows move on; padding rows keep their position and sampling state.
-        sampler.advance(&chosen.tokens, 0, b, padded.then_some(&v.live))?;
-        chosen
-    };
-    slots.advance(b, &chosen.tokens, None, padded)?;
+    let logits = forward(model, cache, slots, key.forward())?;
+    choose(sampler, slots, &logits, key)
+}
+
+/// The first half of a decode step: the forward of slots `0..key.b` at their positions, writing each
+/// row's keys and values into the cache. Returns the logits, `[b, vocab]`.
+pub(super) fn forward(model: &mut Model, cache: &mut KvCache, slots: &Slots, key: ForwardKey) -> Result<Tensor> {
+    let v = slots.views(key.b)?;
+    let live = if key.padded { Liveness::Padding(v.live3.shallow_clone()?) } else { Liveness::AllLive };
+    model
+        .forward(cache, Rows::first(key.b), &v.next, &v.pos, &live, Fill::Partial, Output::Logits, None)?
+        .ok_or_else(|| Error::Internal("a decode step returned no logits".into()))
+}
+
+/// The second half of a decode step: each row's next token chosen from `logits` (`[b, vocab]`, the
+/// forward's) by the stages of `key`, and the moves of each slot's next token, position and sampling
+/// state. Returns what it chose.
+pub(super) fn choose(sampler: &mut Sampler, slots: &mut Slots, logits: &Tensor, key: StepKey) -> Result<Chosen> {
+    let b = key.b;
+    let chosen = sampler.choose(logits, 0, b)?;
+    // Only decoding rows move on; padding rows keep their position and sampling state.
+    let live = if key.padded { Some(&slots.views(b)?.live) } else { None };
+    sampler.advance(&chosen.tokens, 0, b, live)?;
+    slots.advance(b, &chosen.tokens, None, key.padded)?;
     Ok(chosen)
 }
 
