@@ -358,14 +358,14 @@ class Boot:
 
     def _compile(self) -> str:
         """Capture and compile every decode-step bucket (1, 2, 4, ... slots, and --max-num-seqs), its forward and
-        its choice greedy and sampled, the first step after a read point and the later ones, on every engine: each bucket is filled
-        with that many requests, decoded together (compile_stage.py `compile_buckets`; a shape's second step is
-        captured, compiled.rs). Then every prompt-chunk bucket, as a prompt's first chunk and a later one
-        (`compile_chunks`). With --compile auto, then time each bucket's decode steps both ways and keep the
-        faster per bucket.
+        its choice greedy and sampled, the first step after a read point and the later ones, on every engine: each
+        bucket is filled with that many requests, decoded together (compile_stage.py `compile_buckets`; a shape's
+        second step is captured, compiled.rs). Then every prompt-chunk bucket, as a prompt's first chunk and a
+        later one (`compile_chunks`). With --compile auto, then time each bucket's decode steps both ways and keep
+        the faster per bucket.
         A step with other sampling stages (penalties, bias, log-probabilities, grammars) replays its bucket's
-        compiled forward and compiles only its choice, on its second step, while serving. These requests do not speculate, so their steps are decode steps; verify steps compile at
-        warmup (`_compile_verify`)."""
+        compiled forward and compiles only its choice, on its second step, while serving. These requests do not
+        speculate, so their steps are decode steps; verify steps compile at warmup (`_compile_verify`)."""
         assert self.loaded is not None
         c = self.config
         vocab = self.loaded.vocab_size
