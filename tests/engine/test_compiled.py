@@ -806,6 +806,7 @@ def test_speculation_costs_on_a_compiling_engine_time_replays(two_token_small):
     assert engine.speculation_turns == (CONTEXT - 10) // 5 - 2 == _engine(two_token_small, **SPEC).speculation_turns - 2
     costs = engine.speculation_costs(1, turns)
     assert costs["bucket"] == 1 and costs["plain_s"] > 0 and costs["verify_s"] > 0
+
     def replayed(kind, forward=False):
         return sum(n for name, n in compiler.replays.items()
                    if name.startswith(kind) and name.endswith(" forward") == forward)
