@@ -45,7 +45,7 @@ DOCKER_BUILD_FLAGS ?= --network host
 # dockerd started for the command and stopped after it (tests/images/docker_engine.sh).
 WITH_DOCKER  := bash tests/images/docker_engine.sh
 
-.PHONY: help setup engine engine-wheel rust-check chat-templates test test-fast demo bench bench-architectures bench-server bench-operator bench-agent bench-compiled bench-fuzz bench-soak k8s k8s-crds lock crds clean images base-images
+.PHONY: help setup engine engine-wheel rust-check chat-templates test test-fast demo bench bench-architectures bench-server bench-operator bench-agent bench-compiled bench-compile-stage bench-fuzz bench-soak k8s k8s-crds lock crds clean images base-images
 
 help:
 	@echo "make demo   build everything and run the demo (see README)"
@@ -136,6 +136,10 @@ bench-agent: setup chat-templates
 # The compiled decode step against eager, and the read bound (README "The compiled decode step").
 bench-compiled: setup
 	$(PY) -m bench.compiled
+
+# The compile boot stage with an empty Inductor cache and on a restart that loads it, each graph's seconds.
+bench-compile-stage: setup
+	$(PY) -m bench.compile_stage
 
 # The long run of requests generated from the server's OpenAPI document (tests/server/test_openapi.py is the
 # short one), and minutes of concurrent streaming load with the server's invariants checked afterwards.

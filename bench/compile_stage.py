@@ -1,0 +1,84 @@
+"""What the `compile` boot stage costs with an empty Inductor cache and on a restart that loads it.
+
+    .venv/bin/python -m bench.compile_stage [--max-num-seqs 2] [--prefill-chunk 32]
+
+Boots `python -m gemma_server --compile on --onednn off` twice on one new TORCHINDUCTOR_CACHE_DIR (a temporary
+directory, so nothing earlier is in it): the first boot compiles every graph the compile stage runs
+(server/gemma_server/compile_stage.py), the second loads them from the cache. Prints each boot's `compile` stage
+seconds and their ratio, and the first boot's graphs by kind with their compile seconds: decode forwards (one per
+bucket and padding), decode choices (one per bucket, padding and sampling stages: what a step whose stages warmup
+did not compile costs while serving) and prompt chunks. `--onednn off` because Inductor's cache skips graphs over
+oneDNN's packed weights (README, "The compiled decode step").
+
+The checkpoint: the tiny chat checkpoint (tests/checkpoints/chat.py) cut to 4 layers, one of each kind
+(`SMALL_LAYERS`), float32, made in a temporary directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.demo import pick_port, stop_server, wait_until_ready
+
+CONTEXT = 1024  # the tiny checkpoint's max_position_embeddings
+
+
+def boot(model_dir: Path, cache: Path, port: int, args: list[str]) -> dict:
+    """One boot with `--compile on` on Inductor cache `cache`, stopped once ready; its /v1/engine."""
+    server = subprocess.Popen(
+        [sys.executable, "-m", "gemma_server", "--model", str(model_dir), "--use-installed-engine", "--device", "cpu",
+         "--compile", "on", "--onednn", "off", "--dtype", "float32", "--context", str(CONTEXT),
+         "--host", "127.0.0.1", "--port", str(port), "--termination-log", os.devnull, "--log-level", "warning",
+         *args],
+        env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)})
+    try:
+        return wait_until_ready(f"http://127.0.0.1:{port}", server, timeout=1800, show_stages=False)
+    finally:
+        stop_server(server)
+
+
+def kind(name: str) -> str:
+    """The kind of a compiled graph, by the name the engine gives it (rust/src/engine/step.rs, chunks.rs)."""
+    if name.startswith("decode"):
+        return "decode forward" if name.endswith(" forward") else "decode choice"
+    return "prompt chunk" if name.startswith("prompt") else "other"
+
+
+def stage_seconds(info: dict) -> float:
+    return next(s["seconds"] for s in info["stages"] if s["stage"] == "compile")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--max-num-seqs", type=int, default=2)
+    p.add_argument("--prefill-chunk", type=int, default=32)
+    a = p.parse_args()
+    from tests.checkpoints.chat import save_chat
+    from tests.checkpoints.text import SMALL_LAYERS
+
+    args = ["--max-num-seqs", str(a.max_num_seqs), "--prefill-chunk", str(a.prefill_chunk)]
+    with tempfile.TemporaryDirectory(prefix="bench-compile-stage-") as tmp:
+        model_dir = save_chat(Path(tmp) / "model", **SMALL_LAYERS)
+        port = pick_port()
+        cold = boot(model_dir, Path(tmp) / "inductor", port, args)
+        warm = boot(model_dir, Path(tmp) / "inductor", port, args)
+    [engine] = cold["compile"]["engines"]
+    print(f"compile stage, {' '.join(args)}: empty cache {stage_seconds(cold):.1f} s, restart on it "
+          f"{stage_seconds(warm):.1f} s ({stage_seconds(cold) / stage_seconds(warm):.1f}x); "
+          f"fallbacks {len(engine['fallbacks'])}")
+    by_kind: dict[str, list[float]] = {}
+    for name, seconds in engine["compiled"]:
+        by_kind.setdefault(kind(name), []).append(seconds)
+    for k, times in by_kind.items():
+        print(f"  {k:<15} {len(times):>3} graphs, {min(times):6.1f} to {max(times):6.1f} s each, "
+              f"{sum(times):7.1f} s in all")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
