@@ -2,13 +2,13 @@
 
     .venv/bin/python -m bench.compile_stage [--max-num-seqs 2] [--prefill-chunk 32]
 
-Boots `python -m gemma_server --compile on --onednn off` twice on one new TORCHINDUCTOR_CACHE_DIR (a temporary
-directory, so nothing earlier is in it): the first boot compiles every graph the compile stage runs
-(server/gemma_server/compile_stage.py), the second loads them from the cache. Prints each boot's `compile` stage
-seconds and their ratio, and the first boot's graphs by kind with their compile seconds: decode forwards (one per
-bucket and padding), decode choices (one per bucket, padding and sampling stages: what a step whose stages warmup
-did not compile costs while serving) and prompt chunks. `--onednn off` because Inductor's cache skips graphs over
-oneDNN's packed weights (README, "The compiled decode step").
+Boots `python -m gemma_server --compile on --onednn off` (bench/server.py `start_server`) twice on one new
+TORCHINDUCTOR_CACHE_DIR (a temporary directory, so nothing earlier is in it): the first boot compiles every graph
+the compile stage runs (server/gemma_server/compile_stage.py), the second loads them from the cache. Prints each
+boot's `compile` stage seconds and their ratio, and the first boot's graphs by kind with their compile seconds:
+decode forwards (one per bucket and padding), decode choices (one per bucket, padding and sampling stages: what a
+step whose stages warmup did not compile costs while serving) and prompt chunks. `--onednn off` because Inductor's
+cache skips graphs over oneDNN's packed weights (README, "The compiled decode step").
 
 The checkpoint: the tiny chat checkpoint (tests/checkpoints/chat.py) cut to 4 layers, one of each kind
 (`SMALL_LAYERS`), float32, made in a temporary directory.
@@ -18,24 +18,23 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from bench.demo import pick_port, stop_server, wait_until_ready
+from bench.server import start_server
 
 CONTEXT = 1024  # the tiny checkpoint's max_position_embeddings
 
 
 def boot(model_dir: Path, cache: Path, port: int, args: list[str]) -> dict:
-    """One boot with `--compile on` on Inductor cache `cache`, stopped once ready; its /v1/engine."""
-    server = subprocess.Popen(
-        [sys.executable, "-m", "gemma_server", "--model", str(model_dir), "--use-installed-engine", "--device", "cpu",
-         "--compile", "on", "--onednn", "off", "--dtype", "float32", "--context", str(CONTEXT),
-         "--host", "127.0.0.1", "--port", str(port), "--termination-log", os.devnull, "--log-level", "warning",
-         *args],
-        env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)})
+    """One boot with `--compile on` on Inductor cache `cache`, on every core, stopped once ready; its
+    /v1/engine."""
+    server = start_server(str(model_dir), port, os.cpu_count() or 1,
+                          ["--compile", "on", "--onednn", "off", "--dtype", "float32", "--context", str(CONTEXT),
+                           *args],
+                          env={"TORCHINDUCTOR_CACHE_DIR": str(cache)})
     try:
         return wait_until_ready(f"http://127.0.0.1:{port}", server, timeout=1800, show_stages=False)
     finally:
@@ -68,9 +67,9 @@ def main() -> int:
         cold = boot(model_dir, Path(tmp) / "inductor", port, args)
         warm = boot(model_dir, Path(tmp) / "inductor", port, args)
     [engine] = cold["compile"]["engines"]
-    print(f"compile stage, {' '.join(args)}: empty cache {stage_seconds(cold):.1f} s, restart on it "
-          f"{stage_seconds(warm):.1f} s ({stage_seconds(cold) / stage_seconds(warm):.1f}x); "
-          f"fallbacks {len(engine['fallbacks'])}")
+    cold_s, warm_s = stage_seconds(cold), stage_seconds(warm)
+    print(f"compile stage, {' '.join(args)}: empty cache {cold_s:.1f} s, restart on it {warm_s:.1f} s "
+          f"({cold_s / warm_s:.1f}x); fallbacks {len(engine['fallbacks'])}")
     by_kind: dict[str, list[float]] = {}
     for name, seconds in engine["compiled"]:
         by_kind.setdefault(kind(name), []).append(seconds)

@@ -91,16 +91,17 @@ def server_means(metrics_text: str) -> dict[str, float]:
     return out
 
 
-def start_server(model_dir: str, port: int, threads: int, args: list[str]) -> subprocess.Popen:
-    """`python -m gemma_server` on `model_dir` in a subprocess, on `threads` torch threads, with extra `args`.
-    Prefix caching is off: the benchmarks send the same prompts round after round, and measure reading them
-    (bench/prefix_cache.py measures the cache)."""
+def start_server(model_dir: str, port: int, threads: int, args: list[str],
+                 env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`python -m gemma_server` on `model_dir` in a subprocess, on `threads` torch threads, with extra `args` and
+    extra environment `env`. Prefix caching is off: the benchmarks send the same prompts round after round, and
+    measure reading them (bench/prefix_cache.py measures the cache)."""
     return subprocess.Popen(
         [sys.executable, "-m", "gemma_server", "--model", model_dir, "--use-installed-engine", "--device", "cpu",
          "--no-enable-prefix-caching",
          "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(port),
          "--termination-log", os.devnull, "--log-level", "warning", *args],
-        env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+        env={**os.environ, "OMP_NUM_THREADS": str(threads), **(env or {})})
 
 
 def wait_healthy(base: str, server: subprocess.Popen) -> None:
