@@ -1,6 +1,6 @@
 """What the `compile` boot stage costs with an empty Inductor cache and on a restart that loads it.
 
-    .venv/bin/python -m bench.compile_stage [--max-num-seqs 2] [--prefill-chunk 32]
+    .venv/bin/python -m bench.compile_stage [--max-num-seqs 2] [--prefill-chunk 32] [--speculative]
 
 Boots `python -m gemma_server --compile on --onednn off` (bench/server.py `start_server`) twice on one new
 TORCHINDUCTOR_CACHE_DIR (a temporary directory, so nothing earlier is in it): the first boot compiles every graph
@@ -9,6 +9,11 @@ boot's `compile` stage seconds and their ratio, and the first boot's graphs by k
 decode forwards (one per bucket and padding), decode choices (one per bucket, padding and sampling stages: what a
 step whose stages warmup did not compile costs while serving) and prompt chunks. `--onednn off` because Inductor's
 cache skips graphs over oneDNN's packed weights (README, "The compiled decode step").
+
+`--speculative`: prompt lookup with 4 drafts in every bucket (`--speculative-method ngram --num-speculative-tokens 4
+--speculative-max-batch` the slots), whose verify graphs the `warmup` stage compiles (rust/src/engine/tuning.rs
+`compile_verify`): its seconds are printed too, and the verify forwards (one per bucket and padding) and checks (one
+per bucket, padding and sampling stages) among the graphs.
 
 The checkpoint: the tiny chat checkpoint (tests/checkpoints/chat.py) cut to 4 layers, one of each kind
 (`SMALL_LAYERS`), float32, made in a temporary directory.
@@ -42,34 +47,41 @@ def boot(model_dir: Path, cache: Path, port: int, args: list[str]) -> dict:
 
 
 def kind(name: str) -> str:
-    """The kind of a compiled graph, by the name the engine gives it (rust/src/engine/step.rs, chunks.rs)."""
-    if name.startswith("decode"):
-        return "decode forward" if name.endswith(" forward") else "decode choice"
+    """The kind of a compiled graph, by the name the engine gives it (rust/src/engine/step.rs, chunks.rs,
+    verify.rs)."""
+    for step, second_half in (("decode", "choice"), ("verify", "check")):
+        if name.startswith(step):
+            return f"{step} {'forward' if name.endswith(' forward') else second_half}"
     return "prompt chunk" if name.startswith("prompt") else "other"
 
 
-def stage_seconds(info: dict) -> float:
-    return next(s["seconds"] for s in info["stages"] if s["stage"] == "compile")
+def stage_seconds(info: dict, stage: str) -> float:
+    return next(s["seconds"] for s in info["stages"] if s["stage"] == stage)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--max-num-seqs", type=int, default=2)
     p.add_argument("--prefill-chunk", type=int, default=32)
+    p.add_argument("--speculative", action="store_true", help="prompt lookup, 4 drafts, in every bucket")
     a = p.parse_args()
     from tests.checkpoints.chat import save_chat
     from tests.checkpoints.text import SMALL_LAYERS
 
     args = ["--max-num-seqs", str(a.max_num_seqs), "--prefill-chunk", str(a.prefill_chunk)]
+    if a.speculative:
+        args += ["--speculative-method", "ngram", "--num-speculative-tokens", "4",
+                 "--speculative-max-batch", str(a.max_num_seqs)]
     with tempfile.TemporaryDirectory(prefix="bench-compile-stage-") as tmp:
         model_dir = save_chat(Path(tmp) / "model", **SMALL_LAYERS)
         port = pick_port()
         cold = boot(model_dir, Path(tmp) / "inductor", port, args)
         warm = boot(model_dir, Path(tmp) / "inductor", port, args)
     [engine] = cold["compile"]["engines"]
-    cold_s, warm_s = stage_seconds(cold), stage_seconds(warm)
-    print(f"compile stage, {' '.join(args)}: empty cache {cold_s:.1f} s, restart on it {warm_s:.1f} s "
-          f"({cold_s / warm_s:.1f}x); fallbacks {len(engine['fallbacks'])}")
+    print(f"{' '.join(args)}; fallbacks {len(engine['fallbacks'])}")
+    for stage in ("compile", "warmup") if a.speculative else ("compile",):
+        cold_s, warm_s = stage_seconds(cold, stage), stage_seconds(warm, stage)
+        print(f"  {stage} stage: empty cache {cold_s:.1f} s, restart on it {warm_s:.1f} s ({cold_s / warm_s:.1f}x)")
     by_kind: dict[str, list[float]] = {}
     for name, seconds in engine["compiled"]:
         by_kind.setdefault(kind(name), []).append(seconds)

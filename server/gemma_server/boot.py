@@ -444,7 +444,7 @@ class Boot:
                 compile_stage.compile_verify_steps(gemma_engine, w.engine, buckets, vocab)
             except ValueError as e:
                 return f"verify steps compile while serving: {e}"
-            return f"{len(compiler.compiled) - before} verify steps compiled (decode buckets {buckets})"
+            return f"{len(compiler.compiled) - before} verify graphs compiled (decode buckets {buckets})"
         return "; ".join(run_on_workers(self.loaded.workers, compile_one))
 
     def publish_compile_cache(self) -> str | None:

@@ -722,11 +722,12 @@ def test_an_assistants_verify_steps_replayed_compiled_give_the_eager_tokens(smal
     spec = {**SPEC, "speculative_method": "mtp", "speculative_model": str(drafter)}
     ahead: list[str] = []
     verified = _verify_run(two_token_small, compiler, partial(_compile_verify_ahead, compiler, ahead), **spec)
-    assert verified and all(name.endswith("hidden") for name in verified), verified
-    # compile_verify ahead: every key's step with 3 drafts and the one that only records the assistant's states.
-    keys = {f"verify b={b} k={k}{padded} {stages} hidden" for stages in ("greedy", "draw+logprobs20") for k in (3, 0)
-            for b, padded in ((1, ""), (2, ""), (2, " padded"))}
-    assert set(ahead) == keys, ahead
+    assert verified and all(name.endswith(("hidden", "hidden forward")) for name in verified), verified
+    # compile_verify ahead: every key's step with 3 drafts and the one that only records the assistant's states,
+    # the forward of each shared by its greedy and sampled checks.
+    shapes = [f"b={b} k={k}{padded}" for k in (3, 0) for b, padded in ((1, ""), (2, ""), (2, " padded"))]
+    keys = {f"verify {shape} {stages} hidden" for stages in ("greedy", "draw+logprobs20") for shape in shapes}
+    assert set(ahead) == keys | {f"verify {shape} hidden forward" for shape in shapes}, ahead
     assert [name for name, _ in compiler.compiled if name.startswith("verify")] == ahead, "none compiled later"
 
 
@@ -737,7 +738,33 @@ def test_verify_steps_compiled_by_inductor_give_the_eager_tokens(two_token_small
     engine = _engine(two_token_small, compiler, max_batch=1, **SPEC)
     assert engine.decode(SPECULATED[0], 32)[0] == eager
     assert engine.compile_report()["fallbacks"] == []
-    assert compiler.replays["verify b=1 k=3 greedy"] > 0, compiler.replays
+    assert compiler.replays["verify b=1 k=3 forward"] > 0 and compiler.replays["verify b=1 k=3 greedy"] > 0, \
+        compiler.replays
+
+
+def test_a_verify_step_with_new_sampling_stages_replays_its_compiled_forward(two_token_small):
+    """Verify steps that differ only in their sampling stages share the forward over the drafts: once a greedy
+    request's verify steps compiled bucket 1's, a request with a logit bias and a repetition penalty compiles only
+    its checks, replays that forward, and gets the eager engine's tokens."""
+    def script(rid, prompt, sampling=None):
+        return Script({0: [gemma_engine.Request(rid, SPECULATED[prompt], 24, sampling=sampling)]})
+
+    compiler = ReplayCountingCompiler("aot_eager")
+    compiled, eager = _engine(two_token_small, compiler, max_batch=1, **SPEC), _engine(two_token_small, **SPEC)
+    outcomes = script(0, 0).run(compiled, read_every=2)
+    verify = [name for name, _ in compiler.compiled if name.startswith("verify")]
+    assert verify == ["verify b=1 k=3 forward", "verify b=1 k=3 greedy"], compiler.compiled
+    replayed, before = compiler.replays["verify b=1 k=3 forward"], len(compiler.compiled)
+
+    biased = gemma_engine.SamplingParams(logit_bias={5: 3.0}, repetition_penalty=1.5)
+    outcomes.update(script(1, 1, biased).run(compiled, read_every=2))
+    new = [name for name, _ in compiler.compiled[before:] if name.startswith("verify")]
+    assert new == ["verify b=1 k=3 bias+repetition"], new
+    assert compiler.replays["verify b=1 k=3 forward"] > replayed
+    assert compiler.replays["verify b=1 k=3 bias+repetition"] > 0, compiler.replays
+    assert compiled.compile_report()["fallbacks"] == []
+    want = {**script(0, 0).run(eager, read_every=2), **script(1, 1, biased).run(eager, read_every=2)}
+    _assert_same(want, outcomes)
 
 
 def test_grammar_constrained_verify_steps_replayed_compiled_give_the_eager_tokens(chat_checkpoint, tmp_path_factory):
@@ -758,6 +785,8 @@ def test_grammar_constrained_verify_steps_replayed_compiled_give_the_eager_token
     _assert_same(eager, compiled)
     constrained = {n: c for n, c in compiler.replays.items() if n.startswith("verify") and "grammar" in n}
     assert constrained and all(c > 0 for c in constrained.values()), compiler.replays
+    forwards = {n: c for n, c in compiler.replays.items() if n.startswith("verify") and n.endswith(" forward")}
+    assert forwards and all(c > 0 for c in forwards.values()), compiler.replays
 
 
 def _compile_verify_ahead(compiler: StepCompiler, ahead: list[str], engine: gemma_engine.Engine) -> None:
@@ -778,8 +807,9 @@ def test_compile_verify_compiles_the_verify_steps_serving_meets_before_it_meets_
     compiler = ReplayCountingCompiler("aot_eager")
     ahead: list[str] = []
     verified = _verify_run(two_token_small, compiler, partial(_compile_verify_ahead, compiler, ahead), **SPEC)
-    keys = {f"verify b={b} k=3{padded} {stages}" for stages in ("greedy", "draw+logprobs20")
-            for b, padded in ((1, ""), (2, ""), (2, " padded"))}
+    shapes = [f"b={b} k=3{padded}" for b, padded in ((1, ""), (2, ""), (2, " padded"))]
+    keys = {f"verify {shape} {stages}" for stages in ("greedy", "draw+logprobs20") for shape in shapes}
+    keys |= {f"verify {shape} forward" for shape in shapes}
     assert set(ahead) == keys, ahead
     assert [name for name, _ in compiler.compiled if name.startswith("verify")] == ahead, "none compiled later"
     assert verified and set(verified) <= keys and all(n > 0 for n in verified.values()), verified
@@ -811,5 +841,6 @@ def test_speculation_costs_on_a_compiling_engine_time_replays(two_token_small):
         return sum(n for name, n in compiler.replays.items()
                    if name.startswith(kind) and name.endswith(" forward") == forward)
 
-    # A timed plain step replays its forward and its choice.
-    assert (replayed("decode", True), replayed("decode"), replayed("verify")) == (turns,) * 3, compiler.replays
+    # A timed step replays its forward and its choice (a verify step's checks).
+    kinds = (replayed("decode", True), replayed("decode"), replayed("verify", True), replayed("verify"))
+    assert kinds == (turns,) * 4, compiler.replays

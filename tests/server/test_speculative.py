@@ -170,11 +170,13 @@ def test_with_compile_warmup_compiles_the_verify_steps_and_serving_compiles_none
         servers.callback(s.stop)
         info = httpx.get(f"{s.base}/v1/engine").json()
         warmup = next(st for st in info["stages"] if st["stage"] == "warmup")
-        assert "2 verify steps compiled (decode buckets [1])" in warmup["message"], warmup
+        # Bucket 1's forward over the drafts, and its greedy and sampled checks.
+        assert "3 verify graphs compiled (decode buckets [1])" in warmup["message"], warmup
         before = compiled_steps(s.base)
         decode = {f"decode b=1{padded} {stages}" for padded in ("", " padded")
                   for stages in ("forward", "greedy", "draw")}
-        assert decode | {"verify b=1 k=4 greedy", "verify b=1 k=4 draw"} <= set(before), before
+        verify = {"verify b=1 k=4 forward", "verify b=1 k=4 greedy", "verify b=1 k=4 draw"}
+        assert decode | verify <= set(before), before
         drafted = sample(s, "gemma_spec_decode_num_draft_tokens_total")
         model = s.state.config.model_name
         assert greedy_and_sampled(s.base, model) == greedy_and_sampled(eager.base, eager.state.config.model_name)

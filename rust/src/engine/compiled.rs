@@ -5,8 +5,9 @@
 //! the forward, the heavy graph, so a request whose stages no step has run yet (penalties, a logit bias,
 //! log-probabilities, a grammar) costs a compile of its small choice graph while serving, not of a whole
 //! model. Prompt chunks are compiled the same way per `ChunkKey` (chunks.rs says what their inputs are),
-//! and the device work of speculative decoding's verify steps per `VerifyKey` (verify.rs), whose drafts
-//! and masks the engine copies into buffers of each key's own first (`Compiled::stage`).
+//! and speculative decoding's verify steps in the same two halves (verify.rs): the forward over the drafts
+//! per `VerifyForwardKey`, its checks per `VerifyKey`, the drafts, masks and the forward's results copied
+//! into buffers of the forward key's own (`Buffers`).
 //!
 //! The Rust model stays the one source of the computation. A `Compiler` (the Python side,
 //! `gemma_engine.compiling.StepCompiler`, passed in through the bindings) runs the eager step once
@@ -37,7 +38,7 @@ use crate::engine::chunks::ChunkKey;
 use crate::engine::sampling::{Chosen, Sampler};
 use crate::engine::slots::Slots;
 use crate::engine::step::{ForwardKey, Graphs, StepKey, choose, forward};
-use crate::engine::verify::{Checked, Verdict, VerifyKey};
+use crate::engine::verify::{self, Checked, Forwarded, Verdict, VerifyForwardKey, VerifyKey};
 use crate::error::{Error, Result};
 use crate::gemma4::cache::KvCache;
 use crate::gemma4::model::Model;
@@ -83,28 +84,11 @@ impl<K> Default for Captures<K> {
 }
 
 impl<K: Copy + Eq + Hash + Display> Captures<K> {
-    /// `key`'s replay, its outputs made into an `R` by `from`; or, while it has none, `run`.
+    /// A step of `key`: its replay, whose outputs `from` makes into an `R`; or, while it has none, its first run
+    /// (eager), its second (captured with `compiler`, `outputs` naming what the graph returns), or any of a key
+    /// whose capture failed (eager, the failure kept in `fallbacks` once). `rerun`: whether a step that tracing
+    /// stopped part way may run again from the start (its writes so far are ones the run repeats).
     #[allow(clippy::too_many_arguments)]
-    fn replay_or_run<R>(
-        &mut self,
-        compiler: &mut dyn Compiler,
-        fallbacks: &mut Vec<Fallback>,
-        key: K,
-        eager: impl FnMut() -> Result<R>,
-        outputs: impl Fn(&R) -> Result<Vec<Tensor>>,
-        from: impl FnOnce(Vec<Tensor>) -> Result<R>,
-        rerun: bool,
-    ) -> Result<R> {
-        match self.replays.get(&key) {
-            Some(replay) => from(replay.call()?),
-            None => self.run(compiler, fallbacks, key, eager, outputs, rerun),
-        }
-    }
-
-    /// The run of `key` that is not a replay: its first (eager), its second (captured with `compiler`,
-    /// `outputs` naming what the graph returns), or any of a key whose capture failed (eager, the
-    /// failure kept in `fallbacks` once). `rerun`: whether a step that tracing stopped part way may run
-    /// again from the start (its writes so far are ones the run repeats).
     fn run<R>(
         &mut self,
         compiler: &mut dyn Compiler,
@@ -112,8 +96,12 @@ impl<K: Copy + Eq + Hash + Display> Captures<K> {
         key: K,
         mut eager: impl FnMut() -> Result<R>,
         outputs: impl Fn(&R) -> Result<Vec<Tensor>>,
+        from: impl FnOnce(Vec<Tensor>) -> Result<R>,
         rerun: bool,
     ) -> Result<R> {
+        if let Some(replay) = self.replays.get(&key) {
+            return from(replay.call()?);
+        }
         if self.seen.insert(key) || self.failed.contains(&key) {
             return eager();
         }
@@ -139,10 +127,11 @@ impl<K: Copy + Eq + Hash + Display> Captures<K> {
                 fallbacks.push(Fallback { step: key.to_string(), reason: e.to_string() });
                 match ran {
                     Some(r) => r,
-                    // Tracing stopped the step part way. A decode step's or chunk's writes so far (its
-                    // positions' keys) are the ones the eager run repeats, and nothing else moved (slots
-                    // and sampler advance last), so running it again is the step. A verify step's are not:
-                    // it saved sliding-ring entries it has since overwritten (verify.rs).
+                    // Tracing stopped the step part way. A forward's or chunk's writes so far (its positions'
+                    // keys) are the ones the eager run repeats; a choice's or verify check's moves come last
+                    // (sampler, then slots), after a check's put-back, which writes the same when repeated;
+                    // so running it again is the step. A verify forward's writes are not: it saved
+                    // sliding-ring entries it has since overwritten (verify.rs).
                     None if rerun => eager(),
                     None => Err(Error::Internal(format!("tracing stopped {key} part way: {e}"))),
                 }
@@ -160,14 +149,18 @@ pub struct Compiled {
     /// `logits_in`.
     choices: Captures<StepKey>,
     /// Per decode bucket, the buffer a step's choice reads its logits from: each forward's fresh output is
-    /// copied in (a tensor made fresh each step cannot be a graph's input, which is read at every replay).
-    logits_in: HashMap<i64, Tensor>,
+    /// copied in.
+    logits_in: Buffers<i64>,
     chunks: Captures<ChunkKey>,
-    verifies: Captures<VerifyKey>,
+    /// Verify steps' forwards, per `VerifyForwardKey` (verify.rs `forward`).
+    verify_forwards: Captures<VerifyForwardKey>,
+    /// Verify steps' checks, per `VerifyKey` (verify.rs `check`).
+    verify_checks: Captures<VerifyKey>,
     /// Per chunk bucket, the int64 buffer its graph reads its ids and positions from (chunks.rs).
     pub(super) chunk_inputs: HashMap<i64, Tensor>,
-    /// Per verify key, the buffers its graph reads its drafts, offers and masks from (`stage`).
-    staged: HashMap<(VerifyKey, usize), Tensor>,
+    /// Per verify forward key, the buffers its forward and checks read their inputs from: the drafts, offers
+    /// and masks (`Checked`), then the forward's logits and saved entries (`Forwarded`), in that order.
+    verify_inputs: Buffers<(VerifyForwardKey, usize)>,
     /// Keys whose replay could not be captured as a CUDA graph: replayed without one.
     ungraphed: HashSet<StepKey>,
     fallbacks: Vec<Fallback>,
@@ -203,11 +196,12 @@ impl Compiled {
             graphs,
             forwards: Captures::default(),
             choices: Captures::default(),
-            logits_in: HashMap::new(),
+            logits_in: Buffers::default(),
             chunks: Captures::default(),
-            verifies: Captures::default(),
+            verify_forwards: Captures::default(),
+            verify_checks: Captures::default(),
             chunk_inputs: HashMap::new(),
-            staged: HashMap::new(),
+            verify_inputs: Buffers::default(),
             ungraphed: HashSet::new(),
             fallbacks: Vec::new(),
             active: true,
@@ -237,7 +231,7 @@ impl Compiled {
     pub(super) fn step(&mut self, key: StepKey, like: &Tensor, parts: StepParts<'_>) -> Result<Chosen> {
         let logprobs = key.stages.logprobs.is_some();
         let replays = (self.forwards.replays.get(&key.forward()), self.choices.replays.get(&key));
-        if let ((Some(forward), Some(choice)), Some(logits)) = (replays, self.logits_in.get(&key.b)) {
+        if let ((Some(forward), Some(choice)), Some(logits)) = (replays, self.logits_in.0.get(&key.b)) {
             let run = || {
                 logits.copy_(&only(forward.call()?)?)?;
                 from_outputs(choice.call()?, logprobs)
@@ -261,7 +255,7 @@ impl Compiled {
         }
         let StepParts { model, cache, sampler, slots } = parts;
         let Compiled { compiler, forwards, choices, logits_in, fallbacks, .. } = self;
-        let fresh = forwards.replay_or_run(
+        let fresh = forwards.run(
             compiler.as_mut(),
             fallbacks,
             key.forward(),
@@ -270,18 +264,8 @@ impl Compiled {
             only,
             true,
         )?;
-        let logits = match logits_in.get(&key.b) {
-            Some(buffer) => {
-                buffer.copy_(&fresh)?;
-                buffer.shallow_clone()?
-            }
-            None => {
-                let buffer = fresh.copy()?;
-                logits_in.insert(key.b, buffer.shallow_clone()?);
-                buffer
-            }
-        };
-        choices.replay_or_run(
+        let logits = logits_in.put(key.b, &fresh)?;
+        choices.run(
             compiler.as_mut(),
             fallbacks,
             key,
@@ -294,47 +278,62 @@ impl Compiled {
 
     /// The prompt chunk of `key`, whose device work `eager` does (chunks.rs): run, captured, or replayed.
     pub(super) fn chunk(&mut self, key: ChunkKey, eager: impl FnMut() -> Result<Vec<Tensor>>) -> Result<Vec<Tensor>> {
-        if let Some(replay) = self.chunks.replays.get(&key) {
-            return replay.call();
-        }
         let Compiled { compiler, chunks, fallbacks, .. } = self;
         let outputs = |out: &Vec<Tensor>| out.iter().map(Tensor::shallow_clone).collect();
-        chunks.run(compiler.as_mut(), fallbacks, key, eager, outputs, true)
+        chunks.run(compiler.as_mut(), fallbacks, key, eager, outputs, Ok, true)
     }
 
-    /// The verify step of `key`, whose device work `eager` does (verify.rs): run, captured, or replayed.
-    pub(super) fn verify(&mut self, key: VerifyKey, eager: impl FnMut() -> Result<Verdict>) -> Result<Verdict> {
-        if let Some(replay) = self.verifies.replays.get(&key) {
-            return Verdict::from_outputs(replay.call()?, key);
-        }
-        let Compiled { compiler, verifies, fallbacks, .. } = self;
-        verifies.run(compiler.as_mut(), fallbacks, key, eager, Verdict::outputs, false)
-    }
-
-    /// `inputs`' values in the buffers that the verify steps of `key` read them from, made from them the first
-    /// time: a tensor made fresh each step (on the host or by the drafter) cannot be a graph's input, which is read
-    /// at every replay.
-    pub(super) fn stage(&mut self, key: VerifyKey, inputs: Checked) -> Result<Checked> {
-        let mut stage = |i: usize, t: Tensor| -> Result<Tensor> {
-            if let Some(buffer) = self.staged.get(&(key, i)) {
-                buffer.copy_(&t)?;
-                return buffer.shallow_clone();
-            }
-            let buffer = t.copy()?;
-            self.staged.insert((key, i), buffer.shallow_clone()?);
-            Ok(buffer)
+    /// The verify step of `key` over `parts` with `inputs` (verify.rs `verify`) in a context of `context`
+    /// positions: its forward (per `VerifyForwardKey`) and then its checks (per `VerifyKey`), each run, captured
+    /// or replayed on its own, reading `inputs` and the forward's results from the forward key's buffers, so a
+    /// step whose sampling stages are new replays its compiled forward and compiles only its checks.
+    pub(super) fn verify(
+        &mut self,
+        key: VerifyKey,
+        parts: StepParts<'_>,
+        inputs: Checked,
+        context: i64,
+    ) -> Result<Verdict> {
+        let StepParts { model, cache, sampler, slots } = parts;
+        let Compiled { compiler, verify_forwards, verify_checks, verify_inputs, fallbacks, .. } = self;
+        let fkey = key.forward();
+        let mut put = |i: usize, t: &Tensor| verify_inputs.put((fkey, i), t);
+        let inputs = Checked {
+            draft: put(0, &inputs.draft)?,
+            offered: put(1, &inputs.offered)?,
+            masks: inputs.masks.map(|m| put(2, &m)).transpose()?,
         };
-        Ok(Checked {
-            draft: stage(0, inputs.draft)?,
-            offered: stage(1, inputs.offered)?,
-            masks: inputs.masks.map(|m| stage(2, m)).transpose()?,
-        })
+        let fresh = verify_forwards.run(
+            compiler.as_mut(),
+            fallbacks,
+            fkey,
+            || verify::forward(model, cache, slots, &inputs, fkey, context),
+            Forwarded::outputs,
+            |out| Forwarded::from_outputs(out, fkey),
+            false,
+        )?;
+        let forwarded = Forwarded {
+            logits: put(3, &fresh.logits)?,
+            saved: fresh.saved.iter().enumerate().map(|(i, t)| put(4 + i, t)).collect::<Result<_>>()?,
+            hidden: None,
+        };
+        let verdict = verify_checks.run(
+            compiler.as_mut(),
+            fallbacks,
+            key,
+            || verify::check(cache, sampler, slots, &inputs, &forwarded, key, context),
+            Verdict::outputs,
+            |out| Verdict::from_outputs(out, key),
+            true,
+        )?;
+        Ok(Verdict { hidden: fresh.hidden, ..verdict })
     }
 
     /// Decode steps, prompt chunks and verify steps captured and compiled so far.
     pub fn captured(&self) -> usize {
         let (f, c) = (self.forwards.replays.len(), self.choices.replays.len());
-        f + c + self.chunks.replays.len() + self.verifies.replays.len()
+        let (vf, vc) = (self.verify_forwards.replays.len(), self.verify_checks.replays.len());
+        f + c + self.chunks.replays.len() + vf + vc
     }
 
     /// Compiled replays captured as CUDA graphs so far (0 off CUDA).
@@ -344,6 +343,29 @@ impl Compiled {
 
     pub fn backend(&self) -> String {
         self.compiler.backend()
+    }
+}
+
+/// Per key, a buffer a graph reads what changes at every call from: a tensor made fresh each step (on the host or
+/// by another graph) cannot be a graph's input, which is read at every replay.
+struct Buffers<K>(HashMap<K, Tensor>);
+
+impl<K> Default for Buffers<K> {
+    fn default() -> Self {
+        Buffers(HashMap::new())
+    }
+}
+
+impl<K: Eq + Hash> Buffers<K> {
+    /// `t`'s values in `key`'s buffer, which is made from them the first time.
+    fn put(&mut self, key: K, t: &Tensor) -> Result<Tensor> {
+        if let Some(buffer) = self.0.get(&key) {
+            buffer.copy_(t)?;
+            return buffer.shallow_clone();
+        }
+        let buffer = t.copy()?;
+        self.0.insert(key, buffer.shallow_clone()?);
+        Ok(buffer)
     }
 }
 

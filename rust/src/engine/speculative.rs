@@ -58,6 +58,7 @@ use std::path::PathBuf;
 
 use crate::engine::Engine;
 use crate::engine::columns::Columns;
+use crate::engine::compiled::StepParts;
 use crate::engine::read_point::{Drawn, Verified};
 use crate::engine::verify::{Checked, VerifyKey, verify};
 use crate::error::{Error, Result};
@@ -326,16 +327,13 @@ impl Engine {
         let checked = self.checked(b, &drafts, columns.as_mut())?;
         let Engine { model, cache, sampler, slots, compiled, context, .. } = self;
         let verdict = match compiled.as_mut().filter(|c| c.replays(b)) {
-            Some(c) => {
-                let checked = c.stage(key, checked)?;
-                c.verify(key, || verify(model, cache, sampler, slots, &checked, key, *context))?
-            }
+            Some(c) => c.verify(key, StepParts { model, cache, sampler, slots }, checked, *context)?,
             None => verify(model, cache, sampler, slots, &checked, key, *context)?,
         };
-        if let (Some(d), Some((hidden, kept))) = (&mut self.drafter, &verdict.kept) {
+        if let (Some(d), Some(hidden)) = (&mut self.drafter, &verdict.hidden) {
             let requests: Vec<_> =
                 rows.iter().map(|s| s.and_then(|s| Some((s, self.slots.get(s)?.request.id)))).collect();
-            d.keep(&self.model, hidden, kept, k, &requests)?;
+            d.keep(&self.model, hidden, &verdict.kept, k, &requests)?;
         }
         let offered = columns.map_or(drafts.offered, |c| c.offered);
         let verified = Verified { width: (k + 1) as usize, offered };

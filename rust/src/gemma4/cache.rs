@@ -270,35 +270,39 @@ impl KvCache {
         ring.v.index_put_(&idx, v)
     }
 
-    /// The keys and values at sliding-ring entries `entries` (int64 `[rows, 1, T]`) of `rows`, per layer
-    /// (None where a layer holds no sliding ring of its own), `[rows, 2 * kv_heads, T, head_dim]` copies:
-    /// what a forward that writes there overwrites (`put_back` returns it).
-    pub fn sliding_entries(&self, rows: Rows, entries: &Tensor) -> Result<Vec<Option<Tensor>>> {
+    /// The keys and values at sliding-ring entries `entries` (int64 `[rows, 1, T]`) of `rows`, one
+    /// `[rows, 2 * kv_heads, T, head_dim]` copy per layer that holds a sliding ring of its own, in layer
+    /// order: what a forward that writes there overwrites (`put_back` returns it).
+    pub fn sliding_entries(&self, rows: Rows, entries: &Tensor) -> Result<Vec<Tensor>> {
         let views = self.views(rows)?;
-        self.layers
-            .iter()
-            .zip(&views.kv)
-            .map(|(l, ring)| match (l, ring) {
-                (Some(l), Some(ring)) if l.kind == LayerType::Sliding => {
-                    ring.kv.index(&[Some(&views.row_index3), Some(&l.heads2), Some(entries)]).map(Some)
-                }
-                _ => Ok(None),
-            })
+        self.sliding_rings(views)
+            .map(|(l, ring)| ring.kv.index(&[Some(&views.row_index3), Some(&l.heads2), Some(entries)]))
             .collect()
     }
 
     /// Write `saved` (`sliding_entries` of the same `rows` and `entries`) back where `keep` (bool
     /// `[rows, 1, T, 1]`) is false, leaving the entries where it is true as they are: a speculative
     /// forward's rejected positions (engine/speculative.rs) leave the sliding rings as they were.
-    pub fn put_back(&mut self, rows: Rows, entries: &Tensor, saved: &[Option<Tensor>], keep: &Tensor) -> Result<()> {
+    pub fn put_back(&mut self, rows: Rows, entries: &Tensor, saved: &[Tensor], keep: &Tensor) -> Result<()> {
         let views = self.views(rows)?;
-        for ((l, ring), old) in self.layers.iter().zip(&views.kv).zip(saved) {
-            let (Some(l), Some(ring), Some(old)) = (l, ring, old) else { continue };
+        let rings: Vec<_> = self.sliding_rings(views).collect();
+        if rings.len() != saved.len() {
+            return Err(Error::Internal(format!("{} sliding rings, {} saved entries", rings.len(), saved.len())));
+        }
+        for ((l, ring), old) in rings.into_iter().zip(saved) {
             let idx = [Some(&views.row_index3), Some(&l.heads2), Some(entries)];
             let now = ring.kv.index(&idx)?;
             ring.kv.index_put_(&idx, &Tensor::where_(keep, &now, old)?)?;
         }
         Ok(())
+    }
+
+    /// The layers that hold a sliding ring of their own, in layer order, with their views in `views`.
+    fn sliding_rings<'a>(&'a self, views: &'a RowsViews) -> impl Iterator<Item = (&'a LayerKv, &'a RowsKv)> {
+        self.layers.iter().zip(&views.kv).filter_map(|(l, ring)| match (l, ring) {
+            (Some(l), Some(ring)) if l.kind == LayerType::Sliding => Some((l, ring)),
+            _ => None,
+        })
     }
 
     /// Copy slot `from`'s rings and snapshots to slot `to`, whole rows (a follower of an `n > 1`
