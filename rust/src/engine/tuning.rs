@@ -17,11 +17,11 @@
 //! rounds of each kind untimed, so that what is timed is replays, not the captures and compiles. The drafts are made
 //! up too: what a verify step costs does not depend on how many it keeps.
 //!
-//! Serving's verify steps are keyed by their sampling stages (compiled.rs), which the measurement's logit bias
-//! changes, so a compiling engine captures them apart: `compile_verify` runs the caller's prompts with the caller's
-//! sampling through `WARM` verify steps with every row live and, from two rows up, `WARM` more with the first row
-//! cancelled (the key of a bucket with padding), with an assistant each also without drafts (the step that only
-//! records its states), so none compiles while a request waits.
+//! Serving's verify steps' checks are keyed by their sampling stages (compiled.rs; their forwards are not), which
+//! the measurement's logit bias changes, so a compiling engine captures them apart: `compile_verify` runs the
+//! caller's prompts with the caller's sampling through `WARM` verify steps with every row live and, from two rows
+//! up, `WARM` more with the first row cancelled (the key of a bucket with padding), with an assistant each also
+//! without drafts (the step that only records its states), so none compiles while a request waits.
 //!
 //! Both forget every slot's rings before (so the requests take the lowest slots) and after (so nothing of them
 //! reaches the prefix cache), and cancel their requests.
