@@ -301,45 +301,79 @@ def test_image_prompts_batched_beside_a_text_prompt_give_the_eager_tokens_compil
         assert compiled.results[rid].tokens == eager.results[rid].tokens and eager.results[rid].tokens, rid
 
 
-def _compiled_rank(rank: int, port: int, model_dir: str, out_dir: str) -> None:
-    """Rank `rank` of 2 (gloo): the busy script on its shard, eagerly and compiled; outcomes saved."""
+def _compiled_rank(rank: int, port: int, model_dir: str, out_dir: str, speculating: bool = False) -> None:
+    """Rank `rank` of 2 (gloo): the busy script on its shard (`speculating`: the speculating one, prompt lookup on,
+    compiled by AOTAutograd's eager backend), eagerly and compiled; outcomes, the compiled graphs' names and the
+    drafts kept saved."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=600))
     try:
+        script, spec, backend = (_speculating, SPEC, "aot_eager") if speculating else (_busy, {}, "inductor")
         kwargs = {"max_batch": 2, "prefill_chunk": 5, "tensor_parallel_size": 2, "tensor_parallel_rank": rank,
-                  "tensor_parallel_group": dist.group.WORLD.group_name}
-        eager = Script(_busy()).run(_engine(model_dir, **kwargs), read_every=2)
-        engine = _engine(model_dir, StepCompiler("inductor"), **kwargs)
-        compiled = Script(_busy()).run(engine, read_every=2)
+                  "tensor_parallel_group": dist.group.WORLD.group_name, **spec}
+        scripts = Script(script()), Script(script())
+        eager = scripts[0].run(_engine(model_dir, **kwargs), read_every=2)
+        compiler = StepCompiler(backend)
+        engine = _engine(model_dir, compiler, **kwargs)
+        compiled = scripts[1].run(engine, read_every=2)
         plain = {rid: SimpleNamespace(tokens=o.tokens, finish=o.finish, logprobs=o.logprobs)
                  for rid, o in {**{("eager", k): v for k, v in eager.items()},
                                 **{("compiled", k): v for k, v in compiled.items()}}.items()}
-        torch.save({"outcomes": plain, "report": engine.compile_report()}, os.path.join(out_dir, f"rank{rank}.pt"))
+        kept = [sum(s.get("spec_accepted_tokens", 0) for s in sc.stats) for sc in scripts]
+        torch.save({"outcomes": plain, "report": engine.compile_report(), "kept": kept,
+                    "graphs": [name for name, _ in compiler.compiled]}, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def _ranks(model_dir, out, speculating: bool = False) -> list[dict]:
+    """What each of two ranks (`_compiled_rank`, a spawned process each) saved."""
+    import torch.multiprocessing as mp
+
+    from tests.engine.test_tensor_parallel import _free_port
+
+    mp.spawn(_compiled_rank, args=(_free_port(), str(model_dir), str(out), speculating), nprocs=2, join=True)
+    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)]
+
+
+def _split(outcomes: dict) -> tuple[dict, dict]:
+    """A rank's saved outcomes as (eager, compiled)."""
+    return tuple({rid: o for (kind, rid), o in outcomes.items() if kind == want} for want in ("eager", "compiled"))
 
 
 def test_tensor_parallel_ranks_give_the_eager_tokens_compiled(small_checkpoint, tmp_path):
     """Two ranks (gloo, a process each): each rank's captured step holds its shard's work and the
     `_c10d_functional` all-reduces and all-gather the Rust model calls; its tokens and log-probabilities are the
     eager rank's, and the tokens the unsplit engine's."""
-    import torch.multiprocessing as mp
-
-    from tests.engine.test_tensor_parallel import _free_port
-
     unsplit = Script(_busy()).run(_engine(small_checkpoint, max_batch=2, prefill_chunk=5), read_every=2)
-    mp.spawn(_compiled_rank, args=(_free_port(), str(small_checkpoint), str(tmp_path)), nprocs=2, join=True)
-    for rank in (0, 1):
-        saved = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
-        report, outcomes = saved["report"], saved["outcomes"]
+    for saved in _ranks(small_checkpoint, tmp_path):
+        report = saved["report"]
         assert report["captured"] >= 4 and report["fallbacks"] == [], report
-        eager = {rid: o for (kind, rid), o in outcomes.items() if kind == "eager"}
-        compiled = {rid: o for (kind, rid), o in outcomes.items() if kind == "compiled"}
+        eager, compiled = _split(saved["outcomes"])
         _assert_same(eager, compiled)
         assert {rid: r.tokens for rid, r in compiled.items()} == {rid: r.tokens for rid, r in unsplit.items()}
+
+
+def test_tensor_parallel_ranks_speculating_give_the_eager_tokens_compiled(two_token_small, tmp_path):
+    """Speculative decoding on two ranks: each rank's captured verify forward holds its shard's work and its
+    collectives, its checks choose from the gathered logits; both ranks keep the same drafts as their eager runs,
+    with the eager rank's tokens and log-probabilities and the unsplit engine's tokens."""
+    kwargs = {"max_batch": 2, "prefill_chunk": 5, **SPEC}
+    unsplit = Script(_speculating()).run(_engine(two_token_small, **kwargs), read_every=2)
+    kept = []
+    for saved in _ranks(two_token_small, tmp_path, speculating=True):
+        assert saved["report"]["fallbacks"] == [], saved["report"]
+        verify = {name for name in saved["graphs"] if name.startswith("verify")}
+        forwards = {name for name in verify if name.endswith(" forward")}
+        assert forwards and verify - forwards, saved["graphs"]
+        eager, compiled = _split(saved["outcomes"])
+        _assert_same(eager, compiled)
+        assert {rid: r.tokens for rid, r in compiled.items()} == {rid: r.tokens for rid, r in unsplit.items()}
+        kept.append(saved["kept"])
+    assert kept[0] == kept[1] and kept[0][0] == kept[0][1] > 0, kept
 
 
 def test_a_seeded_request_draws_the_same_tokens_on_replayed_steps_as_alone_eagerly(small_checkpoint):
