@@ -231,7 +231,7 @@ impl Compiled {
     pub(super) fn step(&mut self, key: StepKey, like: &Tensor, parts: StepParts<'_>) -> Result<Chosen> {
         let logprobs = key.stages.logprobs.is_some();
         let replays = (self.forwards.replays.get(&key.forward()), self.choices.replays.get(&key));
-        if let ((Some(forward), Some(choice)), Some(logits)) = (replays, self.logits_in.0.get(&key.b)) {
+        if let ((Some(forward), Some(choice)), Some(logits)) = (replays, self.logits_in.get(&key.b)) {
             let run = || {
                 logits.copy_(&only(forward.call()?)?)?;
                 from_outputs(choice.call()?, logprobs)
@@ -357,9 +357,14 @@ impl<K> Default for Buffers<K> {
 }
 
 impl<K: Eq + Hash> Buffers<K> {
+    /// `key`'s buffer, once made.
+    fn get(&self, key: &K) -> Option<&Tensor> {
+        self.0.get(key)
+    }
+
     /// `t`'s values in `key`'s buffer, which is made from them the first time.
     fn put(&mut self, key: K, t: &Tensor) -> Result<Tensor> {
-        if let Some(buffer) = self.0.get(&key) {
+        if let Some(buffer) = self.get(&key) {
             buffer.copy_(t)?;
             return buffer.shallow_clone();
         }
