@@ -34,8 +34,9 @@ weights packed for ATen's int4 kernels (`packed_int4=True`), the same engine wit
 `from_pretrained(path, dtype=torch.bfloat16)` (compressed-tensors decompresses it to dense bfloat16).
 The engine's weight bytes on the device, the bytes a decode step reads per token (every weight but the
 per-layer embedding table, of which a step reads one row) are printed, and, with the read bound measured in
-the same run (a `sum` over 256 MB on the run's threads, interleaved with the timings), each side's effective
-GB/s and its share of that bound.
+the same run (`read_bound_runner`: the faster of a `sum` and a matrix-vector product over 1 GiB of float32, 20
+passes each between device events, on the run's threads, interleaved with the timings), each side's effective
+GB/s and its share of that bound, and on a known GPU of the device's specification.
 
 Before the timings it prints the ATen calls the engine makes per decode step and per layer (counted by
 the shim, `gemma_engine.testing.aten_calls`): the same on every machine.
@@ -237,26 +238,55 @@ def hf_runner(model, device: str, prompt: list[int], new: int, cache: str | None
     return run
 
 
-READ_BOUND_MB = 256  # bigger than any cache, so the sum reads memory
+SPEC_GBPS = {"H100": 3350.0, "H200": 4800.0}  # HBM3 / HBM3e, NVIDIA's data sheets (SXM)
 
 
-def read_bandwidth_runner(device: str, megabytes: int = READ_BOUND_MB):
-    """The memory read bound: bytes per second that a plain `sum` over `megabytes` of float32 reads, with
-    the run's torch threads (one on the CPU by default). A decode step reads its weights once, so
-    bytes-per-token x tokens-per-second cannot exceed this; the share of it a decode reaches is how close
-    it runs to the bound. Returns run() -> bytes per second of one pass."""
-    data = torch.ones(megabytes * 2**20 // 4, device=device, dtype=torch.float32)
-    data.sum()  # first touch
+def read_bound_runner(device: str, gib: float = 1.0, passes: int = 20):
+    """The memory read bound: run() -> (bytes per second, kernel) of the faster of two read-only kernels over one
+    float32 buffer of `gib` GiB, each run `passes` times between two device events (`torch.cuda.Event` on CUDA; on
+    the CPU, where there are none, the wall clock around the same loop), so launch and sync cost nothing beside the
+    bytes: a plain `sum`, and a matrix-vector product over the buffer as a 4,096-wide matrix, the read a decode
+    step's weights get (on a CPU one thread streams faster through a matrix-vector product than through `sum`). A
+    decode step reads its weights once, so bytes a token x tokens a second cannot exceed it."""
+    data = torch.ones(int(gib * 2**30) // 4 // 4096 * 4096, device=device, dtype=torch.float32)
+    matrix, ones = data.view(-1, 4096), torch.ones(4096, device=device, dtype=torch.float32)
+    kernels = {"sum": data.sum, "matrix-vector product": lambda: torch.mv(matrix, ones)}
+    assert float(kernels["sum"]()) == data.numel() and bool((kernels["matrix-vector product"]() == 4096).all())
 
     @torch.no_grad()
-    def run() -> float:
-        sync(device)
-        t0 = time.perf_counter()
-        data.sum()
-        sync(device)
-        return data.numel() * 4 / (time.perf_counter() - t0)
+    def run() -> tuple[float, str]:
+        rates = {name: data.numel() * 4 * passes / timed(device, kernel, passes) for name, kernel in kernels.items()}
+        best = max(rates, key=rates.__getitem__)
+        return rates[best], best
 
     return run
+
+
+def timed(device: str, kernel, passes: int) -> float:
+    """Seconds of `passes` calls of `kernel`: between two CUDA events on CUDA, by the wall clock elsewhere."""
+    sync(device)
+    if device.startswith("cuda"):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(passes):
+            kernel()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1000
+    t0 = time.perf_counter()
+    for _ in range(passes):
+        kernel()
+    return time.perf_counter() - t0
+
+
+def spec_gbps(device: str, given: float | None = None) -> float | None:
+    """The device's memory bandwidth by its specification, GB/s: `given`, or a known GPU's; else None."""
+    if given:
+        return given
+    if device.startswith("cuda"):
+        name = torch.cuda.get_device_name(device)
+        return next((v for k, v in SPEC_GBPS.items() if k in name), None)
+    return None
 
 
 def matvec_floor_runner(model, device: str, steps: int = 20, rows: int = 1, onednn: bool = False):
@@ -370,7 +400,15 @@ def main(argv: list[str] | None = None) -> None:
     runners = {"rust": rust_run, **({"rust-aten": aten_run} if aten_run else {}),
                **({"rust-dequantized": dequantized_run} if dequantized_run else {})}
     runners.update({f"hf-{c or 'dynamic'}": hf_runner(model, args.device, prompt, new, c, args.hf_compile) for c in (None, "static")})
-    floor_runs = {"aten": matvec_floor_runner(model, args.device), "read": read_bandwidth_runner(args.device)}
+    read_bound = read_bound_runner(args.device)
+    kernels: list[str] = []  # the kernel that set each sample of the read bound
+
+    def read_sample() -> float:
+        rate, kernel = read_bound()
+        kernels.append(kernel)
+        return rate
+
+    floor_runs = {"aten": matvec_floor_runner(model, args.device), "read": read_sample}
     if onednn:
         floor_runs["onednn"] = matvec_floor_runner(model, args.device, onednn=True)
     # Interleave the sides, so that a change in machine load hits them alike.
@@ -417,8 +455,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"first {agree} of {new} greedy tokens agree")
     floor = {k: statistics.median(v) for k, v in floors.items()}
     bound = floor.pop("read")
-    print(f"memory read bound ({torch.get_num_threads()} thread(s), a sum over {READ_BOUND_MB} MB, median): "
-          f"{bound / 1e9:.1f} GB/s")
+    spec = spec_gbps(args.device)
+    print(f"memory read bound ({torch.get_num_threads()} thread(s), 1 GiB of float32, 20 passes, the faster of a sum "
+          f"and a matrix-vector product, median; faster: {' and '.join(sorted(set(kernels)))}): {bound / 1e9:.1f} GB/s"
+          + (f" = {100 * bound / 1e9 / spec:.1f} % of the {spec:,.0f} GB/s spec" if spec else ""))
     # Transformers reads its own (dense) weights: every parameter but the per-layer table, a tied lm_head once.
     hf_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - ple_table_bytes(config, dtype)
     sides = (("rust", rust, read_bytes), ("rust, ATen matmul", rust_aten, read_bytes),
@@ -428,7 +468,7 @@ def main(argv: list[str] | None = None) -> None:
         if r:
             gbs = nbytes * r["decode"] / 1e9
             print(f"{name} decode: {nbytes / 1e6:.1f} MB a token at {gbs:.2f} GB/s effective, "
-                  f"{gbs * 1e9 / bound:.0%} of the read bound")
+                  f"{gbs * 1e9 / bound:.0%} of the read bound" + (f", {gbs / spec:.0%} of spec" if spec else ""))
     print(f"matrix-vector products alone, ATen's kernels: {floor['aten']:.1f} steps/s; transformers decode is "
           f"{base['decode'] / floor['aten']:.0%} of that floor" + (
               f", the engine on them {rust_aten['decode'] / floor['aten']:.0%}" if rust_aten else
