@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from bench.engine import make_config, random_model, read_bound_runner, spec_gbps, step_read_bytes
+from bench.engine import captured, make_config, random_model, read_bound_runner, spec_gbps, step_read_bytes
 
 
 def prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
@@ -111,9 +111,8 @@ def main(argv: list[str] | None = None) -> None:
         context = args.prompt + args.new + 8
         common = dict(like=torch.zeros(1, device=args.device), context=context, dtype=dtype,
                       prefix_caching=False, max_batch=max(batches))
-        compiler = StepCompiler("inductor")
         engines = {"eager": gemma_engine.Engine(tmp, **common)}
-        engines["compiled"] = gemma_engine.Engine(tmp, compiler=compiler, **common)
+        engines["compiled"] = gemma_engine.Engine(tmp, compiler=StepCompiler("inductor"), **common)
         if args.device == "cpu":  # oneDNN is the CPU's; elsewhere eager runs ATen's matmul already
             engines["eager aten"] = gemma_engine.Engine(tmp, onednn=False, **common)
             engines["compiled aten"] = gemma_engine.Engine(tmp, onednn=False, compiler=StepCompiler("inductor"),
@@ -121,16 +120,21 @@ def main(argv: list[str] | None = None) -> None:
         same = {"compiled": "eager", "compiled aten": "eager aten"}  # each compiled engine's eager twin
         step_bytes = {name: step_read_bytes(e, config, dtype) for name, e in engines.items()}
         by_batch: dict[int, dict[str, float]] = {}
+
+        def shapes() -> int:
+            """Step shapes every compiling engine has captured so far."""
+            return sum(captured(e) for e in engines.values())
+
         for b in batches:
             # Warm-up: every step shape the timed runs meet (buckets of part-admitted batches, padded ones) runs
             # on every engine twice before they start, so a compiled engine has captured each and replays it.
-            t0, before = time.perf_counter(), len(compiler.compiled)
+            t0, before = time.perf_counter(), shapes()
             for _ in range(2):
                 for e in engines.values():
                     decode_rate(e, b, args.prompt, args.new, config.vocab_size)
-            print(f"\nbatch {b}: warm-up {time.perf_counter() - t0:.1f} s (compiled {len(compiler.compiled) - before} "
+            print(f"\nbatch {b}: warm-up {time.perf_counter() - t0:.1f} s (compiled {shapes() - before} "
                   f"step shapes; fallbacks: {engines['compiled'].compile_report()['fallbacks']})", flush=True)
-            warmed = len(compiler.compiled)
+            warmed = shapes()
             rates: dict[str, list[float]] = {name: [] for name in engines}
             agree: dict[str, list[int]] = {name: [] for name in same if name in engines}
             for _ in range(args.repeats):  # interleaved rounds
@@ -141,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
                 for name in agree:
                     agree[name].append(sum(t == w for t, w in zip(made[name], made[same[name]])))
             equal = ", ".join(f"{name} = {same[name]} tokens in {min(n)}/{b} requests" for name, n in agree.items())
-            late = len(compiler.compiled) - warmed  # a shape compiled inside a timed round slows that round
+            late = shapes() - warmed  # a shape compiled inside a timed round slows that round
             print(f"batch {b}: decode tok/s, median of {args.repeats} ({equal}; {late} step shapes compiled while "
                   "timed)")
             by_batch[b] = {name: statistics.median(v) for name, v in rates.items()}

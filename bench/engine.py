@@ -279,6 +279,12 @@ def timed(device: str, kernel, passes: int) -> float:
     return time.perf_counter() - t0
 
 
+def captured(engine) -> int:
+    """Step shapes `engine` has captured and compiled so far (0 without a compiler)."""
+    report = engine.compile_report()
+    return report["captured"] if report else 0
+
+
 def spec_gbps(device: str, given: float | None = None) -> float | None:
     """The device's memory bandwidth by its specification, GB/s: `given`, or a known GPU's; else None."""
     if given:

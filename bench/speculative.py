@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from bench.engine import make_config, random_model
+from bench.engine import captured, make_config, random_model
 
 
 HELD_OUT = 1000  # the first prompt number of the held-out set
@@ -98,16 +98,10 @@ def compare(plain, spec, batches: list[int], args, label: str, first: int = 0) -
         accept = f"{kept / offered:.2f} of {offered} drafts kept, {1 + kept / drafts:.2f} tokens a verify step" \
             if offered else "no step speculated"
         late = captured(plain) + captured(spec) - before
-        compiled = f"; {late} step shapes compiled while timed" if plain.compile_report() else ""
+        compiled = f"; {late} step shapes compiled while timed" if args.compile != "off" else ""
         equal = "equal" if same else "DIFFER"
         print(f"{label:9s} batch {batch:2d}: plain {rate['plain']:7.1f} tok/s, {args.method} {rate['spec']:7.1f} "
               f"tok/s, {rate['spec'] / rate['plain']:.2f}x; {accept}; tokens {equal}{compiled}", flush=True)
-
-
-def captured(engine) -> int:
-    """Step shapes `engine` has captured and compiled (0 without a compiler)."""
-    report = engine.compile_report()
-    return report["captured"] if report else 0
 
 
 def compiling(backend: str) -> dict:
